@@ -1,0 +1,547 @@
+//! The recipe: one YAML file that says everything about a run.
+//!
+//! Sections and key names follow VeRL wherever VeRL has a name for the same thing
+//! (`data.train_batch_size`, `rollout.n`, `actor.clip_ratio_low`, ...), so a VeRL config ports
+//! over by moving keys, not by translating them. Every struct denies unknown fields; loading
+//! ([`load`]) turns serde's errors into messages that name the file, line, column, the full
+//! dotted key and the closest valid key, and [`validate`] checks ranges and cross-key rules
+//! before any work starts. Every key is documented in `recipes/README.md`; a test keeps the
+//! two in step.
+
+mod load;
+mod validate;
+
+pub use load::{apply_overrides, load_recipe, load_recipe_str, RecipeError};
+pub use validate::Violation;
+
+use serde::{Deserialize, Serialize};
+// The algorithm choices are the trainer's own enums, with VeRL's names.
+pub use trainer::config::{AdvantageEstimator, KlPenalty, LossAggMode, LrSchedule, PolicyLossMode};
+
+/// A whole recipe, as read from YAML with defaults filled in.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Recipe {
+    pub model: ModelSection,
+    pub data: DataSection,
+    #[serde(default)]
+    pub rollout: RolloutSection,
+    /// `reward:` how responses are scored (the `reward` crate owns this section).
+    #[serde(default)]
+    pub reward: reward::RewardConfig,
+    #[serde(default)]
+    pub algorithm: AlgorithmSection,
+    #[serde(default)]
+    pub actor: ActorSection,
+    #[serde(default)]
+    pub trainer: TrainerSection,
+    #[serde(default)]
+    pub cluster: ClusterSection,
+}
+
+/// `model:` the policy to train.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    /// A Hugging Face model directory (config.json, safetensors, tokenizer.json) or a `.gguf` file.
+    pub path: String,
+    /// A `tokenizer.json` (or a directory holding one) to use instead of the model's own.
+    #[serde(default)]
+    pub tokenizer: Option<String>,
+    /// A Jinja chat template to use instead of the model's own.
+    #[serde(default)]
+    pub chat_template: Option<String>,
+    /// Ignore the checkpoint's weights and initialise randomly from its config with
+    /// `trainer.seed` (for tests and for compile-only checks of architectures not at hand).
+    #[serde(default)]
+    pub random_init: bool,
+}
+
+/// A list of files that may also be written as one string.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[serde(from = "OneOrMany", into = "Vec<String>")]
+pub struct FileList(pub Vec<String>);
+
+#[derive(Deserialize)]
+#[serde(untagged, expecting = "a file path or a list of file paths")]
+enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl From<OneOrMany> for FileList {
+    fn from(v: OneOrMany) -> Self {
+        match v {
+            OneOrMany::One(s) => FileList(vec![s]),
+            OneOrMany::Many(v) => FileList(v),
+        }
+    }
+}
+
+impl From<FileList> for Vec<String> {
+    fn from(v: FileList) -> Self {
+        v.0
+    }
+}
+
+/// `data:` what the policy is trained and validated on.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DataSection {
+    /// Parquet files of training prompts (VeRL schema or TRL prompt-only form).
+    pub train_files: FileList,
+    /// Parquet files of validation prompts; empty means no validation.
+    #[serde(default)]
+    pub val_files: FileList,
+    /// The column holding the prompt (a string or a list of `{role, content}` messages).
+    #[serde(default = "default_prompt_key")]
+    pub prompt_key: String,
+    /// Prompts per training step (each gets `rollout.n` responses).
+    #[serde(default = "default_train_batch_size")]
+    pub train_batch_size: usize,
+    /// Prompts per validation batch; empty means the whole validation set at once.
+    #[serde(default)]
+    pub val_batch_size: Option<usize>,
+    /// Longest prompt in tokens, after the chat template is applied.
+    #[serde(default = "default_max_prompt_length")]
+    pub max_prompt_length: usize,
+    /// Longest response in tokens; generation stops there.
+    #[serde(default = "default_max_response_length")]
+    pub max_response_length: usize,
+    /// Drop prompts longer than `max_prompt_length` when the dataset is opened.
+    #[serde(default)]
+    pub filter_overlong_prompts: bool,
+    /// What to do with a prompt longer than `max_prompt_length` that was not filtered.
+    #[serde(default)]
+    pub truncation: Truncation,
+    /// Shuffle the training set each epoch.
+    #[serde(default = "default_true")]
+    pub shuffle: bool,
+    /// Seed of the shuffling.
+    #[serde(default)]
+    pub seed: u64,
+}
+
+/// `data.truncation`.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Truncation {
+    /// An over-long prompt is an error naming the row.
+    #[default]
+    Error,
+    /// Keep the end of the prompt.
+    Left,
+    /// Keep the start of the prompt.
+    Right,
+}
+
+/// `rollout:` how responses are generated.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RolloutSection {
+    /// Responses per prompt (the GRPO group size).
+    #[serde(default = "default_n")]
+    pub n: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[serde(default = "default_one")]
+    pub temperature: f64,
+    /// Keep only the k most likely tokens; -1 keeps all.
+    #[serde(default = "default_minus_one")]
+    pub top_k: i64,
+    /// Keep the smallest set of tokens whose probability reaches p; 1.0 keeps all.
+    #[serde(default = "default_one")]
+    pub top_p: f64,
+    /// Sequences decoded at once (KV-cache slots).
+    #[serde(default = "default_max_num_seqs")]
+    pub max_num_seqs: usize,
+    /// Strings that end a response (besides the model's EOS tokens).
+    #[serde(default)]
+    pub stop: Vec<String>,
+    /// Element type of the rollout's weights and KV cache.
+    #[serde(default = "default_rollout_dtype")]
+    pub dtype: DTypeName,
+    /// Devices one rollout engine splits the model over.
+    #[serde(default = "default_one_usize")]
+    pub tensor_parallel_size: usize,
+    /// Sampling for validation.
+    #[serde(default)]
+    pub val_kwargs: ValKwargs,
+}
+
+/// `rollout.val_kwargs`: sampling used for validation.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ValKwargs {
+    /// Responses per validation prompt.
+    #[serde(default = "default_one_usize")]
+    pub n: usize,
+    /// Sample (true) or decode greedily (false).
+    #[serde(default)]
+    pub do_sample: bool,
+    /// Temperature when sampling.
+    #[serde(default = "default_one")]
+    pub temperature: f64,
+    /// Top-k when sampling; -1 keeps all.
+    #[serde(default = "default_minus_one")]
+    pub top_k: i64,
+    /// Top-p when sampling.
+    #[serde(default = "default_one")]
+    pub top_p: f64,
+}
+
+/// Element types a recipe can name.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum DTypeName {
+    F32,
+    Bf16,
+}
+
+/// `algorithm:` advantages and reward shaping.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct AlgorithmSection {
+    /// How advantages are computed from the rewards of a group.
+    #[serde(default = "default_adv_estimator")]
+    pub adv_estimator: AdvantageEstimator,
+    /// Divide GRPO advantages by the group's standard deviation (false: Dr. GRPO).
+    #[serde(default = "default_true")]
+    pub norm_adv_by_std_in_grpo: bool,
+    /// Subtract `kl_coef` x KL(policy || reference) from the token rewards.
+    #[serde(default)]
+    pub use_kl_in_reward: bool,
+    /// Weight of the in-reward KL penalty.
+    #[serde(default = "default_kl_coef")]
+    pub kl_coef: f64,
+    /// Drop groups whose rewards are all equal (DAPO's dynamic sampling).
+    #[serde(default)]
+    pub filter_groups: bool,
+    /// Leave truncated responses out of the loss (DAPO's overlong filtering).
+    #[serde(default)]
+    pub mask_truncated_responses: bool,
+    /// Truncated importance sampling: cap on the ratio of trainer to rollout probabilities;
+    /// empty disables the correction.
+    #[serde(default)]
+    pub rollout_is_threshold: Option<f64>,
+}
+
+/// `actor:` the policy update.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ActorSection {
+    /// How the learner uses several devices.
+    #[serde(default)]
+    pub strategy: Strategy,
+    /// Devices of the learner's mesh; empty means all devices of its client.
+    #[serde(default)]
+    pub mesh: Option<usize>,
+    #[serde(default)]
+    pub optim: OptimSection,
+    /// Prompts per optimizer step (times `rollout.n` sequences).
+    #[serde(default = "default_ppo_mini_batch_size")]
+    pub ppo_mini_batch_size: usize,
+    /// Sequences per forward/backward pass; gradients accumulate over a mini-batch.
+    #[serde(default = "default_ppo_micro_batch_size")]
+    pub ppo_micro_batch_size: usize,
+    /// Passes over each batch of rollouts.
+    #[serde(default = "default_one_usize")]
+    pub ppo_epochs: usize,
+    /// Lower clip of the probability ratio: ratio >= 1 - clip_ratio_low.
+    #[serde(default = "default_clip")]
+    pub clip_ratio_low: f64,
+    /// Upper clip of the probability ratio: ratio <= 1 + clip_ratio_high (DAPO's clip-higher).
+    #[serde(default = "default_clip")]
+    pub clip_ratio_high: f64,
+    /// Dual-clip bound for negative advantages (must exceed 1).
+    #[serde(default = "default_clip_ratio_c")]
+    pub clip_ratio_c: f64,
+    #[serde(default)]
+    pub policy_loss: PolicyLossSection,
+    /// How token losses are averaged into one number.
+    #[serde(default = "default_loss_agg_mode")]
+    pub loss_agg_mode: LossAggMode,
+    /// Add a KL(policy || reference) term to the loss.
+    #[serde(default)]
+    pub use_kl_loss: bool,
+    /// Weight of the KL loss.
+    #[serde(default = "default_kl_coef")]
+    pub kl_loss_coef: f64,
+    /// Estimator of the KL loss.
+    #[serde(default = "default_kl_loss_type")]
+    pub kl_loss_type: KlPenalty,
+    /// Weight of the entropy bonus (subtracted from the loss).
+    #[serde(default)]
+    pub entropy_coeff: f64,
+    /// Clip the global gradient norm to this value.
+    #[serde(default = "default_one")]
+    pub grad_clip: f64,
+    /// Element type of the parameters the forward pass reads (bf16 keeps f32 master weights).
+    #[serde(default = "default_actor_dtype")]
+    pub param_dtype: DTypeName,
+    /// Use the rollout's log-probs as the old log-probs instead of recomputing them.
+    #[serde(default)]
+    pub use_rollout_log_probs: bool,
+    /// Stop the run after this many updates in a row skipped for a non-finite loss or gradient.
+    #[serde(default = "default_max_nonfinite")]
+    pub max_consecutive_nonfinite: usize,
+}
+
+/// `actor.strategy`.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Strategy {
+    /// Data parallel: parameters replicated, batch split.
+    #[default]
+    Dp,
+    /// Fully sharded: parameters and optimizer state split over the devices.
+    Fsdp,
+}
+
+/// `actor.optim`: AdamW and its schedule.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct OptimSection {
+    /// Peak learning rate.
+    #[serde(default = "default_lr")]
+    pub lr: f64,
+    /// Adam's (beta1, beta2).
+    #[serde(default = "default_betas")]
+    pub betas: [f64; 2],
+    /// Adam's epsilon.
+    #[serde(default = "default_eps")]
+    pub eps: f64,
+    /// Decoupled weight decay.
+    #[serde(default = "default_weight_decay")]
+    pub weight_decay: f64,
+    /// Steps of linear warmup from 0 to `lr`.
+    #[serde(default)]
+    pub lr_warmup_steps: usize,
+    /// Schedule after warmup.
+    #[serde(default = "default_lr_schedule")]
+    pub lr_scheduler_type: LrSchedule,
+    /// Cosine schedule's final learning rate as a fraction of `lr`.
+    #[serde(default)]
+    pub min_lr_ratio: f64,
+}
+
+/// `actor.policy_loss`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PolicyLossSection {
+    /// Token-level PPO ratio (`vanilla`) or GSPO's sequence-level ratio (`gspo`).
+    #[serde(default = "default_loss_mode")]
+    pub loss_mode: PolicyLossMode,
+}
+
+/// `trainer:` the run as a whole.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TrainerSection {
+    /// Passes over the training set.
+    #[serde(default = "default_one_usize")]
+    pub total_epochs: usize,
+    /// Stop after this many steps (empty: run `total_epochs`).
+    #[serde(default)]
+    pub total_training_steps: Option<usize>,
+    /// Save a checkpoint every this many steps; -1 never (the last step is always saved
+    /// when positive).
+    #[serde(default = "default_minus_one")]
+    pub save_freq: i64,
+    /// Validate every this many steps; -1 never.
+    #[serde(default = "default_minus_one")]
+    pub test_freq: i64,
+    /// Validate once before the first step.
+    #[serde(default = "default_true")]
+    pub val_before_train: bool,
+    /// Checkpoints kept on disk (oldest removed first); empty keeps all.
+    #[serde(default)]
+    pub max_checkpoints_to_keep: Option<usize>,
+    /// `auto` continues from the newest complete checkpoint in the output directory.
+    #[serde(default)]
+    pub resume_mode: ResumeMode,
+    /// 1 overlaps generation of step k+1 with the update of step k.
+    #[serde(default)]
+    pub off_policy_steps: usize,
+    /// Where checkpoints, metrics and plots go (`--output` overrides).
+    #[serde(default = "default_output_dir")]
+    pub output_dir: String,
+    /// Seed of sampling, initialisation and everything else random.
+    #[serde(default)]
+    pub seed: u64,
+}
+
+/// `trainer.resume_mode`.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum ResumeMode {
+    #[default]
+    Auto,
+    Disable,
+}
+
+/// `cluster:` where the roles run.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterSection {
+    /// Default device kind for every role.
+    #[serde(default)]
+    pub device: DeviceKind,
+    /// Path of the PJRT plugin to use instead of discovering it.
+    #[serde(default)]
+    pub plugin_path: Option<String>,
+    /// Devices the CPU plugin exposes (its `cpu_device_count`).
+    #[serde(default = "default_one_usize")]
+    pub cpu_device_count: usize,
+}
+
+/// Device kinds, one per PJRT plugin.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum DeviceKind {
+    #[default]
+    Cpu,
+    Cuda,
+    Tpu,
+}
+
+fn default_adv_estimator() -> AdvantageEstimator {
+    AdvantageEstimator::Grpo
+}
+fn default_lr_schedule() -> LrSchedule {
+    LrSchedule::Constant
+}
+fn default_loss_mode() -> PolicyLossMode {
+    PolicyLossMode::Vanilla
+}
+fn default_loss_agg_mode() -> LossAggMode {
+    LossAggMode::TokenMean
+}
+fn default_kl_loss_type() -> KlPenalty {
+    KlPenalty::K3
+}
+fn default_true() -> bool {
+    true
+}
+fn default_one() -> f64 {
+    1.0
+}
+fn default_one_usize() -> usize {
+    1
+}
+fn default_minus_one() -> i64 {
+    -1
+}
+fn default_prompt_key() -> String {
+    "prompt".into()
+}
+fn default_train_batch_size() -> usize {
+    8
+}
+fn default_max_prompt_length() -> usize {
+    512
+}
+fn default_max_response_length() -> usize {
+    512
+}
+fn default_n() -> usize {
+    4
+}
+fn default_max_num_seqs() -> usize {
+    64
+}
+fn default_rollout_dtype() -> DTypeName {
+    DTypeName::F32
+}
+fn default_actor_dtype() -> DTypeName {
+    DTypeName::F32
+}
+fn default_kl_coef() -> f64 {
+    0.001
+}
+fn default_ppo_mini_batch_size() -> usize {
+    8
+}
+fn default_ppo_micro_batch_size() -> usize {
+    4
+}
+fn default_clip() -> f64 {
+    0.2
+}
+fn default_clip_ratio_c() -> f64 {
+    3.0
+}
+fn default_lr() -> f64 {
+    1e-6
+}
+fn default_betas() -> [f64; 2] {
+    [0.9, 0.999]
+}
+fn default_eps() -> f64 {
+    1e-8
+}
+fn default_weight_decay() -> f64 {
+    0.01
+}
+fn default_max_nonfinite() -> usize {
+    3
+}
+fn default_output_dir() -> String {
+    "outputs".into()
+}
+
+macro_rules! default_from_serde {
+    ($($t:ty),*) => {$(
+        impl Default for $t {
+            /// Every key at its documented default.
+            fn default() -> Self {
+                serde_yaml::from_str("{}").expect("all keys of this section have defaults")
+            }
+        }
+    )*};
+}
+default_from_serde!(
+    RolloutSection,
+    ValKwargs,
+    AlgorithmSection,
+    ActorSection,
+    OptimSection,
+    PolicyLossSection,
+    TrainerSection,
+    ClusterSection
+);
+
+impl Recipe {
+    /// Every dotted key the recipe types accept (sections and leaves), in order.
+    /// Maps keyed by user data (such as `reward.scorers`) are listed as the map's own key.
+    pub fn all_keys() -> Vec<String> {
+        let example = load_recipe_str("model: {path: m}\ndata: {train_files: t.parquet}\n", "<keys>")
+            .expect("a minimal recipe loads");
+        let value = serde_yaml::to_value(&example).expect("recipes serialize");
+        let mut keys = Vec::new();
+        collect_keys(&value, "", &mut keys);
+        keys
+    }
+
+    /// The resolved recipe as YAML (defaults filled in), as `--print-config` shows it.
+    pub fn to_yaml(&self) -> String {
+        serde_yaml::to_string(self).expect("recipes serialize")
+    }
+}
+
+fn collect_keys(value: &serde_yaml::Value, prefix: &str, out: &mut Vec<String>) {
+    if let serde_yaml::Value::Mapping(map) = value {
+        for (k, v) in map {
+            let key = k.as_str().unwrap_or_default();
+            let path = if prefix.is_empty() {
+                key.to_string()
+            } else {
+                format!("{prefix}.{key}")
+            };
+            out.push(path.clone());
+            // Maps whose keys are user data (data sources, scorer names) are documented as one key.
+            if !matches!(path.as_str(), "reward.scorers" | "reward.data_sources") {
+                collect_keys(v, &path, out);
+            }
+        }
+    }
+}

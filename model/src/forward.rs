@@ -1,0 +1,706 @@
+//! The decoder forward pass as graph functions on the compute core (`xla::graph`): one code path
+//! for the Llama, Qwen2 and Qwen3 families, switched by the [`ModelConfig`] (QKV bias, RMSNorm on
+//! q and k per head, tied or untied head, Llama 3 RoPE scaling through
+//! [`ModelConfig::rope_inv_freq`]), with grouped-query attention, RoPE, RMSNorm and a SwiGLU MLP.
+//!
+//! Parameters are graph arguments named by their Hugging Face names, in
+//! [`crate::param_table`] order, with Hugging Face shapes (`[out_features, in_features]` for
+//! projections). They may be f32 or bf16/f16: element-wise work (norms, RoPE, softmax, residual
+//! stream) is always f32; a narrower weight only makes its matrix product take narrow operands
+//! with an f32 result.
+//!
+//! The functions here build the bodies of the compiled programs in [`crate::programs`]:
+//! - [`prefill_graph`]: prompts padded to a length bucket, keys and values written into chosen
+//!   slots of a KV cache laid out `[slots, kv_heads, max_len, head_dim]` per layer, logits of
+//!   each prompt's last real token;
+//! - [`decode_graph`]: one token for every slot at per-slot positions, reading and updating the
+//!   cache, logits `[slots, vocab]`;
+//! - [`logprobs_graph`]: per-token log-probabilities at a temperature and per-token entropy over
+//!   padded sequences, computed through the output head in chunks of positions so the full
+//!   `[tokens, vocab]` logits never exist at once; differentiable with respect to the
+//!   parameters;
+//! - [`full_logits_graph`]: every position's logits, for parity tests and small inputs.
+//!
+//! KV-cache invariant: in every slot, positions at or past the slot's current length hold
+//! zeros. A fresh cache is zeros, prefill writes the whole `max_len` row of a slot (zeros past
+//! the prompt), and decode adds each new key/value into its (zero) position with a scatter-add,
+//! which is an in-place write of one row per slot and KV head.
+
+use xla::graph::{DotDims, Graph, Tensor};
+use xla::DType;
+
+use crate::config::ModelConfig;
+use crate::params::param_table;
+
+/// Value used for masked attention scores (finite, so a fully masked row gives a uniform
+/// distribution instead of NaN; such rows are padding and their outputs are discarded).
+const MASKED_SCORE: f64 = -1.0e30;
+
+/// Default number of positions per chunk of the output head in [`logprobs_graph`].
+pub const DEFAULT_HEAD_CHUNK: i64 = 128;
+
+/// The traced parameters of one decoder layer.
+#[derive(Clone, Debug)]
+pub struct LayerParams {
+    /// `input_layernorm.weight` `[hidden]`.
+    pub input_norm: Tensor,
+    /// `self_attn.q_proj.weight` `[heads*head_dim, hidden]`.
+    pub q_proj: Tensor,
+    /// `self_attn.q_proj.bias` (Qwen2 / `attention_bias`).
+    pub q_bias: Option<Tensor>,
+    /// `self_attn.k_proj.weight` `[kv_heads*head_dim, hidden]`.
+    pub k_proj: Tensor,
+    /// `self_attn.k_proj.bias`.
+    pub k_bias: Option<Tensor>,
+    /// `self_attn.v_proj.weight` `[kv_heads*head_dim, hidden]`.
+    pub v_proj: Tensor,
+    /// `self_attn.v_proj.bias`.
+    pub v_bias: Option<Tensor>,
+    /// `self_attn.o_proj.weight` `[hidden, heads*head_dim]`.
+    pub o_proj: Tensor,
+    /// `self_attn.o_proj.bias` (Llama with `attention_bias`).
+    pub o_bias: Option<Tensor>,
+    /// `self_attn.q_norm.weight` `[head_dim]` (Qwen3).
+    pub q_norm: Option<Tensor>,
+    /// `self_attn.k_norm.weight` `[head_dim]` (Qwen3).
+    pub k_norm: Option<Tensor>,
+    /// `post_attention_layernorm.weight` `[hidden]`.
+    pub post_norm: Tensor,
+    /// `mlp.gate_proj.weight` `[ffn, hidden]`.
+    pub gate_proj: Tensor,
+    /// `mlp.up_proj.weight` `[ffn, hidden]`.
+    pub up_proj: Tensor,
+    /// `mlp.down_proj.weight` `[hidden, ffn]`.
+    pub down_proj: Tensor,
+}
+
+/// All traced parameters of a decoder, with the config that shapes them.
+#[derive(Clone, Debug)]
+pub struct DecoderParams {
+    /// The model configuration.
+    pub config: ModelConfig,
+    /// `model.embed_tokens.weight` `[vocab, hidden]`.
+    pub embed: Tensor,
+    /// The layers, in order.
+    pub layers: Vec<LayerParams>,
+    /// `model.norm.weight` `[hidden]`.
+    pub final_norm: Tensor,
+    /// `lm_head.weight` `[vocab, hidden]`; `None` when tied to the embedding.
+    pub lm_head: Option<Tensor>,
+    /// Every parameter in [`crate::param_table`] order (the program argument order).
+    pub all: Vec<Tensor>,
+}
+
+impl DecoderParams {
+    /// Declares every parameter of `config` as a program argument of `g` (named by its Hugging
+    /// Face name, in [`crate::param_table`] order) with element type `dtype`.
+    pub fn declare(g: &Graph, config: &ModelConfig, dtype: DType) -> DecoderParams {
+        let tensors: Vec<Tensor> = param_table(config)
+            .iter()
+            .map(|spec| {
+                let dims: Vec<i64> = spec.shape.iter().map(|&d| d as i64).collect();
+                g.parameter(&spec.name, dtype, &dims)
+            })
+            .collect();
+        DecoderParams::from_tensors(config, &tensors).expect("declared tensors follow the parameter table")
+    }
+
+    /// Groups `tensors` (one per [`crate::param_table`] entry, in that order) into a
+    /// [`DecoderParams`]; e.g. the argument list handed to `value_and_grad`'s closure.
+    /// Fails with the name and shapes when a tensor is missing or wrongly shaped.
+    pub fn from_tensors(config: &ModelConfig, tensors: &[Tensor]) -> Result<DecoderParams, String> {
+        let table = param_table(config);
+        if tensors.len() != table.len() {
+            return Err(format!(
+                "the {} parameter table has {} tensors, {} were given",
+                config.family,
+                table.len(),
+                tensors.len()
+            ));
+        }
+        let mut by_name = std::collections::HashMap::new();
+        for (spec, t) in table.iter().zip(tensors) {
+            let dims: Vec<i64> = spec.shape.iter().map(|&d| d as i64).collect();
+            if t.dims() != dims.as_slice() {
+                return Err(format!(
+                    "parameter `{}` has shape {:?}, expected {:?}",
+                    spec.name,
+                    t.dims(),
+                    dims
+                ));
+            }
+            by_name.insert(spec.name.clone(), t.clone());
+        }
+        let take = |name: &str| by_name.get(name).cloned();
+        let need = |name: &str| {
+            take(name).ok_or_else(|| format!("parameter `{name}` is not in the parameter table"))
+        };
+        let mut layers = Vec::with_capacity(config.num_hidden_layers);
+        for l in 0..config.num_hidden_layers {
+            let p = |s: &str| format!("model.layers.{l}.{s}");
+            layers.push(LayerParams {
+                input_norm: need(&p("input_layernorm.weight"))?,
+                q_proj: need(&p("self_attn.q_proj.weight"))?,
+                q_bias: take(&p("self_attn.q_proj.bias")),
+                k_proj: need(&p("self_attn.k_proj.weight"))?,
+                k_bias: take(&p("self_attn.k_proj.bias")),
+                v_proj: need(&p("self_attn.v_proj.weight"))?,
+                v_bias: take(&p("self_attn.v_proj.bias")),
+                o_proj: need(&p("self_attn.o_proj.weight"))?,
+                o_bias: take(&p("self_attn.o_proj.bias")),
+                q_norm: take(&p("self_attn.q_norm.weight")),
+                k_norm: take(&p("self_attn.k_norm.weight")),
+                post_norm: need(&p("post_attention_layernorm.weight"))?,
+                gate_proj: need(&p("mlp.gate_proj.weight"))?,
+                up_proj: need(&p("mlp.up_proj.weight"))?,
+                down_proj: need(&p("mlp.down_proj.weight"))?,
+            });
+        }
+        Ok(DecoderParams {
+            config: config.clone(),
+            embed: need("model.embed_tokens.weight")?,
+            layers,
+            final_norm: need("model.norm.weight")?,
+            lm_head: take("lm_head.weight"),
+            all: tensors.to_vec(),
+        })
+    }
+
+    /// The output projection `[vocab, hidden]` (the embedding when tied).
+    pub fn head(&self) -> &Tensor {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+
+    fn graph(&self) -> &Graph {
+        self.embed.graph()
+    }
+}
+
+/// `x @ w^T` for a weight in Hugging Face layout `[out, in]`: `[..., in] -> [..., out]`, with
+/// an f32 result. A narrow (bf16/f16) weight gets narrow operands and an f32 result.
+pub fn linear(x: &Tensor, w: &Tensor) -> Tensor {
+    let dims = DotDims {
+        lhs_contract: vec![x.rank() - 1],
+        rhs_contract: vec![1],
+        ..Default::default()
+    };
+    if w.dtype() == DType::F32 {
+        x.convert_if_needed(DType::F32).dot_general(w, dims, None)
+    } else {
+        x.convert_if_needed(w.dtype())
+            .dot_general(w, dims, Some(DType::F32))
+    }
+}
+
+fn linear_bias(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
+    let y = linear(x, w);
+    match b {
+        Some(b) => &y + &b.convert_if_needed(DType::F32),
+        None => y,
+    }
+}
+
+fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
+    x.rms_norm(&w.convert_if_needed(DType::F32), eps)
+}
+
+/// Token embeddings as f32: `[...]` integer ids -> `[..., hidden]`.
+fn embed(p: &DecoderParams, tokens: &Tensor) -> Tensor {
+    p.embed
+        .take(&tokens.convert_if_needed(DType::I32), 0)
+        .convert_if_needed(DType::F32)
+}
+
+/// RoPE `cos` and `sin` of shape `positions.dims ++ [head_dim]` (the "rotate half" layout:
+/// the angles repeated twice), computed in f32 as transformers does.
+pub fn rope_tables(config: &ModelConfig, positions: &Tensor) -> (Tensor, Tensor) {
+    let g = positions.graph();
+    let inv: Vec<f64> = config.rope_inv_freq().iter().map(|&f| f as f32 as f64).collect();
+    let half = inv.len() as i64;
+    let inv = g.constant_f64(&inv, DType::F32, &[half]);
+    let pos = positions.convert_if_needed(DType::F32);
+    let rank = pos.rank();
+    let mut dims = pos.dims().to_vec();
+    dims.push(half);
+    let angles = &pos.keep_axis(rank).broadcast_to(&dims) * &inv.broadcast_to(&dims);
+    let emb = Tensor::concat(&[&angles, &angles], rank);
+    (emb.cos(), emb.sin())
+}
+
+/// The SwiGLU MLP: `down(silu(gate(x)) * up(x))`.
+fn mlp(layer: &LayerParams, x: &Tensor) -> Tensor {
+    let gate = linear(x, &layer.gate_proj).silu();
+    let up = linear(x, &layer.up_proj);
+    linear(&(&gate * &up), &layer.down_proj)
+}
+
+/// q, k, v of a batch of positions `x [..., hidden]`: q `[..., heads, head_dim]`, k and v
+/// `[..., kv_heads, head_dim]`; q and k normed per head (Qwen3) and rotated by `cos`/`sin`
+/// (shaped `[..., head_dim]`, broadcast over heads).
+fn qkv(
+    config: &ModelConfig,
+    layer: &LayerParams,
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+) -> (Tensor, Tensor, Tensor) {
+    let hd = config.head_dim as i64;
+    let heads = config.num_attention_heads as i64;
+    let kvh = config.num_key_value_heads as i64;
+    let lead = x.dims()[..x.rank() - 1].to_vec();
+    let shaped = |t: Tensor, n: i64| {
+        let mut d = lead.clone();
+        d.extend([n, hd]);
+        t.reshape(&d)
+    };
+    let mut q = shaped(linear_bias(x, &layer.q_proj, layer.q_bias.as_ref()), heads);
+    let mut k = shaped(linear_bias(x, &layer.k_proj, layer.k_bias.as_ref()), kvh);
+    let v = shaped(linear_bias(x, &layer.v_proj, layer.v_bias.as_ref()), kvh);
+    if let Some(w) = &layer.q_norm {
+        q = rms_norm(&q, w, config.rms_norm_eps);
+    }
+    if let Some(w) = &layer.k_norm {
+        k = rms_norm(&k, w, config.rms_norm_eps);
+    }
+    let axis = cos.rank() - 1;
+    let cos_h = cos.keep_axis(axis);
+    let sin_h = sin.keep_axis(axis);
+    (q.rope(&cos_h, &sin_h), k.rope(&cos_h, &sin_h), v)
+}
+
+/// Attention of a full sequence over itself.
+///
+/// `x [B, T, hidden]`, `cos`/`sin` `[B, T, head_dim]`, `allowed [B, 1, 1, T, T]` (bool: query
+/// t may attend key s). Returns the attention output `[B, T, hidden]` and the keys and values
+/// `[B, kv_heads, T, head_dim]` (the cache layout).
+fn self_attention(
+    config: &ModelConfig,
+    layer: &LayerParams,
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    allowed: &Tensor,
+) -> (Tensor, Tensor, Tensor) {
+    let (b, t) = (x.dims()[0], x.dims()[1]);
+    let hd = config.head_dim as i64;
+    let kvh = config.num_key_value_heads as i64;
+    let groups = (config.num_attention_heads / config.num_key_value_heads) as i64;
+    let (q, k, v) = qkv(config, layer, x, cos, sin);
+    // q [B, T, H, hd] -> [B, H, T, hd] -> [B, kvh, G, T, hd] (query head h uses kv head h / G).
+    let q = q.transpose(&[0, 2, 1, 3]).reshape(&[b, kvh, groups, t, hd]);
+    let k = k.transpose(&[0, 2, 1, 3]);
+    let v = v.transpose(&[0, 2, 1, 3]);
+    let scores = q.dot_general(
+        &k,
+        DotDims {
+            lhs_batch: vec![0, 1],
+            rhs_batch: vec![0, 1],
+            lhs_contract: vec![4],
+            rhs_contract: vec![3],
+        },
+        None,
+    ) * (1.0 / (hd as f64).sqrt());
+    let masked = allowed.select(&scores, &scores.scalar_like(MASKED_SCORE));
+    let probs = masked.softmax(-1);
+    // [B, kvh, G, T, S] x [B, kvh, S, hd] -> [B, kvh, G, T, hd]
+    let out = probs.dot_general(
+        &v,
+        DotDims {
+            lhs_batch: vec![0, 1],
+            rhs_batch: vec![0, 1],
+            lhs_contract: vec![4],
+            rhs_contract: vec![2],
+        },
+        None,
+    );
+    let out = out
+        .transpose(&[0, 3, 1, 2, 4])
+        .reshape(&[b, t, kvh * groups * hd]);
+    let out = linear_bias(&out, &layer.o_proj, layer.o_bias.as_ref());
+    (out, k, v)
+}
+
+/// Positions from a `[B, T]` 0/1 mask: the number of real tokens before each one
+/// (`cumsum(mask) - 1`, at least 0), so left padding and right padding both give real tokens
+/// positions 0, 1, 2, ...
+fn positions_from_mask(mask: &Tensor) -> Tensor {
+    let m = mask.convert_if_needed(DType::I32);
+    let pos = &m.cumsum(1, false) - &m.scalar_like(1.0);
+    pos.max(&pos.scalar_like(0.0))
+}
+
+/// `allowed [B, 1, 1, T, T]`: causal and key is a real token.
+fn causal_padding_mask(mask: &Tensor) -> Tensor {
+    let g = mask.graph();
+    let (b, t) = (mask.dims()[0], mask.dims()[1]);
+    let q_idx = g.iota(DType::I32, &[t, t], 0);
+    let k_idx = g.iota(DType::I32, &[t, t], 1);
+    let causal = k_idx.le(&q_idx).reshape(&[1, t, t]);
+    let key_real = mask
+        .convert_if_needed(DType::I32)
+        .ne(&g.zeros(DType::I32, &[b, t]))
+        .reshape(&[b, 1, t]);
+    causal
+        .broadcast_to(&[b, t, t])
+        .and(&key_real.broadcast_to(&[b, t, t]))
+        .reshape(&[b, 1, 1, t, t])
+}
+
+/// Runs every layer over full sequences. Returns the final hidden states (before the final
+/// norm) `[B, T, hidden]` and each layer's keys and values `[B, kv_heads, T, head_dim]`.
+fn trunk(p: &DecoderParams, tokens: &Tensor, mask: &Tensor) -> (Tensor, Vec<(Tensor, Tensor)>) {
+    let config = &p.config;
+    let positions = positions_from_mask(mask);
+    let (cos, sin) = rope_tables(config, &positions);
+    let allowed = causal_padding_mask(mask);
+    let mut h = embed(p, tokens);
+    let mut kvs = Vec::with_capacity(p.layers.len());
+    for layer in &p.layers {
+        let normed = rms_norm(&h, &layer.input_norm, config.rms_norm_eps);
+        let (attn, k, v) = self_attention(config, layer, &normed, &cos, &sin, &allowed);
+        h = &h + &attn;
+        let normed = rms_norm(&h, &layer.post_norm, config.rms_norm_eps);
+        h = &h + &mlp(layer, &normed);
+        kvs.push((k, v));
+    }
+    (h, kvs)
+}
+
+/// Every position's logits `[B, T, vocab]` (f32) for `tokens [B, T]` with a 0/1 `mask [B, T]`
+/// (padding anywhere; real tokens get positions 0, 1, ... in order). Materialises the full
+/// logits: meant for parity tests and short inputs.
+pub fn full_logits_graph(p: &DecoderParams, tokens: &Tensor, mask: &Tensor) -> Tensor {
+    let (h, _) = trunk(p, tokens, mask);
+    let h = rms_norm(&h, &p.final_norm, p.config.rms_norm_eps);
+    linear(&h, p.head())
+}
+
+/// Per-token log-probabilities and entropies over padded sequences.
+///
+/// `tokens [B, T]` integer ids, `mask [B, T]` 0/1 (1 = real token; causal attention over real
+/// tokens only), `temperature` an f32 scalar: logits are divided by it before the softmax.
+/// Returns `(logprobs, entropy)`, both `[B, T]` f32 and aligned with the tokens: entry `t` is
+/// `log p(tokens[t] | tokens[<t])` and the entropy of that predicted distribution. Entries
+/// whose token or predecessor is padding, and entry 0, are 0.
+///
+/// Differentiable with respect to the parameters; the output head runs over chunks of
+/// [`DEFAULT_HEAD_CHUNK`] positions (see [`logprobs_graph_chunked`]).
+pub fn logprobs_graph(
+    g: &Graph,
+    p: &DecoderParams,
+    tokens: &Tensor,
+    mask: &Tensor,
+    temperature: &Tensor,
+) -> (Tensor, Tensor) {
+    logprobs_graph_chunked(g, p, tokens, mask, temperature, DEFAULT_HEAD_CHUNK)
+}
+
+/// [`logprobs_graph`] with the output head applied to `chunk` positions at a time, so at most
+/// `[B, chunk, vocab]` logits exist at once.
+pub fn logprobs_graph_chunked(
+    g: &Graph,
+    p: &DecoderParams,
+    tokens: &Tensor,
+    mask: &Tensor,
+    temperature: &Tensor,
+    chunk: i64,
+) -> (Tensor, Tensor) {
+    let (b, t) = (tokens.dims()[0], tokens.dims()[1]);
+    let (h, _) = trunk(p, tokens, mask);
+    let h = rms_norm(&h, &p.final_norm, p.config.rms_norm_eps);
+    let zero_col = g.zeros(DType::F32, &[b, 1]);
+    if t < 2 {
+        let z = g.zeros(DType::F32, &[b, t]);
+        return (z.clone(), z);
+    }
+    // Position i (0..T-1) predicts token i+1.
+    let ids = tokens.convert_if_needed(DType::I32);
+    let inv_temp = temperature.convert_if_needed(DType::F32).reshape(&[]);
+    let inv_temp = &g.scalar(1.0, DType::F32) / &inv_temp;
+    let chunk = chunk.max(1);
+    let mut lp_parts = Vec::new();
+    let mut ent_parts = Vec::new();
+    let mut start = 0;
+    while start < t - 1 {
+        let end = (start + chunk).min(t - 1);
+        let hc = h.slice_axis(1, start, end);
+        let targets = ids.slice_axis(1, start + 1, end + 1);
+        let logits = linear(&hc, p.head());
+        let logits = &logits * &inv_temp.broadcast_to(logits.dims());
+        lp_parts.push(logits.token_log_probs(&targets));
+        ent_parts.push(logits.entropy());
+        start = end;
+    }
+    let parts = |v: &Vec<Tensor>| {
+        let mut all = vec![&zero_col];
+        all.extend(v.iter());
+        Tensor::concat(&all, 1)
+    };
+    let lp = parts(&lp_parts);
+    let ent = parts(&ent_parts);
+    // Valid where the token and its predecessor are real.
+    let m = mask.convert_if_needed(DType::F32);
+    let prev = Tensor::concat(&[&zero_col, &m.slice_axis(1, 0, t - 1)], 1);
+    let valid = &m * &prev;
+    (&lp * &valid, &ent * &valid)
+}
+
+/// Prefill: runs prompts `tokens [B, T]` (right-padded; `lengths [B]` real lengths, each at
+/// least 1 and at most T) and writes their keys and values into KV-cache slots `slots [B]`.
+///
+/// `cache` holds `2 * layers` tensors (layer 0 K, layer 0 V, layer 1 K, ...), each
+/// `[num_slots, kv_heads, max_len, head_dim]` with `max_len >= T`. Each prompt's whole slot row
+/// is rewritten: its keys and values at positions `< length`, zeros after. Rows are written in
+/// batch order, so a repeated slot id ends up holding the last row that names it (pad a batch
+/// with copies of a real row to leave other slots untouched).
+///
+/// Returns the logits of each prompt's last real token `[B, vocab]` and the updated cache.
+pub fn prefill_graph(
+    p: &DecoderParams,
+    tokens: &Tensor,
+    lengths: &Tensor,
+    slots: &Tensor,
+    cache: &[Tensor],
+) -> (Tensor, Vec<Tensor>) {
+    let g = p.graph();
+    let config = &p.config;
+    let (b, t) = (tokens.dims()[0], tokens.dims()[1]);
+    let lengths = lengths.convert_if_needed(DType::I32);
+    let slots = slots.convert_if_needed(DType::I32);
+    let real = g
+        .iota(DType::I32, &[b, t], 1)
+        .lt(&lengths.reshape(&[b, 1]).broadcast_to(&[b, t]));
+    let mask = real.convert(DType::I32);
+    let (h, kvs) = trunk(p, tokens, &mask);
+
+    // Last real position of each prompt: row b*T + length-1 of [B*T, hidden].
+    let hidden = config.hidden_size as i64;
+    let last = &(&g.iota(DType::I32, &[b], 0) * (t as f64)) + &(&lengths - &lengths.scalar_like(1.0));
+    let h_last = h.reshape(&[b * t, hidden]).take(&last, 0);
+    let h_last = rms_norm(&h_last, &p.final_norm, config.rms_norm_eps);
+    let logits = linear(&h_last, p.head());
+
+    let real_kv = real.reshape(&[b, 1, t, 1]);
+    let zero = g.scalar(0.0, DType::F32);
+    let zero_i = g.scalar(0.0, DType::I32);
+    let mut out_cache = Vec::with_capacity(cache.len());
+    for (layer, (k, v)) in kvs.iter().enumerate() {
+        for (which, new) in [(0usize, k), (1usize, v)] {
+            let mut c = cache[2 * layer + which].clone();
+            let max_len = c.dims()[2];
+            let new = real_kv
+                .select(new, &new.zeros_like())
+                .convert_if_needed(c.dtype());
+            let padded = new.pad(
+                &zero.convert_if_needed(c.dtype()),
+                &[0, 0, 0, 0],
+                &[0, 0, max_len - t, 0],
+                &[0, 0, 0, 0],
+            );
+            for row in 0..b {
+                let slot = slots.slice_axis(0, row, row + 1).reshape(&[]);
+                let update = padded.slice_axis(0, row, row + 1);
+                c = c.dynamic_update_slice(&update, &[&slot, &zero_i, &zero_i, &zero_i]);
+            }
+            out_cache.push(c);
+        }
+    }
+    (logits, out_cache)
+}
+
+/// Decode: one token for every slot of the cache. `tokens [S]` and `positions [S]` (S = the
+/// cache's slot count): slot s takes token `tokens[s]` at position `positions[s]`, attends to
+/// its cached positions `0..=positions[s]`, and its key and value are written at that
+/// position. A slot with a negative position is inactive: nothing is written (its logits are
+/// meaningless).
+///
+/// Returns logits `[S, vocab]` and the updated cache (same layout as [`prefill_graph`]).
+pub fn decode_graph(
+    p: &DecoderParams,
+    tokens: &Tensor,
+    positions: &Tensor,
+    cache: &[Tensor],
+) -> (Tensor, Vec<Tensor>) {
+    let g = p.graph();
+    let config = &p.config;
+    let s = tokens.dims()[0];
+    let hd = config.head_dim as i64;
+    let kvh = config.num_key_value_heads as i64;
+    let heads = config.num_attention_heads as i64;
+    let groups = heads / kvh;
+    let max_len = cache[0].dims()[2];
+    let positions = positions.convert_if_needed(DType::I32);
+    let active = positions.ge(&positions.zeros_like());
+    let pos_clamped = positions.max(&positions.zeros_like());
+    let (cos, sin) = rope_tables(config, &pos_clamped);
+
+    // Flat row index of (slot, kv head, position) in a cache viewed as [S*kvh*L, hd];
+    // inactive slots point past the end, which the scatter drops.
+    let slot_idx = g.iota(DType::I32, &[s, kvh], 0);
+    let head_idx = g.iota(DType::I32, &[s, kvh], 1);
+    let pos_b = pos_clamped.reshape(&[s, 1]).broadcast_to(&[s, kvh]);
+    let flat = &(&(&(&slot_idx * (kvh as f64)) + &head_idx) * (max_len as f64)) + &pos_b;
+    let beyond = g.full((s * kvh * max_len) as f64, DType::I32, &[s, kvh]);
+    let flat = active
+        .reshape(&[s, 1])
+        .broadcast_to(&[s, kvh])
+        .select(&flat, &beyond)
+        .reshape(&[s * kvh]);
+    // allowed [S, 1, 1, L]: key position <= the slot's position.
+    let key_pos = g.iota(DType::I32, &[s, max_len], 1);
+    let allowed = key_pos
+        .le(&pos_clamped.reshape(&[s, 1]).broadcast_to(&[s, max_len]))
+        .reshape(&[s, 1, 1, max_len]);
+
+    let mut h = embed(p, tokens);
+    let mut out_cache = Vec::with_capacity(cache.len());
+    for (l, layer) in p.layers.iter().enumerate() {
+        let normed = rms_norm(&h, &layer.input_norm, config.rms_norm_eps);
+        let (q, k, v) = qkv(config, layer, &normed, &cos, &sin);
+        let mut kv_out = Vec::with_capacity(2);
+        for (which, new) in [(0usize, &k), (1usize, &v)] {
+            let c = &cache[2 * l + which];
+            let dims = c.dims().to_vec();
+            let updated = c
+                .reshape(&[s * kvh * max_len, hd])
+                .scatter_add(
+                    &flat,
+                    &new.reshape(&[s * kvh, hd]).convert_if_needed(c.dtype()),
+                    0,
+                )
+                .reshape(&dims);
+            kv_out.push(updated);
+        }
+        let (kc, vc) = (&kv_out[0], &kv_out[1]);
+        let q = q.reshape(&[s, kvh, groups, hd]);
+        // [S, kvh, G, hd] x [S, kvh, L, hd] -> [S, kvh, G, L]
+        let scores = q.dot_general(
+            &kc.convert_if_needed(DType::F32),
+            DotDims {
+                lhs_batch: vec![0, 1],
+                rhs_batch: vec![0, 1],
+                lhs_contract: vec![3],
+                rhs_contract: vec![3],
+            },
+            None,
+        ) * (1.0 / (hd as f64).sqrt());
+        let masked = allowed.select(&scores, &scores.scalar_like(MASKED_SCORE));
+        let probs = masked.softmax(-1);
+        // [S, kvh, G, L] x [S, kvh, L, hd] -> [S, kvh, G, hd]
+        let attn = probs.dot_general(
+            &vc.convert_if_needed(DType::F32),
+            DotDims {
+                lhs_batch: vec![0, 1],
+                rhs_batch: vec![0, 1],
+                lhs_contract: vec![3],
+                rhs_contract: vec![2],
+            },
+            None,
+        );
+        let attn = attn.reshape(&[s, heads * hd]);
+        h = &h + &linear_bias(&attn, &layer.o_proj, layer.o_bias.as_ref());
+        let normed = rms_norm(&h, &layer.post_norm, config.rms_norm_eps);
+        h = &h + &mlp(layer, &normed);
+        out_cache.extend(kv_out);
+    }
+    let h = rms_norm(&h, &p.final_norm, config.rms_norm_eps);
+    (linear(&h, p.head()), out_cache)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Family;
+
+    fn tiny(family: Family) -> ModelConfig {
+        ModelConfig {
+            family,
+            hidden_size: 16,
+            num_hidden_layers: 2,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            head_dim: 4,
+            intermediate_size: 24,
+            vocab_size: 32,
+            rope_theta: 10000.0,
+            rope_scaling: None,
+            rms_norm_eps: 1e-6,
+            tie_word_embeddings: family != Family::Qwen2,
+            attention_bias: family == Family::Qwen2,
+            o_proj_bias: false,
+            qk_norm: family == Family::Qwen3,
+            max_position_embeddings: 64,
+            bos_token_id: None,
+            eos_token_ids: vec![],
+            pad_token_id: None,
+            initializer_range: 0.1,
+        }
+    }
+
+    #[test]
+    fn declared_parameters_follow_the_table_and_the_family_switches() {
+        for family in [Family::Llama, Family::Qwen2, Family::Qwen3] {
+            let config = tiny(family);
+            let g = Graph::new("p");
+            let p = DecoderParams::declare(&g, &config, DType::F32);
+            assert_eq!(p.all.len(), param_table(&config).len());
+            assert_eq!(p.layers.len(), 2);
+            assert_eq!(p.layers[0].q_bias.is_some(), family == Family::Qwen2);
+            assert_eq!(p.layers[1].k_norm.is_some(), family == Family::Qwen3);
+            assert_eq!(p.lm_head.is_some(), family == Family::Qwen2);
+            assert_eq!(p.head().dims(), &[32, 16]);
+        }
+    }
+
+    #[test]
+    fn wrong_parameter_shapes_are_named() {
+        let config = tiny(Family::Llama);
+        let g = Graph::new("p");
+        let mut ts: Vec<Tensor> = param_table(&config)
+            .iter()
+            .map(|s| {
+                let d: Vec<i64> = s.shape.iter().map(|&x| x as i64).collect();
+                g.parameter(&s.name, DType::F32, &d)
+            })
+            .collect();
+        ts[1] = g.parameter("bad", DType::F32, &[3]);
+        let err = DecoderParams::from_tensors(&config, &ts).unwrap_err();
+        assert!(
+            err.contains("model.layers.0.input_layernorm.weight") && err.contains("[3]"),
+            "{err}"
+        );
+        let err = DecoderParams::from_tensors(&config, &ts[..3]).unwrap_err();
+        assert!(err.contains("3 were given"), "{err}");
+    }
+
+    #[test]
+    fn graphs_trace_without_shape_errors() {
+        for family in [Family::Llama, Family::Qwen2, Family::Qwen3] {
+            let config = tiny(family);
+            let g = Graph::new("t");
+            let p = DecoderParams::declare(&g, &config, DType::F32);
+            let tokens = g.parameter("tokens", DType::I32, &[2, 5]);
+            let mask = g.parameter("mask", DType::I32, &[2, 5]);
+            let temp = g.parameter("temperature", DType::F32, &[]);
+            let (lp, ent) = logprobs_graph_chunked(&g, &p, &tokens, &mask, &temp, 3);
+            assert_eq!(lp.dims(), &[2, 5]);
+            assert_eq!(ent.dims(), &[2, 5]);
+            let logits = full_logits_graph(&p, &tokens, &mask);
+            assert_eq!(logits.dims(), &[2, 5, 32]);
+            let cache: Vec<Tensor> = (0..4)
+                .map(|i| g.parameter(&format!("kv{i}"), DType::F32, &[3, 2, 8, 4]))
+                .collect();
+            let lengths = g.parameter("lengths", DType::I32, &[2]);
+            let slots = g.parameter("slots", DType::I32, &[2]);
+            let (pl, pc) = prefill_graph(&p, &tokens, &lengths, &slots, &cache);
+            assert_eq!(pl.dims(), &[2, 32]);
+            assert_eq!(pc[3].dims(), &[3, 2, 8, 4]);
+            let dt = g.parameter("dt", DType::I32, &[3]);
+            let dp = g.parameter("dp", DType::I32, &[3]);
+            let (dl, dc) = decode_graph(&p, &dt, &dp, &cache);
+            assert_eq!(dl.dims(), &[3, 32]);
+            assert_eq!(dc.len(), 4);
+            g.check().unwrap();
+        }
+    }
+}

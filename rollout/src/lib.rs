@@ -1,0 +1,19 @@
+//! The rollout engine of `grpo`: generation for GRPO with continuous batching over a fixed
+//! number of KV-cache slots, group prefix sharing (one prefill per prompt, copied on the device
+//! into its `n` slots), on-device seeded sampling (temperature, top-k, top-p, greedy) fused into
+//! the decode step, stop rules (EOS ids, stop strings, `max_new_tokens`), per-token log-probs,
+//! and weight hot-swap between steps without recompiling.
+//!
+//! - [`engine`]: requests, samples, scheduling, hot-swap, the streaming thread handle;
+//! - [`programs`]: the compiled prefill + fan-out and decode + sample programs;
+//! - [`sampling`]: sampling parameters, Threefry keys, the traced sampler and its host
+//!   reference distribution.
+
+pub mod engine;
+pub mod error;
+pub mod programs;
+pub mod sampling;
+
+pub use engine::{upload_weights, Engine, EngineConfig, EngineHandle, EngineOutput, EngineStats, FinishReason, GenerationRequest, Sample};
+pub use error::{Result, RolloutError};
+pub use sampling::SamplingParams;

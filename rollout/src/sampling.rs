@@ -1,0 +1,295 @@
+//! Sampling parameters and the on-device sampler fused into the decode program.
+//!
+//! Randomness is counter-based: the key of one draw is
+//! `threefry2x32([seed_lo, seed_hi], [sample_index, token_index])` (computed on the host by
+//! [`draw_key`]), and the uniform for vocabulary entry `v` is `threefry2x32(key, [0, v])`
+//! (computed on the device). A sample's tokens therefore depend only on (seed, sample index,
+//! token index, logits), never on what else is in the batch.
+//!
+//! The sampler is the Gumbel-max trick: `argmax(logits / T + G)` with `G = -ln(-ln U)` is an
+//! exact draw from `softmax(logits / T)`; top-k and top-p set the logits outside the kept set
+//! to a very negative value first. Temperature 0 is greedy (the first maximum of the logits).
+//!
+//! The reported log-probability of a sampled token is taken under the temperature-scaled
+//! *full* distribution `log_softmax(logits / T)`, before top-k/top-p truncation (what VeRL and
+//! vLLM report, and what the trainer recomputes with `logprobs` at the same temperature). Under
+//! greedy decoding it is `log_softmax(logits)` (temperature 1).
+
+use xla::graph::random::threefry2x32;
+use xla::graph::Tensor;
+use xla::DType;
+
+/// Logit value given to tokens removed by top-k / top-p (finite, so sums stay finite).
+const REMOVED_LOGIT: f64 = -1.0e30;
+
+/// How one request's samples are drawn and when they stop.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// 0 for greedy decoding; otherwise sample from `softmax(logits / temperature)`.
+    pub temperature: f32,
+    /// Keep only the `top_k` most likely tokens (0 = no limit).
+    pub top_k: usize,
+    /// Keep the smallest set of most likely tokens whose probability reaches `top_p`
+    /// (applied after top-k, on the renormalised top-k distribution); 1.0 = no limit.
+    pub top_p: f32,
+    /// Most tokens to generate per sample.
+    pub max_new_tokens: usize,
+    /// Token ids that end a sample (kept as the last response token), in addition to the
+    /// engine's end-of-sequence ids.
+    pub stop_token_ids: Vec<u32>,
+    /// Strings that end a sample when they appear in the decoded response text; the text is
+    /// cut before the stop string, the response ids keep the token that completed it.
+    pub stop_strings: Vec<String>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            max_new_tokens: 256,
+            stop_token_ids: Vec::new(),
+            stop_strings: Vec::new(),
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Greedy decoding of up to `max_new_tokens` tokens.
+    pub fn greedy(max_new_tokens: usize) -> SamplingParams {
+        SamplingParams {
+            temperature: 0.0,
+            max_new_tokens,
+            ..Default::default()
+        }
+    }
+
+    /// Checks the values; the message names the bad field and the allowed range.
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return Err(format!(
+                "temperature must be finite and >= 0 (0 = greedy), got {}",
+                self.temperature
+            ));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
+        }
+        if self.max_new_tokens == 0 {
+            return Err("max_new_tokens must be at least 1".to_string());
+        }
+        if self.stop_strings.iter().any(|s| s.is_empty()) {
+            return Err("stop strings must not be empty".to_string());
+        }
+        Ok(())
+    }
+
+    /// Whether this request needs the sorting (top-k / top-p) sampler.
+    pub fn needs_truncation(&self) -> bool {
+        self.temperature > 0.0 && (self.top_k > 0 || self.top_p < 1.0)
+    }
+}
+
+/// The Threefry key of draw `token_index` of sample `sample_index` of a request seeded with
+/// `seed`.
+pub fn draw_key(seed: u64, sample_index: u32, token_index: u32) -> [u32; 2] {
+    threefry2x32([seed as u32, (seed >> 32) as u32], [sample_index, token_index])
+}
+
+/// The uniform in (0, 1) the sampler uses for vocabulary entry `v` under `key` (the host
+/// twin of the device computation, for tests).
+pub fn draw_uniform(key: [u32; 2], v: u32) -> f32 {
+    let [a, b] = threefry2x32(key, [0, v]);
+    (((a ^ b) >> 9) as f32 + 0.5) * (1.0 / 8_388_608.0)
+}
+
+const ROTATIONS: [u32; 8] = [13, 15, 26, 6, 17, 29, 16, 24];
+const KEY_PARITY: u32 = 0x1BD1_1BDA;
+
+/// Threefry-2x32 (20 rounds) with a different key per row: `keys [S, 2]` u32, counters
+/// `(0, v)` for `v` in `0..width`; returns `y0 ^ y1` as `[S, width]` u32.
+fn row_keyed_bits(keys: &Tensor, width: i64) -> Tensor {
+    let g = keys.graph().clone();
+    let s = keys.dims()[0];
+    let dims = [s, width];
+    let word = |i: i64| keys.slice_axis(1, i, i + 1).broadcast_to(&dims);
+    let k0 = word(0);
+    let k1 = word(1);
+    let k2 = k0.xor(&k1).xor(&g.full(KEY_PARITY as f64, DType::U32, &dims));
+    let ks = [k0, k1, k2];
+    let rotl = |x: &Tensor, r: u32| -> Tensor {
+        let left = x.shift_left(&g.full(r as f64, DType::U32, &dims));
+        let right = x.shift_right_logical(&g.full((32 - r) as f64, DType::U32, &dims));
+        left.or(&right)
+    };
+    let mut x0 = ks[0].clone();
+    let mut x1 = &g.iota(DType::U32, &dims, 1) + &ks[1];
+    for r in 0..20 {
+        x0 = &x0 + &x1;
+        x1 = rotl(&x1, ROTATIONS[r % 8]).xor(&x0);
+        if r % 4 == 3 {
+            let j = (r + 1) / 4;
+            x0 = &x0 + &ks[j % 3];
+            x1 = &(&x1 + &ks[(j + 1) % 3]) + &g.full(j as f64, DType::U32, &dims);
+        }
+    }
+    x0.xor(&x1)
+}
+
+/// Uniforms in (0, 1) `[S, width]` from per-row keys (see [`draw_uniform`]).
+fn row_keyed_uniform(keys: &Tensor, width: i64) -> Tensor {
+    let g = keys.graph().clone();
+    let dims = [keys.dims()[0], width];
+    let bits = row_keyed_bits(keys, width);
+    let mantissa = bits
+        .shift_right_logical(&g.full(9.0, DType::U32, &dims))
+        .convert(DType::F32);
+    &(&mantissa + 0.5) * (1.0 / 8_388_608.0)
+}
+
+/// Per-row sampling inputs of the fused sampler (all `[S]` except `keys [S, 2]` u32).
+pub struct SamplerInputs<'a> {
+    /// Temperature per row (f32; <= 0 is greedy).
+    pub temperature: &'a Tensor,
+    /// Top-k per row (i32; <= 0 = off). Used only when `truncate`.
+    pub top_k: &'a Tensor,
+    /// Top-p per row (f32; >= 1 = off). Used only when `truncate`.
+    pub top_p: &'a Tensor,
+    /// Threefry key per row.
+    pub keys: &'a Tensor,
+}
+
+/// Samples one token per row of `logits [S, V]` (f32). `truncate` compiles the top-k /
+/// top-p path (a sort over the vocabulary); without it those inputs are ignored. Returns
+/// `(tokens [S] i32, logprobs [S] f32)`; see the module comment for what the log-probability
+/// is.
+pub fn sample_graph(logits: &Tensor, inputs: &SamplerInputs<'_>, truncate: bool) -> (Tensor, Tensor) {
+    let g = logits.graph().clone();
+    let (s, v) = (logits.dims()[0], logits.dims()[1]);
+    let sv = [s, v];
+    let row = |t: &Tensor| t.reshape(&[s, 1]).broadcast_to(&sv);
+    let temperature = inputs.temperature.convert_if_needed(DType::F32);
+    let greedy = temperature.le(&g.zeros(DType::F32, &[s]));
+    let t_eff = greedy.select(&g.ones(DType::F32, &[s]), &temperature);
+    let scaled = logits / &row(&t_eff);
+    let log_probs = scaled.log_softmax(-1);
+    let removed = g.full(REMOVED_LOGIT, DType::F32, &sv);
+
+    let candidates = if truncate {
+        let (sorted, _) = scaled.sort(true);
+        let rank = g.iota(DType::I32, &sv, 1);
+        let top_k = inputs.top_k.convert_if_needed(DType::I32);
+        let k_off = top_k.le(&g.zeros(DType::I32, &[s])).or(&top_k.gt(&g.full(v as f64, DType::I32, &[s])));
+        let k_eff = k_off.select(&g.full(v as f64, DType::I32, &[s]), &top_k);
+        let in_k = rank.lt(&row(&k_eff));
+        let probs_k = in_k.select(&sorted, &removed).softmax(-1);
+        let before = &probs_k.cumsum(1, false) - &probs_k;
+        let top_p = inputs.top_p.convert_if_needed(DType::F32);
+        let p_off = top_p.ge(&g.ones(DType::F32, &[s]));
+        let p_eff = p_off.select(&g.full(2.0, DType::F32, &[s]), &top_p);
+        let keep = in_k.and(&before.lt(&row(&p_eff)));
+        let count = keep.convert(DType::I32).reduce_sum(&[1]);
+        let last = (&count - &g.ones(DType::I32, &[s])).max(&g.zeros(DType::I32, &[s]));
+        let threshold = sorted.take_along_last_axis(&last.reshape(&[s, 1]));
+        let allowed = scaled.ge(&threshold.broadcast_to(&sv));
+        allowed.select(&scaled, &removed)
+    } else {
+        scaled.clone()
+    };
+    let u = row_keyed_uniform(inputs.keys, v);
+    let gumbel = u.log().neg().log().neg();
+    let sampled = (&candidates + &gumbel).argmax(-1);
+    let best = logits.argmax(-1);
+    let tokens = greedy.select(&best, &sampled);
+    let token_lp = log_probs
+        .take_along_last_axis(&tokens.reshape(&[s, 1]))
+        .reshape(&[s]);
+    (tokens, token_lp)
+}
+
+/// The distribution the sampler draws from, computed on the host in f64 from one row of
+/// logits: `softmax(logits / T)` restricted to top-k then top-p (renormalised), or a point
+/// mass on the first maximum when `T == 0`. For tests and for checking the device sampler.
+pub fn reference_distribution(logits: &[f32], params: &SamplingParams) -> Vec<f64> {
+    let v = logits.len();
+    let mut out = vec![0.0; v];
+    if params.temperature <= 0.0 {
+        let mut best = 0;
+        for (i, &x) in logits.iter().enumerate() {
+            if x > logits[best] {
+                best = i;
+            }
+        }
+        out[best] = 1.0;
+        return out;
+    }
+    let t = params.temperature as f64;
+    let mut order: Vec<usize> = (0..v).collect();
+    order.sort_by(|&a, &b| logits[b].partial_cmp(&logits[a]).unwrap_or(std::cmp::Ordering::Equal));
+    let k = if params.top_k == 0 || params.top_k > v { v } else { params.top_k };
+    let kept = &order[..k];
+    let max = logits[kept[0]] as f64 / t;
+    let w: Vec<f64> = kept.iter().map(|&i| (logits[i] as f64 / t - max).exp()).collect();
+    let total: f64 = w.iter().sum();
+    let mut mass = 0.0;
+    let mut chosen = Vec::new();
+    for (j, &i) in kept.iter().enumerate() {
+        if params.top_p < 1.0 && mass >= params.top_p as f64 {
+            break;
+        }
+        chosen.push((i, w[j]));
+        mass += w[j] / total;
+    }
+    let z: f64 = chosen.iter().map(|c| c.1).sum();
+    for (i, wi) in chosen {
+        out[i] = wi / z;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parameters_are_validated_with_the_field_named() {
+        let mut p = SamplingParams::default();
+        assert!(p.validate().is_ok());
+        p.top_p = 0.0;
+        assert!(p.validate().unwrap_err().contains("top_p"));
+        p = SamplingParams { temperature: -1.0, ..Default::default() };
+        assert!(p.validate().unwrap_err().contains("temperature"));
+        p = SamplingParams { max_new_tokens: 0, ..Default::default() };
+        assert!(p.validate().unwrap_err().contains("max_new_tokens"));
+        assert!(!SamplingParams::greedy(4).needs_truncation());
+        assert!(SamplingParams { top_k: 3, ..Default::default() }.needs_truncation());
+    }
+
+    #[test]
+    fn keys_depend_on_seed_sample_and_position_only() {
+        assert_eq!(draw_key(7, 1, 2), draw_key(7, 1, 2));
+        assert_ne!(draw_key(7, 1, 2), draw_key(7, 2, 1));
+        assert_ne!(draw_key(7, 1, 2), draw_key(8, 1, 2));
+        assert_ne!(draw_key(1 << 40, 0, 0), draw_key(0, 0, 0));
+        let u = draw_uniform(draw_key(3, 0, 0), 5);
+        assert!(u > 0.0 && u < 1.0);
+    }
+
+    #[test]
+    fn reference_distribution_truncates_like_vllm() {
+        let logits = [(0.5f32).ln(), (0.3f32).ln(), (0.15f32).ln(), (0.05f32).ln()];
+        let p = |top_k, top_p| {
+            reference_distribution(&logits, &SamplingParams { temperature: 1.0, top_k, top_p, ..Default::default() })
+        };
+        let full = p(0, 1.0);
+        assert!((full[0] - 0.5).abs() < 1e-6 && (full[3] - 0.05).abs() < 1e-6);
+        let k2 = p(2, 1.0);
+        assert!((k2[0] - 0.625).abs() < 1e-6 && k2[2] == 0.0);
+        // top-p 0.7: 0.5 < 0.7 so the second token is kept too; the third is not.
+        let p7 = p(0, 0.7);
+        assert!((p7[1] - 0.375).abs() < 1e-6 && p7[2] == 0.0);
+        let greedy = reference_distribution(&logits, &SamplingParams::greedy(1));
+        assert_eq!(greedy, vec![1.0, 0.0, 0.0, 0.0]);
+    }
+}

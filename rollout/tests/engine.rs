@@ -1,0 +1,389 @@
+//! End-to-end tests of the rollout engine on tiny random models through the CPU plugin:
+//! greedy parity with the model crate's step-by-step `Generator` (alone and in a full batch),
+//! log-probs against the `logprobs` program, the sampling distribution (chi-square), prefix
+//! sharing (one prefill per group), weight hot-swap, rejections, stop rules and the streaming
+//! handle.
+
+use std::sync::OnceLock;
+
+use model::programs::{DeviceModel, FullLogitsProgram, GenerateOptions, Generator, LogprobsProgram};
+use model::{random_init, Family, ModelConfig, ModelTokenizer, ModelWeights};
+use rollout::sampling::reference_distribution;
+use rollout::{upload_weights, Engine, EngineConfig, EngineOutput, FinishReason, GenerationRequest, Sample, SamplingParams};
+use xla::runtime::Client;
+use xla::DType;
+
+fn client() -> &'static Client {
+    static CLIENT: OnceLock<Client> = OnceLock::new();
+    CLIENT.get_or_init(|| Client::cpu(1).expect("the CPU PJRT plugin loads"))
+}
+
+/// A tiny Llama whose random logits are spread enough to make greedy choices clear.
+fn tiny() -> ModelConfig {
+    ModelConfig {
+        family: Family::Llama,
+        hidden_size: 32,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        head_dim: 8,
+        intermediate_size: 64,
+        vocab_size: 32,
+        rope_theta: 10000.0,
+        rope_scaling: None,
+        rms_norm_eps: 1e-6,
+        tie_word_embeddings: true,
+        attention_bias: false,
+        o_proj_bias: false,
+        qk_norm: false,
+        max_position_embeddings: 64,
+        bos_token_id: None,
+        eos_token_ids: vec![],
+        pad_token_id: None,
+        initializer_range: 0.4,
+    }
+}
+
+fn engine_with(weights: &ModelWeights, slots: usize, max_len: usize, tokenizer: Option<ModelTokenizer>) -> Engine {
+    let buffers = upload_weights(client(), weights, DType::F32, 0).unwrap();
+    Engine::new(client(), &weights.config, buffers, 1, EngineConfig::new(slots, max_len), tokenizer).unwrap()
+}
+
+fn greedy_reference(weights: &ModelWeights, prompt: &[u32], max_new_tokens: usize) -> Vec<u32> {
+    let dm = DeviceModel::upload(client(), weights, DType::F32, 0).unwrap();
+    let generator = Generator::new(&dm, 16, 32).unwrap();
+    let options = GenerateOptions {
+        max_new_tokens,
+        temperature: 0.0,
+        seed: 0,
+        stop_tokens: vec![],
+    };
+    generator.generate(&dm, prompt, &options).unwrap()
+}
+
+fn request(id: u64, prompt: &[u32], n: usize, seed: u64, params: SamplingParams) -> GenerationRequest {
+    GenerationRequest {
+        id,
+        prompt: prompt.to_vec(),
+        n,
+        seed,
+        params,
+    }
+}
+
+fn sampled(temperature: f32, top_k: usize, top_p: f32, max_new_tokens: usize) -> SamplingParams {
+    SamplingParams {
+        temperature,
+        top_k,
+        top_p,
+        max_new_tokens,
+        ..Default::default()
+    }
+}
+
+fn of_request(samples: &[Sample], id: u64) -> Vec<&Sample> {
+    let mut v: Vec<&Sample> = samples.iter().filter(|s| s.request_id == id).collect();
+    v.sort_by_key(|s| s.sample_index);
+    v
+}
+
+#[test]
+fn greedy_equals_step_by_step_generation_alone_and_in_a_full_batch() {
+    let weights = random_init(&tiny(), 1);
+    let a = [3u32, 7, 1, 9, 4];
+    let b = [12u32, 30, 2];
+    let expected_a = greedy_reference(&weights, &a, 12);
+    let expected_b = greedy_reference(&weights, &b, 9);
+
+    let mut engine = engine_with(&weights, 4, 32, None);
+    engine.submit(request(1, &a, 1, 0, SamplingParams::greedy(12))).unwrap();
+    let alone = engine.run_to_completion().unwrap();
+    assert_eq!(alone.len(), 1);
+    assert_eq!(alone[0].response_ids, expected_a);
+    assert_eq!(alone[0].finish_reason, FinishReason::MaxNewTokens);
+    assert_eq!(alone[0].prompt_ids, a.to_vec());
+
+    // Fill all 4 slots with unrelated work; `a` lands in the last slot.
+    engine.submit(request(2, &b, 1, 0, SamplingParams::greedy(9))).unwrap();
+    engine.submit(request(3, &[5, 6, 7, 8, 9, 10, 11], 2, 99, sampled(1.0, 0, 1.0, 20))).unwrap();
+    engine.submit(request(1, &a, 1, 0, SamplingParams::greedy(12))).unwrap();
+    let batch = engine.run_to_completion().unwrap();
+    assert_eq!(batch.len(), 4);
+    assert_eq!(of_request(&batch, 1)[0].response_ids, expected_a);
+    assert_eq!(of_request(&batch, 2)[0].response_ids, expected_b);
+    assert_eq!(engine.stats().prefill_runs, 4, "one prefill per request");
+}
+
+#[test]
+fn logprobs_equal_the_logprobs_program_and_samples_are_batch_invariant() {
+    let weights = random_init(&tiny(), 3);
+    let requests = [
+        request(1, &[4, 8, 15, 16, 23, 4], 3, 11, sampled(0.8, 0, 1.0, 10)),
+        request(2, &[9], 2, 12, sampled(1.3, 5, 0.9, 10)),
+        request(3, &[1, 2], 1, 0, SamplingParams::greedy(10)),
+    ];
+    let mut engine = engine_with(&weights, 8, 32, None);
+    for r in &requests {
+        engine.submit(r.clone()).unwrap();
+    }
+    let samples = engine.run_to_completion().unwrap();
+    assert_eq!(samples.len(), 6);
+
+    let dm = DeviceModel::upload(client(), &weights, DType::F32, 0).unwrap();
+    let program = LogprobsProgram::compile(&dm, 1, 32).unwrap();
+    for s in &samples {
+        let r = &requests[(s.request_id - 1) as usize];
+        let temperature = if r.params.temperature > 0.0 { r.params.temperature } else { 1.0 };
+        let mut tokens = s.prompt_ids.clone();
+        tokens.extend(&s.response_ids);
+        let real = tokens.len();
+        let mask: Vec<i32> = (0..32).map(|i| (i < real) as i32).collect();
+        tokens.resize(32, 0);
+        let (lp, _) = program.run(&dm, &tokens, &mask, temperature).unwrap();
+        for (j, &got) in s.logprobs.iter().enumerate() {
+            let want = lp[s.prompt_ids.len() + j];
+            assert!((got - want).abs() < 1e-5, "request {} sample {} token {j}: engine {got} vs logprobs program {want}", s.request_id, s.sample_index);
+        }
+        assert_eq!(s.logprobs.len(), s.response_ids.len());
+    }
+
+    // The same seeded request alone, in a fresh engine, gives the same tokens.
+    let mut alone = engine_with(&weights, 8, 32, None);
+    alone.submit(requests[0].clone()).unwrap();
+    let solo = alone.run_to_completion().unwrap();
+    let mixed = of_request(&samples, 1);
+    for s in &solo {
+        assert_eq!(s.response_ids, mixed[s.sample_index].response_ids);
+    }
+    // Different sample indices draw different tokens.
+    assert!(mixed.iter().any(|s| s.response_ids != mixed[0].response_ids));
+}
+
+#[test]
+fn a_group_is_prefilled_once_and_copied_into_its_slots() {
+    let weights = random_init(&tiny(), 4);
+    let mut engine = engine_with(&weights, 8, 32, None);
+    let prompt = [5u32, 9, 13, 2, 7, 7, 1, 30, 22];
+    engine.submit(request(1, &prompt, 8, 5, sampled(1.0, 0, 1.0, 6))).unwrap();
+    let samples = engine.run_to_completion().unwrap();
+    assert_eq!(samples.len(), 8);
+    assert_eq!(engine.stats().prefill_runs, 1);
+    assert_eq!(engine.stats().decode_steps, 6);
+    assert_eq!(engine.stats().generated_tokens, 48);
+    let mut indices: Vec<usize> = samples.iter().map(|s| s.sample_index).collect();
+    indices.sort();
+    assert_eq!(indices, (0..8).collect::<Vec<_>>());
+    // Each copied slot holds the prompt's cache: greedy n=3 samples all equal the reference.
+    let expected = greedy_reference(&weights, &prompt, 6);
+    engine.submit(request(2, &prompt, 3, 0, SamplingParams::greedy(6))).unwrap();
+    let greedy = engine.run_to_completion().unwrap();
+    assert_eq!(engine.stats().prefill_runs, 2);
+    for s in &greedy {
+        assert_eq!(s.response_ids, expected, "sample {}", s.sample_index);
+    }
+}
+
+/// Upper critical value of chi-square with `df` degrees of freedom at significance 0.001
+/// (Wilson-Hilferty approximation, z = 3.0902).
+fn chi2_critical_0001(df: usize) -> f64 {
+    let k = df as f64;
+    let z = 3.0902;
+    k * (1.0 - 2.0 / (9.0 * k) + z * (2.0 / (9.0 * k)).sqrt()).powi(3)
+}
+
+/// Pearson chi-square of `observed` counts against probabilities `p`, pooling bins with an
+/// expected count under 5. Returns (statistic, degrees of freedom).
+fn chi_square(observed: &[usize], p: &[f64]) -> (f64, usize) {
+    let total: usize = observed.iter().sum();
+    let mut bins: Vec<(f64, f64)> = Vec::new();
+    let (mut pooled_e, mut pooled_o) = (0.0, 0.0);
+    for (o, &pi) in observed.iter().zip(p) {
+        let e = pi * total as f64;
+        if e >= 5.0 {
+            bins.push((*o as f64, e));
+        } else {
+            pooled_e += e;
+            pooled_o += *o as f64;
+        }
+    }
+    if pooled_e > 0.0 || pooled_o > 0.0 {
+        if pooled_e >= 5.0 || bins.is_empty() {
+            bins.push((pooled_o, pooled_e));
+        } else {
+            let smallest = (0..bins.len()).min_by(|&a, &b| bins[a].1.partial_cmp(&bins[b].1).unwrap()).unwrap();
+            bins[smallest].0 += pooled_o;
+            bins[smallest].1 += pooled_e;
+        }
+    }
+    let stat = bins.iter().map(|(o, e)| (o - e) * (o - e) / e.max(1e-300)).sum();
+    (stat, bins.len().saturating_sub(1))
+}
+
+#[test]
+fn sampled_token_frequencies_match_the_analytic_distribution() {
+    // Significance level 0.001 per configuration, fixed seeds: deterministic.
+    let weights = random_init(&tiny(), 5);
+    let prompt = [2u32, 5, 8];
+    let dm = DeviceModel::upload(client(), &weights, DType::F32, 0).unwrap();
+    let logits = FullLogitsProgram::compile(&dm, 1, 3).unwrap().run(&dm, &prompt, &[1, 1, 1]).unwrap();
+    let last = &logits[2 * 32..3 * 32];
+    let configs = [
+        sampled(0.7, 0, 1.0, 1),
+        sampled(1.0, 6, 1.0, 1),
+        sampled(1.5, 0, 0.75, 1),
+        sampled(1.0, 10, 0.8, 1),
+    ];
+    let mut engine = engine_with(&weights, 16, 16, None);
+    let groups = 50;
+    let mut first_counts = Vec::new();
+    for (c, params) in configs.iter().enumerate() {
+        for g in 0..groups {
+            engine.submit(request(g, &prompt, 16, 1000 * c as u64 + g, params.clone())).unwrap();
+        }
+        let samples = engine.run_to_completion().unwrap();
+        let mut counts = vec![0usize; 32];
+        for s in &samples {
+            counts[s.response_ids[0] as usize] += 1;
+        }
+        let p = reference_distribution(last, params);
+        for (t, (&o, &pt)) in counts.iter().zip(&p).enumerate() {
+            assert!(pt > 0.0 || o == 0, "config {c}: token {t} is outside the top-k/top-p set but was sampled {o} times");
+        }
+        let (stat, df) = chi_square(&counts, &p);
+        let critical = chi2_critical_0001(df);
+        assert!(df >= 2, "config {c}: too few bins ({df} degrees of freedom)");
+        assert!(stat < critical, "config {c}: chi-square {stat:.1} >= {critical:.1} (df {df}); counts {counts:?}, p {p:?}");
+        first_counts.push(counts);
+    }
+    // The test has power: temperature-0.7 draws are rejected against the temperature-1.5
+    // distribution.
+    let wrong = reference_distribution(last, &sampled(1.5, 0, 1.0, 1));
+    let (stat, df) = chi_square(&first_counts[0], &wrong);
+    assert!(stat > chi2_critical_0001(df), "chi-square {stat:.1} should reject the wrong temperature");
+}
+
+#[test]
+fn hot_swap_restarts_in_flight_samples_on_the_new_weights() {
+    let w1 = random_init(&tiny(), 6);
+    let w2 = random_init(&tiny(), 7);
+    let long = [3u32, 1, 4, 1, 5];
+    let short = [9u32, 2, 6];
+    let mut engine = engine_with(&w1, 4, 32, None);
+    engine.submit(request(1, &long, 2, 0, SamplingParams::greedy(10))).unwrap();
+    engine.submit(request(2, &short, 1, 0, SamplingParams::greedy(2))).unwrap();
+    let mut done = Vec::new();
+    for _ in 0..3 {
+        done.extend(engine.step().unwrap());
+    }
+    assert_eq!(done.len(), 1, "the short request finished on the old weights");
+    assert_eq!(done[0].weight_version, 1);
+    assert_eq!(done[0].response_ids, greedy_reference(&w1, &short, 2));
+
+    // Wrong weights are refused by name and change nothing.
+    let wrong = {
+        let mut c = tiny();
+        c.intermediate_size = 48;
+        upload_weights(client(), &random_init(&c, 1), DType::F32, 0).unwrap()
+    };
+    let err = engine.update_weights(9, wrong).unwrap_err().to_string();
+    assert!(err.contains("model.layers.0.mlp.gate_proj.weight") && err.contains("[64, 32]"), "{err}");
+    assert_eq!(engine.weight_version(), 1);
+
+    let restarted = engine
+        .update_weights(2, upload_weights(client(), &w2, DType::F32, 0).unwrap())
+        .unwrap();
+    assert_eq!(restarted, 2);
+    engine.submit(request(3, &short, 1, 0, SamplingParams::greedy(5))).unwrap();
+    let rest = engine.run_to_completion().unwrap();
+    let expected_long = greedy_reference(&w2, &long, 10);
+    assert_ne!(expected_long, greedy_reference(&w1, &long, 10), "the two models must differ");
+    for s in of_request(&rest, 1) {
+        assert_eq!(s.weight_version, 2);
+        assert_eq!(s.restarts, 1);
+        assert_eq!(s.response_ids, expected_long);
+    }
+    let fresh = of_request(&rest, 3);
+    assert_eq!(fresh[0].weight_version, 2);
+    assert_eq!(fresh[0].restarts, 0);
+    assert_eq!(fresh[0].response_ids, greedy_reference(&w2, &short, 5));
+    assert_eq!(engine.stats().restarted_samples, 2);
+}
+
+fn word_tokenizer() -> ModelTokenizer {
+    let vocab: serde_json::Map<String, serde_json::Value> = (0..32).map(|i| (format!("w{i:02}"), serde_json::json!(i))).collect();
+    let json = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null,
+        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "w00"}
+    });
+    ModelTokenizer::from_json_bytes(json.to_string().as_bytes(), "test word tokenizer").unwrap()
+}
+
+#[test]
+fn stop_tokens_stop_strings_and_length_limits_end_samples() {
+    let weights = random_init(&tiny(), 8);
+    let prompt = [6u32, 2, 19, 11];
+    let greedy = greedy_reference(&weights, &prompt, 12);
+    let mut engine = engine_with(&weights, 4, 16, Some(word_tokenizer()));
+
+    let stop_id = greedy[3];
+    let j = greedy.iter().position(|&t| t == stop_id).unwrap();
+    let mut p = SamplingParams::greedy(12);
+    p.stop_token_ids = vec![stop_id];
+    engine.submit(request(1, &prompt, 1, 0, p)).unwrap();
+
+    let stop_word = format!("w{:02}", greedy[5]);
+    let k = greedy.iter().position(|&t| t == greedy[5]).unwrap();
+    let mut p = SamplingParams::greedy(12);
+    p.stop_strings = vec![stop_word.clone()];
+    engine.submit(request(2, &prompt, 1, 0, p)).unwrap();
+
+    let long_prompt: Vec<u32> = (0..14).collect();
+    engine.submit(request(3, &long_prompt, 1, 0, SamplingParams::greedy(10))).unwrap();
+    let samples = engine.run_to_completion().unwrap();
+
+    let eos = of_request(&samples, 1)[0];
+    assert_eq!(eos.response_ids, greedy[..=j].to_vec());
+    assert_eq!(eos.finish_reason, FinishReason::Eos(stop_id));
+    let words: Vec<String> = greedy.iter().map(|t| format!("w{t:02}")).collect();
+    assert_eq!(eos.text, words[..=j].join(" "));
+
+    let stopped = of_request(&samples, 2)[0];
+    assert_eq!(stopped.response_ids, greedy[..=k].to_vec());
+    assert_eq!(stopped.finish_reason, FinishReason::StopString(stop_word));
+    let before: String = words[..k].iter().map(|w| format!("{w} ")).collect();
+    assert_eq!(stopped.text, before);
+
+    let limited = of_request(&samples, 3)[0];
+    assert_eq!(limited.finish_reason, FinishReason::MaxModelLen);
+    assert_eq!(limited.response_ids.len(), 2, "14 prompt tokens + 2 = max_model_len 16");
+}
+
+#[test]
+fn the_streaming_handle_rejects_bad_requests_and_serves_the_rest() {
+    let weights = random_init(&tiny(), 9);
+    let engine = engine_with(&weights, 2, 16, None);
+    assert_eq!(engine.kv_cache_bytes(), 2 * 2 * 2 * 2 * 16 * 8 * 4);
+    let handle = engine.spawn();
+    handle.submit(request(1, &[1, 2, 3], 2, 1, sampled(1.0, 0, 1.0, 4))).unwrap();
+    handle.submit(request(2, &[1; 20], 1, 0, SamplingParams::greedy(4))).unwrap();
+    handle.submit(request(3, &[1, 2], 3, 0, SamplingParams::greedy(4))).unwrap();
+    handle.submit(request(4, &[40], 1, 0, SamplingParams::greedy(4))).unwrap();
+    handle.submit(request(5, &[7, 7], 1, 0, SamplingParams::greedy(4))).unwrap();
+    let mut samples = Vec::new();
+    let mut rejections = Vec::new();
+    while samples.len() < 3 || rejections.len() < 3 {
+        match handle.outputs().recv_timeout(std::time::Duration::from_secs(60)).unwrap() {
+            EngineOutput::Sample(s) => samples.push(s),
+            EngineOutput::Rejected(e) => rejections.push(e.to_string()),
+        }
+    }
+    rejections.sort();
+    assert!(rejections[0].contains("request 2 rejected") && rejections[0].contains("maximum model length 16"), "{}", rejections[0]);
+    assert!(rejections[1].contains("request 3 rejected") && rejections[1].contains("max_num_seqs (2)"), "{}", rejections[1]);
+    assert!(rejections[2].contains("request 4 rejected") && rejections[2].contains("outside the vocabulary"), "{}", rejections[2]);
+    assert_eq!(samples.iter().filter(|s| s.request_id == 1).count(), 2);
+    assert_eq!(of_request(&samples, 5)[0].response_ids, greedy_reference(&weights, &[7, 7], 4));
+    let engine = handle.shutdown().unwrap();
+    assert!(!engine.has_work());
+}

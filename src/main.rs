@@ -1,0 +1,68 @@
+//! `grpo`: reinforcement-learning post-training (GRPO) for language models on CPU, GPU and TPU.
+//!
+//! The command line only parses arguments and reports errors; each subcommand lives in
+//! `commands/` and calls into the library crates.
+
+mod commands;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "grpo",
+    version,
+    about = "GRPO post-training for language models, on CPU, GPU and TPU through PJRT",
+    long_about = "GRPO post-training for language models, on CPU, GPU and TPU through PJRT.\n\n\
+                  Start with `grpo run recipes/quickstart.yaml`; every recipe key is documented in \
+                  recipes/README.md."
+)]
+struct Cli {
+    /// More logging (-v info, -vv debug, -vvv trace). RUST_LOG overrides it.
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    Run(commands::run::RunArgs),
+    Devices(commands::devices::DevicesArgs),
+    Preprocess(commands::preprocess::PreprocessArgs),
+    Generate(commands::generate::GenerateArgs),
+    Worker(commands::worker::WorkerArgs),
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.verbose);
+    let result = match cli.command {
+        Command::Run(args) => commands::run::run(args),
+        Command::Devices(args) => commands::devices::run(args),
+        Command::Preprocess(args) => commands::preprocess::run(args),
+        Command::Generate(args) => commands::generate::run(args),
+        Command::Worker(args) => commands::worker::run(args),
+    };
+    match result {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            std::process::ExitCode::from(2)
+        }
+    }
+}
+
+fn init_logging(verbose: u8) {
+    let default = match verbose {
+        0 => "warn",
+        1 => "info",
+        2 => "debug",
+        _ => "trace",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}

@@ -1,0 +1,388 @@
+//! Host-side advantage estimation over small arrays: one outcome score per sample plus a group
+//! id per sample (the prompt the sample answers). Also the in-reward KL penalty, dynamic
+//! sampling (`algorithm.filter_groups`) and masking of truncated responses.
+//!
+//! Token-level arrays are row-major `[batch, response_len]` slices of `f32`; the response mask
+//! holds 1 for a response token and 0 for padding. Arithmetic is done in `f64`.
+
+use std::collections::HashMap;
+use std::hash::Hash;
+
+use crate::config::{AdvantageEstimator, KlPenalty};
+use crate::{Result, TrainerError};
+
+/// VeRL's `epsilon` in the GRPO denominator.
+pub const GRPO_EPSILON: f64 = 1e-6;
+
+fn check_len(what: &str, expected: usize, got: usize, unit: &'static str) -> Result<()> {
+    if expected != got {
+        return Err(TrainerError::Length {
+            what: what.to_string(),
+            expected,
+            got,
+            unit,
+        });
+    }
+    Ok(())
+}
+
+/// Sample indices of each group, groups in order of first appearance.
+fn groups_of<K: Eq + Hash>(group_ids: &[K]) -> Vec<Vec<usize>> {
+    let mut order: HashMap<&K, usize> = HashMap::new();
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    for (i, k) in group_ids.iter().enumerate() {
+        let g = *order.entry(k).or_insert_with(|| {
+            groups.push(Vec::new());
+            groups.len() - 1
+        });
+        groups[g].push(i);
+    }
+    groups
+}
+
+fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len() as f64
+}
+
+/// `torch.std`: the unbiased (n - 1) standard deviation; needs `v.len() >= 2`.
+fn unbiased_std(v: &[f64]) -> f64 {
+    let m = mean(v);
+    (v.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / (v.len() as f64 - 1.0)).sqrt()
+}
+
+/// GRPO's outcome advantage, VeRL `compute_grpo_outcome_advantage` (core_algos.py):
+///
+/// `A_i = (r_i - mean_g) / (std_g + epsilon)` with `std_g` the unbiased (n - 1) standard
+/// deviation of the group's scores (`torch.std`), or `A_i = r_i - mean_g` when
+/// `norm_adv_by_std_in_grpo` is false (Dr. GRPO, arXiv:2503.20783).
+///
+/// A group of one gets mean 0 and std 1, exactly as VeRL does, so its advantage is
+/// `r / (1 + epsilon)` (or `r` for Dr. GRPO), *not* 0. A group whose rewards are all equal
+/// gets 0.
+pub fn grpo_outcome_advantage<K: Eq + Hash>(
+    scores: &[f64],
+    group_ids: &[K],
+    epsilon: f64,
+    norm_adv_by_std_in_grpo: bool,
+) -> Result<Vec<f64>> {
+    check_len("group ids", scores.len(), group_ids.len(), "sample")?;
+    let mut adv = vec![0.0; scores.len()];
+    for members in groups_of(group_ids) {
+        let s: Vec<f64> = members.iter().map(|&i| scores[i]).collect();
+        let (m, sd) = if s.len() == 1 {
+            (0.0, 1.0)
+        } else {
+            (mean(&s), unbiased_std(&s))
+        };
+        for &i in &members {
+            adv[i] = if norm_adv_by_std_in_grpo {
+                (scores[i] - m) / (sd + epsilon)
+            } else {
+                scores[i] - m
+            };
+        }
+    }
+    Ok(adv)
+}
+
+/// RLOO's leave-one-out advantage, VeRL `compute_rloo_outcome_advantage` (core_algos.py):
+///
+/// for a group of `n > 1`, `A_i = r_i * n / (n - 1) - mean_g * n / (n - 1)`, which equals
+/// `r_i - mean_{j != i} r_j`; a group of one keeps its raw score (VeRL leaves it unchanged).
+pub fn rloo_outcome_advantage<K: Eq + Hash>(scores: &[f64], group_ids: &[K]) -> Result<Vec<f64>> {
+    check_len("group ids", scores.len(), group_ids.len(), "sample")?;
+    let mut adv = scores.to_vec();
+    for members in groups_of(group_ids) {
+        let n = members.len() as f64;
+        if members.len() > 1 {
+            let m = mean(&members.iter().map(|&i| scores[i]).collect::<Vec<_>>());
+            for &i in &members {
+                adv[i] = scores[i] * n / (n - 1.0) - m * n / (n - 1.0);
+            }
+        }
+    }
+    Ok(adv)
+}
+
+/// Per-sample advantages for the configured estimator (one `match`). `scores` are the
+/// sequence scores (VeRL: `token_level_rewards.sum(-1)`; see [`sequence_scores`]).
+pub fn compute_advantages<K: Eq + Hash>(
+    estimator: AdvantageEstimator,
+    scores: &[f64],
+    group_ids: &[K],
+    norm_adv_by_std_in_grpo: bool,
+) -> Result<Vec<f64>> {
+    match estimator {
+        AdvantageEstimator::Grpo => {
+            grpo_outcome_advantage(scores, group_ids, GRPO_EPSILON, norm_adv_by_std_in_grpo)
+        }
+        AdvantageEstimator::Rloo => rloo_outcome_advantage(scores, group_ids),
+    }
+}
+
+/// `A.unsqueeze(-1) * response_mask`: each sample's advantage on each of its response tokens,
+/// 0 on padding; row-major `[batch, response_len]`.
+pub fn broadcast_over_response(
+    advantages: &[f64],
+    response_mask: &[f32],
+    response_len: usize,
+) -> Result<Vec<f32>> {
+    check_len(
+        "response mask",
+        advantages.len() * response_len,
+        response_mask.len(),
+        "token",
+    )?;
+    Ok(response_mask
+        .iter()
+        .enumerate()
+        .map(|(t, m)| (advantages[t / response_len] * *m as f64) as f32)
+        .collect())
+}
+
+/// Token-level scores with each sample's outcome reward on its last response token (where
+/// VeRL's reward manager puts it) and 0 elsewhere. An empty response gets no reward.
+pub fn outcome_token_scores(rewards: &[f64], response_mask: &[f32], response_len: usize) -> Result<Vec<f32>> {
+    check_len(
+        "response mask",
+        rewards.len() * response_len,
+        response_mask.len(),
+        "token",
+    )?;
+    let mut out = vec![0.0f32; response_mask.len()];
+    for (b, r) in rewards.iter().enumerate() {
+        let row = &response_mask[b * response_len..(b + 1) * response_len];
+        if let Some(last) = row.iter().rposition(|m| *m != 0.0) {
+            out[b * response_len + last] = *r as f32;
+        }
+    }
+    Ok(out)
+}
+
+/// Row sums of a `[batch, response_len]` token-level reward array (VeRL
+/// `token_level_rewards.sum(dim=-1)`).
+pub fn sequence_scores(token_level_rewards: &[f32], response_len: usize) -> Vec<f64> {
+    token_level_rewards
+        .chunks(response_len.max(1))
+        .map(|row| row.iter().map(|x| *x as f64).sum())
+        .collect()
+}
+
+/// One token's KL estimate, VeRL `kl_penalty` (core_algos.py), on the host in `f64`:
+/// `k1 = lp - ref`; `abs = |lp - ref|`; `k2 = 0.5 (lp - ref)^2`;
+/// `k3 = clamp(exp(d) - d - 1, -10, 10)` with `d = clamp(ref - lp, -20, 20)`.
+pub fn kl_penalty_value(kind: KlPenalty, log_prob: f64, ref_log_prob: f64) -> f64 {
+    match kind {
+        KlPenalty::K1 => log_prob - ref_log_prob,
+        KlPenalty::Abs => (log_prob - ref_log_prob).abs(),
+        KlPenalty::K2 => 0.5 * (log_prob - ref_log_prob).powi(2),
+        KlPenalty::K3 => {
+            let d = (ref_log_prob - log_prob).clamp(-20.0, 20.0);
+            (d.exp() - d - 1.0).clamp(-10.0, 10.0)
+        }
+    }
+}
+
+/// The in-reward KL penalty (`algorithm.use_kl_in_reward`), VeRL `apply_kl_penalty`
+/// (ray_trainer.py): `kld = kl_penalty(old_lp, ref_lp) * mask`,
+/// `token_level_rewards = token_level_scores - kl_coef * kld`. Returns the rewards and the
+/// reported `actor/reward_kl_penalty` metric, the batch mean of each row's masked-mean `kld`
+/// (`masked_mean(kld, mask, axis=-1).mean()`, denominators `+ 1e-8` as VeRL's `masked_mean`).
+pub fn apply_kl_in_reward(
+    token_level_scores: &[f32],
+    old_log_probs: &[f32],
+    ref_log_probs: &[f32],
+    response_mask: &[f32],
+    response_len: usize,
+    kind: KlPenalty,
+    kl_coef: f64,
+) -> Result<(Vec<f32>, f64)> {
+    let n = token_level_scores.len();
+    check_len("old log-probs", n, old_log_probs.len(), "token")?;
+    check_len("reference log-probs", n, ref_log_probs.len(), "token")?;
+    check_len("response mask", n, response_mask.len(), "token")?;
+    let mut rewards = vec![0.0f32; n];
+    let mut row_means = Vec::new();
+    for (b, row) in response_mask.chunks(response_len.max(1)).enumerate() {
+        let (mut s, mut cnt) = (0.0, 0.0);
+        for (j, m) in row.iter().enumerate() {
+            let t = b * response_len + j;
+            let m = *m as f64;
+            let kld = if m != 0.0 {
+                kl_penalty_value(kind, old_log_probs[t] as f64, ref_log_probs[t] as f64) * m
+            } else {
+                0.0
+            };
+            rewards[t] = (token_level_scores[t] as f64 - kl_coef * kld) as f32;
+            s += kld;
+            cnt += m;
+        }
+        row_means.push(s / (cnt + 1e-8));
+    }
+    let current_kl = if row_means.is_empty() {
+        0.0
+    } else {
+        mean(&row_means)
+    };
+    Ok((rewards, current_kl))
+}
+
+/// Dynamic sampling (`algorithm.filter_groups`, DAPO; VeRL `ray_trainer.py` /
+/// `recipe/dapo`): the indices of the samples to keep, dropping every group whose metric
+/// (usually the outcome reward) has zero variance, since all its advantages are 0. A group of
+/// one is kept, as DAPO keeps it. Order is preserved.
+pub fn filter_groups<K: Eq + Hash>(metric: &[f64], group_ids: &[K]) -> Result<Vec<usize>> {
+    check_len("group ids", metric.len(), group_ids.len(), "sample")?;
+    let mut keep = vec![false; metric.len()];
+    for members in groups_of(group_ids) {
+        let first = metric[members[0]];
+        let varies = members.iter().any(|&i| metric[i] != first);
+        if varies || members.len() == 1 {
+            for &i in &members {
+                keep[i] = true;
+            }
+        }
+    }
+    Ok((0..metric.len()).filter(|&i| keep[i]).collect())
+}
+
+/// Masks truncated responses out of the loss (DAPO's overlong filtering): zeroes the response
+/// mask row of every sample whose `truncated` flag is set (it hit `max_response_length`
+/// without a stop token). Returns how many rows were masked.
+pub fn mask_truncated(response_mask: &mut [f32], response_len: usize, truncated: &[bool]) -> Result<usize> {
+    check_len(
+        "response mask",
+        truncated.len() * response_len,
+        response_mask.len(),
+        "token",
+    )?;
+    let mut n = 0;
+    for (row, t) in response_mask.chunks_mut(response_len.max(1)).zip(truncated) {
+        if *t {
+            row.iter_mut().for_each(|m| *m = 0.0);
+            n += 1;
+        }
+    }
+    Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn close(got: &[f64], want: &[f64], tol: f64) {
+        assert_eq!(got.len(), want.len());
+        for (i, (a, b)) in got.iter().zip(want).enumerate() {
+            assert!((a - b).abs() <= tol, "element {i}: got {a}, want {b}");
+        }
+    }
+
+    #[test]
+    fn grpo_matches_a_hand_computation() {
+        // group "a": [1, 0, 1, 0] -> mean 0.5, unbiased std sqrt(1/3) = 0.5773502691896258
+        // group "b": [2, 2] (all equal) -> 0
+        // group "c": [3] (group of one) -> mean 0, std 1 -> 3 / (1 + 1e-6)
+        let scores = [1.0, 0.0, 2.0, 1.0, 3.0, 0.0, 2.0];
+        let ids = ["a", "a", "b", "a", "c", "a", "b"];
+        let adv = grpo_outcome_advantage(&scores, &ids, 1e-6, true).unwrap();
+        let a = 0.5 / (0.5773502691896258 + 1e-6);
+        close(&adv, &[a, -a, 0.0, a, 3.0 / 1.000001, -a, 0.0], 1e-12);
+        // Dr. GRPO: mean only.
+        let adv = grpo_outcome_advantage(&scores, &ids, 1e-6, false).unwrap();
+        close(&adv, &[0.5, -0.5, 0.0, 0.5, 3.0, -0.5, 0.0], 1e-12);
+        // Integer group ids work the same.
+        let adv =
+            compute_advantages(AdvantageEstimator::Grpo, &[0.0, 3.0, 6.0], &[7u64, 7, 7], true).unwrap();
+        // mean 3, std 3 -> [-1, 0, 1] / (1 + 1e-6 / 3)
+        close(&adv, &[-3.0 / 3.000001, 0.0, 3.0 / 3.000001], 1e-12);
+    }
+
+    #[test]
+    fn rloo_matches_a_hand_computation() {
+        // group "a": [1, 0, 2] -> A_i = r_i - mean of the others: [1 - 1, 0 - 1.5, 2 - 0.5]
+        // group "b": [5] -> unchanged.
+        let adv = compute_advantages(
+            AdvantageEstimator::Rloo,
+            &[1.0, 0.0, 5.0, 2.0],
+            &["a", "a", "b", "a"],
+            true,
+        )
+        .unwrap();
+        close(&adv, &[0.0, -1.5, 5.0, 1.5], 1e-12);
+        let adv = rloo_outcome_advantage(&[4.0, 4.0], &[1, 1]).unwrap();
+        close(&adv, &[0.0, 0.0], 1e-12);
+    }
+
+    #[test]
+    fn advantages_broadcast_over_the_response_mask() {
+        let mask = [1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0];
+        let out = broadcast_over_response(&[2.0, -1.0, 7.0], &mask, 3).unwrap();
+        assert_eq!(out, vec![2.0, 2.0, 0.0, -1.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
+        let err = broadcast_over_response(&[2.0], &mask, 3).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "response mask: expected 3 values, got 9; pass one value per token"
+        );
+        let err = grpo_outcome_advantage(&[1.0, 2.0], &[1], 1e-6, true)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "group ids: expected 2 values, got 1; pass one value per sample"
+        );
+    }
+
+    #[test]
+    fn outcome_scores_sit_on_the_last_response_token() {
+        let mask = [1.0, 1.0, 0.0, 0.0, 0.0, 0.0];
+        let s = outcome_token_scores(&[3.0, 4.0], &mask, 3).unwrap();
+        assert_eq!(s, vec![0.0, 3.0, 0.0, 0.0, 0.0, 0.0]);
+        assert_eq!(sequence_scores(&s, 3), vec![3.0, 0.0]);
+    }
+
+    #[test]
+    fn kl_estimators_match_hand_values() {
+        // lp = -1, ref = -1.5: d = lp - ref = 0.5
+        assert!((kl_penalty_value(KlPenalty::K1, -1.0, -1.5) - 0.5).abs() < 1e-15);
+        assert!((kl_penalty_value(KlPenalty::Abs, -1.5, -1.0) - 0.5).abs() < 1e-15);
+        assert!((kl_penalty_value(KlPenalty::K2, -1.0, -1.5) - 0.125).abs() < 1e-15);
+        // k3: x = ref - lp = -0.5: exp(-0.5) + 0.5 - 1 = 0.10653065971263342
+        assert!((kl_penalty_value(KlPenalty::K3, -1.0, -1.5) - 0.10653065971263342).abs() < 1e-15);
+        // clamps: ref - lp = 30 -> 20 -> exp(20) - 21 -> clamped to 10
+        assert_eq!(kl_penalty_value(KlPenalty::K3, -31.0, -1.0), 10.0);
+        // ref - lp = -30 -> -20 -> exp(-20) + 19 -> clamped to 10
+        assert_eq!(kl_penalty_value(KlPenalty::K3, -1.0, -31.0), 10.0);
+    }
+
+    #[test]
+    fn kl_in_reward_subtracts_the_masked_penalty() {
+        // two samples, len 2; second has one token.
+        let scores = [0.0, 1.0, 2.0, 0.0];
+        let old = [-1.0, -2.0, -0.5, -9.0];
+        let refl = [-1.5, -1.0, -0.5, 0.0];
+        let mask = [1.0, 1.0, 1.0, 0.0];
+        let (r, kl) = apply_kl_in_reward(&scores, &old, &refl, &mask, 2, KlPenalty::K1, 0.1).unwrap();
+        // kld = [0.5, -1.0, 0, (masked) 0]
+        let want = [0.0 - 0.05, 1.0 + 0.1, 2.0, 0.0];
+        for (a, b) in r.iter().zip(want) {
+            assert!((*a as f64 - b).abs() < 1e-6, "{r:?}");
+        }
+        // row means: (0.5 - 1) / 2 = -0.25 and 0 / 1 = 0 -> mean -0.125
+        assert!((kl + 0.125).abs() < 1e-7, "{kl}");
+    }
+
+    #[test]
+    fn filter_groups_drops_zero_variance_groups_and_keeps_singletons() {
+        let acc = [1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0];
+        let ids = ["a", "a", "b", "b", "c", "c", "d"];
+        assert_eq!(filter_groups(&acc, &ids).unwrap(), vec![2, 3, 6]);
+        assert_eq!(filter_groups(&[1.0, 1.0], &[0, 0]).unwrap(), Vec::<usize>::new());
+    }
+
+    #[test]
+    fn truncated_responses_are_masked_out() {
+        let mut mask = vec![1.0, 1.0, 1.0, 1.0, 1.0, 0.0];
+        assert_eq!(mask_truncated(&mut mask, 3, &[true, false]).unwrap(), 1);
+        assert_eq!(mask, vec![0.0, 0.0, 0.0, 1.0, 1.0, 0.0]);
+    }
+}

@@ -1,0 +1,336 @@
+//! The learner's knobs, named as in VeRL's recipes (`algorithm.adv_estimator`,
+//! `actor.clip_ratio_low`, `actor.loss_agg_mode`, `actor.kl_loss_type`, `actor.optim.*`), each
+//! enum chosen by its VeRL string through serde.
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Result, TrainerError};
+
+/// `x > bound`, false for NaN.
+fn above(x: f64, bound: f64) -> bool {
+    x > bound
+}
+
+/// `x >= bound`, false for NaN.
+fn at_least(x: f64, bound: f64) -> bool {
+    x >= bound
+}
+
+/// `algorithm.adv_estimator`: how sequence rewards become advantages (see
+/// [`crate::advantage::compute_advantages`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AdvantageEstimator {
+    /// Group-normalised outcome reward (VeRL `compute_grpo_outcome_advantage`).
+    #[serde(rename = "grpo")]
+    Grpo,
+    /// Leave-one-out baseline (VeRL `compute_rloo_outcome_advantage`).
+    #[serde(rename = "rloo")]
+    Rloo,
+}
+
+/// `actor.loss_agg_mode`: how a `[batch, response_len]` loss matrix becomes a scalar (VeRL
+/// `agg_loss`; see [`crate::loss::agg_loss`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LossAggMode {
+    /// Mean over all unmasked tokens of the mini-batch.
+    #[serde(rename = "token-mean")]
+    TokenMean,
+    /// Sum over each sequence's tokens, mean over sequences.
+    #[serde(rename = "seq-mean-token-sum")]
+    SeqMeanTokenSum,
+    /// Mean over each sequence's tokens, mean over sequences.
+    #[serde(rename = "seq-mean-token-mean")]
+    SeqMeanTokenMean,
+    /// Sum over all tokens divided by the (padded) response length (Dr. GRPO).
+    #[serde(rename = "seq-mean-token-sum-norm")]
+    SeqMeanTokenSumNorm,
+}
+
+/// `actor.kl_loss_type` / `algorithm.kl_penalty`: the KL estimator (VeRL `kl_penalty`; see
+/// [`crate::loss::kl_penalty`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum KlPenalty {
+    /// `k1`: `log p - log p_ref`.
+    #[serde(rename = "kl", alias = "k1")]
+    K1,
+    /// `|log p - log p_ref|`.
+    #[serde(rename = "abs")]
+    Abs,
+    /// `k2`: `0.5 (log p - log p_ref)^2`.
+    #[serde(rename = "mse", alias = "k2")]
+    K2,
+    /// `k3` (Schulman's low-variance estimator), clamped as VeRL does.
+    #[serde(rename = "low_var_kl", alias = "k3")]
+    K3,
+}
+
+/// `actor.policy_loss.loss_mode`: which surrogate (VeRL's policy-loss registry names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PolicyLossMode {
+    /// PPO clipped surrogate with dual clip (VeRL `compute_policy_loss_vanilla`).
+    #[serde(rename = "vanilla")]
+    Vanilla,
+    /// GSPO's sequence-level ratio (VeRL `compute_policy_loss_gspo`).
+    #[serde(rename = "gspo")]
+    Gspo,
+}
+
+/// The loss side of the actor config (VeRL's `actor.*` and the rollout-IS keys of
+/// `algorithm.*`). Defaults are VeRL's.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PolicyLossConfig {
+    /// `actor.policy_loss.loss_mode`.
+    pub loss_mode: PolicyLossMode,
+    /// `actor.clip_ratio_low`: the ratio is clipped below at `1 - clip_ratio_low`.
+    pub clip_ratio_low: f64,
+    /// `actor.clip_ratio_high`: the ratio is clipped above at `1 + clip_ratio_high` (DAPO's
+    /// clip-higher when larger than `clip_ratio_low`).
+    pub clip_ratio_high: f64,
+    /// `actor.clip_ratio_c`: dual-clip bound for negative advantages (must exceed 1).
+    pub clip_ratio_c: f64,
+    /// `actor.loss_agg_mode` (ignored by GSPO, which always uses `seq-mean-token-mean`).
+    pub loss_agg_mode: LossAggMode,
+    /// `actor.use_kl_loss`: add `kl_loss_coef * agg(kl(log p, log p_ref))` to the loss.
+    pub use_kl_loss: bool,
+    /// `actor.kl_loss_coef`.
+    pub kl_loss_coef: f64,
+    /// `actor.kl_loss_type`.
+    pub kl_loss_type: KlPenalty,
+    /// `actor.entropy_coeff`: subtract `entropy_coeff * agg(entropy)` from the loss.
+    pub entropy_coeff: f64,
+    /// `algorithm.rollout_is_threshold`: when set, multiply the per-token policy loss by the
+    /// truncated importance weight `min(pi_old / pi_rollout, threshold)`.
+    pub rollout_is_threshold: Option<f64>,
+    /// `algorithm.rollout_is_veto_threshold`: when set (with `rollout_is_threshold`), a
+    /// sequence with any token ratio below it gets weight 0.
+    pub rollout_is_veto_threshold: Option<f64>,
+}
+
+impl Default for PolicyLossConfig {
+    fn default() -> Self {
+        PolicyLossConfig {
+            loss_mode: PolicyLossMode::Vanilla,
+            clip_ratio_low: 0.2,
+            clip_ratio_high: 0.2,
+            clip_ratio_c: 3.0,
+            loss_agg_mode: LossAggMode::TokenMean,
+            use_kl_loss: false,
+            kl_loss_coef: 0.001,
+            kl_loss_type: KlPenalty::K3,
+            entropy_coeff: 0.0,
+            rollout_is_threshold: None,
+            rollout_is_veto_threshold: None,
+        }
+    }
+}
+
+impl PolicyLossConfig {
+    /// Checks the ranges VeRL asserts (`clip_ratio_c > 1`) and the ones that would make the
+    /// loss meaningless.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |key: &'static str, value: f64, message: &str| TrainerError::Config {
+            key,
+            value: value.to_string(),
+            message: message.to_string(),
+        };
+        if !above(self.clip_ratio_c, 1.0) {
+            return Err(bad(
+                "actor.clip_ratio_c",
+                self.clip_ratio_c,
+                "the dual-clip bound must be greater than 1.0",
+            ));
+        }
+        if !(self.clip_ratio_low >= 0.0 && self.clip_ratio_low < 1.0) {
+            return Err(bad(
+                "actor.clip_ratio_low",
+                self.clip_ratio_low,
+                "must be in [0, 1)",
+            ));
+        }
+        if !at_least(self.clip_ratio_high, 0.0) {
+            return Err(bad("actor.clip_ratio_high", self.clip_ratio_high, "must be >= 0"));
+        }
+        if let Some(t) = self.rollout_is_threshold {
+            if !above(t, 0.0) {
+                return Err(bad(
+                    "algorithm.rollout_is_threshold",
+                    t,
+                    "must be > 0 (or null to disable)",
+                ));
+            }
+        }
+        if let Some(t) = self.rollout_is_veto_threshold {
+            if !above(t, 0.0) {
+                return Err(bad(
+                    "algorithm.rollout_is_veto_threshold",
+                    t,
+                    "must be > 0 (or null to disable)",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `actor.optim.warmup_style`: the learning-rate shape after warmup.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LrSchedule {
+    /// Linear warmup from 0, then constant (HF `get_constant_schedule_with_warmup`).
+    #[serde(rename = "constant")]
+    Constant,
+    /// Linear warmup from `min_lr_ratio`, then half a cosine down to `min_lr_ratio` (VeRL
+    /// `get_cosine_schedule_with_warmup`).
+    #[serde(rename = "cosine")]
+    Cosine,
+}
+
+/// `actor.optim.*` and `actor.grad_clip`. Defaults are VeRL's.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OptimConfig {
+    /// `actor.optim.lr`: the peak learning rate.
+    pub lr: f64,
+    /// `actor.optim.betas`.
+    pub betas: [f64; 2],
+    /// `actor.optim.eps` (torch's default 1e-8).
+    pub eps: f64,
+    /// `actor.optim.weight_decay`: decoupled, as torch.optim.AdamW.
+    pub weight_decay: f64,
+    /// `actor.grad_clip`: the global L2 norm the gradients are clipped to; `None` disables.
+    pub grad_clip: Option<f64>,
+    /// `actor.optim.lr_warmup_steps`.
+    pub lr_warmup_steps: u64,
+    /// `actor.optim.warmup_style`.
+    pub warmup_style: LrSchedule,
+    /// `actor.optim.min_lr_ratio` (cosine only).
+    pub min_lr_ratio: f64,
+    /// `actor.optim.num_cycles` (cosine only; 0.5 is half a period).
+    pub num_cycles: f64,
+    /// `actor.optim.total_training_steps`: the length of the cosine decay.
+    pub total_training_steps: u64,
+}
+
+impl Default for OptimConfig {
+    fn default() -> Self {
+        OptimConfig {
+            lr: 1e-6,
+            betas: [0.9, 0.999],
+            eps: 1e-8,
+            weight_decay: 0.01,
+            grad_clip: Some(1.0),
+            lr_warmup_steps: 0,
+            warmup_style: LrSchedule::Constant,
+            min_lr_ratio: 0.0,
+            num_cycles: 0.5,
+            total_training_steps: 1,
+        }
+    }
+}
+
+impl OptimConfig {
+    /// Checks ranges (`betas` in [0, 1), `eps` > 0, `min_lr_ratio` in [0, 1], positive clip).
+    pub fn validate(&self) -> Result<()> {
+        let bad = |key: &'static str, value: String, message: &str| TrainerError::Config {
+            key,
+            value,
+            message: message.to_string(),
+        };
+        if self.betas.iter().any(|b| !(0.0..1.0).contains(b)) {
+            return Err(bad(
+                "actor.optim.betas",
+                format!("{:?}", self.betas),
+                "each beta must be in [0, 1)",
+            ));
+        }
+        if !above(self.eps, 0.0) {
+            return Err(bad("actor.optim.eps", self.eps.to_string(), "must be > 0"));
+        }
+        if !at_least(self.lr, 0.0) || !self.lr.is_finite() {
+            return Err(bad(
+                "actor.optim.lr",
+                self.lr.to_string(),
+                "must be a finite number >= 0",
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.min_lr_ratio) {
+            return Err(bad(
+                "actor.optim.min_lr_ratio",
+                self.min_lr_ratio.to_string(),
+                "must be in [0, 1]",
+            ));
+        }
+        if let Some(c) = self.grad_clip {
+            if !above(c, 0.0) {
+                return Err(bad(
+                    "actor.grad_clip",
+                    c.to_string(),
+                    "must be > 0 (or null to disable)",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn enums_read_verl_names_and_aliases() {
+        let kl: Vec<KlPenalty> =
+            serde_json::from_str(r#"["kl","k1","abs","mse","k2","low_var_kl","k3"]"#).unwrap();
+        use KlPenalty::*;
+        assert_eq!(kl, vec![K1, K1, Abs, K2, K2, K3, K3]);
+        let agg: Vec<LossAggMode> = serde_json::from_str(
+            r#"["token-mean","seq-mean-token-sum","seq-mean-token-mean","seq-mean-token-sum-norm"]"#,
+        )
+        .unwrap();
+        assert_eq!(agg.len(), 4);
+        assert_eq!(
+            serde_json::to_string(&LossAggMode::SeqMeanTokenSumNorm).unwrap(),
+            "\"seq-mean-token-sum-norm\""
+        );
+        let est: AdvantageEstimator = serde_json::from_str("\"rloo\"").unwrap();
+        assert_eq!(est, AdvantageEstimator::Rloo);
+        let err = serde_json::from_str::<LossAggMode>("\"token_mean\"")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("unknown variant `token_mean`") && err.contains("token-mean"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn configs_take_defaults_and_refuse_unknown_keys() {
+        let c: PolicyLossConfig = serde_json::from_str(r#"{"clip_ratio_high": 0.28}"#).unwrap();
+        assert_eq!(c.clip_ratio_high, 0.28);
+        assert_eq!(c.clip_ratio_low, 0.2);
+        assert_eq!(c.clip_ratio_c, 3.0);
+        let err = serde_json::from_str::<PolicyLossConfig>(r#"{"clip_ratio_hi": 0.28}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("unknown field `clip_ratio_hi`"), "{err}");
+        let c = PolicyLossConfig {
+            clip_ratio_c: 1.0,
+            ..Default::default()
+        };
+        let err = c.validate().unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "config: actor.clip_ratio_c = 1: the dual-clip bound must be greater than 1.0"
+        );
+        let o = OptimConfig {
+            betas: [0.9, 1.0],
+            ..Default::default()
+        };
+        assert!(o
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("actor.optim.betas"));
+        assert!(OptimConfig::default().validate().is_ok());
+    }
+}

@@ -1,0 +1,101 @@
+//! The GRPO learner: everything between "each sample has a reward" and "the parameters moved".
+//!
+//! - [`advantage`]: host-side advantage estimators (`grpo`, Dr. GRPO, `rloo`), in-reward KL,
+//!   dynamic sampling (`filter_groups`) and masking of truncated responses.
+//! - [`loss`]: policy-loss terms as graph functions over [`xla::graph::Tensor`]s: the PPO
+//!   clipped surrogate with dual clip, GSPO, truncated importance sampling against the
+//!   rollout's log-probs, VeRL's loss aggregation modes, KL estimators and the entropy bonus.
+//! - [`optim`]: AdamW and global gradient-norm clipping as graph functions, the learning-rate
+//!   schedule on the host.
+//! - [`step`]: the fused `train_step` program builder (forward, loss, backward, clipping,
+//!   AdamW, numerical guard), gradient accumulation (`accumulate` + `apply` programs) and the
+//!   host driver [`step::Learner`] that owns the device buffers.
+//! - [`checkpoint`]: atomic, checksummed checkpoints under `OUTPUT/checkpoints/step_N/`.
+//!
+//! Every formula follows VeRL (`verl/trainer/ppo/core_algos.py`, commit 012be9d9 unless a doc
+//! comment says otherwise) and names its source in its doc comment.
+
+pub mod advantage;
+pub mod checkpoint;
+pub mod config;
+pub mod loss;
+pub mod optim;
+pub mod step;
+
+pub use config::{
+    AdvantageEstimator, KlPenalty, LossAggMode, LrSchedule, OptimConfig, PolicyLossConfig, PolicyLossMode,
+};
+
+/// What went wrong in the learner. Checkpoint errors have their own type,
+/// [`checkpoint::CheckpointError`].
+#[derive(Debug, thiserror::Error)]
+pub enum TrainerError {
+    /// Two inputs that must describe the same samples disagree in length.
+    #[error("{what}: expected {expected} values, got {got}; pass one value per {unit}")]
+    Length {
+        /// Which input.
+        what: String,
+        /// The length implied by the other inputs.
+        expected: usize,
+        /// The length passed.
+        got: usize,
+        /// What one value stands for (sample, token, ...).
+        unit: &'static str,
+    },
+    /// A configuration value outside its valid range.
+    #[error("config: {key} = {value}: {message}")]
+    Config {
+        /// The recipe key (VeRL's name).
+        key: &'static str,
+        /// The value given.
+        value: String,
+        /// Why it is refused and what would be accepted.
+        message: String,
+    },
+    /// Tracing or emitting a program failed.
+    #[error("building the {program} program: {source}")]
+    Graph {
+        /// Which program (`train_step`, `accumulate`, `apply`).
+        program: &'static str,
+        /// The graph builder's error (names the op, shapes and source line).
+        #[source]
+        source: xla::graph::GraphError,
+    },
+    /// The runtime refused to compile, upload, run or read back.
+    #[error("{what}: {source}")]
+    Runtime {
+        /// What the learner was doing.
+        what: String,
+        /// The runtime's error.
+        #[source]
+        source: xla::runtime::Error,
+    },
+    /// A micro-batch does not match the program's inputs.
+    #[error("micro-batch {index}: {message}")]
+    Batch {
+        /// Micro-batch number (0-based).
+        index: usize,
+        /// What is wrong (names the input).
+        message: String,
+    },
+    /// Too many optimizer steps in a row were skipped because a term was not finite.
+    #[error(
+        "step {step}: the update was skipped {consecutive} times in a row (limit {limit}) because \
+         these terms were not finite: {terms}; lower the learning rate, check the rewards and \
+         log-probs of this batch, or raise trainer.max_consecutive_nonfinite"
+    )]
+    NonFinite {
+        /// The optimizer step (0-based count of attempted updates) that hit the limit.
+        step: u64,
+        /// How many skipped updates in a row.
+        consecutive: u32,
+        /// The configured limit.
+        limit: u32,
+        /// The non-finite terms of the last step, comma-separated (`pg_loss`, `kl_loss`,
+        /// `entropy`, `grad_norm`).
+        terms: String,
+    },
+}
+
+/// Shorthand for results of this crate.
+pub type Result<T> = std::result::Result<T, TrainerError>;

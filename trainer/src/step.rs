@@ -1,0 +1,977 @@
+//! The fused update programs and the host driver that owns their device buffers.
+//!
+//! [`build_train_programs`] traces three programs around a caller-supplied policy function
+//! (parameters and batch tensors in, per-token log-probs and optionally entropy out):
+//!
+//! - `train_step`: forward, [`crate::loss::actor_loss`], backward, global-norm clipping and
+//!   AdamW in ONE program, for a mini-batch that is a single micro-batch;
+//! - `accumulate`: forward and backward of one micro-batch, adding its gradients and metrics
+//!   into donated accumulators;
+//! - `apply`: clipping and AdamW from the accumulated gradients; it hands the accumulators back
+//!   zeroed (donated, so no new allocation per step).
+//!
+//! Gradient accumulation uses the `accumulate` + `apply` pair rather than one program with the
+//! micro-batch loop unrolled: the unrolled program grows (and its compile time with it) with the
+//! number of micro-batches, a different count per recipe or per step would mean another
+//! compile, and XLA may schedule several unrolled forwards at once, raising peak memory, while
+//! a micro-batch is the unit that must fit. Exactness is kept by normalising each micro-batch's
+//! loss with the mini-batch's token and sequence counts (runtime scalars), so the sum of the
+//! micro-batch gradients is the mini-batch gradient.
+//!
+//! Parameters, both Adam moments and the step count are donated and come back updated. The
+//! numerical guard lives in the programs: when the loss or the pre-clip gradient norm is not
+//! finite, every output selects the old parameters and state (nothing leaves the device) and the
+//! metrics report `update_applied = 0`; [`Learner`] counts such steps and stops after the
+//! configured number in a row with [`TrainerError::NonFinite`].
+//!
+//! Parameters are f32 master weights; with `compute_dtype = BF16` the policy receives bf16
+//! copies (the gradient flows back through the conversion into f32) and the update programs
+//! also return the new bf16 weights for the `logprobs`/rollout programs.
+
+use xla::graph::{grad, BuildOptions, Graph, Program, Tensor};
+use xla::runtime::{Buffer, Client, Executable};
+use xla::DType;
+
+use crate::checkpoint::{Checkpoint, CheckpointError, HostTensor};
+use crate::config::{OptimConfig, PolicyLossConfig};
+use crate::loss::{actor_loss, ActorLoss, LossInputs, Normalizer};
+use crate::optim::{clip_by_global_norm, global_grad_norm, AdamW};
+use crate::{Result, TrainerError};
+
+/// A trainable parameter: name (for messages and checkpoints) and shape; stored as f32.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParamSpec {
+    /// Name, e.g. `model.layers.0.mlp.up_proj.weight`.
+    pub name: String,
+    /// Dimensions.
+    pub dims: Vec<i64>,
+}
+
+/// A batch input of the policy function (token ids, positions, attention layout...), with the
+/// micro-batch shape.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InputSpec {
+    /// Name, for messages.
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Dimensions of one micro-batch.
+    pub dims: Vec<i64>,
+}
+
+/// What the policy function returns: `[batch, response_len]` tensors.
+#[derive(Clone, Debug)]
+pub struct PolicyOutput {
+    /// Per-token log-probs of the response tokens (any float type; converted to f32).
+    pub log_probs: Tensor,
+    /// Per-token entropy of the policy's distribution, needed for the entropy bonus and metric.
+    pub entropy: Option<Tensor>,
+}
+
+/// Everything the programs bake in.
+#[derive(Clone, Debug)]
+pub struct StepConfig {
+    /// The loss side (`actor.*`).
+    pub loss: PolicyLossConfig,
+    /// The optimizer side (`actor.optim.*`, `actor.grad_clip`); the learning rate itself is
+    /// passed per step.
+    pub optim: OptimConfig,
+    /// F32, or BF16 for bf16 weights in the forward pass with f32 master weights.
+    pub compute_dtype: DType,
+    /// Sequences per micro-batch (`actor.ppo_micro_batch_size`).
+    pub micro_batch_size: i64,
+    /// Padded response length of the bucket.
+    pub response_len: i64,
+}
+
+/// Names of the entries of the metrics vector every update program returns (f32).
+pub const METRIC_NAMES: [&str; 10] = [
+    "loss",
+    "pg_loss",
+    "pg_clipfrac",
+    "pg_clipfrac_lower",
+    "ppo_kl",
+    "kl_loss",
+    "entropy",
+    "grad_norm",
+    "update_applied",
+    "lr",
+];
+
+/// How many leading metrics are sums over micro-batches (the loss terms).
+pub const NUM_SUMMED_METRICS: usize = 7;
+
+/// The argument and result positions of the three programs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StepLayout {
+    /// Number of parameter tensors `P`.
+    pub num_params: usize,
+    /// Names of the per-micro-batch loss inputs in argument order: `old_log_probs`,
+    /// `advantages`, `response_mask`, then `ref_log_probs` (with `use_kl_loss`),
+    /// `rollout_log_probs` (with `rollout_is_threshold`), then the scalars `norm_tokens`,
+    /// `norm_seqs`.
+    pub loss_inputs: Vec<&'static str>,
+    /// The policy's batch inputs, after the loss inputs.
+    pub batch_inputs: Vec<InputSpec>,
+    /// Whether the update programs also return bf16 parameters (after the metrics).
+    pub bf16_outputs: bool,
+}
+
+impl StepLayout {
+    /// `train_step` and `apply` arguments start with params `[0, P)`, first moments
+    /// `[P, 2P)`, second moments `[2P, 3P)`, the i32 step count at `3P` and the f32 learning
+    /// rate at `3P + 1`; results start with the same `3P + 1` updated tensors, then the metrics
+    /// vector at `3P + 1`, then (bf16) `P` compute-dtype parameters.
+    pub fn metrics_result(&self) -> usize {
+        3 * self.num_params + 1
+    }
+
+    /// Index of the first micro-batch argument of `train_step` (loss inputs, then batch
+    /// inputs).
+    pub fn train_step_batch_start(&self) -> usize {
+        3 * self.num_params + 2
+    }
+
+    /// Index of the first micro-batch argument of `accumulate` (after `P` gradient
+    /// accumulators, the metric accumulator and `P` parameters).
+    pub fn accumulate_batch_start(&self) -> usize {
+        2 * self.num_params + 1
+    }
+
+    /// Number of micro-batch arguments.
+    pub fn micro_batch_args(&self) -> usize {
+        self.loss_inputs.len() + self.batch_inputs.len()
+    }
+}
+
+/// The three programs and their layout.
+#[derive(Clone, Debug)]
+pub struct TrainPrograms {
+    /// Forward + loss + backward + clip + AdamW, one micro-batch = the mini-batch.
+    pub train_step: Program,
+    /// Forward + backward of one micro-batch into donated accumulators.
+    pub accumulate: Program,
+    /// Clip + AdamW from the accumulators; returns them zeroed.
+    pub apply: Program,
+    /// Argument/result positions.
+    pub layout: StepLayout,
+}
+
+fn graph_err(program: &'static str) -> impl Fn(xla::graph::GraphError) -> TrainerError {
+    move |source| TrainerError::Graph { program, source }
+}
+
+/// The declared loss inputs of one micro-batch, as traced tensors.
+struct LossArgs {
+    old: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    reference: Option<Tensor>,
+    rollout: Option<Tensor>,
+    tokens: Tensor,
+    seqs: Tensor,
+}
+
+fn loss_input_names(cfg: &PolicyLossConfig) -> Vec<&'static str> {
+    let mut names = vec!["old_log_probs", "advantages", "response_mask"];
+    if cfg.use_kl_loss {
+        names.push("ref_log_probs");
+    }
+    if cfg.rollout_is_threshold.is_some() {
+        names.push("rollout_log_probs");
+    }
+    names.extend(["norm_tokens", "norm_seqs"]);
+    names
+}
+
+fn declare_loss_args(g: &Graph, cfg: &StepConfig) -> LossArgs {
+    let bl = [cfg.micro_batch_size, cfg.response_len];
+    let old = g.parameter("old_log_probs", DType::F32, &bl);
+    let adv = g.parameter("advantages", DType::F32, &bl);
+    let mask = g.parameter("response_mask", DType::F32, &bl);
+    let reference = cfg
+        .loss
+        .use_kl_loss
+        .then(|| g.parameter("ref_log_probs", DType::F32, &bl));
+    let rollout = cfg
+        .loss
+        .rollout_is_threshold
+        .map(|_| g.parameter("rollout_log_probs", DType::F32, &bl));
+    let tokens = g.parameter("norm_tokens", DType::F32, &[]);
+    let seqs = g.parameter("norm_seqs", DType::F32, &[]);
+    LossArgs {
+        old,
+        adv,
+        mask,
+        reference,
+        rollout,
+        tokens,
+        seqs,
+    }
+}
+
+fn declare_params(g: &Graph, specs: &[ParamSpec], prefix: &str) -> Vec<Tensor> {
+    specs
+        .iter()
+        .map(|p| g.parameter(&format!("{prefix}{}", p.name), DType::F32, &p.dims))
+        .collect()
+}
+
+/// Traces the policy and the actor loss on `masters` and returns the loss terms and the
+/// gradients with respect to the f32 masters.
+fn trace_loss_and_grads<F>(
+    cfg: &StepConfig,
+    masters: &[Tensor],
+    args: &LossArgs,
+    batch: &[Tensor],
+    policy: &F,
+) -> std::result::Result<(ActorLoss, Vec<Tensor>), xla::graph::GraphError>
+where
+    F: Fn(&[Tensor], &[Tensor]) -> PolicyOutput,
+{
+    let compute: Vec<Tensor> = masters
+        .iter()
+        .map(|p| p.convert_if_needed(cfg.compute_dtype))
+        .collect();
+    let out = policy(&compute, batch);
+    let inputs = LossInputs {
+        log_probs: out.log_probs.convert_if_needed(DType::F32),
+        entropy: out.entropy.map(|e| e.convert_if_needed(DType::F32)),
+        old_log_probs: args.old.clone(),
+        advantages: args.adv.clone(),
+        response_mask: args.mask.clone(),
+        ref_log_probs: args.reference.clone(),
+        rollout_log_probs: args.rollout.clone(),
+        norm: Normalizer {
+            tokens: args.tokens.clone(),
+            seqs: args.seqs.clone(),
+        },
+    };
+    let loss = actor_loss(&cfg.loss, &inputs);
+    let refs: Vec<&Tensor> = masters.iter().collect();
+    let grads = grad(&loss.loss, &refs)?;
+    Ok((loss, grads))
+}
+
+fn scalar1(t: &Tensor) -> Tensor {
+    t.convert_if_needed(DType::F32).reshape(&[1])
+}
+
+/// The update shared by `train_step` and `apply`: guard, clip, AdamW, select. `terms` are the
+/// summed metrics (loss first). Returns the results in layout order.
+#[allow(clippy::too_many_arguments)]
+fn trace_update(
+    cfg: &StepConfig,
+    masters: &[Tensor],
+    m: &[Tensor],
+    v: &[Tensor],
+    step: &Tensor,
+    lr: &Tensor,
+    grads: &[Tensor],
+    terms: &[Tensor],
+) -> Vec<Tensor> {
+    let norm = global_grad_norm(grads);
+    let finite = terms[0].is_finite().and(&norm.is_finite());
+    let grads = match cfg.optim.grad_clip {
+        Some(max_norm) => clip_by_global_norm(grads, &norm, max_norm),
+        None => grads.to_vec(),
+    };
+    let next_step = step + &step.scalar_like(1.0);
+    let t = next_step.convert(DType::F32);
+    let adamw = AdamW::from_config(&cfg.optim);
+    let mut new_p = Vec::new();
+    let mut new_m = Vec::new();
+    let mut new_v = Vec::new();
+    for i in 0..masters.len() {
+        let (p2, m2, v2) = adamw.update(&masters[i], &grads[i], &m[i], &v[i], &t, lr);
+        new_p.push(finite.select(&p2, &masters[i]));
+        new_m.push(finite.select(&m2, &m[i]));
+        new_v.push(finite.select(&v2, &v[i]));
+    }
+    let new_step = finite.select(&next_step, step);
+    let mut metric_parts: Vec<Tensor> = terms.iter().map(scalar1).collect();
+    metric_parts.push(scalar1(&norm));
+    metric_parts.push(scalar1(&finite.convert(DType::F32)));
+    metric_parts.push(scalar1(lr));
+    let refs: Vec<&Tensor> = metric_parts.iter().collect();
+    let metrics = Tensor::concat(&refs, 0);
+    let mut results = new_p.clone();
+    results.extend(new_m);
+    results.extend(new_v);
+    results.push(new_step);
+    results.push(metrics);
+    if cfg.compute_dtype != DType::F32 {
+        results.extend(new_p.iter().map(|p| p.convert(cfg.compute_dtype)));
+    }
+    results
+}
+
+fn loss_terms(loss: &ActorLoss) -> Vec<Tensor> {
+    vec![
+        loss.loss.clone(),
+        loss.policy.pg_loss.clone(),
+        loss.policy.pg_clipfrac.clone(),
+        loss.policy.pg_clipfrac_lower.clone(),
+        loss.policy.ppo_kl.clone(),
+        loss.kl_loss.clone(),
+        loss.entropy.clone(),
+    ]
+}
+
+fn batch_args(g: &Graph, inputs: &[InputSpec]) -> Vec<Tensor> {
+    inputs
+        .iter()
+        .map(|s| g.parameter(&s.name, s.dtype, &s.dims))
+        .collect()
+}
+
+/// Builds `train_step`, `accumulate` and `apply` for the policy function `policy(params,
+/// batch)`, which receives the parameters in `cfg.compute_dtype` (in `params` order) and the
+/// batch tensors (in `inputs` order) and returns `[micro_batch_size, response_len]` log-probs
+/// (and entropy). Validates the configuration first.
+pub fn build_train_programs<F>(
+    cfg: &StepConfig,
+    params: &[ParamSpec],
+    inputs: &[InputSpec],
+    policy: F,
+) -> Result<TrainPrograms>
+where
+    F: Fn(&[Tensor], &[Tensor]) -> PolicyOutput,
+{
+    cfg.loss.validate()?;
+    cfg.optim.validate()?;
+    if !matches!(cfg.compute_dtype, DType::F32 | DType::BF16) {
+        return Err(TrainerError::Config {
+            key: "actor.param_dtype",
+            value: cfg.compute_dtype.to_string(),
+            message: "parameters are computed in f32 or bf16".to_string(),
+        });
+    }
+    if params.is_empty() {
+        return Err(TrainerError::Config {
+            key: "model",
+            value: "0 parameters".to_string(),
+            message: "the policy needs at least one trainable parameter".to_string(),
+        });
+    }
+    let n = params.len();
+    let layout = StepLayout {
+        num_params: n,
+        loss_inputs: loss_input_names(&cfg.loss),
+        batch_inputs: inputs.to_vec(),
+        bf16_outputs: cfg.compute_dtype != DType::F32,
+    };
+
+    // ---- train_step ----
+    let g = Graph::new("train_step");
+    let masters = declare_params(&g, params, "");
+    let m = declare_params(&g, params, "adam_m.");
+    let v = declare_params(&g, params, "adam_v.");
+    let step = g.parameter("step", DType::I32, &[]);
+    let lr = g.parameter("lr", DType::F32, &[]);
+    let args = declare_loss_args(&g, cfg);
+    let batch = batch_args(&g, inputs);
+    let (loss, grads) =
+        trace_loss_and_grads(cfg, &masters, &args, &batch, &policy).map_err(graph_err("train_step"))?;
+    let results = trace_update(cfg, &masters, &m, &v, &step, &lr, &grads, &loss_terms(&loss));
+    let refs: Vec<&Tensor> = results.iter().collect();
+    let donate: Vec<(usize, usize)> = (0..=3 * n).map(|i| (i, i)).collect();
+    let train_step = g
+        .build_with(&refs, &BuildOptions::donating(&donate))
+        .map_err(graph_err("train_step"))?;
+
+    // ---- accumulate ----
+    let g = Graph::new("accumulate");
+    let acc = declare_params(&g, params, "grad_acc.");
+    let metric_acc = g.parameter("metric_acc", DType::F32, &[NUM_SUMMED_METRICS as i64]);
+    let masters = declare_params(&g, params, "");
+    let args = declare_loss_args(&g, cfg);
+    let batch = batch_args(&g, inputs);
+    let (loss, grads) =
+        trace_loss_and_grads(cfg, &masters, &args, &batch, &policy).map_err(graph_err("accumulate"))?;
+    let mut results: Vec<Tensor> = acc.iter().zip(&grads).map(|(a, g)| a + g).collect();
+    let terms: Vec<Tensor> = loss_terms(&loss).iter().map(scalar1).collect();
+    let term_refs: Vec<&Tensor> = terms.iter().collect();
+    results.push(&metric_acc + &Tensor::concat(&term_refs, 0));
+    let refs: Vec<&Tensor> = results.iter().collect();
+    let donate: Vec<(usize, usize)> = (0..=n).map(|i| (i, i)).collect();
+    let accumulate = g
+        .build_with(&refs, &BuildOptions::donating(&donate))
+        .map_err(graph_err("accumulate"))?;
+
+    // ---- apply ----
+    let g = Graph::new("apply");
+    let masters = declare_params(&g, params, "");
+    let m = declare_params(&g, params, "adam_m.");
+    let v = declare_params(&g, params, "adam_v.");
+    let step = g.parameter("step", DType::I32, &[]);
+    let lr = g.parameter("lr", DType::F32, &[]);
+    let acc = declare_params(&g, params, "grad_acc.");
+    let metric_acc = g.parameter("metric_acc", DType::F32, &[NUM_SUMMED_METRICS as i64]);
+    let terms: Vec<Tensor> = (0..NUM_SUMMED_METRICS as i64)
+        .map(|i| metric_acc.slice_axis(0, i, i + 1).reshape(&[]))
+        .collect();
+    let mut results = trace_update(cfg, &masters, &m, &v, &step, &lr, &acc, &terms);
+    let first_zero = results.len();
+    results.extend(acc.iter().map(|a| a.zeros_like()));
+    results.push(metric_acc.zeros_like());
+    let refs: Vec<&Tensor> = results.iter().collect();
+    let mut donate: Vec<(usize, usize)> = (0..=3 * n).map(|i| (i, i)).collect();
+    for i in 0..=n {
+        donate.push((3 * n + 2 + i, first_zero + i));
+    }
+    let apply = g
+        .build_with(&refs, &BuildOptions::donating(&donate))
+        .map_err(graph_err("apply"))?;
+
+    Ok(TrainPrograms {
+        train_step,
+        accumulate,
+        apply,
+        layout,
+    })
+}
+
+/// A micro-batch's device buffers in layout order: the loss inputs
+/// ([`StepLayout::loss_inputs`]) then the policy's batch inputs.
+pub struct MicroBatch {
+    /// The buffers.
+    pub buffers: Vec<Buffer>,
+}
+
+/// A batch input on the host.
+#[derive(Clone, Debug, PartialEq)]
+pub enum HostArray {
+    /// f32 values, row-major.
+    F32(Vec<f32>),
+    /// i32 values (token ids, positions), row-major.
+    I32(Vec<i32>),
+}
+
+/// A micro-batch on the host, `[micro_batch_size, response_len]` row-major arrays.
+#[derive(Clone, Debug, Default)]
+pub struct MicroBatchHost {
+    /// Old policy log-probs.
+    pub old_log_probs: Vec<f32>,
+    /// Per-token advantages.
+    pub advantages: Vec<f32>,
+    /// Response mask (1/0).
+    pub response_mask: Vec<f32>,
+    /// Reference log-probs (required with `use_kl_loss`).
+    pub ref_log_probs: Option<Vec<f32>>,
+    /// Rollout log-probs (required with `rollout_is_threshold`).
+    pub rollout_log_probs: Option<Vec<f32>>,
+    /// The mini-batch normaliser, from [`mini_batch_normalizer`].
+    pub norm: (f32, f32),
+    /// The policy's batch inputs in [`StepLayout::batch_inputs`] order.
+    pub inputs: Vec<HostArray>,
+}
+
+/// `(tokens, seqs)` of a mini-batch: the response-mask sum and the number of rows, the
+/// denominators every micro-batch of that mini-batch must use.
+pub fn mini_batch_normalizer(response_mask: &[f32], response_len: usize) -> (f32, f32) {
+    let tokens: f64 = response_mask.iter().map(|m| *m as f64).sum();
+    (tokens as f32, (response_mask.len() / response_len.max(1)) as f32)
+}
+
+/// What one optimizer step reported (read back from the metrics vector).
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepMetrics {
+    /// The optimizer step this was (0-based count of attempted updates).
+    pub step: u64,
+    /// `METRIC_NAMES[i]` -> value.
+    pub values: Vec<(&'static str, f64)>,
+    /// Whether the parameters moved (false when a term was not finite).
+    pub update_applied: bool,
+    /// The terms that were not finite (`pg_loss`, `kl_loss`, `entropy`, `grad_norm`, `loss`).
+    pub nonfinite_terms: Vec<&'static str>,
+}
+
+impl StepMetrics {
+    /// The value of metric `name`.
+    pub fn get(&self, name: &str) -> Option<f64> {
+        self.values.iter().find(|(n, _)| *n == name).map(|(_, v)| *v)
+    }
+}
+
+/// Counts consecutive skipped updates and turns too many into an error.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NonFiniteGuard {
+    /// How many skipped updates in a row stop the run.
+    pub max_consecutive: u32,
+    /// Skipped updates in a row so far.
+    pub consecutive: u32,
+}
+
+impl NonFiniteGuard {
+    /// A guard that stops after `max_consecutive` skipped updates in a row (at least 1).
+    pub fn new(max_consecutive: u32) -> NonFiniteGuard {
+        NonFiniteGuard {
+            max_consecutive: max_consecutive.max(1),
+            consecutive: 0,
+        }
+    }
+
+    /// Records one step's outcome.
+    pub fn observe(&mut self, metrics: &StepMetrics) -> Result<()> {
+        if metrics.update_applied {
+            self.consecutive = 0;
+            return Ok(());
+        }
+        self.consecutive += 1;
+        if self.consecutive >= self.max_consecutive {
+            return Err(TrainerError::NonFinite {
+                step: metrics.step,
+                consecutive: self.consecutive,
+                limit: self.max_consecutive,
+                terms: metrics.nonfinite_terms.join(", "),
+            });
+        }
+        Ok(())
+    }
+}
+
+fn rt(what: impl Into<String>) -> impl FnOnce(xla::runtime::Error) -> TrainerError {
+    let what = what.into();
+    move |source| TrainerError::Runtime { what, source }
+}
+
+/// The learner's device state and compiled programs: parameters, Adam moments, step count,
+/// accumulators. Buffers stay on the device between steps; only the metrics vector is read.
+pub struct Learner {
+    client: Client,
+    programs: TrainPrograms,
+    response_len: i64,
+    micro_batch_size: i64,
+    train_step: Option<Executable>,
+    accumulate: Option<Executable>,
+    apply: Option<Executable>,
+    params: Vec<Buffer>,
+    m: Vec<Buffer>,
+    v: Vec<Buffer>,
+    step: Buffer,
+    grad_acc: Vec<Buffer>,
+    metric_acc: Buffer,
+    compute_params: Option<Vec<Buffer>>,
+    guard: NonFiniteGuard,
+    attempted_steps: u64,
+}
+
+/// The learner's state on the host (for checkpoints): parameters and Adam moments as f32
+/// arrays in [`ParamSpec`] order, and the AdamW step count.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LearnerState {
+    /// Master parameters.
+    pub params: Vec<Vec<f32>>,
+    /// First moments.
+    pub m: Vec<Vec<f32>>,
+    /// Second moments.
+    pub v: Vec<Vec<f32>>,
+    /// Completed AdamW updates (the bias-correction `t`).
+    pub adam_step: i32,
+}
+
+impl LearnerState {
+    /// The checkpoint tensor files of this state: `params` (the f32 master weights under their
+    /// [`ParamSpec`] names) and `optimizer` (`adam_m.NAME`, `adam_v.NAME` and `adam_step`, an
+    /// f32 `[1]` tensor, exact up to 2^24 steps). Pass them to
+    /// [`crate::checkpoint::save_checkpoint`].
+    pub fn to_tensor_files(&self, specs: &[ParamSpec]) -> Vec<(&'static str, Vec<HostTensor>)> {
+        let dims = |p: &ParamSpec| p.dims.iter().map(|d| *d as usize).collect::<Vec<_>>();
+        let params = specs
+            .iter()
+            .zip(&self.params)
+            .map(|(p, v)| HostTensor::from_f32(&p.name, &dims(p), v))
+            .collect();
+        let mut opt: Vec<HostTensor> = Vec::new();
+        for (p, (m, v)) in specs.iter().zip(self.m.iter().zip(&self.v)) {
+            opt.push(HostTensor::from_f32(&format!("adam_m.{}", p.name), &dims(p), m));
+            opt.push(HostTensor::from_f32(&format!("adam_v.{}", p.name), &dims(p), v));
+        }
+        opt.push(HostTensor::from_f32("adam_step", &[1], &[self.adam_step as f32]));
+        vec![("params", params), ("optimizer", opt)]
+    }
+
+    /// Reads the state [`LearnerState::to_tensor_files`] saved, checking every tensor's
+    /// presence and shape against `specs`.
+    pub fn from_checkpoint(
+        ck: &Checkpoint,
+        specs: &[ParamSpec],
+    ) -> std::result::Result<LearnerState, CheckpointError> {
+        let get = |stem: &str, name: &str, dims: &[i64]| -> std::result::Result<Vec<f32>, CheckpointError> {
+            let path = ck.dir.join(format!("{stem}.safetensors"));
+            let t = ck.tensor(stem, name).ok_or_else(|| CheckpointError::Format {
+                path: path.clone(),
+                message: format!("tensor {name} is missing; the checkpoint was saved for another model"),
+            })?;
+            let want: Vec<usize> = dims.iter().map(|d| *d as usize).collect();
+            if t.dims != want {
+                return Err(CheckpointError::Format {
+                    path,
+                    message: format!(
+                        "tensor {name} has shape {:?}; this model expects {want:?}",
+                        t.dims
+                    ),
+                });
+            }
+            Ok(t.to_f32())
+        };
+        let mut state = LearnerState {
+            params: Vec::new(),
+            m: Vec::new(),
+            v: Vec::new(),
+            adam_step: 0,
+        };
+        for p in specs {
+            state.params.push(get("params", &p.name, &p.dims)?);
+            state
+                .m
+                .push(get("optimizer", &format!("adam_m.{}", p.name), &p.dims)?);
+            state
+                .v
+                .push(get("optimizer", &format!("adam_v.{}", p.name), &p.dims)?);
+        }
+        state.adam_step = get("optimizer", "adam_step", &[1])?[0] as i32;
+        Ok(state)
+    }
+}
+
+impl Learner {
+    /// Uploads the initial f32 parameters (in [`ParamSpec`] order) with zero optimizer state.
+    /// Programs compile on first use.
+    pub fn new(
+        client: &Client,
+        programs: TrainPrograms,
+        params: &[ParamSpec],
+        cfg: &StepConfig,
+        initial: &[Vec<f32>],
+        max_consecutive_nonfinite: u32,
+    ) -> Result<Learner> {
+        let zeros: Vec<Vec<f32>> = params
+            .iter()
+            .map(|p| vec![0.0; p.dims.iter().product::<i64>() as usize])
+            .collect();
+        let state = LearnerState {
+            params: initial.to_vec(),
+            m: zeros.clone(),
+            v: zeros,
+            adam_step: 0,
+        };
+        Learner::from_state(client, programs, params, cfg, &state, max_consecutive_nonfinite)
+    }
+
+    /// Uploads a saved state.
+    pub fn from_state(
+        client: &Client,
+        programs: TrainPrograms,
+        params: &[ParamSpec],
+        cfg: &StepConfig,
+        state: &LearnerState,
+        max_consecutive_nonfinite: u32,
+    ) -> Result<Learner> {
+        let upload = |what: &str, values: &[Vec<f32>]| -> Result<Vec<Buffer>> {
+            if values.len() != params.len() {
+                return Err(TrainerError::Length {
+                    what: what.to_string(),
+                    expected: params.len(),
+                    got: values.len(),
+                    unit: "parameter",
+                });
+            }
+            params
+                .iter()
+                .zip(values)
+                .map(|(p, v)| {
+                    let n = p.dims.iter().product::<i64>() as usize;
+                    if v.len() != n {
+                        return Err(TrainerError::Length {
+                            what: format!("{what} {}", p.name),
+                            expected: n,
+                            got: v.len(),
+                            unit: "element",
+                        });
+                    }
+                    client
+                        .buffer_from_host(v, &p.dims, 0)
+                        .map_err(rt(format!("uploading {what} {}", p.name)))
+                })
+                .collect()
+        };
+        let zeros: Vec<Vec<f32>> = params
+            .iter()
+            .map(|p| vec![0.0; p.dims.iter().product::<i64>() as usize])
+            .collect();
+        let learner = Learner {
+            client: client.clone(),
+            response_len: cfg.response_len,
+            micro_batch_size: cfg.micro_batch_size,
+            train_step: None,
+            accumulate: None,
+            apply: None,
+            params: upload("parameter", &state.params)?,
+            m: upload("adam_m", &state.m)?,
+            v: upload("adam_v", &state.v)?,
+            step: client
+                .buffer_from_host(&[state.adam_step], &[], 0)
+                .map_err(rt("uploading the step count"))?,
+            grad_acc: upload("grad_acc", &zeros)?,
+            metric_acc: client
+                .buffer_from_host(&[0.0f32; NUM_SUMMED_METRICS], &[NUM_SUMMED_METRICS as i64], 0)
+                .map_err(rt("uploading the metric accumulator"))?,
+            compute_params: None,
+            guard: NonFiniteGuard::new(max_consecutive_nonfinite),
+            attempted_steps: 0,
+            programs,
+        };
+        Ok(learner)
+    }
+
+    /// The program layout.
+    pub fn layout(&self) -> &StepLayout {
+        &self.programs.layout
+    }
+
+    /// The current f32 master parameters on the device (for the `logprobs` program when
+    /// computing in f32).
+    pub fn params(&self) -> &[Buffer] {
+        &self.params
+    }
+
+    /// The bf16 parameters from the last update (None before the first update or in f32).
+    pub fn compute_params(&self) -> Option<&[Buffer]> {
+        self.compute_params.as_deref()
+    }
+
+    /// Attempted optimizer steps so far.
+    pub fn attempted_steps(&self) -> u64 {
+        self.attempted_steps
+    }
+
+    /// Uploads a host micro-batch, checking every array against the layout.
+    pub fn upload_micro_batch(&self, index: usize, mb: &MicroBatchHost) -> Result<MicroBatch> {
+        let n_tok = (self.micro_batch_size * self.response_len) as usize;
+        let bl = [self.micro_batch_size, self.response_len];
+        let err = |message: String| TrainerError::Batch { index, message };
+        let mut buffers = Vec::new();
+        let push_bl = |name: &str, v: Option<&Vec<f32>>, buffers: &mut Vec<Buffer>| -> Result<()> {
+            let v = v.ok_or_else(|| {
+                err(format!(
+                    "{name} is required by this configuration but was not given"
+                ))
+            })?;
+            if v.len() != n_tok {
+                return Err(err(format!(
+                    "{name} has {} values; expected {} ({} x {})",
+                    v.len(),
+                    n_tok,
+                    bl[0],
+                    bl[1]
+                )));
+            }
+            buffers.push(
+                self.client
+                    .buffer_from_host(v, &bl, 0)
+                    .map_err(rt(format!("uploading {name}")))?,
+            );
+            Ok(())
+        };
+        for name in &self.programs.layout.loss_inputs {
+            match *name {
+                "old_log_probs" => push_bl(name, Some(&mb.old_log_probs), &mut buffers)?,
+                "advantages" => push_bl(name, Some(&mb.advantages), &mut buffers)?,
+                "response_mask" => push_bl(name, Some(&mb.response_mask), &mut buffers)?,
+                "ref_log_probs" => push_bl(name, mb.ref_log_probs.as_ref(), &mut buffers)?,
+                "rollout_log_probs" => push_bl(name, mb.rollout_log_probs.as_ref(), &mut buffers)?,
+                "norm_tokens" => buffers.push(
+                    self.client
+                        .buffer_from_host(&[mb.norm.0], &[], 0)
+                        .map_err(rt("uploading norm_tokens"))?,
+                ),
+                _ => buffers.push(
+                    self.client
+                        .buffer_from_host(&[mb.norm.1], &[], 0)
+                        .map_err(rt("uploading norm_seqs"))?,
+                ),
+            }
+        }
+        let specs = &self.programs.layout.batch_inputs;
+        if mb.inputs.len() != specs.len() {
+            return Err(err(format!(
+                "{} batch inputs given; the policy takes {} ({})",
+                mb.inputs.len(),
+                specs.len(),
+                specs
+                    .iter()
+                    .map(|s| s.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
+        for (spec, arr) in specs.iter().zip(&mb.inputs) {
+            let n = spec.dims.iter().product::<i64>() as usize;
+            let b = match (spec.dtype, arr) {
+                (DType::F32, HostArray::F32(v)) if v.len() == n => {
+                    self.client.buffer_from_host(v, &spec.dims, 0)
+                }
+                (DType::I32, HostArray::I32(v)) if v.len() == n => {
+                    self.client.buffer_from_host(v, &spec.dims, 0)
+                }
+                _ => {
+                    let (kind, len) = match arr {
+                        HostArray::F32(v) => ("f32", v.len()),
+                        HostArray::I32(v) => ("i32", v.len()),
+                    };
+                    return Err(err(format!(
+                        "input {} is {kind} with {len} values; expected {}{:?} ({n} values)",
+                        spec.name, spec.dtype, spec.dims
+                    )));
+                }
+            };
+            buffers.push(b.map_err(rt(format!("uploading {}", spec.name)))?);
+        }
+        Ok(MicroBatch { buffers })
+    }
+
+    fn exe(slot: &mut Option<Executable>, program: &Program, client: &Client) -> Result<()> {
+        if slot.is_none() {
+            *slot = Some(
+                program
+                    .compile(client)
+                    .map_err(rt(format!("compiling {}", program.name())))?,
+            );
+        }
+        Ok(())
+    }
+
+    /// One optimizer step over a mini-batch given as micro-batches (all normalised with the
+    /// mini-batch's [`mini_batch_normalizer`]) at learning rate `lr`: one micro-batch runs the
+    /// fused `train_step`; several run `accumulate` for each and then `apply`. Returns the
+    /// metrics; a skipped (non-finite) update is reported in them and becomes an error once
+    /// the guard's limit of skipped updates in a row is reached.
+    pub fn step(&mut self, micro_batches: &[MicroBatch], lr: f64) -> Result<StepMetrics> {
+        let layout = self.programs.layout.clone();
+        let n = layout.num_params;
+        for (i, mb) in micro_batches.iter().enumerate() {
+            if mb.buffers.len() != layout.micro_batch_args() {
+                return Err(TrainerError::Batch {
+                    index: i,
+                    message: format!(
+                        "{} buffers; the programs take {}",
+                        mb.buffers.len(),
+                        layout.micro_batch_args()
+                    ),
+                });
+            }
+        }
+        let lr_buf = self
+            .client
+            .buffer_from_host(&[lr as f32], &[], 0)
+            .map_err(rt("uploading the learning rate"))?;
+        let outputs = match micro_batches {
+            [] => {
+                return Err(TrainerError::Batch {
+                    index: 0,
+                    message: "a step needs at least one micro-batch".to_string(),
+                })
+            }
+            [only] => {
+                Self::exe(&mut self.train_step, &self.programs.train_step, &self.client)?;
+                let mut args: Vec<&Buffer> = Vec::new();
+                args.extend(self.params.iter());
+                args.extend(self.m.iter());
+                args.extend(self.v.iter());
+                args.push(&self.step);
+                args.push(&lr_buf);
+                args.extend(only.buffers.iter());
+                self.train_step
+                    .as_ref()
+                    .expect("compiled")
+                    .execute(&args)
+                    .map_err(rt("running train_step"))?
+            }
+            many => {
+                Self::exe(&mut self.accumulate, &self.programs.accumulate, &self.client)?;
+                Self::exe(&mut self.apply, &self.programs.apply, &self.client)?;
+                for mb in many {
+                    let mut args: Vec<&Buffer> = Vec::new();
+                    args.extend(self.grad_acc.iter());
+                    args.push(&self.metric_acc);
+                    args.extend(self.params.iter());
+                    args.extend(mb.buffers.iter());
+                    let mut out = self
+                        .accumulate
+                        .as_ref()
+                        .expect("compiled")
+                        .execute(&args)
+                        .map_err(rt("running accumulate"))?;
+                    self.metric_acc = out.pop().expect("metric accumulator");
+                    self.grad_acc = out;
+                }
+                let mut args: Vec<&Buffer> = Vec::new();
+                args.extend(self.params.iter());
+                args.extend(self.m.iter());
+                args.extend(self.v.iter());
+                args.push(&self.step);
+                args.push(&lr_buf);
+                args.extend(self.grad_acc.iter());
+                args.push(&self.metric_acc);
+                let mut out = self
+                    .apply
+                    .as_ref()
+                    .expect("compiled")
+                    .execute(&args)
+                    .map_err(rt("running apply"))?;
+                self.metric_acc = out.pop().expect("zeroed metric accumulator");
+                self.grad_acc = out.split_off(out.len() - n);
+                out
+            }
+        };
+        let mut out = outputs.into_iter();
+        self.params = out.by_ref().take(n).collect();
+        self.m = out.by_ref().take(n).collect();
+        self.v = out.by_ref().take(n).collect();
+        self.step = out.next().expect("step count");
+        let metrics_buf = out.next().expect("metrics");
+        if layout.bf16_outputs {
+            self.compute_params = Some(out.take(n).collect());
+        }
+        let raw = metrics_buf
+            .to_host::<f32>()
+            .map_err(rt("reading the step metrics"))?;
+        let values: Vec<(&'static str, f64)> = METRIC_NAMES
+            .iter()
+            .zip(&raw)
+            .map(|(n, v)| (*n, *v as f64))
+            .collect();
+        let update_applied = raw[8] != 0.0;
+        let nonfinite_terms = ["loss", "pg_loss", "kl_loss", "entropy", "grad_norm"]
+            .into_iter()
+            .filter(|name| values.iter().any(|(n, v)| n == name && !v.is_finite()))
+            .collect();
+        let metrics = StepMetrics {
+            step: self.attempted_steps,
+            values,
+            update_applied,
+            nonfinite_terms,
+        };
+        self.attempted_steps += 1;
+        self.guard.observe(&metrics)?;
+        Ok(metrics)
+    }
+
+    /// Copies parameters, Adam moments and the step count to the host (for a checkpoint).
+    pub fn state(&self) -> Result<LearnerState> {
+        let read = |what: &str, bufs: &[Buffer]| -> Result<Vec<Vec<f32>>> {
+            bufs.iter()
+                .map(|b| b.to_host::<f32>().map_err(rt(format!("reading {what}"))))
+                .collect()
+        };
+        let step = self.step.to_host::<i32>().map_err(rt("reading the step count"))?;
+        Ok(LearnerState {
+            params: read("parameters", &self.params)?,
+            m: read("adam_m", &self.m)?,
+            v: read("adam_v", &self.v)?,
+            adam_step: step[0],
+        })
+    }
+}

@@ -1,0 +1,570 @@
+//! PJRT clients: creating one from a plugin with create options, its devices (id, kind, memory
+//! where the plugin reports it), host-to-device transfers, and compiling StableHLO text into
+//! [`Executable`]s through the executable cache.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use super::buffer::Buffer;
+use super::cache::{CacheConfig, ExecutableCache};
+use super::error::{Error, Result};
+use super::executable::{program_name, Executable, ExecutableInner};
+use super::plugin::{args, pjrt_call, NamedValues, OptionValue, Plugin, PluginKind};
+use super::sys::*;
+use crate::{DType, NativeType};
+
+/// How a program is compiled.
+#[derive(Clone, Debug, Default)]
+pub struct CompileOptions {
+    /// 1 for a single-device program; N for an SPMD program partitioned over N devices
+    /// (num_replicas=1, num_partitions=N, use_spmd_partitioning, use_shardy_partitioner).
+    /// 0 is treated as 1.
+    pub num_partitions: usize,
+    /// Argument indices the program donates (`tf.aliasing_output`); the runtime marks those
+    /// buffers consumed after execute so later use is a clear error, not a plugin crash.
+    /// Arguments not listed here are never donated, even if the program aliases them.
+    pub donated_args: Vec<usize>,
+}
+
+impl CompileOptions {
+    /// `num_partitions` with 0 read as 1.
+    pub fn partitions(&self) -> usize {
+        self.num_partitions.max(1)
+    }
+}
+
+/// Encodes the `xla.CompileOptionsProto` for `options` (field numbers from
+/// `xla/pjrt/proto/compile_options.proto`):
+/// `{executable_build_options(3): {device_ordinal(1)=-1, num_replicas(4)=1, num_partitions(5)=N,
+///   [use_spmd_partitioning(6)=true, use_shardy_partitioner(19)=true when N > 1]},
+///   compile_portable_executable(4)=portable}`.
+/// A portable single-device executable runs on whichever device its arguments are on.
+pub fn compile_options_proto(options: &CompileOptions, portable: bool) -> Vec<u8> {
+    let partitions = options.partitions() as u64;
+    let mut build = Vec::new();
+    proto_varint_field(&mut build, 1, (-1i64) as u64);
+    proto_varint_field(&mut build, 4, 1);
+    proto_varint_field(&mut build, 5, partitions);
+    if partitions > 1 {
+        proto_varint_field(&mut build, 6, 1);
+        proto_varint_field(&mut build, 19, 1);
+    }
+    let mut out = Vec::new();
+    proto_bytes_field(&mut out, 3, &build);
+    if portable && partitions == 1 {
+        proto_varint_field(&mut out, 4, 1);
+    }
+    out
+}
+
+fn proto_varint(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push((v as u8) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+fn proto_varint_field(out: &mut Vec<u8>, field: u32, value: u64) {
+    proto_varint(out, (field as u64) << 3);
+    proto_varint(out, value);
+}
+
+fn proto_bytes_field(out: &mut Vec<u8>, field: u32, bytes: &[u8]) {
+    proto_varint(out, ((field as u64) << 3) | 2);
+    proto_varint(out, bytes.len() as u64);
+    out.extend_from_slice(bytes);
+}
+
+/// Options for creating a client.
+#[derive(Clone, Debug, Default)]
+pub struct ClientOptions {
+    /// Plugin create options, e.g. `("cpu_device_count", OptionValue::Int(4))`. Unknown names are
+    /// rejected by the plugin.
+    pub create_options: Vec<(String, OptionValue)>,
+    /// Where compiled executables are cached on disk.
+    pub cache: CacheConfig,
+}
+
+/// Memory of a device, as far as the plugin reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceMemory {
+    /// Bytes the device may allocate (`bytes_limit`), when reported.
+    pub bytes_limit: Option<u64>,
+    /// Bytes allocated now.
+    pub bytes_in_use: u64,
+}
+
+/// One addressable device of a client.
+#[derive(Clone, Debug)]
+pub struct DeviceInfo {
+    /// Index in [`Client::devices`] (what `buffer_from_host` and `Buffer::device` use).
+    pub index: usize,
+    /// The plugin's global device id.
+    pub id: i32,
+    /// The device kind (`cpu`, `NVIDIA H100 80GB HBM3`, `TPU v5 lite`, ...).
+    pub kind: String,
+    /// The plugin's description of the device.
+    pub description: String,
+    /// Memory statistics, when the plugin reports them.
+    pub memory: Option<DeviceMemory>,
+}
+
+/// The part of a client that buffers and executables keep alive: destroyed after the last of
+/// them.
+pub(crate) struct ClientHandle {
+    pub plugin: Arc<Plugin>,
+    pub raw: *mut PJRT_Client,
+    pub devices: Vec<*mut PJRT_Device>,
+    pub device_info: Vec<DeviceInfo>,
+    pub platform_name: String,
+    pub platform_version: String,
+}
+
+// SAFETY: PJRT clients and devices are thread-safe handles.
+unsafe impl Send for ClientHandle {}
+// SAFETY: as above.
+unsafe impl Sync for ClientHandle {}
+
+impl Drop for ClientHandle {
+    fn drop(&mut self) {
+        let mut d = args!(PJRT_Client_Destroy_Args, PJRT_Client_Destroy_Args_STRUCT_SIZE);
+        d.client = self.raw;
+        if let Err(e) = pjrt_call!(&self.plugin, PJRT_Client_Destroy, &mut d) {
+            tracing::warn!("{e}");
+        }
+    }
+}
+
+impl ClientHandle {
+    pub fn check_device(&self, device: usize) -> Result<*mut PJRT_Device> {
+        self.devices
+            .get(device)
+            .copied()
+            .ok_or_else(|| Error::NoSuchDevice {
+                device,
+                num_devices: self.devices.len(),
+                platform: self.platform_name.clone(),
+            })
+    }
+}
+
+struct ClientInner {
+    handle: Arc<ClientHandle>,
+    cache: ExecutableCache,
+}
+
+/// A PJRT client: one plugin's devices. Cheap to clone; `Send + Sync`.
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<ClientInner>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("platform", &self.inner.handle.platform_name)
+            .field("devices", &self.inner.handle.devices.len())
+            .field("plugin", &self.inner.handle.plugin.path())
+            .finish()
+    }
+}
+
+impl Client {
+    /// Discover and load the CPU plugin (env var / installed Python package), create a client
+    /// with `cpu_device_count = num_devices`.
+    pub fn cpu(num_devices: usize) -> Result<Client> {
+        let plugin = Plugin::discover(PluginKind::Cpu, None)?;
+        Client::from_plugin(
+            plugin,
+            ClientOptions {
+                create_options: vec![(
+                    "cpu_device_count".to_string(),
+                    OptionValue::Int(num_devices.max(1) as i64),
+                )],
+                cache: CacheConfig::from_env(),
+            },
+        )
+    }
+
+    /// Finds the plugin of `kind` (`path` first, then the environment variable, then the Python
+    /// packages) and creates a client.
+    pub fn new(kind: PluginKind, path: Option<&Path>, options: ClientOptions) -> Result<Client> {
+        let plugin = Plugin::discover(kind, path)?;
+        Client::from_plugin(plugin, options)
+    }
+
+    /// Creates a client on a loaded plugin.
+    pub fn from_plugin(plugin: Arc<Plugin>, options: ClientOptions) -> Result<Client> {
+        let named = NamedValues::new(&options.create_options);
+        let mut create = args!(PJRT_Client_Create_Args, PJRT_Client_Create_Args_STRUCT_SIZE);
+        create.create_options = named.as_ptr();
+        create.num_options = named.values.len();
+        if let Err(e) = pjrt_call!(&plugin, PJRT_Client_Create, &mut create) {
+            let message = e
+                .pjrt_message()
+                .unwrap_or_default()
+                .trim()
+                .trim_end_matches('.')
+                .to_string();
+            let hint = match plugin.kind() {
+                PluginKind::Tpu => "There is no TPU chip on this host (or it is in use): only deviceless \
+                    compilation for a named topology is available (xla::runtime::compile_for_topology, \
+                    `grpo devices --plugin tpu` lists the topologies)"
+                    .to_string(),
+                PluginKind::Cuda => {
+                    "Check that an NVIDIA GPU and driver are present (`nvidia-smi`) and that \
+                    the CUDA libraries are installed: `pip install 'jax-cuda13-plugin[with-cuda]'`"
+                        .to_string()
+                }
+                PluginKind::Cpu => format!(
+                    "Check the create options {:?} (the CPU plugin knows cpu_device_count and asynchronous)",
+                    options.create_options
+                ),
+            };
+            return Err(Error::ClientCreate {
+                kind: plugin.kind().to_string(),
+                path: plugin.path().to_path_buf(),
+                message: if message.is_empty() {
+                    e.to_string()
+                } else {
+                    message
+                },
+                hint,
+            });
+        }
+        drop(named);
+        let raw = create.client;
+        // Wrap at once so the client is destroyed if anything below fails.
+        let mut handle = ClientHandle {
+            plugin: plugin.clone(),
+            raw,
+            devices: Vec::new(),
+            device_info: Vec::new(),
+            platform_name: String::new(),
+            platform_version: String::new(),
+        };
+        let mut name = args!(
+            PJRT_Client_PlatformName_Args,
+            PJRT_Client_PlatformName_Args_STRUCT_SIZE
+        );
+        name.client = raw;
+        pjrt_call!(&plugin, PJRT_Client_PlatformName, &mut name)?;
+        // SAFETY: pointer/size owned by the client.
+        handle.platform_name =
+            unsafe { super::plugin::string_from(name.platform_name, name.platform_name_size) };
+        let mut version = args!(
+            PJRT_Client_PlatformVersion_Args,
+            PJRT_Client_PlatformVersion_Args_STRUCT_SIZE
+        );
+        version.client = raw;
+        pjrt_call!(&plugin, PJRT_Client_PlatformVersion, &mut version)?;
+        // SAFETY: as above.
+        handle.platform_version =
+            unsafe { super::plugin::string_from(version.platform_version, version.platform_version_size) };
+        let mut devices = args!(
+            PJRT_Client_AddressableDevices_Args,
+            PJRT_Client_AddressableDevices_Args_STRUCT_SIZE
+        );
+        devices.client = raw;
+        pjrt_call!(&plugin, PJRT_Client_AddressableDevices, &mut devices)?;
+        if devices.num_addressable_devices > 0 {
+            // SAFETY: array of num_addressable_devices device pointers owned by the client.
+            handle.devices = unsafe {
+                std::slice::from_raw_parts(devices.addressable_devices, devices.num_addressable_devices)
+            }
+            .to_vec();
+        }
+        handle.device_info = handle
+            .devices
+            .iter()
+            .enumerate()
+            .map(|(index, device)| describe_device(&plugin, index, *device))
+            .collect::<Result<_>>()?;
+        let handle = Arc::new(handle);
+        let cache = ExecutableCache::new(&options.cache);
+        tracing::debug!(
+            "created {} client ({} devices) from {}",
+            handle.platform_name,
+            handle.devices.len(),
+            plugin.path().display()
+        );
+        Ok(Client {
+            inner: Arc::new(ClientInner { handle, cache }),
+        })
+    }
+
+    /// The plugin this client runs on.
+    pub fn plugin(&self) -> &Arc<Plugin> {
+        &self.inner.handle.plugin
+    }
+
+    /// The number of addressable devices.
+    pub fn num_devices(&self) -> usize {
+        self.inner.handle.devices.len()
+    }
+
+    /// The addressable devices.
+    pub fn devices(&self) -> &[DeviceInfo] {
+        &self.inner.handle.device_info
+    }
+
+    /// The platform name (`cpu`, `cuda`, `tpu`).
+    pub fn platform_name(&self) -> &str {
+        &self.inner.handle.platform_name
+    }
+
+    /// The platform version string the plugin reports.
+    pub fn platform_version(&self) -> &str {
+        &self.inner.handle.platform_version
+    }
+
+    /// The executable cache of this client.
+    pub fn cache(&self) -> &ExecutableCache {
+        &self.inner.cache
+    }
+
+    /// The cache fingerprint of a program compiled with `options` (sha256 of the text, the
+    /// compile options and the donated arguments).
+    pub fn fingerprint(mlir: &str, options: &CompileOptions) -> String {
+        super::cache::program_fingerprint(mlir, &options_key(options))
+    }
+
+    /// Compiles StableHLO text (a `module` with a `func.func @main`), through the in-memory and
+    /// on-disk executable caches.
+    pub fn compile(&self, mlir: &str, options: &CompileOptions) -> Result<Executable> {
+        let fingerprint = Client::fingerprint(mlir, options);
+        if let Some(executable) = self.inner.cache.memory_get(&fingerprint) {
+            return Ok(executable);
+        }
+        let executable = match self.inner.cache.disk_load(self, &fingerprint, mlir, options) {
+            Some(executable) => executable,
+            None => {
+                let executable = self.compile_uncached(mlir, options)?;
+                self.inner.cache.disk_store(self, &fingerprint, &executable);
+                executable
+            }
+        };
+        self.inner.cache.memory_insert(&fingerprint, &executable);
+        Ok(executable)
+    }
+
+    /// Compiles without looking at or filling any cache.
+    pub fn compile_uncached(&self, mlir: &str, options: &CompileOptions) -> Result<Executable> {
+        let handle = &self.inner.handle;
+        let proto = compile_options_proto(options, true);
+        let format = "mlir";
+        let mut program = args!(PJRT_Program, PJRT_Program_STRUCT_SIZE);
+        program.code = mlir.as_ptr() as *mut std::ffi::c_char;
+        program.code_size = mlir.len();
+        program.format = format.as_ptr() as *const std::ffi::c_char;
+        program.format_size = format.len();
+        let mut compile = args!(PJRT_Client_Compile_Args, PJRT_Client_Compile_Args_STRUCT_SIZE);
+        compile.client = handle.raw;
+        compile.program = &program;
+        compile.compile_options = proto.as_ptr() as *const std::ffi::c_char;
+        compile.compile_options_size = proto.len();
+        pjrt_call!(&handle.plugin, PJRT_Client_Compile, &mut compile).map_err(|e| Error::Compile {
+            program: program_name(mlir),
+            message: e.pjrt_message().unwrap_or_default().to_string(),
+        })?;
+        ExecutableInner::wrap(handle.clone(), compile.executable, mlir, options).map(Executable::from_inner)
+    }
+
+    /// Loads a serialized executable (from [`Executable::serialize`]) on this client.
+    pub fn deserialize(&self, bytes: &[u8], mlir: &str, options: &CompileOptions) -> Result<Executable> {
+        let handle = &self.inner.handle;
+        let mut load = args!(
+            PJRT_Executable_DeserializeAndLoad_Args,
+            PJRT_Executable_DeserializeAndLoad_Args_STRUCT_SIZE
+        );
+        load.client = handle.raw;
+        load.serialized_executable = bytes.as_ptr() as *const std::ffi::c_char;
+        load.serialized_executable_size = bytes.len();
+        pjrt_call!(&handle.plugin, PJRT_Executable_DeserializeAndLoad, &mut load)?;
+        ExecutableInner::wrap(handle.clone(), load.loaded_executable, mlir, options)
+            .map(Executable::from_inner)
+    }
+
+    /// Copies host data to `device`: `data` is dense row-major with shape `dims`.
+    pub fn buffer_from_host<T: NativeType>(&self, data: &[T], dims: &[i64], device: usize) -> Result<Buffer> {
+        // SAFETY: NativeType guarantees T is plain data with the layout of T::DTYPE.
+        let bytes =
+            unsafe { std::slice::from_raw_parts(data.as_ptr() as *const u8, std::mem::size_of_val(data)) };
+        self.buffer_from_bytes(bytes, T::DTYPE, dims, device)
+    }
+
+    /// Copies raw little-endian bytes of `dtype` elements with shape `dims` to `device`.
+    pub fn buffer_from_bytes(
+        &self,
+        bytes: &[u8],
+        dtype: DType,
+        dims: &[i64],
+        device: usize,
+    ) -> Result<Buffer> {
+        let handle = &self.inner.handle;
+        let device_ptr = handle.check_device(device)?;
+        let elements = element_count(dims)?;
+        let expected_bytes = elements * dtype.size_bytes();
+        if bytes.len() != expected_bytes {
+            return Err(Error::HostDataSize {
+                dtype,
+                dims: dims.to_vec(),
+                elements,
+                expected_bytes,
+                got_bytes: bytes.len(),
+            });
+        }
+        if dtype == DType::Bool && bytes.iter().any(|b| *b > 1) {
+            return Err(Error::HostDataSize {
+                dtype,
+                dims: dims.to_vec(),
+                elements,
+                expected_bytes,
+                got_bytes: bytes.len(),
+            });
+        }
+        let mut transfer = args!(
+            PJRT_Client_BufferFromHostBuffer_Args,
+            PJRT_Client_BufferFromHostBuffer_Args_STRUCT_SIZE
+        );
+        transfer.client = handle.raw;
+        transfer.data = bytes.as_ptr() as *const std::ffi::c_void;
+        transfer.type_ = super::buffer::pjrt_type(dtype);
+        transfer.dims = dims.as_ptr();
+        transfer.num_dims = dims.len();
+        transfer.host_buffer_semantics =
+            PJRT_HostBufferSemantics_PJRT_HostBufferSemantics_kImmutableOnlyDuringCall;
+        transfer.device = device_ptr;
+        pjrt_call!(&handle.plugin, PJRT_Client_BufferFromHostBuffer, &mut transfer)?;
+        let buffer = Buffer::wrap(handle.clone(), transfer.buffer, dtype, dims.to_vec(), device);
+        // The host data may be released only after this event.
+        handle.plugin.await_event(transfer.done_with_host_buffer)?;
+        Ok(buffer)
+    }
+}
+
+/// The compile options as fingerprinted: the proto plus the donated arguments (which change how
+/// the executable is run, not how it is compiled).
+fn options_key(options: &CompileOptions) -> Vec<u8> {
+    let mut key = compile_options_proto(options, true);
+    let mut donated = options.donated_args.clone();
+    donated.sort_unstable();
+    donated.dedup();
+    key.extend_from_slice(b"donated:");
+    for index in donated {
+        key.extend_from_slice(&(index as u64).to_le_bytes());
+    }
+    key
+}
+
+/// The number of elements of a shape; errors on negative dims.
+pub(crate) fn element_count(dims: &[i64]) -> Result<usize> {
+    if dims.iter().any(|d| *d < 0) {
+        return Err(Error::BadDims { dims: dims.to_vec() });
+    }
+    Ok(dims.iter().product::<i64>() as usize)
+}
+
+fn describe_device(plugin: &Plugin, index: usize, device: *mut PJRT_Device) -> Result<DeviceInfo> {
+    let mut get = args!(
+        PJRT_Device_GetDescription_Args,
+        PJRT_Device_GetDescription_Args_STRUCT_SIZE
+    );
+    get.device = device;
+    pjrt_call!(plugin, PJRT_Device_GetDescription, &mut get)?;
+    let description = get.device_description;
+    let mut id = args!(
+        PJRT_DeviceDescription_Id_Args,
+        PJRT_DeviceDescription_Id_Args_STRUCT_SIZE
+    );
+    id.device_description = description;
+    pjrt_call!(plugin, PJRT_DeviceDescription_Id, &mut id)?;
+    let mut kind = args!(
+        PJRT_DeviceDescription_Kind_Args,
+        PJRT_DeviceDescription_Kind_Args_STRUCT_SIZE
+    );
+    kind.device_description = description;
+    pjrt_call!(plugin, PJRT_DeviceDescription_Kind, &mut kind)?;
+    let mut text = args!(
+        PJRT_DeviceDescription_ToString_Args,
+        PJRT_DeviceDescription_ToString_Args_STRUCT_SIZE
+    );
+    text.device_description = description;
+    pjrt_call!(plugin, PJRT_DeviceDescription_ToString, &mut text)?;
+    let mut stats = args!(
+        PJRT_Device_MemoryStats_Args,
+        PJRT_Device_MemoryStats_Args_STRUCT_SIZE
+    );
+    stats.device = device;
+    let memory = match pjrt_call!(plugin, PJRT_Device_MemoryStats, &mut stats) {
+        Ok(()) => Some(DeviceMemory {
+            bytes_limit: stats
+                .bytes_limit_is_set
+                .then_some(stats.bytes_limit.max(0) as u64),
+            bytes_in_use: stats.bytes_in_use.max(0) as u64,
+        }),
+        Err(e) => {
+            tracing::debug!("device {index} reports no memory stats: {e}");
+            None
+        }
+    };
+    // SAFETY: strings owned by the device description.
+    unsafe {
+        Ok(DeviceInfo {
+            index,
+            id: id.id,
+            kind: super::plugin::string_from(kind.device_kind, kind.device_kind_size),
+            description: super::plugin::string_from(text.to_string, text.to_string_size),
+            memory,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn single_device_options_match_the_measured_minimum() {
+        // PJRT.md: {3: {4: 1, 5: 1}} is the minimum; we add device_ordinal=-1.
+        let proto = compile_options_proto(&CompileOptions::default(), false);
+        let mut expected = vec![0x1a, 15, 0x08];
+        expected.extend_from_slice(&[0xff; 9]);
+        expected.push(0x01);
+        expected.extend_from_slice(&[0x20, 1, 0x28, 1]);
+        assert_eq!(proto, expected);
+        let portable = compile_options_proto(&CompileOptions::default(), true);
+        assert_eq!(&portable[..proto.len()], &proto[..]);
+        assert_eq!(&portable[proto.len()..], &[0x20, 1]);
+    }
+
+    #[test]
+    fn spmd_options_set_partitioning_and_shardy() {
+        let proto = compile_options_proto(
+            &CompileOptions {
+                num_partitions: 4,
+                donated_args: vec![],
+            },
+            true,
+        );
+        let build = &proto[2..];
+        assert_eq!(proto[1] as usize, build.len());
+        // num_partitions(5)=4, use_spmd_partitioning(6)=1, use_shardy_partitioner(19)=1
+        assert!(build.windows(2).any(|w| w == [0x28, 4]));
+        assert!(build.windows(2).any(|w| w == [0x30, 1]));
+        assert!(build.ends_with(&[0x98, 0x01, 1]));
+        // SPMD programs are never portable.
+        assert!(!proto.ends_with(&[0x20, 1]) || build.ends_with(&[0x20, 1]));
+    }
+
+    #[test]
+    fn element_count_rejects_negative_dims() {
+        assert_eq!(element_count(&[2, 3]).unwrap(), 6);
+        assert_eq!(element_count(&[]).unwrap(), 1);
+        assert!(element_count(&[2, -1])
+            .unwrap_err()
+            .to_string()
+            .contains("[2, -1]"));
+    }
+}

@@ -1,0 +1,46 @@
+//! The PJRT runtime: loads PJRT plugins (XLA CPU, XLA CUDA, libtpu) at run time through the
+//! committed C API bindings, and wraps them in safe RAII types: [`Plugin`], [`Client`] (devices,
+//! host-to-device transfers, compilation), [`Buffer`] (device arrays, reading back, donation
+//! tracking), [`Executable`] (asynchronous single-device and SPMD execution), the
+//! [`ExecutableCache`] (memory and disk), and deviceless TPU compilation ([`tpu`]).
+//!
+//! Programs arrive as StableHLO text from [`crate::graph`].
+
+#[allow(
+    non_upper_case_globals,
+    non_camel_case_types,
+    non_snake_case,
+    dead_code,
+    clippy::all,
+    missing_docs
+)]
+#[rustfmt::skip]
+pub mod sys;
+
+mod buffer;
+mod cache;
+mod client;
+mod cuda;
+mod error;
+mod executable;
+pub mod inventory;
+mod plugin;
+pub mod tpu;
+
+pub use buffer::Buffer;
+pub use cache::{
+    default_cache_dir, host_cpu_features, program_fingerprint, CacheConfig, CacheStats, ExecutableCache,
+    CACHE_ENV_VAR,
+};
+pub use client::{compile_options_proto, Client, ClientOptions, CompileOptions, DeviceInfo, DeviceMemory};
+pub use cuda::{cuda_libraries_in, CUDA_LIBRARY_ORDER};
+pub use error::{Error, PjrtErrorCode, Result};
+pub use executable::{parse_main_params, program_name, CostAnalysis, Executable, MemoryStats, ParamType};
+pub use plugin::{
+    check_api_version, find_in_site_dirs, locate_plugin, locate_plugin_with, python_site_dirs, NamedValue,
+    OptionValue, Plugin, PluginKind, MIN_PJRT_API_VERSION,
+};
+pub use tpu::{
+    compile_for_topology, compile_for_topology_with, HbmShortfall, TopologyInfo, TopologyOptions,
+    TpuCompileOutcome, TpuCompileReport,
+};
