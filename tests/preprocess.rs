@@ -2,8 +2,8 @@
 //! preprocessing (fixture rows made by data/tests/fixtures/verl_gsm8k_reference.py), the seeded
 //! arithmetic task, bad input, and the help text.
 //!
-//! The GSM8K train file (7,473 rows) is looked for in `$GRPO_GSM8K_DIR`, else in
-//! `../shared/data/gsm8k` beside the repository.
+//! The GSM8K train file (7,473 rows) is looked for in `$GRPO_GSM8K_DIR`, else in the copy
+//! committed in `data/gsm8k`.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -25,7 +25,7 @@ fn text(bytes: &[u8]) -> String {
 fn gsm8k_dir() -> PathBuf {
     let dir = std::env::var_os("GRPO_GSM8K_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/gsm8k"));
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("data/gsm8k"));
     assert!(
         dir.join("train.jsonl").is_file(),
         "GSM8K train.jsonl not found in {}: set GRPO_GSM8K_DIR to the folder holding the \

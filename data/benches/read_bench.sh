@@ -5,7 +5,7 @@
 # gsm8k` runs), then times both readers on that file.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-input=${1:-../shared/data/gsm8k/train.jsonl}
+input=${1:-data/gsm8k/train.jsonl}
 repeats=${2:-5}
 python3 -c 'import pyarrow' 2>/dev/null || python3 -m pip install --quiet pyarrow
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target}

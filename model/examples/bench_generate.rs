@@ -7,7 +7,7 @@
 //! ```text
 //! cargo run --release -p model --example bench_generate -- \
 //!     [--model models/SmolLM2-135M-Instruct.Q4_1.gguf] [--prefill-batch 4] [--prefill-len 128] \
-//!     [--decode-steps 32] [--decode-slots 16] [--with-hf]
+//!     [--decode-steps 32] [--decode-slots 16] [--dtype f32|bf16] [--with-hf [--hf-threads N]]
 //! ```
 //!
 //! Token ids are `(17 + 7919 * row + 31 * col) % 49000 + 100` for prompt row `row`, column
@@ -30,6 +30,8 @@ struct Args {
     decode_steps: usize,
     decode_slots: usize,
     with_hf: bool,
+    dtype: DType,
+    hf_threads: usize,
 }
 
 fn parse_args() -> Args {
@@ -41,6 +43,8 @@ fn parse_args() -> Args {
         decode_steps: 32,
         decode_slots: 16,
         with_hf: false,
+        dtype: DType::F32,
+        hf_threads: 0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -52,9 +56,17 @@ fn parse_args() -> Args {
             "--decode-steps" => a.decode_steps = value().parse().expect("--decode-steps N"),
             "--decode-slots" => a.decode_slots = value().parse().expect("--decode-slots N"),
             "--with-hf" => a.with_hf = true,
+            "--hf-threads" => a.hf_threads = value().parse().expect("--hf-threads N"),
+            "--dtype" => {
+                a.dtype = match value().as_str() {
+                    "f32" => DType::F32,
+                    "bf16" => DType::BF16,
+                    other => panic!("--dtype takes f32 or bf16, not {other}"),
+                }
+            }
             other => panic!(
                 "unknown option {other}; options: --model PATH --prefill-batch N --prefill-len N \
-                 --decode-steps N --decode-slots N --with-hf"
+                 --decode-steps N --decode-slots N --dtype f32|bf16 --with-hf --hf-threads N"
             ),
         }
     }
@@ -104,7 +116,7 @@ fn main() {
     let config = ModelConfig::from_gguf(&gguf).unwrap();
     let weights: ModelWeights = gguf.load_weights(&config).unwrap();
     let client = Client::cpu(1).unwrap();
-    let model = DeviceModel::upload(&client, &weights, DType::F32, 0).unwrap();
+    let model = DeviceModel::upload(&client, &weights, args.dtype, 0).unwrap();
 
     let (b, t) = (args.prefill_batch, args.prefill_len);
     let prefill = PrefillProgram::compile(&model, b, t, b, t).unwrap();
@@ -124,10 +136,11 @@ fn main() {
     let prefill_rate = (reps * b * t) as f64 / start.elapsed().as_secs_f64();
     let single = decode_rate(&model, 1, args.decode_steps);
     let batched = decode_rate(&model, args.decode_slots, args.decode_steps);
-    println!("grpo (XLA CPU, f32): prefill {b}x{t}: {prefill_rate:.1} tokens/s");
-    println!("grpo (XLA CPU, f32): decode 1 sequence: {single:.1} tokens/s");
+    let w = args.dtype;
+    println!("grpo (XLA CPU, {w} weights): prefill {b}x{t}: {prefill_rate:.1} tokens/s");
+    println!("grpo (XLA CPU, {w} weights): decode 1 sequence: {single:.1} tokens/s");
     println!(
-        "grpo (XLA CPU, f32): decode {} sequences: {batched:.1} tokens/s",
+        "grpo (XLA CPU, {w} weights): decode {} sequences: {batched:.1} tokens/s",
         args.decode_slots
     );
 
@@ -139,6 +152,7 @@ fn main() {
             .args(["--prefill-batch", &b.to_string(), "--prefill-len", &t.to_string()])
             .args(["--decode-steps", &args.decode_steps.to_string()])
             .args(["--decode-slots", &args.decode_slots.to_string()])
+            .args(["--threads", &args.hf_threads.to_string()])
             .output()
             .expect("run python3 bench_generate_hf.py");
         let stdout = String::from_utf8_lossy(&out.stdout);

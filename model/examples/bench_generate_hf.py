@@ -4,7 +4,7 @@ SmolLM2-135M-Instruct GGUF (dequantised by transformers), the same token ids, th
 Prints `hf_prefill <tokens/s>`, `hf_decode_single <tokens/s>`, `hf_decode_batched <tokens/s>`.
 
 Usage: python3 bench_generate_hf.py MODEL.gguf [--prefill-batch 4] [--prefill-len 128]
-                                    [--decode-steps 32] [--decode-slots 16]
+                                    [--decode-steps 32] [--decode-slots 16] [--threads N]
 Needs: pip install torch transformers gguf
 """
 import argparse, os, time
@@ -17,7 +17,10 @@ p.add_argument('--prefill-batch', type=int, default=4)
 p.add_argument('--prefill-len', type=int, default=128)
 p.add_argument('--decode-steps', type=int, default=32)
 p.add_argument('--decode-slots', type=int, default=16)
+p.add_argument('--threads', type=int, default=0, help='torch threads (0: torch default)')
 a = p.parse_args()
+if a.threads > 0:
+    torch.set_num_threads(a.threads)
 
 
 def token(row, col):

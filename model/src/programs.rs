@@ -68,6 +68,15 @@ pub enum ProgramError {
         "the KV cache was lost when a program that donated it failed; create a new one with KvCache::new"
     )]
     CacheLost,
+    /// The model path is neither a `.gguf` file nor a directory.
+    #[error(
+        "{path} is not a model: expected a .gguf file or a Hugging Face model directory \
+         (config.json, *.safetensors, tokenizer.json)"
+    )]
+    NotAModel {
+        /// The path given.
+        path: PathBuf,
+    },
     /// Loading the model files failed.
     #[error(transparent)]
     Model(#[from] ModelError),
@@ -356,14 +365,9 @@ impl PrefillProgram {
         self.batch
     }
 
-    /// The padded prompt length.
-    pub fn len(&self) -> usize {
+    /// The padded prompt length (the longest prompt it takes).
+    pub fn prompt_len(&self) -> usize {
         self.len
-    }
-
-    /// Whether the program takes zero-length prompts (never: kept for the `len` convention).
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 
     /// Runs up to `batch` prompts, writing each into its slot, and returns each prompt's
@@ -825,14 +829,9 @@ impl HostModel {
             });
         }
         if !path.is_dir() {
-            return Err(ProgramError::Model(ModelError::Io {
-                action: "opening model",
+            return Err(ProgramError::NotAModel {
                 path: path.to_path_buf(),
-                source: std::io::Error::new(
-                    std::io::ErrorKind::NotFound,
-                    "expected a .gguf file or a Hugging Face model directory (config.json + *.safetensors + tokenizer.json)",
-                ),
-            }));
+            });
         }
         let weights = load_hf_checkpoint(path)?;
         let tokenizer = ModelTokenizer::from_file(&path.join("tokenizer.json"))?;

@@ -349,5 +349,8 @@ fn bf16_weights_give_f32_logits_close_to_transformers() {
     let got = program.run(&model, ids, &vec![1; ids.len()]).unwrap();
     let d = max_abs_diff(&got, want);
     let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-    assert!(d > 0.0 && d < 2e-2 * scale.max(1.0), "bf16 logits differ by {d} (logit scale {scale})");
+    assert!(
+        d > 0.0 && d < 2e-2 * scale.max(1.0),
+        "bf16 logits differ by {d} (logit scale {scale})"
+    );
 }

@@ -185,7 +185,12 @@ pub struct Engine {
 }
 
 /// Uploads `weights` (every [`param_table`] tensor) to `device` as `dtype` (F32 or BF16).
-pub fn upload_weights(client: &Client, weights: &ModelWeights, dtype: DType, device: usize) -> Result<Vec<Buffer>> {
+pub fn upload_weights(
+    client: &Client,
+    weights: &ModelWeights,
+    dtype: DType,
+    device: usize,
+) -> Result<Vec<Buffer>> {
     param_table(&weights.config)
         .iter()
         .enumerate()
@@ -196,9 +201,14 @@ pub fn upload_weights(client: &Client, weights: &ModelWeights, dtype: DType, dev
                 name: spec.name.clone(),
                 problem,
             };
-            let t = weights.get(&spec.name).ok_or_else(|| bad("missing from the checkpoint".into()))?;
+            let t = weights
+                .get(&spec.name)
+                .ok_or_else(|| bad("missing from the checkpoint".into()))?;
             if t.shape != spec.shape {
-                return Err(bad(format!("expected shape {:?}, found {:?}", spec.shape, t.shape)));
+                return Err(bad(format!(
+                    "expected shape {:?}, found {:?}",
+                    spec.shape, t.shape
+                )));
             }
             let dims: Vec<i64> = spec.shape.iter().map(|&d| d as i64).collect();
             let values = t.to_f32_vec();
@@ -209,21 +219,38 @@ pub fn upload_weights(client: &Client, weights: &ModelWeights, dtype: DType, dev
                     let v: Vec<half::bf16> = values.iter().map(|&x| half::bf16::from_f32(x)).collect();
                     client.buffer_from_host(&v, &dims, device)
                 }
-                other => return Err(bad(format!("weights can be f32 or bf16 on the device, not {other}"))),
+                other => {
+                    return Err(bad(format!(
+                        "weights can be f32 or bf16 on the device, not {other}"
+                    )))
+                }
             }
             .map_err(|e| RolloutError::runtime(action, e))
         })
         .collect()
 }
 
-fn check_weights(config: &ModelConfig, weights: &[Buffer], dtype: Option<DType>, device: usize, version: u64) -> Result<DType> {
+fn check_weights(
+    config: &ModelConfig,
+    weights: &[Buffer],
+    dtype: Option<DType>,
+    device: usize,
+    version: u64,
+) -> Result<DType> {
     let table = param_table(config);
     if weights.len() != table.len() {
         return Err(RolloutError::Weights {
             version,
             index: weights.len().min(table.len()),
-            name: table.get(weights.len()).map(|s| s.name.clone()).unwrap_or_default(),
-            problem: format!("the parameter table has {} tensors, {} buffers were given", table.len(), weights.len()),
+            name: table
+                .get(weights.len())
+                .map(|s| s.name.clone())
+                .unwrap_or_default(),
+            problem: format!(
+                "the parameter table has {} tensors, {} buffers were given",
+                table.len(),
+                weights.len()
+            ),
         });
     }
     let want = dtype.unwrap_or_else(|| weights.first().map(|b| b.dtype()).unwrap_or(DType::F32));
@@ -237,7 +264,10 @@ fn check_weights(config: &ModelConfig, weights: &[Buffer], dtype: Option<DType>,
                 b.dtype()
             ))
         } else if b.device() != device {
-            Some(format!("on device {}, the engine runs on device {device}", b.device()))
+            Some(format!(
+                "on device {}, the engine runs on device {device}",
+                b.device()
+            ))
         } else if b.is_donated() {
             Some("the buffer was donated to another program and no longer holds data".to_string())
         } else {
@@ -274,7 +304,10 @@ impl Engine {
             )));
         }
         let buckets = settings.buckets();
-        if buckets.windows(2).any(|w| w[0] >= w[1]) || buckets.last().copied().unwrap_or(0) + 2 < settings.max_model_len || buckets.last().copied().unwrap_or(0) > settings.max_model_len {
+        if buckets.windows(2).any(|w| w[0] >= w[1])
+            || buckets.last().copied().unwrap_or(0) + 2 < settings.max_model_len
+            || buckets.last().copied().unwrap_or(0) > settings.max_model_len
+        {
             return Err(RolloutError::Config(format!(
                 "prefill buckets {buckets:?} must be ascending, the longest between max_model_len - 2 and max_model_len ({})",
                 settings.max_model_len
@@ -294,7 +327,10 @@ impl Engine {
         let cache = cache_shape.allocate(client, settings.device)?;
         let started = Instant::now();
         let decode_plain = DecodeSample::compile(client, config, dtype, &cache_shape, false)?;
-        tracing::info!("compiled the decode step in {:.2} s", started.elapsed().as_secs_f64());
+        tracing::info!(
+            "compiled the decode step in {:.2} s",
+            started.elapsed().as_secs_f64()
+        );
         Ok(Engine {
             client: client.clone(),
             config: config.clone(),
@@ -364,12 +400,21 @@ impl Engine {
                 request.n, self.settings.max_num_seqs
             )));
         }
-        if let Some(&bad) = request.prompt.iter().find(|&&t| t as usize >= self.config.vocab_size) {
-            return Err(reject(format!("prompt token id {bad} is outside the vocabulary (size {})", self.config.vocab_size)));
+        if let Some(&bad) = request
+            .prompt
+            .iter()
+            .find(|&&t| t as usize >= self.config.vocab_size)
+        {
+            return Err(reject(format!(
+                "prompt token id {bad} is outside the vocabulary (size {})",
+                self.config.vocab_size
+            )));
         }
         request.params.validate().map_err(&reject)?;
         if !request.params.stop_strings.is_empty() && self.tokenizer.is_none() {
-            return Err(reject("stop strings need a tokenizer; this engine has none".into()));
+            return Err(reject(
+                "stop strings need a tokenizer; this engine has none".into(),
+            ));
         }
         let n = request.n;
         self.waiting.push_back(Pending {
@@ -385,7 +430,13 @@ impl Engine {
     /// recompiling. Samples in flight are restarted on the new weights (see the module
     /// comment). Returns how many samples were restarted. The old buffers are dropped.
     pub fn update_weights(&mut self, version: u64, weights: Vec<Buffer>) -> Result<usize> {
-        check_weights(&self.config, &weights, Some(self.dtype), self.settings.device, version)?;
+        check_weights(
+            &self.config,
+            &weights,
+            Some(self.dtype),
+            self.settings.device,
+            version,
+        )?;
         self.weights = weights;
         self.version = version;
         // Regroup in-flight samples by request, keeping slot order, and put them first.
@@ -411,10 +462,80 @@ impl Engine {
         Ok(restarted)
     }
 
+    /// The (bucket, fan-out width) of the prefill program for a prompt of `prompt_len` tokens
+    /// shared by `n` samples.
+    fn prefill_key(&self, prompt_len: usize, n: usize) -> (usize, usize) {
+        let head = prompt_len.saturating_sub(1).max(1);
+        let bucket = self
+            .buckets
+            .iter()
+            .copied()
+            .find(|&b| b >= head)
+            .unwrap_or_else(|| *self.buckets.last().expect("at least one bucket"));
+        (bucket, n.next_power_of_two().min(self.settings.max_num_seqs))
+    }
+
+    fn ensure_prefill(&mut self, bucket: usize, width: usize) -> Result<()> {
+        if !self.prefill.contains_key(&(bucket, width)) {
+            let started = Instant::now();
+            let p = PrefillFanout::compile(
+                &self.client,
+                &self.config,
+                self.dtype,
+                &self.cache_shape,
+                bucket,
+                width,
+            )?;
+            tracing::info!(
+                bucket,
+                width,
+                "compiled prefill in {:.2} s",
+                started.elapsed().as_secs_f64()
+            );
+            self.prefill.insert((bucket, width), p);
+        }
+        Ok(())
+    }
+
+    fn ensure_truncating_decode(&mut self) -> Result<()> {
+        if self.decode_truncating.is_none() {
+            let started = Instant::now();
+            self.decode_truncating = Some(DecodeSample::compile(
+                &self.client,
+                &self.config,
+                self.dtype,
+                &self.cache_shape,
+                true,
+            )?);
+            tracing::info!(
+                "compiled the top-k/top-p decode step in {:.2} s",
+                started.elapsed().as_secs_f64()
+            );
+        }
+        Ok(())
+    }
+
+    /// Compiles up front what requests with prompts of `prompt_len` tokens in groups of `n`
+    /// will need (their prefill bucket and fan-out width; the top-k/top-p decode step when
+    /// `truncating`), so the first such requests do not wait for a compile.
+    pub fn precompile(&mut self, prompt_len: usize, n: usize, truncating: bool) -> Result<()> {
+        let (bucket, width) = self.prefill_key(prompt_len, n.clamp(1, self.settings.max_num_seqs));
+        self.ensure_prefill(bucket, width)?;
+        if truncating {
+            self.ensure_truncating_decode()?;
+        }
+        Ok(())
+    }
+
     fn admit(&mut self) -> Result<()> {
         loop {
-            let free: Vec<usize> = (0..self.slots.len()).filter(|&s| self.slots[s].is_none()).collect();
-            let fits = self.waiting.front().is_some_and(|p| p.sample_indices.len() <= free.len());
+            let free: Vec<usize> = (0..self.slots.len())
+                .filter(|&s| self.slots[s].is_none())
+                .collect();
+            let fits = self
+                .waiting
+                .front()
+                .is_some_and(|p| p.sample_indices.len() <= free.len());
             if !fits {
                 return Ok(());
             }
@@ -423,19 +544,16 @@ impl Engine {
             let chosen = &free[..n];
             let prompt = &pending.request.prompt;
             let head = &prompt[..prompt.len() - 1];
-            let bucket = *self
-                .buckets
-                .iter()
-                .find(|&&b| b >= head.len().max(1))
-                .expect("submit checked the prompt fits the longest bucket");
-            let width = n.next_power_of_two().min(self.settings.max_num_seqs);
-            if !self.prefill.contains_key(&(bucket, width)) {
-                let started = Instant::now();
-                let p = PrefillFanout::compile(&self.client, &self.config, self.dtype, &self.cache_shape, bucket, width)?;
-                tracing::info!(bucket, width, "compiled prefill in {:.2} s", started.elapsed().as_secs_f64());
-                self.prefill.insert((bucket, width), p);
-            }
-            self.prefill[&(bucket, width)].run(&self.client, self.settings.device, &self.weights, &mut self.cache, head, chosen)?;
+            let (bucket, width) = self.prefill_key(prompt.len(), n);
+            self.ensure_prefill(bucket, width)?;
+            self.prefill[&(bucket, width)].run(
+                &self.client,
+                self.settings.device,
+                &self.weights,
+                &mut self.cache,
+                head,
+                chosen,
+            )?;
             self.stats.prefill_runs += 1;
             for (&slot, &sample_index) in chosen.iter().zip(&pending.sample_indices) {
                 self.slots[slot] = Some(Active {
@@ -483,16 +601,18 @@ impl Engine {
             }
         }
         let program = if truncate {
-            if self.decode_truncating.is_none() {
-                let started = Instant::now();
-                self.decode_truncating = Some(DecodeSample::compile(&self.client, &self.config, self.dtype, &self.cache_shape, true)?);
-                tracing::info!("compiled the top-k/top-p decode step in {:.2} s", started.elapsed().as_secs_f64());
-            }
+            self.ensure_truncating_decode()?;
             self.decode_truncating.as_ref().expect("just compiled")
         } else {
             &self.decode_plain
         };
-        let (next, logprobs) = program.run(&self.client, self.settings.device, &self.weights, &mut self.cache, &inputs)?;
+        let (next, logprobs) = program.run(
+            &self.client,
+            self.settings.device,
+            &self.weights,
+            &mut self.cache,
+            &inputs,
+        )?;
         self.stats.decode_steps += 1;
         let mut finished = Vec::new();
         for i in 0..s {
@@ -503,9 +623,10 @@ impl Engine {
             self.stats.generated_tokens += 1;
             let p = &a.request.params;
             let mut text = None;
-            let reason = if p.stop_token_ids.contains(&token) || self.settings.eos_token_ids.contains(&token) {
+            let reason = if p.stop_token_ids.contains(&token) || self.settings.eos_token_ids.contains(&token)
+            {
                 Some(FinishReason::Eos(token))
-            } else if let Some((stop, cut)) = self.find_stop_string(a) {
+            } else if let Some((stop, cut)) = find_stop_string(self.tokenizer.as_ref(), a) {
                 text = Some(cut);
                 Some(FinishReason::StopString(stop))
             } else if a.response.len() >= p.max_new_tokens {
@@ -544,25 +665,7 @@ impl Engine {
     }
 
     fn decode_text(&self, ids: &[u32]) -> String {
-        match &self.tokenizer {
-            Some(t) => t.decode(ids, true).unwrap_or_default(),
-            None => String::new(),
-        }
-    }
-
-    /// The first stop string in the response text and the text before it.
-    fn find_stop_string(&self, a: &Active) -> Option<(String, String)> {
-        if a.request.params.stop_strings.is_empty() {
-            return None;
-        }
-        let text = self.decode_text(&a.response);
-        a.request
-            .params
-            .stop_strings
-            .iter()
-            .filter_map(|s| text.find(s.as_str()).map(|at| (at, s)))
-            .min_by_key(|(at, _)| *at)
-            .map(|(at, s)| (s.clone(), text[..at].to_string()))
+        decode_text(self.tokenizer.as_ref(), ids)
     }
 
     /// Steps until no request is waiting or active; returns every finished sample in order.
@@ -589,6 +692,29 @@ impl Engine {
             thread: Some(thread),
         }
     }
+}
+
+/// The response text of `ids` (special tokens skipped); empty without a tokenizer.
+fn decode_text(tokenizer: Option<&ModelTokenizer>, ids: &[u32]) -> String {
+    match tokenizer {
+        Some(t) => t.decode(ids, true).unwrap_or_default(),
+        None => String::new(),
+    }
+}
+
+/// The first stop string in the response text of `a` and the text before it.
+fn find_stop_string(tokenizer: Option<&ModelTokenizer>, a: &Active) -> Option<(String, String)> {
+    if a.request.params.stop_strings.is_empty() {
+        return None;
+    }
+    let text = decode_text(tokenizer, &a.response);
+    a.request
+        .params
+        .stop_strings
+        .iter()
+        .filter_map(|s| text.find(s.as_str()).map(|at| (at, s)))
+        .min_by_key(|(at, _)| *at)
+        .map(|(at, s)| (s.clone(), text[..at].to_string()))
 }
 
 enum Command {

@@ -14,6 +14,9 @@ pub mod error;
 pub mod programs;
 pub mod sampling;
 
-pub use engine::{upload_weights, Engine, EngineConfig, EngineHandle, EngineOutput, EngineStats, FinishReason, GenerationRequest, Sample};
+pub use engine::{
+    upload_weights, Engine, EngineConfig, EngineHandle, EngineOutput, EngineStats, FinishReason,
+    GenerationRequest, Sample,
+};
 pub use error::{Result, RolloutError};
 pub use sampling::SamplingParams;

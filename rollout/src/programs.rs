@@ -47,7 +47,12 @@ impl CacheShape {
 
     /// Dimensions of one K or V tensor.
     pub fn dims(&self) -> [i64; 4] {
-        [self.slots as i64, self.kv_heads as i64, self.max_len as i64, self.head_dim as i64]
+        [
+            self.slots as i64,
+            self.kv_heads as i64,
+            self.max_len as i64,
+            self.head_dim as i64,
+        ]
     }
 
     /// Total bytes of the cache (f32).
@@ -85,11 +90,19 @@ fn donate_cache(first_arg: usize, first_result: usize, n: usize) -> BuildOptions
     BuildOptions::donating(&pairs)
 }
 
-fn compile(client: &Client, g: &Graph, outs: &[&Tensor], options: &BuildOptions, name: &str) -> Result<Executable> {
-    let program = g.build_with(outs, options).map_err(|source| RolloutError::Graph {
-        program: name.to_string(),
-        source,
-    })?;
+fn compile(
+    client: &Client,
+    g: &Graph,
+    outs: &[&Tensor],
+    options: &BuildOptions,
+    name: &str,
+) -> Result<Executable> {
+    let program = g
+        .build_with(outs, options)
+        .map_err(|source| RolloutError::Graph {
+            program: name.to_string(),
+            source,
+        })?;
     program
         .compile(client)
         .map_err(|e| RolloutError::runtime(format!("compiling {name}"), e))
@@ -130,8 +143,18 @@ pub struct PrefillFanout {
 
 impl PrefillFanout {
     /// Traces and compiles the program for weights of `dtype`.
-    pub fn compile(client: &Client, config: &ModelConfig, dtype: DType, cache: &CacheShape, len: usize, width: usize) -> Result<PrefillFanout> {
-        let name = format!("rollout_prefill_{len}_fanout{width}_cache{}x{}", cache.slots, cache.max_len);
+    pub fn compile(
+        client: &Client,
+        config: &ModelConfig,
+        dtype: DType,
+        cache: &CacheShape,
+        len: usize,
+        width: usize,
+    ) -> Result<PrefillFanout> {
+        let name = format!(
+            "rollout_prefill_{len}_fanout{width}_cache{}x{}",
+            cache.slots, cache.max_len
+        );
         let g = Graph::new(&name);
         let p = DecoderParams::declare(&g, config, dtype);
         let kv = cache.declare(&g);
@@ -142,7 +165,12 @@ impl PrefillFanout {
         let (_, filled) = prefill_graph(&p, &tokens, &length, &first, &kv);
         let zero = g.scalar(0.0, DType::I32);
         let src = first.reshape(&[]);
-        let row_dims = [1, cache.kv_heads as i64, cache.max_len as i64, cache.head_dim as i64];
+        let row_dims = [
+            1,
+            cache.kv_heads as i64,
+            cache.max_len as i64,
+            cache.head_dim as i64,
+        ];
         let out: Vec<Tensor> = filled
             .iter()
             .map(|c| {
@@ -165,14 +193,24 @@ impl PrefillFanout {
 
     /// Runs on `tokens` (1 to `len` ids; 0 ids writes an all-zero row) into `slots` (1 to
     /// `width`; padded with the first slot, which rewrites it with the same values).
-    pub fn run(&self, client: &Client, device: usize, weights: &[Buffer], cache: &mut Vec<Buffer>, tokens: &[u32], slots: &[usize]) -> Result<()> {
+    pub fn run(
+        &self,
+        client: &Client,
+        device: usize,
+        weights: &[Buffer],
+        cache: &mut Vec<Buffer>,
+        tokens: &[u32],
+        slots: &[usize],
+    ) -> Result<()> {
         let what = format!("prefill[{}] fan-out {}", self.len, self.width);
         assert!(tokens.len() <= self.len && !slots.is_empty() && slots.len() <= self.width);
         let mut ids = vec![0i32; self.len];
         for (i, &t) in tokens.iter().enumerate() {
             ids[i] = t as i32;
         }
-        let dst: Vec<i32> = (0..self.width).map(|k| slots[if k < slots.len() { k } else { 0 }] as i32).collect();
+        let dst: Vec<i32> = (0..self.width)
+            .map(|k| slots[if k < slots.len() { k } else { 0 }] as i32)
+            .collect();
         let up = |v: &[i32], dims: &[i64], n: &str| {
             client
                 .buffer_from_host(v, dims, device)
@@ -213,7 +251,13 @@ pub struct DecodeSample {
 
 impl DecodeSample {
     /// Traces and compiles the program for weights of `dtype`.
-    pub fn compile(client: &Client, config: &ModelConfig, dtype: DType, cache: &CacheShape, truncate: bool) -> Result<DecodeSample> {
+    pub fn compile(
+        client: &Client,
+        config: &ModelConfig,
+        dtype: DType,
+        cache: &CacheShape,
+        truncate: bool,
+    ) -> Result<DecodeSample> {
         let kind = if truncate { "topk_topp" } else { "plain" };
         let name = format!("rollout_decode_{kind}_cache{}x{}", cache.slots, cache.max_len);
         let g = Graph::new(&name);
@@ -245,22 +289,56 @@ impl DecodeSample {
     }
 
     /// Runs one step; returns each slot's sampled token and its log-probability.
-    pub fn run(&self, client: &Client, device: usize, weights: &[Buffer], cache: &mut Vec<Buffer>, inputs: &DecodeInputs) -> Result<(Vec<i32>, Vec<f32>)> {
-        let what = if self.truncate { "decode (top-k/top-p)" } else { "decode" };
+    pub fn run(
+        &self,
+        client: &Client,
+        device: usize,
+        weights: &[Buffer],
+        cache: &mut Vec<Buffer>,
+        inputs: &DecodeInputs,
+    ) -> Result<(Vec<i32>, Vec<f32>)> {
+        let what = if self.truncate {
+            "decode (top-k/top-p)"
+        } else {
+            "decode"
+        };
         let s = self.slots as i64;
         let err = |n: &str| {
             let n = n.to_string();
             move |e| RolloutError::runtime(format!("uploading {n} for {what}"), e)
         };
-        let tb = client.buffer_from_host(&inputs.tokens, &[s], device).map_err(err("tokens"))?;
-        let pb = client.buffer_from_host(&inputs.positions, &[s], device).map_err(err("positions"))?;
-        let temp = client.buffer_from_host(&inputs.temperature, &[s], device).map_err(err("temperatures"))?;
-        let kb = client.buffer_from_host(&inputs.top_k, &[s], device).map_err(err("top_k"))?;
-        let ppb = client.buffer_from_host(&inputs.top_p, &[s], device).map_err(err("top_p"))?;
-        let keys = client.buffer_from_host(&inputs.keys, &[s, 2], device).map_err(err("keys"))?;
-        let out = run_donating(&self.exe, weights, cache, &[&tb, &pb, &temp, &kb, &ppb, &keys], 2, what)?;
-        let next = out[0].to_host::<i32>().map_err(|e| RolloutError::runtime(format!("reading {what} tokens"), e))?;
-        let lp = out[1].to_host::<f32>().map_err(|e| RolloutError::runtime(format!("reading {what} log-probs"), e))?;
+        let tb = client
+            .buffer_from_host(&inputs.tokens, &[s], device)
+            .map_err(err("tokens"))?;
+        let pb = client
+            .buffer_from_host(&inputs.positions, &[s], device)
+            .map_err(err("positions"))?;
+        let temp = client
+            .buffer_from_host(&inputs.temperature, &[s], device)
+            .map_err(err("temperatures"))?;
+        let kb = client
+            .buffer_from_host(&inputs.top_k, &[s], device)
+            .map_err(err("top_k"))?;
+        let ppb = client
+            .buffer_from_host(&inputs.top_p, &[s], device)
+            .map_err(err("top_p"))?;
+        let keys = client
+            .buffer_from_host(&inputs.keys, &[s, 2], device)
+            .map_err(err("keys"))?;
+        let out = run_donating(
+            &self.exe,
+            weights,
+            cache,
+            &[&tb, &pb, &temp, &kb, &ppb, &keys],
+            2,
+            what,
+        )?;
+        let next = out[0]
+            .to_host::<i32>()
+            .map_err(|e| RolloutError::runtime(format!("reading {what} tokens"), e))?;
+        let lp = out[1]
+            .to_host::<f32>()
+            .map_err(|e| RolloutError::runtime(format!("reading {what} log-probs"), e))?;
         Ok((next, lp))
     }
 }

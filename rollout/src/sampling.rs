@@ -180,7 +180,9 @@ pub fn sample_graph(logits: &Tensor, inputs: &SamplerInputs<'_>, truncate: bool)
         let (sorted, _) = scaled.sort(true);
         let rank = g.iota(DType::I32, &sv, 1);
         let top_k = inputs.top_k.convert_if_needed(DType::I32);
-        let k_off = top_k.le(&g.zeros(DType::I32, &[s])).or(&top_k.gt(&g.full(v as f64, DType::I32, &[s])));
+        let k_off = top_k
+            .le(&g.zeros(DType::I32, &[s]))
+            .or(&top_k.gt(&g.full(v as f64, DType::I32, &[s])));
         let k_eff = k_off.select(&g.full(v as f64, DType::I32, &[s]), &top_k);
         let in_k = rank.lt(&row(&k_eff));
         let probs_k = in_k.select(&sorted, &removed).softmax(-1);
@@ -226,8 +228,16 @@ pub fn reference_distribution(logits: &[f32], params: &SamplingParams) -> Vec<f6
     }
     let t = params.temperature as f64;
     let mut order: Vec<usize> = (0..v).collect();
-    order.sort_by(|&a, &b| logits[b].partial_cmp(&logits[a]).unwrap_or(std::cmp::Ordering::Equal));
-    let k = if params.top_k == 0 || params.top_k > v { v } else { params.top_k };
+    order.sort_by(|&a, &b| {
+        logits[b]
+            .partial_cmp(&logits[a])
+            .unwrap_or(std::cmp::Ordering::Equal)
+    });
+    let k = if params.top_k == 0 || params.top_k > v {
+        v
+    } else {
+        params.top_k
+    };
     let kept = &order[..k];
     let max = logits[kept[0]] as f64 / t;
     let w: Vec<f64> = kept.iter().map(|&i| (logits[i] as f64 / t - max).exp()).collect();
@@ -258,12 +268,22 @@ mod tests {
         assert!(p.validate().is_ok());
         p.top_p = 0.0;
         assert!(p.validate().unwrap_err().contains("top_p"));
-        p = SamplingParams { temperature: -1.0, ..Default::default() };
+        p = SamplingParams {
+            temperature: -1.0,
+            ..Default::default()
+        };
         assert!(p.validate().unwrap_err().contains("temperature"));
-        p = SamplingParams { max_new_tokens: 0, ..Default::default() };
+        p = SamplingParams {
+            max_new_tokens: 0,
+            ..Default::default()
+        };
         assert!(p.validate().unwrap_err().contains("max_new_tokens"));
         assert!(!SamplingParams::greedy(4).needs_truncation());
-        assert!(SamplingParams { top_k: 3, ..Default::default() }.needs_truncation());
+        assert!(SamplingParams {
+            top_k: 3,
+            ..Default::default()
+        }
+        .needs_truncation());
     }
 
     #[test]
@@ -277,10 +297,38 @@ mod tests {
     }
 
     #[test]
+    fn device_uniforms_equal_the_host_threefry_bit_for_bit() {
+        let client = xla::runtime::Client::cpu(1).unwrap();
+        let g = xla::graph::Graph::new("uniforms");
+        let keys = g.parameter("keys", DType::U32, &[3, 2]);
+        let u = row_keyed_uniform(&keys, 40);
+        let exe = g.build(&[&u]).unwrap().compile(&client).unwrap();
+        let host_keys = [draw_key(1, 0, 0), draw_key(1, 1, 0), draw_key(u64::MAX, 7, 300)];
+        let flat: Vec<u32> = host_keys.iter().flatten().copied().collect();
+        let kb = client.buffer_from_host(&flat, &[3, 2], 0).unwrap();
+        let got = exe.execute(&[&kb]).unwrap()[0].to_host::<f32>().unwrap();
+        for (r, key) in host_keys.iter().enumerate() {
+            for v in 0..40 {
+                assert_eq!(got[r * 40 + v], draw_uniform(*key, v as u32), "row {r} entry {v}");
+            }
+        }
+        let mean = got.iter().sum::<f32>() / got.len() as f32;
+        assert!((mean - 0.5).abs() < 0.1, "{mean}");
+    }
+
+    #[test]
     fn reference_distribution_truncates_like_vllm() {
         let logits = [(0.5f32).ln(), (0.3f32).ln(), (0.15f32).ln(), (0.05f32).ln()];
         let p = |top_k, top_p| {
-            reference_distribution(&logits, &SamplingParams { temperature: 1.0, top_k, top_p, ..Default::default() })
+            reference_distribution(
+                &logits,
+                &SamplingParams {
+                    temperature: 1.0,
+                    top_k,
+                    top_p,
+                    ..Default::default()
+                },
+            )
         };
         let full = p(0, 1.0);
         assert!((full[0] - 0.5).abs() < 1e-6 && (full[3] - 0.05).abs() < 1e-6);

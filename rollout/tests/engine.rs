@@ -9,7 +9,10 @@ use std::sync::OnceLock;
 use model::programs::{DeviceModel, FullLogitsProgram, GenerateOptions, Generator, LogprobsProgram};
 use model::{random_init, Family, ModelConfig, ModelTokenizer, ModelWeights};
 use rollout::sampling::reference_distribution;
-use rollout::{upload_weights, Engine, EngineConfig, EngineOutput, FinishReason, GenerationRequest, Sample, SamplingParams};
+use rollout::{
+    upload_weights, Engine, EngineConfig, EngineOutput, FinishReason, GenerationRequest, Sample,
+    SamplingParams,
+};
 use xla::runtime::Client;
 use xla::DType;
 
@@ -44,9 +47,22 @@ fn tiny() -> ModelConfig {
     }
 }
 
-fn engine_with(weights: &ModelWeights, slots: usize, max_len: usize, tokenizer: Option<ModelTokenizer>) -> Engine {
+fn engine_with(
+    weights: &ModelWeights,
+    slots: usize,
+    max_len: usize,
+    tokenizer: Option<ModelTokenizer>,
+) -> Engine {
     let buffers = upload_weights(client(), weights, DType::F32, 0).unwrap();
-    Engine::new(client(), &weights.config, buffers, 1, EngineConfig::new(slots, max_len), tokenizer).unwrap()
+    Engine::new(
+        client(),
+        &weights.config,
+        buffers,
+        1,
+        EngineConfig::new(slots, max_len),
+        tokenizer,
+    )
+    .unwrap()
 }
 
 fn greedy_reference(weights: &ModelWeights, prompt: &[u32], max_new_tokens: usize) -> Vec<u32> {
@@ -96,7 +112,9 @@ fn greedy_equals_step_by_step_generation_alone_and_in_a_full_batch() {
     let expected_b = greedy_reference(&weights, &b, 9);
 
     let mut engine = engine_with(&weights, 4, 32, None);
-    engine.submit(request(1, &a, 1, 0, SamplingParams::greedy(12))).unwrap();
+    engine
+        .submit(request(1, &a, 1, 0, SamplingParams::greedy(12)))
+        .unwrap();
     let alone = engine.run_to_completion().unwrap();
     assert_eq!(alone.len(), 1);
     assert_eq!(alone[0].response_ids, expected_a);
@@ -104,9 +122,21 @@ fn greedy_equals_step_by_step_generation_alone_and_in_a_full_batch() {
     assert_eq!(alone[0].prompt_ids, a.to_vec());
 
     // Fill all 4 slots with unrelated work; `a` lands in the last slot.
-    engine.submit(request(2, &b, 1, 0, SamplingParams::greedy(9))).unwrap();
-    engine.submit(request(3, &[5, 6, 7, 8, 9, 10, 11], 2, 99, sampled(1.0, 0, 1.0, 20))).unwrap();
-    engine.submit(request(1, &a, 1, 0, SamplingParams::greedy(12))).unwrap();
+    engine
+        .submit(request(2, &b, 1, 0, SamplingParams::greedy(9)))
+        .unwrap();
+    engine
+        .submit(request(
+            3,
+            &[5, 6, 7, 8, 9, 10, 11],
+            2,
+            99,
+            sampled(1.0, 0, 1.0, 20),
+        ))
+        .unwrap();
+    engine
+        .submit(request(1, &a, 1, 0, SamplingParams::greedy(12)))
+        .unwrap();
     let batch = engine.run_to_completion().unwrap();
     assert_eq!(batch.len(), 4);
     assert_eq!(of_request(&batch, 1)[0].response_ids, expected_a);
@@ -133,7 +163,11 @@ fn logprobs_equal_the_logprobs_program_and_samples_are_batch_invariant() {
     let program = LogprobsProgram::compile(&dm, 1, 32).unwrap();
     for s in &samples {
         let r = &requests[(s.request_id - 1) as usize];
-        let temperature = if r.params.temperature > 0.0 { r.params.temperature } else { 1.0 };
+        let temperature = if r.params.temperature > 0.0 {
+            r.params.temperature
+        } else {
+            1.0
+        };
         let mut tokens = s.prompt_ids.clone();
         tokens.extend(&s.response_ids);
         let real = tokens.len();
@@ -142,7 +176,12 @@ fn logprobs_equal_the_logprobs_program_and_samples_are_batch_invariant() {
         let (lp, _) = program.run(&dm, &tokens, &mask, temperature).unwrap();
         for (j, &got) in s.logprobs.iter().enumerate() {
             let want = lp[s.prompt_ids.len() + j];
-            assert!((got - want).abs() < 1e-5, "request {} sample {} token {j}: engine {got} vs logprobs program {want}", s.request_id, s.sample_index);
+            assert!(
+                (got - want).abs() < 1e-5,
+                "request {} sample {} token {j}: engine {got} vs logprobs program {want}",
+                s.request_id,
+                s.sample_index
+            );
         }
         assert_eq!(s.logprobs.len(), s.response_ids.len());
     }
@@ -164,7 +203,9 @@ fn a_group_is_prefilled_once_and_copied_into_its_slots() {
     let weights = random_init(&tiny(), 4);
     let mut engine = engine_with(&weights, 8, 32, None);
     let prompt = [5u32, 9, 13, 2, 7, 7, 1, 30, 22];
-    engine.submit(request(1, &prompt, 8, 5, sampled(1.0, 0, 1.0, 6))).unwrap();
+    engine
+        .submit(request(1, &prompt, 8, 5, sampled(1.0, 0, 1.0, 6)))
+        .unwrap();
     let samples = engine.run_to_completion().unwrap();
     assert_eq!(samples.len(), 8);
     assert_eq!(engine.stats().prefill_runs, 1);
@@ -175,7 +216,9 @@ fn a_group_is_prefilled_once_and_copied_into_its_slots() {
     assert_eq!(indices, (0..8).collect::<Vec<_>>());
     // Each copied slot holds the prompt's cache: greedy n=3 samples all equal the reference.
     let expected = greedy_reference(&weights, &prompt, 6);
-    engine.submit(request(2, &prompt, 3, 0, SamplingParams::greedy(6))).unwrap();
+    engine
+        .submit(request(2, &prompt, 3, 0, SamplingParams::greedy(6)))
+        .unwrap();
     let greedy = engine.run_to_completion().unwrap();
     assert_eq!(engine.stats().prefill_runs, 2);
     for s in &greedy {
@@ -210,7 +253,9 @@ fn chi_square(observed: &[usize], p: &[f64]) -> (f64, usize) {
         if pooled_e >= 5.0 || bins.is_empty() {
             bins.push((pooled_o, pooled_e));
         } else {
-            let smallest = (0..bins.len()).min_by(|&a, &b| bins[a].1.partial_cmp(&bins[b].1).unwrap()).unwrap();
+            let smallest = (0..bins.len())
+                .min_by(|&a, &b| bins[a].1.partial_cmp(&bins[b].1).unwrap())
+                .unwrap();
             bins[smallest].0 += pooled_o;
             bins[smallest].1 += pooled_e;
         }
@@ -225,7 +270,10 @@ fn sampled_token_frequencies_match_the_analytic_distribution() {
     let weights = random_init(&tiny(), 5);
     let prompt = [2u32, 5, 8];
     let dm = DeviceModel::upload(client(), &weights, DType::F32, 0).unwrap();
-    let logits = FullLogitsProgram::compile(&dm, 1, 3).unwrap().run(&dm, &prompt, &[1, 1, 1]).unwrap();
+    let logits = FullLogitsProgram::compile(&dm, 1, 3)
+        .unwrap()
+        .run(&dm, &prompt, &[1, 1, 1])
+        .unwrap();
     let last = &logits[2 * 32..3 * 32];
     let configs = [
         sampled(0.7, 0, 1.0, 1),
@@ -238,7 +286,9 @@ fn sampled_token_frequencies_match_the_analytic_distribution() {
     let mut first_counts = Vec::new();
     for (c, params) in configs.iter().enumerate() {
         for g in 0..groups {
-            engine.submit(request(g, &prompt, 16, 1000 * c as u64 + g, params.clone())).unwrap();
+            engine
+                .submit(request(g, &prompt, 16, 1000 * c as u64 + g, params.clone()))
+                .unwrap();
         }
         let samples = engine.run_to_completion().unwrap();
         let mut counts = vec![0usize; 32];
@@ -247,19 +297,28 @@ fn sampled_token_frequencies_match_the_analytic_distribution() {
         }
         let p = reference_distribution(last, params);
         for (t, (&o, &pt)) in counts.iter().zip(&p).enumerate() {
-            assert!(pt > 0.0 || o == 0, "config {c}: token {t} is outside the top-k/top-p set but was sampled {o} times");
+            assert!(
+                pt > 0.0 || o == 0,
+                "config {c}: token {t} is outside the top-k/top-p set but was sampled {o} times"
+            );
         }
         let (stat, df) = chi_square(&counts, &p);
         let critical = chi2_critical_0001(df);
         assert!(df >= 2, "config {c}: too few bins ({df} degrees of freedom)");
-        assert!(stat < critical, "config {c}: chi-square {stat:.1} >= {critical:.1} (df {df}); counts {counts:?}, p {p:?}");
+        assert!(
+            stat < critical,
+            "config {c}: chi-square {stat:.1} >= {critical:.1} (df {df}); counts {counts:?}, p {p:?}"
+        );
         first_counts.push(counts);
     }
     // The test has power: temperature-0.7 draws are rejected against the temperature-1.5
     // distribution.
     let wrong = reference_distribution(last, &sampled(1.5, 0, 1.0, 1));
     let (stat, df) = chi_square(&first_counts[0], &wrong);
-    assert!(stat > chi2_critical_0001(df), "chi-square {stat:.1} should reject the wrong temperature");
+    assert!(
+        stat > chi2_critical_0001(df),
+        "chi-square {stat:.1} should reject the wrong temperature"
+    );
 }
 
 #[test]
@@ -269,8 +328,12 @@ fn hot_swap_restarts_in_flight_samples_on_the_new_weights() {
     let long = [3u32, 1, 4, 1, 5];
     let short = [9u32, 2, 6];
     let mut engine = engine_with(&w1, 4, 32, None);
-    engine.submit(request(1, &long, 2, 0, SamplingParams::greedy(10))).unwrap();
-    engine.submit(request(2, &short, 1, 0, SamplingParams::greedy(2))).unwrap();
+    engine
+        .submit(request(1, &long, 2, 0, SamplingParams::greedy(10)))
+        .unwrap();
+    engine
+        .submit(request(2, &short, 1, 0, SamplingParams::greedy(2)))
+        .unwrap();
     let mut done = Vec::new();
     for _ in 0..3 {
         done.extend(engine.step().unwrap());
@@ -286,17 +349,26 @@ fn hot_swap_restarts_in_flight_samples_on_the_new_weights() {
         upload_weights(client(), &random_init(&c, 1), DType::F32, 0).unwrap()
     };
     let err = engine.update_weights(9, wrong).unwrap_err().to_string();
-    assert!(err.contains("model.layers.0.mlp.gate_proj.weight") && err.contains("[64, 32]"), "{err}");
+    assert!(
+        err.contains("model.layers.0.mlp.gate_proj.weight") && err.contains("[64, 32]"),
+        "{err}"
+    );
     assert_eq!(engine.weight_version(), 1);
 
     let restarted = engine
         .update_weights(2, upload_weights(client(), &w2, DType::F32, 0).unwrap())
         .unwrap();
     assert_eq!(restarted, 2);
-    engine.submit(request(3, &short, 1, 0, SamplingParams::greedy(5))).unwrap();
+    engine
+        .submit(request(3, &short, 1, 0, SamplingParams::greedy(5)))
+        .unwrap();
     let rest = engine.run_to_completion().unwrap();
     let expected_long = greedy_reference(&w2, &long, 10);
-    assert_ne!(expected_long, greedy_reference(&w1, &long, 10), "the two models must differ");
+    assert_ne!(
+        expected_long,
+        greedy_reference(&w1, &long, 10),
+        "the two models must differ"
+    );
     for s in of_request(&rest, 1) {
         assert_eq!(s.weight_version, 2);
         assert_eq!(s.restarts, 1);
@@ -310,7 +382,9 @@ fn hot_swap_restarts_in_flight_samples_on_the_new_weights() {
 }
 
 fn word_tokenizer() -> ModelTokenizer {
-    let vocab: serde_json::Map<String, serde_json::Value> = (0..32).map(|i| (format!("w{i:02}"), serde_json::json!(i))).collect();
+    let vocab: serde_json::Map<String, serde_json::Value> = (0..32)
+        .map(|i| (format!("w{i:02}"), serde_json::json!(i)))
+        .collect();
     let json = serde_json::json!({
         "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
         "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null,
@@ -339,7 +413,9 @@ fn stop_tokens_stop_strings_and_length_limits_end_samples() {
     engine.submit(request(2, &prompt, 1, 0, p)).unwrap();
 
     let long_prompt: Vec<u32> = (0..14).collect();
-    engine.submit(request(3, &long_prompt, 1, 0, SamplingParams::greedy(10))).unwrap();
+    engine
+        .submit(request(3, &long_prompt, 1, 0, SamplingParams::greedy(10)))
+        .unwrap();
     let samples = engine.run_to_completion().unwrap();
 
     let eos = of_request(&samples, 1)[0];
@@ -356,7 +432,11 @@ fn stop_tokens_stop_strings_and_length_limits_end_samples() {
 
     let limited = of_request(&samples, 3)[0];
     assert_eq!(limited.finish_reason, FinishReason::MaxModelLen);
-    assert_eq!(limited.response_ids.len(), 2, "14 prompt tokens + 2 = max_model_len 16");
+    assert_eq!(
+        limited.response_ids.len(),
+        2,
+        "14 prompt tokens + 2 = max_model_len 16"
+    );
 }
 
 #[test]
@@ -365,25 +445,96 @@ fn the_streaming_handle_rejects_bad_requests_and_serves_the_rest() {
     let engine = engine_with(&weights, 2, 16, None);
     assert_eq!(engine.kv_cache_bytes(), 2 * 2 * 2 * 2 * 16 * 8 * 4);
     let handle = engine.spawn();
-    handle.submit(request(1, &[1, 2, 3], 2, 1, sampled(1.0, 0, 1.0, 4))).unwrap();
-    handle.submit(request(2, &[1; 20], 1, 0, SamplingParams::greedy(4))).unwrap();
-    handle.submit(request(3, &[1, 2], 3, 0, SamplingParams::greedy(4))).unwrap();
-    handle.submit(request(4, &[40], 1, 0, SamplingParams::greedy(4))).unwrap();
-    handle.submit(request(5, &[7, 7], 1, 0, SamplingParams::greedy(4))).unwrap();
+    handle
+        .submit(request(1, &[1, 2, 3], 2, 1, sampled(1.0, 0, 1.0, 4)))
+        .unwrap();
+    handle
+        .submit(request(2, &[1; 20], 1, 0, SamplingParams::greedy(4)))
+        .unwrap();
+    handle
+        .submit(request(3, &[1, 2], 3, 0, SamplingParams::greedy(4)))
+        .unwrap();
+    handle
+        .submit(request(4, &[40], 1, 0, SamplingParams::greedy(4)))
+        .unwrap();
+    handle
+        .submit(request(5, &[7, 7], 1, 0, SamplingParams::greedy(4)))
+        .unwrap();
     let mut samples = Vec::new();
     let mut rejections = Vec::new();
     while samples.len() < 3 || rejections.len() < 3 {
-        match handle.outputs().recv_timeout(std::time::Duration::from_secs(60)).unwrap() {
+        match handle
+            .outputs()
+            .recv_timeout(std::time::Duration::from_secs(60))
+            .unwrap()
+        {
             EngineOutput::Sample(s) => samples.push(s),
             EngineOutput::Rejected(e) => rejections.push(e.to_string()),
         }
     }
     rejections.sort();
-    assert!(rejections[0].contains("request 2 rejected") && rejections[0].contains("maximum model length 16"), "{}", rejections[0]);
-    assert!(rejections[1].contains("request 3 rejected") && rejections[1].contains("max_num_seqs (2)"), "{}", rejections[1]);
-    assert!(rejections[2].contains("request 4 rejected") && rejections[2].contains("outside the vocabulary"), "{}", rejections[2]);
+    assert!(
+        rejections[0].contains("request 2 rejected") && rejections[0].contains("maximum model length 16"),
+        "{}",
+        rejections[0]
+    );
+    assert!(
+        rejections[1].contains("request 3 rejected") && rejections[1].contains("max_num_seqs (2)"),
+        "{}",
+        rejections[1]
+    );
+    assert!(
+        rejections[2].contains("request 4 rejected") && rejections[2].contains("outside the vocabulary"),
+        "{}",
+        rejections[2]
+    );
     assert_eq!(samples.iter().filter(|s| s.request_id == 1).count(), 2);
-    assert_eq!(of_request(&samples, 5)[0].response_ids, greedy_reference(&weights, &[7, 7], 4));
+    assert_eq!(
+        of_request(&samples, 5)[0].response_ids,
+        greedy_reference(&weights, &[7, 7], 4)
+    );
     let engine = handle.shutdown().unwrap();
     assert!(!engine.has_work());
+}
+
+/// The real SmolLM2-135M (`scripts/setup.sh` fetches it): greedy engine output in a batch with
+/// a sampled neighbour equals the model crate's step-by-step generation, and the text decodes.
+#[test]
+fn smollm2_greedy_matches_step_by_step_generation() {
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !path.is_file() {
+        eprintln!("skipping: {} is missing (run scripts/setup.sh)", path.display());
+        return;
+    }
+    let host = model::programs::HostModel::load(&path).unwrap();
+    let prompt = host.tokenizer.encode("The capital of France is", false).unwrap();
+    let expected = greedy_reference(&host.weights, &prompt, 8);
+    let buffers = upload_weights(client(), &host.weights, DType::F32, 0).unwrap();
+    let mut settings = EngineConfig::new(2, 32);
+    settings.eos_token_ids = host.stop_tokens();
+    let mut engine = Engine::new(
+        client(),
+        &host.weights.config,
+        buffers,
+        1,
+        settings,
+        Some(host.tokenizer.clone()),
+    )
+    .unwrap();
+    engine
+        .submit(request(1, &[1, 2, 3, 4], 1, 3, sampled(1.0, 0, 1.0, 8)))
+        .unwrap();
+    engine
+        .submit(request(2, &prompt, 1, 0, SamplingParams::greedy(8)))
+        .unwrap();
+    let samples = engine.run_to_completion().unwrap();
+    let greedy = of_request(&samples, 2)[0];
+    let n = greedy.response_ids.len();
+    assert_eq!(greedy.response_ids, expected[..n].to_vec());
+    assert_eq!(
+        greedy.text,
+        host.tokenizer.decode(&greedy.response_ids, true).unwrap()
+    );
+    assert!(!greedy.text.is_empty());
 }

@@ -121,3 +121,31 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
     );
     Ok(ExitCode::SUCCESS)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(model: &str, temperature: f32) -> GenerateArgs {
+        GenerateArgs {
+            model: PathBuf::from(model),
+            prompt: "hi".to_string(),
+            chat: false,
+            max_new_tokens: 4,
+            temperature,
+            seed: 0,
+        }
+    }
+
+    #[test]
+    fn bad_temperature_and_missing_model_are_reported() {
+        let err = run(args("models/none.gguf", -1.0)).unwrap_err().to_string();
+        assert!(
+            err.contains("--temperature must be a number >= 0 (0 = greedy), got -1"),
+            "{err}"
+        );
+        let err = format!("{:#}", run(args("/nonexistent/dir", 0.0)).unwrap_err());
+        assert!(err.contains("loading model /nonexistent/dir"), "{err}");
+        assert!(err.contains("is not a model: expected a .gguf file"), "{err}");
+    }
+}

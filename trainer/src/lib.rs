@@ -10,6 +10,8 @@
 //! - [`step`]: the fused `train_step` program builder (forward, loss, backward, clipping,
 //!   AdamW, numerical guard), gradient accumulation (`accumulate` + `apply` programs) and the
 //!   host driver [`step::Learner`] that owns the device buffers.
+//! - [`policy`]: the decoder model as the policy: its parameters, batch layout and per-token
+//!   log-probs of responses.
 //! - [`checkpoint`]: atomic, checksummed checkpoints under `OUTPUT/checkpoints/step_N/`.
 //!
 //! Every formula follows VeRL (`verl/trainer/ppo/core_algos.py`, commit 012be9d9 unless a doc
@@ -20,6 +22,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod loss;
 pub mod optim;
+pub mod policy;
 pub mod step;
 
 pub use config::{

@@ -126,7 +126,7 @@ pub fn load_recipe(path: &Path, overrides: &[String]) -> Result<Recipe, RecipeEr
 /// Parse recipe text (no overrides, no range checks). `file` names it in messages.
 pub fn load_recipe_str(text: &str, file: &str) -> Result<Recipe, RecipeError> {
     let de = serde_yaml::Deserializer::from_str(text);
-    serde_path_to_error::deserialize(de).map_err(|e| {
+    let recipe: Recipe = serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
         let at = match inner.location() {
@@ -138,7 +138,16 @@ pub fn load_recipe_str(text: &str, file: &str) -> Result<Recipe, RecipeError> {
             None => Location::FileOnly { file: file.into() },
         };
         classify(&path, &bare_message(&inner.to_string()), at, file)
-    })
+    })?;
+    if recipe.data.train_files.0.is_empty() {
+        return Err(RecipeError::Missing {
+            file: file.into(),
+            key: "data.train_files".into(),
+            section: "data".into(),
+            example: example_for("data.train_files"),
+        });
+    }
+    Ok(recipe)
 }
 
 /// Apply `--set KEY=VALUE` overrides to a parsed recipe, checking each like a key in the file.
@@ -455,7 +464,7 @@ mod tests {
     fn minimal_recipe_gets_defaults() {
         let r = load_recipe_str(MINIMAL, "r.yaml").unwrap();
         assert_eq!(r.rollout.n, 4);
-        assert_eq!(r.data.train_files.0, vec!["t.parquet"]);
+        assert_eq!(r.data.train_files.0, vec![std::path::PathBuf::from("t.parquet")]);
         assert_eq!(r.actor.optim.betas, [0.9, 0.999]);
     }
 
@@ -552,7 +561,7 @@ mod tests {
         assert_eq!(set("model.tokenizer=").unwrap().model.tokenizer, None);
         assert_eq!(
             set("data.val_files=v.parquet").unwrap().data.val_files.0,
-            vec!["v.parquet"]
+            vec![std::path::PathBuf::from("v.parquet")]
         );
         let m = set("rollout.n=abc").unwrap_err().to_string();
         assert_eq!(m, "--set rollout.n=abc: `rollout.n` expects a non-negative integer (usize), but found string \"abc\"");

@@ -23,7 +23,8 @@ pub use trainer::config::{AdvantageEstimator, KlPenalty, LossAggMode, LrSchedule
 #[serde(deny_unknown_fields)]
 pub struct Recipe {
     pub model: ModelSection,
-    pub data: DataSection,
+    /// `data:` prompts (the `data` crate owns this section).
+    pub data: data::DataConfig,
     #[serde(default)]
     pub rollout: RolloutSection,
     /// `reward:` how responses are scored (the `reward` crate owns this section).
@@ -55,84 +56,6 @@ pub struct ModelSection {
     /// `trainer.seed` (for tests and for compile-only checks of architectures not at hand).
     #[serde(default)]
     pub random_init: bool,
-}
-
-/// A list of files that may also be written as one string.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
-#[serde(from = "OneOrMany", into = "Vec<String>")]
-pub struct FileList(pub Vec<String>);
-
-#[derive(Deserialize)]
-#[serde(untagged, expecting = "a file path or a list of file paths")]
-enum OneOrMany {
-    One(String),
-    Many(Vec<String>),
-}
-
-impl From<OneOrMany> for FileList {
-    fn from(v: OneOrMany) -> Self {
-        match v {
-            OneOrMany::One(s) => FileList(vec![s]),
-            OneOrMany::Many(v) => FileList(v),
-        }
-    }
-}
-
-impl From<FileList> for Vec<String> {
-    fn from(v: FileList) -> Self {
-        v.0
-    }
-}
-
-/// `data:` what the policy is trained and validated on.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct DataSection {
-    /// Parquet files of training prompts (VeRL schema or TRL prompt-only form).
-    pub train_files: FileList,
-    /// Parquet files of validation prompts; empty means no validation.
-    #[serde(default)]
-    pub val_files: FileList,
-    /// The column holding the prompt (a string or a list of `{role, content}` messages).
-    #[serde(default = "default_prompt_key")]
-    pub prompt_key: String,
-    /// Prompts per training step (each gets `rollout.n` responses).
-    #[serde(default = "default_train_batch_size")]
-    pub train_batch_size: usize,
-    /// Prompts per validation batch; empty means the whole validation set at once.
-    #[serde(default)]
-    pub val_batch_size: Option<usize>,
-    /// Longest prompt in tokens, after the chat template is applied.
-    #[serde(default = "default_max_prompt_length")]
-    pub max_prompt_length: usize,
-    /// Longest response in tokens; generation stops there.
-    #[serde(default = "default_max_response_length")]
-    pub max_response_length: usize,
-    /// Drop prompts longer than `max_prompt_length` when the dataset is opened.
-    #[serde(default)]
-    pub filter_overlong_prompts: bool,
-    /// What to do with a prompt longer than `max_prompt_length` that was not filtered.
-    #[serde(default)]
-    pub truncation: Truncation,
-    /// Shuffle the training set each epoch.
-    #[serde(default = "default_true")]
-    pub shuffle: bool,
-    /// Seed of the shuffling.
-    #[serde(default)]
-    pub seed: u64,
-}
-
-/// `data.truncation`.
-#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum Truncation {
-    /// An over-long prompt is an error naming the row.
-    #[default]
-    Error,
-    /// Keep the end of the prompt.
-    Left,
-    /// Keep the start of the prompt.
-    Right,
 }
 
 /// `rollout:` how responses are generated.
@@ -430,18 +353,6 @@ fn default_one_usize() -> usize {
 }
 fn default_minus_one() -> i64 {
     -1
-}
-fn default_prompt_key() -> String {
-    "prompt".into()
-}
-fn default_train_batch_size() -> usize {
-    8
-}
-fn default_max_prompt_length() -> usize {
-    512
-}
-fn default_max_response_length() -> usize {
-    512
 }
 fn default_n() -> usize {
     4
