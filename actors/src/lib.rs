@@ -2,6 +2,7 @@
 //! (each in-process or behind gRPC), the run's token, and the worker process that serves a role.
 
 pub mod auth;
+pub mod prepare;
 pub mod proto;
 pub mod recipe;
 pub mod roles;

@@ -20,7 +20,9 @@ use xla::DType;
 use crate::chat::ChatTemplate;
 use crate::config::ModelConfig;
 use crate::error::ModelError;
-use crate::forward::{decode_graph, full_logits_graph, logprobs_graph, prefill_graph, DecoderParams};
+use crate::forward::{
+    decode_graph, full_logits_graph, logprobs_graph_chunked, prefill_graph, DecoderParams, DEFAULT_HEAD_CHUNK,
+};
 use crate::gguf::GgufFile;
 use crate::params::param_table;
 use crate::safetensors_io::{load_hf_checkpoint, ModelWeights};
@@ -545,14 +547,25 @@ pub struct LogprobsProgram {
 }
 
 impl LogprobsProgram {
-    /// Traces and compiles the program.
+    /// Traces and compiles the program (output head over chunks of
+    /// [`crate::forward::DEFAULT_HEAD_CHUNK`] positions).
     pub fn compile(model: &DeviceModel, batch: usize, len: usize) -> Result<LogprobsProgram> {
-        let name = format!("logprobs_{batch}x{len}");
+        Self::compile_chunked(model, batch, len, DEFAULT_HEAD_CHUNK as usize)
+    }
+
+    /// [`LogprobsProgram::compile`] with the output head applied to `chunk` positions at a time.
+    pub fn compile_chunked(
+        model: &DeviceModel,
+        batch: usize,
+        len: usize,
+        chunk: usize,
+    ) -> Result<LogprobsProgram> {
+        let name = format!("logprobs_{batch}x{len}_chunk{chunk}");
         let (g, p) = model.start_graph(&name);
         let tokens = g.parameter("tokens", DType::I32, &[batch as i64, len as i64]);
         let mask = g.parameter("mask", DType::I32, &[batch as i64, len as i64]);
         let temperature = g.parameter("temperature", DType::F32, &[]);
-        let (lp, ent) = logprobs_graph(&g, &p, &tokens, &mask, &temperature);
+        let (lp, ent) = logprobs_graph_chunked(&g, &p, &tokens, &mask, &temperature, chunk as i64);
         let program = g.build(&[&lp, &ent]).map_err(graph_err(&name))?;
         Ok(LogprobsProgram {
             exe: model.compile(&program, &name)?,

@@ -110,13 +110,16 @@ fn log_softmax(row: &[f32], temperature: f32) -> Vec<f64> {
     x.iter().map(|v| v - lse).collect()
 }
 
-fn logprobs_match(family: &str) {
+fn logprobs_match(family: &str, chunk: Option<usize>) {
     let model = load(family);
     let vocab = model.config().vocab_size;
     let refs = reference(family);
     let len = refs.iter().map(|r| r.0.len()).max().unwrap();
     let batch = refs.len();
-    let program = LogprobsProgram::compile(&model, batch, len).unwrap();
+    let program = match chunk {
+        Some(c) => LogprobsProgram::compile_chunked(&model, batch, len, c).unwrap(),
+        None => LogprobsProgram::compile(&model, batch, len).unwrap(),
+    };
     let temperature = 0.7f32;
     let mut tokens = vec![0u32; batch * len];
     let mut mask = vec![0i32; batch * len];
@@ -241,17 +244,17 @@ fn qwen3_full_logits_match_transformers() {
 
 #[test]
 fn llama_logprobs_and_entropy_match_transformers() {
-    logprobs_match("llama");
+    logprobs_match("llama", None);
 }
 
 #[test]
-fn qwen2_logprobs_and_entropy_match_transformers() {
-    logprobs_match("qwen2");
+fn qwen2_logprobs_and_entropy_match_transformers_head_in_chunks_of_5() {
+    logprobs_match("qwen2", Some(5));
 }
 
 #[test]
-fn qwen3_logprobs_and_entropy_match_transformers() {
-    logprobs_match("qwen3");
+fn qwen3_logprobs_and_entropy_match_transformers_head_in_chunks_of_1() {
+    logprobs_match("qwen3", Some(1));
 }
 
 #[test]

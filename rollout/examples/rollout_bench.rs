@@ -46,6 +46,46 @@ fn measure_bandwidth(client: &Client) -> f64 {
     (n * 4) as f64 / best
 }
 
+/// Median time of the fused sampler alone (temperature, no truncation) on `[slots, vocab]`
+/// logits: the share of a decode step spent drawing tokens.
+fn measure_sampler(client: &Client, slots: usize, vocab: usize) -> f64 {
+    use rollout::sampling::{sample_graph, SamplerInputs};
+    let (s, v) = (slots as i64, vocab as i64);
+    let g = Graph::new("sampler");
+    let logits = g.parameter("logits", DType::F32, &[s, v]);
+    let temperature = g.parameter("temperature", DType::F32, &[s]);
+    let top_k = g.parameter("top_k", DType::I32, &[s]);
+    let top_p = g.parameter("top_p", DType::F32, &[s]);
+    let keys = g.parameter("keys", DType::U32, &[s, 2]);
+    let inputs = SamplerInputs {
+        temperature: &temperature,
+        top_k: &top_k,
+        top_p: &top_p,
+        keys: &keys,
+    };
+    let (tokens, logprobs) = sample_graph(&logits, &inputs, false);
+    let exe = g.build(&[&tokens, &logprobs]).unwrap().compile(client).unwrap();
+    let values: Vec<f32> = (0..slots * vocab)
+        .map(|i| ((i * 7919) % 1000) as f32 / 100.0)
+        .collect();
+    let lb = client.buffer_from_host(&values, &[s, v], 0).unwrap();
+    let tb = client.buffer_from_host(&vec![1.0f32; slots], &[s], 0).unwrap();
+    let kb = client.buffer_from_host(&vec![0i32; slots], &[s], 0).unwrap();
+    let pb = client.buffer_from_host(&vec![1.0f32; slots], &[s], 0).unwrap();
+    let keys: Vec<u32> = (0..2 * slots as u32).collect();
+    let keyb = client.buffer_from_host(&keys, &[s, 2], 0).unwrap();
+    let mut times: Vec<f64> = (0..7)
+        .map(|_| {
+            let t = Instant::now();
+            let out = exe.execute(&[&lb, &tb, &kb, &pb, &keyb]).unwrap();
+            out[0].to_host::<i32>().unwrap();
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    times[3]
+}
+
 fn main() {
     tracing_subscriber::fmt().with_env_filter("info").init();
     let args: Vec<String> = std::env::args().collect();
@@ -139,6 +179,13 @@ fn main() {
         median_step / bound
     );
     println!("stats: {:?}", engine.stats());
+    let sampler = measure_sampler(&client, seqs, config.vocab_size);
+    println!(
+        "sampler alone ({seqs} x {} logits, Threefry + Gumbel-max + log-softmax): {:.1} ms = {:.0}% of the decode step",
+        config.vocab_size,
+        sampler * 1e3,
+        100.0 * sampler / median_step
+    );
     let engine_tps = generated as f64 / total;
 
     if run_peer {

@@ -51,9 +51,30 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
         print!("{}", recipe.to_yaml());
         return Ok(ExitCode::SUCCESS);
     }
+    let prepared = actors::prepare::prepare(&recipe)?;
+    let config = &prepared.model.weights.config;
+    eprintln!(
+        "model: {} ({}, {:.1}M parameters)",
+        recipe.model.path,
+        config.family,
+        config.num_parameters() as f64 / 1e6
+    );
+    let report = |name: &str, d: &data::PromptDataset| {
+        let r = d.report();
+        let dropped = if recipe.data.filter_overlong_prompts {
+            format!(", {} dropped as longer than data.max_prompt_length", r.dropped_overlong)
+        } else {
+            String::new()
+        };
+        eprintln!("{name}: {} prompts ({} rows in the files{dropped})", r.rows, r.rows_in_files);
+    };
+    report("train", &prepared.train);
+    if let Some(v) = &prepared.validation {
+        report("validation", v);
+    }
     bail!(
-        "{} is a valid recipe, but this build of grpo has no training loop yet: it arrives with \
-         the orchestrator. `--print-config` shows the resolved recipe.",
+        "{} is a valid recipe and its model and data load, but this build of grpo has no training \
+         loop yet: it arrives with the orchestrator. `--print-config` shows the resolved recipe.",
         args.recipe.display()
     )
 }

@@ -1,0 +1,116 @@
+//! Everything a run sets up before its first step, from the recipe: the model on the host
+//! (config, weights, tokenizer, chat template), the datasets opened with that tokenizer, and
+//! the reward function checked against the datasets' data sources. Any mistake here stops the
+//! run before a program is compiled.
+
+use crate::recipe::Recipe;
+use data::{Prompt, PromptDataset, PromptTokenizer, Split, TokenizeError};
+use model::programs::HostModel;
+use model::{ChatMessage, ChatTemplate, ModelTokenizer};
+use reward::RewardFunction;
+use std::path::Path;
+
+/// What preparing a run can stop on.
+#[derive(Debug, thiserror::Error)]
+pub enum PrepareError {
+    #[error("model.path {path}: {message}")]
+    Model { path: String, message: String },
+    #[error("model.tokenizer {path}: {message}")]
+    Tokenizer { path: String, message: String },
+    #[error("model.chat_template {path}: {message}")]
+    ChatTemplate { path: String, message: String },
+    #[error(transparent)]
+    Data(#[from] data::DataError),
+    #[error("reward: {0}")]
+    Reward(String),
+}
+
+/// Renders chat prompts with the model's template and tokenizes them, as rollout will.
+pub struct ChatTokenizer {
+    pub tokenizer: ModelTokenizer,
+    pub template: Option<ChatTemplate>,
+}
+
+impl PromptTokenizer for ChatTokenizer {
+    fn encode_prompt(&self, prompt: &Prompt) -> Result<Vec<u32>, TokenizeError> {
+        match prompt {
+            // Plain-text prompts are used as they are, as TRL does.
+            Prompt::Text(text) => Ok(self.tokenizer.encode(text, true)?),
+            Prompt::Messages(messages) => {
+                let template = self.template.as_ref().ok_or(
+                    "the model has no chat template for these chat prompts: set `model.chat_template` \
+                     to a Jinja template file, or use plain-text prompts",
+                )?;
+                let messages: Vec<ChatMessage> =
+                    messages.iter().map(|m| ChatMessage::new(m.role.clone(), m.content.clone())).collect();
+                let text = template.render(&messages, true)?;
+                // The template writes the special tokens itself.
+                Ok(self.tokenizer.encode(&text, false)?)
+            }
+        }
+    }
+}
+
+/// A run, ready for its first step.
+pub struct Prepared {
+    /// The model; its chat template has moved into `tokenizer`.
+    pub model: HostModel,
+    pub tokenizer: ChatTokenizer,
+    pub train: PromptDataset,
+    pub validation: Option<PromptDataset>,
+    pub reward: RewardFunction,
+}
+
+/// Load the model, open the datasets, build and check the reward function.
+pub fn prepare(recipe: &Recipe) -> Result<Prepared, PrepareError> {
+    let path = Path::new(&recipe.model.path);
+    let mut model = HostModel::load(path)
+        .map_err(|e| PrepareError::Model { path: recipe.model.path.clone(), message: e.to_string() })?;
+    if recipe.model.random_init {
+        model.weights = model::random_init(&model.weights.config, recipe.trainer.seed);
+    }
+    let tokenizer = match &recipe.model.tokenizer {
+        None => model.tokenizer.clone(),
+        Some(p) => {
+            let file = if Path::new(p).is_dir() { Path::new(p).join("tokenizer.json") } else { p.into() };
+            ModelTokenizer::from_file(&file)
+                .map_err(|e| PrepareError::Tokenizer { path: p.clone(), message: e.to_string() })?
+        }
+    };
+    tokenizer.check_fits(&model.weights.config).map_err(|e| PrepareError::Tokenizer {
+        path: recipe.model.tokenizer.clone().unwrap_or_else(|| recipe.model.path.clone()),
+        message: e.to_string(),
+    })?;
+    // The template moves into the tokenizer that renders prompts with it.
+    let template = match &recipe.model.chat_template {
+        None => model.chat_template.take(),
+        Some(p) => {
+            let err = |message: String| PrepareError::ChatTemplate { path: p.clone(), message };
+            let source = std::fs::read_to_string(p).map_err(|e| err(e.to_string()))?;
+            let base = model.chat_template.as_ref();
+            let token = |f: fn(&ChatTemplate) -> &Option<String>| base.and_then(|t| f(t).clone());
+            Some(
+                ChatTemplate::new(
+                    &source,
+                    p,
+                    token(|t| &t.bos_token),
+                    token(|t| &t.eos_token),
+                    token(|t| &t.pad_token),
+                )
+                .map_err(|e| err(e.to_string()))?,
+            )
+        }
+    };
+    let tokenizer = ChatTokenizer { tokenizer, template };
+    let train = PromptDataset::open(&recipe.data, Split::Train, Some(&tokenizer))?;
+    let validation = if recipe.data.val_files.0.is_empty() {
+        None
+    } else {
+        Some(PromptDataset::open(&recipe.data, Split::Validation, Some(&tokenizer))?)
+    };
+    let reward = recipe
+        .reward
+        .build(Some(recipe.data.max_response_length))
+        .map_err(|e| PrepareError::Reward(e.to_string()))?;
+    Ok(Prepared { model, tokenizer, train, validation, reward })
+}
