@@ -31,6 +31,7 @@ enum Command {
     Preprocess(commands::preprocess::PreprocessArgs),
     Generate(commands::generate::GenerateArgs),
     Worker(commands::worker::WorkerArgs),
+    Export(commands::export::ExportArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -42,6 +43,7 @@ fn main() -> std::process::ExitCode {
         Command::Preprocess(args) => commands::preprocess::run(args),
         Command::Generate(args) => commands::generate::run(args),
         Command::Worker(args) => commands::worker::run(args),
+        Command::Export(args) => commands::export::run(args),
     };
     match result {
         Ok(code) => code,

@@ -41,8 +41,10 @@ impl PromptTokenizer for ChatTokenizer {
                     "the model has no chat template for these chat prompts: set `model.chat_template` \
                      to a Jinja template file, or use plain-text prompts",
                 )?;
-                let messages: Vec<ChatMessage> =
-                    messages.iter().map(|m| ChatMessage::new(m.role.clone(), m.content.clone())).collect();
+                let messages: Vec<ChatMessage> = messages
+                    .iter()
+                    .map(|m| ChatMessage::new(m.role.clone(), m.content.clone()))
+                    .collect();
                 let text = template.render(&messages, true)?;
                 // The template writes the special tokens itself.
                 Ok(self.tokenizer.encode(&text, false)?)
@@ -64,28 +66,45 @@ pub struct Prepared {
 /// Load the model, open the datasets, build and check the reward function.
 pub fn prepare(recipe: &Recipe) -> Result<Prepared, PrepareError> {
     let path = Path::new(&recipe.model.path);
-    let mut model = HostModel::load(path)
-        .map_err(|e| PrepareError::Model { path: recipe.model.path.clone(), message: e.to_string() })?;
+    let mut model = HostModel::load(path).map_err(|e| PrepareError::Model {
+        path: recipe.model.path.clone(),
+        message: e.to_string(),
+    })?;
     if recipe.model.random_init {
         model.weights = model::random_init(&model.weights.config, recipe.trainer.seed);
     }
     let tokenizer = match &recipe.model.tokenizer {
         None => model.tokenizer.clone(),
         Some(p) => {
-            let file = if Path::new(p).is_dir() { Path::new(p).join("tokenizer.json") } else { p.into() };
-            ModelTokenizer::from_file(&file)
-                .map_err(|e| PrepareError::Tokenizer { path: p.clone(), message: e.to_string() })?
+            let file = if Path::new(p).is_dir() {
+                Path::new(p).join("tokenizer.json")
+            } else {
+                p.into()
+            };
+            ModelTokenizer::from_file(&file).map_err(|e| PrepareError::Tokenizer {
+                path: p.clone(),
+                message: e.to_string(),
+            })?
         }
     };
-    tokenizer.check_fits(&model.weights.config).map_err(|e| PrepareError::Tokenizer {
-        path: recipe.model.tokenizer.clone().unwrap_or_else(|| recipe.model.path.clone()),
-        message: e.to_string(),
-    })?;
+    tokenizer
+        .check_fits(&model.weights.config)
+        .map_err(|e| PrepareError::Tokenizer {
+            path: recipe
+                .model
+                .tokenizer
+                .clone()
+                .unwrap_or_else(|| recipe.model.path.clone()),
+            message: e.to_string(),
+        })?;
     // The template moves into the tokenizer that renders prompts with it.
     let template = match &recipe.model.chat_template {
         None => model.chat_template.take(),
         Some(p) => {
-            let err = |message: String| PrepareError::ChatTemplate { path: p.clone(), message };
+            let err = |message: String| PrepareError::ChatTemplate {
+                path: p.clone(),
+                message,
+            };
             let source = std::fs::read_to_string(p).map_err(|e| err(e.to_string()))?;
             let base = model.chat_template.as_ref();
             let token = |f: fn(&ChatTemplate) -> &Option<String>| base.and_then(|t| f(t).clone());
@@ -106,11 +125,21 @@ pub fn prepare(recipe: &Recipe) -> Result<Prepared, PrepareError> {
     let validation = if recipe.data.val_files.0.is_empty() {
         None
     } else {
-        Some(PromptDataset::open(&recipe.data, Split::Validation, Some(&tokenizer))?)
+        Some(PromptDataset::open(
+            &recipe.data,
+            Split::Validation,
+            Some(&tokenizer),
+        )?)
     };
     let reward = recipe
         .reward
         .build(Some(recipe.data.max_response_length))
         .map_err(|e| PrepareError::Reward(e.to_string()))?;
-    Ok(Prepared { model, tokenizer, train, validation, reward })
+    Ok(Prepared {
+        model,
+        tokenizer,
+        train,
+        validation,
+        reward,
+    })
 }

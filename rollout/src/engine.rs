@@ -102,6 +102,19 @@ pub enum FinishReason {
     MaxModelLen,
 }
 
+impl std::fmt::Display for FinishReason {
+    /// vLLM's names: `stop` (EOS / stop token or stop string) or `length` (a length limit),
+    /// with the detail in parentheses.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FinishReason::Eos(id) => write!(f, "stop (token {id})"),
+            FinishReason::StopString(s) => write!(f, "stop (string {s:?})"),
+            FinishReason::MaxNewTokens => write!(f, "length (max_new_tokens)"),
+            FinishReason::MaxModelLen => write!(f, "length (max_model_len)"),
+        }
+    }
+}
+
 /// One finished sample.
 #[derive(Clone, Debug)]
 pub struct Sample {

@@ -2,8 +2,8 @@
 //!
 //! Randomness is counter-based: the key of one draw is
 //! `threefry2x32([seed_lo, seed_hi], [sample_index, token_index])` (computed on the host by
-//! [`draw_key`]), and the uniform for vocabulary entry `v` is `threefry2x32(key, [0, v])`
-//! (computed on the device). A sample's tokens therefore depend only on (seed, sample index,
+//! [`draw_key`]), and the uniforms for the vocabulary come from `threefry2x32(key, [0, v])`,
+//! both output words used (computed on the device; see [`draw_uniform`]). A sample's tokens therefore depend only on (seed, sample index,
 //! token index, logits), never on what else is in the batch.
 //!
 //! The sampler is the Gumbel-max trick: `argmax(logits / T + G)` with `G = -ln(-ln U)` is an
@@ -97,22 +97,31 @@ pub fn draw_key(seed: u64, sample_index: u32, token_index: u32) -> [u32; 2] {
     threefry2x32([seed as u32, (seed >> 32) as u32], [sample_index, token_index])
 }
 
-/// The uniform in (0, 1) the sampler uses for vocabulary entry `v` under `key` (the host
-/// twin of the device computation, for tests).
-pub fn draw_uniform(key: [u32; 2], v: u32) -> f32 {
-    let [a, b] = threefry2x32(key, [0, v]);
-    (((a ^ b) >> 9) as f32 + 0.5) * (1.0 / 8_388_608.0)
+/// The uniform in (0, 1) the sampler uses for vocabulary entry `v` (of `vocab`) under `key`:
+/// one Threefry call gives two words, so entry `v < ceil(vocab / 2)` takes word 0 of counter
+/// `(0, v)` and the entry `ceil(vocab / 2)` later takes word 1 (the host twin of the device
+/// computation, for tests).
+pub fn draw_uniform(key: [u32; 2], v: u32, vocab: u32) -> f32 {
+    let half = vocab.div_ceil(2);
+    let bits = if v < half {
+        threefry2x32(key, [0, v])[0]
+    } else {
+        threefry2x32(key, [0, v - half])[1]
+    };
+    ((bits >> 9) as f32 + 0.5) * (1.0 / 8_388_608.0)
 }
 
 const ROTATIONS: [u32; 8] = [13, 15, 26, 6, 17, 29, 16, 24];
 const KEY_PARITY: u32 = 0x1BD1_1BDA;
 
 /// Threefry-2x32 (20 rounds) with a different key per row: `keys [S, 2]` u32, counters
-/// `(0, v)` for `v` in `0..width`; returns `y0 ^ y1` as `[S, width]` u32.
+/// `(0, v)` for `v` in `0..ceil(width / 2)`; returns both output words side by side, cut to
+/// `[S, width]` u32 (see [`draw_uniform`]).
 fn row_keyed_bits(keys: &Tensor, width: i64) -> Tensor {
     let g = keys.graph().clone();
     let s = keys.dims()[0];
-    let dims = [s, width];
+    let half = (width + 1) / 2;
+    let dims = [s, half];
     let word = |i: i64| keys.slice_axis(1, i, i + 1).broadcast_to(&dims);
     let k0 = word(0);
     let k1 = word(1);
@@ -134,7 +143,7 @@ fn row_keyed_bits(keys: &Tensor, width: i64) -> Tensor {
             x1 = &(&x1 + &ks[(j + 1) % 3]) + &g.full(j as f64, DType::U32, &dims);
         }
     }
-    x0.xor(&x1)
+    Tensor::concat(&[&x0, &x1], 1).slice_axis(1, 0, width)
 }
 
 /// Uniforms in (0, 1) `[S, width]` from per-row keys (see [`draw_uniform`]).
@@ -292,7 +301,7 @@ mod tests {
         assert_ne!(draw_key(7, 1, 2), draw_key(7, 2, 1));
         assert_ne!(draw_key(7, 1, 2), draw_key(8, 1, 2));
         assert_ne!(draw_key(1 << 40, 0, 0), draw_key(0, 0, 0));
-        let u = draw_uniform(draw_key(3, 0, 0), 5);
+        let u = draw_uniform(draw_key(3, 0, 0), 5, 32);
         assert!(u > 0.0 && u < 1.0);
     }
 
@@ -301,15 +310,19 @@ mod tests {
         let client = xla::runtime::Client::cpu(1).unwrap();
         let g = xla::graph::Graph::new("uniforms");
         let keys = g.parameter("keys", DType::U32, &[3, 2]);
-        let u = row_keyed_uniform(&keys, 40);
+        let u = row_keyed_uniform(&keys, 41);
         let exe = g.build(&[&u]).unwrap().compile(&client).unwrap();
         let host_keys = [draw_key(1, 0, 0), draw_key(1, 1, 0), draw_key(u64::MAX, 7, 300)];
         let flat: Vec<u32> = host_keys.iter().flatten().copied().collect();
         let kb = client.buffer_from_host(&flat, &[3, 2], 0).unwrap();
         let got = exe.execute(&[&kb]).unwrap()[0].to_host::<f32>().unwrap();
         for (r, key) in host_keys.iter().enumerate() {
-            for v in 0..40 {
-                assert_eq!(got[r * 40 + v], draw_uniform(*key, v as u32), "row {r} entry {v}");
+            for v in 0..41 {
+                assert_eq!(
+                    got[r * 41 + v],
+                    draw_uniform(*key, v as u32, 41),
+                    "row {r} entry {v}"
+                );
             }
         }
         let mean = got.iter().sum::<f32>() / got.len() as f32;

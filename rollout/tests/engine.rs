@@ -432,6 +432,11 @@ fn stop_tokens_stop_strings_and_length_limits_end_samples() {
 
     let limited = of_request(&samples, 3)[0];
     assert_eq!(limited.finish_reason, FinishReason::MaxModelLen);
+    assert_eq!(limited.finish_reason.to_string(), "length (max_model_len)");
+    assert_eq!(
+        stopped.finish_reason.to_string(),
+        format!("stop (string \"{}\")", words[k])
+    );
     assert_eq!(
         limited.response_ids.len(),
         2,

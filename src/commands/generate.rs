@@ -1,34 +1,40 @@
 //! `grpo generate`: loads a model (a Hugging Face directory or a `.gguf` file) with its
-//! tokenizer and chat template, runs the compiled `prefill` and `decode` programs on the CPU
-//! plugin and prints the continuation of one prompt. Temperature 0 is greedy and deterministic;
-//! otherwise tokens are sampled on the host from the returned logits with the given seed.
+//! tokenizer and chat template and continues prompts with the rollout engine (continuous
+//! batching, one prefill per prompt shared by its `--n` samples, sampling on the device).
+//! Temperature 0 is greedy and deterministic; otherwise each prompt's samples come from the
+//! seed, whatever else is in the batch.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
-use anyhow::Context;
-use model::programs::{generate, DeviceModel, GenerateOptions, HostModel};
+use anyhow::{bail, Context};
+use model::programs::HostModel;
 use model::ChatMessage;
+use rollout::{Engine, EngineConfig, GenerationRequest, SamplingParams};
 use xla::runtime::Client;
 use xla::DType;
 
 /// Arguments of `grpo generate`.
 #[derive(clap::Args, Debug)]
 #[command(
-    about = "Continue a prompt with a model (HF directory or .gguf) on the CPU",
-    long_about = "Continue a prompt with a model and print the continuation.\n\n\
+    about = "Continue prompts with a model (HF directory or .gguf) on the CPU",
+    long_about = "Continue prompts with a model and print the continuations.\n\n\
                   The model is a Hugging Face directory (config.json, *.safetensors, tokenizer.json, \
                   optionally tokenizer_config.json with a chat template) or a .gguf file (weights \
-                  dequantised to f32; tokenizer and chat template from its metadata). The prompt is \
-                  run by the compiled prefill program, then one decode step per new token, until \
-                  an end-of-sequence token or --max-new-tokens.",
+                  dequantised to f32; tokenizer and chat template from its metadata). Prompts come \
+                  from --prompt or from --prompts-file: a text file with one prompt per line, or a \
+                  Parquet file in VeRL's schema (its chat messages are always rendered with the chat \
+                  template). One --prompt with --n 1 prints the continuation as text; otherwise each \
+                  sample is one JSON line on stdout.",
     after_help = "Examples:\n  \
                   grpo generate --model models/SmolLM2-135M-Instruct.Q4_1.gguf --chat \\\n      \
                   --prompt \"What is the capital of France?\" --temperature 0\n  \
-                  grpo generate --model ./my-hf-model --prompt \"Once upon a time\" \\\n      \
-                  --max-new-tokens 64 --temperature 0.8 --seed 7"
+                  grpo generate --model ./my-hf-model --prompts-file prompts.txt --n 4 \\\n      \
+                  --max-new-tokens 64 --temperature 0.8 --seed 7 > samples.jsonl\n  \
+                  grpo generate --model models/SmolLM2-135M-Instruct.Q4_1.gguf \\\n      \
+                  --prompts-file datasets/arithmetic/val.parquet --n 2 --temperature 1"
 )]
 pub struct GenerateArgs {
     /// A Hugging Face model directory or a .gguf file. Example:
@@ -38,15 +44,29 @@ pub struct GenerateArgs {
 
     /// The text to continue (with --chat: the user message). Example:
     /// `--prompt "What is the capital of France?"`.
-    #[arg(long, value_name = "TEXT")]
-    pub prompt: String,
+    #[arg(
+        long,
+        value_name = "TEXT",
+        required_unless_present = "prompts_file",
+        conflicts_with = "prompts_file"
+    )]
+    pub prompt: Option<String>,
 
-    /// Render the prompt as a user message with the model's chat template (and the generation
-    /// prompt) before tokenizing. Example: `--chat`.
+    /// Prompts to continue: a text file (one prompt per line) or a Parquet file in VeRL's schema
+    /// (`.parquet`). Example: `--prompts-file prompts.txt`.
+    #[arg(long, value_name = "FILE")]
+    pub prompts_file: Option<PathBuf>,
+
+    /// Samples per prompt. Example: `--n 4`.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub n: usize,
+
+    /// Render each text prompt as a user message with the model's chat template (and the
+    /// generation prompt) before tokenizing. Example: `--chat`.
     #[arg(long)]
     pub chat: bool,
 
-    /// Most tokens to generate. Example: `--max-new-tokens 64`.
+    /// Most tokens to generate per sample. Example: `--max-new-tokens 64`.
     #[arg(long, value_name = "N", default_value_t = 128)]
     pub max_new_tokens: usize,
 
@@ -55,69 +75,185 @@ pub struct GenerateArgs {
     #[arg(long, value_name = "T", default_value_t = 0.0)]
     pub temperature: f32,
 
-    /// Seed of the sampler (used when --temperature > 0). Example: `--seed 42`.
+    /// Keep only the k most likely tokens; 0 keeps all. Example: `--top-k 50`.
+    #[arg(long, value_name = "K", default_value_t = 0)]
+    pub top_k: usize,
+
+    /// Keep the smallest set of tokens whose probability reaches p. Example: `--top-p 0.9`.
+    #[arg(long, value_name = "P", default_value_t = 1.0)]
+    pub top_p: f32,
+
+    /// Seed of the sampler; prompt i uses seed + i. Example: `--seed 42`.
     #[arg(long, value_name = "S", default_value_t = 0)]
     pub seed: u64,
+
+    /// Sequences decoded at once (KV-cache slots). Example: `--max-num-seqs 32`.
+    #[arg(long, value_name = "N", default_value_t = 16)]
+    pub max_num_seqs: usize,
 }
 
-/// Loads the model, generates and prints the continuation on stdout (timing on stderr).
+/// Token ids of each prompt, rendered and tokenized as the model expects.
+fn prompt_ids(args: &GenerateArgs, host: &HostModel) -> anyhow::Result<Vec<Vec<u32>>> {
+    let render = |messages: &[ChatMessage]| -> anyhow::Result<Vec<u32>> {
+        let template = host.chat_template.as_ref().with_context(|| {
+            format!(
+                "model {} has no chat template (tokenizer_config.json `chat_template` or GGUF \
+                 `tokenizer.chat_template`); use text prompts without --chat",
+                args.model.display()
+            )
+        })?;
+        let text = template
+            .render(messages, true)
+            .context("rendering the chat template")?;
+        // The template writes the special tokens it wants.
+        Ok(host.tokenizer.encode(&text, false)?)
+    };
+    let text = |t: &str| -> anyhow::Result<Vec<u32>> {
+        if args.chat {
+            render(&[ChatMessage::new("user", t)])
+        } else {
+            Ok(host.tokenizer.encode(t, true)?)
+        }
+    };
+    let Some(file) = &args.prompts_file else {
+        return Ok(vec![text(args.prompt.as_deref().unwrap_or_default())?]);
+    };
+    if file
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("parquet"))
+    {
+        return parquet_prompts(file, &render, &text);
+    }
+    let lines = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+    let prompts: Vec<Vec<u32>> = lines
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(text)
+        .collect::<anyhow::Result<_>>()?;
+    if prompts.is_empty() {
+        bail!(
+            "{} holds no prompts (one prompt per non-empty line)",
+            file.display()
+        );
+    }
+    Ok(prompts)
+}
+
+fn parquet_prompts(
+    file: &Path,
+    render: &dyn Fn(&[ChatMessage]) -> anyhow::Result<Vec<u32>>,
+    text: &dyn Fn(&str) -> anyhow::Result<Vec<u32>>,
+) -> anyhow::Result<Vec<Vec<u32>>> {
+    let config = data::DataConfig {
+        train_files: data::DataFiles(vec![file.to_path_buf()]),
+        ..Default::default()
+    };
+    let dataset = data::PromptDataset::open(&config, data::Split::Train, None)?;
+    let positions: Vec<u64> = (0..dataset.len()).collect();
+    dataset
+        .read(&positions)?
+        .iter()
+        .map(|example| match &example.prompt {
+            data::Prompt::Messages(m) => render(
+                &m.iter()
+                    .map(|m| ChatMessage::new(m.role.clone(), m.content.clone()))
+                    .collect::<Vec<_>>(),
+            ),
+            data::Prompt::Text(t) => text(t),
+        })
+        .collect()
+}
+
+/// Loads the model, generates and prints the continuations on stdout (timing on stderr).
 pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
     if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
-        anyhow::bail!(
+        bail!(
             "--temperature must be a number >= 0 (0 = greedy), got {}",
             args.temperature
+        );
+    }
+    if args.n == 0 || args.n > args.max_num_seqs {
+        bail!(
+            "--n must be between 1 and --max-num-seqs ({}), got {}",
+            args.max_num_seqs,
+            args.n
         );
     }
     let started = Instant::now();
     let host =
         HostModel::load(&args.model).with_context(|| format!("loading model {}", args.model.display()))?;
-    let text = if args.chat {
-        let template = host.chat_template.as_ref().with_context(|| {
-            format!(
-                "--chat: model {} has no chat template (tokenizer_config.json `chat_template` or GGUF \
-                 `tokenizer.chat_template`); run without --chat",
-                args.model.display()
-            )
-        })?;
-        template
-            .render(&[ChatMessage::new("user", args.prompt.clone())], true)
-            .context("rendering the chat template")?
-    } else {
-        args.prompt.clone()
-    };
-    // A chat template already writes the special tokens it wants.
-    let prompt_ids = host
-        .tokenizer
-        .encode(&text, !args.chat)
-        .context("tokenizing the prompt")?;
+    let prompts = prompt_ids(&args, &host)?;
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(1);
     let client = Client::cpu(1).context("creating the CPU PJRT client (run scripts/setup.sh)")?;
-    let device_model = DeviceModel::upload(&client, &host.weights, DType::F32, 0)?;
+    let weights = rollout::upload_weights(&client, &host.weights, DType::F32, 0)?;
+    let mut settings = EngineConfig::new(args.max_num_seqs, longest + args.max_new_tokens + 1);
+    settings.eos_token_ids = host.stop_tokens();
+    let mut engine = Engine::new(
+        &client,
+        &host.weights.config,
+        weights,
+        0,
+        settings,
+        Some(host.tokenizer.clone()),
+    )?;
     tracing::info!(
-        "loaded {} ({} parameters, {} prompt tokens) in {:.1}s",
+        "loaded {} ({} parameters, {} prompts) in {:.1}s",
         args.model.display(),
         host.weights.num_parameters(),
-        prompt_ids.len(),
+        prompts.len(),
         started.elapsed().as_secs_f64()
     );
-    let options = GenerateOptions {
-        max_new_tokens: args.max_new_tokens,
-        temperature: args.temperature,
-        seed: args.seed,
-        stop_tokens: host.stop_tokens(),
-    };
-    let t0 = Instant::now();
-    let ids = generate(&device_model, &prompt_ids, &options)?;
-    let elapsed = t0.elapsed().as_secs_f64();
-    let text = host
-        .tokenizer
-        .decode(&ids, true)
-        .context("decoding the generated tokens")?;
+    let json = args.prompts_file.is_some() || args.n > 1;
     let mut out = std::io::stdout().lock();
-    writeln!(out, "{text}")?;
+    for (i, prompt) in prompts.into_iter().enumerate() {
+        let request = GenerationRequest {
+            id: i as u64,
+            prompt,
+            n: args.n,
+            seed: args.seed + i as u64,
+            params: SamplingParams {
+                temperature: args.temperature,
+                top_k: args.top_k,
+                top_p: args.top_p,
+                max_new_tokens: args.max_new_tokens,
+                ..Default::default()
+            },
+        };
+        if let Err(e) = engine.submit(request) {
+            if !json {
+                return Err(e.into());
+            }
+            writeln!(
+                out,
+                "{}",
+                serde_json::json!({"prompt_index": i, "error": e.to_string()})
+            )?;
+        }
+    }
+    let t0 = Instant::now();
+    let mut generated = 0;
+    while engine.has_work() {
+        for s in engine.step()? {
+            generated += s.response_ids.len();
+            if json {
+                let line = serde_json::json!({
+                    "prompt_index": s.request_id,
+                    "sample_index": s.sample_index,
+                    "text": s.text,
+                    "response_ids": s.response_ids,
+                    "logprobs": s.logprobs,
+                    "finish_reason": s.finish_reason.to_string(),
+                    "weight_version": s.weight_version,
+                });
+                writeln!(out, "{line}")?;
+            } else {
+                writeln!(out, "{}", s.text)?;
+            }
+        }
+    }
     eprintln!(
-        "[{} new tokens in {:.2}s, including compilation]",
-        ids.len(),
-        elapsed
+        "[{generated} new tokens in {:.2}s, including compilation]",
+        t0.elapsed().as_secs_f64()
     );
     Ok(ExitCode::SUCCESS)
 }
@@ -129,19 +265,34 @@ mod tests {
     fn args(model: &str, temperature: f32) -> GenerateArgs {
         GenerateArgs {
             model: PathBuf::from(model),
-            prompt: "hi".to_string(),
+            prompt: Some("hi".to_string()),
+            prompts_file: None,
+            n: 1,
             chat: false,
             max_new_tokens: 4,
             temperature,
+            top_k: 0,
+            top_p: 1.0,
             seed: 0,
+            max_num_seqs: 4,
         }
     }
 
     #[test]
-    fn bad_temperature_and_missing_model_are_reported() {
+    fn bad_arguments_and_missing_model_are_reported() {
         let err = run(args("models/none.gguf", -1.0)).unwrap_err().to_string();
         assert!(
             err.contains("--temperature must be a number >= 0 (0 = greedy), got -1"),
+            "{err}"
+        );
+        let err = run(GenerateArgs {
+            n: 9,
+            ..args("models/none.gguf", 0.0)
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("--n must be between 1 and --max-num-seqs (4), got 9"),
             "{err}"
         );
         let err = format!("{:#}", run(args("/nonexistent/dir", 0.0)).unwrap_err());

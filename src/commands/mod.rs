@@ -1,7 +1,8 @@
 //! One module per subcommand.
 
 pub mod devices;
-pub mod run;
-pub mod preprocess;
+pub mod export;
 pub mod generate;
+pub mod preprocess;
+pub mod run;
 pub mod worker;

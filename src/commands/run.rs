@@ -62,11 +62,17 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
     let report = |name: &str, d: &data::PromptDataset| {
         let r = d.report();
         let dropped = if recipe.data.filter_overlong_prompts {
-            format!(", {} dropped as longer than data.max_prompt_length", r.dropped_overlong)
+            format!(
+                ", {} dropped as longer than data.max_prompt_length",
+                r.dropped_overlong
+            )
         } else {
             String::new()
         };
-        eprintln!("{name}: {} prompts ({} rows in the files{dropped})", r.rows, r.rows_in_files);
+        eprintln!(
+            "{name}: {} prompts ({} rows in the files{dropped})",
+            r.rows, r.rows_in_files
+        );
     };
     report("train", &prepared.train);
     if let Some(v) = &prepared.validation {

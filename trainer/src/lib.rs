@@ -20,6 +20,7 @@
 pub mod advantage;
 pub mod checkpoint;
 pub mod config;
+pub mod export;
 pub mod loss;
 pub mod optim;
 pub mod policy;

@@ -57,7 +57,10 @@ impl DecoderPolicy {
     pub fn param_specs(&self) -> Vec<ParamSpec> {
         param_table(&self.config)
             .into_iter()
-            .map(|s| ParamSpec { name: s.name, dims: s.shape.iter().map(|&d| d as i64).collect() })
+            .map(|s| ParamSpec {
+                name: s.name,
+                dims: s.shape.iter().map(|&d| d as i64).collect(),
+            })
             .collect()
     }
 
@@ -65,8 +68,16 @@ impl DecoderPolicy {
     pub fn input_specs(&self) -> Vec<InputSpec> {
         let dims = vec![self.micro_batch_size as i64, self.width() as i64];
         vec![
-            InputSpec { name: "tokens".into(), dtype: DType::I32, dims: dims.clone() },
-            InputSpec { name: "mask".into(), dtype: DType::I32, dims },
+            InputSpec {
+                name: "tokens".into(),
+                dtype: DType::I32,
+                dims: dims.clone(),
+            },
+            InputSpec {
+                name: "mask".into(),
+                dtype: DType::I32,
+                dims,
+            },
         ]
     }
 
@@ -75,11 +86,15 @@ impl DecoderPolicy {
     pub fn log_probs(&self, params: &[Tensor], batch: &[Tensor]) -> PolicyOutput {
         let (tokens, mask) = (&batch[0], &batch[1]);
         let g = tokens.graph();
-        let p = DecoderParams::from_tensors(&self.config, params).expect("parameters follow the parameter table");
+        let p =
+            DecoderParams::from_tensors(&self.config, params).expect("parameters follow the parameter table");
         let temperature = g.scalar(self.temperature as f64, DType::F32);
         let (lp, ent) = logprobs_graph(g, &p, tokens, mask, &temperature);
         let (start, end) = (self.prompt_len as i64, self.width() as i64);
-        PolicyOutput { log_probs: lp.slice_axis(1, start, end), entropy: Some(ent.slice_axis(1, start, end)) }
+        PolicyOutput {
+            log_probs: lp.slice_axis(1, start, end),
+            entropy: Some(ent.slice_axis(1, start, end)),
+        }
     }
 
     /// Pack `(prompt, response)` rows. Rows past the end of `rows` (up to `micro_batch_size`)
@@ -87,16 +102,28 @@ impl DecoderPolicy {
     pub fn pack(&self, rows: &[(&[u32], &[u32])]) -> Result<PackedRows, PackError> {
         let (p, l, w) = (self.prompt_len, self.response_len, self.width());
         let n = self.micro_batch_size.max(rows.len());
-        let mut out = PackedRows { tokens: vec![0; n * w], mask: vec![0; n * w], response_mask: vec![0.0; n * l] };
+        let mut out = PackedRows {
+            tokens: vec![0; n * w],
+            mask: vec![0; n * w],
+            response_mask: vec![0.0; n * l],
+        };
         for (row, (prompt, response)) in rows.iter().enumerate() {
             if prompt.is_empty() {
                 return Err(PackError::EmptyPrompt { row });
             }
             if prompt.len() > p {
-                return Err(PackError::PromptTooLong { row, len: prompt.len(), max: p });
+                return Err(PackError::PromptTooLong {
+                    row,
+                    len: prompt.len(),
+                    max: p,
+                });
             }
             if response.len() > l {
-                return Err(PackError::ResponseTooLong { row, len: response.len(), max: l });
+                return Err(PackError::ResponseTooLong {
+                    row,
+                    len: response.len(),
+                    max: l,
+                });
             }
             let base = row * w;
             for (i, &t) in prompt.iter().enumerate() {
@@ -129,7 +156,13 @@ mod tests {
             "test",
         )
         .unwrap();
-        DecoderPolicy { config, prompt_len: 3, response_len: 2, micro_batch_size: 3, temperature: 1.0 }
+        DecoderPolicy {
+            config,
+            prompt_len: 3,
+            response_len: 2,
+            micro_batch_size: 3,
+            temperature: 1.0,
+        }
     }
 
     #[test]
@@ -144,10 +177,20 @@ mod tests {
     #[test]
     fn rows_that_do_not_fit_are_named() {
         let p = policy();
-        let e = p.pack(&[(&[1], &[2]), (&[1, 2, 3, 4], &[5])]).unwrap_err().to_string();
-        assert!(e.starts_with("row 1: the prompt has 4 tokens, more than the 3"), "{e}");
+        let e = p
+            .pack(&[(&[1], &[2]), (&[1, 2, 3, 4], &[5])])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("row 1: the prompt has 4 tokens, more than the 3"),
+            "{e}"
+        );
         let e = p.pack(&[(&[1], &[2, 3, 4])]).unwrap_err().to_string();
         assert!(e.contains("response has 3 tokens"), "{e}");
-        assert!(p.pack(&[(&[], &[2])]).unwrap_err().to_string().contains("prompt is empty"));
+        assert!(p
+            .pack(&[(&[], &[2])])
+            .unwrap_err()
+            .to_string()
+            .contains("prompt is empty"));
     }
 }

@@ -13,7 +13,9 @@ use support::{client, Rng};
 use trainer::advantage::{broadcast_over_response, compute_advantages};
 use trainer::config::{AdvantageEstimator, OptimConfig, PolicyLossConfig};
 use trainer::policy::DecoderPolicy;
-use trainer::step::{build_train_programs, mini_batch_normalizer, HostArray, Learner, MicroBatchHost, StepConfig};
+use trainer::step::{
+    build_train_programs, mini_batch_normalizer, HostArray, Learner, MicroBatchHost, StepConfig,
+};
 use xla::graph::Graph;
 use xla::runtime::Executable;
 use xla::DType;
@@ -49,7 +51,10 @@ fn sampler(config: &ModelConfig) -> Executable {
     let mask = g.parameter("mask", DType::I32, &[ROWS as i64, 2]);
     let logits = full_logits_graph(&p, &tokens, &mask);
     let last = logits.slice_axis(1, 1, 2).reshape(&[ROWS as i64, V as i64]);
-    g.build(&[&last.log_softmax(-1)]).unwrap().compile(client()).unwrap()
+    g.build(&[&last.log_softmax(-1)])
+        .unwrap()
+        .compile(client())
+        .unwrap()
 }
 
 /// The learner's log-probs of the response column for packed rows, from parameter buffers.
@@ -75,14 +80,23 @@ fn train(seed: u64, steps: usize, check_alignment: bool) -> Vec<f64> {
     let specs = policy.param_specs();
     let cfg = StepConfig {
         loss: PolicyLossConfig::default(),
-        optim: OptimConfig { lr: 0.01, grad_clip: Some(1.0), weight_decay: 0.0, ..Default::default() },
+        optim: OptimConfig {
+            lr: 0.01,
+            grad_clip: Some(1.0),
+            weight_decay: 0.0,
+            ..Default::default()
+        },
         compute_dtype: DType::F32,
         micro_batch_size: ROWS as i64,
         response_len: 1,
     };
     let programs =
         build_train_programs(&cfg, &specs, &policy.input_specs(), |p, b| policy.log_probs(p, b)).unwrap();
-    let init: Vec<Vec<f32>> = random_init(&config, seed).tensors.iter().map(|t| t.to_f32_vec()).collect();
+    let init: Vec<Vec<f32>> = random_init(&config, seed)
+        .tensors
+        .iter()
+        .map(|t| t.to_f32_vec())
+        .collect();
     let mut learner = Learner::new(client(), programs, &specs, &cfg, &init, 3).unwrap();
     let sample_next = sampler(&config);
     let view = check_alignment.then(|| learner_view(&policy));
@@ -91,11 +105,15 @@ fn train(seed: u64, steps: usize, check_alignment: bool) -> Vec<f64> {
     let mut mean_rewards = Vec::new();
     for _ in 0..steps {
         let contexts: Vec<u32> = (0..PROMPTS).map(|_| 2 + rng.below(6) as u32).collect();
-        let prompts: Vec<[u32; 2]> =
-            contexts.iter().flat_map(|&c| std::iter::repeat_n([1, c], GROUP)).collect();
+        let prompts: Vec<[u32; 2]> = contexts
+            .iter()
+            .flat_map(|&c| std::iter::repeat_n([1, c], GROUP))
+            .collect();
         let tokens: Vec<i32> = prompts.iter().flat_map(|p| p.map(|t| t as i32)).collect();
         let tok = client().buffer_from_host(&tokens, &[ROWS as i64, 2], 0).unwrap();
-        let ones = client().buffer_from_host(&vec![1i32; ROWS * 2], &[ROWS as i64, 2], 0).unwrap();
+        let ones = client()
+            .buffer_from_host(&vec![1i32; ROWS * 2], &[ROWS as i64, 2], 0)
+            .unwrap();
         let mut args: Vec<&xla::runtime::Buffer> = learner.params().iter().collect();
         args.extend([&tok, &ones]);
         let logp = sample_next.execute(&args).unwrap()[0].to_host::<f32>().unwrap();
@@ -114,16 +132,27 @@ fn train(seed: u64, steps: usize, check_alignment: bool) -> Vec<f64> {
             }
             responses.push([pick as u32]);
             old.push(dist[pick]);
-            rewards.push(if pick as u32 == answer(prompt[1]) { 1.0 } else { 0.0 });
+            rewards.push(if pick as u32 == answer(prompt[1]) {
+                1.0
+            } else {
+                0.0
+            });
         }
         mean_rewards.push(rewards.iter().sum::<f64>() / ROWS as f64);
 
-        let rows: Vec<(&[u32], &[u32])> =
-            prompts.iter().zip(&responses).map(|(p, r)| (&p[..], &r[..])).collect();
+        let rows: Vec<(&[u32], &[u32])> = prompts
+            .iter()
+            .zip(&responses)
+            .map(|(p, r)| (&p[..], &r[..]))
+            .collect();
         let packed = policy.pack(&rows).unwrap();
         if let Some(view) = &view {
-            let t = client().buffer_from_host(&packed.tokens, &[ROWS as i64, 3], 0).unwrap();
-            let m = client().buffer_from_host(&packed.mask, &[ROWS as i64, 3], 0).unwrap();
+            let t = client()
+                .buffer_from_host(&packed.tokens, &[ROWS as i64, 3], 0)
+                .unwrap();
+            let m = client()
+                .buffer_from_host(&packed.mask, &[ROWS as i64, 3], 0)
+                .unwrap();
             let mut args: Vec<&xla::runtime::Buffer> = learner.params().iter().collect();
             args.extend([&t, &m]);
             let seen = view.execute(&args).unwrap()[0].to_host::<f32>().unwrap();
@@ -162,5 +191,8 @@ fn grpo_through_a_decoder_raises_the_mean_reward_deterministically() {
     let first = run[..8].iter().sum::<f64>() / 8.0;
     let last = run[steps - 8..].iter().sum::<f64>() / 8.0;
     eprintln!("mean reward: first 8 steps {first:.3}, last 8 steps {last:.3}");
-    assert!(last > first + 0.3, "mean reward did not rise: {first:.3} -> {last:.3}\n{run:?}");
+    assert!(
+        last > first + 0.3,
+        "mean reward did not rise: {first:.3} -> {last:.3}\n{run:?}"
+    );
 }

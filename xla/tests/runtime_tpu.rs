@@ -1,11 +1,13 @@
 //! Deviceless TPU compilation with the installed libtpu (no TPU needed): a data-parallel training
 //! step compiles for v5e, v6e and v5p and reports memory and flops; an oversized program is
-//! reported as not fitting, with the sizes; bad topologies and a TPU client on a host without a
-//! TPU are clear errors.
+//! reported as not fitting, with the sizes; bad topologies, a TPU client on a host without a
+//! TPU and a libtpu that cannot initialize are clear errors.
 //!
 //! libtpu must be installed (`pip install libtpu`); set GRPO_SKIP_TPU_TESTS=1 to skip these
 //! tests explicitly.
 
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 
 use xla::runtime::tpu::{describe_topology, load_libtpu, TopologyOptions, TpuCompileOutcome};
@@ -219,4 +221,148 @@ fn libtpu_without_a_tpu_cannot_create_a_client() {
     assert!(matches!(err, Error::ClientCreate { .. }), "{text}");
     assert!(text.contains("cannot create a tpu PJRT client"), "{text}");
     assert!(text.contains("only deviceless compilation"), "{text}");
+}
+
+/// Selects what a re-executed copy of this test binary does (see [`child_role`]).
+const CHILD_ROLE_VAR: &str = "GRPO_TPU_INIT_TEST_ROLE";
+/// Printed by a child before its result.
+const CHILD_MARK: &str = "GRPO_TPU_INIT_CHILD:";
+
+/// In a child process started by [`rerun_as_child`]: loads libtpu and prints the outcome after
+/// [`CHILD_MARK`]. Role `hold` then keeps libtpu (and its lock file) until stdin closes. Returns
+/// false in the test harness's own process.
+fn child_role() -> bool {
+    let Ok(role) = std::env::var(CHILD_ROLE_VAR) else {
+        return false;
+    };
+    let outcome = match load_libtpu(None) {
+        Ok(_) => "loaded".to_string(),
+        Err(e @ Error::TpuInit { .. }) => format!("TpuInit {e}"),
+        Err(e) => format!("other {e}"),
+    };
+    println!("{CHILD_MARK} {outcome}");
+    std::io::stdout().flush().unwrap();
+    if role == "hold" {
+        // Block until the parent closes our stdin.
+        std::io::stdin().lines().for_each(drop);
+    }
+    true
+}
+
+/// Re-runs test `test` of this binary in a child process with `role` and `env` set.
+fn rerun_as_child(test: &str, role: &str, env: &[(&str, &str)]) -> Command {
+    let mut command = Command::new(std::env::current_exe().unwrap());
+    command
+        .args(["--exact", test, "--nocapture", "--test-threads=1"])
+        .env(CHILD_ROLE_VAR, role);
+    for (key, value) in env {
+        command.env(key, value);
+    }
+    command
+}
+
+/// The outcome a child printed after [`CHILD_MARK`] (libtest prints `test NAME ... ` before it on
+/// the same line).
+fn child_outcome(stdout: &str) -> Option<String> {
+    stdout
+        .lines()
+        .find_map(|l| l.split_once(CHILD_MARK))
+        .map(|(_, o)| o.trim().to_string())
+}
+
+#[test]
+fn libtpu_locked_by_another_process_is_a_clear_init_error() {
+    let test = "libtpu_locked_by_another_process_is_a_clear_init_error";
+    if child_role() || libtpu(test).is_none() {
+        return;
+    }
+    // libtpu treats "0" like unset: one process at a time, guarded by /tmp/libtpu_lockfile.
+    let exclusive = [("ALLOW_MULTIPLE_LIBTPU_LOAD", "0")];
+    let mut holder = rerun_as_child(test, "hold", &exclusive)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut holder_out = String::new();
+    let mut lines = BufReader::new(holder.stdout.take().unwrap()).lines();
+    let held = loop {
+        match lines.next() {
+            Some(line) => {
+                let line = line.unwrap();
+                holder_out.push_str(&line);
+                holder_out.push('\n');
+                if let Some(outcome) = child_outcome(&line) {
+                    break outcome;
+                }
+            }
+            None => panic!("the lock-holding child exited early: {holder_out}"),
+        }
+    };
+    // Either it holds the lock now, or a process outside this test already did.
+    assert!(
+        held == "loaded" || held.contains("lockfile"),
+        "lock holder: {held}"
+    );
+    let second = rerun_as_child(test, "load", &exclusive)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    drop(holder.stdin.take());
+    holder.wait().unwrap();
+    let stdout = String::from_utf8_lossy(&second.stdout);
+    let outcome = child_outcome(&stdout).unwrap_or_else(|| {
+        panic!(
+            "second libtpu load printed no outcome ({}): {stdout}\n{}",
+            second.status,
+            String::from_utf8_lossy(&second.stderr)
+        )
+    });
+    eprintln!("{outcome}");
+    assert!(outcome.starts_with("TpuInit libtpu at "), "{outcome}");
+    assert!(outcome.contains("could not initialize: "), "{outcome}");
+    // libtpu's own message, then what to do, naming the variable.
+    assert!(
+        outcome.contains("Internal error when accessing libtpu multi-process lockfile"),
+        "{outcome}"
+    );
+    assert!(
+        outcome.contains("Another process holds libtpu's lock file /tmp/libtpu_lockfile"),
+        "{outcome}"
+    );
+    assert!(
+        outcome.contains("ALLOW_MULTIPLE_LIBTPU_LOAD=\"0\" forbids a second load"),
+        "{outcome}"
+    );
+    assert!(outcome.contains("set ALLOW_MULTIPLE_LIBTPU_LOAD=1"), "{outcome}");
+}
+
+/// libtpu cannot report an unknown `LIBTPU_INIT_ARGS` flag as an error: it exits the process
+/// inside `PJRT_Plugin_Initialize`. This pins that behaviour (documented on `Error::TpuInit`).
+#[test]
+fn unknown_libtpu_init_args_flag_exits_the_process() {
+    let test = "unknown_libtpu_init_args_flag_exits_the_process";
+    if child_role() || libtpu(test).is_none() {
+        return;
+    }
+    let child = rerun_as_child(
+        test,
+        "load",
+        &[("LIBTPU_INIT_ARGS", "--grpo_no_such_libtpu_flag=1")],
+    )
+    .stdin(Stdio::null())
+    .output()
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&child.stdout);
+    let stderr = String::from_utf8_lossy(&child.stderr);
+    assert_eq!(
+        child_outcome(&stdout),
+        None,
+        "libtpu now returns instead of exiting; expect Error::TpuInit and update the docs"
+    );
+    assert_eq!(child.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("Unknown command line flag 'grpo_no_such_libtpu_flag'"),
+        "{stderr}"
+    );
 }

@@ -95,8 +95,16 @@ pub(crate) fn validate(r: &Recipe, text: &str, file: &str, overrides: &[String])
             "must be at least 1 (or left out for the whole set)",
         );
     }
-    for (key, v) in [("data.train_max_samples", d.train_max_samples), ("data.val_max_samples", d.val_max_samples)] {
-        c.check(v == -1 || v > 0, key, v, "must be -1 (all rows) or a positive count");
+    for (key, v) in [
+        ("data.train_max_samples", d.train_max_samples),
+        ("data.val_max_samples", d.val_max_samples),
+    ] {
+        c.check(
+            v == -1 || v > 0,
+            key,
+            v,
+            "must be -1 (all rows) or a positive count",
+        );
     }
 
     let ro = &r.rollout;

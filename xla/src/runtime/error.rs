@@ -194,9 +194,16 @@ pub enum Error {
         examples: String,
     },
 
-    /// libtpu could not be initialized.
-    #[error("libtpu at {path} could not initialize: {message}")]
-    TpuInit { path: PathBuf, message: String },
+    /// `PJRT_Plugin_Initialize` of libtpu returned an error (for example another process holds
+    /// libtpu's lock file and `ALLOW_MULTIPLE_LIBTPU_LOAD` forbids a second load); `hint` says
+    /// what to do. An unknown flag in `LIBTPU_INIT_ARGS` never arrives here: libtpu prints
+    /// `ERROR: Unknown command line flag '...'` and exits the process with status 1.
+    #[error("libtpu at {path} could not initialize: {message}. {hint}")]
+    TpuInit {
+        path: PathBuf,
+        message: String,
+        hint: String,
+    },
 }
 
 /// PJRT error codes (absl status codes), as returned by `PJRT_Error_GetCode`.

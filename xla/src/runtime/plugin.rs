@@ -291,6 +291,25 @@ pub fn check_api_version(
     Ok(())
 }
 
+/// What to do when libtpu's `PJRT_Plugin_Initialize` fails with `message`.
+fn tpu_init_hint(message: &str) -> String {
+    let allow_multiple = std::env::var("ALLOW_MULTIPLE_LIBTPU_LOAD").unwrap_or_default();
+    if message.contains("lockfile") || message.contains("already in use") {
+        format!(
+            "Another process holds libtpu's lock file /tmp/libtpu_lockfile (`lsof /tmp/libtpu_lockfile` \
+             shows which) and ALLOW_MULTIPLE_LIBTPU_LOAD={allow_multiple:?} forbids a second load: set \
+             ALLOW_MULTIPLE_LIBTPU_LOAD=1 (grpo sets it when it is unset; deviceless compilation needs \
+             no exclusive TPU) or stop that process; delete the lock file only when no process holds it"
+        )
+    } else {
+        format!(
+            "Check libtpu's environment (LIBTPU_INIT_ARGS={:?}, TPU_SKIP_MDS_QUERY, \
+             ALLOW_MULTIPLE_LIBTPU_LOAD={allow_multiple:?}) and reinstall libtpu (`pip install libtpu==0.0.52`)",
+            std::env::var("LIBTPU_INIT_ARGS").unwrap_or_default()
+        )
+    }
+}
+
 fn loaded_plugins() -> &'static Mutex<HashMap<PathBuf, Arc<Plugin>>> {
     static LOADED: OnceLock<Mutex<HashMap<PathBuf, Arc<Plugin>>>> = OnceLock::new();
     LOADED.get_or_init(|| Mutex::new(HashMap::new()))
@@ -378,15 +397,26 @@ impl Plugin {
             PJRT_Plugin_Initialize_Args,
             PJRT_Plugin_Initialize_Args_STRUCT_SIZE
         );
+        if kind == PluginKind::Tpu {
+            if let Some(flags) = std::env::var_os("LIBTPU_INIT_ARGS") {
+                // libtpu exits the process (status 1) on an unknown flag; say what it parsed.
+                tracing::info!(
+                    "initializing libtpu with LIBTPU_INIT_ARGS={}; an unknown flag there makes libtpu \
+                     exit the process with `ERROR: Unknown command line flag`",
+                    flags.to_string_lossy()
+                );
+            }
+        }
         if let Err(e) = pjrt_call!(&plugin, PJRT_Plugin_Initialize, &mut init) {
-            let message = e.pjrt_message().unwrap_or_default().to_string();
+            let message = e.pjrt_message().unwrap_or_default().trim().to_string();
             return Err(match kind {
                 PluginKind::Tpu => Error::TpuInit {
                     path: path.to_path_buf(),
+                    hint: tpu_init_hint(&message),
                     message: if message.is_empty() {
                         e.to_string()
                     } else {
-                        message
+                        message.trim_end_matches('.').to_string()
                     },
                 },
                 _ => e,
@@ -712,6 +742,22 @@ impl<'a> NamedValues<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tpu_init_hints_say_what_to_do() {
+        let locked = tpu_init_hint(
+            "Internal error when accessing libtpu multi-process lockfile. Run \"$ sudo rm /tmp/libtpu_lockfile\".",
+        );
+        assert!(
+            locked.contains("Another process holds libtpu's lock file"),
+            "{locked}"
+        );
+        assert!(locked.contains("set ALLOW_MULTIPLE_LIBTPU_LOAD=1"), "{locked}");
+        let other = tpu_init_hint("INTERNAL: something else");
+        assert!(other.contains("LIBTPU_INIT_ARGS="), "{other}");
+        assert!(other.contains("`pip install libtpu==0.0.52`"), "{other}");
+        assert!(!other.contains("lock file"), "{other}");
+    }
 
     #[test]
     fn too_old_plugin_names_its_version_and_the_minimum() {
