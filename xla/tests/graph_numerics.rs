@@ -583,30 +583,3 @@ fn random_bits_match_the_reference_and_look_uniform() {
     }
     assert_eq!(read::<u32>(&a1[4]), random::threefry2x32(key_a, [0, 7]).to_vec());
 }
-
-/// Timing probe (not run by default): cumsum and sort over a vocabulary-sized row, as top-p
-/// sampling needs. `cargo test -p xla --test graph_numerics -- --ignored --nocapture`.
-#[test]
-#[ignore]
-fn vocab_sized_cumsum_and_sort_timing() {
-    let (rows, n) = (8i64, 49152i64);
-    let g = Graph::new("vocab_scan");
-    let x = g.parameter("x", DType::F32, &[rows, n]);
-    let (sorted, _) = x.sort(true);
-    let c = x.cumsum(-1, false);
-    let p = g.build(&[&c, &sorted]).unwrap();
-    let exe = graph_support::compile(&p);
-    let data: Vec<f32> = (0..rows * n)
-        .map(|i| ((i * 7919) % 1000) as f32 / 1000.0)
-        .collect();
-    let b = upload(&data, &[rows, n]);
-    let _ = exe.execute(&[&b]).unwrap()[0].to_host::<f32>().unwrap();
-    let t = std::time::Instant::now();
-    for _ in 0..3 {
-        let _ = exe.execute(&[&b]).unwrap()[0].to_host::<f32>().unwrap();
-    }
-    eprintln!(
-        "cumsum + sort of [{rows}, {n}] f32: {:?} per call",
-        t.elapsed() / 3
-    );
-}
