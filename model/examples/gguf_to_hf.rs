@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use model::{save_hf_checkpoint, ChatTemplate, DType, GgufFile, ModelConfig, ModelTokenizer};
+use model::{save_hf_checkpoint, DType, GgufFile, ModelConfig};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -26,18 +26,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         weights.num_parameters(),
         start.elapsed()
     );
-    let tokenizer = ModelTokenizer::from_gguf(&gguf)?;
-    tokenizer.check_fits(&config)?;
     let staging = tempfile::tempdir()?;
-    let tokenizer_json = staging.path().join("tokenizer.json");
-    tokenizer.save(&tokenizer_json)?;
-    let mut files = vec![tokenizer_json];
-    if let Ok(template) = ChatTemplate::from_gguf(&gguf) {
-        let path = staging.path().join("tokenizer_config.json");
-        let json = template.tokenizer_config_json(config.max_position_embeddings);
-        std::fs::write(&path, serde_json::to_string_pretty(&json)?)?;
-        files.push(path);
-    }
+    let files = model::write_gguf_tokenizer_files(&gguf, &config, staging.path())?;
     let file_refs: Vec<&std::path::Path> = files.iter().map(PathBuf::as_path).collect();
     save_hf_checkpoint(&PathBuf::from(out), &weights, &file_refs)?;
     eprintln!("wrote {out}");

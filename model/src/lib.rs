@@ -28,4 +28,4 @@ pub use init::random_init;
 pub use params::{param_table, ParamSpec};
 pub use safetensors_io::{load_safetensors, save_hf_checkpoint, ModelWeights};
 pub use tensor::{DType, HostTensor, TensorData};
-pub use tokenizer::ModelTokenizer;
+pub use tokenizer::{write_gguf_tokenizer_files, ModelTokenizer};

@@ -298,6 +298,29 @@ impl ModelTokenizer {
     }
 }
 
+/// Writes a GGUF's tokenizer as Hugging Face files in `dir`: `tokenizer.json` (checked to fit
+/// `config`'s vocabulary) and, when the GGUF has a chat template, `tokenizer_config.json`
+/// holding it. Returns the paths written, for [`crate::save_hf_checkpoint`].
+pub fn write_gguf_tokenizer_files(
+    gguf: &GgufFile,
+    config: &ModelConfig,
+    dir: &Path,
+) -> Result<Vec<std::path::PathBuf>> {
+    let tokenizer = ModelTokenizer::from_gguf(gguf)?;
+    tokenizer.check_fits(config)?;
+    let tokenizer_json = dir.join("tokenizer.json");
+    tokenizer.save(&tokenizer_json)?;
+    let mut files = vec![tokenizer_json];
+    if let Ok(template) = crate::chat::ChatTemplate::from_gguf(gguf) {
+        let path = dir.join("tokenizer_config.json");
+        let json = template.tokenizer_config_json(config.max_position_embeddings);
+        let text = serde_json::to_string_pretty(&json).expect("JSON values serialise");
+        std::fs::write(&path, text + "\n").map_err(|e| ModelError::io("writing", &path, e))?;
+        files.push(path);
+    }
+    Ok(files)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -12,8 +12,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use model::{
-    param_table, save_hf_checkpoint, ChatTemplate, GgufFile, ModelConfig, ModelError, ModelTokenizer,
-    ModelWeights,
+    param_table, save_hf_checkpoint, GgufFile, ModelConfig, ModelError, ModelTokenizer, ModelWeights,
 };
 
 use crate::checkpoint::{load_checkpoint, Checkpoint, CheckpointError, HostTensor};
@@ -251,24 +250,14 @@ impl SourceModel {
     fn from_gguf(path: &Path, staging_parent: &Path) -> Result<SourceModel, ExportError> {
         let gguf = GgufFile::open(path).map_err(model_err(path))?;
         let config = ModelConfig::from_gguf(&gguf).map_err(model_err(path))?;
-        let tokenizer = ModelTokenizer::from_gguf(&gguf).map_err(model_err(path))?;
-        tokenizer.check_fits(&config).map_err(model_err(path))?;
         std::fs::create_dir_all(staging_parent).map_err(io_err("creating", staging_parent))?;
         let staging = StagingDir(staging_parent.join(format!(".export-tokenizer-{}", std::process::id())));
         if staging.0.exists() {
             std::fs::remove_dir_all(&staging.0).map_err(io_err("removing", &staging.0))?;
         }
         std::fs::create_dir(&staging.0).map_err(io_err("creating", &staging.0))?;
-        let tokenizer_json = staging.0.join("tokenizer.json");
-        tokenizer.save(&tokenizer_json).map_err(model_err(path))?;
-        let mut tokenizer_files = vec![tokenizer_json];
-        if let Ok(template) = ChatTemplate::from_gguf(&gguf) {
-            let file = staging.0.join("tokenizer_config.json");
-            let json = template.tokenizer_config_json(config.max_position_embeddings);
-            let text = serde_json::to_string_pretty(&json).expect("JSON values serialise");
-            std::fs::write(&file, text + "\n").map_err(io_err("writing", &file))?;
-            tokenizer_files.push(file);
-        }
+        let tokenizer_files =
+            model::write_gguf_tokenizer_files(&gguf, &config, &staging.0).map_err(model_err(path))?;
         Ok(SourceModel {
             config,
             tokenizer_files,
