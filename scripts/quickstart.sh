@@ -5,9 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 cargo build --release --quiet
-mkdir -p datasets/arithmetic
-[ -f datasets/arithmetic/train.parquet ] ||
-    target/release/grpo preprocess arithmetic --seed 1 --count 2000 --output datasets/arithmetic/train.parquet
-[ -f datasets/arithmetic/val.parquet ] ||
-    target/release/grpo preprocess arithmetic --seed 2 --count 100 --output datasets/arithmetic/val.parquet
+# Two-operand sums and differences up to 20, asked as "Reply with only the number."
+target/release/grpo preprocess arithmetic --seed 1 --count 2000 --answer-format number \
+    --output datasets/arithmetic/train.parquet
+target/release/grpo preprocess arithmetic --seed 2 --count 64 --answer-format number --split test \
+    --output datasets/arithmetic/val.parquet
 target/release/grpo run recipes/quickstart.yaml "$@"
+target/release/grpo plot outputs/quickstart

@@ -32,6 +32,7 @@ enum Command {
     Generate(commands::generate::GenerateArgs),
     Worker(commands::worker::WorkerArgs),
     Export(commands::export::ExportArgs),
+    Plot(commands::plot::PlotArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -44,6 +45,7 @@ fn main() -> std::process::ExitCode {
         Command::Generate(args) => commands::generate::run(args),
         Command::Worker(args) => commands::worker::run(args),
         Command::Export(args) => commands::export::run(args),
+        Command::Plot(args) => commands::plot::run(args),
     };
     match result {
         Ok(code) => code,

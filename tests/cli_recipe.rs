@@ -114,9 +114,9 @@ fn out_of_range_values_are_rejected_before_work_with_the_rule() {
         e.contains("--set actor.clip_ratio_low=1.5: `actor.clip_ratio_low` = 1.5: must be in (0, 1)"),
         "{e}"
     );
-    assert!(e.contains("must divide data.train_batch_size (8)"), "{e}");
+    assert!(e.contains("must divide data.train_batch_size (4)"), "{e}");
     assert!(
-        e.contains("(actor.ppo_mini_batch_size x rollout.n = 3 x 4 = 12)"),
+        e.contains("(actor.ppo_mini_batch_size x rollout.n = 3 x 8 = 24)"),
         "{e}"
     );
 }

@@ -105,12 +105,12 @@ fn remote_reward_scores_like_local_and_checks_the_token() {
             vec![1.0, 0.0, 0.0, 1.0, 1.0]
         );
 
-        let remote = RemoteReward::new(&worker.address, &token).unwrap();
+        let remote = RemoteReward::new(&worker.address, &token, None).unwrap();
         let got = remote.score(samples()).await.unwrap();
         assert_eq!(got, expected);
 
         // A caller holding another run's token is refused, and so is one without a token.
-        let intruder = RemoteReward::new(&worker.address, &Token::generate()).unwrap();
+        let intruder = RemoteReward::new(&worker.address, &Token::generate(), None).unwrap();
         match intruder.score(samples()).await {
             Err(RoleError::Refused { message, .. }) => {
                 assert!(message.starts_with("wrong token"), "{message}")

@@ -58,6 +58,8 @@ pub struct Prepared {
     /// The model; its chat template has moved into `tokenizer`.
     pub model: HostModel,
     pub tokenizer: ChatTokenizer,
+    /// Token ids that end a response: the model's EOS ids and its chat template's end token.
+    pub stop_token_ids: Vec<u32>,
     pub train: PromptDataset,
     pub validation: Option<PromptDataset>,
     pub reward: RewardFunction,
@@ -97,6 +99,7 @@ pub fn prepare(recipe: &Recipe) -> Result<Prepared, PrepareError> {
                 .unwrap_or_else(|| recipe.model.path.clone()),
             message: e.to_string(),
         })?;
+    let stop_token_ids = model.stop_tokens();
     // The template moves into the tokenizer that renders prompts with it.
     let template = match &recipe.model.chat_template {
         None => model.chat_template.take(),
@@ -138,6 +141,7 @@ pub fn prepare(recipe: &Recipe) -> Result<Prepared, PrepareError> {
     Ok(Prepared {
         model,
         tokenizer,
+        stop_token_ids,
         train,
         validation,
         reward,

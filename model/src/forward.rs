@@ -445,6 +445,59 @@ pub fn logprobs_graph_chunked(
     (&lp * &valid, &ent * &valid)
 }
 
+/// [`logprobs_graph`] restricted to columns `from..T` (`1 <= from < T`): `[B, T - from]`
+/// log-probs and entropies, with the output head applied only to the positions that predict
+/// those columns. A training row's response starts at a fixed column, so this skips the head
+/// over the prompt (a fifth of a small model's forward and backward FLOPs per prompt token).
+pub fn logprobs_graph_span(
+    g: &Graph,
+    p: &DecoderParams,
+    tokens: &Tensor,
+    mask: &Tensor,
+    temperature: &Tensor,
+    from: i64,
+) -> (Tensor, Tensor) {
+    let (b, t) = (tokens.dims()[0], tokens.dims()[1]);
+    assert!(from >= 1 && from < t, "span start {from} must be in 1..{t}");
+    let (h, _) = trunk(p, tokens, mask);
+    // Position i predicts token i + 1: positions from-1 .. t-1 predict columns from .. t.
+    let h = rms_norm(
+        &h.slice_axis(1, from - 1, t - 1),
+        &p.final_norm,
+        p.config.rms_norm_eps,
+    );
+    let ids = tokens.convert_if_needed(DType::I32);
+    let inv_temp = temperature.convert_if_needed(DType::F32).reshape(&[]);
+    let inv_temp = &g.scalar(1.0, DType::F32) / &inv_temp;
+    let span = t - from;
+    let mut lp_parts = Vec::new();
+    let mut ent_parts = Vec::new();
+    let mut start = 0;
+    while start < span {
+        let end = (start + DEFAULT_HEAD_CHUNK).min(span);
+        let hc = h.slice_axis(1, start, end);
+        let targets = ids.slice_axis(1, from + start, from + end);
+        let logits = linear(&hc, p.head());
+        let logits = &logits * &inv_temp.broadcast_to(logits.dims());
+        lp_parts.push(logits.token_log_probs(&targets));
+        ent_parts.push(logits.entropy());
+        start = end;
+    }
+    let join = |v: &Vec<Tensor>| {
+        let refs: Vec<&Tensor> = v.iter().collect();
+        if refs.len() == 1 {
+            refs[0].clone()
+        } else {
+            Tensor::concat(&refs, 1)
+        }
+    };
+    let (lp, ent) = (join(&lp_parts), join(&ent_parts));
+    let m = mask.convert_if_needed(DType::F32);
+    let valid = &m.slice_axis(1, from, t) * &m.slice_axis(1, from - 1, t - 1);
+    debug_assert_eq!(lp.dims(), &[b, span]);
+    (&lp * &valid, &ent * &valid)
+}
+
 /// Prefill: runs prompts `tokens [B, T]` (right-padded; `lengths [B]` real lengths, each at
 /// least 1 and at most T) and writes their keys and values into KV-cache slots `slots [B]`.
 ///
@@ -463,24 +516,10 @@ pub fn prefill_graph(
     cache: &[Tensor],
 ) -> (Tensor, Vec<Tensor>) {
     let g = p.graph();
-    let config = &p.config;
-    let (b, t) = (tokens.dims()[0], tokens.dims()[1]);
-    let lengths = lengths.convert_if_needed(DType::I32);
+    let b = tokens.dims()[0];
+    let t = tokens.dims()[1];
     let slots = slots.convert_if_needed(DType::I32);
-    let real = g
-        .iota(DType::I32, &[b, t], 1)
-        .lt(&lengths.reshape(&[b, 1]).broadcast_to(&[b, t]));
-    let mask = real.convert(DType::I32);
-    let (h, kvs) = trunk(p, tokens, &mask);
-
-    // Last real position of each prompt: row b*T + length-1 of [B*T, hidden].
-    let hidden = config.hidden_size as i64;
-    let last = &(&g.iota(DType::I32, &[b], 0) * (t as f64)) + &(&lengths - &lengths.scalar_like(1.0));
-    let h_last = h.reshape(&[b * t, hidden]).take(&last, 0);
-    let h_last = rms_norm(&h_last, &p.final_norm, config.rms_norm_eps);
-    let logits = linear(&h_last, p.head());
-
-    let real_kv = real.reshape(&[b, 1, t, 1]);
+    let (logits, kvs) = prefill_kv_graph(p, tokens, lengths);
     let zero = g.scalar(0.0, DType::F32);
     let zero_i = g.scalar(0.0, DType::I32);
     let mut out_cache = Vec::with_capacity(cache.len());
@@ -488,9 +527,7 @@ pub fn prefill_graph(
         for (which, new) in [(0usize, k), (1usize, v)] {
             let mut c = cache[2 * layer + which].clone();
             let max_len = c.dims()[2];
-            let new = real_kv
-                .select(new, &new.zeros_like())
-                .convert_if_needed(c.dtype());
+            let new = new.convert_if_needed(c.dtype());
             let padded = new.pad(
                 &zero.convert_if_needed(c.dtype()),
                 &[0, 0, 0, 0],
@@ -508,6 +545,89 @@ pub fn prefill_graph(
     (logits, out_cache)
 }
 
+/// The work of [`prefill_graph`] without the cache write: runs prompts `tokens [B, T]`
+/// (right-padded; `lengths [B]` real lengths) and returns the logits of each prompt's last
+/// real token `[B, vocab]` and each layer's keys and values `[B, kv_heads, T, head_dim]`
+/// (f32; zeros at padding positions), for programs that lay the cache out themselves.
+pub fn prefill_kv_graph(
+    p: &DecoderParams,
+    tokens: &Tensor,
+    lengths: &Tensor,
+) -> (Tensor, Vec<(Tensor, Tensor)>) {
+    let g = p.graph();
+    let config = &p.config;
+    let (b, t) = (tokens.dims()[0], tokens.dims()[1]);
+    let lengths = lengths.convert_if_needed(DType::I32);
+    let real = g
+        .iota(DType::I32, &[b, t], 1)
+        .lt(&lengths.reshape(&[b, 1]).broadcast_to(&[b, t]));
+    let mask = real.convert(DType::I32);
+    let (h, kvs) = trunk(p, tokens, &mask);
+
+    // Last real position of each prompt: row b*T + length-1 of [B*T, hidden].
+    let hidden = config.hidden_size as i64;
+    let last = &(&g.iota(DType::I32, &[b], 0) * (t as f64)) + &(&lengths - &lengths.scalar_like(1.0));
+    let h_last = h.reshape(&[b * t, hidden]).take(&last, 0);
+    let h_last = rms_norm(&h_last, &p.final_norm, config.rms_norm_eps);
+    let logits = linear(&h_last, p.head());
+
+    let real_kv = real.reshape(&[b, 1, t, 1]);
+    let kvs = kvs
+        .into_iter()
+        .map(|(k, v)| {
+            let keep = |x: Tensor| real_kv.select(&x, &x.zeros_like());
+            (keep(k), keep(v))
+        })
+        .collect();
+    (logits, kvs)
+}
+
+/// How a decode step writes each slot's new key and value into the KV cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvWrite {
+    /// A scatter-add of one row per (slot, KV head) into its (zero) position: the
+    /// [`decode_graph`] default.
+    #[default]
+    ScatterAdd,
+    /// One `dynamic_update_slice` of `[1, kv_heads, 1, head_dim]` per slot (in place when
+    /// the cache is donated). Inactive slots rewrite position 0 of their row with what it
+    /// holds, so they stay unchanged.
+    UpdateSlice,
+    /// No write: the cache comes back unchanged and the new token attends only to the cached
+    /// positions before it plus itself. Only for measuring what the write costs; the result
+    /// is not a usable cache.
+    Skip,
+}
+
+/// How a decode step computes attention scores and outputs over the cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DecodeAttention {
+    /// Batched matrix products over (slot, KV head): `[G, hd] x [hd, L]` and `[G, L] x [L, hd]`.
+    #[default]
+    Dot,
+    /// Broadcast multiplies with reductions (no matrix products): one fused pass over the
+    /// keys and one over the values.
+    MultiplyReduce,
+    /// Batched matrix products with the cache as the left operand (`[L, hd] x [hd, G]`,
+    /// then a small transpose of the scores), so the cache is read in place and only the
+    /// query side is packed.
+    KeysLeft,
+}
+
+/// Variants of [`decode_graph`] ([`decode_graph_with`], [`decode_hidden_graph`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DecodeOptions {
+    /// Attend over cache positions `0..attend_len` only (a cache-length bucket); `None` (or a
+    /// value at or above the cache length) attends over the whole cache. Every active slot's
+    /// position must be below it: keys at or past it are never read (the new key and value
+    /// are still written at their position).
+    pub attend_len: Option<i64>,
+    /// How the new keys and values are written.
+    pub kv_write: KvWrite,
+    /// How attention is computed.
+    pub attention: DecodeAttention,
+}
+
 /// Decode: one token for every slot of the cache. `tokens [S]` and `positions [S]` (S = the
 /// cache's slot count): slot s takes token `tokens[s]` at position `positions[s]`, attends to
 /// its cached positions `0..=positions[s]`, and its key and value are written at that
@@ -521,6 +641,31 @@ pub fn decode_graph(
     positions: &Tensor,
     cache: &[Tensor],
 ) -> (Tensor, Vec<Tensor>) {
+    decode_graph_with(p, tokens, positions, cache, DecodeOptions::default())
+}
+
+/// [`decode_graph`] with a choice of attended cache length and cache write.
+pub fn decode_graph_with(
+    p: &DecoderParams,
+    tokens: &Tensor,
+    positions: &Tensor,
+    cache: &[Tensor],
+    options: DecodeOptions,
+) -> (Tensor, Vec<Tensor>) {
+    let (h, out_cache) = decode_hidden_graph(p, tokens, positions, cache, options);
+    (linear(&h, p.head()), out_cache)
+}
+
+/// [`decode_graph_with`] without the output head: the final-normed hidden states
+/// `[S, hidden]` (f32) and the updated cache, for programs that apply the head themselves
+/// (fused with sampling, or in another precision).
+pub fn decode_hidden_graph(
+    p: &DecoderParams,
+    tokens: &Tensor,
+    positions: &Tensor,
+    cache: &[Tensor],
+    options: DecodeOptions,
+) -> (Tensor, Vec<Tensor>) {
     let g = p.graph();
     let config = &p.config;
     let s = tokens.dims()[0];
@@ -529,6 +674,7 @@ pub fn decode_graph(
     let heads = config.num_attention_heads as i64;
     let groups = heads / kvh;
     let max_len = cache[0].dims()[2];
+    let window = options.attend_len.map_or(max_len, |w| w.clamp(1, max_len));
     let positions = positions.convert_if_needed(DType::I32);
     let active = positions.ge(&positions.zeros_like());
     let pos_clamped = positions.max(&positions.zeros_like());
@@ -546,11 +692,24 @@ pub fn decode_graph(
         .broadcast_to(&[s, kvh])
         .select(&flat, &beyond)
         .reshape(&[s * kvh]);
-    // allowed [S, 1, 1, L]: key position <= the slot's position.
-    let key_pos = g.iota(DType::I32, &[s, max_len], 1);
-    let allowed = key_pos
-        .le(&pos_clamped.reshape(&[s, 1]).broadcast_to(&[s, max_len]))
-        .reshape(&[s, 1, 1, max_len]);
+    // allowed [S, 1, 1, W]: key position <= the slot's position (< when the write is
+    // skipped: the new key is then scored separately).
+    let key_pos = g.iota(DType::I32, &[s, window], 1);
+    let pos_w = pos_clamped.reshape(&[s, 1]).broadcast_to(&[s, window]);
+    let allowed = if options.kv_write == KvWrite::Skip {
+        key_pos.lt(&pos_w)
+    } else {
+        key_pos.le(&pos_w)
+    }
+    .reshape(&[s, 1, 1, window]);
+    let zero_i = g.scalar(0.0, DType::I32);
+    // Per-slot write position for UpdateSlice: inactive slots rewrite position 0 with its
+    // current value.
+    let write_pos: Vec<Tensor> = (0..s)
+        .map(|i| pos_clamped.slice_axis(0, i, i + 1).reshape(&[]))
+        .collect();
+    let slot_ids: Vec<Tensor> = (0..s).map(|i| g.scalar(i as f64, DType::I32)).collect();
+    let active_rows = active.reshape(&[s, 1, 1, 1]).broadcast_to(&[s, kvh, 1, hd]);
 
     let mut h = embed(p, tokens);
     let mut out_cache = Vec::with_capacity(cache.len());
@@ -561,50 +720,252 @@ pub fn decode_graph(
         for (which, new) in [(0usize, &k), (1usize, &v)] {
             let c = &cache[2 * l + which];
             let dims = c.dims().to_vec();
-            let updated = c
-                .reshape(&[s * kvh * max_len, hd])
-                .scatter_add(
-                    &flat,
-                    &new.reshape(&[s * kvh, hd]).convert_if_needed(c.dtype()),
-                    0,
-                )
-                .reshape(&dims);
+            let updated = match options.kv_write {
+                KvWrite::ScatterAdd => c
+                    .reshape(&[s * kvh * max_len, hd])
+                    .scatter_add(
+                        &flat,
+                        &new.reshape(&[s * kvh, hd]).convert_if_needed(c.dtype()),
+                        0,
+                    )
+                    .reshape(&dims),
+                KvWrite::UpdateSlice => {
+                    // rows [S, kvh, 1, hd]; inactive slots keep position 0's value.
+                    let rows = new.reshape(&[s, kvh, 1, hd]).convert_if_needed(c.dtype());
+                    let at_zero = c.slice_axis(2, 0, 1);
+                    let rows = active_rows.select(&rows, &at_zero);
+                    let mut c = c.clone();
+                    for i in 0..s as usize {
+                        let row = rows.slice_axis(0, i as i64, i as i64 + 1);
+                        c = c.dynamic_update_slice(&row, &[&slot_ids[i], &zero_i, &write_pos[i], &zero_i]);
+                    }
+                    c
+                }
+                KvWrite::Skip => c.clone(),
+            };
             kv_out.push(updated);
         }
-        let (kc, vc) = (&kv_out[0], &kv_out[1]);
+        let windowed = |c: &Tensor| {
+            let c = if window < max_len {
+                c.slice_axis(2, 0, window)
+            } else {
+                c.clone()
+            };
+            c.convert_if_needed(DType::F32)
+        };
+        let (kc, vc) = (windowed(&kv_out[0]), windowed(&kv_out[1]));
         let q = q.reshape(&[s, kvh, groups, hd]);
-        // [S, kvh, G, hd] x [S, kvh, L, hd] -> [S, kvh, G, L]
-        let scores = q.dot_general(
-            &kc.convert_if_needed(DType::F32),
-            DotDims {
-                lhs_batch: vec![0, 1],
-                rhs_batch: vec![0, 1],
-                lhs_contract: vec![3],
-                rhs_contract: vec![3],
-            },
-            None,
-        ) * (1.0 / (hd as f64).sqrt());
+        let scale = 1.0 / (hd as f64).sqrt();
+        let scores = match options.attention {
+            // [S, kvh, G, hd] x [S, kvh, W, hd] -> [S, kvh, G, W]
+            DecodeAttention::Dot => q.dot_general(
+                &kc,
+                DotDims {
+                    lhs_batch: vec![0, 1],
+                    rhs_batch: vec![0, 1],
+                    lhs_contract: vec![3],
+                    rhs_contract: vec![3],
+                },
+                None,
+            ),
+            DecodeAttention::KeysLeft => kc
+                .dot_general(
+                    &q,
+                    DotDims {
+                        lhs_batch: vec![0, 1],
+                        rhs_batch: vec![0, 1],
+                        lhs_contract: vec![3],
+                        rhs_contract: vec![3],
+                    },
+                    None,
+                )
+                .transpose(&[0, 1, 3, 2]),
+            DecodeAttention::MultiplyReduce => {
+                let full = [s, kvh, groups, window, hd];
+                let qb = q.reshape(&[s, kvh, groups, 1, hd]).broadcast_to(&full);
+                let kb = kc.reshape(&[s, kvh, 1, window, hd]).broadcast_to(&full);
+                (&qb * &kb).reduce_sum(&[4])
+            }
+        } * scale;
         let masked = allowed.select(&scores, &scores.scalar_like(MASKED_SCORE));
-        let probs = masked.softmax(-1);
-        // [S, kvh, G, L] x [S, kvh, L, hd] -> [S, kvh, G, hd]
-        let attn = probs.dot_general(
-            &vc.convert_if_needed(DType::F32),
-            DotDims {
-                lhs_batch: vec![0, 1],
-                rhs_batch: vec![0, 1],
-                lhs_contract: vec![3],
-                rhs_contract: vec![2],
-            },
-            None,
-        );
+        let pv = |probs: &Tensor| match options.attention {
+            // [S, kvh, G, W] x [S, kvh, W, hd] -> [S, kvh, G, hd]
+            DecodeAttention::Dot | DecodeAttention::KeysLeft => probs.dot_general(
+                &vc,
+                DotDims {
+                    lhs_batch: vec![0, 1],
+                    rhs_batch: vec![0, 1],
+                    lhs_contract: vec![3],
+                    rhs_contract: vec![2],
+                },
+                None,
+            ),
+            DecodeAttention::MultiplyReduce => {
+                let w = probs.dims()[3];
+                let full = [s, kvh, groups, w, hd];
+                let pb = probs.reshape(&[s, kvh, groups, w, 1]).broadcast_to(&full);
+                let vb = vc.reshape(&[s, kvh, 1, w, hd]).broadcast_to(&full);
+                (&pb * &vb).reduce_sum(&[3])
+            }
+        };
+        let attn = if options.kv_write == KvWrite::Skip {
+            // The new key scored on its own, softmax over [cached, new].
+            let k_new = k.reshape(&[s, kvh, 1, hd]).broadcast_to(&[s, kvh, groups, hd]);
+            let v_new = v.reshape(&[s, kvh, 1, hd]).broadcast_to(&[s, kvh, groups, hd]);
+            let self_score = (&q * &k_new).reduce_sum(&[3]).reshape(&[s, kvh, groups, 1]) * scale;
+            let all = Tensor::concat(&[&masked, &self_score], 3).softmax(-1);
+            let cached = pv(&all.slice_axis(3, 0, window));
+            let own = all
+                .slice_axis(3, window, window + 1)
+                .broadcast_to(&[s, kvh, groups, hd]);
+            &cached + &(&own * &v_new)
+        } else {
+            pv(&masked.softmax(-1))
+        };
         let attn = attn.reshape(&[s, heads * hd]);
         h = &h + &linear_bias(&attn, &layer.o_proj, layer.o_bias.as_ref());
         let normed = rms_norm(&h, &layer.post_norm, config.rms_norm_eps);
         h = &h + &mlp(layer, &normed);
         out_cache.extend(kv_out);
     }
-    let h = rms_norm(&h, &p.final_norm, config.rms_norm_eps);
-    (linear(&h, p.head()), out_cache)
+    (rms_norm(&h, &p.final_norm, config.rms_norm_eps), out_cache)
+}
+
+/// [`decode_hidden_graph`] over a KV cache split along positions into chunks of equal
+/// length: `cache` holds, for each layer, its key chunks then its value chunks (layer 0 K
+/// chunk 0..C, layer 0 V chunk 0..C, layer 1 ...), each `[S, kv_heads, chunk, head_dim]`,
+/// chunk `c` holding positions `c * chunk ..`. Only the first `attend_chunks` chunks are read
+/// and written: every active slot's position must be below `attend_chunks * chunk`, and the
+/// later chunks come back unchanged (in place when donated), so a step costs what the
+/// filled part of the cache costs, not the whole cache. New keys and values are added into
+/// their (zero) positions with a scatter-add, as in [`decode_graph`].
+///
+/// Returns the final-normed hidden states `[S, hidden]` and the updated chunks (same order).
+pub fn decode_hidden_graph_chunked(
+    p: &DecoderParams,
+    tokens: &Tensor,
+    positions: &Tensor,
+    cache: &[Tensor],
+    attend_chunks: usize,
+) -> (Tensor, Vec<Tensor>) {
+    let g = p.graph();
+    let config = &p.config;
+    let layers = p.layers.len();
+    let per_layer = cache.len() / layers.max(1);
+    let chunks = per_layer / 2;
+    let attend = attend_chunks.clamp(1, chunks.max(1));
+    let s = tokens.dims()[0];
+    let hd = config.head_dim as i64;
+    let kvh = config.num_key_value_heads as i64;
+    let heads = config.num_attention_heads as i64;
+    let groups = heads / kvh;
+    let chunk = cache[0].dims()[2];
+    let window = attend as i64 * chunk;
+    let positions = positions.convert_if_needed(DType::I32);
+    let active = positions.ge(&positions.zeros_like());
+    let pos_clamped = positions.max(&positions.zeros_like());
+    let (cos, sin) = rope_tables(config, &pos_clamped);
+
+    // Flat row of (slot, kv head, position within the chunk) in chunk c viewed as
+    // [S*kvh*chunk, hd]; slots that are inactive or whose position is in another chunk point
+    // past the end, which the scatter drops.
+    let slot_idx = g.iota(DType::I32, &[s, kvh], 0);
+    let head_idx = g.iota(DType::I32, &[s, kvh], 1);
+    let pos_b = pos_clamped.reshape(&[s, 1]).broadcast_to(&[s, kvh]);
+    let active_b = active.reshape(&[s, 1]).broadcast_to(&[s, kvh]);
+    let base = &(&(&slot_idx * (kvh as f64)) + &head_idx) * (chunk as f64);
+    let beyond = g.full((s * kvh * chunk) as f64, DType::I32, &[s, kvh]);
+    let flat: Vec<Tensor> = (0..attend as i64)
+        .map(|c| {
+            let start = c * chunk;
+            let inside = pos_b
+                .ge(&g.full(start as f64, DType::I32, &[s, kvh]))
+                .and(&pos_b.lt(&g.full((start + chunk) as f64, DType::I32, &[s, kvh])))
+                .and(&active_b);
+            let local = &pos_b - &g.full(start as f64, DType::I32, &[s, kvh]);
+            inside.select(&(&base + &local), &beyond).reshape(&[s * kvh])
+        })
+        .collect();
+    let key_pos = g.iota(DType::I32, &[s, window], 1);
+    let allowed = key_pos
+        .le(&pos_clamped.reshape(&[s, 1]).broadcast_to(&[s, window]))
+        .reshape(&[s, 1, 1, window]);
+    let scale = 1.0 / (hd as f64).sqrt();
+
+    let mut h = embed(p, tokens);
+    let mut out_cache = cache.to_vec();
+    for (l, layer) in p.layers.iter().enumerate() {
+        let normed = rms_norm(&h, &layer.input_norm, config.rms_norm_eps);
+        let (q, k, v) = qkv(config, layer, &normed, &cos, &sin);
+        for (which, new) in [(0usize, &k), (1usize, &v)] {
+            for (c, flat) in flat.iter().enumerate() {
+                let at = l * per_layer + which * chunks + c;
+                let old = &cache[at];
+                let dims = old.dims().to_vec();
+                out_cache[at] = old
+                    .reshape(&[s * kvh * chunk, hd])
+                    .scatter_add(
+                        flat,
+                        &new.reshape(&[s * kvh, hd]).convert_if_needed(old.dtype()),
+                        0,
+                    )
+                    .reshape(&dims);
+            }
+        }
+        let keys = |c: usize| out_cache[l * per_layer + c].convert_if_needed(DType::F32);
+        let values = |c: usize| out_cache[l * per_layer + chunks + c].convert_if_needed(DType::F32);
+        let q = q.reshape(&[s, kvh, groups, hd]);
+        // [S, kvh, G, hd] x [S, kvh, chunk, hd] -> [S, kvh, G, chunk], per chunk.
+        let scores: Vec<Tensor> = (0..attend)
+            .map(|c| {
+                q.dot_general(
+                    &keys(c),
+                    DotDims {
+                        lhs_batch: vec![0, 1],
+                        rhs_batch: vec![0, 1],
+                        lhs_contract: vec![3],
+                        rhs_contract: vec![3],
+                    },
+                    None,
+                )
+            })
+            .collect();
+        let scores = if attend == 1 {
+            scores[0].clone()
+        } else {
+            Tensor::concat(&scores.iter().collect::<Vec<_>>(), 3)
+        } * scale;
+        let masked = allowed.select(&scores, &scores.scalar_like(MASKED_SCORE));
+        let probs = masked.softmax(-1);
+        // [S, kvh, G, chunk] x [S, kvh, chunk, hd] -> [S, kvh, G, hd], summed over chunks.
+        let mut attn: Option<Tensor> = None;
+        for c in 0..attend {
+            let pc = if attend == 1 {
+                probs.clone()
+            } else {
+                probs.slice_axis(3, c as i64 * chunk, (c as i64 + 1) * chunk)
+            };
+            let part = pc.dot_general(
+                &values(c),
+                DotDims {
+                    lhs_batch: vec![0, 1],
+                    rhs_batch: vec![0, 1],
+                    lhs_contract: vec![3],
+                    rhs_contract: vec![2],
+                },
+                None,
+            );
+            attn = Some(match attn {
+                Some(a) => &a + &part,
+                None => part,
+            });
+        }
+        let attn = attn.expect("at least one chunk").reshape(&[s, heads * hd]);
+        h = &h + &linear_bias(&attn, &layer.o_proj, layer.o_bias.as_ref());
+        let normed = rms_norm(&h, &layer.post_norm, config.rms_norm_eps);
+        h = &h + &mlp(layer, &normed);
+    }
+    (rms_norm(&h, &p.final_norm, config.rms_norm_eps), out_cache)
 }
 
 #[cfg(test)]

@@ -1,10 +1,13 @@
 //! The scorer of this project's synthetic arithmetic task (`data_source` `grpo/arithmetic`).
 //!
-//! The generator's prompt may ask for either form; both are accepted:
-//! **`#### <integer>`** (GSM8K's convention, e.g. `#### -42`) or **`<answer><integer></answer>`**.
+//! The generator's prompt may ask for any of these forms; all are accepted:
+//! **`#### <integer>`** (GSM8K's convention, e.g. `#### -42`), **`<answer><integer></answer>`**,
+//! or the integer alone (`grpo preprocess arithmetic --answer-format number`).
 //!
 //! Exactly:
-//! 1. If the response has an `<answer>...</answer>` pair, the answer is its last one (the last
+//! 0. If the whole response, trimmed, is one integer with no inner whitespace (optional sign,
+//!    one optional trailing `.`), that is the answer.
+//! 1. Otherwise, if the response has an `<answer>...</answer>` pair, the answer is its last one (the last
 //!    `</answer>` and the last `<answer>` before it): all whitespace inside is removed, then one
 //!    trailing `.`; what is left must be an optional `+`/`-` and ASCII digits (leading zeros
 //!    allowed), else there is no answer.
@@ -34,6 +37,12 @@ fn marker_pattern() -> &'static Regex {
 
 /// The integer answer of a response (steps 1–2 of the module's rule), if any.
 pub fn extract_answer(response: &str) -> Option<i128> {
+    let whole = response.trim();
+    if !whole.contains(char::is_whitespace) {
+        if let Some(n) = parse_integer(whole) {
+            return Some(n);
+        }
+    }
     if let Some(close) = response.rfind("</answer>") {
         if let Some(open) = response[..close].rfind("<answer>") {
             return parse_integer(&response[open + "<answer>".len()..close]);
@@ -106,7 +115,7 @@ mod tests {
 
     #[test]
     fn answer_rule_table() {
-        let cases: [(&str, &str, f64, f64); 19] = [
+        let cases: [(&str, &str, f64, f64); 23] = [
             ("<answer>42</answer>", "42", 1.0, 1.0),
             ("<answer> 42. </answer>", "42", 1.0, 1.0),
             ("<answer>- 7</answer>", "-7", 1.0, 1.0),
@@ -124,7 +133,11 @@ mod tests {
             ("#### 3 then #### 4", "3", 0.0, 1.0),
             ("#### forty", "40", 0.0, 0.0),
             ("<answer>x</answer> #### 40", "40", 0.0, 0.0),
-            ("42", "42", 0.0, 0.0),
+            ("42", "42", 1.0, 1.0),
+            (" -2.\n", "-2", 1.0, 1.0),
+            ("41", "42", 0.0, 1.0),
+            ("4 2", "42", 0.0, 0.0),
+            ("The answer is 42", "42", 0.0, 0.0),
             ("<answer>42", "42", 0.0, 0.0),
         ];
         let scorer = ArithmeticScorer {

@@ -3,7 +3,11 @@
 //!
 //!     cargo run --release -p rollout --example rollout_bench -- \
 //!         [--model models/SmolLM2-135M-Instruct.Q4_1.gguf] [--seqs 64] [--prompt-len 128] \
-//!         [--new-tokens 256] [--dtype f32|bf16] [--no-peer]
+//!         [--new-tokens 256] [--dtype f32|bf16] [--no-peer] [--baseline] [--kv-chunk N]
+//!
+//! `--baseline` also runs the engine configured as before the speed work (whole cache read
+//! every step, one prefill per prompt, Gumbel-max sampler) in the same run; `--kv-chunk`
+//! sets the engine's KV-cache chunk (0 = automatic).
 //!
 //! All sequences sample at temperature 1 with no top-k/top-p and ignore EOS, so both sides
 //! generate exactly `seqs * new_tokens` tokens. The decode step time is compared with the
@@ -15,8 +19,10 @@ use std::process::Command;
 use std::time::Instant;
 
 use model::programs::HostModel;
-use rollout::{upload_weights, Engine, EngineConfig, GenerationRequest, SamplingParams};
+use rollout::sampling::SamplerKind;
+use rollout::{upload_weights, Engine, EngineConfig, GenerationRequest, Sample, SamplingParams};
 use xla::graph::Graph;
+use xla::runtime::Buffer;
 use xla::runtime::Client;
 use xla::DType;
 
@@ -48,8 +54,8 @@ fn measure_bandwidth(client: &Client) -> f64 {
 
 /// Median time of the fused sampler alone (temperature, no truncation) on `[slots, vocab]`
 /// logits: the share of a decode step spent drawing tokens.
-fn measure_sampler(client: &Client, slots: usize, vocab: usize) -> f64 {
-    use rollout::sampling::{sample_graph, SamplerInputs};
+fn measure_sampler(client: &Client, slots: usize, vocab: usize, kind: SamplerKind) -> f64 {
+    use rollout::sampling::{sample_graph_with, SamplerInputs};
     let (s, v) = (slots as i64, vocab as i64);
     let g = Graph::new("sampler");
     let logits = g.parameter("logits", DType::F32, &[s, v]);
@@ -63,7 +69,7 @@ fn measure_sampler(client: &Client, slots: usize, vocab: usize) -> f64 {
         top_p: &top_p,
         keys: &keys,
     };
-    let (tokens, logprobs) = sample_graph(&logits, &inputs, false);
+    let (tokens, logprobs) = sample_graph_with(&logits, &inputs, false, kind);
     let exe = g.build(&[&tokens, &logprobs]).unwrap().compile(client).unwrap();
     let values: Vec<f32> = (0..slots * vocab)
         .map(|i| ((i * 7919) % 1000) as f32 / 100.0)
@@ -84,6 +90,30 @@ fn measure_sampler(client: &Client, slots: usize, vocab: usize) -> f64 {
         .collect();
     times.sort_by(|a, b| a.partial_cmp(b).unwrap());
     times[3]
+}
+
+/// CPU time of every thread of this process so far (seconds, from
+/// `/proc/self/task/*/schedstat`).
+fn cpu_seconds() -> f64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0.0;
+    };
+    tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<f64>().ok())
+        .sum::<f64>()
+        * 1e-9
+}
+
+/// CPU time of this process's waited-for children (seconds; `/proc/self/stat` cutime +
+/// cstime, in clock ticks of 1/100 s).
+fn children_cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let after = stat.rsplit(')').next().unwrap_or("");
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    // After the command name: state is field 3, so cutime (16) and cstime (17) are 13 and 14.
+    let tick = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok()).unwrap_or(0.0);
+    (tick(13) + tick(14)) / 100.0
 }
 
 fn main() {
@@ -113,80 +143,120 @@ fn main() {
 
     let client = Client::cpu(1).expect("CPU plugin");
     let bandwidth = measure_bandwidth(&client);
-    let weights = upload_weights(&client, &host.weights, dtype, 0).unwrap();
+    let weights: std::sync::Arc<[Buffer]> = upload_weights(&client, &host.weights, dtype, 0).unwrap().into();
     let weight_bytes: usize = weights
         .iter()
         .map(|b| b.element_count() * b.dtype().size_bytes())
         .sum();
     let max_len = prompt_len + new_tokens;
-    let mut settings = EngineConfig::new(seqs, max_len);
-    settings.prefill_buckets = vec![prompt_len, max_len];
-    let t = Instant::now();
-    let mut engine = Engine::new(&client, &config, weights, 0, settings, None).unwrap();
-    let compile_decode = t.elapsed().as_secs_f64();
-    let t = Instant::now();
-    engine.precompile(prompt_len, 1, false).unwrap();
-    let compile_prefill = t.elapsed().as_secs_f64();
     let params = SamplingParams {
         temperature: 1.0,
         max_new_tokens: new_tokens,
         ..Default::default()
     };
-    for (i, p) in prompts.iter().enumerate() {
-        engine
-            .submit(GenerationRequest {
-                id: i as u64,
-                prompt: p.clone(),
-                n: 1,
-                seed: i as u64,
-                params: params.clone(),
-            })
-            .unwrap();
+    // The engine as configured by default, then (with --baseline) the engine as it was before
+    // the speed work: the whole cache read every step, one prefill per prompt, the Gumbel-max
+    // sampler. Same weights, prompts and seeds.
+    let mut configs = vec![("engine", EngineConfig::new(seqs, max_len))];
+    if args.iter().any(|a| a == "--baseline") {
+        let mut old = EngineConfig::new(seqs, max_len);
+        old.kv_chunk = max_len;
+        old.prefill_batch = 1;
+        old.sampler = SamplerKind::GumbelMax;
+        configs.push(("baseline", old));
     }
-    // The first step prefills every prompt and decodes once; the steps after it are pure
-    // decode steps. Compiling happened above and is not timed.
-    let start = Instant::now();
-    let mut step_times = Vec::new();
-    let mut samples = Vec::new();
-    while engine.has_work() {
+    if let Some(chunk) = args.iter().position(|a| a == "--kv-chunk") {
+        configs[0].1.kv_chunk = args[chunk + 1].parse().unwrap();
+    }
+    let mut rates = Vec::new();
+    for (label, mut settings) in configs {
+        settings.prefill_buckets = vec![prompt_len, max_len];
         let t = Instant::now();
-        samples.extend(engine.step().unwrap());
-        step_times.push(t.elapsed().as_secs_f64());
+        let mut engine = Engine::new(&client, &config, weights.clone(), 0, settings, None).unwrap();
+        let compile_decode = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        engine.precompile(prompt_len, 1, false).unwrap();
+        let compile_prefill = t.elapsed().as_secs_f64();
+        for (i, p) in prompts.iter().enumerate() {
+            engine
+                .submit(GenerationRequest {
+                    id: i as u64,
+                    prompt: p.clone(),
+                    n: 1,
+                    seed: i as u64,
+                    params: params.clone(),
+                })
+                .unwrap();
+        }
+        // The first step prefills every prompt and decodes once; the steps after it are pure
+        // decode steps. Compiling happened above and is not timed.
+        let start = Instant::now();
+        let cpu_start = cpu_seconds();
+        let mut step_times = Vec::new();
+        let mut samples: Vec<Sample> = Vec::new();
+        while engine.has_work() {
+            let t = Instant::now();
+            samples.extend(engine.step().unwrap());
+            step_times.push(t.elapsed().as_secs_f64());
+        }
+        let total = start.elapsed().as_secs_f64();
+        let cpu = cpu_seconds() - cpu_start;
+        let generated: usize = samples.iter().map(|s| s.response_ids.len()).sum();
+        let mut decode: Vec<f64> = step_times[1..].to_vec();
+        decode.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        let median_step = decode[decode.len() / 2];
+        let first_step = step_times[0];
+        let decode_total: f64 = step_times[1..].iter().sum();
+        let cache_bytes = engine.kv_cache_bytes();
+        let bound = (weight_bytes + cache_bytes) as f64 / bandwidth;
+        let stats = engine.stats().clone();
+        println!("{label}: {seqs} sequences x {prompt_len} prompt tokens, {new_tokens} new tokens, temperature 1, {dtype:?} weights");
+        println!("{label}: compile decode {compile_decode:.1} s, prefill + other decode steps {compile_prefill:.1} s (not timed); first step ({seqs} prefills + 1 decode) {first_step:.1} s");
+        println!("{label}: {generated} tokens in {total:.1} s wall (prefill + decode) = {:.1} tok/s; decode-only {:.1} tok/s; CPU time {cpu:.1} s = {:.1} tokens per CPU-second", generated as f64 / total, (generated - seqs) as f64 / decode_total, generated as f64 / cpu);
+        println!(
+            "{label}: decode step median {:.1} ms over {} steps",
+            median_step * 1e3,
+            decode.len()
+        );
+        println!(
+            "{label}: time in prefill programs {:.1} s ({} runs for {} prompts), in decode programs {:.1} s, host bookkeeping {:.3} s ({:.2} ms per step)",
+            stats.prefill_time.as_secs_f64(),
+            stats.prefill_batches,
+            stats.prefill_runs,
+            stats.decode_time.as_secs_f64(),
+            (stats.step_time - stats.prefill_time - stats.decode_time).as_secs_f64(),
+            (stats.step_time - stats.prefill_time - stats.decode_time).as_secs_f64() * 1e3
+                / stats.decode_steps.max(1) as f64
+        );
+        println!(
+            "{label}: bound: weights {:.0} MiB + KV cache {:.0} MiB read per step at {:.1} GB/s measured = {:.1} ms; step / bound = {:.2}",
+            weight_bytes as f64 / 1048576.0,
+            cache_bytes as f64 / 1048576.0,
+            bandwidth / 1e9,
+            bound * 1e3,
+            median_step / bound
+        );
+        rates.push((label, generated as f64 / total));
     }
-    let total = start.elapsed().as_secs_f64();
-    let generated: usize = samples.iter().map(|s| s.response_ids.len()).sum();
-    let mut decode: Vec<f64> = step_times[1..].to_vec();
-    decode.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    let median_step = decode[decode.len() / 2];
-    let first_step = step_times[0];
-    let decode_total: f64 = step_times[1..].iter().sum();
-    let cache_bytes = engine.kv_cache_bytes();
-    let bound = (weight_bytes + cache_bytes) as f64 / bandwidth;
-    println!("engine: {seqs} sequences x {prompt_len} prompt tokens, {new_tokens} new tokens, temperature 1, {dtype:?} weights");
-    println!("engine: compile decode {compile_decode:.1} s, prefill {compile_prefill:.1} s (not timed); first step ({seqs} prefills + 1 decode) {first_step:.1} s");
-    println!("engine: {generated} tokens in {total:.1} s wall (prefill + decode) = {:.1} tok/s; decode-only {:.1} tok/s", generated as f64 / total, (generated - seqs) as f64 / decode_total);
-    println!(
-        "engine: decode step median {:.1} ms over {} steps",
-        median_step * 1e3,
-        decode.len()
-    );
-    println!(
-        "bound: weights {:.0} MiB + KV cache {:.0} MiB read per step at {:.1} GB/s measured = {:.1} ms; step / bound = {:.2}",
-        weight_bytes as f64 / 1048576.0,
-        cache_bytes as f64 / 1048576.0,
-        bandwidth / 1e9,
-        bound * 1e3,
-        median_step / bound
-    );
-    println!("stats: {:?}", engine.stats());
-    let sampler = measure_sampler(&client, seqs, config.vocab_size);
-    println!(
-        "sampler alone ({seqs} x {} logits, Threefry + Gumbel-max + log-softmax): {:.1} ms = {:.0}% of the decode step",
-        config.vocab_size,
-        sampler * 1e3,
-        100.0 * sampler / median_step
-    );
-    let engine_tps = generated as f64 / total;
+    for kind in [SamplerKind::InverseCdf, SamplerKind::GumbelMax] {
+        let sampler = measure_sampler(&client, seqs, config.vocab_size, kind);
+        println!(
+            "sampler alone ({seqs} x {} logits, {kind:?}, with the log-softmax normaliser): {:.1} ms",
+            config.vocab_size,
+            sampler * 1e3,
+        );
+    }
+    if rates.len() == 2 {
+        println!(
+            "ratio: engine {:.1} tok/s / baseline engine {:.1} tok/s = {:.2}x",
+            rates[0].1,
+            rates[1].1,
+            rates[0].1 / rates[1].1
+        );
+    }
+    let engine_tps = rates[0].1;
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!("load average after the engine runs: {}", load.trim());
 
     if run_peer {
         let dir = std::env::temp_dir().join(format!("rollout-bench-hf-{}", std::process::id()));
@@ -202,6 +272,10 @@ fn main() {
             .arg(new_tokens.to_string())
             .output()
             .expect("running python3");
+        let children_cpu = children_cpu_seconds();
+        println!(
+            "peer: CPU time {children_cpu:.1} s (includes loading the model; torch's threads spin while waiting)"
+        );
         let stdout = String::from_utf8_lossy(&out.stdout);
         print!("{stdout}");
         eprint!("{}", String::from_utf8_lossy(&out.stderr));
@@ -211,6 +285,12 @@ fn main() {
                 "ratio: engine {engine_tps:.1} tok/s / transformers {peer:.1} tok/s = {:.2}x",
                 engine_tps / peer
             );
+            if let Some((_, base)) = rates.get(1) {
+                println!(
+                    "ratio: baseline engine {base:.1} tok/s / transformers {peer:.1} tok/s = {:.2}x",
+                    base / peer
+                );
+            }
         }
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -5,6 +5,12 @@
 //! masked). A finished sample frees its slot at once and the next waiting request takes it at
 //! the next step.
 //!
+//! Requests waiting at the same time with the same prefill program are prefilled several at
+//! a time ([`EngineConfig::prefill_batch`]). The KV cache can be split along positions into
+//! chunks ([`EngineConfig::kv_chunk`]); a decode step then reads only the chunks that hold
+//! the active sequences' positions (one compiled step per power-of-two chunk count), so short
+//! sequences in a long cache do not pay for the whole cache.
+//!
 //! The prefill covers the prompt without its last token; the last prompt token is the first
 //! decode input of every sample, so every token (including the first) is drawn by the same
 //! fused on-device sampler with its own Threefry key `(seed, sample index, token index)`.
@@ -23,13 +29,14 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+use model::forward::DecodeOptions;
 use model::{param_table, ModelConfig, ModelTokenizer, ModelWeights};
 use xla::runtime::{Buffer, Client};
 use xla::DType;
 
 use crate::error::{Result, RolloutError};
 use crate::programs::{CacheShape, DecodeInputs, DecodeSample, PrefillFanout};
-use crate::sampling::{draw_key, SamplingParams};
+use crate::sampling::{draw_key, SamplerKind, SamplingParams};
 
 /// Static sizes of an engine.
 #[derive(Clone, Debug)]
@@ -45,6 +52,16 @@ pub struct EngineConfig {
     pub eos_token_ids: Vec<u32>,
     /// Device the weights and the cache live on.
     pub device: usize,
+    /// Positions per KV-cache chunk: a decode step reads only the chunks up to the longest
+    /// active sequence (chunk counts rounded up to powers of two, one compiled step each).
+    /// 0 = automatic: one chunk (the whole cache, one decode program) below 1024 positions,
+    /// chunks of 256 from there; `max_model_len` or more = one chunk.
+    pub kv_chunk: usize,
+    /// Most prompts (groups) prefilled in one program run (a second program shape, compiled
+    /// on first use, for batches of this size; 1 = one prefill per group).
+    pub prefill_batch: usize,
+    /// The on-device sampler.
+    pub sampler: SamplerKind,
 }
 
 impl EngineConfig {
@@ -56,6 +73,18 @@ impl EngineConfig {
             prefill_buckets: Vec::new(),
             eos_token_ids: Vec::new(),
             device: 0,
+            kv_chunk: 0,
+            prefill_batch: 4,
+            sampler: SamplerKind::default(),
+        }
+    }
+
+    /// The chunk length the cache is split into (see [`EngineConfig::kv_chunk`]).
+    pub fn effective_kv_chunk(&self) -> usize {
+        match self.kv_chunk {
+            0 if self.max_model_len < 1024 => self.max_model_len,
+            0 => 256,
+            c => c.min(self.max_model_len),
         }
     }
 
@@ -148,11 +177,20 @@ pub enum EngineOutput {
     Rejected(RolloutError),
 }
 
-/// Counters of program runs and tokens.
+/// Counters of program runs, tokens and time.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct EngineStats {
-    /// Prefill (+ fan-out copy) program runs: one per admitted group.
+    /// Prompts prefilled (+ fanned out): one per admitted group.
     pub prefill_runs: usize,
+    /// Prefill program runs (each covers up to [`EngineConfig::prefill_batch`] groups).
+    pub prefill_batches: usize,
+    /// Wall time in prefill program runs (inputs uploaded, program run).
+    pub prefill_time: std::time::Duration,
+    /// Wall time in decode program runs (inputs uploaded, program run, tokens and
+    /// log-probs read back); the rest of [`Engine::step`] is host bookkeeping.
+    pub decode_time: std::time::Duration,
+    /// Wall time in [`Engine::step`] altogether.
+    pub step_time: std::time::Duration,
     /// Decode steps run.
     pub decode_steps: usize,
     /// Tokens generated (all samples).
@@ -182,16 +220,17 @@ pub struct Engine {
     client: Client,
     config: ModelConfig,
     dtype: DType,
-    weights: Vec<Buffer>,
+    /// Shared with whoever else holds them (the learner, on the same device): never copied.
+    weights: Arc<[Buffer]>,
     version: u64,
     settings: EngineConfig,
     buckets: Vec<usize>,
     cache_shape: CacheShape,
     cache: Vec<Buffer>,
     tokenizer: Option<ModelTokenizer>,
-    prefill: HashMap<(usize, usize), PrefillFanout>,
-    decode_plain: DecodeSample,
-    decode_truncating: Option<DecodeSample>,
+    prefill: HashMap<(usize, usize, usize), PrefillFanout>,
+    /// Decode steps by (top-k/top-p, cache chunks read).
+    decode: HashMap<(bool, usize), DecodeSample>,
     waiting: VecDeque<Pending>,
     slots: Vec<Option<Active>>,
     stats: EngineStats,
@@ -305,7 +344,7 @@ impl Engine {
     pub fn new(
         client: &Client,
         config: &ModelConfig,
-        weights: Vec<Buffer>,
+        weights: impl Into<Arc<[Buffer]>>,
         version: u64,
         settings: EngineConfig,
         tokenizer: Option<ModelTokenizer>,
@@ -326,25 +365,27 @@ impl Engine {
                 settings.max_model_len
             )));
         }
+        let weights = weights.into();
         let dtype = check_weights(config, &weights, None, settings.device, version)?;
-        let cache_shape = CacheShape::new(config, settings.max_num_seqs, settings.max_model_len);
+        let cache_shape = CacheShape::chunked(
+            config,
+            settings.max_num_seqs,
+            settings.max_model_len,
+            settings.effective_kv_chunk(),
+        );
         tracing::info!(
             slots = settings.max_num_seqs,
             max_model_len = settings.max_model_len,
             layers = config.num_hidden_layers,
             kv_heads = config.num_key_value_heads,
             head_dim = config.head_dim,
+            chunks = cache_shape.chunks(),
+            chunk = cache_shape.chunk,
             "rollout KV cache: {:.1} MiB (f32)",
             cache_shape.bytes() as f64 / (1024.0 * 1024.0)
         );
         let cache = cache_shape.allocate(client, settings.device)?;
-        let started = Instant::now();
-        let decode_plain = DecodeSample::compile(client, config, dtype, &cache_shape, false)?;
-        tracing::info!(
-            "compiled the decode step in {:.2} s",
-            started.elapsed().as_secs_f64()
-        );
-        Ok(Engine {
+        let mut engine = Engine {
             client: client.clone(),
             config: config.clone(),
             dtype,
@@ -357,11 +398,13 @@ impl Engine {
             cache,
             tokenizer,
             prefill: HashMap::new(),
-            decode_plain,
-            decode_truncating: None,
+            decode: HashMap::new(),
             waiting: VecDeque::new(),
             stats: EngineStats::default(),
-        })
+        };
+        let all = engine.cache_shape.chunks();
+        engine.ensure_decode(false, all)?;
+        Ok(engine)
     }
 
     /// The KV-cache size in bytes.
@@ -442,7 +485,8 @@ impl Engine {
     /// device; used in place, not copied) as `version`, between steps and without
     /// recompiling. Samples in flight are restarted on the new weights (see the module
     /// comment). Returns how many samples were restarted. The old buffers are dropped.
-    pub fn update_weights(&mut self, version: u64, weights: Vec<Buffer>) -> Result<usize> {
+    pub fn update_weights(&mut self, version: u64, weights: impl Into<Arc<[Buffer]>>) -> Result<usize> {
+        let weights = weights.into();
         check_weights(
             &self.config,
             &weights,
@@ -488,96 +532,194 @@ impl Engine {
         (bucket, n.next_power_of_two().min(self.settings.max_num_seqs))
     }
 
-    fn ensure_prefill(&mut self, bucket: usize, width: usize) -> Result<()> {
-        if !self.prefill.contains_key(&(bucket, width)) {
+    fn ensure_prefill(&mut self, bucket: usize, width: usize, batch: usize) -> Result<()> {
+        if !self.prefill.contains_key(&(bucket, width, batch)) {
             let started = Instant::now();
-            let p = PrefillFanout::compile(
+            let p = PrefillFanout::compile_batched(
                 &self.client,
                 &self.config,
                 self.dtype,
                 &self.cache_shape,
                 bucket,
                 width,
+                batch,
             )?;
             tracing::info!(
                 bucket,
                 width,
+                batch,
                 "compiled prefill in {:.2} s",
                 started.elapsed().as_secs_f64()
             );
-            self.prefill.insert((bucket, width), p);
+            self.prefill.insert((bucket, width, batch), p);
         }
         Ok(())
     }
 
-    fn ensure_truncating_decode(&mut self) -> Result<()> {
-        if self.decode_truncating.is_none() {
+    /// The cache chunks the decode program reads when the highest active position is
+    /// `position`: the chunks holding positions `0..=position`, rounded up to a power of two
+    /// (or all of them).
+    fn decode_chunks(&self, position: usize) -> usize {
+        let all = self.cache_shape.chunks();
+        self.cache_shape.chunks_for(position).next_power_of_two().min(all)
+    }
+
+    fn ensure_decode(&mut self, truncate: bool, chunks: usize) -> Result<()> {
+        if !self.decode.contains_key(&(truncate, chunks)) {
             let started = Instant::now();
-            self.decode_truncating = Some(DecodeSample::compile(
-                &self.client,
-                &self.config,
-                self.dtype,
-                &self.cache_shape,
-                true,
-            )?);
+            let program = if self.cache_shape.chunks() == 1 {
+                DecodeSample::compile_with(
+                    &self.client,
+                    &self.config,
+                    self.dtype,
+                    &self.cache_shape,
+                    truncate,
+                    DecodeOptions::default(),
+                    self.settings.sampler,
+                )?
+            } else {
+                DecodeSample::compile_chunked(
+                    &self.client,
+                    &self.config,
+                    self.dtype,
+                    &self.cache_shape,
+                    truncate,
+                    chunks,
+                    self.settings.sampler,
+                )?
+            };
             tracing::info!(
-                "compiled the top-k/top-p decode step in {:.2} s",
+                truncate,
+                chunks,
+                "compiled a decode step in {:.2} s",
                 started.elapsed().as_secs_f64()
             );
+            self.decode.insert((truncate, chunks), program);
         }
         Ok(())
     }
 
     /// Compiles up front what requests with prompts of `prompt_len` tokens in groups of `n`
-    /// will need (their prefill bucket and fan-out width; the top-k/top-p decode step when
+    /// will need (their prefill bucket and fan-out width, single and batched; the decode steps
+    /// for every cache length from the prompt's to the longest; the top-k/top-p variants when
     /// `truncating`), so the first such requests do not wait for a compile.
     pub fn precompile(&mut self, prompt_len: usize, n: usize, truncating: bool) -> Result<()> {
         let (bucket, width) = self.prefill_key(prompt_len, n.clamp(1, self.settings.max_num_seqs));
-        self.ensure_prefill(bucket, width)?;
-        if truncating {
-            self.ensure_truncating_decode()?;
+        self.ensure_prefill(bucket, width, 1)?;
+        if self.settings.prefill_batch > 1 && self.settings.max_num_seqs >= 2 * width {
+            self.ensure_prefill(bucket, width, self.prefill_batch_size(width))?;
         }
-        Ok(())
+        let mut chunks = self.decode_chunks(prompt_len.saturating_sub(1));
+        loop {
+            self.ensure_decode(false, chunks)?;
+            if truncating {
+                self.ensure_decode(true, chunks)?;
+            }
+            if chunks >= self.cache_shape.chunks() {
+                return Ok(());
+            }
+            chunks = self.decode_chunks(chunks * self.cache_shape.chunk);
+        }
     }
 
+    /// Groups per batched prefill run for groups of fan-out `width`.
+    fn prefill_batch_size(&self, width: usize) -> usize {
+        self.settings
+            .prefill_batch
+            .min(self.settings.max_num_seqs / width.max(1))
+            .max(1)
+    }
+
+    /// Admits waiting requests in FIFO order while their groups fit in the free slots. Runs
+    /// of consecutive groups with the same prefill program (bucket and fan-out width) are
+    /// prefilled [`EngineConfig::prefill_batch`] at a time; the rest one at a time.
     fn admit(&mut self) -> Result<()> {
         loop {
             let free: Vec<usize> = (0..self.slots.len())
                 .filter(|&s| self.slots[s].is_none())
                 .collect();
-            let fits = self
-                .waiting
-                .front()
-                .is_some_and(|p| p.sample_indices.len() <= free.len());
-            if !fits {
+            let Some(front) = self.waiting.front() else {
+                return Ok(());
+            };
+            if front.sample_indices.len() > free.len() {
                 return Ok(());
             }
-            let pending = self.waiting.pop_front().expect("checked non-empty");
-            let n = pending.sample_indices.len();
-            let chosen = &free[..n];
-            let prompt = &pending.request.prompt;
-            let head = &prompt[..prompt.len() - 1];
-            let (bucket, width) = self.prefill_key(prompt.len(), n);
-            self.ensure_prefill(bucket, width)?;
-            self.prefill[&(bucket, width)].run(
-                &self.client,
-                self.settings.device,
-                &self.weights,
-                &mut self.cache,
-                head,
-                chosen,
-            )?;
-            self.stats.prefill_runs += 1;
-            for (&slot, &sample_index) in chosen.iter().zip(&pending.sample_indices) {
-                self.slots[slot] = Some(Active {
-                    request: pending.request.clone(),
-                    sample_index,
-                    response: Vec::new(),
-                    logprobs: Vec::new(),
-                    next_token: prompt[prompt.len() - 1],
-                    position: prompt.len() - 1,
-                    restarts: pending.restarts,
-                });
+            let key = self.prefill_key(front.request.prompt.len(), front.sample_indices.len());
+            let batch = self.prefill_batch_size(key.1);
+            let mut taken: Vec<Pending> = Vec::new();
+            let mut used = 0;
+            while taken.len() < batch {
+                let Some(next) = self.waiting.front() else { break };
+                let n = next.sample_indices.len();
+                if used + n > free.len() || self.prefill_key(next.request.prompt.len(), n) != key {
+                    break;
+                }
+                used += n;
+                taken.push(self.waiting.pop_front().expect("checked non-empty"));
+            }
+            let mut offset = 0;
+            let placed: Vec<(Pending, Vec<usize>)> = taken
+                .into_iter()
+                .map(|p| {
+                    let slots = free[offset..offset + p.sample_indices.len()].to_vec();
+                    offset += slots.len();
+                    (p, slots)
+                })
+                .collect();
+            let (bucket, width) = key;
+            let started = Instant::now();
+            if placed.len() == batch && batch > 1 {
+                self.ensure_prefill(bucket, width, batch)?;
+                let prompts: Vec<(&[u32], &[usize])> = placed
+                    .iter()
+                    .map(|(p, slots)| {
+                        let prompt = &p.request.prompt;
+                        (&prompt[..prompt.len() - 1], slots.as_slice())
+                    })
+                    .collect();
+                self.prefill[&(bucket, width, batch)].run_batch(
+                    &self.client,
+                    self.settings.device,
+                    &self.weights,
+                    &mut self.cache,
+                    &prompts,
+                )?;
+                self.stats.prefill_batches += 1;
+            } else {
+                self.ensure_prefill(bucket, width, 1)?;
+                for (p, slots) in &placed {
+                    let prompt = &p.request.prompt;
+                    self.prefill[&(bucket, width, 1)].run(
+                        &self.client,
+                        self.settings.device,
+                        &self.weights,
+                        &mut self.cache,
+                        &prompt[..prompt.len() - 1],
+                        slots,
+                    )?;
+                    self.stats.prefill_batches += 1;
+                }
+            }
+            // Runs are asynchronous: wait for the cache so the time is the prefill's own.
+            if let Some(last) = self.cache.last() {
+                last.block_until_ready()
+                    .map_err(|e| RolloutError::runtime("waiting for a prefill", e))?;
+            }
+            self.stats.prefill_time += started.elapsed();
+            for (pending, chosen) in placed {
+                self.stats.prefill_runs += 1;
+                let prompt = &pending.request.prompt;
+                for (&slot, &sample_index) in chosen.iter().zip(&pending.sample_indices) {
+                    self.slots[slot] = Some(Active {
+                        request: pending.request.clone(),
+                        sample_index,
+                        response: Vec::new(),
+                        logprobs: Vec::new(),
+                        next_token: prompt[prompt.len() - 1],
+                        position: prompt.len() - 1,
+                        restarts: pending.restarts,
+                    });
+                }
             }
         }
     }
@@ -585,6 +727,13 @@ impl Engine {
     /// One scheduling step: admits waiting requests into free slots (prefill + fan-out), runs
     /// one decode step over all active slots, and returns the samples that finished.
     pub fn step(&mut self) -> Result<Vec<Sample>> {
+        let started = Instant::now();
+        let result = self.step_inner();
+        self.stats.step_time += started.elapsed();
+        result
+    }
+
+    fn step_inner(&mut self) -> Result<Vec<Sample>> {
         self.admit()?;
         let s = self.settings.max_num_seqs;
         if self.slots.iter().all(|a| a.is_none()) {
@@ -599,8 +748,10 @@ impl Engine {
             keys: vec![0; 2 * s],
         };
         let mut truncate = false;
+        let mut highest = 0;
         for (i, a) in self.slots.iter().enumerate() {
             if let Some(a) = a {
+                highest = highest.max(a.position);
                 let p = &a.request.params;
                 inputs.tokens[i] = a.next_token as i32;
                 inputs.positions[i] = a.position as i32;
@@ -613,12 +764,10 @@ impl Engine {
                 truncate |= p.needs_truncation();
             }
         }
-        let program = if truncate {
-            self.ensure_truncating_decode()?;
-            self.decode_truncating.as_ref().expect("just compiled")
-        } else {
-            &self.decode_plain
-        };
+        let chunks = self.decode_chunks(highest);
+        self.ensure_decode(truncate, chunks)?;
+        let program = &self.decode[&(truncate, chunks)];
+        let started = Instant::now();
         let (next, logprobs) = program.run(
             &self.client,
             self.settings.device,
@@ -626,6 +775,7 @@ impl Engine {
             &mut self.cache,
             &inputs,
         )?;
+        self.stats.decode_time += started.elapsed();
         self.stats.decode_steps += 1;
         let mut finished = Vec::new();
         for i in 0..s {
@@ -732,7 +882,7 @@ fn find_stop_string(tokenizer: Option<&ModelTokenizer>, a: &Active) -> Option<(S
 
 enum Command {
     Submit(GenerationRequest),
-    UpdateWeights(u64, Vec<Buffer>, Sender<Result<usize>>),
+    UpdateWeights(u64, Arc<[Buffer]>, Sender<Result<usize>>),
     Shutdown,
 }
 
@@ -778,7 +928,14 @@ pub struct EngineHandle {
     thread: Option<JoinHandle<Result<Engine>>>,
 }
 
-impl EngineHandle {
+/// The sending half of an [`EngineHandle`]: submits requests and weight updates from any
+/// thread while another thread reads the outputs.
+#[derive(Clone)]
+pub struct EngineControl {
+    commands: Sender<Command>,
+}
+
+impl EngineControl {
     /// Queues a request; its samples (or its rejection) arrive on [`EngineHandle::outputs`].
     pub fn submit(&self, request: GenerationRequest) -> Result<()> {
         self.commands
@@ -788,7 +945,36 @@ impl EngineHandle {
 
     /// Installs new weights between two decode steps; waits until done and returns how many
     /// in-flight samples were restarted.
-    pub fn update_weights(&self, version: u64, weights: Vec<Buffer>) -> Result<usize> {
+    pub fn update_weights(&self, version: u64, weights: impl Into<Arc<[Buffer]>>) -> Result<usize> {
+        let (tx, rx) = channel();
+        self.commands
+            .send(Command::UpdateWeights(version, weights.into(), tx))
+            .map_err(|_| RolloutError::Stopped("update_weights after the engine stopped".into()))?;
+        rx.recv()
+            .map_err(|_| RolloutError::Stopped("the engine stopped before applying the weights".into()))?
+    }
+}
+
+impl EngineHandle {
+    /// A sending half for another thread (the engine keeps running until
+    /// [`EngineHandle::shutdown`], even when every control is dropped).
+    pub fn control(&self) -> EngineControl {
+        EngineControl {
+            commands: self.commands.clone(),
+        }
+    }
+
+    /// Queues a request; its samples (or its rejection) arrive on [`EngineHandle::outputs`].
+    pub fn submit(&self, request: GenerationRequest) -> Result<()> {
+        self.commands
+            .send(Command::Submit(request))
+            .map_err(|_| RolloutError::Stopped("submit after the engine stopped".into()))
+    }
+
+    /// Installs new weights between two decode steps; waits until done and returns how many
+    /// in-flight samples were restarted.
+    pub fn update_weights(&self, version: u64, weights: impl Into<Arc<[Buffer]>>) -> Result<usize> {
+        let weights = weights.into();
         let (tx, rx) = channel();
         self.commands
             .send(Command::UpdateWeights(version, weights, tx))

@@ -15,8 +15,8 @@ pub mod programs;
 pub mod sampling;
 
 pub use engine::{
-    upload_weights, Engine, EngineConfig, EngineHandle, EngineOutput, EngineStats, FinishReason,
-    GenerationRequest, Sample,
+    upload_weights, Engine, EngineConfig, EngineControl, EngineHandle, EngineOutput, EngineStats,
+    FinishReason, GenerationRequest, Sample,
 };
 pub use error::{Result, RolloutError};
 pub use sampling::SamplingParams;

@@ -1,24 +1,30 @@
 //! The engine's compiled programs, composed from `model::forward`'s graph functions:
-//! - [`PrefillFanout`]: prefill one prompt into a KV-cache slot and copy that slot's whole row
-//!   (every layer's keys and values) into up to `width - 1` more slots, on the device, in the
-//!   same program: group prefix sharing, one prefill per group;
+//! - [`PrefillFanout`]: prefill one prompt (or a batch of prompts) and write each prompt's
+//!   cache row (every layer's keys and values) into its slot and up to `width - 1` more slots,
+//!   on the device, in the same program: group prefix sharing, one prefill per group;
 //! - [`DecodeSample`]: one decode step for every slot fused with the per-slot sampler
 //!   ([`crate::sampling::sample_graph`]): only the sampled token ids and their log-probs come
 //!   back to the host.
 //!
-//! Argument order: the parameters ([`model::param_table`] order), the KV cache (layer 0 K,
-//! layer 0 V, ...; donated to the cache results), then the inputs.
+//! Argument order: the parameters ([`model::param_table`] order), the KV cache (see
+//! [`CacheShape::declare`]; donated to the cache results), then the inputs.
 
-use model::forward::{decode_graph, prefill_graph, DecoderParams};
+use model::forward::{
+    decode_graph_with, decode_hidden_graph_chunked, linear, prefill_kv_graph, DecodeAttention, DecodeOptions,
+    DecoderParams, KvWrite,
+};
 use model::ModelConfig;
 use xla::graph::{BuildOptions, Graph, Tensor};
 use xla::runtime::{Buffer, Client, Executable};
 use xla::DType;
 
 use crate::error::{Result, RolloutError};
-use crate::sampling::{sample_graph, SamplerInputs};
+use crate::sampling::{sample_graph_with, SamplerInputs, SamplerKind};
 
-/// Static shape of the KV cache: `2 * layers` f32 tensors `[slots, kv_heads, max_len, head_dim]`.
+/// Static shape of the KV cache: for each layer, its key tensors then its value tensors, each
+/// f32 `[slots, kv_heads, chunk, head_dim]`; the positions of a slot are split into
+/// [`CacheShape::chunks`] chunks of `chunk` positions (one chunk of `max_len` positions when
+/// unchunked), so a decode step can read only the chunks that hold filled positions.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CacheShape {
     /// Number of slots (`max_num_seqs`).
@@ -31,51 +37,87 @@ pub struct CacheShape {
     pub head_dim: usize,
     /// Decoder layers.
     pub layers: usize,
+    /// Positions per cache tensor (`max_len` when unchunked).
+    pub chunk: usize,
 }
 
 impl CacheShape {
-    /// The cache shape for `config` with `slots` x `max_len`.
+    /// The cache shape for `config` with `slots` x `max_len`, one tensor per layer for keys
+    /// and one for values.
     pub fn new(config: &ModelConfig, slots: usize, max_len: usize) -> CacheShape {
+        CacheShape::chunked(config, slots, max_len, max_len)
+    }
+
+    /// The cache shape with each slot's positions split into chunks of `chunk` positions
+    /// (the last chunk padded when `chunk` does not divide `max_len`; 0 or at least
+    /// `max_len` means one chunk).
+    pub fn chunked(config: &ModelConfig, slots: usize, max_len: usize, chunk: usize) -> CacheShape {
         CacheShape {
             slots,
             max_len,
             kv_heads: config.num_key_value_heads,
             head_dim: config.head_dim,
             layers: config.num_hidden_layers,
+            chunk: if chunk == 0 || chunk >= max_len {
+                max_len
+            } else {
+                chunk
+            },
         }
     }
 
-    /// Dimensions of one K or V tensor.
+    /// Number of chunks per slot.
+    pub fn chunks(&self) -> usize {
+        self.max_len.div_ceil(self.chunk)
+    }
+
+    /// The chunks a step must read when the highest position written or attended is
+    /// `position`.
+    pub fn chunks_for(&self, position: usize) -> usize {
+        (position / self.chunk + 1).min(self.chunks())
+    }
+
+    /// Dimensions of one K or V tensor (one chunk).
     pub fn dims(&self) -> [i64; 4] {
         [
             self.slots as i64,
             self.kv_heads as i64,
-            self.max_len as i64,
+            self.chunk as i64,
             self.head_dim as i64,
         ]
     }
 
     /// Total bytes of the cache (f32).
     pub fn bytes(&self) -> usize {
-        2 * self.layers * self.slots * self.kv_heads * self.max_len * self.head_dim * 4
+        2 * self.layers * self.slots * self.kv_heads * self.chunks() * self.chunk * self.head_dim * 4
     }
 
-    fn declare(&self, g: &Graph) -> Vec<Tensor> {
+    /// Declares the cache tensors as arguments of `g`: for each layer its key chunks, then
+    /// its value chunks.
+    pub fn declare(&self, g: &Graph) -> Vec<Tensor> {
         let dims = self.dims();
+        let chunks = self.chunks();
+        let name = |l: usize, which: &str, c: usize| {
+            if chunks == 1 {
+                format!("cache.{l}.{which}")
+            } else {
+                format!("cache.{l}.{which}.{c}")
+            }
+        };
         (0..self.layers)
             .flat_map(|l| {
-                [
-                    g.parameter(&format!("cache.{l}.k"), DType::F32, &dims),
-                    g.parameter(&format!("cache.{l}.v"), DType::F32, &dims),
-                ]
+                ["k", "v"]
+                    .into_iter()
+                    .flat_map(move |which| (0..chunks).map(move |c| (l, which, c)))
             })
+            .map(|(l, which, c)| g.parameter(&name(l, which, c), DType::F32, &dims))
             .collect()
     }
 
     /// A zero cache on `device`.
     pub fn allocate(&self, client: &Client, device: usize) -> Result<Vec<Buffer>> {
-        let zeros = vec![0f32; self.slots * self.kv_heads * self.max_len * self.head_dim];
-        (0..2 * self.layers)
+        let zeros = vec![0f32; self.slots * self.kv_heads * self.chunk * self.head_dim];
+        (0..2 * self.layers * self.chunks())
             .map(|_| {
                 client
                     .buffer_from_host(&zeros, &self.dims(), device)
@@ -110,7 +152,7 @@ fn compile(
 
 /// Runs `exe` on `weights ++ cache ++ inputs`; the cache is donated and replaced by results
 /// `first_cache_result..`; returns the results before them.
-pub(crate) fn run_donating(
+pub fn run_donating(
     exe: &Executable,
     weights: &[Buffer],
     cache: &mut Vec<Buffer>,
@@ -132,17 +174,21 @@ pub(crate) fn run_donating(
     Ok(out)
 }
 
-/// Prefill of one prompt of up to `len` tokens into slot `dst[0]`, fanned out to `dst[1..width]`.
+/// Prefill of `batch` prompts of up to `len` tokens each, prompt `b` into slot `dst[b][0]`
+/// and fanned out to `dst[b][1..width]`: every chunk of each prompt's cache row is written
+/// into each of its slots (positions past the prompt become zeros).
 pub struct PrefillFanout {
     exe: Executable,
     /// Padded prompt length (the bucket).
     pub len: usize,
-    /// Number of destination slots.
+    /// Number of destination slots per prompt.
     pub width: usize,
+    /// Prompts per run.
+    pub batch: usize,
 }
 
 impl PrefillFanout {
-    /// Traces and compiles the program for weights of `dtype`.
+    /// Traces and compiles the program for one prompt per run, weights of `dtype`.
     pub fn compile(
         client: &Client,
         config: &ModelConfig,
@@ -151,48 +197,81 @@ impl PrefillFanout {
         len: usize,
         width: usize,
     ) -> Result<PrefillFanout> {
+        PrefillFanout::compile_batched(client, config, dtype, cache, len, width, 1)
+    }
+
+    /// Traces and compiles the program for `batch` prompts per run.
+    pub fn compile_batched(
+        client: &Client,
+        config: &ModelConfig,
+        dtype: DType,
+        cache: &CacheShape,
+        len: usize,
+        width: usize,
+        batch: usize,
+    ) -> Result<PrefillFanout> {
+        let batch = batch.max(1);
         let name = format!(
-            "rollout_prefill_{len}_fanout{width}_cache{}x{}",
-            cache.slots, cache.max_len
+            "rollout_prefill_{len}x{batch}_fanout{width}_cache{}x{}x{}",
+            cache.slots,
+            cache.chunks(),
+            cache.chunk
         );
         let g = Graph::new(&name);
         let p = DecoderParams::declare(&g, config, dtype);
         let kv = cache.declare(&g);
-        let tokens = g.parameter("tokens", DType::I32, &[1, len as i64]);
-        let length = g.parameter("length", DType::I32, &[1]);
-        let dst = g.parameter("dst", DType::I32, &[width as i64]);
-        let first = dst.slice_axis(0, 0, 1);
-        let (_, filled) = prefill_graph(&p, &tokens, &length, &first, &kv);
+        let (b, t) = (batch as i64, len as i64);
+        let tokens = g.parameter("tokens", DType::I32, &[b, t]);
+        let lengths = g.parameter("lengths", DType::I32, &[b]);
+        let dst = g.parameter("dst", DType::I32, &[b, width as i64]);
+        let (_, kvs) = prefill_kv_graph(&p, &tokens, &lengths);
+        let chunks = cache.chunks();
+        let span = (chunks * cache.chunk) as i64;
         let zero = g.scalar(0.0, DType::I32);
-        let src = first.reshape(&[]);
-        let row_dims = [
-            1,
-            cache.kv_heads as i64,
-            cache.max_len as i64,
-            cache.head_dim as i64,
-        ];
-        let out: Vec<Tensor> = filled
-            .iter()
-            .map(|c| {
-                if width == 1 {
-                    return c.clone();
+        let zero_f = g.scalar(0.0, DType::F32);
+        let slot = |row: i64, k: i64| {
+            dst.slice_axis(0, row, row + 1)
+                .slice_axis(1, k, k + 1)
+                .reshape(&[])
+        };
+        let mut out = kv.clone();
+        for (layer, (k, v)) in kvs.iter().enumerate() {
+            for (which, new) in [(0usize, k), (1usize, v)] {
+                // [B, kvh, T, hd] -> [B, kvh, chunks * chunk, hd], zeros past the prompt.
+                let padded = new.pad(&zero_f, &[0, 0, 0, 0], &[0, 0, span - t, 0], &[0, 0, 0, 0]);
+                for c in 0..chunks {
+                    let at = layer * 2 * chunks + which * chunks + c;
+                    let part = if chunks == 1 {
+                        padded.clone()
+                    } else {
+                        let from = (c * cache.chunk) as i64;
+                        padded.slice_axis(2, from, from + cache.chunk as i64)
+                    };
+                    let mut tensor = out[at].clone();
+                    for row in 0..b {
+                        let update = part.slice_axis(0, row, row + 1);
+                        for k in 0..width as i64 {
+                            tensor =
+                                tensor.dynamic_update_slice(&update, &[&slot(row, k), &zero, &zero, &zero]);
+                        }
+                    }
+                    out[at] = tensor;
                 }
-                let row = c.dynamic_slice(&[&src, &zero, &zero, &zero], &row_dims);
-                let mut c = c.clone();
-                for k in 1..width as i64 {
-                    let slot = dst.slice_axis(0, k, k + 1).reshape(&[]);
-                    c = c.dynamic_update_slice(&row, &[&slot, &zero, &zero, &zero]);
-                }
-                c
-            })
-            .collect();
+            }
+        }
         let outs: Vec<&Tensor> = out.iter().collect();
         let exe = compile(client, &g, &outs, &donate_cache(p.all.len(), 0, kv.len()), &name)?;
-        Ok(PrefillFanout { exe, len, width })
+        Ok(PrefillFanout {
+            exe,
+            len,
+            width,
+            batch,
+        })
     }
 
-    /// Runs on `tokens` (1 to `len` ids; 0 ids writes an all-zero row) into `slots` (1 to
-    /// `width`; padded with the first slot, which rewrites it with the same values).
+    /// Runs one prompt: `tokens` (1 to `len` ids; 0 ids writes an all-zero row) into
+    /// `slots` (1 to `width`; padded with the first slot, which rewrites it with the same
+    /// values).
     pub fn run(
         &self,
         client: &Client,
@@ -202,23 +281,45 @@ impl PrefillFanout {
         tokens: &[u32],
         slots: &[usize],
     ) -> Result<()> {
-        let what = format!("prefill[{}] fan-out {}", self.len, self.width);
-        assert!(tokens.len() <= self.len && !slots.is_empty() && slots.len() <= self.width);
-        let mut ids = vec![0i32; self.len];
-        for (i, &t) in tokens.iter().enumerate() {
-            ids[i] = t as i32;
+        self.run_batch(client, device, weights, cache, &[(tokens, slots)])
+    }
+
+    /// Runs 1 to `batch` prompts, each `(tokens, slots)` as in [`PrefillFanout::run`]; a
+    /// short batch is padded by repeating its first prompt (which rewrites its slots with
+    /// the same values).
+    pub fn run_batch(
+        &self,
+        client: &Client,
+        device: usize,
+        weights: &[Buffer],
+        cache: &mut Vec<Buffer>,
+        prompts: &[(&[u32], &[usize])],
+    ) -> Result<()> {
+        let what = format!("prefill[{}x{}] fan-out {}", self.len, self.batch, self.width);
+        assert!(!prompts.is_empty() && prompts.len() <= self.batch);
+        let mut ids = vec![0i32; self.batch * self.len];
+        let mut lengths = vec![0i32; self.batch];
+        let mut dst = vec![0i32; self.batch * self.width];
+        for row in 0..self.batch {
+            let (tokens, slots) = prompts[if row < prompts.len() { row } else { 0 }];
+            assert!(tokens.len() <= self.len && !slots.is_empty() && slots.len() <= self.width);
+            for (i, &t) in tokens.iter().enumerate() {
+                ids[row * self.len + i] = t as i32;
+            }
+            lengths[row] = tokens.len() as i32;
+            for k in 0..self.width {
+                dst[row * self.width + k] = slots[if k < slots.len() { k } else { 0 }] as i32;
+            }
         }
-        let dst: Vec<i32> = (0..self.width)
-            .map(|k| slots[if k < slots.len() { k } else { 0 }] as i32)
-            .collect();
         let up = |v: &[i32], dims: &[i64], n: &str| {
             client
                 .buffer_from_host(v, dims, device)
                 .map_err(|e| RolloutError::runtime(format!("uploading {n} for {what}"), e))
         };
-        let tb = up(&ids, &[1, self.len as i64], "tokens")?;
-        let lb = up(&[tokens.len() as i32], &[1], "length")?;
-        let db = up(&dst, &[self.width as i64], "slots")?;
+        let (b, t, w) = (self.batch as i64, self.len as i64, self.width as i64);
+        let tb = up(&ids, &[b, t], "tokens")?;
+        let lb = up(&lengths, &[b], "lengths")?;
+        let db = up(&dst, &[b, w], "slots")?;
         run_donating(&self.exe, weights, cache, &[&tb, &lb, &db], 0, &what)?;
         Ok(())
     }
@@ -247,10 +348,14 @@ pub struct DecodeSample {
     slots: usize,
     /// Whether this variant applies top-k / top-p (sorts the vocabulary).
     pub truncate: bool,
+    /// Cache chunks the step reads (every active position must be below
+    /// `attend_chunks * chunk`); all of them for an unchunked cache.
+    pub attend_chunks: usize,
 }
 
 impl DecodeSample {
-    /// Traces and compiles the program for weights of `dtype`.
+    /// Traces and compiles the program for weights of `dtype`, attending over the whole
+    /// cache.
     pub fn compile(
         client: &Client,
         config: &ModelConfig,
@@ -258,8 +363,67 @@ impl DecodeSample {
         cache: &CacheShape,
         truncate: bool,
     ) -> Result<DecodeSample> {
+        if cache.chunks() > 1 {
+            return DecodeSample::compile_chunked(
+                client,
+                config,
+                dtype,
+                cache,
+                truncate,
+                cache.chunks(),
+                SamplerKind::default(),
+            );
+        }
+        DecodeSample::compile_with(
+            client,
+            config,
+            dtype,
+            cache,
+            truncate,
+            DecodeOptions::default(),
+            SamplerKind::default(),
+        )
+    }
+
+    /// [`DecodeSample::compile`] with a choice of attended cache length, cache write and
+    /// attention (see [`DecodeOptions`]) and of sampler.
+    pub fn compile_with(
+        client: &Client,
+        config: &ModelConfig,
+        dtype: DType,
+        cache: &CacheShape,
+        truncate: bool,
+        options: DecodeOptions,
+        sampler: SamplerKind,
+    ) -> Result<DecodeSample> {
+        if cache.chunks() != 1 {
+            return Err(RolloutError::Config(format!(
+                "DecodeSample::compile_with needs an unchunked cache, got {} chunks of {} positions; use compile_chunked",
+                cache.chunks(),
+                cache.chunk
+            )));
+        }
         let kind = if truncate { "topk_topp" } else { "plain" };
-        let name = format!("rollout_decode_{kind}_cache{}x{}", cache.slots, cache.max_len);
+        let window = options
+            .attend_len
+            .map_or(String::new(), |w| format!("_attend{w}"));
+        let write = match options.kv_write {
+            KvWrite::ScatterAdd => String::new(),
+            other => format!("_{other:?}"),
+        };
+        let attention = match options.attention {
+            DecodeAttention::Dot => String::new(),
+            other => format!("_{other:?}"),
+        };
+        let gumbel = if sampler == SamplerKind::GumbelMax {
+            "_gumbel"
+        } else {
+            ""
+        };
+        let name = format!(
+            "rollout_decode_{kind}_cache{}x{}{window}{write}{attention}{gumbel}",
+            cache.slots, cache.max_len
+        );
         let g = Graph::new(&name);
         let p = DecoderParams::declare(&g, config, dtype);
         let kv = cache.declare(&g);
@@ -270,14 +434,14 @@ impl DecodeSample {
         let top_k = g.parameter("top_k", DType::I32, &[s]);
         let top_p = g.parameter("top_p", DType::F32, &[s]);
         let keys = g.parameter("keys", DType::U32, &[s, 2]);
-        let (logits, new_cache) = decode_graph(&p, &tokens, &positions, &kv);
+        let (logits, new_cache) = decode_graph_with(&p, &tokens, &positions, &kv, options);
         let inputs = SamplerInputs {
             temperature: &temperature,
             top_k: &top_k,
             top_p: &top_p,
             keys: &keys,
         };
-        let (next, logprobs) = sample_graph(&logits, &inputs, truncate);
+        let (next, logprobs) = sample_graph_with(&logits, &inputs, truncate, sampler);
         let mut outs = vec![&next, &logprobs];
         outs.extend(new_cache.iter());
         let exe = compile(client, &g, &outs, &donate_cache(p.all.len(), 2, kv.len()), &name)?;
@@ -285,6 +449,62 @@ impl DecodeSample {
             exe,
             slots: cache.slots,
             truncate,
+            attend_chunks: 1,
+        })
+    }
+
+    /// The step over a chunked cache reading and writing only its first `attend_chunks`
+    /// chunks (see [`model::forward::decode_hidden_graph_chunked`]); the later chunks pass
+    /// through unchanged.
+    pub fn compile_chunked(
+        client: &Client,
+        config: &ModelConfig,
+        dtype: DType,
+        cache: &CacheShape,
+        truncate: bool,
+        attend_chunks: usize,
+        sampler: SamplerKind,
+    ) -> Result<DecodeSample> {
+        let attend_chunks = attend_chunks.clamp(1, cache.chunks());
+        let kind = if truncate { "topk_topp" } else { "plain" };
+        let gumbel = if sampler == SamplerKind::GumbelMax {
+            "_gumbel"
+        } else {
+            ""
+        };
+        let name = format!(
+            "rollout_decode_{kind}_cache{}x{}x{}_attend{attend_chunks}{gumbel}",
+            cache.slots,
+            cache.chunks(),
+            cache.chunk
+        );
+        let g = Graph::new(&name);
+        let p = DecoderParams::declare(&g, config, dtype);
+        let kv = cache.declare(&g);
+        let s = cache.slots as i64;
+        let tokens = g.parameter("tokens", DType::I32, &[s]);
+        let positions = g.parameter("positions", DType::I32, &[s]);
+        let temperature = g.parameter("temperature", DType::F32, &[s]);
+        let top_k = g.parameter("top_k", DType::I32, &[s]);
+        let top_p = g.parameter("top_p", DType::F32, &[s]);
+        let keys = g.parameter("keys", DType::U32, &[s, 2]);
+        let (h, new_cache) = decode_hidden_graph_chunked(&p, &tokens, &positions, &kv, attend_chunks);
+        let logits = linear(&h, p.head());
+        let inputs = SamplerInputs {
+            temperature: &temperature,
+            top_k: &top_k,
+            top_p: &top_p,
+            keys: &keys,
+        };
+        let (next, logprobs) = sample_graph_with(&logits, &inputs, truncate, sampler);
+        let mut outs = vec![&next, &logprobs];
+        outs.extend(new_cache.iter());
+        let exe = compile(client, &g, &outs, &donate_cache(p.all.len(), 2, kv.len()), &name)?;
+        Ok(DecodeSample {
+            exe,
+            slots: cache.slots,
+            truncate,
+            attend_chunks,
         })
     }
 
@@ -340,5 +560,71 @@ impl DecodeSample {
             .to_host::<f32>()
             .map_err(|e| RolloutError::runtime(format!("reading {what} log-probs"), e))?;
         Ok((next, lp))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use model::Family;
+
+    fn config() -> ModelConfig {
+        ModelConfig {
+            family: Family::Llama,
+            hidden_size: 16,
+            num_hidden_layers: 2,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            head_dim: 4,
+            intermediate_size: 24,
+            vocab_size: 32,
+            rope_theta: 10000.0,
+            rope_scaling: None,
+            rms_norm_eps: 1e-6,
+            tie_word_embeddings: true,
+            attention_bias: false,
+            o_proj_bias: false,
+            qk_norm: false,
+            max_position_embeddings: 64,
+            bos_token_id: None,
+            eos_token_ids: vec![],
+            pad_token_id: None,
+            initializer_range: 0.1,
+        }
+    }
+
+    #[test]
+    fn a_chunked_cache_covers_every_position_in_order() {
+        let whole = CacheShape::new(&config(), 3, 20);
+        assert_eq!((whole.chunks(), whole.chunk), (1, 20));
+        assert_eq!(whole.bytes(), 2 * 2 * 3 * 2 * 20 * 4 * 4);
+        // 20 positions in chunks of 8: 3 chunks, the last padded to 24 positions.
+        let chunked = CacheShape::chunked(&config(), 3, 20, 8);
+        assert_eq!(chunked.chunks(), 3);
+        assert_eq!(chunked.dims(), [3, 2, 8, 4]);
+        assert_eq!(chunked.bytes(), 2 * 2 * 3 * 2 * 24 * 4 * 4);
+        assert_eq!(
+            [0, 7, 8, 15, 16, 19].map(|p| chunked.chunks_for(p)),
+            [1, 1, 2, 2, 3, 3]
+        );
+        assert_eq!(CacheShape::chunked(&config(), 3, 20, 0).chunks(), 1);
+        assert_eq!(CacheShape::chunked(&config(), 3, 20, 64).chunks(), 1);
+        let names = |shape: &CacheShape| {
+            let g = Graph::new("cache");
+            let declared = shape.declare(&g);
+            let outs: Vec<&Tensor> = declared.iter().collect();
+            g.build(&outs).unwrap().arg_names().to_vec()
+        };
+        let chunk_names = names(&chunked);
+        assert_eq!(chunk_names.len(), 12);
+        assert_eq!(
+            chunk_names[..4],
+            ["cache.0.k.0", "cache.0.k.1", "cache.0.k.2", "cache.0.v.0"]
+        );
+        assert_eq!(chunk_names[11], "cache.1.v.2");
+        assert_eq!(
+            names(&whole),
+            ["cache.0.k", "cache.0.v", "cache.1.k", "cache.1.v"]
+        );
     }
 }

@@ -2,13 +2,16 @@
 //!
 //! Randomness is counter-based: the key of one draw is
 //! `threefry2x32([seed_lo, seed_hi], [sample_index, token_index])` (computed on the host by
-//! [`draw_key`]), and the uniforms for the vocabulary come from `threefry2x32(key, [0, v])`,
-//! both output words used (computed on the device; see [`draw_uniform`]). A sample's tokens therefore depend only on (seed, sample index,
-//! token index, logits), never on what else is in the batch.
+//! [`draw_key`]); the device turns it into one uniform per draw ([`row_uniform`]). A
+//! sample's tokens therefore depend only on (seed, sample index, token index, logits), never
+//! on what else is in the batch.
 //!
-//! The sampler is the Gumbel-max trick: `argmax(logits / T + G)` with `G = -ln(-ln U)` is an
-//! exact draw from `softmax(logits / T)`; top-k and top-p set the logits outside the kept set
-//! to a very negative value first. Temperature 0 is greedy (the first maximum of the logits).
+//! The sampler ([`SamplerKind::InverseCdf`]) draws by inverse CDF: the first token whose
+//! running sum of `exp(logits / T - max)` reaches `u` times the total, an exact draw from
+//! `softmax(logits / T)` up to f32 rounding; top-k and top-p zero the mass outside the kept
+//! set first. Temperature 0 is greedy (the first maximum of the logits). The Gumbel-max
+//! sampler ([`SamplerKind::GumbelMax`], one uniform per vocabulary entry from
+//! `threefry2x32(key, [0, v])`, see [`draw_uniform`]) is kept to compare against.
 //!
 //! The reported log-probability of a sampled token is taken under the temperature-scaled
 //! *full* distribution `log_softmax(logits / T)`, before top-k/top-p truncation (what VeRL and
@@ -157,6 +160,17 @@ fn row_keyed_uniform(keys: &Tensor, width: i64) -> Tensor {
     &(&mantissa + 0.5) * (1.0 / 8_388_608.0)
 }
 
+/// One uniform in (0, 1) per row `[S]` from per-row keys `[S, 2]` (see [`row_uniform`]).
+fn row_uniform_graph(keys: &Tensor) -> Tensor {
+    let g = keys.graph().clone();
+    let s = keys.dims()[0];
+    let bits = row_keyed_bits(keys, 1)
+        .reshape(&[s])
+        .shift_right_logical(&g.full(8.0, DType::U32, &[s]))
+        .convert(DType::F32);
+    &(&bits + 0.5) * (1.0 / 16_777_216.0)
+}
+
 /// Per-row sampling inputs of the fused sampler (all `[S]` except `keys [S, 2]` u32).
 pub struct SamplerInputs<'a> {
     /// Temperature per row (f32; <= 0 is greedy).
@@ -169,11 +183,47 @@ pub struct SamplerInputs<'a> {
     pub keys: &'a Tensor,
 }
 
-/// Samples one token per row of `logits [S, V]` (f32). `truncate` compiles the top-k /
-/// top-p path (a sort over the vocabulary); without it those inputs are ignored. Returns
-/// `(tokens [S] i32, logprobs [S] f32)`; see the module comment for what the log-probability
-/// is.
+/// How the fused sampler turns logits and keys into a token.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SamplerKind {
+    /// Inverse CDF: one uniform `u` per row (word 0 of `threefry2x32(key, [0, 0])`, 24 bits;
+    /// see [`row_uniform`]), and the token is the first whose running sum of
+    /// `exp(logits / T - max)` reaches `u` times the total. The running sum is taken in two
+    /// levels (blocks of [`CDF_BLOCK`] entries, then within the chosen block), so it costs one
+    /// pass of `exp` over the vocabulary, shared with the log-softmax normaliser. The default.
+    #[default]
+    InverseCdf,
+    /// Gumbel-max: `argmax(logits / T + G)` with one Gumbel draw per vocabulary entry (a
+    /// Threefry call per two entries and two logarithms per entry; see [`draw_uniform`]).
+    /// Kept to compare against; it costs several times more than [`SamplerKind::InverseCdf`].
+    GumbelMax,
+}
+
+/// Block size of the two-level running sum of [`SamplerKind::InverseCdf`].
+pub const CDF_BLOCK: i64 = 256;
+
+/// The uniform in (0, 1) of one inverse-CDF draw under `key`: the top 24 bits of word 0 of
+/// `threefry2x32(key, [0, 0])` (the host twin of the device computation, for tests).
+pub fn row_uniform(key: [u32; 2]) -> f32 {
+    let bits = threefry2x32(key, [0, 0])[0];
+    ((bits >> 8) as f32 + 0.5) * (1.0 / 16_777_216.0)
+}
+
+/// Samples one token per row of `logits [S, V]` (f32) with the default
+/// [`SamplerKind::InverseCdf`]. `truncate` compiles the top-k / top-p path (a sort over the
+/// vocabulary); without it those inputs are ignored. Returns `(tokens [S] i32, logprobs [S]
+/// f32)`; see the module comment for what the log-probability is.
 pub fn sample_graph(logits: &Tensor, inputs: &SamplerInputs<'_>, truncate: bool) -> (Tensor, Tensor) {
+    sample_graph_with(logits, inputs, truncate, SamplerKind::default())
+}
+
+/// [`sample_graph`] with a choice of sampler.
+pub fn sample_graph_with(
+    logits: &Tensor,
+    inputs: &SamplerInputs<'_>,
+    truncate: bool,
+    kind: SamplerKind,
+) -> (Tensor, Tensor) {
     let g = logits.graph().clone();
     let (s, v) = (logits.dims()[0], logits.dims()[1]);
     let sv = [s, v];
@@ -182,7 +232,11 @@ pub fn sample_graph(logits: &Tensor, inputs: &SamplerInputs<'_>, truncate: bool)
     let greedy = temperature.le(&g.zeros(DType::F32, &[s]));
     let t_eff = greedy.select(&g.ones(DType::F32, &[s]), &temperature);
     let scaled = logits / &row(&t_eff);
-    let log_probs = scaled.log_softmax(-1);
+    // log_softmax(scaled)[token] = scaled[token] - max - ln(sum(exp(scaled - max))).
+    let max = scaled.max_axis(1, false);
+    let shifted = &scaled - &row(&max);
+    let weights = shifted.exp();
+    let log_norm = &max + &weights.reduce_sum(&[1]).log();
     let removed = g.full(REMOVED_LOGIT, DType::F32, &sv);
 
     let candidates = if truncate {
@@ -204,19 +258,92 @@ pub fn sample_graph(logits: &Tensor, inputs: &SamplerInputs<'_>, truncate: bool)
         let last = (&count - &g.ones(DType::I32, &[s])).max(&g.zeros(DType::I32, &[s]));
         let threshold = sorted.take_along_last_axis(&last.reshape(&[s, 1]));
         let allowed = scaled.ge(&threshold.broadcast_to(&sv));
-        allowed.select(&scaled, &removed)
+        Some(allowed)
     } else {
-        scaled.clone()
+        None
     };
-    let u = row_keyed_uniform(inputs.keys, v);
-    let gumbel = u.log().neg().log().neg();
-    let sampled = (&candidates + &gumbel).argmax(-1);
+    let sampled = match kind {
+        SamplerKind::InverseCdf => {
+            let mass = match &candidates {
+                Some(allowed) => allowed.select(&weights, &weights.zeros_like()),
+                None => weights.clone(),
+            };
+            inverse_cdf(&mass, &row_uniform_graph(inputs.keys))
+        }
+        SamplerKind::GumbelMax => {
+            let candidates = match &candidates {
+                Some(allowed) => allowed.select(&scaled, &removed),
+                None => scaled.clone(),
+            };
+            let u = row_keyed_uniform(inputs.keys, v);
+            let gumbel = u.log().neg().log().neg();
+            (&candidates + &gumbel).argmax(-1)
+        }
+    };
     let best = logits.argmax(-1);
     let tokens = greedy.select(&best, &sampled);
-    let token_lp = log_probs
+    let token_lp = &scaled
         .take_along_last_axis(&tokens.reshape(&[s, 1]))
-        .reshape(&[s]);
+        .reshape(&[s])
+        - &log_norm;
     (tokens, token_lp)
+}
+
+/// The first index per row of `mass [S, V]` (non-negative, unnormalised) whose running sum
+/// reaches `u [S]` (in (0, 1)) times the row total: an exact draw from `mass / total` up to
+/// f32 rounding. Two levels: block totals of [`CDF_BLOCK`] entries and their running sum pick
+/// the block, then the running sum inside that block picks the entry. Rounding can never pick
+/// an entry of zero mass: the pick moves to the nearest earlier (else later) entry with mass.
+fn inverse_cdf(mass: &Tensor, u: &Tensor) -> Tensor {
+    let g = mass.graph().clone();
+    let (s, v) = (mass.dims()[0], mass.dims()[1]);
+    let block = CDF_BLOCK.min(v);
+    let blocks = (v + block - 1) / block;
+    let padded = if blocks * block > v {
+        mass.pad(
+            &g.scalar(0.0, DType::F32),
+            &[0, 0],
+            &[0, blocks * block - v],
+            &[0, 0],
+        )
+    } else {
+        mass.clone()
+    };
+    let per_block = padded.reshape(&[s, blocks, block]).reduce_sum(&[2]);
+    let running = per_block.cumsum(1, false);
+    let total = running.slice_axis(1, blocks - 1, blocks).reshape(&[s]);
+    let target = &total * u;
+    // The first index whose running sum reaches the target, limited to entries with mass.
+    let pick = |running: &Tensor, weights: &Tensor, target: &Tensor, n: i64| -> Tensor {
+        let dims = [s, n];
+        let below = running.lt(&target.reshape(&[s, 1]).broadcast_to(&dims));
+        let first = below.convert(DType::I32).reduce_sum(&[1]);
+        let first = first.min(&g.full((n - 1) as f64, DType::I32, &[s]));
+        let idx = g.iota(DType::I32, &dims, 1);
+        let positive = weights.gt(&weights.zeros_like());
+        let first_b = first.reshape(&[s, 1]).broadcast_to(&dims);
+        let none = g.full(-1.0, DType::I32, &dims);
+        let at_or_before = positive
+            .and(&idx.le(&first_b))
+            .select(&idx, &none)
+            .reduce_max(&[1]);
+        let after = positive
+            .select(&idx, &g.full(n as f64, DType::I32, &dims))
+            .reduce_min(&[1])
+            .min(&g.full((n - 1) as f64, DType::I32, &[s]));
+        at_or_before
+            .ge(&g.zeros(DType::I32, &[s]))
+            .select(&at_or_before, &after)
+    };
+    let b = pick(&running, &per_block, &target, blocks);
+    let before_block = &running.take_along_last_axis(&b.reshape(&[s, 1])).reshape(&[s])
+        - &per_block.take_along_last_axis(&b.reshape(&[s, 1])).reshape(&[s]);
+    let rows = &(&g.iota(DType::I32, &[s], 0) * (blocks as f64)) + &b;
+    let inside = padded.reshape(&[s * blocks, block]).take(&rows, 0);
+    let inside_running = inside.cumsum(1, false);
+    let rest = &target - &before_block;
+    let i = pick(&inside_running, &inside, &rest, block);
+    &(&b * (block as f64)) + &i
 }
 
 /// The distribution the sampler draws from, computed on the host in f64 from one row of
@@ -327,6 +454,73 @@ mod tests {
         }
         let mean = got.iter().sum::<f32>() / got.len() as f32;
         assert!((mean - 0.5).abs() < 0.1, "{mean}");
+    }
+
+    /// The host twin of [`inverse_cdf`] for one row: the first index whose running sum
+    /// reaches `u * total`, in f64.
+    fn host_inverse_cdf(mass: &[f32], u: f32) -> usize {
+        let total: f64 = mass.iter().map(|&m| m as f64).sum();
+        let target = u as f64 * total;
+        let mut run = 0.0;
+        for (i, &m) in mass.iter().enumerate() {
+            run += m as f64;
+            if run >= target && m > 0.0 {
+                return i;
+            }
+        }
+        mass.iter().rposition(|&m| m > 0.0).unwrap()
+    }
+
+    #[test]
+    fn inverse_cdf_picks_the_entry_whose_running_sum_reaches_the_target() {
+        let client = xla::runtime::Client::cpu(1).unwrap();
+        // 3 rows of 600 entries (3 blocks of 256, the last one padded): a smooth row, a row
+        // with mass only in a few scattered entries (zeros must never be picked), and a row
+        // with all mass in the last entry.
+        let (s, v) = (3usize, 600usize);
+        let mut mass = vec![0f32; s * v];
+        for (i, m) in mass[..v].iter_mut().enumerate() {
+            *m = 1.0 + (i % 7) as f32;
+        }
+        for &i in &[3usize, 255, 256, 511, 599] {
+            mass[v + i] = 0.25 + i as f32 / 1000.0;
+        }
+        mass[2 * v + v - 1] = 2.0;
+        let g = xla::graph::Graph::new("inverse_cdf");
+        let m = g.parameter("mass", DType::F32, &[s as i64, v as i64]);
+        let u = g.parameter("u", DType::F32, &[s as i64]);
+        let picked = inverse_cdf(&m, &u);
+        let exe = g.build(&[&picked]).unwrap().compile(&client).unwrap();
+        let mb = client.buffer_from_host(&mass, &[s as i64, v as i64], 0).unwrap();
+        for &x in &[1e-7f32, 0.013, 0.25, 0.5, 0.7, 0.999, 0.9999999] {
+            let us = vec![x; s];
+            let ub = client.buffer_from_host(&us, &[s as i64], 0).unwrap();
+            let got = exe.execute(&[&mb, &ub]).unwrap()[0].to_host::<i32>().unwrap();
+            for r in 0..s {
+                let row = &mass[r * v..(r + 1) * v];
+                let want = host_inverse_cdf(row, x);
+                assert_eq!(got[r] as usize, want, "row {r} u {x}");
+                assert!(
+                    row[got[r] as usize] > 0.0,
+                    "row {r} u {x}: picked an entry of no mass"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn row_uniforms_use_word_zero_of_the_counter_zero_draw() {
+        let client = xla::runtime::Client::cpu(1).unwrap();
+        let g = xla::graph::Graph::new("row_uniform");
+        let keys = g.parameter("keys", DType::U32, &[2, 2]);
+        let u = row_uniform_graph(&keys);
+        let exe = g.build(&[&u]).unwrap().compile(&client).unwrap();
+        let host_keys = [draw_key(5, 0, 0), draw_key(5, 3, 9)];
+        let flat: Vec<u32> = host_keys.iter().flatten().copied().collect();
+        let kb = client.buffer_from_host(&flat, &[2, 2], 0).unwrap();
+        let got = exe.execute(&[&kb]).unwrap()[0].to_host::<f32>().unwrap();
+        assert_eq!(got, vec![row_uniform(host_keys[0]), row_uniform(host_keys[1])]);
+        assert!(got.iter().all(|&x| x > 0.0 && x < 1.0) && got[0] != got[1]);
     }
 
     #[test]

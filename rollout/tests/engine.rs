@@ -1,8 +1,8 @@
 //! End-to-end tests of the rollout engine on tiny random models through the CPU plugin:
 //! greedy parity with the model crate's step-by-step `Generator` (alone and in a full batch),
 //! log-probs against the `logprobs` program, the sampling distribution (chi-square), prefix
-//! sharing (one prefill per group), weight hot-swap, rejections, stop rules and the streaming
-//! handle.
+//! sharing (one prefill per group), a chunked KV cache and batched prefill against the whole
+//! cache, weight hot-swap, rejections, stop rules and the streaming handle.
 
 use std::sync::OnceLock;
 
@@ -224,6 +224,61 @@ fn a_group_is_prefilled_once_and_copied_into_its_slots() {
     for s in &greedy {
         assert_eq!(s.response_ids, expected, "sample {}", s.sample_index);
     }
+}
+
+#[test]
+fn a_chunked_cache_and_batched_prefill_give_the_tokens_of_the_whole_cache() {
+    let weights = random_init(&tiny(), 6);
+    let make = |kv_chunk: usize, prefill_batch: usize| {
+        let buffers = upload_weights(client(), &weights, DType::F32, 0).unwrap();
+        let mut settings = EngineConfig::new(6, 32);
+        settings.kv_chunk = kv_chunk;
+        settings.prefill_batch = prefill_batch;
+        Engine::new(client(), &weights.config, buffers, 1, settings, None).unwrap()
+    };
+    // Prompts of 3 to 12 tokens, up to 31 positions: decode steps read 1, 2 and 4 chunks of 8.
+    let requests = [
+        request(1, &[3, 7, 1, 9, 4], 1, 0, SamplingParams::greedy(20)),
+        request(
+            2,
+            &[12, 30, 2, 8, 8, 1, 0, 5, 17, 22, 3, 9],
+            1,
+            21,
+            sampled(1.0, 0, 1.0, 19),
+        ),
+        request(3, &[4, 4, 2], 1, 22, sampled(0.7, 0, 1.0, 25)),
+        request(4, &[6, 1, 28, 3, 9, 9], 1, 23, sampled(1.2, 4, 0.9, 14)),
+        request(5, &[2, 11, 5, 5, 20, 1, 7], 2, 24, sampled(1.0, 0, 1.0, 16)),
+    ];
+    let mut whole = make(32, 1);
+    let mut chunked = make(8, 2);
+    for r in &requests {
+        whole.submit(r.clone()).unwrap();
+        chunked.submit(r.clone()).unwrap();
+    }
+    let expected = whole.run_to_completion().unwrap();
+    let got = chunked.run_to_completion().unwrap();
+    assert_eq!(got.len(), 6);
+    for r in &requests {
+        let (want, have) = (of_request(&expected, r.id), of_request(&got, r.id));
+        assert_eq!(want.len(), have.len());
+        for (w, h) in want.iter().zip(&have) {
+            assert_eq!(h.response_ids, w.response_ids, "request {}", r.id);
+            for (a, b) in h.logprobs.iter().zip(&w.logprobs) {
+                assert!((a - b).abs() < 1e-5, "request {}: {a} vs {b}", r.id);
+            }
+        }
+    }
+    assert_eq!(
+        of_request(&got, 1)[0].response_ids,
+        greedy_reference(&weights, &[3, 7, 1, 9, 4], 20)
+    );
+    // Same cache size (32 positions = 4 chunks of 8); the four n=1 requests of the first
+    // bucket went in two batched runs of 2, request 5 (n=2) alone.
+    assert_eq!(chunked.kv_cache_bytes(), whole.kv_cache_bytes());
+    assert_eq!(chunked.stats().prefill_runs, 5);
+    assert_eq!(whole.stats().prefill_batches, 5);
+    assert!(chunked.stats().prefill_batches < 5, "{:?}", chunked.stats());
 }
 
 /// Upper critical value of chi-square with `df` degrees of freedom at significance 0.001

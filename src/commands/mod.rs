@@ -3,6 +3,7 @@
 pub mod devices;
 pub mod export;
 pub mod generate;
+pub mod plot;
 pub mod preprocess;
 pub mod run;
 pub mod worker;

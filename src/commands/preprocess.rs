@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use data::preprocess::arithmetic::{preprocess_arithmetic, ArithmeticOptions};
+use data::preprocess::arithmetic::{preprocess_arithmetic, AnswerFormat, ArithmeticOptions};
 use data::preprocess::gsm8k::preprocess_gsm8k;
 use data::preprocess::WriteReport;
 
@@ -66,7 +66,8 @@ struct Gsm8kArgs {
     long_about = "Generate integer arithmetic problems such as \"What is 17 + 4 * 3?\" (usual \
                   precedence; results may be negative) in VeRL's schema, with data_source \
                   \"grpo/arithmetic\". The prompt asks for the final answer after \"####\" (the \
-                  GSM8K format, so the gsm8k scorer judges it) and reward_model.ground_truth is \
+                  GSM8K format, so the gsm8k scorer judges it) or, with --answer-format number, \
+                  for the number alone and reward_model.ground_truth is \
                   the integer value. The same options and seed always give the same file. The \
                   defaults (2 operands up to 20, + and -) suit a small chat model; raise \
                   --max-operands, --max-value or add * for harder tasks.",
@@ -99,6 +100,17 @@ struct ArithmeticArgs {
     /// Stored in extra_info.split. Example: `--split test`.
     #[arg(long, default_value = "train")]
     split: String,
+    /// What the prompt asks for: `hashes` (GSM8K's "think step by step, then #### answer") or
+    /// `number` ("Reply with only the number.", which small chat models follow). The
+    /// arithmetic scorer accepts both. Example: `--answer-format number`.
+    #[arg(long, value_enum, default_value = "hashes")]
+    answer_format: AnswerFormatArg,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum AnswerFormatArg {
+    Hashes,
+    Number,
 }
 
 /// Runs the chosen preprocessor and prints what it wrote.
@@ -115,6 +127,10 @@ pub fn run(args: PreprocessArgs) -> anyhow::Result<ExitCode> {
                 max_value: args.max_value,
                 ops: args.ops,
                 split: args.split,
+                answer_format: match args.answer_format {
+                    AnswerFormatArg::Hashes => AnswerFormat::Hashes,
+                    AnswerFormatArg::Number => AnswerFormat::Number,
+                },
             };
             preprocess_arithmetic(&options, &args.output).context("grpo preprocess arithmetic failed")?
         }

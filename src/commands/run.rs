@@ -1,7 +1,7 @@
 //! `grpo run`: train a policy as a recipe says.
 
 use actors::recipe::load_recipe;
-use anyhow::{bail, Result};
+use anyhow::Result;
 use clap::Args;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -36,6 +36,10 @@ pub struct RunArgs {
     /// Print the fully resolved recipe (defaults filled in, overrides applied) as YAML and exit.
     #[arg(long)]
     pub print_config: bool,
+
+    /// No progress bar; one line per step still goes to stderr.
+    #[arg(long, short)]
+    pub quiet: bool,
 }
 
 pub fn run(args: RunArgs) -> Result<ExitCode> {
@@ -51,38 +55,29 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
         print!("{}", recipe.to_yaml());
         return Ok(ExitCode::SUCCESS);
     }
-    let prepared = actors::prepare::prepare(&recipe)?;
-    let config = &prepared.model.weights.config;
-    eprintln!(
-        "model: {} ({}, {:.1}M parameters)",
-        recipe.model.path,
-        config.family,
-        config.num_parameters() as f64 / 1e6
-    );
-    let report = |name: &str, d: &data::PromptDataset| {
-        let r = d.report();
-        let dropped = if recipe.data.filter_overlong_prompts {
-            format!(
-                ", {} dropped as longer than data.max_prompt_length",
-                r.dropped_overlong
-            )
-        } else {
-            String::new()
-        };
-        eprintln!(
-            "{name}: {} prompts ({} rows in the files{dropped})",
-            r.rows, r.rows_in_files
-        );
+    let options = actors::run::RunOptions {
+        quiet: args.quiet,
+        worker_program: None,
     };
-    report("train", &prepared.train);
-    if let Some(v) = &prepared.validation {
-        report("validation", v);
+    let summary = actors::run::train(&recipe, &options)?;
+    let output = summary.output.display();
+    if summary.resumed_from >= summary.steps {
+        eprintln!(
+            "{output} already holds step {} of {}: nothing to do (set trainer.total_training_steps \
+             higher to train further, or trainer.resume_mode: disable to start over)",
+            summary.resumed_from, summary.steps
+        );
+    } else {
+        eprintln!("trained to step {} in {output}", summary.steps);
     }
-    bail!(
-        "{} is a valid recipe and its model and data load, but this build of grpo has no training \
-         loop yet: it arrives with the orchestrator. `--print-config` shows the resolved recipe.",
-        args.recipe.display()
-    )
+    if let Some(ck) = &summary.last_checkpoint {
+        eprintln!(
+            "checkpoint: {} (export it with `grpo export {output}`)",
+            ck.display()
+        );
+    }
+    eprintln!("metrics: {output}/metrics.jsonl (charts: `grpo plot {output}`)");
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Quote a string for YAML so that paths with `:` or `#` stay one scalar.

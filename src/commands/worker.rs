@@ -3,6 +3,8 @@
 use actors::auth::Token;
 use actors::recipe::load_recipe;
 use actors::roles::reward::LocalReward;
+use actors::roles::rollout::{LocalRollout, RolloutService};
+use actors::setup;
 use actors::worker::Worker;
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
@@ -16,6 +18,9 @@ use std::sync::Arc;
 pub enum RoleArg {
     /// Score responses with the recipe's `reward:` scorers.
     Reward,
+    /// Generate responses with the recipe's model and `rollout:` settings on `cluster.device`;
+    /// takes new weights from the orchestrator.
+    Rollout,
 }
 
 #[derive(Args)]
@@ -26,7 +31,8 @@ pub enum RoleArg {
         prints `listening on ADDRESS` once it accepts calls, and refuses every call that does \
         not carry the run's token.",
     after_help = "Example:\n  \
-        grpo worker --role reward --recipe recipes/quickstart.yaml --listen 127.0.0.1:0 --token-file run.token"
+        grpo worker --role reward --recipe recipes/quickstart.yaml --listen 127.0.0.1:0 --token-file run.token\n  \
+        grpo worker --role rollout --recipe recipes/quickstart.yaml --token-file run.token"
 )]
 pub struct WorkerArgs {
     /// The role to serve.
@@ -54,6 +60,11 @@ pub struct WorkerArgs {
 pub fn run(args: WorkerArgs) -> Result<ExitCode> {
     let token = Token::read(&args.token_file)?;
     let recipe = load_recipe(&args.recipe, &args.overrides)?;
+    // The rollout engine is built (weights uploaded, decode step compiled) before serving.
+    let rollout = match args.role {
+        RoleArg::Rollout => Some(rollout_service(&recipe)?),
+        RoleArg::Reward => None,
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async move {
         let worker = match args.role {
@@ -67,13 +78,41 @@ pub fn run(args: WorkerArgs) -> Result<ExitCode> {
                     .await
                     .with_context(|| format!("cannot listen on {}", args.listen))?
             }
+            RoleArg::Rollout => {
+                let service = rollout.expect("built above for the rollout role");
+                Worker::bind_rollout(args.listen, token, service)
+                    .await
+                    .with_context(|| format!("cannot listen on {}", args.listen))?
+            }
         };
+        let worker = worker
+            .with_tls(recipe.cluster.tls.as_ref())
+            .context("setting up TLS for the worker")?;
         let address = worker.local_addr()?;
         println!("listening on {address}");
         std::io::stdout().flush()?;
         worker.serve(shutdown_signal()).await?;
         Ok(ExitCode::SUCCESS)
     })
+}
+
+/// The rollout role of `recipe`, built exactly as the orchestrator builds its in-process one:
+/// the prepared model's weights in `rollout.dtype` on `cluster.device`, version 0.
+fn rollout_service(recipe: &actors::recipe::Recipe) -> Result<RolloutService> {
+    let prepared = actors::prepare::prepare(recipe).context("preparing the run")?;
+    let client = setup::open_client(recipe)
+        .with_context(|| format!("opening the {:?} device", recipe.cluster.device))?;
+    let weights =
+        setup::upload_rollout_weights(recipe, &prepared, &client).context("uploading the rollout weights")?;
+    let engine =
+        setup::build_engine(recipe, &prepared, &client, weights, 0).context("building the rollout engine")?;
+    Ok(RolloutService::new(
+        LocalRollout::new(engine),
+        client,
+        &prepared.model.weights.config,
+        setup::dtype(recipe.rollout.dtype),
+        0,
+    ))
 }
 
 /// Resolves on Ctrl-C or SIGTERM.

@@ -9,7 +9,7 @@
 //! quantity the rollout reports for the same token.
 
 use crate::step::{InputSpec, ParamSpec, PolicyOutput};
-use model::forward::{logprobs_graph, DecoderParams};
+use model::forward::{logprobs_graph_span, DecoderParams};
 use model::{param_table, ModelConfig};
 use xla::graph::Tensor;
 use xla::DType;
@@ -89,11 +89,11 @@ impl DecoderPolicy {
         let p =
             DecoderParams::from_tensors(&self.config, params).expect("parameters follow the parameter table");
         let temperature = g.scalar(self.temperature as f64, DType::F32);
-        let (lp, ent) = logprobs_graph(g, &p, tokens, mask, &temperature);
-        let (start, end) = (self.prompt_len as i64, self.width() as i64);
+        // The head runs only over the positions that predict response tokens.
+        let (lp, ent) = logprobs_graph_span(g, &p, tokens, mask, &temperature, self.prompt_len as i64);
         PolicyOutput {
-            log_probs: lp.slice_axis(1, start, end),
-            entropy: Some(ent.slice_axis(1, start, end)),
+            log_probs: lp,
+            entropy: Some(ent),
         }
     }
 

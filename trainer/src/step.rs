@@ -28,6 +28,7 @@
 //! copies (the gradient flows back through the conversion into f32) and the update programs
 //! also return the new bf16 weights for the `logprobs`/rollout programs.
 
+use std::sync::Arc;
 use xla::graph::{grad, BuildOptions, Graph, Program, Tensor};
 use xla::runtime::{Buffer, Client, Executable};
 use xla::DType;
@@ -144,7 +145,7 @@ impl StepLayout {
     }
 }
 
-/// The three programs and their layout.
+/// The learner's programs and their layout.
 #[derive(Clone, Debug)]
 pub struct TrainPrograms {
     /// Forward + loss + backward + clip + AdamW, one micro-batch = the mini-batch.
@@ -153,6 +154,9 @@ pub struct TrainPrograms {
     pub accumulate: Program,
     /// Clip + AdamW from the accumulators; returns them zeroed.
     pub apply: Program,
+    /// Forward only: the policy's per-token log-probs of one micro-batch (the old log-probs
+    /// before an update, and the reference model's with frozen parameters).
+    pub log_probs: Program,
     /// Argument/result positions.
     pub layout: StepLayout,
 }
@@ -424,10 +428,22 @@ where
         .build_with(&refs, &BuildOptions::donating(&donate))
         .map_err(graph_err("apply"))?;
 
+    // ---- log_probs ----
+    let g = Graph::new("log_probs");
+    let masters = declare_params(&g, params, "");
+    let batch = batch_args(&g, inputs);
+    let compute: Vec<Tensor> = masters
+        .iter()
+        .map(|p| p.convert_if_needed(cfg.compute_dtype))
+        .collect();
+    let lp = policy(&compute, &batch).log_probs.convert_if_needed(DType::F32);
+    let log_probs = g.build(&[&lp]).map_err(graph_err("log_probs"))?;
+
     Ok(TrainPrograms {
         train_step,
         accumulate,
         apply,
+        log_probs,
         layout,
     })
 }
@@ -546,13 +562,18 @@ pub struct Learner {
     train_step: Option<Executable>,
     accumulate: Option<Executable>,
     apply: Option<Executable>,
-    params: Vec<Buffer>,
+    log_probs: Option<Executable>,
+    /// Frozen reference parameters (f32), when set.
+    reference: Option<Vec<Buffer>>,
+    /// Shared (not copied) with a rollout engine on the same device; each step donates them and
+    /// replaces them with the updated ones.
+    params: Arc<[Buffer]>,
     m: Vec<Buffer>,
     v: Vec<Buffer>,
     step: Buffer,
     grad_acc: Vec<Buffer>,
     metric_acc: Buffer,
-    compute_params: Option<Vec<Buffer>>,
+    compute_params: Option<Arc<[Buffer]>>,
     guard: NonFiniteGuard,
     attempted_steps: u64,
 }
@@ -708,7 +729,9 @@ impl Learner {
             train_step: None,
             accumulate: None,
             apply: None,
-            params: upload("parameter", &state.params)?,
+            log_probs: None,
+            reference: None,
+            params: upload("parameter", &state.params)?.into(),
             m: upload("adam_m", &state.m)?,
             v: upload("adam_v", &state.v)?,
             step: client
@@ -742,9 +765,100 @@ impl Learner {
         self.compute_params.as_deref()
     }
 
+    /// The parameters a rollout engine on the same device generates with: the bf16 copies
+    /// after a bf16 update, the f32 masters otherwise. Shared, not copied; the next
+    /// [`Learner::step`] donates them, so hand the engine the new ones after each step.
+    pub fn shared_params(&self) -> Arc<[Buffer]> {
+        self.compute_params.clone().unwrap_or_else(|| self.params.clone())
+    }
+
     /// Attempted optimizer steps so far.
     pub fn attempted_steps(&self) -> u64 {
         self.attempted_steps
+    }
+
+    /// Uploads frozen reference parameters (f32, in [`ParamSpec`] order, the shapes the
+    /// learner was built with) for [`Learner::log_probs`] with `reference: true`.
+    pub fn set_reference(&mut self, values: &[Vec<f32>]) -> Result<()> {
+        if values.len() != self.params.len() {
+            return Err(TrainerError::Length {
+                what: "reference parameters".to_string(),
+                expected: self.params.len(),
+                got: values.len(),
+                unit: "parameter",
+            });
+        }
+        let mut bufs = Vec::with_capacity(values.len());
+        for (i, (v, p)) in values.iter().zip(self.params.iter()).enumerate() {
+            let n = p.dims().iter().product::<i64>() as usize;
+            if v.len() != n {
+                return Err(TrainerError::Length {
+                    what: format!("reference parameter {i}"),
+                    expected: n,
+                    got: v.len(),
+                    unit: "element",
+                });
+            }
+            bufs.push(
+                self.client
+                    .buffer_from_host(v, p.dims(), 0)
+                    .map_err(rt("uploading the reference parameters"))?,
+            );
+        }
+        self.reference = Some(bufs);
+        Ok(())
+    }
+
+    /// The per-token log-probs `[micro_batch_size * response_len]` of one micro-batch's
+    /// policy inputs (in [`StepLayout::batch_inputs`] order) under the current parameters, or
+    /// under the reference parameters when `reference` (see [`Learner::set_reference`]).
+    /// Nothing is updated.
+    pub fn log_probs(&mut self, inputs: &[HostArray], reference: bool) -> Result<Vec<f32>> {
+        let specs = self.programs.layout.batch_inputs.clone();
+        let err = |message: String| TrainerError::Batch { index: 0, message };
+        if inputs.len() != specs.len() {
+            return Err(err(format!(
+                "{} policy inputs given; the policy takes {}",
+                inputs.len(),
+                specs.len()
+            )));
+        }
+        let mut batch = Vec::with_capacity(specs.len());
+        for (spec, arr) in specs.iter().zip(inputs) {
+            let n = spec.dims.iter().product::<i64>() as usize;
+            let b = match (spec.dtype, arr) {
+                (DType::F32, HostArray::F32(v)) if v.len() == n => {
+                    self.client.buffer_from_host(v, &spec.dims, 0)
+                }
+                (DType::I32, HostArray::I32(v)) if v.len() == n => {
+                    self.client.buffer_from_host(v, &spec.dims, 0)
+                }
+                _ => {
+                    return Err(err(format!(
+                        "input {} does not match {}{:?}",
+                        spec.name, spec.dtype, spec.dims
+                    )))
+                }
+            };
+            batch.push(b.map_err(rt(format!("uploading {}", spec.name)))?);
+        }
+        Self::exe(&mut self.log_probs, &self.programs.log_probs, &self.client)?;
+        let params: &[Buffer] = if reference {
+            self.reference.as_deref().ok_or_else(|| {
+                err("reference log-probs were asked for but no reference parameters were set".to_string())
+            })?
+        } else {
+            &self.params
+        };
+        let mut args: Vec<&Buffer> = params.iter().collect();
+        args.extend(batch.iter());
+        let out = self
+            .log_probs
+            .as_ref()
+            .expect("compiled")
+            .execute(&args)
+            .map_err(rt("running log_probs"))?;
+        out[0].to_host::<f32>().map_err(rt("reading log_probs"))
     }
 
     /// Uploads a host micro-batch, checking every array against the layout.

@@ -315,6 +315,45 @@ pub struct ClusterSection {
     /// Devices the CPU plugin exposes (its `cpu_device_count`).
     #[serde(default = "default_one_usize")]
     pub cpu_device_count: usize,
+    /// How worker processes are started (`local`: on this host, by the orchestrator).
+    #[serde(default)]
+    pub launcher: Launcher,
+    /// Rollout worker processes to start; 0 runs rollout in the orchestrator's process.
+    #[serde(default)]
+    pub rollout_workers: usize,
+    /// Reward worker processes to start; 0 scores in the orchestrator's process.
+    #[serde(default)]
+    pub reward_workers: usize,
+    /// Host address workers listen on (loopback unless you mean otherwise).
+    #[serde(default = "default_bind_host")]
+    pub bind_host: String,
+    /// Seconds a worker may take to answer a health check before it counts as dead.
+    #[serde(default = "default_worker_timeout_s")]
+    pub worker_timeout_s: f64,
+    /// TLS for worker connections; null means plain TCP.
+    #[serde(default)]
+    pub tls: Option<TlsSection>,
+}
+
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Launcher {
+    #[default]
+    Local,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TlsSection {
+    /// PEM certificate chain the workers present.
+    pub cert: String,
+    /// PEM private key of that certificate.
+    pub key: String,
+    /// PEM CA certificate the orchestrator trusts for the workers.
+    pub ca: String,
+    /// The name the certificate is issued for (checked by the client).
+    #[serde(default = "default_tls_domain")]
+    pub domain: String,
 }
 
 /// Device kinds, one per PJRT plugin.
@@ -396,6 +435,15 @@ fn default_weight_decay() -> f64 {
 fn default_max_nonfinite() -> usize {
     3
 }
+fn default_bind_host() -> String {
+    "127.0.0.1".into()
+}
+fn default_worker_timeout_s() -> f64 {
+    10.0
+}
+fn default_tls_domain() -> String {
+    "localhost".into()
+}
 fn default_output_dir() -> String {
     "outputs".into()
 }
@@ -425,8 +473,12 @@ impl Recipe {
     /// Every dotted key the recipe types accept (sections and leaves), in order.
     /// Maps keyed by user data (such as `reward.scorers`) are listed as the map's own key.
     pub fn all_keys() -> Vec<String> {
-        let example = load_recipe_str("model: {path: m}\ndata: {train_files: t.parquet}\n", "<keys>")
-            .expect("a minimal recipe loads");
+        // Optional sections are filled in so that their keys are listed too.
+        let example = load_recipe_str(
+            "model: {path: m}\ndata: {train_files: t.parquet}\ncluster: {tls: {cert: c, key: k, ca: a}}\n",
+            "<keys>",
+        )
+        .expect("a minimal recipe loads");
         let value = serde_yaml::to_value(&example).expect("recipes serialize");
         let mut keys = Vec::new();
         collect_keys(&value, "", &mut keys);

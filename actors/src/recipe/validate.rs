@@ -364,6 +364,12 @@ pub(crate) fn validate(r: &Recipe, text: &str, file: &str, overrides: &[String])
         r.cluster.cpu_device_count,
         "must be at least 1",
     );
+    c.check(
+        r.cluster.worker_timeout_s > 0.0 && r.cluster.worker_timeout_s.is_finite(),
+        "cluster.worker_timeout_s",
+        r.cluster.worker_timeout_s,
+        "must be a positive number of seconds",
+    );
     c.out
 }
 

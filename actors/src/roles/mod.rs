@@ -3,6 +3,7 @@
 //! drives both through the same trait.
 
 pub mod reward;
+pub mod rollout;
 
 use std::future::Future;
 use std::pin::Pin;

@@ -104,12 +104,15 @@ pub struct RemoteReward {
 }
 
 impl RemoteReward {
-    /// A client for the worker at `address` (`http://127.0.0.1:PORT`); connects lazily.
-    pub fn new(address: &str, token: &crate::auth::Token) -> Result<RemoteReward, RoleError> {
-        let channel = tonic::transport::Endpoint::from_shared(address.to_string())
-            .map_err(|e| RoleError::Invalid(format!("bad worker address {address}: {e}")))?
-            .connect_timeout(std::time::Duration::from_secs(5))
-            .connect_lazy();
+    /// A client for the worker at `address` (`127.0.0.1:PORT`, with or without `http://`);
+    /// connects lazily, over TLS when `tls` (the recipe's `cluster.tls`) is given.
+    pub fn new(
+        address: &str,
+        token: &crate::auth::Token,
+        tls: Option<&crate::recipe::TlsSection>,
+    ) -> Result<RemoteReward, RoleError> {
+        let channel =
+            crate::transport::channel(address, tls).map_err(|e| RoleError::Invalid(e.to_string()))?;
         let client = proto::reward_client::RewardClient::with_interceptor(channel, token.attach())
             .max_decoding_message_size(256 << 20);
         Ok(RemoteReward {

@@ -50,7 +50,33 @@ pub struct ArithmeticOptions {
     pub ops: String,
     /// `extra_info.split`.
     pub split: String,
+    /// What the prompt asks the answer to look like.
+    pub answer_format: AnswerFormat,
 }
+
+/// How the prompt asks for the answer (the `arithmetic` scorer accepts every form).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AnswerFormat {
+    /// GSM8K's instruction: think step by step, then `#### <answer>`.
+    #[default]
+    Hashes,
+    /// "Reply with only the number.": the whole response is the answer. Small chat models
+    /// (SmolLM2-135M) follow this often enough for GRPO to have a signal from the first step.
+    Number,
+}
+
+impl AnswerFormat {
+    /// The instruction appended to the question.
+    pub fn instruction(self) -> &'static str {
+        match self {
+            AnswerFormat::Hashes => GSM8K_INSTRUCTION,
+            AnswerFormat::Number => NUMBER_INSTRUCTION,
+        }
+    }
+}
+
+/// The instruction of [`AnswerFormat::Number`].
+pub const NUMBER_INSTRUCTION: &str = "Reply with only the number.";
 
 impl Default for ArithmeticOptions {
     fn default() -> Self {
@@ -62,6 +88,7 @@ impl Default for ArithmeticOptions {
             max_value: 20,
             ops: "+-".into(),
             split: "train".into(),
+            answer_format: AnswerFormat::Hashes,
         }
     }
 }
@@ -189,12 +216,12 @@ pub fn generate(options: &ArithmeticOptions) -> Result<Vec<Problem>> {
 }
 
 /// The VeRL record for one problem.
-pub fn arithmetic_record(problem: &Problem, split: &str, index: i64) -> VerlRecord {
+pub fn arithmetic_record(problem: &Problem, split: &str, index: i64, format: AnswerFormat) -> VerlRecord {
     VerlRecord {
         data_source: ARITHMETIC_DATA_SOURCE.into(),
         prompt: vec![Message::new(
             "user",
-            format!("What is {}? {GSM8K_INSTRUCTION}", problem.expression),
+            format!("What is {}? {}", problem.expression, format.instruction()),
         )],
         ability: "math".into(),
         style: "rule".into(),
@@ -216,7 +243,9 @@ pub fn preprocess_arithmetic(options: &ArithmeticOptions, output: &Path) -> Resu
         let records: Vec<VerlRecord> = chunk
             .iter()
             .enumerate()
-            .map(|(i, problem)| arithmetic_record(problem, &options.split, (first + i) as i64))
+            .map(|(i, problem)| {
+                arithmetic_record(problem, &options.split, (first + i) as i64, options.answer_format)
+            })
             .collect();
         writer.write(&records)?;
     }
@@ -245,6 +274,7 @@ mod tests {
             max_value: 9,
             ops: "+-*".into(),
             split: "train".into(),
+            answer_format: AnswerFormat::Hashes,
         };
         let first = generate(&options).unwrap();
         assert_eq!(first, generate(&options).unwrap());
@@ -308,14 +338,16 @@ mod tests {
 
     #[test]
     fn record_uses_the_gsm8k_answer_format() {
-        let record = arithmetic_record(
-            &Problem {
-                expression: "7 - 9".into(),
-                answer: -2,
-            },
-            "test",
-            3,
+        let problem = Problem {
+            expression: "7 - 9".into(),
+            answer: -2,
+        };
+        let plain = arithmetic_record(&problem, "test", 3, AnswerFormat::Number);
+        assert_eq!(
+            plain.prompt[0].content,
+            "What is 7 - 9? Reply with only the number."
         );
+        let record = arithmetic_record(&problem, "test", 3, AnswerFormat::Hashes);
         assert_eq!(record.data_source, "grpo/arithmetic");
         assert_eq!(
             record.prompt[0].content,

@@ -1,0 +1,54 @@
+//! The rollout role: generate the samples of a batch of requests, streaming each back as it
+//! finishes, and take new weights when the learner has them.
+//!
+//! [`LocalRollout`] runs a [`rollout::Engine`] in this process and shares the learner's
+//! parameter buffers (no copy); a remote implementation calls a `grpo worker --role rollout`
+//! over gRPC and streams the weights to it. The orchestrator drives both through
+//! [`RolloutRole`].
+
+mod local;
+mod remote;
+mod service;
+
+pub use local::LocalRollout;
+pub use remote::RemoteRollout;
+pub use service::{ChunkError, RolloutService};
+
+use super::{BoxFuture, RoleError};
+use rollout::{GenerationRequest, Sample};
+use std::sync::Arc;
+use tokio::sync::mpsc::UnboundedSender;
+use xla::runtime::Buffer;
+
+/// A new version of the policy's parameters, as the learner holds them on its device
+/// (in [`model::param_table`] order).
+#[derive(Clone)]
+pub struct WeightUpdate {
+    /// The version: the number of optimizer steps that produced these weights.
+    pub version: u64,
+    /// The parameter buffers, shared with the learner.
+    pub params: Arc<[Buffer]>,
+}
+
+/// Generates samples. Every sample of every request is sent exactly once, tagged with the
+/// weight version that produced it.
+pub trait RolloutRole: Send + Sync {
+    /// Generates all samples of `requests`, sending each to `samples` as it finishes; resolves
+    /// once every one was sent. On an [`RoleError::Unavailable`] error some may not have been
+    /// sent: the caller re-issues those elsewhere (request ids and seeds make the re-issued
+    /// samples the same ones).
+    fn generate(
+        &self,
+        requests: Vec<GenerationRequest>,
+        samples: UnboundedSender<Sample>,
+    ) -> BoxFuture<'_, Result<(), RoleError>>;
+
+    /// Installs `update` before any further generation; samples in flight restart on it.
+    fn update_weights(&self, update: WeightUpdate) -> BoxFuture<'_, Result<(), RoleError>>;
+
+    /// The weight version this worker generates with.
+    fn weight_version(&self) -> u64;
+
+    /// Where it runs, for logs ("in-process" or an address).
+    fn location(&self) -> String;
+}

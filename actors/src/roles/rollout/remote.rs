@@ -1,0 +1,602 @@
+//! The rollout role in a worker process (`grpo worker --role rollout`), reached over gRPC.
+//!
+//! [`RemoteRollout`] streams each finished sample back as the worker finishes it, and sends new
+//! weights as a client-streaming call of CRC-32-checked chunks in the worker's dtype. Reading
+//! the device buffers to the host, converting and checksumming runs on a blocking thread that
+//! feeds a small bounded queue, so it overlaps with sending and with the worker's own uploads.
+//!
+//! It keeps the newest [`WeightUpdate`] it was given: every `generate` call tells the worker
+//! the version it needs, and a worker that is behind (a replacement started after the last
+//! update, or one whose last update failed) is refused until it has been sent those weights,
+//! which this client does before asking again.
+//!
+//! The wire conversions between the rollout crate's types and the protobuf messages live here
+//! too; the server side ([`super::RolloutService`]) uses them.
+
+use super::{RolloutRole, WeightUpdate};
+use crate::auth::{Attach, Token};
+use crate::proto;
+use crate::recipe::TlsSection;
+use crate::roles::{status_to_error, BoxFuture, RoleError};
+use rollout::{FinishReason, GenerationRequest, Sample, SamplingParams};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+use tokio::sync::mpsc::UnboundedSender;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::Channel;
+use xla::runtime::Buffer;
+use xla::DType;
+
+/// Bytes of tensor data per weight chunk.
+pub(crate) const CHUNK_BYTES: usize = 4 << 20;
+/// The largest message either side accepts (a chunk plus its header, or a big batch of samples).
+pub(crate) const MAX_MESSAGE_BYTES: usize = 64 << 20;
+/// HTTP/2 flow-control window per stream: large, so a weight stream is not throttled to a
+/// round trip per 64 KiB.
+pub(crate) const STREAM_WINDOW_BYTES: u32 = 32 << 20;
+/// HTTP/2 flow-control window per connection.
+pub(crate) const CONNECTION_WINDOW_BYTES: u32 = 64 << 20;
+/// Largest HTTP/2 frame (the protocol's maximum is 16 MiB - 1).
+pub(crate) const MAX_FRAME_BYTES: u32 = (1 << 24) - 1;
+/// Chunks read ahead of the network.
+const CHUNKS_IN_FLIGHT: usize = 8;
+/// How long a worker may leave an HTTP/2 ping unanswered (or a connection attempt hang)
+/// before it counts as unavailable, unless [`RemoteRollout::with_timeout`] says otherwise.
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+
+type RolloutClient = proto::rollout_client::RolloutClient<InterceptedService<Channel, Attach>>;
+
+/// What the worker said about its weights.
+#[derive(Clone, Debug)]
+struct WorkerWeights {
+    dtype: DType,
+    /// (name, dims) of every tensor, in parameter-table order.
+    tensors: Vec<(String, Vec<i64>)>,
+}
+
+/// The rollout role in a worker process, reached over gRPC.
+pub struct RemoteRollout {
+    address: String,
+    client: RolloutClient,
+    /// The version the worker last reported or accepted.
+    version: AtomicU64,
+    /// The worker's dtype and parameter table, asked once.
+    layout: Mutex<Option<WorkerWeights>>,
+    /// The newest weights this client was given: a worker that is behind gets them.
+    latest: Mutex<Option<WeightUpdate>>,
+    /// One weight push at a time.
+    pushing: tokio::sync::Mutex<()>,
+}
+
+impl RemoteRollout {
+    /// A client for the worker at `address` (`127.0.0.1:PORT`, with or without `http://`);
+    /// connects lazily (call it inside a tokio runtime), over TLS when `tls` (the recipe's
+    /// `cluster.tls`) is given. A worker that does not answer within 10 s (connecting, or an
+    /// HTTP/2 ping while a call waits) is unavailable.
+    pub fn new(address: &str, token: &Token, tls: Option<&TlsSection>) -> Result<RemoteRollout, RoleError> {
+        RemoteRollout::with_timeout(address, token, tls, DEFAULT_TIMEOUT)
+    }
+
+    /// As [`RemoteRollout::new`], with the recipe's `cluster.worker_timeout_s`.
+    pub fn with_timeout(
+        address: &str,
+        token: &Token,
+        tls: Option<&TlsSection>,
+        timeout: Duration,
+    ) -> Result<RemoteRollout, RoleError> {
+        let endpoint =
+            crate::transport::endpoint(address, tls).map_err(|e| RoleError::Invalid(e.to_string()))?;
+        let channel = endpoint
+            .connect_timeout(timeout)
+            .http2_keep_alive_interval((timeout / 4).max(Duration::from_millis(250)))
+            .keep_alive_timeout(timeout)
+            .keep_alive_while_idle(true)
+            .initial_stream_window_size(STREAM_WINDOW_BYTES)
+            .initial_connection_window_size(CONNECTION_WINDOW_BYTES)
+            .connect_lazy();
+        Ok(RemoteRollout::over(
+            &crate::transport::worker_uri(address, tls),
+            channel,
+            token,
+        ))
+    }
+
+    /// A client over an already configured channel (e.g. a TLS one).
+    pub fn over(address: &str, channel: Channel, token: &Token) -> RemoteRollout {
+        let client = proto::rollout_client::RolloutClient::with_interceptor(channel, token.attach())
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES);
+        RemoteRollout {
+            address: address.to_string(),
+            client,
+            version: AtomicU64::new(0),
+            layout: Mutex::new(None),
+            latest: Mutex::new(None),
+            pushing: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    /// Asks the worker which weight version it has (and remembers its dtype and parameter
+    /// table); [`RolloutRole::weight_version`] reports it from then on.
+    pub async fn refresh(&self) -> Result<u64, RoleError> {
+        let reply = self
+            .client
+            .clone()
+            .weight_version(proto::WeightVersionRequest {})
+            .await
+            .map_err(|s| self.error(s))?
+            .into_inner();
+        let dtype = parse_dtype(&reply.dtype).ok_or_else(|| {
+            RoleError::Invalid(format!(
+                "the rollout worker at {} keeps its weights as {:?}; this client sends f32 or bf16",
+                self.address, reply.dtype
+            ))
+        })?;
+        *lock(&self.layout) = Some(WorkerWeights {
+            dtype,
+            tensors: reply.tensors.into_iter().map(|t| (t.name, t.dims)).collect(),
+        });
+        self.version.store(reply.version, Ordering::SeqCst);
+        Ok(reply.version)
+    }
+
+    fn error(&self, status: tonic::Status) -> RoleError {
+        status_to_error("rollout", &self.address, status)
+    }
+
+    fn latest_version(&self) -> u64 {
+        lock(&self.latest).as_ref().map_or(0, |u| u.version)
+    }
+
+    /// Streams `update` to the worker and waits until it installed it.
+    async fn push(&self, update: &WeightUpdate) -> Result<(), RoleError> {
+        let _one_at_a_time = self.pushing.lock().await;
+        if lock(&self.layout).is_none() {
+            self.refresh().await?;
+        }
+        let layout = lock(&self.layout).clone().expect("refreshed above");
+        check_layout(&layout, &update.params, update.version, &self.address)?;
+
+        let (chunks, stream) = tokio::sync::mpsc::channel(CHUNKS_IN_FLIGHT);
+        let params = update.params.clone();
+        let (version, dtype) = (update.version, layout.dtype);
+        let tensors = layout.tensors;
+        let producer = tokio::task::spawn_blocking(move || {
+            send_chunks(version, &params, &tensors, dtype, |chunk| {
+                chunks.blocking_send(chunk).is_ok()
+            })
+        });
+        let reply = self
+            .client
+            .clone()
+            .update_weights(tokio_stream::wrappers::ReceiverStream::new(stream))
+            .await;
+        let produced = producer
+            .await
+            .map_err(|e| RoleError::Invalid(format!("the weight reader thread failed: {e}")))?;
+        // A buffer that could not be read ends the stream early; that is the error to report,
+        // not the worker's refusal of the short stream.
+        produced?;
+        let reply = reply.map_err(|s| self.error(s))?.into_inner();
+        self.version.store(reply.version, Ordering::SeqCst);
+        tracing::debug!(
+            version = reply.version,
+            bytes = reply.bytes,
+            worker = %self.address,
+            "rollout worker took new weights"
+        );
+        Ok(())
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The buffers must match the worker's parameter table before anything is sent.
+fn check_layout(
+    layout: &WorkerWeights,
+    params: &[Buffer],
+    version: u64,
+    address: &str,
+) -> Result<(), RoleError> {
+    if params.len() != layout.tensors.len() {
+        return Err(RoleError::Invalid(format!(
+            "weight update {version} has {} tensors, the rollout worker at {address} has {} \
+             (a different model?)",
+            params.len(),
+            layout.tensors.len()
+        )));
+    }
+    for (index, (buffer, (name, dims))) in params.iter().zip(&layout.tensors).enumerate() {
+        if buffer.dims() != dims.as_slice() {
+            return Err(RoleError::Invalid(format!(
+                "weight update {version}: tensor {index} `{name}` has shape {:?}, the rollout \
+                 worker at {address} expects {dims:?}",
+                buffer.dims()
+            )));
+        }
+        if conversion(buffer.dtype(), layout.dtype).is_none() {
+            return Err(RoleError::Invalid(format!(
+                "weight update {version}: tensor {index} `{name}` is {}, which cannot be sent \
+                 as the worker's {} (f32 and bf16 convert to each other)",
+                buffer.dtype(),
+                layout.dtype
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// How tensor bytes of `from` become bytes of `to`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Conversion {
+    Same,
+    F32ToBf16,
+    Bf16ToF32,
+}
+
+fn conversion(from: DType, to: DType) -> Option<Conversion> {
+    match (from, to) {
+        (a, b) if a == b => Some(Conversion::Same),
+        (DType::F32, DType::BF16) => Some(Conversion::F32ToBf16),
+        (DType::BF16, DType::F32) => Some(Conversion::Bf16ToF32),
+        _ => None,
+    }
+}
+
+/// Elements `range` of `source` (little-endian bytes of `from`), as bytes of the target type.
+fn convert_range(source: &[u8], how: Conversion, from: DType, range: std::ops::Range<usize>) -> Vec<u8> {
+    let size = from.size_bytes();
+    let bytes = &source[range.start * size..range.end * size];
+    match how {
+        Conversion::Same => bytes.to_vec(),
+        Conversion::F32ToBf16 => {
+            // half::bf16::from_f32 bit for bit (round to nearest even, NaN kept quiet), in a
+            // loop the compiler vectorises.
+            let mut out = vec![0u8; bytes.len() / 2];
+            for (o, c) in out.chunks_exact_mut(2).zip(bytes.chunks_exact(4)) {
+                let x = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                let bits = if x & 0x7fff_ffff > 0x7f80_0000 {
+                    (x >> 16) as u16 | 0x0040
+                } else {
+                    (x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16) as u16
+                };
+                o.copy_from_slice(&bits.to_le_bytes());
+            }
+            out
+        }
+        Conversion::Bf16ToF32 => {
+            let mut out = Vec::with_capacity(bytes.len() * 2);
+            for c in bytes.chunks_exact(2) {
+                let x = half::bf16::from_le_bytes([c[0], c[1]]);
+                out.extend_from_slice(&x.to_f32().to_le_bytes());
+            }
+            out
+        }
+    }
+}
+
+/// Reads every buffer to the host, converts it to `dtype`, cuts it into checksummed chunks of
+/// about [`CHUNK_BYTES`] and hands them to `send` in order. Stops quietly when `send` returns
+/// false (the call ended; its status says why).
+fn send_chunks(
+    version: u64,
+    params: &[Buffer],
+    tensors: &[(String, Vec<i64>)],
+    dtype: DType,
+    mut send: impl FnMut(proto::WeightChunk) -> bool,
+) -> Result<(), RoleError> {
+    let per_chunk = (CHUNK_BYTES / dtype.size_bytes()).max(1);
+    for (index, (buffer, (name, dims))) in params.iter().zip(tensors).enumerate() {
+        let how = conversion(buffer.dtype(), dtype).expect("checked by check_layout");
+        let source = buffer.to_bytes().map_err(|e| {
+            RoleError::Invalid(format!(
+                "weight update {version}: cannot read tensor {index} `{name}` to the host: {e}"
+            ))
+        })?;
+        let elements = source.len() / buffer.dtype().size_bytes();
+        let mut start = 0;
+        loop {
+            let end = (start + per_chunk).min(elements);
+            let data = convert_range(&source, how, buffer.dtype(), start..end);
+            let chunk = proto::WeightChunk {
+                version,
+                tensor_count: tensors.len() as u32,
+                tensor_index: index as u32,
+                tensor_name: name.clone(),
+                dtype: dtype.to_string(),
+                dims: dims.clone(),
+                offset: (start * dtype.size_bytes()) as u64,
+                crc32: crc32fast::hash(&data),
+                data,
+            };
+            if !send(chunk) {
+                return Ok(());
+            }
+            start = end;
+            if start >= elements {
+                break;
+            }
+        }
+    }
+    Ok(())
+}
+
+impl RolloutRole for RemoteRollout {
+    fn generate(
+        &self,
+        requests: Vec<GenerationRequest>,
+        samples: UnboundedSender<Sample>,
+    ) -> BoxFuture<'_, Result<(), RoleError>> {
+        Box::pin(async move {
+            let request = proto::GenerateRequest {
+                requests: requests.iter().map(request_to_proto).collect(),
+                min_weight_version: self.latest_version(),
+            };
+            let mut brought_up_to_date = false;
+            let mut stream = loop {
+                match self.client.clone().generate(request.clone()).await {
+                    Ok(reply) => break reply.into_inner(),
+                    Err(status)
+                        if status.code() == tonic::Code::FailedPrecondition && !brought_up_to_date =>
+                    {
+                        let Some(update) = lock(&self.latest).clone() else {
+                            return Err(self.error(status));
+                        };
+                        tracing::info!(
+                            worker = %self.address,
+                            version = update.version,
+                            "the rollout worker is behind ({}); sending it the newest weights",
+                            status.message()
+                        );
+                        self.push(&update).await?;
+                        brought_up_to_date = true;
+                    }
+                    Err(status) => return Err(self.error(status)),
+                }
+            };
+            while let Some(message) = stream.message().await.map_err(|s| self.error(s))? {
+                let sample = sample_from_proto(message).map_err(|e| {
+                    RoleError::Invalid(format!("the rollout worker at {} sent {e}", self.address))
+                })?;
+                self.version.fetch_max(sample.weight_version, Ordering::SeqCst);
+                // The caller may have stopped listening; the call still runs to its end.
+                let _ = samples.send(sample);
+            }
+            Ok(())
+        })
+    }
+
+    fn update_weights(&self, update: WeightUpdate) -> BoxFuture<'_, Result<(), RoleError>> {
+        Box::pin(async move {
+            {
+                let mut latest = lock(&self.latest);
+                if latest.as_ref().is_none_or(|l| l.version <= update.version) {
+                    *latest = Some(update.clone());
+                }
+            }
+            self.push(&update).await
+        })
+    }
+
+    fn weight_version(&self) -> u64 {
+        self.version.load(Ordering::SeqCst)
+    }
+
+    fn location(&self) -> String {
+        self.address.clone()
+    }
+}
+
+/// "f32" / "bf16" as on the wire.
+pub(crate) fn parse_dtype(name: &str) -> Option<DType> {
+    match name {
+        "f32" => Some(DType::F32),
+        "bf16" => Some(DType::BF16),
+        _ => None,
+    }
+}
+
+pub(crate) fn request_to_proto(r: &GenerationRequest) -> proto::GenerationRequest {
+    let p = &r.params;
+    proto::GenerationRequest {
+        id: r.id,
+        prompt: r.prompt.clone(),
+        n: r.n as u64,
+        seed: r.seed,
+        params: Some(proto::SamplingParams {
+            temperature: p.temperature,
+            top_k: p.top_k as u64,
+            top_p: p.top_p,
+            max_new_tokens: p.max_new_tokens as u64,
+            stop_token_ids: p.stop_token_ids.clone(),
+            stop_strings: p.stop_strings.clone(),
+        }),
+    }
+}
+
+pub(crate) fn request_from_proto(r: proto::GenerationRequest) -> Result<GenerationRequest, String> {
+    let p = r
+        .params
+        .ok_or_else(|| format!("request {} has no sampling parameters", r.id))?;
+    Ok(GenerationRequest {
+        id: r.id,
+        prompt: r.prompt,
+        n: r.n as usize,
+        seed: r.seed,
+        params: SamplingParams {
+            temperature: p.temperature,
+            top_k: p.top_k as usize,
+            top_p: p.top_p,
+            max_new_tokens: p.max_new_tokens as usize,
+            stop_token_ids: p.stop_token_ids,
+            stop_strings: p.stop_strings,
+        },
+    })
+}
+
+pub(crate) fn sample_to_proto(s: Sample) -> proto::GeneratedSample {
+    use proto::FinishKind;
+    let (kind, eos_token, stop_string) = match s.finish_reason {
+        FinishReason::Eos(id) => (FinishKind::Eos, id, String::new()),
+        FinishReason::StopString(text) => (FinishKind::StopString, 0, text),
+        FinishReason::MaxNewTokens => (FinishKind::MaxNewTokens, 0, String::new()),
+        FinishReason::MaxModelLen => (FinishKind::MaxModelLen, 0, String::new()),
+    };
+    proto::GeneratedSample {
+        request_id: s.request_id,
+        sample_index: s.sample_index as u64,
+        prompt_ids: s.prompt_ids,
+        response_ids: s.response_ids,
+        text: s.text,
+        logprobs: s.logprobs,
+        finish_kind: kind as i32,
+        eos_token,
+        stop_string,
+        weight_version: s.weight_version,
+        restarts: s.restarts,
+    }
+}
+
+pub(crate) fn sample_from_proto(s: proto::GeneratedSample) -> Result<Sample, String> {
+    use proto::FinishKind;
+    let finish_reason = match FinishKind::try_from(s.finish_kind) {
+        Ok(FinishKind::Eos) => FinishReason::Eos(s.eos_token),
+        Ok(FinishKind::StopString) => FinishReason::StopString(s.stop_string),
+        Ok(FinishKind::MaxNewTokens) => FinishReason::MaxNewTokens,
+        Ok(FinishKind::MaxModelLen) => FinishReason::MaxModelLen,
+        _ => {
+            return Err(format!(
+                "sample {} of request {} with an unknown finish reason ({})",
+                s.sample_index, s.request_id, s.finish_kind
+            ))
+        }
+    };
+    Ok(Sample {
+        request_id: s.request_id,
+        sample_index: s.sample_index as usize,
+        prompt_ids: s.prompt_ids,
+        response_ids: s.response_ids,
+        text: s.text,
+        logprobs: s.logprobs,
+        finish_reason,
+        weight_version: s.weight_version,
+        restarts: s.restarts,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(finish_reason: FinishReason) -> Sample {
+        Sample {
+            request_id: 7,
+            sample_index: 3,
+            prompt_ids: vec![1, 2, 3],
+            response_ids: vec![9, 8],
+            text: "hi".into(),
+            logprobs: vec![-0.5, -1.25],
+            finish_reason,
+            weight_version: 4,
+            restarts: 1,
+        }
+    }
+
+    #[test]
+    fn samples_survive_the_wire_with_every_finish_reason() {
+        for reason in [
+            FinishReason::Eos(2),
+            FinishReason::StopString("####".into()),
+            FinishReason::MaxNewTokens,
+            FinishReason::MaxModelLen,
+        ] {
+            let s = sample(reason);
+            let back = sample_from_proto(sample_to_proto(s.clone())).unwrap();
+            assert_eq!(format!("{back:?}"), format!("{s:?}"));
+        }
+        let mut bad = sample_to_proto(sample(FinishReason::MaxNewTokens));
+        bad.finish_kind = 0;
+        assert_eq!(
+            sample_from_proto(bad).unwrap_err(),
+            "sample 3 of request 7 with an unknown finish reason (0)"
+        );
+    }
+
+    #[test]
+    fn requests_survive_the_wire() {
+        let r = GenerationRequest {
+            id: 11,
+            prompt: vec![5, 6],
+            n: 4,
+            seed: 99,
+            params: SamplingParams {
+                temperature: 0.7,
+                top_k: 20,
+                top_p: 0.9,
+                max_new_tokens: 33,
+                stop_token_ids: vec![2],
+                stop_strings: vec!["</answer>".into()],
+            },
+        };
+        let back = request_from_proto(request_to_proto(&r)).unwrap();
+        assert_eq!(format!("{back:?}"), format!("{r:?}"));
+        let mut no_params = request_to_proto(&r);
+        no_params.params = None;
+        assert_eq!(
+            request_from_proto(no_params).unwrap_err(),
+            "request 11 has no sampling parameters"
+        );
+    }
+
+    #[test]
+    fn conversions_round_like_half_and_cover_the_range() {
+        let mut values = vec![1.0f32, -2.5, 5.3, 1e-3, 65504.0, -0.0];
+        // Ties, NaN, infinities, the largest finite value, subnormals, and random bit patterns
+        // all convert as half does.
+        let odd: Vec<f32> = [
+            0x3f80_8000u32,
+            0x3f81_8000,
+            0x7fc0_0001,
+            0x7f80_0001,
+            0x7f80_0000,
+            0xff80_0000,
+            0x7f7f_ffff,
+            0x0000_0001,
+        ]
+        .iter()
+        .map(|&b| f32::from_bits(b))
+        .chain((0..1000u32).map(|i| f32::from_bits(i.wrapping_mul(2_654_435_761))))
+        .collect();
+        let odd_bytes: Vec<u8> = odd.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let converted = convert_range(&odd_bytes, Conversion::F32ToBf16, DType::F32, 0..odd.len());
+        let by_half: Vec<u8> = odd
+            .iter()
+            .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+            .collect();
+        assert_eq!(converted, by_half);
+        values.truncate(6);
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let bf = convert_range(&bytes, Conversion::F32ToBf16, DType::F32, 1..5);
+        let expected: Vec<u8> = values[1..5]
+            .iter()
+            .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+            .collect();
+        assert_eq!(bf, expected);
+        let back = convert_range(&bf, Conversion::Bf16ToF32, DType::BF16, 0..4);
+        let back: Vec<f32> = back
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(back, vec![-2.5, 5.3125, 0.0009994507, 65536.0]);
+        assert_eq!(
+            convert_range(&bytes, Conversion::Same, DType::F32, 5..6),
+            (-0.0f32).to_le_bytes()
+        );
+        assert_eq!(conversion(DType::F32, DType::F16), None);
+        assert_eq!(parse_dtype("bf16"), Some(DType::BF16));
+        assert_eq!(parse_dtype("f16"), None);
+    }
+}

@@ -1,0 +1,468 @@
+//! The workers of a run and how a step's work is spread over them: requests go to the live
+//! rollout workers, each sample goes to a reward worker the moment it arrives, and the work of
+//! a worker that fails is re-issued to the others. Samples are keyed by (request id, sample
+//! index), so a re-issued request cannot produce a duplicate and a lost one is noticed.
+
+use crate::roles::reward::RewardRole;
+use crate::roles::rollout::{RolloutRole, WeightUpdate};
+use crate::roles::RoleError;
+use rollout::{FinishReason, GenerationRequest, Sample};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+use tokio::sync::mpsc::unbounded_channel;
+use tokio::task::JoinSet;
+
+/// What the reward function needs to know about a prompt besides the response.
+#[derive(Clone, Debug)]
+pub struct PromptMeta {
+    pub data_source: String,
+    pub ground_truth: String,
+    pub extra: serde_json::Value,
+}
+
+/// A sample and its score.
+#[derive(Clone, Debug)]
+pub struct Scored {
+    pub sample: Sample,
+    pub score: reward::ScoredSample,
+}
+
+/// A step's generation and scoring, with what it cost.
+pub struct Outcome {
+    /// In (request id, sample index) order.
+    pub scored: Vec<Scored>,
+    pub gen_s: f64,
+    pub reward_tail_s: f64,
+    pub rollout_failures: usize,
+    pub reward_failures: usize,
+    pub reissued: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Health {
+    Alive,
+    /// Failed; its work goes to the others.
+    Dead,
+    /// Failed, and a replacement is starting.
+    Replacing,
+}
+
+struct Slot<T: ?Sized> {
+    role: Arc<T>,
+    health: Health,
+}
+
+impl<T: ?Sized> Slot<T> {
+    fn alive(&self) -> bool {
+        self.health == Health::Alive
+    }
+}
+
+/// The rollout and reward workers of a run.
+pub struct Fleet {
+    rollouts: Mutex<Vec<Slot<dyn RolloutRole>>>,
+    rewards: Mutex<Vec<Slot<dyn RewardRole>>>,
+    next_reward_id: AtomicU64,
+    latest: Mutex<Option<WeightUpdate>>,
+    /// How long work may wait for a live worker of its role.
+    wait_for_workers: std::time::Duration,
+    /// Replacement workers put in so far.
+    replaced: AtomicU64,
+    /// Workers found dead so far.
+    failures: AtomicU64,
+}
+
+type Key = (u64, usize);
+
+/// Samples waiting to be scored: (reward id, sample key) pairs and the reward inputs.
+type ScoreBatch = (Vec<(u64, Key)>, Vec<reward::Sample>);
+
+fn key(s: &Sample) -> Key {
+    (s.request_id, s.sample_index)
+}
+
+impl Fleet {
+    /// The workers; work waits at most `wait_for_workers` for a live worker of its role.
+    pub fn new(
+        rollouts: Vec<Arc<dyn RolloutRole>>,
+        rewards: Vec<Arc<dyn RewardRole>>,
+        wait_for_workers: std::time::Duration,
+    ) -> Fleet {
+        Fleet {
+            rollouts: Mutex::new(
+                rollouts
+                    .into_iter()
+                    .map(|role| Slot {
+                        role,
+                        health: Health::Alive,
+                    })
+                    .collect(),
+            ),
+            rewards: Mutex::new(
+                rewards
+                    .into_iter()
+                    .map(|role| Slot {
+                        role,
+                        health: Health::Alive,
+                    })
+                    .collect(),
+            ),
+            next_reward_id: AtomicU64::new(0),
+            latest: Mutex::new(None),
+            wait_for_workers,
+            replaced: AtomicU64::new(0),
+            failures: AtomicU64::new(0),
+        }
+    }
+
+    fn live_rollouts(&self) -> Vec<(usize, Arc<dyn RolloutRole>)> {
+        let slots = self.rollouts.lock().unwrap_or_else(|e| e.into_inner());
+        slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.alive())
+            .map(|(i, s)| (i, s.role.clone()))
+            .collect()
+    }
+
+    fn live_rewards(&self) -> Vec<(usize, Arc<dyn RewardRole>)> {
+        let slots = self.rewards.lock().unwrap_or_else(|e| e.into_inner());
+        slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.alive())
+            .map(|(i, s)| (i, s.role.clone()))
+            .collect()
+    }
+
+    /// Marks a rollout worker dead (its work goes elsewhere until it is replaced).
+    pub fn rollout_failed(&self, index: usize) {
+        if let Some(s) = self
+            .rollouts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_mut(index)
+        {
+            if s.health == Health::Alive {
+                s.health = Health::Dead;
+                self.failures.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Marks a reward worker dead.
+    pub fn reward_failed(&self, index: usize) {
+        if let Some(s) = self
+            .rewards
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_mut(index)
+        {
+            if s.health == Health::Alive {
+                s.health = Health::Dead;
+                self.failures.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Dead workers not yet being replaced, as (role, index); they are marked as being
+    /// replaced, so each failure starts one replacement.
+    pub fn take_dead(&self) -> Vec<(crate::worker::Role, usize)> {
+        let mut out = Vec::new();
+        for (i, s) in self
+            .rollouts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter_mut()
+            .enumerate()
+        {
+            if s.health == Health::Dead {
+                s.health = Health::Replacing;
+                out.push((crate::worker::Role::Rollout, i));
+            }
+        }
+        for (i, s) in self
+            .rewards
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter_mut()
+            .enumerate()
+        {
+            if s.health == Health::Dead {
+                s.health = Health::Replacing;
+                out.push((crate::worker::Role::Reward, i));
+            }
+        }
+        out
+    }
+
+    /// Gives a slot whose replacement failed back to [`Fleet::take_dead`].
+    pub fn replacement_failed(&self, role: crate::worker::Role, index: usize) {
+        let mark = |h: &mut Health| {
+            if *h == Health::Replacing {
+                *h = Health::Dead;
+            }
+        };
+        match role {
+            crate::worker::Role::Rollout => {
+                if let Some(s) = self
+                    .rollouts
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get_mut(index)
+                {
+                    mark(&mut s.health);
+                }
+            }
+            crate::worker::Role::Reward => {
+                if let Some(s) = self
+                    .rewards
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get_mut(index)
+                {
+                    mark(&mut s.health);
+                }
+            }
+        }
+    }
+
+    /// Puts a replacement rollout worker in slot `index`, bringing it to the latest weights
+    /// first.
+    pub async fn replace_rollout(&self, index: usize, role: Arc<dyn RolloutRole>) -> Result<(), RoleError> {
+        let latest = self.latest.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if let Some(update) = latest {
+            role.update_weights(update).await?;
+        }
+        self.replaced.fetch_add(1, Ordering::Relaxed);
+        let mut slots = self.rollouts.lock().unwrap_or_else(|e| e.into_inner());
+        slots[index] = Slot {
+            role,
+            health: Health::Alive,
+        };
+        Ok(())
+    }
+
+    /// Puts a replacement reward worker in slot `index`.
+    pub fn replace_reward(&self, index: usize, role: Arc<dyn RewardRole>) {
+        self.replaced.fetch_add(1, Ordering::Relaxed);
+        let mut slots = self.rewards.lock().unwrap_or_else(|e| e.into_inner());
+        slots[index] = Slot {
+            role,
+            health: Health::Alive,
+        };
+    }
+
+    /// Workers found dead so far.
+    pub fn failures(&self) -> u64 {
+        self.failures.load(Ordering::Relaxed)
+    }
+
+    /// Replacement workers put in so far.
+    pub fn replaced(&self) -> u64 {
+        self.replaced.load(Ordering::Relaxed)
+    }
+
+    /// Sends new weights to every live rollout worker (a failing worker is marked dead and
+    /// will be brought up to date when it is replaced).
+    pub async fn update_weights(&self, update: WeightUpdate) -> Result<(), RoleError> {
+        *self.latest.lock().unwrap_or_else(|e| e.into_inner()) = Some(update.clone());
+        let mut tasks = JoinSet::new();
+        for (i, role) in self.live_rollouts() {
+            let u = update.clone();
+            tasks.spawn(async move { (i, role.update_weights(u).await) });
+        }
+        while let Some(done) = tasks.join_next().await {
+            let (i, result) = done.map_err(|e| RoleError::Invalid(format!("weight update task: {e}")))?;
+            match result {
+                Ok(()) => {}
+                Err(e @ RoleError::Unavailable { .. }) => {
+                    tracing::warn!("{e}; the worker will be replaced");
+                    self.rollout_failed(i);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Generates every sample of `requests` and scores each as it arrives. Work of a worker
+    /// that fails is re-issued to the live ones; while none is alive (a replacement is
+    /// starting) the work waits, for at most `wait_for_workers`.
+    pub async fn generate_and_score(
+        &self,
+        requests: Vec<GenerationRequest>,
+        metas: HashMap<u64, PromptMeta>,
+    ) -> Result<Outcome, RoleError> {
+        let expected: usize = requests.iter().map(|r| r.n).sum();
+        let by_id: HashMap<u64, GenerationRequest> = requests.iter().map(|r| (r.id, r.clone())).collect();
+        let (tx, mut rx) = unbounded_channel::<Sample>();
+        let started = Instant::now();
+        let mut gen_done_at = None;
+        let mut samples: BTreeMap<Key, Sample> = BTreeMap::new();
+        let mut scores: HashMap<Key, reward::ScoredSample> = HashMap::new();
+        let (mut rollout_failures, mut reward_failures, mut reissued) = (0, 0, 0);
+
+        // Work waiting for a live worker.
+        let mut waiting_gen: Vec<GenerationRequest> = requests;
+        let mut waiting_score: Vec<ScoreBatch> = Vec::new();
+        let mut stalled_since: Option<Instant> = None;
+        let mut ticker = tokio::time::interval(std::time::Duration::from_millis(100));
+
+        let mut gens: JoinSet<(usize, Vec<u64>, Result<(), RoleError>)> = JoinSet::new();
+        type RewardDone = (
+            usize,
+            Vec<(u64, Key)>,
+            Vec<reward::Sample>,
+            Result<Vec<reward::ScoredSample>, RoleError>,
+        );
+        let mut scoring: JoinSet<RewardDone> = JoinSet::new();
+        let mut next_reward = 0usize;
+
+        while samples.len() < expected || scores.len() < expected {
+            // Hand waiting work to live workers.
+            if !waiting_gen.is_empty() {
+                let live = self.live_rollouts();
+                if !live.is_empty() {
+                    let reqs = std::mem::take(&mut waiting_gen);
+                    // Contiguous shares, so each worker prefills its own prompts.
+                    let per = reqs.len().div_ceil(live.len()).max(1);
+                    for (chunk, (i, role)) in reqs.chunks(per).zip(live) {
+                        let ids = chunk.iter().map(|r| r.id).collect();
+                        let chunk = chunk.to_vec();
+                        let tx = tx.clone();
+                        gens.spawn(async move { (i, ids, role.generate(chunk, tx).await) });
+                    }
+                }
+            }
+            if !waiting_score.is_empty() {
+                let live = self.live_rewards();
+                if !live.is_empty() {
+                    for (keys, batch) in std::mem::take(&mut waiting_score) {
+                        let (i, role) = live[next_reward % live.len()].clone();
+                        next_reward += 1;
+                        scoring.spawn(async move {
+                            let r = role.score(batch.clone()).await;
+                            (i, keys, batch, r)
+                        });
+                    }
+                }
+            }
+            if waiting_gen.is_empty() && waiting_score.is_empty() {
+                stalled_since = None;
+            } else {
+                let since = *stalled_since.get_or_insert_with(Instant::now);
+                if since.elapsed() > self.wait_for_workers {
+                    let role = if waiting_gen.is_empty() {
+                        "reward"
+                    } else {
+                        "rollout"
+                    };
+                    return Err(RoleError::Invalid(format!(
+                        "no {role} worker has been alive for {:.0} s; see the worker logs",
+                        self.wait_for_workers.as_secs_f64()
+                    )));
+                }
+            }
+            tokio::select! {
+                Some(first) = rx.recv() => {
+                    let mut batch = vec![first];
+                    while let Ok(s) = rx.try_recv() {
+                        batch.push(s);
+                    }
+                    let mut keys = Vec::new();
+                    let mut to_score = Vec::new();
+                    for s in batch {
+                        let k = key(&s);
+                        if samples.contains_key(&k) || !by_id.contains_key(&k.0) {
+                            continue; // a duplicate from a re-issued request
+                        }
+                        let id = self.next_reward_id.fetch_add(1, Ordering::Relaxed);
+                        let meta = metas.get(&k.0).cloned().unwrap_or(PromptMeta {
+                            data_source: String::new(),
+                            ground_truth: String::new(),
+                            extra: serde_json::Value::Null,
+                        });
+                        to_score.push(reward::Sample {
+                            id,
+                            data_source: meta.data_source,
+                            response: s.text.clone(),
+                            ground_truth: meta.ground_truth,
+                            extra: meta.extra,
+                            response_length: s.response_ids.len(),
+                            truncated: matches!(s.finish_reason, FinishReason::MaxNewTokens | FinishReason::MaxModelLen),
+                        });
+                        keys.push((id, k));
+                        samples.insert(k, s);
+                    }
+                    if samples.len() == expected && gen_done_at.is_none() {
+                        gen_done_at = Some(Instant::now());
+                    }
+                    if !to_score.is_empty() {
+                        waiting_score.push((keys, to_score));
+                    }
+                }
+                Some(done) = gens.join_next(), if !gens.is_empty() => {
+                    let (worker, ids, result) = done.map_err(|e| RoleError::Invalid(format!("generation task: {e}")))?;
+                    match result {
+                        Ok(()) => {}
+                        Err(e @ RoleError::Unavailable { .. }) => {
+                            tracing::warn!("{e}; re-issuing its unfinished requests");
+                            rollout_failures += 1;
+                            self.rollout_failed(worker);
+                            // Samples it sent before failing may still be queued; re-issued copies
+                            // of those are dropped as duplicates when they arrive.
+                            let again: Vec<GenerationRequest> = ids
+                                .iter()
+                                .filter(|id| (0..by_id[id].n).any(|j| !samples.contains_key(&(**id, j))))
+                                .map(|id| by_id[id].clone())
+                                .collect();
+                            reissued += again.len();
+                            waiting_gen.extend(again);
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+                Some(done) = scoring.join_next(), if !scoring.is_empty() => {
+                    let (worker, keys, batch, result) = done.map_err(|e| RoleError::Invalid(format!("scoring task: {e}")))?;
+                    match result {
+                        Ok(results) => {
+                            let by_reward_id: HashMap<u64, Key> = keys.into_iter().collect();
+                            for r in results {
+                                if let Some(k) = by_reward_id.get(&r.id) {
+                                    scores.insert(*k, r);
+                                }
+                            }
+                        }
+                        Err(e @ RoleError::Unavailable { .. }) => {
+                            tracing::warn!("{e}; re-scoring its samples elsewhere");
+                            reward_failures += 1;
+                            self.reward_failed(worker);
+                            waiting_score.push((keys, batch));
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+                _ = ticker.tick() => {}
+            }
+        }
+        let gen_end = gen_done_at.unwrap_or_else(Instant::now);
+        let scored = samples
+            .into_iter()
+            .map(|(k, sample)| Scored {
+                score: scores.remove(&k).expect("every sample was scored"),
+                sample,
+            })
+            .collect();
+        Ok(Outcome {
+            scored,
+            gen_s: (gen_end - started).as_secs_f64(),
+            reward_tail_s: gen_end.elapsed().as_secs_f64(),
+            rollout_failures,
+            reward_failures,
+            reissued,
+        })
+    }
+}

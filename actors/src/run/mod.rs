@@ -1,0 +1,908 @@
+//! The single controller of a training run (`grpo run`).
+//!
+//! One step: take `data.train_batch_size` prompts from the sampler -> the rollout workers
+//! generate `rollout.n` samples each, streaming them back as they finish -> each sample goes
+//! to a reward worker as soon as it arrives (scoring overlaps generation) -> the learner
+//! computes advantages and updates -> the new weights reach the rollout workers (shared
+//! buffers in this process, a checksummed stream to remote workers) -> metrics, validation and
+//! checkpoints on their schedules.
+//!
+//! Everything that decides *what* is computed is a pure function of the recipe and the step
+//! number (prompt order from the seeded sampler, one seed per request), so a resumed run and
+//! a run whose workers live in other processes see the same prompts and draw the same tokens.
+
+pub mod fleet;
+pub mod learner;
+pub mod metrics;
+
+use crate::auth::Token;
+use crate::launcher::{LaunchSpec, LocalLauncher};
+use crate::prepare::{prepare, PrepareError, Prepared};
+use crate::recipe::{Recipe, ResumeMode};
+use crate::roles::reward::{LocalReward, RemoteReward, RewardRole};
+use crate::roles::rollout::{LocalRollout, RemoteRollout, RolloutRole, WeightUpdate};
+use crate::roles::RoleError;
+use crate::setup;
+use crate::worker::Role;
+use fleet::{Fleet, PromptMeta, Scored};
+use learner::{LearnerError, LocalLearner, Row};
+use metrics::{mean_std, Metrics, MetricsLog, Progress};
+use rollout::{FinishReason, GenerationRequest, SamplingParams};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+use trainer::checkpoint::{latest_checkpoint, load_checkpoint, save_checkpoint, TrainerState};
+use trainer::step::LearnerState;
+use xla::runtime::{Buffer, Client};
+use xla::DType;
+
+/// Why a run stopped early.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error(transparent)]
+    Prepare(#[from] PrepareError),
+    #[error("creating the PJRT client for cluster.device: {0}")]
+    Client(xla::runtime::Error),
+    #[error("rollout: {0}")]
+    Rollout(#[from] rollout::RolloutError),
+    #[error(transparent)]
+    Role(#[from] RoleError),
+    #[error("learner: {0}")]
+    Learner(#[from] LearnerError),
+    #[error(transparent)]
+    Checkpoint(#[from] trainer::checkpoint::CheckpointError),
+    #[error(transparent)]
+    Data(#[from] data::DataError),
+    #[error("{what} {}: {source}", path.display())]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Other(String),
+}
+
+fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> RunError + 'a {
+    move |source| RunError::Io {
+        what,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// How `grpo run` was asked to behave beyond the recipe.
+#[derive(Clone, Debug, Default)]
+pub struct RunOptions {
+    /// No progress display (logs and metrics only).
+    pub quiet: bool,
+    /// The `grpo` executable worker processes are started from (default: this executable).
+    pub worker_program: Option<PathBuf>,
+}
+
+/// What a finished run reports.
+#[derive(Clone, Debug)]
+pub struct RunSummary {
+    pub output: PathBuf,
+    /// The step the run started after (0 for a new run, the checkpoint's step on resume).
+    pub resumed_from: u64,
+    pub steps: u64,
+    pub last_checkpoint: Option<PathBuf>,
+}
+
+/// A line on stderr unless quiet (before the progress display exists).
+fn progress_note(options: &RunOptions, line: &str) {
+    if !options.quiet {
+        eprintln!("{line}");
+    }
+}
+
+/// The key under which a checkpoint records the optimizer-step clock.
+const OPTIMIZER_STEPS_KEY: &str = "optimizer_steps";
+
+/// Trains as `recipe` says. Blocks the calling thread until the run ends.
+pub fn train(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary, RunError> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .worker_threads(2)
+        .build()
+        .map_err(|e| RunError::Other(format!("starting the async runtime: {e}")))?;
+    runtime.block_on(train_async(recipe, options))
+}
+
+/// Request ids: training prompt `i` of step `s` is `s << 24 | i`; validation requests set bit 62.
+fn request_id(step: u64, i: usize) -> u64 {
+    (step << 24) | i as u64
+}
+const VALIDATION_ID: u64 = 1 << 62;
+
+/// The seed of a request: a mix of the run's seed and the request id (SplitMix64), so every
+/// prompt's samples are reproducible wherever and whenever they are generated.
+fn request_seed(seed: u64, id: u64) -> u64 {
+    let mut z = seed ^ id.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn sampling_params(recipe: &Recipe, validation: bool) -> SamplingParams {
+    let r = &recipe.rollout;
+    let (temperature, top_k, top_p) = if !validation {
+        (r.temperature, r.top_k, r.top_p)
+    } else if r.val_kwargs.do_sample {
+        (r.val_kwargs.temperature, r.val_kwargs.top_k, r.val_kwargs.top_p)
+    } else {
+        (0.0, -1, 1.0)
+    };
+    SamplingParams {
+        temperature: temperature as f32,
+        top_k: if top_k <= 0 { 0 } else { top_k as usize },
+        top_p: top_p as f32,
+        max_new_tokens: recipe.data.max_response_length,
+        stop_token_ids: Vec::new(),
+        stop_strings: r.stop.clone(),
+    }
+}
+
+/// The prompts of one step, ready to send.
+struct StepPrompts {
+    requests: Vec<GenerationRequest>,
+    metas: HashMap<u64, PromptMeta>,
+    /// Dataset row indices, in batch order (for `prompts.jsonl`).
+    indices: Vec<u64>,
+    prompt_tokens: usize,
+}
+
+fn build_prompts(
+    recipe: &Recipe,
+    prepared: &Prepared,
+    dataset: &data::PromptDataset,
+    positions: &[u64],
+    id_base: impl Fn(usize) -> u64,
+    validation: bool,
+) -> Result<StepPrompts, RunError> {
+    let examples = dataset.read(positions)?;
+    let n = if validation {
+        recipe.rollout.val_kwargs.n
+    } else {
+        recipe.rollout.n
+    };
+    let params = sampling_params(recipe, validation);
+    let mut out = StepPrompts {
+        requests: Vec::with_capacity(examples.len()),
+        metas: HashMap::new(),
+        indices: Vec::with_capacity(examples.len()),
+        prompt_tokens: 0,
+    };
+    for (i, ex) in examples.iter().enumerate() {
+        let prompt = dataset.encode_prompt(ex, &prepared.tokenizer)?;
+        let id = id_base(i);
+        out.prompt_tokens += prompt.len() * n;
+        out.requests.push(GenerationRequest {
+            id,
+            prompt,
+            n,
+            seed: request_seed(recipe.trainer.seed, id),
+            params: params.clone(),
+        });
+        out.metas.insert(
+            id,
+            PromptMeta {
+                data_source: ex.data_source.clone().unwrap_or_default(),
+                ground_truth: ex.ground_truth_text().unwrap_or_default(),
+                extra: serde_json::Value::Object(ex.columns.clone()),
+            },
+        );
+        out.indices.push(ex.index);
+    }
+    Ok(out)
+}
+
+/// Weights for an in-process rollout engine in `dtype`: the learner's own buffers when the
+/// dtypes agree and `copy` is off (no copy), a device copy with `copy`, a converted upload
+/// when the dtypes differ.
+fn rollout_weights(
+    params: Arc<[Buffer]>,
+    client: &Client,
+    dtype: DType,
+    copy: bool,
+) -> Result<Arc<[Buffer]>, RunError> {
+    let rt = |e: xla::runtime::Error| RunError::Other(format!("preparing rollout weights: {e}"));
+    if params.first().map(|b| b.dtype()) == Some(dtype) {
+        if !copy {
+            return Ok(params);
+        }
+        return params
+            .iter()
+            .map(|b| b.copy_to_device(b.device()).map_err(rt))
+            .collect();
+    }
+    params
+        .iter()
+        .map(|b| {
+            let values: Vec<f32> = match b.dtype() {
+                DType::BF16 => b
+                    .to_host::<half::bf16>()
+                    .map_err(rt)?
+                    .iter()
+                    .map(|v| v.to_f32())
+                    .collect(),
+                _ => b.to_host::<f32>().map_err(rt)?,
+            };
+            match dtype {
+                DType::BF16 => {
+                    let v: Vec<half::bf16> = values.iter().map(|x| half::bf16::from_f32(*x)).collect();
+                    client.buffer_from_host(&v, b.dims(), b.device())
+                }
+                _ => client.buffer_from_host(&values, b.dims(), b.device()),
+            }
+            .map_err(rt)
+        })
+        .collect()
+}
+
+/// Rewrites `path` keeping only the JSON lines whose `step` is at most `last_step` (what a
+/// resumed run must not see twice). A missing file is fine.
+fn truncate_jsonl(path: &Path, last_step: u64) -> Result<(), RunError> {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Ok(());
+    };
+    let kept: String = text
+        .lines()
+        .filter(|l| {
+            serde_json::from_str::<serde_json::Value>(l)
+                .ok()
+                .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
+                .is_some_and(|s| s <= last_step)
+        })
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let tmp = path.with_extension("jsonl.tmp");
+    std::fs::write(&tmp, kept).map_err(io("writing", &tmp))?;
+    std::fs::rename(&tmp, path).map_err(io("replacing", path))
+}
+
+fn append_line(path: &Path, value: &serde_json::Value) -> Result<(), RunError> {
+    use std::io::Write;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(io("opening", path))?;
+    writeln!(f, "{value}").map_err(io("writing", path))
+}
+
+async fn train_async(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary, RunError> {
+    let output = PathBuf::from(&recipe.trainer.output_dir);
+    std::fs::create_dir_all(&output).map_err(io("creating the output directory", &output))?;
+    let recipe_path = output.join("recipe.yaml");
+    std::fs::write(&recipe_path, recipe.to_yaml()).map_err(io("writing", &recipe_path))?;
+
+    let started = Instant::now();
+    let mut prepared = prepare(recipe)?;
+    let config = prepared.model.weights.config.clone();
+    tracing::info!(
+        "model {} ({}, {:.1}M parameters), {} training prompts",
+        recipe.model.path,
+        config.family,
+        config.num_parameters() as f64 / 1e6,
+        prepared.train.len()
+    );
+    let client = setup::open_client(recipe).map_err(RunError::Client)?;
+
+    // Schedule.
+    let mut sampler = prepared.train.train_sampler(&recipe.data)?;
+    let total_steps = match recipe.trainer.total_training_steps {
+        Some(s) => s as u64,
+        None => recipe.trainer.total_epochs as u64 * sampler.batches_per_epoch(),
+    };
+    let minis_per_step = recipe
+        .data
+        .train_batch_size
+        .div_ceil(recipe.actor.ppo_mini_batch_size.max(1)) as u64;
+    let total_optimizer_steps = total_steps * minis_per_step * recipe.actor.ppo_epochs as u64;
+
+    // The initial weights in parameter-table order (also the frozen reference).
+    let specs = trainer::policy::DecoderPolicy {
+        config: config.clone(),
+        prompt_len: recipe.data.max_prompt_length,
+        response_len: recipe.data.max_response_length,
+        micro_batch_size: recipe.actor.ppo_micro_batch_size,
+        temperature: 1.0,
+    }
+    .param_specs();
+    // The host copy of the weights moves into the learner (the rollout shares the learner's
+    // device buffers), so the model is held once on the host, not three times.
+    let mut by_name: HashMap<String, model::HostTensor> = std::mem::take(&mut prepared.model.weights.tensors)
+        .into_iter()
+        .map(|t| (t.name.clone(), t))
+        .collect();
+    let mut initial: Vec<Vec<f32>> = specs
+        .iter()
+        .map(|s| {
+            by_name
+                .remove(&s.name)
+                .map(|t| t.to_f32_vec())
+                .ok_or_else(|| RunError::Other(format!("the model has no tensor {}", s.name)))
+        })
+        .collect::<Result<_, _>>()?;
+    drop(by_name);
+    let needs_reference = LocalLearner::needs_reference(recipe);
+
+    // Resume from the newest complete checkpoint, or start fresh.
+    let checkpoint = match recipe.trainer.resume_mode {
+        ResumeMode::Auto => latest_checkpoint(&output)?,
+        ResumeMode::Disable => None,
+    };
+    let (state, start_step, mut version, optimizer_steps) = match &checkpoint {
+        Some(dir) => {
+            let ck = load_checkpoint(dir)?;
+            let state = LearnerState::from_checkpoint(&ck, &specs)?;
+            let position: data::SamplerState = serde_json::from_value(ck.state.sampler_position.clone())
+                .map_err(|e| RunError::Other(format!("{}: bad sampler position: {e}", dir.display())))?;
+            sampler.restore(position)?;
+            let opt = ck
+                .state
+                .extra
+                .get(OPTIMIZER_STEPS_KEY)
+                .and_then(|v| v.as_u64())
+                .unwrap_or(0);
+            tracing::info!("resuming from {} (step {})", dir.display(), ck.state.step);
+            (state, ck.state.step, ck.state.weight_version, opt)
+        }
+        None => {
+            let zeros: Vec<Vec<f32>> = initial.iter().map(|v| vec![0.0; v.len()]).collect();
+            let params = if needs_reference {
+                initial.clone()
+            } else {
+                std::mem::take(&mut initial)
+            };
+            (
+                LearnerState {
+                    params,
+                    m: zeros.clone(),
+                    v: zeros,
+                    adam_step: 0,
+                },
+                0,
+                0,
+                0,
+            )
+        }
+    };
+    // A resumed run keeps the history up to its checkpoint; a new run starts it afresh.
+    for name in ["metrics.jsonl", "prompts.jsonl"] {
+        let path = output.join(name);
+        if checkpoint.is_some() {
+            truncate_jsonl(&path, start_step)?;
+        } else if path.exists() {
+            std::fs::remove_file(&path).map_err(io("removing", &path))?;
+        }
+    }
+    if start_step >= total_steps {
+        return Ok(RunSummary {
+            output,
+            resumed_from: start_step,
+            steps: start_step,
+            last_checkpoint: checkpoint,
+        });
+    }
+
+    let reference = needs_reference.then_some(initial.as_slice());
+    let mut learner = LocalLearner::new(
+        &client,
+        recipe,
+        &config,
+        &state,
+        reference,
+        optimizer_steps,
+        total_optimizer_steps,
+    )?;
+    drop(state);
+    drop(initial);
+    let off_policy = recipe.trainer.off_policy_steps > 0;
+    let rollout_dtype = setup::dtype(recipe.rollout.dtype);
+
+    // The roles: in this process, or worker processes started by the local launcher.
+    let cluster = &recipe.cluster;
+    let tls = cluster.tls.as_ref();
+    let timeout = std::time::Duration::from_secs_f64(cluster.worker_timeout_s);
+    let token = Token::generate();
+    let launcher = if cluster.rollout_workers + cluster.reward_workers > 0 {
+        let token_file = output.join("worker.token");
+        token
+            .write(&token_file)
+            .map_err(|e| RunError::Other(format!("writing the workers' token: {e}")))?;
+        let program = match &options.worker_program {
+            Some(p) => p.clone(),
+            None => std::env::current_exe().map_err(io("locating", Path::new("the grpo executable")))?,
+        };
+        let spec = LaunchSpec::from_cluster(cluster, program, recipe_path.clone(), token_file, &output);
+        progress_note(
+            options,
+            &format!(
+                "starting {} rollout and {} reward worker process(es) (logs in {})",
+                cluster.rollout_workers,
+                cluster.reward_workers,
+                spec.log_dir.display()
+            ),
+        );
+        Some(Arc::new(
+            LocalLauncher::start(spec)
+                .await
+                .map_err(|e| RunError::Other(e.to_string()))?,
+        ))
+    } else {
+        None
+    };
+    let remote_rollout = |address: &str| -> Result<Arc<dyn RolloutRole>, RoleError> {
+        Ok(Arc::new(RemoteRollout::with_timeout(
+            address, &token, tls, timeout,
+        )?))
+    };
+    let remote_reward = |address: &str| -> Result<Arc<dyn RewardRole>, RoleError> {
+        Ok(Arc::new(RemoteReward::new(address, &token, tls)?))
+    };
+    let rollouts: Vec<Arc<dyn RolloutRole>> = match &launcher {
+        Some(l) if cluster.rollout_workers > 0 => l
+            .workers(Role::Rollout)
+            .iter()
+            .map(|w| remote_rollout(&w.address))
+            .collect::<Result<_, _>>()?,
+        _ => {
+            let weights = rollout_weights(learner.shared_params(), &client, rollout_dtype, off_policy)?;
+            let engine = setup::build_engine(recipe, &prepared, &client, weights, version)?;
+            vec![Arc::new(LocalRollout::new(engine))]
+        }
+    };
+    let rewards: Vec<Arc<dyn RewardRole>> = match &launcher {
+        Some(l) if cluster.reward_workers > 0 => l
+            .workers(Role::Reward)
+            .iter()
+            .map(|w| remote_reward(&w.address))
+            .collect::<Result<_, _>>()?,
+        _ => {
+            let options = recipe
+                .reward
+                .pool_options()
+                .map_err(|e| RunError::Other(format!("reward: {e}")))?;
+            let function = recipe
+                .reward
+                .build(Some(recipe.data.max_response_length))
+                .map_err(|e| RunError::Other(format!("reward: {e}")))?;
+            vec![Arc::new(LocalReward::new(Arc::new(function), options))]
+        }
+    };
+    let fleet = Arc::new(Fleet::new(
+        rollouts,
+        rewards,
+        LaunchSpec::DEFAULT_START_TIMEOUT + timeout,
+    ));
+    if cluster.rollout_workers > 0 {
+        // Workers load the model themselves; from here on they take the learner's versions.
+        let params = rollout_weights(learner.shared_params(), &client, rollout_dtype, false)?;
+        fleet.update_weights(WeightUpdate { version, params }).await?;
+    }
+    // Replace workers that fail, in the background: the others carry on meanwhile.
+    let replacer = launcher.clone().map(|launcher| {
+        let fleet = fleet.clone();
+        let token = token.clone();
+        let tls = cluster.tls.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                for (role, index) in fleet.take_dead() {
+                    let (launcher, fleet, token, tls) =
+                        (launcher.clone(), fleet.clone(), token.clone(), tls.clone());
+                    tokio::spawn(async move {
+                        tracing::warn!("starting a replacement for {} worker {index}", role.name());
+                        let result = async {
+                            let w = launcher.restart(role, index).await.map_err(|e| e.to_string())?;
+                            match role {
+                                Role::Rollout => {
+                                    let r = RemoteRollout::with_timeout(
+                                        &w.address,
+                                        &token,
+                                        tls.as_ref(),
+                                        timeout,
+                                    )
+                                    .map_err(|e| e.to_string())?;
+                                    fleet
+                                        .replace_rollout(index, Arc::new(r))
+                                        .await
+                                        .map_err(|e| e.to_string())
+                                }
+                                Role::Reward => {
+                                    let r = RemoteReward::new(&w.address, &token, tls.as_ref())
+                                        .map_err(|e| e.to_string())?;
+                                    fleet.replace_reward(index, Arc::new(r));
+                                    Ok(())
+                                }
+                            }
+                        }
+                        .await;
+                        match result {
+                            Ok(()) => tracing::warn!("{} worker {index} replaced", role.name()),
+                            Err(e) => {
+                                tracing::error!("replacing {} worker {index} failed: {e}", role.name());
+                                fleet.replacement_failed(role, index);
+                            }
+                        }
+                    });
+                }
+            }
+        })
+    });
+
+    let steps = async {
+        let mut log = MetricsLog::open(&output).map_err(io("opening", &output.join("metrics.jsonl")))?;
+        let prompts_log = output.join("prompts.jsonl");
+        let progress = Progress::new(start_step, total_steps, options.quiet);
+        tracing::info!("ready in {:.1}s", started.elapsed().as_secs_f64());
+
+        let validation_due = |step: u64| -> bool {
+            prepared.validation.is_some()
+                && ((step == 0 && recipe.trainer.val_before_train)
+                    || (recipe.trainer.test_freq > 0 && step.is_multiple_of(recipe.trainer.test_freq as u64))
+                    || (step == total_steps && recipe.trainer.test_freq > 0))
+        };
+        if start_step == 0 && validation_due(0) {
+            progress.phase("validating");
+            let v = validate(recipe, &prepared, &fleet, 0, &output).await?;
+            progress.note(&format!(
+                "validation before training: accuracy {:.3}",
+                v["val/accuracy"]
+            ));
+            log.write(0, &v).map_err(io("writing", log.path()))?;
+        }
+
+        let mut last_checkpoint = checkpoint.clone();
+        // With one-step off-policy, the next step's samples are generated while this step updates;
+        // they wait here for the next step.
+        let mut ready: Option<Generated> = None;
+        let mut sampler_before_prefetch;
+
+        for step in start_step + 1..=total_steps {
+            let step_started = Instant::now();
+            let mut m = Metrics::new();
+            progress.phase("generating");
+            // 1-3: prompts -> samples -> rewards.
+            let generated = match ready.take() {
+                Some(g) => g,
+                None => {
+                    let batch = sampler.next_batch();
+                    let prompts = build_prompts(
+                        recipe,
+                        &prepared,
+                        &prepared.train,
+                        &batch.positions,
+                        |i| request_id(step, i),
+                        false,
+                    )?;
+                    generate(fleet.clone(), prompts, batch.epoch).await?
+                }
+            };
+            append_line(
+                &prompts_log,
+                &serde_json::json!({"step": step, "epoch": generated.epoch, "indices": generated.indices}),
+            )?;
+            // A checkpoint after this step resumes with the next batch drawn again.
+            sampler_before_prefetch = sampler.state();
+            let prefetch = if off_policy && step < total_steps {
+                let batch = sampler.next_batch();
+                let prompts = build_prompts(
+                    recipe,
+                    &prepared,
+                    &prepared.train,
+                    &batch.positions,
+                    |i| request_id(step + 1, i),
+                    false,
+                )?;
+                Some(tokio::spawn(generate(fleet.clone(), prompts, batch.epoch)))
+            } else {
+                None
+            };
+
+            // 4: the update.
+            progress.phase("updating");
+            let rows: Vec<Row> = generated
+                .scored
+                .iter()
+                .map(|s| Row {
+                    group: s.sample.request_id,
+                    prompt: s.sample.prompt_ids.clone(),
+                    response: s.sample.response_ids.clone(),
+                    rollout_log_probs: s.sample.logprobs.clone(),
+                    score: s.score.score,
+                    truncated: matches!(
+                        s.sample.finish_reason,
+                        FinishReason::MaxNewTokens | FinishReason::MaxModelLen
+                    ),
+                })
+                .collect();
+            let t = Instant::now();
+            let (returned, report) = tokio::task::spawn_blocking(move || {
+                let r = learner.update(&rows);
+                (learner, r)
+            })
+            .await
+            .map_err(|e| RunError::Other(format!("learner task: {e}")))?;
+            learner = returned;
+            let report = report?;
+            let update_s = t.elapsed().as_secs_f64();
+            let lag: Vec<f64> = generated
+                .scored
+                .iter()
+                .map(|s| version.saturating_sub(s.sample.weight_version) as f64)
+                .collect();
+            version += 1;
+
+            // 5: the new weights to the rollout workers (after the prefetched generation, so
+            // that every sample of a step comes from one version).
+            if let Some(handle) = prefetch {
+                ready = Some(
+                    handle
+                        .await
+                        .map_err(|e| RunError::Other(format!("generation task: {e}")))??,
+                );
+            }
+            progress.phase("syncing weights");
+            let t = Instant::now();
+            let params = rollout_weights(learner.shared_params(), &client, rollout_dtype, off_policy)?;
+            fleet.update_weights(WeightUpdate { version, params }).await?;
+            let sync_s = t.elapsed().as_secs_f64();
+
+            // Metrics.
+            let scores: Vec<f64> = generated.scored.iter().map(|s| s.score.score).collect();
+            let (mean, std) = mean_std(&scores);
+            m.insert("batch/samples".into(), scores.len() as f64);
+            m.insert("reward/mean".into(), mean);
+            m.insert("reward/std".into(), std);
+            m.insert(
+                "reward/max".into(),
+                scores.iter().cloned().fold(f64::NAN, f64::max),
+            );
+            m.insert(
+                "reward/min".into(),
+                scores.iter().cloned().fold(f64::NAN, f64::min),
+            );
+            m.insert(
+                "reward/errors".into(),
+                generated
+                    .scored
+                    .iter()
+                    .filter(|s| s.score.error.is_some())
+                    .count() as f64,
+            );
+            let mut extras: HashMap<&str, Vec<f64>> = HashMap::new();
+            for s in &generated.scored {
+                for (k, v) in &s.score.extras {
+                    extras.entry(k.as_str()).or_default().push(*v);
+                }
+            }
+            for (k, v) in extras {
+                m.insert(format!("reward/extra/{k}"), mean_std(&v).0);
+            }
+            let lengths: Vec<f64> = generated
+                .scored
+                .iter()
+                .map(|s| s.sample.response_ids.len() as f64)
+                .collect();
+            m.insert("response_length/mean".into(), mean_std(&lengths).0);
+            m.insert(
+                "response_length/max".into(),
+                lengths.iter().cloned().fold(0.0, f64::max),
+            );
+            m.insert(
+                "response_length/clip_ratio".into(),
+                generated
+                    .scored
+                    .iter()
+                    .filter(|s| {
+                        !matches!(
+                            s.sample.finish_reason,
+                            FinishReason::Eos(_) | FinishReason::StopString(_)
+                        )
+                    })
+                    .count() as f64
+                    / scores.len().max(1) as f64,
+            );
+            m.insert(
+                "prompt_length/mean".into(),
+                generated.prompt_tokens as f64 / scores.len().max(1) as f64,
+            );
+            m.extend(report.metrics.clone());
+            m.insert("timing_s/gen".into(), generated.gen_s);
+            m.insert("timing_s/reward".into(), generated.reward_tail_s);
+            m.insert("timing_s/update".into(), update_s);
+            m.insert("timing_s/sync".into(), sync_s);
+            let gen_tokens: usize = lengths.iter().map(|l| *l as usize).sum();
+            m.insert(
+                "perf/gen_tokens_per_s".into(),
+                gen_tokens as f64 / generated.gen_s.max(1e-9),
+            );
+            m.insert(
+                "perf/train_tokens_per_s".into(),
+                report.processed_tokens as f64 / update_s.max(1e-9),
+            );
+            m.insert("weights/version".into(), version as f64);
+            m.insert("weights/version_lag".into(), mean_std(&lag).0);
+            m.insert(
+                "workers/rollout_failures".into(),
+                generated.rollout_failures as f64,
+            );
+            m.insert("workers/reward_failures".into(), generated.reward_failures as f64);
+            m.insert("workers/reissued_requests".into(), generated.reissued as f64);
+            m.insert("workers/failures_total".into(), fleet.failures() as f64);
+            m.insert("workers/replaced_total".into(), fleet.replaced() as f64);
+            m.insert("data/epoch".into(), generated.epoch as f64);
+
+            // Validation and checkpoints on their schedules.
+            if validation_due(step) {
+                progress.phase("validating");
+                let t = Instant::now();
+                let v = validate(recipe, &prepared, &fleet, step, &output).await?;
+                m.extend(v);
+                m.insert("timing_s/validation".into(), t.elapsed().as_secs_f64());
+            }
+            // As VeRL: every save_freq steps and after the last one; never when save_freq <= 0.
+            let save_due = recipe.trainer.save_freq > 0
+                && (step.is_multiple_of(recipe.trainer.save_freq as u64) || step == total_steps);
+            let step_s = step_started.elapsed().as_secs_f64();
+            m.insert("timing_s/step".into(), step_s);
+            // What the controller itself spent: the step minus the work it waited for.
+            let work: f64 = [
+                "timing_s/gen",
+                "timing_s/reward",
+                "timing_s/update",
+                "timing_s/sync",
+                "timing_s/validation",
+            ]
+            .iter()
+            .filter_map(|k| m.get(*k))
+            .sum();
+            m.insert(
+                "perf/orchestration_overhead_frac".into(),
+                ((step_s - work) / step_s).max(0.0),
+            );
+            if save_due {
+                progress.phase("saving a checkpoint");
+                let t = Instant::now();
+                let state = TrainerState {
+                    step,
+                    weight_version: version,
+                    rng_state: serde_json::json!({ "seed": recipe.trainer.seed }),
+                    sampler_position: serde_json::to_value(sampler_before_prefetch)
+                        .map_err(|e| RunError::Other(e.to_string()))?,
+                    extra: serde_json::json!({
+                        trainer::export::MODEL_PATH_KEY: recipe.model.path,
+                        OPTIMIZER_STEPS_KEY: learner.optimizer_steps(),
+                    }),
+                };
+                let files = learner.tensor_files()?;
+                let dir = save_checkpoint(&output, &state, &files, recipe.trainer.max_checkpoints_to_keep)?;
+                m.insert("timing_s/save_checkpoint".into(), t.elapsed().as_secs_f64());
+                last_checkpoint = Some(dir);
+            }
+            log.write(step, &m).map_err(io("writing", log.path()))?;
+            progress.step_done(step, &m);
+        }
+        progress.finish();
+        Ok::<_, RunError>(last_checkpoint)
+    };
+    let result = tokio::select! {
+        r = steps => r,
+        _ = tokio::signal::ctrl_c() => Err(RunError::Other(
+            "interrupted (Ctrl-C); the newest checkpoint is where `grpo run` resumes".into(),
+        )),
+    };
+    // Stop the workers whatever happened (dropping the launcher kills any that remain).
+    if let Some(task) = replacer {
+        task.abort();
+    }
+    if let Some(l) = launcher {
+        l.shutdown(std::time::Duration::from_secs(2)).await;
+    }
+    let last_checkpoint = result?;
+    Ok(RunSummary {
+        output,
+        resumed_from: start_step,
+        steps: total_steps,
+        last_checkpoint,
+    })
+}
+
+/// A step's samples with their scores, in (request id, sample index) order.
+pub(crate) struct Generated {
+    pub scored: Vec<Scored>,
+    pub indices: Vec<u64>,
+    pub epoch: u64,
+    pub prompt_tokens: usize,
+    /// From the first request sent to the last sample received.
+    pub gen_s: f64,
+    /// Scoring time after the last sample arrived (the part not hidden behind generation).
+    pub reward_tail_s: f64,
+    pub rollout_failures: usize,
+    pub reward_failures: usize,
+    pub reissued: usize,
+}
+
+async fn generate(fleet: Arc<Fleet>, prompts: StepPrompts, epoch: u64) -> Result<Generated, RunError> {
+    let outcome = fleet.generate_and_score(prompts.requests, prompts.metas).await?;
+    Ok(Generated {
+        scored: outcome.scored,
+        indices: prompts.indices,
+        epoch,
+        prompt_tokens: prompts.prompt_tokens,
+        gen_s: outcome.gen_s,
+        reward_tail_s: outcome.reward_tail_s,
+        rollout_failures: outcome.rollout_failures,
+        reward_failures: outcome.reward_failures,
+        reissued: outcome.reissued,
+    })
+}
+
+/// Generates for every validation prompt (`rollout.val_kwargs`) and scores: `val/accuracy` is
+/// the mean of the scorers' `acc` where they report one, else of the reward. Every response
+/// with its score goes to `OUTPUT/validation/step_N.jsonl`.
+async fn validate(
+    recipe: &Recipe,
+    prepared: &Prepared,
+    fleet: &Arc<Fleet>,
+    step: u64,
+    output: &Path,
+) -> Result<Metrics, RunError> {
+    let dataset = prepared
+        .validation
+        .as_ref()
+        .expect("validation is due only with val_files");
+    let positions: Vec<u64> = (0..dataset.len()).collect();
+    let prompts = build_prompts(
+        recipe,
+        prepared,
+        dataset,
+        &positions,
+        |i| VALIDATION_ID | (step << 24) | i as u64,
+        true,
+    )?;
+    let outcome = fleet
+        .generate_and_score(prompts.requests.clone(), prompts.metas.clone())
+        .await?;
+    let acc: Vec<f64> = outcome
+        .scored
+        .iter()
+        .map(|s| s.score.extras.get("acc").copied().unwrap_or(s.score.score))
+        .collect();
+    let rewards: Vec<f64> = outcome.scored.iter().map(|s| s.score.score).collect();
+    let lengths: Vec<f64> = outcome
+        .scored
+        .iter()
+        .map(|s| s.sample.response_ids.len() as f64)
+        .collect();
+    let dir = output.join("validation");
+    std::fs::create_dir_all(&dir).map_err(io("creating", &dir))?;
+    let path = dir.join(format!("step_{step}.jsonl"));
+    let lines: String = outcome
+        .scored
+        .iter()
+        .map(|s| {
+            let line = serde_json::json!({
+                "row": prompts.indices[(s.sample.request_id & 0xFF_FFFF) as usize],
+                "sample": s.sample.sample_index,
+                "response": s.sample.text,
+                "score": s.score.score,
+                "extras": s.score.extras,
+                "error": s.score.error,
+            });
+            format!("{line}\n")
+        })
+        .collect();
+    std::fs::write(&path, lines).map_err(io("writing", &path))?;
+    let mut m = Metrics::new();
+    m.insert("val/accuracy".into(), mean_std(&acc).0);
+    m.insert("val/reward/mean".into(), mean_std(&rewards).0);
+    m.insert("val/response_length/mean".into(), mean_std(&lengths).0);
+    m.insert("val/samples".into(), acc.len() as f64);
+    Ok(m)
+}

@@ -1,0 +1,338 @@
+//! `grpo run` end to end on a tiny random-weight model with SmolLM2's tokenizer: the whole loop
+//! (sampler -> rollout -> rewards -> learner -> weight sync -> metrics, validation,
+//! checkpoints), resume after a kill -9, and the same run with its rollout and reward roles in
+//! worker processes over gRPC.
+
+mod common;
+
+use common::*;
+use std::path::Path;
+
+/// A recipe for the tiny model: 4 prompts x 4 samples per step, short responses.
+fn recipe(
+    dir: &Path,
+    model: &Path,
+    train: &Path,
+    val: &Path,
+    output: &Path,
+    steps: usize,
+) -> std::path::PathBuf {
+    recipe_with(dir, "recipe.yaml", model, train, val, output, steps, "")
+}
+
+/// [`recipe`] plus `extra` YAML appended (whole sections), written as `dir/name`.
+#[allow(clippy::too_many_arguments)]
+fn recipe_with(
+    dir: &Path,
+    name: &str,
+    model: &Path,
+    train: &Path,
+    val: &Path,
+    output: &Path,
+    steps: usize,
+    extra: &str,
+) -> std::path::PathBuf {
+    let text = format!(
+        "model:\n  path: {model}\n\
+         data:\n  train_files: {train}\n  val_files: {val}\n  train_batch_size: 4\n  max_prompt_length: 96\n  max_response_length: 12\n\
+         rollout:\n  n: 4\n  max_num_seqs: 16\n\
+         actor:\n  optim:\n    lr: 1.0e-3\n  ppo_mini_batch_size: 2\n  ppo_micro_batch_size: 4\n  use_kl_loss: true\n\
+         trainer:\n  total_training_steps: {steps}\n  test_freq: 2\n  save_freq: 2\n  output_dir: {output}\n  seed: 3\n{extra}",
+        model = model.display(),
+        train = train.display(),
+        val = val.display(),
+        output = output.display(),
+    );
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// The values of `key` at every training step.
+fn series(m: &std::collections::BTreeMap<u64, serde_json::Value>, key: &str) -> Vec<f64> {
+    m.iter()
+        .filter(|(s, _)| **s > 0)
+        .map(|(_, v)| v[key].as_f64().unwrap_or_else(|| panic!("{key} missing in {v}")))
+        .collect()
+}
+
+#[test]
+fn a_tiny_run_trains_validates_checkpoints_and_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_chat_model(dir.path());
+    let train = arithmetic(dir.path(), "train", 1, 64);
+    let val = arithmetic(dir.path(), "val", 2, 6);
+    let out = dir.path().join("out");
+    let r = recipe(dir.path(), &model, &train, &val, &out, 3);
+    let o = run_grpo(&["run", r.to_str().unwrap(), "--quiet"]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    let m = metrics(&out);
+    assert_eq!(
+        m.keys().copied().collect::<Vec<_>>(),
+        vec![0, 1, 2, 3],
+        "{stderr}"
+    );
+    for key in [
+        "reward/mean",
+        "reward/std",
+        "response_length/mean",
+        "actor/pg_loss",
+        "actor/kl",
+        "actor/entropy",
+        "actor/grad_norm",
+        "actor/lr",
+        "timing_s/gen",
+        "timing_s/reward",
+        "timing_s/update",
+        "timing_s/sync",
+        "timing_s/step",
+        "perf/gen_tokens_per_s",
+        "perf/train_tokens_per_s",
+        "weights/version_lag",
+        "reward/errors",
+    ] {
+        assert!(
+            m[&3].get(key).is_some_and(|v| v.is_number()),
+            "step 3 lacks {key}: {}",
+            m[&3]
+        );
+    }
+    assert!(m[&0]["val/accuracy"].is_number() && m[&2]["val/accuracy"].is_number());
+    assert_eq!(m[&3]["weights/version"], 3.0);
+    assert_eq!(m[&3]["weights/version_lag"], 0.0);
+    assert!(out.join("checkpoints/step_2/manifest.json").is_file());
+    assert!(out.join("checkpoints/step_3/manifest.json").is_file());
+    let seen = prompts_seen(&out);
+    assert_eq!(seen.len(), 3);
+    assert!(seen.values().all(|v| v.len() == 4));
+}
+
+#[test]
+fn kill_9_then_run_again_resumes_with_the_same_prompts_and_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_chat_model(dir.path());
+    let train = arithmetic(dir.path(), "train", 1, 64);
+    let val = arithmetic(dir.path(), "val", 2, 4);
+    let whole = dir.path().join("whole");
+    let broken = dir.path().join("broken");
+    let r_whole = recipe_with(dir.path(), "whole.yaml", &model, &train, &val, &whole, 4, "");
+    let r_broken = recipe_with(dir.path(), "broken.yaml", &model, &train, &val, &broken, 4, "");
+    let save_each = [
+        "--set",
+        "trainer.save_freq=1",
+        "--set",
+        "trainer.test_freq=-1",
+        "--quiet",
+    ];
+
+    let o = grpo().arg("run").arg(&r_whole).args(save_each).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+
+    // Kill -9 once step 2 is saved, then run the same command again.
+    let mut child = grpo()
+        .arg("run")
+        .arg(&r_broken)
+        .args(save_each)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let saved = broken.join("checkpoints/step_2/manifest.json");
+    let t = std::time::Instant::now();
+    while !saved.exists() {
+        assert!(t.elapsed().as_secs() < 300, "no checkpoint at step 2 after 300 s");
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the run ended before it could be killed"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let o = grpo().arg("run").arg(&r_broken).args(save_each).output().unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+
+    assert_eq!(prompts_seen(&whole), prompts_seen(&broken));
+    let (a, b) = (metrics(&whole), metrics(&broken));
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    for key in [
+        "reward/mean",
+        "response_length/mean",
+        "actor/pg_loss",
+        "actor/grad_norm",
+        "actor/kl",
+    ] {
+        assert_eq!(series(&a, key), series(&b, key), "{key} differs after the resume");
+    }
+    // Running again once finished does nothing.
+    let o = grpo().arg("run").arg(&r_broken).args(save_each).output().unwrap();
+    assert!(String::from_utf8_lossy(&o.stderr).contains("nothing to do"));
+}
+
+#[test]
+fn one_step_off_policy_overlaps_generation_with_the_update() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_chat_model(dir.path());
+    let train = arithmetic(dir.path(), "train", 1, 64);
+    let val = arithmetic(dir.path(), "val", 2, 4);
+    let out = dir.path().join("out");
+    let r = recipe_with(
+        dir.path(),
+        "r.yaml",
+        &model,
+        &train,
+        &val,
+        &out,
+        3,
+        "algorithm:\n  rollout_is_threshold: 2.0\n",
+    );
+    let o = grpo()
+        .arg("run")
+        .arg(&r)
+        .args(["--set", "trainer.off_policy_steps=1", "--quiet"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let m = metrics(&out);
+    // Step 1 is generated by version 0 and trained at version 0; later steps were generated
+    // while the previous update ran, one version behind.
+    assert_eq!(series(&m, "weights/version_lag"), vec![0.0, 1.0, 1.0]);
+    assert_eq!(prompts_seen(&out).len(), 3);
+}
+
+/// The pids of this run's worker processes of `role` (their command line names the run's
+/// resolved recipe, which lives in the test's temporary directory).
+fn worker_pids(output: &Path, role: &str) -> Vec<u32> {
+    let recipe = output.join("recipe.yaml");
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<String> = cmdline
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        let has = |s: &str| args.iter().any(|a| a == s);
+        if has("worker") && has(role) && has(&recipe.to_string_lossy()) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+#[test]
+fn rollout_and_reward_in_worker_processes_give_the_same_metrics_and_survive_kill_9() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_chat_model(dir.path());
+    let train = arithmetic(dir.path(), "train", 1, 64);
+    let val = arithmetic(dir.path(), "val", 2, 4);
+    let run = |name: &str, cluster: &str| {
+        let out = dir.path().join(name);
+        let r = recipe_with(
+            dir.path(),
+            &format!("{name}.yaml"),
+            &model,
+            &train,
+            &val,
+            &out,
+            4,
+            cluster,
+        );
+        (out, r)
+    };
+    let (local, r_local) = run("local", "");
+    let (remote, r_remote) = run("remote", "cluster:\n  rollout_workers: 1\n  reward_workers: 1\n");
+    let (killed, r_killed) = run(
+        "killed",
+        "cluster:\n  rollout_workers: 2\n  reward_workers: 2\n  worker_timeout_s: 5\n",
+    );
+    for r in [&r_local, &r_remote] {
+        let o = grpo().arg("run").arg(r).arg("--quiet").output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+
+    // One rollout and one reward worker process: the samples are drawn in the same KV slots
+    // with the same seeds, so every metric matches the in-process run's.
+    let (a, b) = (metrics(&local), metrics(&remote));
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    for key in [
+        "reward/mean",
+        "reward/std",
+        "response_length/mean",
+        "actor/pg_loss",
+        "actor/grad_norm",
+        "actor/entropy",
+        "actor/kl",
+    ] {
+        assert_eq!(
+            series(&a, key),
+            series(&b, key),
+            "{key}: in process vs worker processes"
+        );
+    }
+    assert_eq!(a[&0]["val/accuracy"], b[&0]["val/accuracy"]);
+    assert_eq!(prompts_seen(&local), prompts_seen(&remote));
+
+    // Two of each; kill -9 one rollout worker and one reward worker once step 1 is done.
+    let mut child = grpo()
+        .arg("run")
+        .arg(&r_killed)
+        .arg("--quiet")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = std::time::Instant::now();
+    let first_step = |out: &Path| {
+        std::fs::read_to_string(out.join("metrics.jsonl"))
+            .map(|s| s.lines().any(|l| l.starts_with("{\"step\":1,")))
+            .unwrap_or(false)
+    };
+    while !first_step(&killed) {
+        assert!(t.elapsed().as_secs() < 300, "no step 1 after 300 s");
+        assert!(child.try_wait().unwrap().is_none(), "the run ended early");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let rollout = worker_pids(&killed, "rollout");
+    let reward = worker_pids(&killed, "reward");
+    assert_eq!(
+        (rollout.len(), reward.len()),
+        (2, 2),
+        "workers: {rollout:?} {reward:?}"
+    );
+    for pid in [rollout[0], reward[0]] {
+        assert!(std::process::Command::new("kill")
+            .args(["-9", &pid.to_string()])
+            .status()
+            .unwrap()
+            .success());
+    }
+    let o = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    // Every step trained on all its prompts' samples, exactly once each.
+    let c = metrics(&killed);
+    assert_eq!(series(&c, "batch/samples"), vec![16.0; 4], "{stderr}");
+    assert_eq!(prompts_seen(&local), prompts_seen(&killed));
+    let failures = series(&c, "workers/failures_total")
+        .last()
+        .copied()
+        .unwrap_or(0.0);
+    assert!(failures >= 2.0, "both failures should be recorded: {stderr}");
+    assert!(
+        series(&c, "workers/replaced_total")
+            .last()
+            .copied()
+            .unwrap_or(0.0)
+            >= 1.0,
+        "{stderr}"
+    );
+    // No worker outlives the run.
+    for out in [&remote, &killed] {
+        assert!(worker_pids(out, "rollout").is_empty() && worker_pids(out, "reward").is_empty());
+    }
+}

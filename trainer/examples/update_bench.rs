@@ -1,0 +1,478 @@
+//! Benchmark of the learner's update phase (forward, backward, clipping, AdamW) on
+//! SmolLM2-135M-Instruct against the same update in plain PyTorch + transformers on the CPU,
+//! in the same run, alternating one update of each so that machine load hits both alike.
+//!
+//! ```text
+//! cargo run --release -p trainer --example update_bench -- \
+//!     [--model models/SmolLM2-135M-Instruct.Q4_1.gguf] [--rows 8] [--prompt-len 64] \
+//!     [--response-len 448] [--micro-batch 8] [--rounds 3] [--dtype f32|bf16] \
+//!     [--peer-threads N] [--peer-micro-batch M] [--no-peer]
+//! ```
+//!
+//! One update is one GRPO optimizer step over `rows` sequences of `prompt-len + response-len`
+//! tokens (no padding): `Learner::step` with the decoder policy (f32 master weights, VeRL's
+//! default loss: PPO clip 0.2/0.2, dual clip 3, token-mean; AdamW lr 1e-6, weight decay 0.01,
+//! gradient clipping at 1.0). The old log-probs are the policy's own (computed by a forward
+//! program before the first update), the advantages are GRPO's over one group of `rows`.
+//! The peer (`trainer/scripts/update_bench_torch.py`) loads the same weights (exported to a
+//! Hugging Face directory) and the same batch, and runs one update per `step` line on its stdin.
+//!
+//! Model FLOPs utilisation: `flops = 6 * N * tokens + 12 * layers * heads * head_dim * T *
+//! tokens` (PaLM's formula: the parameter matmuls forward and backward plus the attention
+//! score and value matmuls, non-causal, over sequences of `T` tokens; `N` counts the tied
+//! embedding once, as the output head), divided by the update time and by the f32 GEMM rate
+//! (2048^3 matmul through the same plugin) measured in each round of the same run.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::Instant;
+
+use model::forward::DecoderParams;
+use model::programs::HostModel;
+use trainer::advantage::{broadcast_over_response, compute_advantages};
+use trainer::config::{AdvantageEstimator, OptimConfig, PolicyLossConfig};
+use trainer::policy::DecoderPolicy;
+use trainer::step::{
+    build_train_programs, mini_batch_normalizer, HostArray, Learner, MicroBatchHost, StepConfig,
+};
+use xla::graph::Graph;
+use xla::runtime::{Client, Executable};
+use xla::DType;
+
+struct Args {
+    model: PathBuf,
+    rows: usize,
+    prompt_len: usize,
+    response_len: usize,
+    micro_batch: usize,
+    rounds: usize,
+    dtype: DType,
+    peer: bool,
+    peer_threads: usize,
+    peer_micro_batch: usize,
+}
+
+fn parse_args() -> Args {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut a = Args {
+        model: root.join("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        rows: 8,
+        prompt_len: 64,
+        response_len: 448,
+        micro_batch: 8,
+        rounds: 3,
+        dtype: DType::F32,
+        peer: true,
+        peer_threads: cores,
+        peer_micro_batch: 0,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
+        match flag.as_str() {
+            "--model" => a.model = PathBuf::from(value()),
+            "--rows" => a.rows = value().parse().expect("--rows N"),
+            "--prompt-len" => a.prompt_len = value().parse().expect("--prompt-len N"),
+            "--response-len" => a.response_len = value().parse().expect("--response-len N"),
+            "--micro-batch" => a.micro_batch = value().parse().expect("--micro-batch N"),
+            "--rounds" => a.rounds = value().parse().expect("--rounds N"),
+            "--peer-threads" => a.peer_threads = value().parse().expect("--peer-threads N"),
+            "--peer-micro-batch" => a.peer_micro_batch = value().parse().expect("--peer-micro-batch N"),
+            "--no-peer" => a.peer = false,
+            "--dtype" => {
+                a.dtype = match value().as_str() {
+                    "f32" => DType::F32,
+                    "bf16" => DType::BF16,
+                    other => panic!("--dtype takes f32 or bf16, not {other}"),
+                }
+            }
+            other => panic!(
+                "unknown option {other}; options: --model PATH --rows N --prompt-len N \
+                 --response-len N --micro-batch N --rounds N --dtype f32|bf16 --peer-threads N \
+                 --peer-micro-batch N --no-peer"
+            ),
+        }
+    }
+    assert!(
+        a.micro_batch > 0 && a.rows.is_multiple_of(a.micro_batch),
+        "--micro-batch {} must divide --rows {}",
+        a.micro_batch,
+        a.rows
+    );
+    if a.peer_micro_batch == 0 {
+        a.peer_micro_batch = a.micro_batch;
+    }
+    a
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.partial_cmp(b).expect("finite times"));
+    let n = s.len();
+    if n % 2 == 1 {
+        s[n / 2]
+    } else {
+        0.5 * (s[n / 2 - 1] + s[n / 2])
+    }
+}
+
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "unknown".to_string())
+}
+
+/// An f32 `n x n x n` matmul through the plugin.
+struct Gemm {
+    exe: Executable,
+    a: xla::runtime::Buffer,
+    b: xla::runtime::Buffer,
+    flops: f64,
+}
+
+impl Gemm {
+    fn new(client: &Client, n: i64) -> Gemm {
+        let g = Graph::new("gemm");
+        let a = g.parameter("a", DType::F32, &[n, n]);
+        let b = g.parameter("b", DType::F32, &[n, n]);
+        let exe = g.build(&[&a.matmul(&b)]).unwrap().compile(client).unwrap();
+        let values: Vec<f32> = (0..n * n)
+            .map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0)
+            .collect();
+        let a = client.buffer_from_host(&values, &[n, n], 0).unwrap();
+        let b = client.buffer_from_host(&values, &[n, n], 0).unwrap();
+        let gemm = Gemm {
+            exe,
+            a,
+            b,
+            flops: 2.0 * (n as f64).powi(3),
+        };
+        gemm.seconds(); // warm-up
+        gemm
+    }
+
+    fn seconds(&self) -> f64 {
+        let t = Instant::now();
+        let out = self.exe.execute(&[&self.a, &self.b]).unwrap();
+        out[0].block_until_ready().unwrap();
+        t.elapsed().as_secs_f64()
+    }
+
+    /// Best-of-3 GFLOP/s (the least disturbed of three back-to-back runs).
+    fn rate(&self) -> f64 {
+        let best = (0..3).map(|_| self.seconds()).fold(f64::MAX, f64::min);
+        self.flops / best
+    }
+}
+
+/// The torch peer, one update per `step` request.
+struct Peer {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Peer {
+    fn start(
+        model_dir: &std::path::Path,
+        batch: &std::path::Path,
+        threads: usize,
+        micro_batch: usize,
+    ) -> Peer {
+        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/update_bench_torch.py");
+        let mut child = Command::new("python3")
+            .arg(&script)
+            .arg(model_dir)
+            .arg(batch)
+            .args(["--threads", &threads.to_string()])
+            .args(["--micro-batch", &micro_batch.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("running python3 trainer/scripts/update_bench_torch.py");
+        let stdin = child.stdin.take().expect("peer stdin");
+        let stdout = BufReader::new(child.stdout.take().expect("peer stdout"));
+        let mut peer = Peer { child, stdin, stdout };
+        loop {
+            let line = peer.line();
+            if line == "ready" {
+                break;
+            }
+            println!("{line}");
+        }
+        peer
+    }
+
+    fn line(&mut self) -> String {
+        let mut line = String::new();
+        let n = self
+            .stdout
+            .read_line(&mut line)
+            .expect("reading the peer's output");
+        assert!(n > 0, "the torch peer exited early (see its error above)");
+        line.trim().to_string()
+    }
+
+    fn step(&mut self) -> serde_json::Value {
+        writeln!(self.stdin, "step").expect("writing to the peer");
+        self.stdin.flush().expect("writing to the peer");
+        let v: serde_json::Value =
+            serde_json::from_str(&self.line()).expect("the peer prints one JSON line per step");
+        assert!(v.get("error").is_none(), "peer: {v}");
+        v
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = writeln!(self.stdin, "quit");
+        let _ = self.stdin.flush();
+        let _ = self.child.wait();
+    }
+}
+
+fn main() {
+    let args = parse_args();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!("load average at start: {} ({cores} cores)", load_average());
+    let host = HostModel::load(&args.model).expect("loading the model");
+    let config = host.weights.config.clone();
+    let (p_len, r_len, rows, mb) = (args.prompt_len, args.response_len, args.rows, args.micro_batch);
+    let width = p_len + r_len;
+
+    // Rows: a fixed text, tokenized, each row a different window of exactly P + L tokens.
+    let text = "The history of mathematics spans many centuries and cultures. Early counting systems \
+                grew into arithmetic, geometry and algebra, and scholars in Babylon, Egypt, Greece, \
+                India, China and the Islamic world each added methods for solving equations, \
+                measuring land, predicting the motion of the stars and keeping accounts. ";
+    let ids = host.tokenizer.encode(&text.repeat(40), false).unwrap();
+    assert!(ids.len() >= width + 13 * rows, "the benchmark text is too short");
+    let row_ids: Vec<Vec<u32>> = (0..rows).map(|r| ids[13 * r..13 * r + width].to_vec()).collect();
+
+    let client = Client::cpu(1).expect("CPU plugin");
+    let gemm = Gemm::new(&client, 2048);
+    println!(
+        "GEMM f32 2048^3 through the plugin: {:.1} GFLOP/s (before compiling)",
+        gemm.rate() / 1e9
+    );
+
+    // Old log-probs: the policy's own, from a forward program run micro-batch by micro-batch
+    // (the same rows per run as the update, so peak memory stays that of one micro-batch).
+    let policy = DecoderPolicy {
+        config: config.clone(),
+        prompt_len: p_len,
+        response_len: r_len,
+        micro_batch_size: mb,
+        temperature: 1.0,
+    };
+    let full_policy = DecoderPolicy {
+        micro_batch_size: rows,
+        ..policy.clone()
+    };
+    let rows_ref: Vec<(&[u32], &[u32])> = row_ids.iter().map(|r| (&r[..p_len], &r[p_len..])).collect();
+    let packed = full_policy.pack(&rows_ref).unwrap();
+    let init: Vec<Vec<f32>> = host.weights.tensors.iter().map(|t| t.to_f32_vec()).collect();
+    let n_params: usize = init.iter().map(Vec::len).sum();
+    let t = Instant::now();
+    let old_log_probs = {
+        let g = Graph::new("old_log_probs");
+        let p = DecoderParams::declare(&g, &config, DType::F32);
+        let dims = [mb as i64, width as i64];
+        let tokens = g.parameter("tokens", DType::I32, &dims);
+        let mask = g.parameter("mask", DType::I32, &dims);
+        let out = policy.log_probs(&p.all, &[tokens, mask]);
+        let exe = g.build(&[&out.log_probs]).unwrap().compile(&client).unwrap();
+        let compile_s = t.elapsed().as_secs_f64();
+        let weights: Vec<xla::runtime::Buffer> = init
+            .iter()
+            .zip(policy.param_specs())
+            .map(|(v, s)| client.buffer_from_host(v, &s.dims, 0).unwrap())
+            .collect();
+        let t = Instant::now();
+        let mut lp = Vec::new();
+        for chunk in 0..rows / mb {
+            let cols = chunk * mb * width..(chunk + 1) * mb * width;
+            let tok = client
+                .buffer_from_host(&packed.tokens[cols.clone()], &dims, 0)
+                .unwrap();
+            let msk = client.buffer_from_host(&packed.mask[cols], &dims, 0).unwrap();
+            let mut a: Vec<&xla::runtime::Buffer> = weights.iter().collect();
+            a.extend([&tok, &msk]);
+            lp.extend(exe.execute(&a).unwrap()[0].to_host::<f32>().unwrap());
+        }
+        println!(
+            "forward only (log-probs of {rows} rows in runs of {mb}, no gradient): compile {compile_s:.1} s, run {:.2} s",
+            t.elapsed().as_secs_f64()
+        );
+        lp
+    };
+
+    // GRPO advantages over one group of `rows` with a fixed reward pattern.
+    let rewards: Vec<f64> = (0..rows).map(|r| ((r * 5 + 3) % 3 == 0) as u8 as f64).collect();
+    let groups = vec![0usize; rows];
+    let adv = compute_advantages(AdvantageEstimator::Grpo, &rewards, &groups, true).unwrap();
+    let advantages = broadcast_over_response(&adv, &packed.response_mask, r_len).unwrap();
+    let norm = mini_batch_normalizer(&packed.response_mask, r_len);
+
+    let specs = policy.param_specs();
+    let optim = OptimConfig::default();
+    let loss = PolicyLossConfig::default();
+    let cfg = StepConfig {
+        loss: loss.clone(),
+        optim: optim.clone(),
+        compute_dtype: args.dtype,
+        micro_batch_size: mb as i64,
+        response_len: r_len as i64,
+    };
+    let t = Instant::now();
+    let programs =
+        build_train_programs(&cfg, &specs, &policy.input_specs(), |p, b| policy.log_probs(p, b)).unwrap();
+    let trace_s = t.elapsed().as_secs_f64();
+    let mut learner = Learner::new(&client, programs, &specs, &cfg, &init, 3).unwrap();
+    let w = width;
+    let micro_batches: Vec<_> = (0..rows / mb)
+        .map(|i| {
+            let (rs, re) = (i * mb, (i + 1) * mb);
+            let host_mb = MicroBatchHost {
+                old_log_probs: old_log_probs_for(&old_log_probs, rs, re, r_len),
+                advantages: advantages[rs * r_len..re * r_len].to_vec(),
+                response_mask: packed.response_mask[rs * r_len..re * r_len].to_vec(),
+                norm,
+                inputs: vec![
+                    HostArray::I32(packed.tokens[rs * w..re * w].to_vec()),
+                    HostArray::I32(packed.mask[rs * w..re * w].to_vec()),
+                ],
+                ..Default::default()
+            };
+            learner.upload_micro_batch(i, &host_mb).unwrap()
+        })
+        .collect();
+
+    // The peer: same weights as a Hugging Face directory, same batch as JSON.
+    let dir = std::env::temp_dir().join(format!("update-bench-{}", std::process::id()));
+    let mut peer = args.peer.then(|| {
+        std::fs::create_dir_all(&dir).unwrap();
+        model::save_hf_checkpoint(&dir.join("model"), &host.weights, &[]).unwrap();
+        let chunk = |v: &[f32]| v.chunks(r_len).map(<[f32]>::to_vec).collect::<Vec<_>>();
+        let batch = serde_json::json!({
+            "tokens": row_ids,
+            "prompt_len": p_len,
+            "response_len": r_len,
+            "old_log_probs": chunk(&old_log_probs_for(&old_log_probs, 0, rows, r_len)),
+            "advantages": chunk(&advantages),
+            "response_mask": chunk(&packed.response_mask),
+            "temperature": 1.0,
+            "lr": optim.lr,
+            "betas": optim.betas,
+            "eps": optim.eps,
+            "weight_decay": optim.weight_decay,
+            "grad_clip": optim.grad_clip.expect("the default clips"),
+            "clip_ratio_low": loss.clip_ratio_low,
+            "clip_ratio_high": loss.clip_ratio_high,
+            "clip_ratio_c": loss.clip_ratio_c,
+        });
+        let batch_file = dir.join("batch.json");
+        std::fs::write(&batch_file, batch.to_string()).unwrap();
+        Peer::start(
+            &dir.join("model"),
+            &batch_file,
+            args.peer_threads,
+            args.peer_micro_batch,
+        )
+    });
+
+    // Warm-up update on both sides (compiles ours); its metrics check that both sides compute
+    // the same update.
+    let t = Instant::now();
+    let first = learner.step(&micro_batches, optim.lr).unwrap();
+    println!(
+        "ours: trace {trace_s:.1} s; first update (compile + run) {:.1} s; metrics {}",
+        t.elapsed().as_secs_f64(),
+        fmt_metrics(&first.values)
+    );
+    if let Some(peer) = peer.as_mut() {
+        let m = peer.step();
+        println!(
+            "peer: first update {:.1} s; metrics {m}",
+            m["seconds"].as_f64().unwrap()
+        );
+        for key in ["pg_loss", "ppo_kl", "entropy", "grad_norm"] {
+            let (a, b) = (first.get(key).unwrap(), m[key].as_f64().unwrap());
+            println!(
+                "agreement {key}: ours {a:.6e} torch {b:.6e} (|diff| {:.2e})",
+                (a - b).abs()
+            );
+        }
+    }
+
+    let (mut ours, mut theirs, mut rates) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 0..args.rounds {
+        rates.push(gemm.rate());
+        let t = Instant::now();
+        let m = learner.step(&micro_batches, optim.lr).unwrap();
+        ours.push(t.elapsed().as_secs_f64());
+        assert!(
+            m.update_applied,
+            "round {round}: the update was skipped: {:?}",
+            m.values
+        );
+        let mut line = format!(
+            "round {round}: GEMM {:.1} GFLOP/s, ours {:.2} s",
+            rates[round] / 1e9,
+            ours[round]
+        );
+        if let Some(peer) = peer.as_mut() {
+            let pm = peer.step();
+            theirs.push(pm["seconds"].as_f64().unwrap());
+            line += &format!(", torch {:.2} s", theirs[round]);
+        }
+        println!("{line}; load average {}", load_average());
+    }
+    drop(peer);
+    let _ = std::fs::remove_dir_all(&dir);
+
+    let tokens = (rows * width) as f64;
+    let layers = config.num_hidden_layers as f64;
+    let attn_width = (config.num_attention_heads * config.head_dim) as f64;
+    let flops = 6.0 * n_params as f64 * tokens + 12.0 * layers * attn_width * width as f64 * tokens;
+    let (t_ours, rate) = (median(&ours), median(&rates));
+    println!(
+        "setup: {rows} rows x ({p_len} prompt + {r_len} response) tokens, micro-batch {mb}, {:?} compute, f32 master weights, \
+         {n_params} parameters; flops per update = 6 N tokens + 12 layers d_attn T tokens = {:.3} TFLOP",
+        args.dtype,
+        flops / 1e12
+    );
+    println!("GEMM f32 2048^3 median over rounds: {:.1} GFLOP/s", rate / 1e9);
+    println!(
+        "ours: median update {t_ours:.2} s = {:.1} tokens/s, {:.1} GFLOP/s model flops, MFU {:.1}% of the measured GEMM rate",
+        tokens / t_ours,
+        flops / t_ours / 1e9,
+        100.0 * flops / t_ours / rate
+    );
+    if !theirs.is_empty() {
+        let t_peer = median(&theirs);
+        println!(
+            "torch: median update {t_peer:.2} s = {:.1} tokens/s, {:.1} GFLOP/s model flops, {:.1}% of the plugin's GEMM rate",
+            tokens / t_peer,
+            flops / t_peer / 1e9,
+            100.0 * flops / t_peer / rate
+        );
+        println!("ratio: ours / torch tokens/s = {:.2}x", t_peer / t_ours);
+    }
+    println!("load average at end: {}", load_average());
+}
+
+/// Rows `[start, end)` of the `[rows, L]` old log-probs.
+fn old_log_probs_for(all: &[f32], start: usize, end: usize, r_len: usize) -> Vec<f32> {
+    all[start * r_len..end * r_len].to_vec()
+}
+
+fn fmt_metrics(values: &[(&'static str, f64)]) -> String {
+    values
+        .iter()
+        .map(|(k, v)| format!("{k}={v:.4e}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
