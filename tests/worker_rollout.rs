@@ -2,6 +2,8 @@
 //! tiny random-weight Llama: it generates exactly what an engine built in-process from the
 //! same recipe does, and after a weight update what an engine over the new weights does.
 
+mod common;
+
 use actors::auth::Token;
 use actors::roles::rollout::{LocalRollout, RemoteRollout, RolloutRole, WeightUpdate};
 use actors::roles::RoleError;
@@ -48,6 +50,8 @@ fn write_run(root: &Path) -> PathBuf {
     fs::write(model.join("tokenizer.json"), tokenizer.to_string()).unwrap();
     let template = root.join("chat.jinja");
     fs::write(&template, "{% for m in messages %}{{ m.content }} {% endfor %}").unwrap();
+    // The worker opens the recipe's data (as the orchestrator does), so it needs some.
+    let data = common::arithmetic(root, "train", 1, 8);
     let recipe = root.join("recipe.yaml");
     let text = format!(
         "model:\n  path: {model}\n  chat_template: {template}\n  random_init: true\n\
@@ -57,7 +61,7 @@ fn write_run(root: &Path) -> PathBuf {
          trainer:\n  seed: 3\n  output_dir: {out}\n",
         model = model.display(),
         template = template.display(),
-        data = repo.join("datasets/arithmetic/train.parquet").display(),
+        data = data.display(),
         out = root.join("out").display(),
     );
     fs::write(&recipe, text).unwrap();
