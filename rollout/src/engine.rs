@@ -882,6 +882,7 @@ fn find_stop_string(tokenizer: Option<&ModelTokenizer>, a: &Active) -> Option<(S
 
 enum Command {
     Submit(GenerationRequest),
+    SubmitAll(Vec<GenerationRequest>),
     UpdateWeights(u64, Arc<[Buffer]>, Sender<Result<usize>>),
     Shutdown,
 }
@@ -905,6 +906,13 @@ fn serve(mut engine: Engine, commands: Receiver<Command>, outputs: Sender<Engine
                 Command::Submit(r) => {
                     if let Err(e) = engine.submit(r) {
                         let _ = outputs.send(EngineOutput::Rejected(e));
+                    }
+                }
+                Command::SubmitAll(rs) => {
+                    for r in rs {
+                        if let Err(e) = engine.submit(r) {
+                            let _ = outputs.send(EngineOutput::Rejected(e));
+                        }
                     }
                 }
                 Command::UpdateWeights(v, w, reply) => {
@@ -940,6 +948,15 @@ impl EngineControl {
     pub fn submit(&self, request: GenerationRequest) -> Result<()> {
         self.commands
             .send(Command::Submit(request))
+            .map_err(|_| RolloutError::Stopped("submit after the engine stopped".into()))
+    }
+
+    /// Queues several requests at once: the engine admits them together, in this order,
+    /// before its next step, so which KV slot each sample gets (and with it the last bits of
+    /// its arithmetic) does not depend on thread timing.
+    pub fn submit_all(&self, requests: Vec<GenerationRequest>) -> Result<()> {
+        self.commands
+            .send(Command::SubmitAll(requests))
             .map_err(|_| RolloutError::Stopped("submit after the engine stopped".into()))
     }
 

@@ -766,6 +766,10 @@ async fn train_async(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary
                 "perf/orchestration_overhead_frac".into(),
                 ((step_s - work) / step_s).max(0.0),
             );
+            // The step's line goes out before its checkpoint: a checkpoint on disk always has
+            // its metrics line, so a resume never leaves a hole in metrics.jsonl.
+            log.write(step, &m).map_err(io("writing", log.path()))?;
+            progress.step_done(step, &m);
             if save_due {
                 progress.phase("saving a checkpoint");
                 let t = Instant::now();
@@ -782,11 +786,9 @@ async fn train_async(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary
                 };
                 let files = learner.tensor_files()?;
                 let dir = save_checkpoint(&output, &state, &files, recipe.trainer.max_checkpoints_to_keep)?;
-                m.insert("timing_s/save_checkpoint".into(), t.elapsed().as_secs_f64());
+                tracing::info!("saved {} in {:.1}s", dir.display(), t.elapsed().as_secs_f64());
                 last_checkpoint = Some(dir);
             }
-            log.write(step, &m).map_err(io("writing", log.path()))?;
-            progress.step_done(step, &m);
         }
         progress.finish();
         Ok::<_, RunError>(last_checkpoint)

@@ -176,11 +176,9 @@ impl RolloutRole for LocalRollout {
                     },
                 );
             }
-            for q in requests {
-                if let Err(e) = self.control.submit(q) {
-                    fail_all(&self.routes, &e.to_string());
-                    break;
-                }
+            // All at once, so the engine admits them in one deterministic order.
+            if let Err(e) = self.control.submit_all(requests) {
+                fail_all(&self.routes, &e.to_string());
             }
             finished.await.unwrap_or_else(|_| {
                 Err(RoleError::Unavailable {
