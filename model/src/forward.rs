@@ -415,34 +415,56 @@ pub fn logprobs_graph_chunked(
     }
     // Position i (0..T-1) predicts token i+1.
     let ids = tokens.convert_if_needed(DType::I32);
-    let inv_temp = temperature.convert_if_needed(DType::F32).reshape(&[]);
-    let inv_temp = &g.scalar(1.0, DType::F32) / &inv_temp;
-    let chunk = chunk.max(1);
-    let mut lp_parts = Vec::new();
-    let mut ent_parts = Vec::new();
-    let mut start = 0;
-    while start < t - 1 {
-        let end = (start + chunk).min(t - 1);
-        let hc = h.slice_axis(1, start, end);
-        let targets = ids.slice_axis(1, start + 1, end + 1);
-        let logits = linear(&hc, p.head());
-        let logits = &logits * &inv_temp.broadcast_to(logits.dims());
-        lp_parts.push(logits.token_log_probs(&targets));
-        ent_parts.push(logits.entropy());
-        start = end;
-    }
-    let parts = |v: &Vec<Tensor>| {
-        let mut all = vec![&zero_col];
-        all.extend(v.iter());
-        Tensor::concat(&all, 1)
-    };
-    let lp = parts(&lp_parts);
-    let ent = parts(&ent_parts);
+    let (lp, ent) = head_log_probs(
+        g,
+        p,
+        &h.slice_axis(1, 0, t - 1),
+        &ids.slice_axis(1, 1, t),
+        temperature,
+        chunk,
+    );
+    let lp = Tensor::concat(&[&zero_col, &lp], 1);
+    let ent = Tensor::concat(&[&zero_col, &ent], 1);
     // Valid where the token and its predecessor are real.
     let m = mask.convert_if_needed(DType::F32);
     let prev = Tensor::concat(&[&zero_col, &m.slice_axis(1, 0, t - 1)], 1);
     let valid = &m * &prev;
     (&lp * &valid, &ent * &valid)
+}
+
+/// The output head over normed hidden states `h [B, S, D]`, `chunk` positions at a time:
+/// `log_softmax(logits / T)` of `targets [B, S]` and the entropies, both `[B, S]`.
+fn head_log_probs(
+    g: &Graph,
+    p: &DecoderParams,
+    h: &Tensor,
+    targets: &Tensor,
+    temperature: &Tensor,
+    chunk: i64,
+) -> (Tensor, Tensor) {
+    let inv_temp = temperature.convert_if_needed(DType::F32).reshape(&[]);
+    let inv_temp = &g.scalar(1.0, DType::F32) / &inv_temp;
+    let (span, chunk) = (h.dims()[1], chunk.max(1));
+    let mut lp_parts = Vec::new();
+    let mut ent_parts = Vec::new();
+    let mut start = 0;
+    while start < span {
+        let end = (start + chunk).min(span);
+        let logits = linear(&h.slice_axis(1, start, end), p.head());
+        let logits = &logits * &inv_temp.broadcast_to(logits.dims());
+        lp_parts.push(logits.token_log_probs(&targets.slice_axis(1, start, end)));
+        ent_parts.push(logits.entropy());
+        start = end;
+    }
+    let join = |v: &Vec<Tensor>| {
+        let refs: Vec<&Tensor> = v.iter().collect();
+        if refs.len() == 1 {
+            refs[0].clone()
+        } else {
+            Tensor::concat(&refs, 1)
+        }
+    };
+    (join(&lp_parts), join(&ent_parts))
 }
 
 /// [`logprobs_graph`] restricted to columns `from..T` (`1 <= from < T`): `[B, T - from]`
@@ -467,31 +489,15 @@ pub fn logprobs_graph_span(
         p.config.rms_norm_eps,
     );
     let ids = tokens.convert_if_needed(DType::I32);
-    let inv_temp = temperature.convert_if_needed(DType::F32).reshape(&[]);
-    let inv_temp = &g.scalar(1.0, DType::F32) / &inv_temp;
     let span = t - from;
-    let mut lp_parts = Vec::new();
-    let mut ent_parts = Vec::new();
-    let mut start = 0;
-    while start < span {
-        let end = (start + DEFAULT_HEAD_CHUNK).min(span);
-        let hc = h.slice_axis(1, start, end);
-        let targets = ids.slice_axis(1, from + start, from + end);
-        let logits = linear(&hc, p.head());
-        let logits = &logits * &inv_temp.broadcast_to(logits.dims());
-        lp_parts.push(logits.token_log_probs(&targets));
-        ent_parts.push(logits.entropy());
-        start = end;
-    }
-    let join = |v: &Vec<Tensor>| {
-        let refs: Vec<&Tensor> = v.iter().collect();
-        if refs.len() == 1 {
-            refs[0].clone()
-        } else {
-            Tensor::concat(&refs, 1)
-        }
-    };
-    let (lp, ent) = (join(&lp_parts), join(&ent_parts));
+    let (lp, ent) = head_log_probs(
+        g,
+        p,
+        &h,
+        &ids.slice_axis(1, from, t),
+        temperature,
+        DEFAULT_HEAD_CHUNK,
+    );
     let m = mask.convert_if_needed(DType::F32);
     let valid = &m.slice_axis(1, from, t) * &m.slice_axis(1, from - 1, t - 1);
     debug_assert_eq!(lp.dims(), &[b, span]);

@@ -6,6 +6,7 @@
 use crate::roles::reward::RewardRole;
 use crate::roles::rollout::{RolloutRole, WeightUpdate};
 use crate::roles::RoleError;
+use crate::worker::Role;
 use rollout::{FinishReason, GenerationRequest, Sample};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -54,16 +55,71 @@ struct Slot<T: ?Sized> {
     health: Health,
 }
 
-impl<T: ?Sized> Slot<T> {
-    fn alive(&self) -> bool {
-        self.health == Health::Alive
+/// The workers of one role, each with its health.
+struct Slots<T: ?Sized>(Mutex<Vec<Slot<T>>>);
+
+impl<T: ?Sized> Slots<T> {
+    fn new(roles: Vec<Arc<T>>) -> Slots<T> {
+        let slots = roles
+            .into_iter()
+            .map(|role| Slot {
+                role,
+                health: Health::Alive,
+            })
+            .collect();
+        Slots(Mutex::new(slots))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Slot<T>>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The live workers with their slot index.
+    fn live(&self) -> Vec<(usize, Arc<T>)> {
+        self.lock()
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.health == Health::Alive)
+            .map(|(i, s)| (i, s.role.clone()))
+            .collect()
+    }
+
+    /// Moves slot `index` from `from` to `to`; whether it was in `from`.
+    fn transition(&self, index: usize, from: Health, to: Health) -> bool {
+        match self.lock().get_mut(index) {
+            Some(s) if s.health == from => {
+                s.health = to;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Moves every slot in `from` to `to` and returns their indices.
+    fn transition_all(&self, from: Health, to: Health) -> Vec<usize> {
+        let mut moved = Vec::new();
+        for (i, s) in self.lock().iter_mut().enumerate() {
+            if s.health == from {
+                s.health = to;
+                moved.push(i);
+            }
+        }
+        moved
+    }
+
+    /// Puts a live `role` in slot `index`.
+    fn replace(&self, index: usize, role: Arc<T>) {
+        self.lock()[index] = Slot {
+            role,
+            health: Health::Alive,
+        };
     }
 }
 
 /// The rollout and reward workers of a run.
 pub struct Fleet {
-    rollouts: Mutex<Vec<Slot<dyn RolloutRole>>>,
-    rewards: Mutex<Vec<Slot<dyn RewardRole>>>,
+    rollouts: Slots<dyn RolloutRole>,
+    rewards: Slots<dyn RewardRole>,
     next_reward_id: AtomicU64,
     latest: Mutex<Option<WeightUpdate>>,
     /// How long work may wait for a live worker of its role.
@@ -91,24 +147,8 @@ impl Fleet {
         wait_for_workers: std::time::Duration,
     ) -> Fleet {
         Fleet {
-            rollouts: Mutex::new(
-                rollouts
-                    .into_iter()
-                    .map(|role| Slot {
-                        role,
-                        health: Health::Alive,
-                    })
-                    .collect(),
-            ),
-            rewards: Mutex::new(
-                rewards
-                    .into_iter()
-                    .map(|role| Slot {
-                        role,
-                        health: Health::Alive,
-                    })
-                    .collect(),
-            ),
+            rollouts: Slots::new(rollouts),
+            rewards: Slots::new(rewards),
             next_reward_id: AtomicU64::new(0),
             latest: Mutex::new(None),
             wait_for_workers,
@@ -118,115 +158,46 @@ impl Fleet {
     }
 
     fn live_rollouts(&self) -> Vec<(usize, Arc<dyn RolloutRole>)> {
-        let slots = self.rollouts.lock().unwrap_or_else(|e| e.into_inner());
-        slots
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| s.alive())
-            .map(|(i, s)| (i, s.role.clone()))
-            .collect()
+        self.rollouts.live()
     }
 
     fn live_rewards(&self) -> Vec<(usize, Arc<dyn RewardRole>)> {
-        let slots = self.rewards.lock().unwrap_or_else(|e| e.into_inner());
-        slots
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| s.alive())
-            .map(|(i, s)| (i, s.role.clone()))
-            .collect()
+        self.rewards.live()
     }
 
     /// Marks a rollout worker dead (its work goes elsewhere until it is replaced).
     pub fn rollout_failed(&self, index: usize) {
-        if let Some(s) = self
-            .rollouts
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get_mut(index)
-        {
-            if s.health == Health::Alive {
-                s.health = Health::Dead;
-                self.failures.fetch_add(1, Ordering::Relaxed);
-            }
+        if self.rollouts.transition(index, Health::Alive, Health::Dead) {
+            self.failures.fetch_add(1, Ordering::Relaxed);
         }
     }
 
     /// Marks a reward worker dead.
     pub fn reward_failed(&self, index: usize) {
-        if let Some(s) = self
-            .rewards
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get_mut(index)
-        {
-            if s.health == Health::Alive {
-                s.health = Health::Dead;
-                self.failures.fetch_add(1, Ordering::Relaxed);
-            }
+        if self.rewards.transition(index, Health::Alive, Health::Dead) {
+            self.failures.fetch_add(1, Ordering::Relaxed);
         }
     }
 
     /// Dead workers not yet being replaced, as (role, index); they are marked as being
     /// replaced, so each failure starts one replacement.
-    pub fn take_dead(&self) -> Vec<(crate::worker::Role, usize)> {
-        let mut out = Vec::new();
-        for (i, s) in self
-            .rollouts
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter_mut()
-            .enumerate()
-        {
-            if s.health == Health::Dead {
-                s.health = Health::Replacing;
-                out.push((crate::worker::Role::Rollout, i));
-            }
-        }
-        for (i, s) in self
-            .rewards
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter_mut()
-            .enumerate()
-        {
-            if s.health == Health::Dead {
-                s.health = Health::Replacing;
-                out.push((crate::worker::Role::Reward, i));
-            }
-        }
-        out
+    pub fn take_dead(&self) -> Vec<(Role, usize)> {
+        let rollouts = self.rollouts.transition_all(Health::Dead, Health::Replacing);
+        let rewards = self.rewards.transition_all(Health::Dead, Health::Replacing);
+        let tag = |role: Role| move |i: usize| (role, i);
+        rollouts
+            .into_iter()
+            .map(tag(Role::Rollout))
+            .chain(rewards.into_iter().map(tag(Role::Reward)))
+            .collect()
     }
 
     /// Gives a slot whose replacement failed back to [`Fleet::take_dead`].
-    pub fn replacement_failed(&self, role: crate::worker::Role, index: usize) {
-        let mark = |h: &mut Health| {
-            if *h == Health::Replacing {
-                *h = Health::Dead;
-            }
-        };
+    pub fn replacement_failed(&self, role: Role, index: usize) {
         match role {
-            crate::worker::Role::Rollout => {
-                if let Some(s) = self
-                    .rollouts
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .get_mut(index)
-                {
-                    mark(&mut s.health);
-                }
-            }
-            crate::worker::Role::Reward => {
-                if let Some(s) = self
-                    .rewards
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .get_mut(index)
-                {
-                    mark(&mut s.health);
-                }
-            }
-        }
+            Role::Rollout => self.rollouts.transition(index, Health::Replacing, Health::Dead),
+            Role::Reward => self.rewards.transition(index, Health::Replacing, Health::Dead),
+        };
     }
 
     /// Puts a replacement rollout worker in slot `index`, bringing it to the latest weights
@@ -237,22 +208,14 @@ impl Fleet {
             role.update_weights(update).await?;
         }
         self.replaced.fetch_add(1, Ordering::Relaxed);
-        let mut slots = self.rollouts.lock().unwrap_or_else(|e| e.into_inner());
-        slots[index] = Slot {
-            role,
-            health: Health::Alive,
-        };
+        self.rollouts.replace(index, role);
         Ok(())
     }
 
     /// Puts a replacement reward worker in slot `index`.
     pub fn replace_reward(&self, index: usize, role: Arc<dyn RewardRole>) {
         self.replaced.fetch_add(1, Ordering::Relaxed);
-        let mut slots = self.rewards.lock().unwrap_or_else(|e| e.into_inner());
-        slots[index] = Slot {
-            role,
-            health: Health::Alive,
-        };
+        self.rewards.replace(index, role);
     }
 
     /// Workers found dead so far.
