@@ -5,6 +5,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // SAFETY: build scripts are single-threaded.
     unsafe { std::env::set_var("PROTOC", protoc) };
     println!("cargo:rerun-if-changed=proto/grpo.proto");
-    tonic_prost_build::configure().compile_protos(&["proto/grpo.proto"], &["proto"])?;
+    tonic_prost_build::configure()
+        // Weight chunks are sliced out of one host copy of a tensor on the sending side and
+        // decoded without a copy on the receiving side.
+        .bytes(".grpo.v1.WeightChunk.data")
+        .compile_protos(&["proto/grpo.proto"], &["proto"])?;
     Ok(())
 }

@@ -26,6 +26,7 @@ fn spec(dir: &Path, reward_workers: usize) -> LaunchSpec {
         tls: None,
         log_dir: dir.join("logs"),
         workers: vec![(Role::Reward, reward_workers)],
+        overrides: Vec::new(),
         // Generous: the test machine may be busy; a crash is reported at once regardless.
         start_timeout: Duration::from_secs(120),
         health_timeout: HEALTH_TIMEOUT,

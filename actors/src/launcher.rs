@@ -21,7 +21,7 @@
 
 use crate::auth::{Token, TokenError};
 use crate::proto;
-use crate::recipe::{ClusterSection, TlsSection};
+use crate::recipe::{ClusterSection, DeviceKind, TlsSection};
 use crate::transport::{self, TransportError};
 use crate::worker::Role;
 use std::io::{BufRead, BufReader, Read, Seek, SeekFrom, Write};
@@ -31,6 +31,7 @@ use std::process::{Child, ChildStdout, Command, ExitStatus, Stdio};
 use std::sync::{mpsc, Mutex};
 use std::time::{Duration, Instant};
 use tonic::transport::Channel;
+use xla::runtime::PluginKind;
 
 /// Lines of a worker's log quoted in an error about it.
 const LOG_TAIL_LINES: usize = 20;
@@ -53,6 +54,9 @@ pub struct LaunchSpec {
     pub log_dir: PathBuf,
     /// How many workers of each role.
     pub workers: Vec<(Role, usize)>,
+    /// Recipe overrides (`KEY=VALUE`, passed as `--set KEY=VALUE`) for the workers of a role,
+    /// e.g. `cluster.device=cuda` for rollout workers on their own device kind.
+    pub overrides: Vec<(Role, Vec<String>)>,
     /// How long a worker may take from start to answering its first health check.
     pub start_timeout: Duration,
     /// How long a health check may take before the worker counts as not answering
@@ -65,8 +69,10 @@ impl LaunchSpec {
     /// compile a model before it listens; a worker that crashes is noticed at once regardless.
     pub const DEFAULT_START_TIMEOUT: Duration = Duration::from_secs(300);
 
-    /// The spec for a run from its recipe's `cluster` section: `rollout_workers` rollout and
-    /// `reward_workers` reward workers, logs under `OUTPUT_DIR/logs`.
+    /// The spec for a run from its recipe's `cluster` section: `rollout_workers` rollout,
+    /// `reward_workers` reward and `learner_workers` learner workers, logs under `OUTPUT_DIR/logs`;
+    /// rollout and learner workers run on `cluster.rollout_device` / `cluster.learner_device`
+    /// (see [`device_overrides`]).
     pub fn from_cluster(
         cluster: &ClusterSection,
         program: PathBuf,
@@ -84,11 +90,91 @@ impl LaunchSpec {
             workers: vec![
                 (Role::Rollout, cluster.rollout_workers),
                 (Role::Reward, cluster.reward_workers),
+                (Role::Learner, cluster.learner_workers),
+            ],
+            overrides: vec![
+                (
+                    Role::Rollout,
+                    device_overrides(cluster, cluster.rollout_device_kind()),
+                ),
+                (
+                    Role::Learner,
+                    device_overrides(cluster, cluster.learner_device_kind()),
+                ),
             ],
             start_timeout: Self::DEFAULT_START_TIMEOUT,
             health_timeout: Duration::from_secs_f64(cluster.worker_timeout_s.max(0.001)),
         }
     }
+}
+
+/// The `--set` overrides that make a worker open a `kind` device: none when `kind` is
+/// `cluster.device`; otherwise `cluster.device=KIND`, the per-role device keys cleared (in the
+/// worker's own recipe every role is on its device, so that recipe stays valid), and
+/// `cluster.plugin_path=` (null) when a plugin path is set, since it names `cluster.device`'s
+/// plugin (the worker discovers its own).
+pub fn device_overrides(cluster: &ClusterSection, kind: DeviceKind) -> Vec<String> {
+    if kind == cluster.device {
+        return Vec::new();
+    }
+    let mut overrides = vec![
+        format!("cluster.device={}", kind.name()),
+        "cluster.rollout_device=".to_string(),
+        "cluster.learner_device=".to_string(),
+    ];
+    if cluster.plugin_path.is_some() {
+        overrides.push("cluster.plugin_path=".to_string());
+    }
+    overrides
+}
+
+/// A device kind the run needs whose PJRT plugin cannot be found.
+#[derive(Debug, thiserror::Error)]
+#[error("`{key}` = {kind}: {message}")]
+pub struct DevicePluginError {
+    /// The recipe key that asks for the device kind.
+    pub key: &'static str,
+    pub kind: &'static str,
+    /// Why the plugin was not found and how to install it.
+    pub message: String,
+}
+
+/// Checks, before any work, that the PJRT plugin of every device kind the run uses can be
+/// found: `cluster.device` (the orchestrator's), and `cluster.rollout_device` /
+/// `cluster.learner_device` when that role runs in worker processes. Only locates the files;
+/// loading them is left to the processes that use them.
+pub fn check_device_plugins(cluster: &ClusterSection) -> Result<(), DevicePluginError> {
+    check_device_plugins_with(cluster, xla::runtime::locate_plugin)
+}
+
+/// [`check_device_plugins`] with the plugin search given (for tests).
+pub fn check_device_plugins_with(
+    cluster: &ClusterSection,
+    locate: impl Fn(PluginKind, Option<&Path>) -> xla::runtime::Result<PathBuf>,
+) -> Result<(), DevicePluginError> {
+    let mut needed = vec![("cluster.device", cluster.device)];
+    if cluster.rollout_workers > 0 {
+        needed.push(("cluster.rollout_device", cluster.rollout_device_kind()));
+    }
+    if cluster.learner_workers > 0 {
+        needed.push(("cluster.learner_device", cluster.learner_device_kind()));
+    }
+    for (key, kind) in needed {
+        if key != "cluster.device" && kind == cluster.device {
+            continue; // checked as `cluster.device`
+        }
+        let plugin = match kind {
+            DeviceKind::Cpu => PluginKind::Cpu,
+            DeviceKind::Cuda => PluginKind::Cuda,
+            DeviceKind::Tpu => PluginKind::Tpu,
+        };
+        locate(plugin, cluster.plugin_path_for(kind).map(Path::new)).map_err(|e| DevicePluginError {
+            key,
+            kind: kind.name(),
+            message: e.to_string(),
+        })?;
+    }
+    Ok(())
 }
 
 /// One running worker.
@@ -553,6 +639,12 @@ impl LocalLauncher {
             .args(["--listen", &listen])
             .arg("--token-file")
             .arg(&spec.token_file)
+            .args(
+                spec.overrides
+                    .iter()
+                    .filter(|(r, _)| *r == role)
+                    .flat_map(|(_, sets)| sets.iter().flat_map(|set| ["--set", set.as_str()])),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(log_file.try_clone().map_err(log_error)?);
@@ -879,6 +971,146 @@ mod tests {
         assert_eq!(log_tail(&log, 1 << 20), "  (nothing)");
     }
 
+    fn cluster(yaml: &str) -> ClusterSection {
+        serde_yaml::from_str(yaml).unwrap()
+    }
+
+    #[test]
+    fn workers_on_another_device_kind_get_it_as_overrides() {
+        let c = cluster("rollout_workers: 1\nrollout_device: cuda\nplugin_path: /opt/cpu.so\n");
+        assert_eq!(
+            device_overrides(&c, c.rollout_device_kind()),
+            vec![
+                "cluster.device=cuda",
+                "cluster.rollout_device=",
+                "cluster.learner_device=",
+                "cluster.plugin_path="
+            ]
+        );
+        assert_eq!(
+            device_overrides(&c, c.learner_device_kind()),
+            Vec::<String>::new()
+        );
+        let c = cluster("device: tpu\nlearner_workers: 1\nlearner_device: cpu\n");
+        let learner = device_overrides(&c, c.learner_device_kind());
+        assert_eq!(
+            learner,
+            vec![
+                "cluster.device=cpu",
+                "cluster.rollout_device=",
+                "cluster.learner_device="
+            ]
+        );
+        // The worker's recipe with these overrides is valid and puts it on its device.
+        let text = "model: {path: m}\ndata: {train_files: t.parquet}\n\
+                    cluster: {device: tpu, learner_workers: 1, learner_device: cpu}\n";
+        let base = crate::recipe::load_recipe_str(text, "r.yaml").unwrap();
+        let worker = crate::recipe::apply_overrides(&base, &learner, "r.yaml").unwrap();
+        assert_eq!(worker.cluster.device, DeviceKind::Cpu);
+        assert_eq!(worker.cluster.learner_device_kind(), DeviceKind::Cpu);
+        assert_eq!(c.rollout_device_kind(), DeviceKind::Tpu);
+        let spec = LaunchSpec::from_cluster(&c, "grpo".into(), "r.yaml".into(), "t".into(), Path::new("o"));
+        assert_eq!(
+            spec.overrides,
+            vec![(Role::Rollout, vec![]), (Role::Learner, learner)]
+        );
+    }
+
+    #[test]
+    fn a_missing_device_plugin_names_the_key_that_asks_for_it() {
+        let site = tempfile::tempdir().unwrap();
+        let cpu = site.path().join(PluginKind::Cpu.relative_path());
+        std::fs::create_dir_all(cpu.parent().unwrap()).unwrap();
+        std::fs::write(&cpu, b"").unwrap();
+        let sites = vec![site.path().to_path_buf()];
+        // Only the CPU plugin is installed.
+        let locate = |kind: PluginKind, explicit: Option<&Path>| {
+            xla::runtime::locate_plugin_with(kind, explicit, None, &sites)
+        };
+        check_device_plugins_with(&cluster("rollout_workers: 2\n"), locate).unwrap();
+        // Rollout in the orchestrator's process: its device key is not used.
+        check_device_plugins_with(&cluster("rollout_device: cpu\n"), locate).unwrap();
+        let error = check_device_plugins_with(&cluster("rollout_workers: 1\nrollout_device: cuda\n"), locate)
+            .unwrap_err();
+        assert_eq!((error.key, error.kind), ("cluster.rollout_device", "cuda"));
+        let message = error.to_string();
+        assert!(
+            message.starts_with("`cluster.rollout_device` = cuda: "),
+            "{message}"
+        );
+        assert!(
+            message.contains("jax-cuda13-pjrt"),
+            "says what to install: {message}"
+        );
+        let error = check_device_plugins_with(&cluster("learner_workers: 1\nlearner_device: tpu\n"), locate)
+            .unwrap_err();
+        assert_eq!((error.key, error.kind), ("cluster.learner_device", "tpu"));
+        let error = check_device_plugins_with(&cluster("device: tpu\n"), locate).unwrap_err();
+        assert_eq!(error.key, "cluster.device");
+        // `cluster.plugin_path` names `cluster.device`'s plugin; a missing one is reported there.
+        let error = check_device_plugins_with(
+            &cluster("plugin_path: /nonexistent/cpu.so\nrollout_workers: 1\nrollout_device: cpu\n"),
+            locate,
+        )
+        .unwrap_err();
+        assert_eq!(error.key, "cluster.device");
+        assert!(error.message.contains("/nonexistent/cpu.so"), "{}", error.message);
+    }
+
+    #[tokio::test]
+    async fn overrides_reach_the_workers_of_their_role() {
+        let dir = tempfile::tempdir().unwrap();
+        let token_file = dir.path().join("token");
+        Token::generate().write(&token_file).unwrap();
+        // A "worker" that prints its arguments and exits: the error quotes its log.
+        let script = dir.path().join("echo-grpo");
+        std::fs::write(&script, "#!/bin/sh\necho \"args: $*\" >&2\nexit 1\n").unwrap();
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        let spec = |role: Role| LaunchSpec {
+            program: script.clone(),
+            recipe: "r.yaml".into(),
+            token_file: token_file.clone(),
+            bind_host: "127.0.0.1".into(),
+            tls: None,
+            log_dir: dir.path().join("logs"),
+            workers: vec![(role, 1)],
+            overrides: vec![(
+                Role::Rollout,
+                vec!["cluster.device=cuda".into(), "cluster.plugin_path=".into()],
+            )],
+            start_timeout: Duration::from_secs(20),
+            health_timeout: Duration::from_secs(1),
+        };
+        let token = token_file.display();
+        let message = LocalLauncher::start(spec(Role::Rollout))
+            .await
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            message.ends_with(&format!(
+                "  args: worker --role rollout --recipe r.yaml --listen 127.0.0.1:0 --token-file \
+                 {token} --set cluster.device=cuda --set cluster.plugin_path="
+            )),
+            "{message}"
+        );
+        let message = LocalLauncher::start(spec(Role::Reward))
+            .await
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            message.ends_with(&format!(
+                "  args: worker --role reward --recipe r.yaml --listen 127.0.0.1:0 --token-file {token}"
+            )),
+            "{message}"
+        );
+    }
+
     #[tokio::test]
     async fn a_worker_that_dies_at_start_is_reported_with_its_log() {
         let dir = tempfile::tempdir().unwrap();
@@ -900,6 +1132,7 @@ mod tests {
             tls: None,
             log_dir: dir.path().join("logs"),
             workers: vec![(Role::Reward, 1)],
+            overrides: Vec::new(),
             start_timeout: Duration::from_secs(20),
             health_timeout: Duration::from_secs(1),
         };
@@ -932,6 +1165,7 @@ mod tests {
             tls: None,
             log_dir: dir.path().join("logs"),
             workers: vec![(Role::Reward, 1)],
+            overrides: Vec::new(),
             start_timeout: Duration::from_millis(500),
             health_timeout: Duration::from_secs(1),
         };

@@ -9,7 +9,9 @@ use std::path::Path;
 use xla::runtime::{Buffer, CacheConfig, Client, ClientOptions, OptionValue, PluginKind};
 use xla::DType;
 
-/// The client for `cluster.device` (plugin from `cluster.plugin_path` or discovered).
+/// The client for `cluster.device` (plugin from `cluster.plugin_path` or discovered). On CPU it
+/// opens [`Recipe::cpu_devices`] devices: `cluster.cpu_device_count`, or `actor.mesh` when a
+/// `dp`/`fsdp` learner asks for more.
 pub fn open_client(recipe: &Recipe) -> xla::runtime::Result<Client> {
     let c = &recipe.cluster;
     let kind = match c.device {
@@ -20,7 +22,7 @@ pub fn open_client(recipe: &Recipe) -> xla::runtime::Result<Client> {
     let create_options = match c.device {
         DeviceKind::Cpu => vec![(
             "cpu_device_count".to_string(),
-            OptionValue::Int(c.cpu_device_count as i64),
+            OptionValue::Int(recipe.cpu_devices() as i64),
         )],
         _ => Vec::new(),
     };

@@ -105,6 +105,24 @@ pub fn channel(address: &str, tls: Option<&TlsSection>) -> Result<Channel, Trans
     Ok(endpoint(address, tls)?.connect_lazy())
 }
 
+/// `endpoint` set up to notice a worker that stops answering (a crashed host, a frozen
+/// process) within about `timeout` (`cluster.worker_timeout_s`): connecting may take at most
+/// `timeout`, and an HTTP/2 ping goes out every `timeout / 4` (at least every 250 ms), also while
+/// no call is in flight; a ping left unanswered for `timeout` closes the connection, failing every
+/// call on it with `UNAVAILABLE`, so its work can go elsewhere.
+pub fn keep_alive(endpoint: Endpoint, timeout: Duration) -> Endpoint {
+    endpoint
+        .connect_timeout(timeout)
+        .http2_keep_alive_interval(keep_alive_interval(timeout))
+        .keep_alive_timeout(timeout)
+        .keep_alive_while_idle(true)
+}
+
+/// How often [`keep_alive`] pings a worker that may stop answering after `timeout`.
+pub fn keep_alive_interval(timeout: Duration) -> Duration {
+    (timeout / 4).max(Duration::from_millis(250))
+}
+
 /// Read a PEM file named by recipe key `key`, checking it holds one of the `expected` blocks.
 fn read_pem(key: &'static str, path: &str, expected: &[&'static str]) -> Result<Vec<u8>, TransportError> {
     let bytes = std::fs::read(Path::new(path)).map_err(|source| TransportError::ReadPem {
@@ -148,6 +166,25 @@ pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
         source = s.source();
     }
     message
+}
+
+/// `status` with the causes of a transport failure appended to its message (tonic says only
+/// "http2 error"; the cause says e.g. "keep-alive timed out" or "connection refused").
+pub(crate) fn explain_status(status: tonic::Status) -> tonic::Status {
+    let mut message = status.message().to_string();
+    let mut source = std::error::Error::source(&status);
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !message.contains(&text) {
+            message.push_str(": ");
+            message.push_str(&text);
+        }
+        source = s.source();
+    }
+    if message == status.message() {
+        return status;
+    }
+    tonic::Status::new(status.code(), message)
 }
 
 #[cfg(test)]

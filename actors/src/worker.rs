@@ -4,6 +4,7 @@
 use crate::auth::Token;
 use crate::proto;
 use crate::recipe::TlsSection;
+use crate::roles::learner::LearnerService;
 use crate::roles::reward::{LocalReward, RewardService};
 use crate::roles::rollout::RolloutService;
 use crate::transport::{server_builder, TransportError};
@@ -16,6 +17,7 @@ use tokio::net::TcpListener;
 pub enum Role {
     Reward,
     Rollout,
+    Learner,
 }
 
 impl Role {
@@ -24,6 +26,7 @@ impl Role {
         match self {
             Role::Reward => "reward",
             Role::Rollout => "rollout",
+            Role::Learner => "learner",
         }
     }
 }
@@ -33,6 +36,7 @@ impl Role {
 enum Serving {
     Reward(Arc<LocalReward>),
     Rollout(Arc<RolloutService>),
+    Learner(Arc<LearnerService>),
 }
 
 impl Serving {
@@ -40,6 +44,7 @@ impl Serving {
         match self {
             Serving::Reward(_) => Role::Reward,
             Serving::Rollout(_) => Role::Rollout,
+            Serving::Learner(_) => Role::Learner,
         }
     }
 }
@@ -57,6 +62,7 @@ impl proto::worker_server::Worker for WorkerService {
         let in_flight = match &self.serving {
             Serving::Reward(r) => r.in_flight() as u64,
             Serving::Rollout(r) => r.in_flight(),
+            Serving::Learner(l) => l.in_flight(),
         };
         Ok(tonic::Response::new(proto::HealthReply {
             role: self.serving.role().name().into(),
@@ -103,6 +109,20 @@ impl Worker {
             listener: TcpListener::bind(listen).await?,
             token,
             serving: Serving::Rollout(Arc::new(rollout)),
+            server: plain_server(),
+        })
+    }
+
+    /// Bind a learner worker. Port 0 picks a free port; [`Worker::local_addr`] tells which.
+    pub async fn bind_learner(
+        listen: SocketAddr,
+        token: Token,
+        learner: LearnerService,
+    ) -> std::io::Result<Worker> {
+        Ok(Worker {
+            listener: TcpListener::bind(listen).await?,
+            token,
+            serving: Serving::Learner(Arc::new(learner)),
             server: plain_server(),
         })
     }
@@ -157,6 +177,14 @@ impl Worker {
                     proto::rollout_server::RolloutServer::from_arc(service)
                         .max_decoding_message_size(RolloutService::MAX_MESSAGE_BYTES)
                         .max_encoding_message_size(RolloutService::MAX_MESSAGE_BYTES),
+                    check,
+                ))
+            }
+            Serving::Learner(service) => {
+                router.add_service(tonic::service::interceptor::InterceptedService::new(
+                    proto::learner_server::LearnerServer::new(service)
+                        .max_decoding_message_size(LearnerService::MAX_MESSAGE_BYTES)
+                        .max_encoding_message_size(LearnerService::MAX_MESSAGE_BYTES),
                     check,
                 ))
             }

@@ -191,7 +191,7 @@ fn chunks(weights: &ModelWeights, version: u64, piece: usize) -> Vec<proto::Weig
                 dims: spec.shape.iter().map(|&d| d as i64).collect(),
                 offset: (k * piece) as u64,
                 crc32: crc32fast::hash(data),
-                data: data.to_vec(),
+                data: data.to_vec().into(),
             });
         }
     }
@@ -255,7 +255,9 @@ fn remote_rollout_matches_local_takes_weights_and_refuses_bad_updates() {
         // A chunk corrupted in transit: the whole update is refused, version 1 stays.
         let mut bad = chunks(&a, 2, 1000);
         let victim = bad.len() / 2;
-        bad[victim].data[17] ^= 0x01;
+        let mut corrupted = bad[victim].data.to_vec();
+        corrupted[17] ^= 0x01;
+        bad[victim].data = corrupted.into();
         let status = raw_update(&worker.address, &token, bad).await.unwrap_err();
         assert_eq!(status.code(), tonic::Code::DataLoss);
         assert!(

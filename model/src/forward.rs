@@ -268,11 +268,25 @@ fn qkv(
     (q.rope(&cos_h, &sin_h), k.rope(&cos_h, &sin_h), v)
 }
 
+/// A matrix product inside attention: f32 operands give an f32 result; narrow (bf16/f16)
+/// operands give an f32 result too (the fast path of XLA CPU, and f32 accumulation).
+fn attention_dot(a: &Tensor, b: &Tensor, dims: DotDims) -> Tensor {
+    if a.dtype() == DType::F32 {
+        a.dot_general(b, dims, None)
+    } else {
+        a.dot_general(b, dims, Some(DType::F32))
+    }
+}
+
 /// Attention of a full sequence over itself.
 ///
 /// `x [B, T, hidden]`, `cos`/`sin` `[B, T, head_dim]`, `allowed [B, 1, 1, T, T]` (bool: query
 /// t may attend key s). Returns the attention output `[B, T, hidden]` and the keys and values
 /// `[B, kv_heads, T, head_dim]` (the cache layout).
+///
+/// With narrow (bf16/f16) projection weights the score and value products take operands of
+/// that type with f32 results (scores and softmax stay f32). (Queries in causal blocks over the
+/// key prefix were measured on the CPU plugin at T = 512 and gave no gain: BENCHMARKS.md.)
 fn self_attention(
     config: &ModelConfig,
     layer: &LayerParams,
@@ -290,28 +304,29 @@ fn self_attention(
     let q = q.transpose(&[0, 2, 1, 3]).reshape(&[b, kvh, groups, t, hd]);
     let k = k.transpose(&[0, 2, 1, 3]);
     let v = v.transpose(&[0, 2, 1, 3]);
-    let scores = q.dot_general(
-        &k,
+    let operand = layer.q_proj.dtype();
+    let scores = attention_dot(
+        &q.convert_if_needed(operand),
+        &k.convert_if_needed(operand),
         DotDims {
             lhs_batch: vec![0, 1],
             rhs_batch: vec![0, 1],
             lhs_contract: vec![4],
             rhs_contract: vec![3],
         },
-        None,
     ) * (1.0 / (hd as f64).sqrt());
     let masked = allowed.select(&scores, &scores.scalar_like(MASKED_SCORE));
-    let probs = masked.softmax(-1);
+    let probs = masked.softmax(-1).convert_if_needed(operand);
     // [B, kvh, G, T, S] x [B, kvh, S, hd] -> [B, kvh, G, T, hd]
-    let out = probs.dot_general(
-        &v,
+    let out = attention_dot(
+        &probs,
+        &v.convert_if_needed(operand),
         DotDims {
             lhs_batch: vec![0, 1],
             rhs_batch: vec![0, 1],
             lhs_contract: vec![4],
             rhs_contract: vec![2],
         },
-        None,
     );
     let out = out
         .transpose(&[0, 3, 1, 2, 4])
@@ -1068,6 +1083,41 @@ mod tests {
             assert_eq!(dl.dims(), &[3, 32]);
             assert_eq!(dc.len(), 4);
             g.check().unwrap();
+        }
+    }
+
+    /// With bf16 projection weights the attention's score and value products take bf16
+    /// operands and give f32 results (the fast XLA CPU path); with f32 weights they stay f32.
+    #[test]
+    fn attention_products_follow_the_weight_type() {
+        for (dtype, operand) in [(DType::BF16, "bf16"), (DType::F32, "f32")] {
+            let config = tiny(Family::Llama);
+            let g = Graph::new("attention");
+            let p = DecoderParams::declare(&g, &config, dtype);
+            let x = g.parameter("x", DType::F32, &[1, 6, 16]);
+            let mask = g.parameter("mask", DType::I32, &[1, 6]);
+            let (cos, sin) = rope_tables(&config, &positions_from_mask(&mask));
+            let allowed = causal_padding_mask(&mask);
+            let (out, _, _) = self_attention(&config, &p.layers[0], &x, &cos, &sin, &allowed);
+            let mlir = g.build(&[&out]).unwrap().mlir().to_string();
+            // Scores: [1, kvh 2, G 2, 6, 6] from q [.., hd 4] and k [1, 2, 6, 4].
+            let want = format!("tensor<1x2x6x4x{operand}>) -> tensor<1x2x2x6x6xf32>");
+            assert!(mlir.contains(&want), "{operand}: no score product: {mlir}");
+            let narrow_to_f32 = mlir
+                .lines()
+                .filter(|l| {
+                    l.contains("dot_general")
+                        && l.contains("xbf16>")
+                        && l.contains("-> tensor<")
+                        && l.trim_end().ends_with("xf32>")
+                })
+                .count();
+            let all_dots = mlir.lines().filter(|l| l.contains("dot_general")).count();
+            if dtype == DType::BF16 {
+                assert_eq!(narrow_to_f32, all_dots, "{mlir}");
+            } else {
+                assert_eq!(narrow_to_f32, 0, "{mlir}");
+            }
         }
     }
 }

@@ -189,13 +189,6 @@ impl DeviceModel {
         &self.weights
     }
 
-    /// A graph with every parameter declared, for building a program of this model.
-    fn start_graph(&self, name: &str) -> (Graph, DecoderParams) {
-        let g = Graph::new(name);
-        let p = DecoderParams::declare(&g, &self.config, self.dtype);
-        (g, p)
-    }
-
     fn compile(&self, program: &Program, what: &str) -> Result<Executable> {
         program
             .compile(&self.client)
@@ -281,8 +274,14 @@ impl KvCache {
     }
 }
 
-fn cache_params(g: &Graph, model: &DeviceModel, num_slots: usize, max_len: usize) -> Vec<xla::graph::Tensor> {
-    let c = &model.config;
+/// A graph with every parameter of `config` declared in `dtype`, for building a program.
+fn start_graph(name: &str, config: &ModelConfig, dtype: DType) -> (Graph, DecoderParams) {
+    let g = Graph::new(name);
+    let p = DecoderParams::declare(&g, config, dtype);
+    (g, p)
+}
+
+fn cache_params(g: &Graph, c: &ModelConfig, num_slots: usize, max_len: usize) -> Vec<xla::graph::Tensor> {
     let dims = [
         num_slots as i64,
         c.num_key_value_heads as i64,
@@ -326,6 +325,35 @@ pub struct PrefillProgram {
 }
 
 impl PrefillProgram {
+    /// Traces the program for a model of `config` with weights of `dtype`, without compiling
+    /// it (see [`PrefillProgram::compile`]).
+    pub fn build(
+        config: &ModelConfig,
+        dtype: DType,
+        batch: usize,
+        len: usize,
+        num_slots: usize,
+        max_len: usize,
+    ) -> Result<Program> {
+        let name = format!("prefill_{batch}x{len}_cache{num_slots}x{max_len}");
+        if len > max_len || batch == 0 || len == 0 {
+            return Err(input(
+                &name,
+                format!("a batch of {batch} prompts of {len} tokens needs 0 < len <= max_len ({max_len})"),
+            ));
+        }
+        let (g, p) = start_graph(&name, config, dtype);
+        let cache = cache_params(&g, config, num_slots, max_len);
+        let tokens = g.parameter("tokens", DType::I32, &[batch as i64, len as i64]);
+        let lengths = g.parameter("lengths", DType::I32, &[batch as i64]);
+        let slots = g.parameter("slots", DType::I32, &[batch as i64]);
+        let (logits, new_cache) = prefill_graph(&p, &tokens, &lengths, &slots, &cache);
+        let mut outs = vec![&logits];
+        outs.extend(new_cache.iter());
+        g.build_with(&outs, &cache_donation(p.all.len(), cache.len()))
+            .map_err(graph_err(&name))
+    }
+
     /// Traces and compiles the program.
     pub fn compile(
         model: &DeviceModel,
@@ -334,26 +362,9 @@ impl PrefillProgram {
         num_slots: usize,
         max_len: usize,
     ) -> Result<PrefillProgram> {
-        let name = format!("prefill_{batch}x{len}_cache{num_slots}x{max_len}");
-        if len > max_len || batch == 0 || len == 0 {
-            return Err(input(
-                &name,
-                format!("a batch of {batch} prompts of {len} tokens needs 0 < len <= max_len ({max_len})"),
-            ));
-        }
-        let (g, p) = model.start_graph(&name);
-        let cache = cache_params(&g, model, num_slots, max_len);
-        let tokens = g.parameter("tokens", DType::I32, &[batch as i64, len as i64]);
-        let lengths = g.parameter("lengths", DType::I32, &[batch as i64]);
-        let slots = g.parameter("slots", DType::I32, &[batch as i64]);
-        let (logits, new_cache) = prefill_graph(&p, &tokens, &lengths, &slots, &cache);
-        let mut outs = vec![&logits];
-        outs.extend(new_cache.iter());
-        let program = g
-            .build_with(&outs, &cache_donation(p.all.len(), cache.len()))
-            .map_err(graph_err(&name))?;
+        let program = PrefillProgram::build(&model.config, model.dtype, batch, len, num_slots, max_len)?;
         Ok(PrefillProgram {
-            exe: model.compile(&program, &name)?,
+            exe: model.compile(&program, program.name())?,
             batch,
             len,
             num_slots,
@@ -462,21 +473,26 @@ pub struct DecodeProgram {
 }
 
 impl DecodeProgram {
-    /// Traces and compiles the program.
-    pub fn compile(model: &DeviceModel, num_slots: usize, max_len: usize) -> Result<DecodeProgram> {
+    /// Traces the program for a model of `config` with weights of `dtype`, without compiling
+    /// it (see [`DecodeProgram::compile`]).
+    pub fn build(config: &ModelConfig, dtype: DType, num_slots: usize, max_len: usize) -> Result<Program> {
         let name = format!("decode_cache{num_slots}x{max_len}");
-        let (g, p) = model.start_graph(&name);
-        let cache = cache_params(&g, model, num_slots, max_len);
+        let (g, p) = start_graph(&name, config, dtype);
+        let cache = cache_params(&g, config, num_slots, max_len);
         let tokens = g.parameter("tokens", DType::I32, &[num_slots as i64]);
         let positions = g.parameter("positions", DType::I32, &[num_slots as i64]);
         let (logits, new_cache) = decode_graph(&p, &tokens, &positions, &cache);
         let mut outs = vec![&logits];
         outs.extend(new_cache.iter());
-        let program = g
-            .build_with(&outs, &cache_donation(p.all.len(), cache.len()))
-            .map_err(graph_err(&name))?;
+        g.build_with(&outs, &cache_donation(p.all.len(), cache.len()))
+            .map_err(graph_err(&name))
+    }
+
+    /// Traces and compiles the program.
+    pub fn compile(model: &DeviceModel, num_slots: usize, max_len: usize) -> Result<DecodeProgram> {
+        let program = DecodeProgram::build(&model.config, model.dtype, num_slots, max_len)?;
         Ok(DecodeProgram {
-            exe: model.compile(&program, &name)?,
+            exe: model.compile(&program, program.name())?,
             num_slots,
             max_len,
             vocab: model.config.vocab_size,
@@ -553,6 +569,24 @@ impl LogprobsProgram {
         Self::compile_chunked(model, batch, len, DEFAULT_HEAD_CHUNK as usize)
     }
 
+    /// Traces the program of [`LogprobsProgram::compile_chunked`] for a model of `config` with
+    /// weights of `dtype`, without compiling it.
+    pub fn build(
+        config: &ModelConfig,
+        dtype: DType,
+        batch: usize,
+        len: usize,
+        chunk: usize,
+    ) -> Result<Program> {
+        let name = format!("logprobs_{batch}x{len}_chunk{chunk}");
+        let (g, p) = start_graph(&name, config, dtype);
+        let tokens = g.parameter("tokens", DType::I32, &[batch as i64, len as i64]);
+        let mask = g.parameter("mask", DType::I32, &[batch as i64, len as i64]);
+        let temperature = g.parameter("temperature", DType::F32, &[]);
+        let (lp, ent) = logprobs_graph_chunked(&g, &p, &tokens, &mask, &temperature, chunk as i64);
+        g.build(&[&lp, &ent]).map_err(graph_err(&name))
+    }
+
     /// [`LogprobsProgram::compile`] with the output head applied to `chunk` positions at a time.
     pub fn compile_chunked(
         model: &DeviceModel,
@@ -560,15 +594,9 @@ impl LogprobsProgram {
         len: usize,
         chunk: usize,
     ) -> Result<LogprobsProgram> {
-        let name = format!("logprobs_{batch}x{len}_chunk{chunk}");
-        let (g, p) = model.start_graph(&name);
-        let tokens = g.parameter("tokens", DType::I32, &[batch as i64, len as i64]);
-        let mask = g.parameter("mask", DType::I32, &[batch as i64, len as i64]);
-        let temperature = g.parameter("temperature", DType::F32, &[]);
-        let (lp, ent) = logprobs_graph_chunked(&g, &p, &tokens, &mask, &temperature, chunk as i64);
-        let program = g.build(&[&lp, &ent]).map_err(graph_err(&name))?;
+        let program = LogprobsProgram::build(&model.config, model.dtype, batch, len, chunk)?;
         Ok(LogprobsProgram {
-            exe: model.compile(&program, &name)?,
+            exe: model.compile(&program, program.name())?,
             batch,
             len,
             vocab: model.config.vocab_size,
@@ -637,16 +665,22 @@ pub struct FullLogitsProgram {
 }
 
 impl FullLogitsProgram {
-    /// Traces and compiles the program.
-    pub fn compile(model: &DeviceModel, batch: usize, len: usize) -> Result<FullLogitsProgram> {
+    /// Traces the program for a model of `config` with weights of `dtype`, without compiling
+    /// it (see [`FullLogitsProgram::compile`]).
+    pub fn build(config: &ModelConfig, dtype: DType, batch: usize, len: usize) -> Result<Program> {
         let name = format!("full_logits_{batch}x{len}");
-        let (g, p) = model.start_graph(&name);
+        let (g, p) = start_graph(&name, config, dtype);
         let tokens = g.parameter("tokens", DType::I32, &[batch as i64, len as i64]);
         let mask = g.parameter("mask", DType::I32, &[batch as i64, len as i64]);
         let logits = full_logits_graph(&p, &tokens, &mask);
-        let program = g.build(&[&logits]).map_err(graph_err(&name))?;
+        g.build(&[&logits]).map_err(graph_err(&name))
+    }
+
+    /// Traces and compiles the program.
+    pub fn compile(model: &DeviceModel, batch: usize, len: usize) -> Result<FullLogitsProgram> {
+        let program = FullLogitsProgram::build(&model.config, model.dtype, batch, len)?;
         Ok(FullLogitsProgram {
-            exe: model.compile(&program, &name)?,
+            exe: model.compile(&program, program.name())?,
             batch,
             len,
             vocab: model.config.vocab_size,
@@ -909,5 +943,60 @@ mod tests {
         assert_eq!(draw(7), draw(7));
         let ones = draw(7).iter().filter(|&&t| t == 1).count() as f64 / 4000.0;
         assert!((ones - 0.75).abs() < 0.03, "{ones}");
+    }
+
+    fn tiny_config() -> ModelConfig {
+        ModelConfig::from_hf_file(Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/fixtures/tiny/qwen2/config.json"
+        )))
+        .unwrap()
+    }
+
+    #[test]
+    fn programs_are_built_from_the_config_alone() {
+        let c = tiny_config();
+        let params = param_table(&c).len();
+        let layers = c.num_hidden_layers;
+        let prefill = PrefillProgram::build(&c, DType::BF16, 2, 8, 4, 16).unwrap();
+        assert_eq!(prefill.name(), "prefill_2x8_cache4x16");
+        // Weights, K and V per layer, then tokens, lengths, slots; the cache is donated.
+        assert_eq!(prefill.arg_names().len(), params + 2 * layers + 3);
+        assert_eq!(prefill.arg_names()[params], "cache.0.k");
+        assert_eq!(
+            prefill.donated_args(),
+            (params..params + 2 * layers).collect::<Vec<_>>()
+        );
+        assert_eq!(prefill.result_types().len(), 1 + 2 * layers);
+        assert_eq!(
+            prefill.arg_types()[params].dims,
+            vec![4, c.num_key_value_heads as i64, 16, c.head_dim as i64]
+        );
+        let decode = DecodeProgram::build(&c, DType::F32, 4, 16).unwrap();
+        assert_eq!(decode.name(), "decode_cache4x16");
+        assert_eq!(decode.arg_names().len(), params + 2 * layers + 2);
+        let logprobs = LogprobsProgram::build(&c, DType::F32, 2, 8, 4).unwrap();
+        assert_eq!(logprobs.name(), "logprobs_2x8_chunk4");
+        assert_eq!(logprobs.result_types()[0].dims, vec![2, 8]);
+        assert!(logprobs.donated_args().is_empty());
+        let full = FullLogitsProgram::build(&c, DType::F32, 2, 8).unwrap();
+        assert_eq!(full.result_types()[0].dims, vec![2, 8, c.vocab_size as i64]);
+        // The same shapes trace to the same text; a different weight type does not.
+        assert_eq!(
+            PrefillProgram::build(&c, DType::BF16, 2, 8, 4, 16)
+                .unwrap()
+                .fingerprint(),
+            prefill.fingerprint()
+        );
+        assert_ne!(
+            PrefillProgram::build(&c, DType::F32, 2, 8, 4, 16)
+                .unwrap()
+                .fingerprint(),
+            prefill.fingerprint()
+        );
+        let err = PrefillProgram::build(&c, DType::F32, 1, 32, 4, 16)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("needs 0 < len <= max_len (16)"), "{err}");
     }
 }

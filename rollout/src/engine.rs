@@ -88,7 +88,9 @@ impl EngineConfig {
         }
     }
 
-    fn buckets(&self) -> Vec<usize> {
+    /// The prompt-length buckets prefill compiles for: `prefill_buckets` when set, else 16, 32,
+    /// 64, ... below `max_model_len`, then `max_model_len`.
+    pub fn buckets(&self) -> Vec<usize> {
         if !self.prefill_buckets.is_empty() {
             return self.prefill_buckets.clone();
         }
@@ -556,12 +558,8 @@ impl Engine {
         Ok(())
     }
 
-    /// The cache chunks the decode program reads when the highest active position is
-    /// `position`: the chunks holding positions `0..=position`, rounded up to a power of two
-    /// (or all of them).
     fn decode_chunks(&self, position: usize) -> usize {
-        let all = self.cache_shape.chunks();
-        self.cache_shape.chunks_for(position).next_power_of_two().min(all)
+        self.cache_shape.decode_chunks(position)
     }
 
     fn ensure_decode(&mut self, truncate: bool, chunks: usize) -> Result<()> {

@@ -14,7 +14,7 @@ use model::forward::{
     DecoderParams, KvWrite,
 };
 use model::ModelConfig;
-use xla::graph::{BuildOptions, Graph, Tensor};
+use xla::graph::{BuildOptions, Graph, Program, Tensor};
 use xla::runtime::{Buffer, Client, Executable};
 use xla::DType;
 
@@ -69,6 +69,13 @@ impl CacheShape {
     /// Number of chunks per slot.
     pub fn chunks(&self) -> usize {
         self.max_len.div_ceil(self.chunk)
+    }
+
+    /// The cache chunks the decode program reads when the highest active position is
+    /// `position`: the chunks holding positions `0..=position`, rounded up to a power of two
+    /// (or all of them). One decode program is compiled per such count.
+    pub fn decode_chunks(&self, position: usize) -> usize {
+        self.chunks_for(position).next_power_of_two().min(self.chunks())
     }
 
     /// The chunks a step must read when the highest position written or attended is
@@ -132,22 +139,17 @@ fn donate_cache(first_arg: usize, first_result: usize, n: usize) -> BuildOptions
     BuildOptions::donating(&pairs)
 }
 
-fn compile(
-    client: &Client,
-    g: &Graph,
-    outs: &[&Tensor],
-    options: &BuildOptions,
-    name: &str,
-) -> Result<Executable> {
-    let program = g
-        .build_with(outs, options)
-        .map_err(|source| RolloutError::Graph {
-            program: name.to_string(),
-            source,
-        })?;
+fn build(g: &Graph, outs: &[&Tensor], options: &BuildOptions, name: &str) -> Result<Program> {
+    g.build_with(outs, options).map_err(|source| RolloutError::Graph {
+        program: name.to_string(),
+        source,
+    })
+}
+
+fn compile(client: &Client, program: &Program) -> Result<Executable> {
     program
         .compile(client)
-        .map_err(|e| RolloutError::runtime(format!("compiling {name}"), e))
+        .map_err(|e| RolloutError::runtime(format!("compiling {}", program.name()), e))
 }
 
 /// Runs `exe` on `weights ++ cache ++ inputs`; the cache is donated and replaced by results
@@ -200,16 +202,17 @@ impl PrefillFanout {
         PrefillFanout::compile_batched(client, config, dtype, cache, len, width, 1)
     }
 
-    /// Traces and compiles the program for `batch` prompts per run.
-    pub fn compile_batched(
-        client: &Client,
+    /// Traces the program for `batch` prompts per run without compiling it (for
+    /// [`PrefillFanout::compile_batched`] and for compiling elsewhere, e.g. deviceless for a
+    /// TPU topology).
+    pub fn build(
         config: &ModelConfig,
         dtype: DType,
         cache: &CacheShape,
         len: usize,
         width: usize,
         batch: usize,
-    ) -> Result<PrefillFanout> {
+    ) -> Result<Program> {
         let batch = batch.max(1);
         let name = format!(
             "rollout_prefill_{len}x{batch}_fanout{width}_cache{}x{}x{}",
@@ -260,12 +263,25 @@ impl PrefillFanout {
             }
         }
         let outs: Vec<&Tensor> = out.iter().collect();
-        let exe = compile(client, &g, &outs, &donate_cache(p.all.len(), 0, kv.len()), &name)?;
+        build(&g, &outs, &donate_cache(p.all.len(), 0, kv.len()), &name)
+    }
+
+    /// Traces and compiles the program for `batch` prompts per run.
+    pub fn compile_batched(
+        client: &Client,
+        config: &ModelConfig,
+        dtype: DType,
+        cache: &CacheShape,
+        len: usize,
+        width: usize,
+        batch: usize,
+    ) -> Result<PrefillFanout> {
+        let program = PrefillFanout::build(config, dtype, cache, len, width, batch)?;
         Ok(PrefillFanout {
-            exe,
+            exe: compile(client, &program)?,
             len,
             width,
-            batch,
+            batch: batch.max(1),
         })
     }
 
@@ -385,17 +401,15 @@ impl DecodeSample {
         )
     }
 
-    /// [`DecodeSample::compile`] with a choice of attended cache length, cache write and
-    /// attention (see [`DecodeOptions`]) and of sampler.
-    pub fn compile_with(
-        client: &Client,
+    /// Traces the program of [`DecodeSample::compile_with`] without compiling it.
+    pub fn build_with(
         config: &ModelConfig,
         dtype: DType,
         cache: &CacheShape,
         truncate: bool,
         options: DecodeOptions,
         sampler: SamplerKind,
-    ) -> Result<DecodeSample> {
+    ) -> Result<Program> {
         if cache.chunks() != 1 {
             return Err(RolloutError::Config(format!(
                 "DecodeSample::compile_with needs an unchunked cache, got {} chunks of {} positions; use compile_chunked",
@@ -444,9 +458,23 @@ impl DecodeSample {
         let (next, logprobs) = sample_graph_with(&logits, &inputs, truncate, sampler);
         let mut outs = vec![&next, &logprobs];
         outs.extend(new_cache.iter());
-        let exe = compile(client, &g, &outs, &donate_cache(p.all.len(), 2, kv.len()), &name)?;
+        build(&g, &outs, &donate_cache(p.all.len(), 2, kv.len()), &name)
+    }
+
+    /// [`DecodeSample::compile`] with a choice of attended cache length, cache write and
+    /// attention (see [`DecodeOptions`]) and of sampler.
+    pub fn compile_with(
+        client: &Client,
+        config: &ModelConfig,
+        dtype: DType,
+        cache: &CacheShape,
+        truncate: bool,
+        options: DecodeOptions,
+        sampler: SamplerKind,
+    ) -> Result<DecodeSample> {
+        let program = DecodeSample::build_with(config, dtype, cache, truncate, options, sampler)?;
         Ok(DecodeSample {
-            exe,
+            exe: compile(client, &program)?,
             slots: cache.slots,
             truncate,
             attend_chunks: 1,
@@ -455,16 +483,15 @@ impl DecodeSample {
 
     /// The step over a chunked cache reading and writing only its first `attend_chunks`
     /// chunks (see [`model::forward::decode_hidden_graph_chunked`]); the later chunks pass
-    /// through unchanged.
-    pub fn compile_chunked(
-        client: &Client,
+    /// through unchanged. Traces the program without compiling it.
+    pub fn build_chunked(
         config: &ModelConfig,
         dtype: DType,
         cache: &CacheShape,
         truncate: bool,
         attend_chunks: usize,
         sampler: SamplerKind,
-    ) -> Result<DecodeSample> {
+    ) -> Result<Program> {
         let attend_chunks = attend_chunks.clamp(1, cache.chunks());
         let kind = if truncate { "topk_topp" } else { "plain" };
         let gumbel = if sampler == SamplerKind::GumbelMax {
@@ -499,12 +526,27 @@ impl DecodeSample {
         let (next, logprobs) = sample_graph_with(&logits, &inputs, truncate, sampler);
         let mut outs = vec![&next, &logprobs];
         outs.extend(new_cache.iter());
-        let exe = compile(client, &g, &outs, &donate_cache(p.all.len(), 2, kv.len()), &name)?;
+        build(&g, &outs, &donate_cache(p.all.len(), 2, kv.len()), &name)
+    }
+
+    /// The step over a chunked cache reading and writing only its first `attend_chunks`
+    /// chunks (see [`model::forward::decode_hidden_graph_chunked`]); the later chunks pass
+    /// through unchanged.
+    pub fn compile_chunked(
+        client: &Client,
+        config: &ModelConfig,
+        dtype: DType,
+        cache: &CacheShape,
+        truncate: bool,
+        attend_chunks: usize,
+        sampler: SamplerKind,
+    ) -> Result<DecodeSample> {
+        let program = DecodeSample::build_chunked(config, dtype, cache, truncate, attend_chunks, sampler)?;
         Ok(DecodeSample {
-            exe,
+            exe: compile(client, &program)?,
             slots: cache.slots,
             truncate,
-            attend_chunks,
+            attend_chunks: attend_chunks.clamp(1, cache.chunks()),
         })
     }
 
@@ -626,5 +668,47 @@ mod tests {
             names(&whole),
             ["cache.0.k", "cache.0.v", "cache.1.k", "cache.1.v"]
         );
+    }
+
+    #[test]
+    fn programs_are_built_without_a_client() {
+        let c = config();
+        let params = model::param_table(&c).len();
+        let cache = CacheShape::chunked(&c, 4, 20, 8);
+        let prefill = PrefillFanout::build(&c, DType::F32, &cache, 8, 2, 2).unwrap();
+        assert_eq!(prefill.name(), "rollout_prefill_8x2_fanout2_cache4x3x8");
+        // Weights, 2 layers x (K, V) x 3 chunks, then tokens, lengths, destination slots.
+        assert_eq!(prefill.arg_names().len(), params + 12 + 3);
+        assert_eq!(prefill.arg_types()[params + 12].dims, vec![2, 8]);
+        assert_eq!(prefill.donated_args(), (params..params + 12).collect::<Vec<_>>());
+        let decode =
+            DecodeSample::build_chunked(&c, DType::BF16, &cache, false, 9, SamplerKind::default()).unwrap();
+        // 9 attended chunks clamp to the 3 there are.
+        assert_eq!(decode.name(), "rollout_decode_plain_cache4x3x8_attend3");
+        assert_eq!(decode.result_types().len(), 2 + 12);
+        assert_eq!(decode.result_types()[0].dims, vec![4]);
+        let whole = CacheShape::new(&c, 4, 20);
+        let top = DecodeSample::build_with(
+            &c,
+            DType::F32,
+            &whole,
+            true,
+            DecodeOptions::default(),
+            SamplerKind::default(),
+        )
+        .unwrap();
+        assert_eq!(top.name(), "rollout_decode_topk_topp_cache4x20");
+        let err = DecodeSample::build_with(
+            &c,
+            DType::F32,
+            &cache,
+            false,
+            DecodeOptions::default(),
+            SamplerKind::default(),
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(err.contains("needs an unchunked cache, got 3 chunks"), "{err}");
     }
 }

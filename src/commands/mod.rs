@@ -1,5 +1,6 @@
 //! One module per subcommand.
 
+pub mod compile;
 pub mod devices;
 pub mod export;
 pub mod generate;

@@ -2,6 +2,7 @@
 
 use actors::auth::Token;
 use actors::recipe::load_recipe;
+use actors::roles::learner::LearnerService;
 use actors::roles::reward::LocalReward;
 use actors::roles::rollout::{LocalRollout, RolloutService};
 use actors::setup;
@@ -21,6 +22,9 @@ pub enum RoleArg {
     /// Generate responses with the recipe's model and `rollout:` settings on `cluster.device`;
     /// takes new weights from the orchestrator.
     Rollout,
+    /// Train: the recipe's `actor:` updates (and the reference model) on `cluster.device`,
+    /// started from the recipe's model or from the checkpoint state the orchestrator sends.
+    Learner,
 }
 
 #[derive(Args)]
@@ -32,7 +36,8 @@ pub enum RoleArg {
         not carry the run's token.",
     after_help = "Example:\n  \
         grpo worker --role reward --recipe recipes/quickstart.yaml --listen 127.0.0.1:0 --token-file run.token\n  \
-        grpo worker --role rollout --recipe recipes/quickstart.yaml --token-file run.token"
+        grpo worker --role rollout --recipe recipes/quickstart.yaml --token-file run.token\n  \
+        grpo worker --role learner --recipe recipes/quickstart.yaml --token-file run.token"
 )]
 pub struct WorkerArgs {
     /// The role to serve.
@@ -63,7 +68,12 @@ pub fn run(args: WorkerArgs) -> Result<ExitCode> {
     // The rollout engine is built (weights uploaded, decode step compiled) before serving.
     let rollout = match args.role {
         RoleArg::Rollout => Some(rollout_service(&recipe)?),
-        RoleArg::Reward => None,
+        RoleArg::Reward | RoleArg::Learner => None,
+    };
+    // The learner loads the model before serving; it compiles its programs when started.
+    let learner = match args.role {
+        RoleArg::Learner => Some(learner_service(&recipe)?),
+        RoleArg::Reward | RoleArg::Rollout => None,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async move {
@@ -81,6 +91,12 @@ pub fn run(args: WorkerArgs) -> Result<ExitCode> {
             RoleArg::Rollout => {
                 let service = rollout.expect("built above for the rollout role");
                 Worker::bind_rollout(args.listen, token, service)
+                    .await
+                    .with_context(|| format!("cannot listen on {}", args.listen))?
+            }
+            RoleArg::Learner => {
+                let service = learner.expect("built above for the learner role");
+                Worker::bind_learner(args.listen, token, service)
                     .await
                     .with_context(|| format!("cannot listen on {}", args.listen))?
             }
@@ -113,6 +129,17 @@ fn rollout_service(recipe: &actors::recipe::Recipe) -> Result<RolloutService> {
         setup::dtype(recipe.rollout.dtype),
         0,
     ))
+}
+
+/// The learner role of `recipe`: the prepared model's weights (the start of a new run and the
+/// reference model) on `cluster.device`; the learner is built when the orchestrator starts it.
+fn learner_service(recipe: &actors::recipe::Recipe) -> Result<LearnerService> {
+    let mut prepared = actors::prepare::prepare(recipe).context("preparing the run")?;
+    let client = setup::open_client(recipe)
+        .with_context(|| format!("opening the {:?} device", recipe.cluster.device))?;
+    let config = prepared.model.weights.config.clone();
+    LearnerService::new(client, recipe, &config, &mut prepared.model.weights)
+        .context("reading the model's weights for the learner")
 }
 
 /// Resolves on Ctrl-C or SIGTERM.

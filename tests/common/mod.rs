@@ -96,3 +96,111 @@ pub fn prompts_seen(output: &Path) -> std::collections::BTreeMap<u64, Vec<u64>> 
         })
         .collect()
 }
+
+/// A recipe for the tiny model written as `dir/name`: 4 prompts x 4 samples per step, short
+/// responses, a KL loss (so the reference model is used), validation and checkpoints every 2
+/// steps, plus `extra` YAML appended (whole sections). The reward is 1 for a response that does
+/// not start with white space: about half of the random model's samples, so advantages are not
+/// all zero and comparisons of runs exercise the policy-gradient term (the arithmetic scorer
+/// gives this model 0 everywhere).
+#[allow(clippy::too_many_arguments)]
+pub fn tiny_recipe(
+    dir: &Path,
+    name: &str,
+    model: &Path,
+    train: &Path,
+    val: &Path,
+    output: &Path,
+    steps: usize,
+    extra: &str,
+) -> PathBuf {
+    let text = format!(
+        "model:\n  path: {model}\n\
+         data:\n  train_files: {train}\n  val_files: {val}\n  train_batch_size: 4\n  max_prompt_length: 96\n  max_response_length: 12\n\
+         rollout:\n  n: 4\n  max_num_seqs: 16\n\
+         reward:\n  scorers:\n    starts_with_a_word: {{kind: format_regex, pattern: '^\\S'}}\n  data_sources:\n    grpo/arithmetic: starts_with_a_word\n\
+         actor:\n  optim:\n    lr: 1.0e-3\n  ppo_mini_batch_size: 2\n  ppo_micro_batch_size: 4\n  use_kl_loss: true\n\
+         trainer:\n  total_training_steps: {steps}\n  test_freq: 2\n  save_freq: 2\n  output_dir: {output}\n  seed: 3\n{extra}",
+        model = model.display(),
+        train = train.display(),
+        val = val.display(),
+        output = output.display(),
+    );
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// The values of `key` at every training step (step 0, the validation before training, left
+/// out).
+pub fn metric_series(m: &std::collections::BTreeMap<u64, serde_json::Value>, key: &str) -> Vec<f64> {
+    m.iter()
+        .filter(|(s, _)| **s > 0)
+        .map(|(_, v)| v[key].as_f64().unwrap_or_else(|| panic!("{key} missing in {v}")))
+        .collect()
+}
+
+/// The pids of the worker processes of `role` of the run writing to `output` (their command
+/// line names the run's resolved recipe `OUTPUT/recipe.yaml`).
+pub fn run_worker_pids(output: &Path, role: &str) -> Vec<u32> {
+    let recipe = output.join("recipe.yaml");
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<String> = cmdline
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        let has = |s: &str| args.iter().any(|a| a == s);
+        if has("worker") && has(role) && has(&recipe.to_string_lossy()) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// Whether process `pid` exists and is not a zombie.
+pub fn process_alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => false,
+        Ok(stat) => {
+            let state = stat.rsplit(')').next().unwrap_or("").trim_start();
+            !(state.starts_with('Z') || state.starts_with('X'))
+        }
+    }
+}
+
+/// Sends signal `name` (`STOP`, `CONT`, `KILL`, ...) to `pid` with kill(1); whether it was sent.
+pub fn send_signal(pid: u32, name: &str) -> bool {
+    Command::new("kill")
+        .args([format!("-{name}"), pid.to_string()])
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
+}
+
+/// Waits until `OUTPUT/metrics.jsonl` has a line for `step`, while `child` (the run) is still
+/// running; panics after `within`.
+pub fn wait_for_step(output: &Path, step: u64, child: &mut std::process::Child, within: std::time::Duration) {
+    let started = std::time::Instant::now();
+    let prefix = format!("{{\"step\":{step},");
+    loop {
+        let done = std::fs::read_to_string(output.join("metrics.jsonl"))
+            .map(|s| s.lines().any(|l| l.starts_with(&prefix)))
+            .unwrap_or(false);
+        if done {
+            return;
+        }
+        assert!(started.elapsed() < within, "no step {step} after {within:?}");
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the run ended before step {step}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}

@@ -5,9 +5,17 @@
 //! ```text
 //! cargo run --release -p trainer --example update_bench -- \
 //!     [--model models/SmolLM2-135M-Instruct.Q4_1.gguf] [--rows 8] [--prompt-len 64] \
-//!     [--response-len 448] [--micro-batch 8] [--rounds 3] [--dtype f32|bf16] \
-//!     [--peer-threads N] [--peer-micro-batch M] [--no-peer]
+//!     [--response-len 448] [--micro-batch 8] [--rounds 3] [--dtype f32|bf16|f32,bf16] \
+//!     [--peer-dtype f32|bf16|f32,bf16] [--peer-threads N] [--peer-micro-batch M] [--no-peer]
 //! ```
+//!
+//! `--dtype` lists our compute types (one learner each, f32 master weights; `bf16` = bf16
+//! parameters and matmul operands with f32 results); `--peer-dtype` lists the peer's (one torch
+//! process each; `bf16` = `torch.autocast` to bf16 around the forward). Every round runs one
+//! update of each, in that order.
+//!
+//! The program re-executes itself once with `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (see
+//! `trainer::memory`); `GLIBC_TUNABLES=glibc.malloc.hugetlb=0` measures without huge pages.
 //!
 //! One update is one GRPO optimizer step over `rows` sequences of `prompt-len + response-len`
 //! tokens (no padding): `Learner::step` with the decoder policy (f32 master weights, VeRL's
@@ -47,7 +55,8 @@ struct Args {
     response_len: usize,
     micro_batch: usize,
     rounds: usize,
-    dtype: DType,
+    dtypes: Vec<DType>,
+    peer_dtypes: Vec<String>,
     peer: bool,
     peer_threads: usize,
     peer_micro_batch: usize,
@@ -63,7 +72,8 @@ fn parse_args() -> Args {
         response_len: 448,
         micro_batch: 8,
         rounds: 3,
-        dtype: DType::F32,
+        dtypes: vec![DType::F32],
+        peer_dtypes: vec!["f32".to_string()],
         peer: true,
         peer_threads: cores,
         peer_micro_batch: 0,
@@ -82,16 +92,28 @@ fn parse_args() -> Args {
             "--peer-micro-batch" => a.peer_micro_batch = value().parse().expect("--peer-micro-batch N"),
             "--no-peer" => a.peer = false,
             "--dtype" => {
-                a.dtype = match value().as_str() {
-                    "f32" => DType::F32,
-                    "bf16" => DType::BF16,
-                    other => panic!("--dtype takes f32 or bf16, not {other}"),
+                a.dtypes = value()
+                    .split(',')
+                    .map(|d| match d {
+                        "f32" => DType::F32,
+                        "bf16" => DType::BF16,
+                        other => panic!("--dtype takes f32, bf16 or a comma list of them, not {other}"),
+                    })
+                    .collect()
+            }
+            "--peer-dtype" => {
+                a.peer_dtypes = value().split(',').map(str::to_string).collect();
+                for d in &a.peer_dtypes {
+                    assert!(
+                        d == "f32" || d == "bf16",
+                        "--peer-dtype takes f32, bf16 or a comma list of them, not {d}"
+                    );
                 }
             }
             other => panic!(
                 "unknown option {other}; options: --model PATH --rows N --prompt-len N \
-                 --response-len N --micro-batch N --rounds N --dtype f32|bf16 --peer-threads N \
-                 --peer-micro-batch N --no-peer"
+                 --response-len N --micro-batch N --rounds N --dtype f32|bf16|f32,bf16 \
+                 --peer-dtype f32|bf16|f32,bf16 --peer-threads N --peer-micro-batch N --no-peer"
             ),
         }
     }
@@ -180,6 +202,7 @@ impl Peer {
         batch: &std::path::Path,
         threads: usize,
         micro_batch: usize,
+        dtype: &str,
     ) -> Peer {
         let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/update_bench_torch.py");
         let mut child = Command::new("python3")
@@ -188,6 +211,7 @@ impl Peer {
             .arg(batch)
             .args(["--threads", &threads.to_string()])
             .args(["--micro-batch", &micro_batch.to_string()])
+            .args(["--dtype", dtype])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -234,6 +258,16 @@ impl Drop for Peer {
 }
 
 fn main() {
+    // Large per-call temporaries in huge pages (re-executes this program once with
+    // GLIBC_TUNABLES=glibc.malloc.hugetlb=1; GLIBC_TUNABLES=glibc.malloc.hugetlb=0 opts out).
+    let huge_pages = match trainer::memory::reexec_with_huge_page_malloc() {
+        Ok(never) => match never {},
+        Err(reason) => reason,
+    };
+    println!(
+        "malloc: GLIBC_TUNABLES={} ({huge_pages})",
+        std::env::var("GLIBC_TUNABLES").unwrap_or_default()
+    );
     let args = parse_args();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!("load average at start: {} ({cores} cores)", load_average());
@@ -319,23 +353,11 @@ fn main() {
     let specs = policy.param_specs();
     let optim = OptimConfig::default();
     let loss = PolicyLossConfig::default();
-    let cfg = StepConfig {
-        loss: loss.clone(),
-        optim: optim.clone(),
-        compute_dtype: args.dtype,
-        micro_batch_size: mb as i64,
-        response_len: r_len as i64,
-    };
-    let t = Instant::now();
-    let programs =
-        build_train_programs(&cfg, &specs, &policy.input_specs(), |p, b| policy.log_probs(p, b)).unwrap();
-    let trace_s = t.elapsed().as_secs_f64();
-    let mut learner = Learner::new(&client, programs, &specs, &cfg, &init, 3).unwrap();
     let w = width;
-    let micro_batches: Vec<_> = (0..rows / mb)
+    let host_micro_batches: Vec<MicroBatchHost> = (0..rows / mb)
         .map(|i| {
             let (rs, re) = (i * mb, (i + 1) * mb);
-            let host_mb = MicroBatchHost {
+            MicroBatchHost {
                 old_log_probs: old_log_probs_for(&old_log_probs, rs, re, r_len),
                 advantages: advantages[rs * r_len..re * r_len].to_vec(),
                 response_mask: packed.response_mask[rs * r_len..re * r_len].to_vec(),
@@ -345,14 +367,41 @@ fn main() {
                     HostArray::I32(packed.mask[rs * w..re * w].to_vec()),
                 ],
                 ..Default::default()
+            }
+        })
+        .collect();
+    // One learner per compute type, each with its uploaded micro-batches.
+    let mut ours: Vec<(String, Learner, Vec<_>)> = args
+        .dtypes
+        .iter()
+        .map(|&dtype| {
+            let cfg = StepConfig {
+                loss: loss.clone(),
+                optim: optim.clone(),
+                compute_dtype: dtype,
+                micro_batch_size: mb as i64,
+                response_len: r_len as i64,
+                parallel: Default::default(),
             };
-            learner.upload_micro_batch(i, &host_mb).unwrap()
+            let t = Instant::now();
+            let programs =
+                build_train_programs(&cfg, &specs, &policy.input_specs(), |p, b| policy.log_probs(p, b))
+                    .unwrap();
+            println!("ours {dtype}: trace {:.1} s", t.elapsed().as_secs_f64());
+            let learner = Learner::new(&client, programs, &specs, &cfg, &init, 3).unwrap();
+            let uploaded: Vec<_> = host_micro_batches
+                .iter()
+                .enumerate()
+                .map(|(i, h)| learner.upload_micro_batch(i, h).unwrap())
+                .collect();
+            (format!("ours {dtype}"), learner, uploaded)
         })
         .collect();
 
-    // The peer: same weights as a Hugging Face directory, same batch as JSON.
+    // The peers: same weights as a Hugging Face directory, same batch as JSON.
     let dir = std::env::temp_dir().join(format!("update-bench-{}", std::process::id()));
-    let mut peer = args.peer.then(|| {
+    let mut peers: Vec<(String, Peer)> = Vec::new();
+    if args.peer {
         std::fs::create_dir_all(&dir).unwrap();
         model::save_hf_checkpoint(&dir.join("model"), &host.weights, &[]).unwrap();
         let chunk = |v: &[f32]| v.chunks(r_len).map(<[f32]>::to_vec).collect::<Vec<_>>();
@@ -375,91 +424,111 @@ fn main() {
         });
         let batch_file = dir.join("batch.json");
         std::fs::write(&batch_file, batch.to_string()).unwrap();
-        Peer::start(
-            &dir.join("model"),
-            &batch_file,
-            args.peer_threads,
-            args.peer_micro_batch,
-        )
-    });
-
-    // Warm-up update on both sides (compiles ours); its metrics check that both sides compute
-    // the same update.
-    let t = Instant::now();
-    let first = learner.step(&micro_batches, optim.lr).unwrap();
-    println!(
-        "ours: trace {trace_s:.1} s; first update (compile + run) {:.1} s; metrics {}",
-        t.elapsed().as_secs_f64(),
-        fmt_metrics(&first.values)
-    );
-    if let Some(peer) = peer.as_mut() {
-        let m = peer.step();
-        println!(
-            "peer: first update {:.1} s; metrics {m}",
-            m["seconds"].as_f64().unwrap()
-        );
-        for key in ["pg_loss", "ppo_kl", "entropy", "grad_norm"] {
-            let (a, b) = (first.get(key).unwrap(), m[key].as_f64().unwrap());
-            println!(
-                "agreement {key}: ours {a:.6e} torch {b:.6e} (|diff| {:.2e})",
-                (a - b).abs()
+        for dtype in &args.peer_dtypes {
+            let peer = Peer::start(
+                &dir.join("model"),
+                &batch_file,
+                args.peer_threads,
+                args.peer_micro_batch,
+                dtype,
             );
+            peers.push((format!("torch {dtype}"), peer));
         }
     }
 
-    let (mut ours, mut theirs, mut rates) = (Vec::new(), Vec::new(), Vec::new());
+    // Warm-up update on every side (compiles ours); its metrics check that all sides compute
+    // the same update.
+    let mut firsts: Vec<(String, Vec<(&'static str, f64)>)> = Vec::new();
+    for (name, learner, mbs) in ours.iter_mut() {
+        let t = Instant::now();
+        let first = learner.step(mbs, optim.lr).unwrap();
+        println!(
+            "{name}: first update (compile + run) {:.1} s; metrics {}",
+            t.elapsed().as_secs_f64(),
+            fmt_metrics(&first.values)
+        );
+        firsts.push((name.clone(), first.values.clone()));
+    }
+    for (name, peer) in peers.iter_mut() {
+        let m = peer.step();
+        println!(
+            "{name}: first update {:.1} s; metrics {m}",
+            m["seconds"].as_f64().unwrap()
+        );
+        for (ours_name, values) in &firsts {
+            for key in ["pg_loss", "ppo_kl", "entropy", "grad_norm"] {
+                let a = values
+                    .iter()
+                    .find(|(k, _)| *k == key)
+                    .map_or(f64::NAN, |(_, v)| *v);
+                let b = m[key].as_f64().unwrap();
+                println!(
+                    "agreement {key}: {ours_name} {a:.6e} {name} {b:.6e} (|diff| {:.2e})",
+                    (a - b).abs()
+                );
+            }
+        }
+    }
+
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); ours.len() + peers.len()];
+    let mut rates = Vec::new();
     for round in 0..args.rounds {
         rates.push(gemm.rate());
-        let t = Instant::now();
-        let m = learner.step(&micro_batches, optim.lr).unwrap();
-        ours.push(t.elapsed().as_secs_f64());
-        assert!(
-            m.update_applied,
-            "round {round}: the update was skipped: {:?}",
-            m.values
-        );
-        let mut line = format!(
-            "round {round}: GEMM {:.1} GFLOP/s, ours {:.2} s",
-            rates[round] / 1e9,
-            ours[round]
-        );
-        if let Some(peer) = peer.as_mut() {
+        let mut line = format!("round {round}: GEMM {:.1} GFLOP/s", rates[round] / 1e9);
+        for (i, (name, learner, mbs)) in ours.iter_mut().enumerate() {
+            let t = Instant::now();
+            let m = learner.step(mbs, optim.lr).unwrap();
+            times[i].push(t.elapsed().as_secs_f64());
+            assert!(
+                m.update_applied,
+                "round {round}: {name}: the update was skipped: {:?}",
+                m.values
+            );
+            line += &format!(", {name} {:.2} s", times[i][round]);
+        }
+        for (j, (name, peer)) in peers.iter_mut().enumerate() {
             let pm = peer.step();
-            theirs.push(pm["seconds"].as_f64().unwrap());
-            line += &format!(", torch {:.2} s", theirs[round]);
+            let i = ours.len() + j;
+            times[i].push(pm["seconds"].as_f64().unwrap());
+            line += &format!(", {name} {:.2} s", times[i][round]);
         }
         println!("{line}; load average {}", load_average());
     }
-    drop(peer);
+    let names: Vec<String> = ours
+        .iter()
+        .map(|(n, _, _)| n.clone())
+        .chain(peers.iter().map(|(n, _)| n.clone()))
+        .collect();
+    drop(peers);
     let _ = std::fs::remove_dir_all(&dir);
 
     let tokens = (rows * width) as f64;
     let layers = config.num_hidden_layers as f64;
     let attn_width = (config.num_attention_heads * config.head_dim) as f64;
     let flops = 6.0 * n_params as f64 * tokens + 12.0 * layers * attn_width * width as f64 * tokens;
-    let (t_ours, rate) = (median(&ours), median(&rates));
+    let rate = median(&rates);
     println!(
-        "setup: {rows} rows x ({p_len} prompt + {r_len} response) tokens, micro-batch {mb}, {:?} compute, f32 master weights, \
+        "setup: {rows} rows x ({p_len} prompt + {r_len} response) tokens, micro-batch {mb}, f32 master weights, \
          {n_params} parameters; flops per update = 6 N tokens + 12 layers d_attn T tokens = {:.3} TFLOP",
-        args.dtype,
         flops / 1e12
     );
     println!("GEMM f32 2048^3 median over rounds: {:.1} GFLOP/s", rate / 1e9);
-    println!(
-        "ours: median update {t_ours:.2} s = {:.1} tokens/s, {:.1} GFLOP/s model flops, MFU {:.1}% of the measured GEMM rate",
-        tokens / t_ours,
-        flops / t_ours / 1e9,
-        100.0 * flops / t_ours / rate
-    );
-    if !theirs.is_empty() {
-        let t_peer = median(&theirs);
+    let medians: Vec<f64> = times.iter().map(|t| median(t)).collect();
+    for (name, t) in names.iter().zip(&medians) {
         println!(
-            "torch: median update {t_peer:.2} s = {:.1} tokens/s, {:.1} GFLOP/s model flops, {:.1}% of the plugin's GEMM rate",
-            tokens / t_peer,
-            flops / t_peer / 1e9,
-            100.0 * flops / t_peer / rate
+            "{name}: median update {t:.2} s = {:.1} tokens/s, {:.1} GFLOP/s model flops, MFU {:.1}% of the measured f32 GEMM rate",
+            tokens / t,
+            flops / t / 1e9,
+            100.0 * flops / t / rate
         );
-        println!("ratio: ours / torch tokens/s = {:.2}x", t_peer / t_ours);
+    }
+    for (i, name) in names.iter().enumerate().take(ours.len()) {
+        for (j, peer_name) in names.iter().enumerate().skip(ours.len()) {
+            println!(
+                "ratio: {name} / {peer_name} tokens/s = {:.2}x",
+                medians[j] / medians[i]
+            );
+        }
     }
     println!("load average at end: {}", load_average());
 }

@@ -9,7 +9,11 @@ gradients of each micro-batch (normalised by the mini-batch's token count) are a
 before the one optimizer step, as the learner does. The entropy of the response positions is
 computed as a metric without gradient (the learner reports it too).
 
-usage: update_bench_torch.py MODEL_DIR BATCH_JSON [--threads N] [--micro-batch M]
+usage: update_bench_torch.py MODEL_DIR BATCH_JSON [--threads N] [--micro-batch M] [--dtype f32|bf16]
+
+`--dtype bf16` runs the model's forward (and so its backward) under
+`torch.autocast("cpu", dtype=torch.bfloat16)`: bf16 matmuls, f32 parameters, optimizer state and
+log-softmax (the logits are cast to f32 before it), as mixed-precision training does.
 
 BATCH_JSON (written by the Rust example) holds `tokens` [rows][P + L], `prompt_len`,
 `response_len`, `old_log_probs`, `advantages`, `response_mask` ([rows][L] each), `temperature`,
@@ -38,6 +42,8 @@ def parse_args():
                    help="torch intra-op threads (default: the machine's core count)")
     p.add_argument("--micro-batch", type=int, default=0,
                    help="rows per forward/backward pass (default: all rows at once)")
+    p.add_argument("--dtype", choices=["f32", "bf16"], default="f32",
+                   help="compute type of the forward: f32, or bf16 autocast (f32 master weights)")
     return p.parse_args()
 
 
@@ -86,7 +92,9 @@ def main():
         sums = {"pg_loss": 0.0, "pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0, "ppo_kl": 0.0, "entropy": 0.0}
         for s in range(0, rows, mb):
             sl = slice(s, s + mb)
-            logits = model(input_ids=tokens[sl], attention_mask=attention_mask[sl]).logits
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
+                logits = model(input_ids=tokens[sl], attention_mask=attention_mask[sl]).logits
+            logits = logits.float()
             # Position i predicts token i + 1: the response tokens are predicted by columns
             # P - 1 .. P + L - 2.
             logits = logits[:, p_len - 1:p_len + r_len - 1, :] / temperature
@@ -110,7 +118,7 @@ def main():
         return sums
 
     print(f"peer: transformers {transformers.__version__}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, f32, {rows} rows x {p_len}+{r_len} tokens, "
+          f"{torch.get_num_threads()} threads, {args.dtype}, {rows} rows x {p_len}+{r_len} tokens, "
           f"micro-batch {mb}, attention {model.config._attn_implementation}", flush=True)
     print("ready", flush=True)
     for line in sys.stdin:

@@ -273,6 +273,105 @@ impl OptimConfig {
     }
 }
 
+/// `actor.strategy`: how the learner's programs use the devices of its client.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Strategy {
+    /// One device: plain single-device programs (no mesh).
+    #[default]
+    #[serde(rename = "single")]
+    Single,
+    /// Data parallel: parameters and optimizer state replicated on every device of the mesh,
+    /// each micro-batch's rows split over the `data` axis; XLA's partitioner inserts the
+    /// gradient all-reduce inside the compiled step.
+    #[serde(rename = "dp")]
+    Dp,
+    /// Fully sharded data parallel: parameters, both Adam moments and the gradient
+    /// accumulators split along their first dimension that divides by the mesh size
+    /// (replicated when none does), rows split as in `dp`; XLA all-gathers the parameters for
+    /// the forward and reduce-scatters the gradients.
+    #[serde(rename = "fsdp")]
+    Fsdp,
+}
+
+impl Strategy {
+    /// The recipe spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Single => "single",
+            Strategy::Dp => "dp",
+            Strategy::Fsdp => "fsdp",
+        }
+    }
+}
+
+/// `actor.strategy` and `actor.mesh`: the learner's device layout.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Parallelism {
+    /// How parameters and rows are laid out over the devices.
+    pub strategy: Strategy,
+    /// Devices of the mesh (`dp`, `fsdp`): devices `0..mesh` of the learner's client. `None`
+    /// means all devices of the client; resolve it with [`Parallelism::resolved`] before
+    /// building programs. Ignored by `single`.
+    pub mesh: Option<usize>,
+}
+
+impl Parallelism {
+    /// `strategy` over `mesh` devices.
+    pub fn new(strategy: Strategy, mesh: usize) -> Parallelism {
+        Parallelism {
+            strategy,
+            mesh: Some(mesh),
+        }
+    }
+
+    /// This layout with an unset mesh filled in as all `client_devices` devices.
+    pub fn resolved(self, client_devices: usize) -> Parallelism {
+        Parallelism {
+            mesh: self.mesh.or(Some(client_devices)),
+            ..self
+        }
+    }
+
+    /// The number of devices the learner's programs span: 1 for `single`, the mesh size
+    /// otherwise. Refuses an unresolved or empty mesh, and a micro-batch whose rows do not
+    /// split evenly over the mesh.
+    pub fn devices(&self, micro_batch_size: i64) -> Result<usize> {
+        if self.strategy == Strategy::Single {
+            return Ok(1);
+        }
+        let n = self.mesh.ok_or_else(|| TrainerError::Config {
+            key: "actor.mesh",
+            value: "null".to_string(),
+            message: format!(
+                "actor.strategy {} needs the number of devices before the programs are built; \
+                 set actor.mesh or resolve it from the client (Parallelism::resolved)",
+                self.strategy.name()
+            ),
+        })?;
+        if n == 0 {
+            return Err(TrainerError::Config {
+                key: "actor.mesh",
+                value: "0".to_string(),
+                message: "the mesh needs at least 1 device".to_string(),
+            });
+        }
+        if micro_batch_size % n as i64 != 0 {
+            return Err(TrainerError::Config {
+                key: "actor.ppo_micro_batch_size",
+                value: micro_batch_size.to_string(),
+                message: format!(
+                    "must divide by actor.mesh ({n}): actor.strategy {} splits each micro-batch's \
+                     rows evenly over the devices; pick a micro-batch size that is a multiple of \
+                     {n} or a mesh that divides {micro_batch_size}",
+                    self.strategy.name()
+                ),
+            });
+        }
+        Ok(n)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -332,5 +431,35 @@ mod tests {
             .to_string()
             .contains("actor.optim.betas"));
         assert!(OptimConfig::default().validate().is_ok());
+    }
+
+    #[test]
+    fn parallelism_resolves_and_checks_the_micro_batch() {
+        let p: Parallelism = serde_json::from_str(r#"{"strategy": "fsdp"}"#).unwrap();
+        assert_eq!(p.strategy, Strategy::Fsdp);
+        assert_eq!(p.mesh, None);
+        let err = p.devices(8).unwrap_err().to_string();
+        assert!(
+            err.starts_with("config: actor.mesh = null: actor.strategy fsdp needs"),
+            "{err}"
+        );
+        assert_eq!(p.resolved(4).devices(8).unwrap(), 4);
+        assert_eq!(
+            Parallelism::new(Strategy::Dp, 2).resolved(4).devices(8).unwrap(),
+            2
+        );
+        assert_eq!(Parallelism::default().devices(3).unwrap(), 1);
+        let err = Parallelism::new(Strategy::Dp, 4)
+            .devices(6)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "config: actor.ppo_micro_batch_size = 6: must divide by actor.mesh (4): actor.strategy \
+             dp splits each micro-batch's rows evenly over the devices; pick a micro-batch size \
+             that is a multiple of 4 or a mesh that divides 6"
+        );
+        assert!(Parallelism::new(Strategy::Dp, 0).devices(6).is_err());
+        assert!(serde_json::from_str::<Parallelism>(r#"{"strategy": "tp"}"#).is_err());
     }
 }

@@ -10,9 +10,13 @@
 //! - [`step`]: the fused `train_step` program builder (forward, loss, backward, clipping,
 //!   AdamW, numerical guard), gradient accumulation (`accumulate` + `apply` programs) and the
 //!   host driver [`step::Learner`] that owns the device buffers.
+//! - [`sharding`]: the learner's SPMD layout (`single`, `dp`, `fsdp` over a one-axis mesh) and
+//!   the host-side splitting and gathering of per-device shards.
 //! - [`policy`]: the decoder model as the policy: its parameters, batch layout and per-token
 //!   log-probs of responses.
 //! - [`checkpoint`]: atomic, checksummed checkpoints under `OUTPUT/checkpoints/step_N/`.
+//! - [`memory`]: transparent huge pages for the C allocator (re-executing the program with
+//!   glibc's `glibc.malloc.hugetlb=1`), which cuts the page faults of XLA's per-call temporaries.
 //!
 //! Every formula follows VeRL (`verl/trainer/ppo/core_algos.py`, commit 012be9d9 unless a doc
 //! comment says otherwise) and names its source in its doc comment.
@@ -22,13 +26,16 @@ pub mod checkpoint;
 pub mod config;
 pub mod export;
 pub mod loss;
+pub mod memory;
 pub mod optim;
 pub mod policy;
+pub mod sharding;
 pub mod step;
 
 pub use config::{
     AdvantageEstimator, KlPenalty, LossAggMode, LrSchedule, OptimConfig, PolicyLossConfig, PolicyLossMode,
 };
+pub use config::{Parallelism, Strategy};
 
 /// What went wrong in the learner. Checkpoint errors have their own type,
 /// [`checkpoint::CheckpointError`].

@@ -27,16 +27,26 @@
 //! Parameters are f32 master weights; with `compute_dtype = BF16` the policy receives bf16
 //! copies (the gradient flows back through the conversion into f32) and the update programs
 //! also return the new bf16 weights for the `logprobs`/rollout programs.
+//!
+//! [`StepConfig::parallel`] chooses the device layout ([`crate::sharding`]): `single` builds
+//! single-device programs; `dp` and `fsdp` over `N > 1` devices build the same programs as
+//! SPMD programs on a one-axis mesh (micro-batch rows split; parameters, moments and
+//! accumulators replicated under `dp`, split under `fsdp`), with result shardings equal to the
+//! argument shardings so donation still reuses each device's buffers. XLA's partitioner inserts
+//! the collectives (gradient all-reduce, or parameter all-gather and gradient reduce-scatter),
+//! so the step stays one program per device. [`Learner`] keeps one set of buffers per device
+//! and runs every program with `execute_spmd`.
 
 use std::sync::Arc;
-use xla::graph::{grad, BuildOptions, Graph, Program, Tensor};
+use xla::graph::{grad, BuildOptions, Graph, Program, Sharding, Tensor};
 use xla::runtime::{Buffer, Client, Executable};
-use xla::DType;
+use xla::{DType, NativeType};
 
 use crate::checkpoint::{Checkpoint, CheckpointError, HostTensor};
-use crate::config::{OptimConfig, PolicyLossConfig};
+use crate::config::{OptimConfig, Parallelism, PolicyLossConfig, Strategy};
 use crate::loss::{actor_loss, ActorLoss, LossInputs, Normalizer};
 use crate::optim::{clip_by_global_norm, global_grad_norm, AdamW};
+use crate::sharding::{gather_host, split_host, LearnerMesh};
 use crate::{Result, TrainerError};
 
 /// A trainable parameter: name (for messages and checkpoints) and shape; stored as f32.
@@ -83,6 +93,10 @@ pub struct StepConfig {
     pub micro_batch_size: i64,
     /// Padded response length of the bucket.
     pub response_len: i64,
+    /// `actor.strategy` and `actor.mesh`: single device, data parallel or fully sharded over
+    /// devices `0..mesh` of the learner's client (see [`crate::sharding`]). The mesh must be
+    /// resolved (a number) for `dp` and `fsdp` before [`build_train_programs`].
+    pub parallel: Parallelism,
 }
 
 /// Names of the entries of the metrics vector every update program returns (f32).
@@ -157,6 +171,13 @@ pub struct TrainPrograms {
     /// Forward only: the policy's per-token log-probs of one micro-batch (the old log-probs
     /// before an update, and the reference model's with frozen parameters).
     pub log_probs: Program,
+    /// `fsdp` over several devices only: programs that all-gather the sharded parameters into
+    /// whole ones on every device (one per dtype the learner hands out: f32, and the compute
+    /// dtype when it differs), for [`Learner::shared_params`].
+    pub gather_params: Vec<Program>,
+    /// The mesh and tensor layouts the programs were built with (every program's
+    /// [`Program::mesh`] is `mesh.mesh()`; its partition count is `mesh.devices()`).
+    pub mesh: LearnerMesh,
     /// Argument/result positions.
     pub layout: StepLayout,
 }
@@ -188,19 +209,31 @@ fn loss_input_names(cfg: &PolicyLossConfig) -> Vec<&'static str> {
     names
 }
 
-fn declare_loss_args(g: &Graph, cfg: &StepConfig) -> LossArgs {
+/// Declares a program argument, laid out by `sharding` when the graph has a mesh.
+fn declare(g: &Graph, name: &str, dtype: DType, dims: &[i64], sharding: Option<Sharding>) -> Tensor {
+    match sharding {
+        Some(s) => g.parameter_sharded(name, dtype, dims, s),
+        None => g.parameter(name, dtype, dims),
+    }
+}
+
+/// A fresh graph on the learner's mesh (no mesh for single-device programs).
+fn new_graph(name: &str, mesh: &LearnerMesh) -> Graph {
+    let g = Graph::new(name);
+    if let Some(m) = mesh.mesh() {
+        g.set_mesh(m);
+    }
+    g
+}
+
+fn declare_loss_args(g: &Graph, cfg: &StepConfig, mesh: &LearnerMesh) -> LossArgs {
     let bl = [cfg.micro_batch_size, cfg.response_len];
-    let old = g.parameter("old_log_probs", DType::F32, &bl);
-    let adv = g.parameter("advantages", DType::F32, &bl);
-    let mask = g.parameter("response_mask", DType::F32, &bl);
-    let reference = cfg
-        .loss
-        .use_kl_loss
-        .then(|| g.parameter("ref_log_probs", DType::F32, &bl));
-    let rollout = cfg
-        .loss
-        .rollout_is_threshold
-        .map(|_| g.parameter("rollout_log_probs", DType::F32, &bl));
+    let rows = |name: &str| declare(g, name, DType::F32, &bl, mesh.batch_sharding(2));
+    let old = rows("old_log_probs");
+    let adv = rows("advantages");
+    let mask = rows("response_mask");
+    let reference = cfg.loss.use_kl_loss.then(|| rows("ref_log_probs"));
+    let rollout = cfg.loss.rollout_is_threshold.map(|_| rows("rollout_log_probs"));
     let tokens = g.parameter("norm_tokens", DType::F32, &[]);
     let seqs = g.parameter("norm_seqs", DType::F32, &[]);
     LossArgs {
@@ -214,11 +247,46 @@ fn declare_loss_args(g: &Graph, cfg: &StepConfig) -> LossArgs {
     }
 }
 
-fn declare_params(g: &Graph, specs: &[ParamSpec], prefix: &str) -> Vec<Tensor> {
+fn declare_params(g: &Graph, specs: &[ParamSpec], prefix: &str, mesh: &LearnerMesh) -> Vec<Tensor> {
+    declare_params_as(g, specs, prefix, DType::F32, mesh)
+}
+
+fn declare_params_as(
+    g: &Graph,
+    specs: &[ParamSpec],
+    prefix: &str,
+    dtype: DType,
+    mesh: &LearnerMesh,
+) -> Vec<Tensor> {
     specs
         .iter()
-        .map(|p| g.parameter(&format!("{prefix}{}", p.name), DType::F32, &p.dims))
+        .map(|p| {
+            declare(
+                g,
+                &format!("{prefix}{}", p.name),
+                dtype,
+                &p.dims,
+                mesh.param_sharding(&p.dims),
+            )
+        })
         .collect()
+}
+
+/// `(result index, sharding)` for the split parameter-shaped results `first..first + P`
+/// (parameters, moments, accumulators, compute copies) of an `fsdp` program.
+fn param_result_shardings(specs: &[ParamSpec], first: usize, mesh: &LearnerMesh) -> Vec<(usize, Sharding)> {
+    specs
+        .iter()
+        .enumerate()
+        .filter_map(|(i, p)| mesh.param_sharding(&p.dims).map(|s| (first + i, s)))
+        .collect()
+}
+
+fn build_options(donate: &[(usize, usize)], result_shardings: Vec<(usize, Sharding)>) -> BuildOptions {
+    BuildOptions {
+        donate: donate.to_vec(),
+        result_shardings,
+    }
 }
 
 /// Traces the policy and the actor loss on `masters` and returns the loss terms and the
@@ -322,10 +390,10 @@ fn loss_terms(loss: &ActorLoss) -> Vec<Tensor> {
     ]
 }
 
-fn batch_args(g: &Graph, inputs: &[InputSpec]) -> Vec<Tensor> {
+fn batch_args(g: &Graph, inputs: &[InputSpec], mesh: &LearnerMesh) -> Vec<Tensor> {
     inputs
         .iter()
-        .map(|s| g.parameter(&s.name, s.dtype, &s.dims))
+        .map(|s| declare(g, &s.name, s.dtype, &s.dims, mesh.batch_sharding(s.dims.len())))
         .collect()
 }
 
@@ -358,6 +426,20 @@ where
             message: "the policy needs at least one trainable parameter".to_string(),
         });
     }
+    let mesh = LearnerMesh::new(&cfg.parallel, cfg.micro_batch_size)?;
+    for input in inputs {
+        if mesh.devices() > 1 && input.dims.first() != Some(&cfg.micro_batch_size) {
+            return Err(TrainerError::Config {
+                key: "actor.strategy",
+                value: cfg.parallel.strategy.name().to_string(),
+                message: format!(
+                    "the policy input {} has shape {:?}; splitting rows over the mesh needs every \
+                     input to have the micro-batch's {} rows first",
+                    input.name, input.dims, cfg.micro_batch_size
+                ),
+            });
+        }
+    }
     let n = params.len();
     let layout = StepLayout {
         num_params: n,
@@ -365,32 +447,39 @@ where
         batch_inputs: inputs.to_vec(),
         bf16_outputs: cfg.compute_dtype != DType::F32,
     };
+    let bf16 = layout.bf16_outputs;
 
     // ---- train_step ----
-    let g = Graph::new("train_step");
-    let masters = declare_params(&g, params, "");
-    let m = declare_params(&g, params, "adam_m.");
-    let v = declare_params(&g, params, "adam_v.");
+    let g = new_graph("train_step", &mesh);
+    let masters = declare_params(&g, params, "", &mesh);
+    let m = declare_params(&g, params, "adam_m.", &mesh);
+    let v = declare_params(&g, params, "adam_v.", &mesh);
     let step = g.parameter("step", DType::I32, &[]);
     let lr = g.parameter("lr", DType::F32, &[]);
-    let args = declare_loss_args(&g, cfg);
-    let batch = batch_args(&g, inputs);
+    let args = declare_loss_args(&g, cfg, &mesh);
+    let batch = batch_args(&g, inputs, &mesh);
     let (loss, grads) =
         trace_loss_and_grads(cfg, &masters, &args, &batch, &policy).map_err(graph_err("train_step"))?;
     let results = trace_update(cfg, &masters, &m, &v, &step, &lr, &grads, &loss_terms(&loss));
     let refs: Vec<&Tensor> = results.iter().collect();
     let donate: Vec<(usize, usize)> = (0..=3 * n).map(|i| (i, i)).collect();
+    let mut shardings: Vec<(usize, Sharding)> = (0..3)
+        .flat_map(|group| param_result_shardings(params, group * n, &mesh))
+        .collect();
+    if bf16 {
+        shardings.extend(param_result_shardings(params, 3 * n + 2, &mesh));
+    }
     let train_step = g
-        .build_with(&refs, &BuildOptions::donating(&donate))
+        .build_with(&refs, &build_options(&donate, shardings))
         .map_err(graph_err("train_step"))?;
 
     // ---- accumulate ----
-    let g = Graph::new("accumulate");
-    let acc = declare_params(&g, params, "grad_acc.");
+    let g = new_graph("accumulate", &mesh);
+    let acc = declare_params(&g, params, "grad_acc.", &mesh);
     let metric_acc = g.parameter("metric_acc", DType::F32, &[NUM_SUMMED_METRICS as i64]);
-    let masters = declare_params(&g, params, "");
-    let args = declare_loss_args(&g, cfg);
-    let batch = batch_args(&g, inputs);
+    let masters = declare_params(&g, params, "", &mesh);
+    let args = declare_loss_args(&g, cfg, &mesh);
+    let batch = batch_args(&g, inputs, &mesh);
     let (loss, grads) =
         trace_loss_and_grads(cfg, &masters, &args, &batch, &policy).map_err(graph_err("accumulate"))?;
     let mut results: Vec<Tensor> = acc.iter().zip(&grads).map(|(a, g)| a + g).collect();
@@ -400,17 +489,20 @@ where
     let refs: Vec<&Tensor> = results.iter().collect();
     let donate: Vec<(usize, usize)> = (0..=n).map(|i| (i, i)).collect();
     let accumulate = g
-        .build_with(&refs, &BuildOptions::donating(&donate))
+        .build_with(
+            &refs,
+            &build_options(&donate, param_result_shardings(params, 0, &mesh)),
+        )
         .map_err(graph_err("accumulate"))?;
 
     // ---- apply ----
-    let g = Graph::new("apply");
-    let masters = declare_params(&g, params, "");
-    let m = declare_params(&g, params, "adam_m.");
-    let v = declare_params(&g, params, "adam_v.");
+    let g = new_graph("apply", &mesh);
+    let masters = declare_params(&g, params, "", &mesh);
+    let m = declare_params(&g, params, "adam_m.", &mesh);
+    let v = declare_params(&g, params, "adam_v.", &mesh);
     let step = g.parameter("step", DType::I32, &[]);
     let lr = g.parameter("lr", DType::F32, &[]);
-    let acc = declare_params(&g, params, "grad_acc.");
+    let acc = declare_params(&g, params, "grad_acc.", &mesh);
     let metric_acc = g.parameter("metric_acc", DType::F32, &[NUM_SUMMED_METRICS as i64]);
     let terms: Vec<Tensor> = (0..NUM_SUMMED_METRICS as i64)
         .map(|i| metric_acc.slice_axis(0, i, i + 1).reshape(&[]))
@@ -424,14 +516,21 @@ where
     for i in 0..=n {
         donate.push((3 * n + 2 + i, first_zero + i));
     }
+    let mut shardings: Vec<(usize, Sharding)> = (0..3)
+        .flat_map(|group| param_result_shardings(params, group * n, &mesh))
+        .collect();
+    if bf16 {
+        shardings.extend(param_result_shardings(params, 3 * n + 2, &mesh));
+    }
+    shardings.extend(param_result_shardings(params, first_zero, &mesh));
     let apply = g
-        .build_with(&refs, &BuildOptions::donating(&donate))
+        .build_with(&refs, &build_options(&donate, shardings))
         .map_err(graph_err("apply"))?;
 
     // ---- log_probs ----
-    let g = Graph::new("log_probs");
-    let masters = declare_params(&g, params, "");
-    let batch = batch_args(&g, inputs);
+    let g = new_graph("log_probs", &mesh);
+    let masters = declare_params(&g, params, "", &mesh);
+    let batch = batch_args(&g, inputs, &mesh);
     let compute: Vec<Tensor> = masters
         .iter()
         .map(|p| p.convert_if_needed(cfg.compute_dtype))
@@ -439,20 +538,40 @@ where
     let lp = policy(&compute, &batch).log_probs.convert_if_needed(DType::F32);
     let log_probs = g.build(&[&lp]).map_err(graph_err("log_probs"))?;
 
+    // ---- gather_params (fsdp over several devices) ----
+    let mut gather_params = Vec::new();
+    if mesh.strategy() == Strategy::Fsdp && mesh.devices() > 1 {
+        let mut dtypes = vec![DType::F32];
+        if bf16 {
+            dtypes.push(cfg.compute_dtype);
+        }
+        for dtype in dtypes {
+            let g = new_graph("gather_params", &mesh);
+            let shards = declare_params_as(&g, params, "", dtype, &mesh);
+            // The results are replicated (the default on a mesh): the partitioner all-gathers.
+            let whole: Vec<Tensor> = shards.iter().map(|t| t.convert_if_needed(dtype)).collect();
+            let refs: Vec<&Tensor> = whole.iter().collect();
+            gather_params.push(g.build(&refs).map_err(graph_err("gather_params"))?);
+        }
+    }
+
     Ok(TrainPrograms {
         train_step,
         accumulate,
         apply,
         log_probs,
+        gather_params,
+        mesh,
         layout,
     })
 }
 
 /// A micro-batch's device buffers in layout order: the loss inputs
-/// ([`StepLayout::loss_inputs`]) then the policy's batch inputs.
+/// ([`StepLayout::loss_inputs`]) then the policy's batch inputs, for each device of the
+/// learner (device `d`'s rows under `dp` and `fsdp`).
 pub struct MicroBatch {
-    /// The buffers.
-    pub buffers: Vec<Buffer>,
+    /// `per_device[d]`: device `d`'s buffers.
+    pub per_device: Vec<Vec<Buffer>>,
 }
 
 /// A batch input on the host.
@@ -554,28 +673,84 @@ fn rt(what: impl Into<String>) -> impl FnOnce(xla::runtime::Error) -> TrainerErr
 
 /// The learner's device state and compiled programs: parameters, Adam moments, step count,
 /// accumulators. Buffers stay on the device between steps; only the metrics vector is read.
+///
+/// Under `dp` and `fsdp` every device of the mesh holds its own buffers (whole replicas or
+/// shards, as [`TrainPrograms::mesh`] lays them out) and every program runs SPMD over devices
+/// `0..N`; [`Learner::state`] gathers them back into whole host arrays, so checkpoints do not
+/// depend on the strategy.
 pub struct Learner {
     client: Client,
     programs: TrainPrograms,
+    /// The layout of each parameter (also of its moments and accumulator).
+    param_shardings: Vec<Option<Sharding>>,
+    param_dims: Vec<Vec<i64>>,
     response_len: i64,
     micro_batch_size: i64,
     train_step: Option<Executable>,
     accumulate: Option<Executable>,
     apply: Option<Executable>,
     log_probs: Option<Executable>,
-    /// Frozen reference parameters (f32), when set.
-    reference: Option<Vec<Buffer>>,
-    /// Shared (not copied) with a rollout engine on the same device; each step donates them and
-    /// replaces them with the updated ones.
-    params: Arc<[Buffer]>,
-    m: Vec<Buffer>,
-    v: Vec<Buffer>,
-    step: Buffer,
-    grad_acc: Vec<Buffer>,
-    metric_acc: Buffer,
-    compute_params: Option<Arc<[Buffer]>>,
+    gather: Vec<Option<Executable>>,
+    /// Frozen reference parameters (f32), when set: `[device][parameter]`.
+    reference: Option<Vec<Vec<Buffer>>>,
+    /// `[device][parameter]`. Device 0's are shared (not copied) with a rollout engine on that
+    /// device; each step donates them and replaces them with the updated ones.
+    params: Vec<Arc<[Buffer]>>,
+    m: Vec<Vec<Buffer>>,
+    v: Vec<Vec<Buffer>>,
+    step: Vec<Buffer>,
+    grad_acc: Vec<Vec<Buffer>>,
+    metric_acc: Vec<Buffer>,
+    compute_params: Option<Vec<Arc<[Buffer]>>>,
+    /// `fsdp` over several devices: the whole parameters on device 0, gathered after each
+    /// update for [`Learner::shared_params`].
+    gathered: Option<Arc<[Buffer]>>,
     guard: NonFiniteGuard,
     attempted_steps: u64,
+}
+
+/// Uploads a whole host array as one buffer per device: device `d`'s shard under `sharding`
+/// (the whole array when replicated).
+fn upload_split<T: NativeType>(
+    client: &Client,
+    values: &[T],
+    dims: &[i64],
+    sharding: Option<&Sharding>,
+    devices: usize,
+    what: &str,
+) -> Result<Vec<Buffer>> {
+    (0..devices)
+        .map(|d| {
+            let (shard, local) = split_host(values, dims, sharding, devices, d);
+            client
+                .buffer_from_host(&shard, &local, d)
+                .map_err(rt(format!("uploading {what} to device {d}")))
+        })
+        .collect()
+}
+
+/// `per_tensor[t][d]` to `[d][t]`.
+fn by_device(per_tensor: Vec<Vec<Buffer>>, devices: usize) -> Vec<Vec<Buffer>> {
+    let mut out: Vec<Vec<Buffer>> = (0..devices)
+        .map(|_| Vec::with_capacity(per_tensor.len()))
+        .collect();
+    for tensor in per_tensor {
+        for (d, b) in tensor.into_iter().enumerate() {
+            out[d].push(b);
+        }
+    }
+    out
+}
+
+/// Runs `exe` on one device or SPMD over `args.len()` devices; returns `outputs[d][i]`.
+fn run(exe: &Executable, args: &[Vec<&Buffer>], what: &str) -> Result<Vec<Vec<Buffer>>> {
+    if args.len() == 1 {
+        Ok(vec![exe
+            .execute(&args[0])
+            .map_err(rt(format!("running {what}")))?])
+    } else {
+        exe.execute_spmd(args).map_err(rt(format!("running {what}")))
+    }
 }
 
 /// The learner's state on the host (for checkpoints): parameters and Adam moments as f32
@@ -681,7 +856,8 @@ impl Learner {
         Learner::from_state(client, programs, params, cfg, &state, max_consecutive_nonfinite)
     }
 
-    /// Uploads a saved state.
+    /// Uploads a saved state (whole host arrays, whatever strategy saved them), split or
+    /// replicated over the devices of the programs' mesh.
     pub fn from_state(
         client: &Client,
         programs: TrainPrograms,
@@ -690,7 +866,23 @@ impl Learner {
         state: &LearnerState,
         max_consecutive_nonfinite: u32,
     ) -> Result<Learner> {
-        let upload = |what: &str, values: &[Vec<f32>]| -> Result<Vec<Buffer>> {
+        let devices = programs.mesh.devices();
+        if client.num_devices() < devices {
+            return Err(TrainerError::Config {
+                key: "actor.mesh",
+                value: devices.to_string(),
+                message: format!(
+                    "the learner's client has {} device(s); lower actor.mesh, or on CPU open more \
+                     devices with cluster.cpu_device_count",
+                    client.num_devices()
+                ),
+            });
+        }
+        let param_shardings: Vec<Option<Sharding>> = params
+            .iter()
+            .map(|p| programs.mesh.param_sharding(&p.dims))
+            .collect();
+        let upload = |what: &str, values: &[Vec<f32>]| -> Result<Vec<Vec<Buffer>>> {
             if values.len() != params.len() {
                 return Err(TrainerError::Length {
                     what: what.to_string(),
@@ -699,53 +891,71 @@ impl Learner {
                     unit: "parameter",
                 });
             }
-            params
-                .iter()
-                .zip(values)
-                .map(|(p, v)| {
-                    let n = p.dims.iter().product::<i64>() as usize;
-                    if v.len() != n {
-                        return Err(TrainerError::Length {
-                            what: format!("{what} {}", p.name),
-                            expected: n,
-                            got: v.len(),
-                            unit: "element",
-                        });
-                    }
-                    client
-                        .buffer_from_host(v, &p.dims, 0)
-                        .map_err(rt(format!("uploading {what} {}", p.name)))
-                })
-                .collect()
+            let mut per_tensor = Vec::with_capacity(params.len());
+            for ((p, v), sharding) in params.iter().zip(values).zip(&param_shardings) {
+                let n = p.dims.iter().product::<i64>() as usize;
+                if v.len() != n {
+                    return Err(TrainerError::Length {
+                        what: format!("{what} {}", p.name),
+                        expected: n,
+                        got: v.len(),
+                        unit: "element",
+                    });
+                }
+                per_tensor.push(upload_split(
+                    client,
+                    v,
+                    &p.dims,
+                    sharding.as_ref(),
+                    devices,
+                    &format!("{what} {}", p.name),
+                )?);
+            }
+            Ok(by_device(per_tensor, devices))
         };
         let zeros: Vec<Vec<f32>> = params
             .iter()
             .map(|p| vec![0.0; p.dims.iter().product::<i64>() as usize])
             .collect();
-        let learner = Learner {
+        let replicated = |values: &[f32], dims: &[i64], what: &str| -> Result<Vec<Buffer>> {
+            upload_split(client, values, dims, None, devices, what)
+        };
+        let uploaded_params: Vec<Arc<[Buffer]>> = upload("parameter", &state.params)?
+            .into_iter()
+            .map(Arc::from)
+            .collect();
+        let m = upload("adam_m", &state.m)?;
+        let v = upload("adam_v", &state.v)?;
+        let grad_acc = upload("grad_acc", &zeros)?;
+        let mut learner = Learner {
             client: client.clone(),
+            param_shardings,
+            param_dims: params.iter().map(|p| p.dims.clone()).collect(),
             response_len: cfg.response_len,
             micro_batch_size: cfg.micro_batch_size,
             train_step: None,
             accumulate: None,
             apply: None,
             log_probs: None,
+            gather: programs.gather_params.iter().map(|_| None).collect(),
             reference: None,
-            params: upload("parameter", &state.params)?.into(),
-            m: upload("adam_m", &state.m)?,
-            v: upload("adam_v", &state.v)?,
-            step: client
-                .buffer_from_host(&[state.adam_step], &[], 0)
-                .map_err(rt("uploading the step count"))?,
-            grad_acc: upload("grad_acc", &zeros)?,
-            metric_acc: client
-                .buffer_from_host(&[0.0f32; NUM_SUMMED_METRICS], &[NUM_SUMMED_METRICS as i64], 0)
-                .map_err(rt("uploading the metric accumulator"))?,
+            params: uploaded_params,
+            m,
+            v,
+            step: upload_split(client, &[state.adam_step], &[], None, devices, "the step count")?,
+            grad_acc,
+            metric_acc: replicated(
+                &[0.0f32; NUM_SUMMED_METRICS],
+                &[NUM_SUMMED_METRICS as i64],
+                "the metric accumulator",
+            )?,
             compute_params: None,
+            gathered: None,
             guard: NonFiniteGuard::new(max_consecutive_nonfinite),
             attempted_steps: 0,
             programs,
         };
+        learner.gather_shared()?;
         Ok(learner)
     }
 
@@ -754,22 +964,76 @@ impl Learner {
         &self.programs.layout
     }
 
-    /// The current f32 master parameters on the device (for the `logprobs` program when
-    /// computing in f32).
+    /// The mesh and tensor layouts the learner runs with.
+    pub fn mesh(&self) -> &LearnerMesh {
+        &self.programs.mesh
+    }
+
+    /// Devices the learner's buffers and programs span (1 for `single`).
+    pub fn devices(&self) -> usize {
+        self.params.len()
+    }
+
+    /// The current f32 master parameters on device 0 (for the `logprobs` program when
+    /// computing in f32). Under `fsdp` over several devices these are device 0's shards; see
+    /// [`Learner::shared_params`] for whole ones.
     pub fn params(&self) -> &[Buffer] {
-        &self.params
+        &self.params[0]
     }
 
-    /// The bf16 parameters from the last update (None before the first update or in f32).
+    /// Device `device`'s f32 master parameter buffers (whole replicas, or its shards under
+    /// `fsdp`), e.g. to measure the per-device parameter memory. Panics if `device` is not
+    /// below [`Learner::devices`].
+    pub fn device_params(&self, device: usize) -> &[Buffer] {
+        &self.params[device]
+    }
+
+    /// The bf16 parameters from the last update on device 0 (None before the first update or
+    /// in f32); shards under `fsdp` over several devices.
     pub fn compute_params(&self) -> Option<&[Buffer]> {
-        self.compute_params.as_deref()
+        self.compute_params.as_ref().map(|p| &*p[0])
     }
 
-    /// The parameters a rollout engine on the same device generates with: the bf16 copies
-    /// after a bf16 update, the f32 masters otherwise. Shared, not copied; the next
+    /// The parameters a rollout engine on device 0 generates with: the bf16 copies after a
+    /// bf16 update, the f32 masters otherwise, whole, in [`ParamSpec`] order.
+    ///
+    /// `single` and `dp`: device 0's own buffers, shared, not copied; the next
     /// [`Learner::step`] donates them, so hand the engine the new ones after each step.
+    /// `fsdp` over several devices: whole copies on device 0, all-gathered from the shards by
+    /// the `gather_params` program after construction and after every update (so device 0
+    /// holds one whole copy besides its shards; they are not donated by the next step).
     pub fn shared_params(&self) -> Arc<[Buffer]> {
-        self.compute_params.clone().unwrap_or_else(|| self.params.clone())
+        if let Some(whole) = &self.gathered {
+            return whole.clone();
+        }
+        match &self.compute_params {
+            Some(p) => p[0].clone(),
+            None => self.params[0].clone(),
+        }
+    }
+
+    /// Under `fsdp` over several devices, all-gathers the parameters `shared_params` hands out
+    /// into whole buffers on device 0.
+    fn gather_shared(&mut self) -> Result<()> {
+        if self.programs.gather_params.is_empty() {
+            return Ok(());
+        }
+        let (source, dtype) = match &self.compute_params {
+            Some(p) => (p, self.programs.layout.bf16_outputs),
+            None => (&self.params, false),
+        };
+        // gather_params[0] takes f32, gather_params[1] the compute dtype.
+        let which = usize::from(dtype);
+        let program = &self.programs.gather_params[which];
+        Self::exe(&mut self.gather[which], program, &self.client)?;
+        let args: Vec<Vec<&Buffer>> = source.iter().map(|p| p.iter().collect()).collect();
+        let mut out = run(
+            self.gather[which].as_ref().expect("compiled"),
+            &args,
+            "gather_params",
+        )?;
+        self.gathered = Some(out.swap_remove(0).into());
+        Ok(())
     }
 
     /// Attempted optimizer steps so far.
@@ -778,19 +1042,21 @@ impl Learner {
     }
 
     /// Uploads frozen reference parameters (f32, in [`ParamSpec`] order, the shapes the
-    /// learner was built with) for [`Learner::log_probs`] with `reference: true`.
+    /// learner was built with) for [`Learner::log_probs`] with `reference: true`, laid out
+    /// like the trained parameters.
     pub fn set_reference(&mut self, values: &[Vec<f32>]) -> Result<()> {
-        if values.len() != self.params.len() {
+        if values.len() != self.param_dims.len() {
             return Err(TrainerError::Length {
                 what: "reference parameters".to_string(),
-                expected: self.params.len(),
+                expected: self.param_dims.len(),
                 got: values.len(),
                 unit: "parameter",
             });
         }
-        let mut bufs = Vec::with_capacity(values.len());
-        for (i, (v, p)) in values.iter().zip(self.params.iter()).enumerate() {
-            let n = p.dims().iter().product::<i64>() as usize;
+        let devices = self.devices();
+        let mut per_tensor = Vec::with_capacity(values.len());
+        for (i, (v, dims)) in values.iter().zip(&self.param_dims).enumerate() {
+            let n = dims.iter().product::<i64>() as usize;
             if v.len() != n {
                 return Err(TrainerError::Length {
                     what: format!("reference parameter {i}"),
@@ -799,14 +1065,38 @@ impl Learner {
                     unit: "element",
                 });
             }
-            bufs.push(
-                self.client
-                    .buffer_from_host(v, p.dims(), 0)
-                    .map_err(rt("uploading the reference parameters"))?,
-            );
+            per_tensor.push(upload_split(
+                &self.client,
+                v,
+                dims,
+                self.param_shardings[i].as_ref(),
+                devices,
+                "the reference parameters",
+            )?);
         }
-        self.reference = Some(bufs);
+        self.reference = Some(by_device(per_tensor, devices));
         Ok(())
+    }
+
+    /// Uploads one policy input (checked against its spec), rows split over the mesh.
+    fn upload_input(
+        &self,
+        spec: &InputSpec,
+        arr: &HostArray,
+    ) -> std::result::Result<Vec<Buffer>, Option<TrainerError>> {
+        let n = spec.dims.iter().product::<i64>() as usize;
+        let devices = self.devices();
+        let sharding = self.programs.mesh.batch_sharding(spec.dims.len());
+        let what = format!("input {}", spec.name);
+        match (spec.dtype, arr) {
+            (DType::F32, HostArray::F32(v)) if v.len() == n => {
+                upload_split(&self.client, v, &spec.dims, sharding.as_ref(), devices, &what).map_err(Some)
+            }
+            (DType::I32, HostArray::I32(v)) if v.len() == n => {
+                upload_split(&self.client, v, &spec.dims, sharding.as_ref(), devices, &what).map_err(Some)
+            }
+            _ => Err(None),
+        }
     }
 
     /// The per-token log-probs `[micro_batch_size * response_len]` of one micro-batch's
@@ -825,49 +1115,51 @@ impl Learner {
         }
         let mut batch = Vec::with_capacity(specs.len());
         for (spec, arr) in specs.iter().zip(inputs) {
-            let n = spec.dims.iter().product::<i64>() as usize;
-            let b = match (spec.dtype, arr) {
-                (DType::F32, HostArray::F32(v)) if v.len() == n => {
-                    self.client.buffer_from_host(v, &spec.dims, 0)
-                }
-                (DType::I32, HostArray::I32(v)) if v.len() == n => {
-                    self.client.buffer_from_host(v, &spec.dims, 0)
-                }
-                _ => {
+            match self.upload_input(spec, arr) {
+                Ok(b) => batch.push(b),
+                Err(Some(e)) => return Err(e),
+                Err(None) => {
                     return Err(err(format!(
                         "input {} does not match {}{:?}",
                         spec.name, spec.dtype, spec.dims
                     )))
                 }
-            };
-            batch.push(b.map_err(rt(format!("uploading {}", spec.name)))?);
+            }
         }
+        let batch = by_device(batch, self.devices());
         Self::exe(&mut self.log_probs, &self.programs.log_probs, &self.client)?;
-        let params: &[Buffer] = if reference {
-            self.reference.as_deref().ok_or_else(|| {
-                err("reference log-probs were asked for but no reference parameters were set".to_string())
-            })?
+        let params: Vec<&[Buffer]> = if reference {
+            self.reference
+                .as_ref()
+                .ok_or_else(|| {
+                    err("reference log-probs were asked for but no reference parameters were set".to_string())
+                })?
+                .iter()
+                .map(|p| p.as_slice())
+                .collect()
         } else {
-            &self.params
+            self.params.iter().map(|p| &**p).collect()
         };
-        let mut args: Vec<&Buffer> = params.iter().collect();
-        args.extend(batch.iter());
-        let out = self
-            .log_probs
-            .as_ref()
-            .expect("compiled")
-            .execute(&args)
-            .map_err(rt("running log_probs"))?;
-        out[0].to_host::<f32>().map_err(rt("reading log_probs"))
+        let args: Vec<Vec<&Buffer>> = params
+            .iter()
+            .zip(&batch)
+            .map(|(p, b)| p.iter().chain(b.iter()).collect())
+            .collect();
+        let out = run(self.log_probs.as_ref().expect("compiled"), &args, "log_probs")?;
+        // The result is replicated: device 0 holds all rows.
+        out[0][0].to_host::<f32>().map_err(rt("reading log_probs"))
     }
 
-    /// Uploads a host micro-batch, checking every array against the layout.
+    /// Uploads a host micro-batch, checking every array against the layout; its rows are split
+    /// over the devices of the mesh.
     pub fn upload_micro_batch(&self, index: usize, mb: &MicroBatchHost) -> Result<MicroBatch> {
         let n_tok = (self.micro_batch_size * self.response_len) as usize;
         let bl = [self.micro_batch_size, self.response_len];
+        let devices = self.devices();
+        let rows = self.programs.mesh.batch_sharding(2);
         let err = |message: String| TrainerError::Batch { index, message };
-        let mut buffers = Vec::new();
-        let push_bl = |name: &str, v: Option<&Vec<f32>>, buffers: &mut Vec<Buffer>| -> Result<()> {
+        let mut per_tensor: Vec<Vec<Buffer>> = Vec::new();
+        let push_bl = |name: &str, v: Option<&Vec<f32>>, out: &mut Vec<Vec<Buffer>>| -> Result<()> {
             let v = v.ok_or_else(|| {
                 err(format!(
                     "{name} is required by this configuration but was not given"
@@ -882,30 +1174,32 @@ impl Learner {
                     bl[1]
                 )));
             }
-            buffers.push(
-                self.client
-                    .buffer_from_host(v, &bl, 0)
-                    .map_err(rt(format!("uploading {name}")))?,
-            );
+            out.push(upload_split(&self.client, v, &bl, rows.as_ref(), devices, name)?);
             Ok(())
         };
         for name in &self.programs.layout.loss_inputs {
             match *name {
-                "old_log_probs" => push_bl(name, Some(&mb.old_log_probs), &mut buffers)?,
-                "advantages" => push_bl(name, Some(&mb.advantages), &mut buffers)?,
-                "response_mask" => push_bl(name, Some(&mb.response_mask), &mut buffers)?,
-                "ref_log_probs" => push_bl(name, mb.ref_log_probs.as_ref(), &mut buffers)?,
-                "rollout_log_probs" => push_bl(name, mb.rollout_log_probs.as_ref(), &mut buffers)?,
-                "norm_tokens" => buffers.push(
-                    self.client
-                        .buffer_from_host(&[mb.norm.0], &[], 0)
-                        .map_err(rt("uploading norm_tokens"))?,
-                ),
-                _ => buffers.push(
-                    self.client
-                        .buffer_from_host(&[mb.norm.1], &[], 0)
-                        .map_err(rt("uploading norm_seqs"))?,
-                ),
+                "old_log_probs" => push_bl(name, Some(&mb.old_log_probs), &mut per_tensor)?,
+                "advantages" => push_bl(name, Some(&mb.advantages), &mut per_tensor)?,
+                "response_mask" => push_bl(name, Some(&mb.response_mask), &mut per_tensor)?,
+                "ref_log_probs" => push_bl(name, mb.ref_log_probs.as_ref(), &mut per_tensor)?,
+                "rollout_log_probs" => push_bl(name, mb.rollout_log_probs.as_ref(), &mut per_tensor)?,
+                "norm_tokens" => per_tensor.push(upload_split(
+                    &self.client,
+                    &[mb.norm.0],
+                    &[],
+                    None,
+                    devices,
+                    name,
+                )?),
+                _ => per_tensor.push(upload_split(
+                    &self.client,
+                    &[mb.norm.1],
+                    &[],
+                    None,
+                    devices,
+                    name,
+                )?),
             }
         }
         let specs = &self.programs.layout.batch_inputs;
@@ -922,15 +1216,11 @@ impl Learner {
             )));
         }
         for (spec, arr) in specs.iter().zip(&mb.inputs) {
-            let n = spec.dims.iter().product::<i64>() as usize;
-            let b = match (spec.dtype, arr) {
-                (DType::F32, HostArray::F32(v)) if v.len() == n => {
-                    self.client.buffer_from_host(v, &spec.dims, 0)
-                }
-                (DType::I32, HostArray::I32(v)) if v.len() == n => {
-                    self.client.buffer_from_host(v, &spec.dims, 0)
-                }
-                _ => {
+            match self.upload_input(spec, arr) {
+                Ok(b) => per_tensor.push(b),
+                Err(Some(e)) => return Err(e),
+                Err(None) => {
+                    let n = spec.dims.iter().product::<i64>() as usize;
                     let (kind, len) = match arr {
                         HostArray::F32(v) => ("f32", v.len()),
                         HostArray::I32(v) => ("i32", v.len()),
@@ -940,10 +1230,11 @@ impl Learner {
                         spec.name, spec.dtype, spec.dims
                     )));
                 }
-            };
-            buffers.push(b.map_err(rt(format!("uploading {}", spec.name)))?);
+            }
         }
-        Ok(MicroBatch { buffers })
+        Ok(MicroBatch {
+            per_device: by_device(per_tensor, devices),
+        })
     }
 
     fn exe(slot: &mut Option<Executable>, program: &Program, client: &Client) -> Result<()> {
@@ -965,23 +1256,35 @@ impl Learner {
     pub fn step(&mut self, micro_batches: &[MicroBatch], lr: f64) -> Result<StepMetrics> {
         let layout = self.programs.layout.clone();
         let n = layout.num_params;
+        let devices = self.devices();
         for (i, mb) in micro_batches.iter().enumerate() {
-            if mb.buffers.len() != layout.micro_batch_args() {
-                return Err(TrainerError::Batch {
-                    index: i,
-                    message: format!(
-                        "{} buffers; the programs take {}",
-                        mb.buffers.len(),
-                        layout.micro_batch_args()
-                    ),
-                });
+            let message = if mb.per_device.len() != devices {
+                Some(format!(
+                    "uploaded for {} device(s); this learner runs on {devices}",
+                    mb.per_device.len()
+                ))
+            } else if mb.per_device[0].len() != layout.micro_batch_args() {
+                Some(format!(
+                    "{} buffers; the programs take {}",
+                    mb.per_device[0].len(),
+                    layout.micro_batch_args()
+                ))
+            } else {
+                None
+            };
+            if let Some(message) = message {
+                return Err(TrainerError::Batch { index: i, message });
             }
         }
-        let lr_buf = self
-            .client
-            .buffer_from_host(&[lr as f32], &[], 0)
-            .map_err(rt("uploading the learning rate"))?;
-        let outputs = match micro_batches {
+        let lr_buf = upload_split(
+            &self.client,
+            &[lr as f32],
+            &[],
+            None,
+            devices,
+            "the learning rate",
+        )?;
+        let outputs: Vec<Vec<Buffer>> = match micro_batches {
             [] => {
                 return Err(TrainerError::Batch {
                     index: 0,
@@ -990,66 +1293,95 @@ impl Learner {
             }
             [only] => {
                 Self::exe(&mut self.train_step, &self.programs.train_step, &self.client)?;
-                let mut args: Vec<&Buffer> = Vec::new();
-                args.extend(self.params.iter());
-                args.extend(self.m.iter());
-                args.extend(self.v.iter());
-                args.push(&self.step);
-                args.push(&lr_buf);
-                args.extend(only.buffers.iter());
-                self.train_step
-                    .as_ref()
-                    .expect("compiled")
-                    .execute(&args)
-                    .map_err(rt("running train_step"))?
+                let args: Vec<Vec<&Buffer>> = (0..devices)
+                    .map(|d| {
+                        let mut args: Vec<&Buffer> = Vec::new();
+                        args.extend(self.params[d].iter());
+                        args.extend(self.m[d].iter());
+                        args.extend(self.v[d].iter());
+                        args.push(&self.step[d]);
+                        args.push(&lr_buf[d]);
+                        args.extend(only.per_device[d].iter());
+                        args
+                    })
+                    .collect();
+                run(self.train_step.as_ref().expect("compiled"), &args, "train_step")?
             }
             many => {
                 Self::exe(&mut self.accumulate, &self.programs.accumulate, &self.client)?;
                 Self::exe(&mut self.apply, &self.programs.apply, &self.client)?;
                 for mb in many {
-                    let mut args: Vec<&Buffer> = Vec::new();
-                    args.extend(self.grad_acc.iter());
-                    args.push(&self.metric_acc);
-                    args.extend(self.params.iter());
-                    args.extend(mb.buffers.iter());
-                    let mut out = self
-                        .accumulate
-                        .as_ref()
-                        .expect("compiled")
-                        .execute(&args)
-                        .map_err(rt("running accumulate"))?;
-                    self.metric_acc = out.pop().expect("metric accumulator");
-                    self.grad_acc = out;
+                    let args: Vec<Vec<&Buffer>> = (0..devices)
+                        .map(|d| {
+                            let mut args: Vec<&Buffer> = Vec::new();
+                            args.extend(self.grad_acc[d].iter());
+                            args.push(&self.metric_acc[d]);
+                            args.extend(self.params[d].iter());
+                            args.extend(mb.per_device[d].iter());
+                            args
+                        })
+                        .collect();
+                    let out = run(self.accumulate.as_ref().expect("compiled"), &args, "accumulate")?;
+                    drop(args);
+                    self.metric_acc.clear();
+                    self.grad_acc.clear();
+                    for mut o in out {
+                        self.metric_acc.push(o.pop().expect("metric accumulator"));
+                        self.grad_acc.push(o);
+                    }
                 }
-                let mut args: Vec<&Buffer> = Vec::new();
-                args.extend(self.params.iter());
-                args.extend(self.m.iter());
-                args.extend(self.v.iter());
-                args.push(&self.step);
-                args.push(&lr_buf);
-                args.extend(self.grad_acc.iter());
-                args.push(&self.metric_acc);
-                let mut out = self
-                    .apply
-                    .as_ref()
-                    .expect("compiled")
-                    .execute(&args)
-                    .map_err(rt("running apply"))?;
-                self.metric_acc = out.pop().expect("zeroed metric accumulator");
-                self.grad_acc = out.split_off(out.len() - n);
-                out
+                let args: Vec<Vec<&Buffer>> = (0..devices)
+                    .map(|d| {
+                        let mut args: Vec<&Buffer> = Vec::new();
+                        args.extend(self.params[d].iter());
+                        args.extend(self.m[d].iter());
+                        args.extend(self.v[d].iter());
+                        args.push(&self.step[d]);
+                        args.push(&lr_buf[d]);
+                        args.extend(self.grad_acc[d].iter());
+                        args.push(&self.metric_acc[d]);
+                        args
+                    })
+                    .collect();
+                let out = run(self.apply.as_ref().expect("compiled"), &args, "apply")?;
+                drop(args);
+                self.metric_acc.clear();
+                self.grad_acc.clear();
+                let mut updates = Vec::with_capacity(devices);
+                for mut o in out {
+                    self.metric_acc.push(o.pop().expect("zeroed metric accumulator"));
+                    self.grad_acc.push(o.split_off(o.len() - n));
+                    updates.push(o);
+                }
+                updates
             }
         };
-        let mut out = outputs.into_iter();
-        self.params = out.by_ref().take(n).collect();
-        self.m = out.by_ref().take(n).collect();
-        self.v = out.by_ref().take(n).collect();
-        self.step = out.next().expect("step count");
-        let metrics_buf = out.next().expect("metrics");
-        if layout.bf16_outputs {
-            self.compute_params = Some(out.take(n).collect());
+        self.params.clear();
+        self.m.clear();
+        self.v.clear();
+        self.step.clear();
+        let mut compute = Vec::new();
+        let mut metrics_buf = None;
+        for (d, o) in outputs.into_iter().enumerate() {
+            let mut out = o.into_iter();
+            self.params.push(out.by_ref().take(n).collect::<Vec<_>>().into());
+            self.m.push(out.by_ref().take(n).collect());
+            self.v.push(out.by_ref().take(n).collect());
+            self.step.push(out.next().expect("step count"));
+            let metrics = out.next().expect("metrics");
+            if d == 0 {
+                metrics_buf = Some(metrics);
+            }
+            if layout.bf16_outputs {
+                compute.push(Arc::from(out.take(n).collect::<Vec<_>>()));
+            }
         }
+        if layout.bf16_outputs {
+            self.compute_params = Some(compute);
+        }
+        self.gather_shared()?;
         let raw = metrics_buf
+            .expect("device 0's outputs")
             .to_host::<f32>()
             .map_err(rt("reading the step metrics"))?;
         let values: Vec<(&'static str, f64)> = METRIC_NAMES
@@ -1073,18 +1405,29 @@ impl Learner {
         Ok(metrics)
     }
 
-    /// Copies parameters, Adam moments and the step count to the host (for a checkpoint).
+    /// Copies parameters, Adam moments and the step count to the host (for a checkpoint),
+    /// gathering shards into whole arrays: the state is the same whatever the strategy.
     pub fn state(&self) -> Result<LearnerState> {
-        let read = |what: &str, bufs: &[Buffer]| -> Result<Vec<Vec<f32>>> {
-            bufs.iter()
-                .map(|b| b.to_host::<f32>().map_err(rt(format!("reading {what}"))))
+        let read = |what: &str, per_device: Vec<&[Buffer]>| -> Result<Vec<Vec<f32>>> {
+            (0..self.param_dims.len())
+                .map(|i| {
+                    let sharding = self.param_shardings[i].as_ref();
+                    let holders = if sharding.is_some() { per_device.len() } else { 1 };
+                    let shards = per_device[..holders]
+                        .iter()
+                        .map(|bufs| bufs[i].to_host::<f32>().map_err(rt(format!("reading {what}"))))
+                        .collect::<Result<Vec<_>>>()?;
+                    Ok(gather_host(shards, &self.param_dims[i], sharding))
+                })
                 .collect()
         };
-        let step = self.step.to_host::<i32>().map_err(rt("reading the step count"))?;
+        let step = self.step[0]
+            .to_host::<i32>()
+            .map_err(rt("reading the step count"))?;
         Ok(LearnerState {
-            params: read("parameters", &self.params)?,
-            m: read("adam_m", &self.m)?,
-            v: read("adam_v", &self.v)?,
+            params: read("parameters", self.params.iter().map(|p| &**p).collect())?,
+            m: read("adam_m", self.m.iter().map(|p| p.as_slice()).collect())?,
+            v: read("adam_v", self.v.iter().map(|p| p.as_slice()).collect())?,
             adam_step: step[0],
         })
     }

@@ -89,6 +89,7 @@ fn train(seed: u64, steps: usize, check_alignment: bool) -> Vec<f64> {
         compute_dtype: DType::F32,
         micro_batch_size: ROWS as i64,
         response_len: 1,
+        parallel: Default::default(),
     };
     let programs =
         build_train_programs(&cfg, &specs, &policy.input_specs(), |p, b| policy.log_probs(p, b)).unwrap();

@@ -87,6 +87,7 @@ fn step_cfg(loss: PolicyLossConfig, grad_clip: Option<f64>, rows: i64, dtype: DT
         compute_dtype: dtype,
         micro_batch_size: rows,
         response_len: L,
+        parallel: Default::default(),
     }
 }
 

@@ -155,7 +155,8 @@ pub struct ActorSection {
     /// How the learner uses several devices.
     #[serde(default)]
     pub strategy: Strategy,
-    /// Devices of the learner's mesh; empty means all devices of its client.
+    /// Devices of the learner's mesh under `dp` and `fsdp` (devices `0..mesh` of its
+    /// client); empty means all devices of its client (see [`ActorSection::parallelism`]).
     #[serde(default)]
     pub mesh: Option<usize>,
     #[serde(default)]
@@ -209,15 +210,36 @@ pub struct ActorSection {
     pub max_consecutive_nonfinite: usize,
 }
 
-/// `actor.strategy`.
-#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum Strategy {
-    /// Data parallel: parameters replicated, batch split.
-    #[default]
-    Dp,
-    /// Fully sharded: parameters and optimizer state split over the devices.
-    Fsdp,
+/// `actor.strategy`: the trainer's own enum (`single`, `dp`, `fsdp`; `single` by default).
+pub use trainer::config::Strategy;
+
+impl ActorSection {
+    /// `actor.strategy` and `actor.mesh` as the learner's [`trainer::config::Parallelism`],
+    /// with an unset mesh filled in where the recipe alone determines the learner client's
+    /// devices: on CPU, all [`Recipe::cpu_devices`]. On CUDA and TPU the mesh must be set for
+    /// `dp` and `fsdp` (validation says so), since the device count is known only once the
+    /// client opens.
+    pub fn parallelism(&self, cluster: &ClusterSection) -> trainer::config::Parallelism {
+        let mut mesh = self.mesh;
+        if mesh.is_none() && self.strategy != Strategy::Single && cluster.device == DeviceKind::Cpu {
+            mesh = Some(cluster.cpu_device_count);
+        }
+        trainer::config::Parallelism {
+            strategy: self.strategy,
+            mesh,
+        }
+    }
+}
+
+impl Recipe {
+    /// Devices the CPU client opens: `cluster.cpu_device_count`, raised to `actor.mesh` when
+    /// the learner is sharded over more devices than that (`dp`, `fsdp`).
+    pub fn cpu_devices(&self) -> usize {
+        match (self.actor.strategy, self.actor.mesh) {
+            (Strategy::Dp | Strategy::Fsdp, Some(mesh)) => self.cluster.cpu_device_count.max(mesh),
+            _ => self.cluster.cpu_device_count,
+        }
+    }
 }
 
 /// `actor.optim`: AdamW and its schedule.
@@ -324,6 +346,16 @@ pub struct ClusterSection {
     /// Reward worker processes to start; 0 scores in the orchestrator's process.
     #[serde(default)]
     pub reward_workers: usize,
+    /// Device kind of the rollout worker processes; null means `cluster.device`.
+    #[serde(default)]
+    pub rollout_device: Option<DeviceKind>,
+    /// Device kind of the learner worker processes; null means `cluster.device`.
+    #[serde(default)]
+    pub learner_device: Option<DeviceKind>,
+    /// Learner worker processes: 0 trains in the orchestrator's process, 1 in a worker process
+    /// (which also holds the reference model).
+    #[serde(default)]
+    pub learner_workers: usize,
     /// Host address workers listen on (loopback unless you mean otherwise).
     #[serde(default = "default_bind_host")]
     pub bind_host: String,
@@ -356,6 +388,28 @@ pub struct TlsSection {
     pub domain: String,
 }
 
+impl ClusterSection {
+    /// The device kind rollout worker processes run on: `cluster.rollout_device`, else
+    /// `cluster.device`.
+    pub fn rollout_device_kind(&self) -> DeviceKind {
+        self.rollout_device.unwrap_or(self.device)
+    }
+
+    /// The device kind learner worker processes run on: `cluster.learner_device`, else
+    /// `cluster.device`.
+    pub fn learner_device_kind(&self) -> DeviceKind {
+        self.learner_device.unwrap_or(self.device)
+    }
+
+    /// `cluster.plugin_path` when it applies to `kind`: it names the plugin of `cluster.device`,
+    /// so a role on another kind discovers its own.
+    pub fn plugin_path_for(&self, kind: DeviceKind) -> Option<&str> {
+        (kind == self.device)
+            .then_some(self.plugin_path.as_deref())
+            .flatten()
+    }
+}
+
 /// Device kinds, one per PJRT plugin.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, Default)]
 #[serde(rename_all = "snake_case")]
@@ -364,6 +418,17 @@ pub enum DeviceKind {
     Cpu,
     Cuda,
     Tpu,
+}
+
+impl DeviceKind {
+    /// `cpu`, `cuda` or `tpu`, as recipes spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceKind::Cpu => "cpu",
+            DeviceKind::Cuda => "cuda",
+            DeviceKind::Tpu => "tpu",
+        }
+    }
 }
 
 fn default_adv_estimator() -> AdvantageEstimator {

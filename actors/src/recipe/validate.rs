@@ -1,7 +1,7 @@
 //! Range and cross-key checks, run before any work starts. Each rule is stated in its message.
 
 use super::load::locate_key;
-use super::Recipe;
+use super::{Recipe, Strategy};
 use std::fmt;
 
 /// One broken rule: the key, its value, the rule, and where the key is written.
@@ -277,6 +277,46 @@ pub(crate) fn validate(r: &Recipe, text: &str, file: &str, overrides: &[String])
     if let Some(m) = a.mesh {
         c.check(m >= 1, "actor.mesh", m, "must be at least 1 device");
     }
+    let mesh_text = a.mesh.map_or("null".to_string(), |m| m.to_string());
+    if a.strategy == Strategy::Single {
+        c.check(
+            a.mesh.is_none_or(|m| m <= 1),
+            "actor.mesh",
+            &mesh_text,
+            "applies to actor.strategy dp and fsdp; with single the learner uses one device",
+        );
+    } else {
+        match a.parallelism(&r.cluster).mesh {
+            None => c.check(
+                false,
+                "actor.mesh",
+                &mesh_text,
+                &format!(
+                    "must be set with actor.strategy {} on cluster.device {}: the number of devices to \
+                     shard the learner over (only on cpu does the recipe fix the device count, so only \
+                     there may it default to all devices)",
+                    a.strategy.name(),
+                    r.cluster.device.name()
+                ),
+            ),
+            Some(m) if m >= 1 && a.ppo_micro_batch_size >= 1 => c.check(
+                a.ppo_micro_batch_size.is_multiple_of(m),
+                "actor.ppo_micro_batch_size",
+                a.ppo_micro_batch_size,
+                &format!(
+                    "must divide by actor.mesh ({m}{}): actor.strategy {} splits each micro-batch's \
+                     rows evenly over the devices",
+                    if a.mesh.is_none() {
+                        ", all cluster.cpu_device_count devices"
+                    } else {
+                        ""
+                    },
+                    a.strategy.name()
+                ),
+            ),
+            Some(_) => {}
+        }
+    }
     c.check(
         !(a.use_kl_loss && al.use_kl_in_reward),
         "actor.use_kl_loss",
@@ -365,11 +405,43 @@ pub(crate) fn validate(r: &Recipe, text: &str, file: &str, overrides: &[String])
         "must be at least 1",
     );
     c.check(
+        r.cluster.learner_workers <= 1,
+        "cluster.learner_workers",
+        r.cluster.learner_workers,
+        "must be 0 (the learner in the orchestrator's process) or 1 (one learner worker process)",
+    );
+    c.check(
         r.cluster.worker_timeout_s > 0.0 && r.cluster.worker_timeout_s.is_finite(),
         "cluster.worker_timeout_s",
         r.cluster.worker_timeout_s,
         "must be a positive number of seconds",
     );
+    if let Some(kind) = r.cluster.rollout_device {
+        c.check(
+            kind == r.cluster.device || r.cluster.rollout_workers > 0,
+            "cluster.rollout_device",
+            kind.name(),
+            &format!(
+                "applies to rollout worker processes, and `cluster.rollout_workers` is 0 (rollout \
+                 runs in the orchestrator's process, on `cluster.device` = {}): start rollout \
+                 workers or leave the key out",
+                r.cluster.device.name()
+            ),
+        );
+    }
+    if let Some(kind) = r.cluster.learner_device {
+        c.check(
+            kind == r.cluster.device || r.cluster.learner_workers > 0,
+            "cluster.learner_device",
+            kind.name(),
+            &format!(
+                "applies to learner worker processes, and `cluster.learner_workers` is 0 (the \
+                 learner runs in the orchestrator's process, on `cluster.device` = {}): start a \
+                 learner worker or leave the key out",
+                r.cluster.device.name()
+            ),
+        );
+    }
     c.out
 }
 
@@ -385,6 +457,29 @@ mod tests {
             .iter()
             .map(|v| v.to_string())
             .collect()
+    }
+
+    #[test]
+    fn a_rollout_device_needs_rollout_workers() {
+        assert_eq!(
+            violations("cluster:\n  rollout_device: cuda\n"),
+            vec![
+                "r.yaml:6:3: `cluster.rollout_device` = cuda: applies to rollout worker processes, \
+                 and `cluster.rollout_workers` is 0 (rollout runs in the orchestrator's process, on \
+                 `cluster.device` = cpu): start rollout workers or leave the key out"
+            ]
+        );
+        assert!(violations("cluster:\n  rollout_device: cpu\n").is_empty());
+        assert!(violations("cluster:\n  rollout_device: tpu\n  rollout_workers: 1\n").is_empty());
+        assert_eq!(
+            violations("cluster:\n  device: cuda\n  learner_device: tpu\n"),
+            vec![
+                "r.yaml:7:3: `cluster.learner_device` = tpu: applies to learner worker processes, \
+                 and `cluster.learner_workers` is 0 (the learner runs in the orchestrator's \
+                 process, on `cluster.device` = cuda): start a learner worker or leave the key out"
+            ]
+        );
+        assert!(violations("cluster:\n  learner_device: cuda\n  learner_workers: 1\n").is_empty());
     }
 
     #[test]
@@ -406,6 +501,66 @@ mod tests {
         );
         let v = violations("rollout:\n  top_p: 0\n");
         assert_eq!(v, vec!["r.yaml:6:3: `rollout.top_p` = 0: must be in (0, 1]"]);
+    }
+
+    #[test]
+    fn at_most_one_learner_worker() {
+        assert!(violations("cluster:\n  learner_workers: 1\n").is_empty());
+        assert_eq!(
+            violations("cluster:\n  learner_workers: 2\n"),
+            vec![
+                "r.yaml:6:3: `cluster.learner_workers` = 2: must be 0 (the learner in the \
+                 orchestrator's process) or 1 (one learner worker process)"
+            ]
+        );
+    }
+
+    #[test]
+    fn sharded_learner_keys() {
+        assert!(violations("actor:\n  strategy: fsdp\n  mesh: 4\n  ppo_micro_batch_size: 8\n").is_empty());
+        assert!(violations("actor:\n  strategy: dp\ncluster:\n  cpu_device_count: 2\n").is_empty());
+        assert_eq!(
+            violations("actor:\n  strategy: dp\n  mesh: 3\n"),
+            vec![
+                "`actor.ppo_micro_batch_size` = 4: must divide by actor.mesh (3): \
+                 actor.strategy dp splits each micro-batch's rows evenly over the devices"
+            ]
+        );
+        assert_eq!(
+            violations("actor:\n  strategy: fsdp\ncluster:\n  cpu_device_count: 8\n"),
+            vec![
+                "`actor.ppo_micro_batch_size` = 4: must divide by actor.mesh (8, all \
+                 cluster.cpu_device_count devices): actor.strategy fsdp splits each micro-batch's rows \
+                 evenly over the devices"
+            ]
+        );
+        assert_eq!(
+            violations("actor:\n  mesh: 2\n"),
+            vec![
+                "r.yaml:6:3: `actor.mesh` = 2: applies to actor.strategy dp and fsdp; with single the \
+                 learner uses one device"
+            ]
+        );
+        assert_eq!(
+            violations("actor:\n  strategy: dp\ncluster:\n  device: tpu\n"),
+            vec![
+                "`actor.mesh` = null: must be set with actor.strategy dp on cluster.device \
+                 tpu: the number of devices to shard the learner over (only on cpu does the recipe fix \
+                 the device count, so only there may it default to all devices)"
+            ]
+        );
+        let r = load_recipe_str(
+            "model:\n  path: m\ndata:\n  train_files: t\nactor:\n  strategy: fsdp\n  mesh: 4\n",
+            "r.yaml",
+        )
+        .unwrap();
+        assert_eq!(r.cpu_devices(), 4, "the CPU client opens the mesh's devices");
+        assert_eq!(
+            r.actor.parallelism(&r.cluster),
+            trainer::config::Parallelism::new(Strategy::Fsdp, 4)
+        );
+        let r = load_recipe_str("model:\n  path: m\ndata:\n  train_files: t\n", "r.yaml").unwrap();
+        assert_eq!((r.actor.strategy, r.cpu_devices()), (Strategy::Single, 1));
     }
 
     #[test]

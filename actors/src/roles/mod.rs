@@ -2,6 +2,7 @@
 //! on one machine) and a gRPC client implementation (a worker elsewhere); the orchestrator
 //! drives both through the same trait.
 
+pub mod learner;
 pub mod reward;
 pub mod rollout;
 

@@ -197,6 +197,7 @@ impl Fleet {
         match role {
             Role::Rollout => self.rollouts.transition(index, Health::Replacing, Health::Dead),
             Role::Reward => self.rewards.transition(index, Health::Replacing, Health::Dead),
+            Role::Learner => false, // not in the fleet
         };
     }
 

@@ -16,9 +16,10 @@ pub mod learner;
 pub mod metrics;
 
 use crate::auth::Token;
-use crate::launcher::{LaunchSpec, LocalLauncher};
+use crate::launcher::{LaunchSpec, LocalLauncher, WorkerInfo};
 use crate::prepare::{prepare, PrepareError, Prepared};
 use crate::recipe::{Recipe, ResumeMode};
+use crate::roles::learner::{LearnerRole, LearnerWeights, RemoteLearner};
 use crate::roles::reward::{LocalReward, RemoteReward, RewardRole};
 use crate::roles::rollout::{LocalRollout, RemoteRollout, RolloutRole, WeightUpdate};
 use crate::roles::RoleError;
@@ -50,6 +51,18 @@ pub enum RunError {
     Role(#[from] RoleError),
     #[error("learner: {0}")]
     Learner(#[from] LearnerError),
+    /// The learner worker process failed or stopped answering: the run cannot go on without it.
+    #[error(
+        "{worker} failed: {error}. The run stops here; run `grpo run` again with the same recipe \
+         and it resumes {resume}"
+    )]
+    LearnerWorker {
+        /// Which worker: index, pid and log file.
+        worker: String,
+        error: RoleError,
+        /// Where the next `grpo run` starts from.
+        resume: String,
+    },
     #[error(transparent)]
     Checkpoint(#[from] trainer::checkpoint::CheckpointError),
     #[error(transparent)]
@@ -126,7 +139,8 @@ fn request_seed(seed: u64, id: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-fn sampling_params(recipe: &Recipe, validation: bool) -> SamplingParams {
+/// The sampling settings of the recipe's training (or, with `validation`, validation) requests.
+pub fn sampling_params(recipe: &Recipe, validation: bool) -> SamplingParams {
     let r = &recipe.rollout;
     let (temperature, top_k, top_p) = if !validation {
         (r.temperature, r.top_k, r.top_p)
@@ -199,16 +213,35 @@ fn build_prompts(
     Ok(out)
 }
 
-/// Weights for an in-process rollout engine in `dtype`: the learner's own buffers when the
-/// dtypes agree and `copy` is off (no copy), a device copy with `copy`, a converted upload
-/// when the dtypes differ.
+/// Weights for a rollout engine in `dtype`. From a learner in this process: its own buffers
+/// when the dtypes agree and `copy` is off (no copy), a device copy with `copy`, a converted
+/// upload when the dtypes differ. From a learner worker: the streamed tensors uploaded to this
+/// process's device 0 (where the rollout engine lives).
 fn rollout_weights(
-    params: Arc<[Buffer]>,
+    weights: LearnerWeights,
     client: &Client,
     dtype: DType,
     copy: bool,
 ) -> Result<Arc<[Buffer]>, RunError> {
     let rt = |e: xla::runtime::Error| RunError::Other(format!("preparing rollout weights: {e}"));
+    let params = match weights {
+        LearnerWeights::Shared(params) => params,
+        LearnerWeights::Host(tensors) => {
+            return tensors
+                .iter()
+                .map(|t| {
+                    if t.dtype != dtype {
+                        return Err(RunError::Other(format!(
+                            "the learner sent tensor `{}` as {}, the rollout needs {dtype}",
+                            t.name, t.dtype
+                        )));
+                    }
+                    let dims: Vec<i64> = t.dims.iter().map(|d| *d as i64).collect();
+                    client.buffer_from_bytes(&t.bytes, dtype, &dims, 0).map_err(rt)
+                })
+                .collect();
+        }
+    };
     if params.first().map(|b| b.dtype()) == Some(dtype) {
         if !copy {
             return Ok(params);
@@ -278,6 +311,7 @@ async fn train_async(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary
     std::fs::create_dir_all(&output).map_err(io("creating the output directory", &output))?;
     let recipe_path = output.join("recipe.yaml");
     std::fs::write(&recipe_path, recipe.to_yaml()).map_err(io("writing", &recipe_path))?;
+    crate::launcher::check_device_plugins(&recipe.cluster).map_err(|e| RunError::Other(e.to_string()))?;
 
     let started = Instant::now();
     let mut prepared = prepare(recipe)?;
@@ -303,39 +337,15 @@ async fn train_async(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary
         .div_ceil(recipe.actor.ppo_mini_batch_size.max(1)) as u64;
     let total_optimizer_steps = total_steps * minis_per_step * recipe.actor.ppo_epochs as u64;
 
-    // The initial weights in parameter-table order (also the frozen reference).
-    let specs = trainer::policy::DecoderPolicy {
-        config: config.clone(),
-        prompt_len: recipe.data.max_prompt_length,
-        response_len: recipe.data.max_response_length,
-        micro_batch_size: recipe.actor.ppo_micro_batch_size,
-        temperature: 1.0,
-    }
-    .param_specs();
-    // The host copy of the weights moves into the learner (the rollout shares the learner's
-    // device buffers), so the model is held once on the host, not three times.
-    let mut by_name: HashMap<String, model::HostTensor> = std::mem::take(&mut prepared.model.weights.tensors)
-        .into_iter()
-        .map(|t| (t.name.clone(), t))
-        .collect();
-    let mut initial: Vec<Vec<f32>> = specs
-        .iter()
-        .map(|s| {
-            by_name
-                .remove(&s.name)
-                .map(|t| t.to_f32_vec())
-                .ok_or_else(|| RunError::Other(format!("the model has no tensor {}", s.name)))
-        })
-        .collect::<Result<_, _>>()?;
-    drop(by_name);
-    let needs_reference = LocalLearner::needs_reference(recipe);
+    // The parameter table: the order of every weight stream and checkpoint.
+    let specs = learner::param_specs(recipe, &config);
 
     // Resume from the newest complete checkpoint, or start fresh.
     let checkpoint = match recipe.trainer.resume_mode {
         ResumeMode::Auto => latest_checkpoint(&output)?,
         ResumeMode::Disable => None,
     };
-    let (state, start_step, mut version, optimizer_steps) = match &checkpoint {
+    let (resume, start_step, mut version, optimizer_steps) = match &checkpoint {
         Some(dir) => {
             let ck = load_checkpoint(dir)?;
             let state = LearnerState::from_checkpoint(&ck, &specs)?;
@@ -349,27 +359,9 @@ async fn train_async(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary
                 .and_then(|v| v.as_u64())
                 .unwrap_or(0);
             tracing::info!("resuming from {} (step {})", dir.display(), ck.state.step);
-            (state, ck.state.step, ck.state.weight_version, opt)
+            (Some(state), ck.state.step, ck.state.weight_version, opt)
         }
-        None => {
-            let zeros: Vec<Vec<f32>> = initial.iter().map(|v| vec![0.0; v.len()]).collect();
-            let params = if needs_reference {
-                initial.clone()
-            } else {
-                std::mem::take(&mut initial)
-            };
-            (
-                LearnerState {
-                    params,
-                    m: zeros.clone(),
-                    v: zeros,
-                    adam_step: 0,
-                },
-                0,
-                0,
-                0,
-            )
-        }
+        None => (None, 0, 0, 0),
     };
     // A resumed run keeps the history up to its checkpoint; a new run starts it afresh.
     for name in ["metrics.jsonl", "prompts.jsonl"] {
@@ -389,18 +381,6 @@ async fn train_async(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary
         });
     }
 
-    let reference = needs_reference.then_some(initial.as_slice());
-    let mut learner = LocalLearner::new(
-        &client,
-        recipe,
-        &config,
-        &state,
-        reference,
-        optimizer_steps,
-        total_optimizer_steps,
-    )?;
-    drop(state);
-    drop(initial);
     let off_policy = recipe.trainer.off_policy_steps > 0;
     let rollout_dtype = setup::dtype(recipe.rollout.dtype);
 
@@ -408,8 +388,13 @@ async fn train_async(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary
     let cluster = &recipe.cluster;
     let tls = cluster.tls.as_ref();
     let timeout = std::time::Duration::from_secs_f64(cluster.worker_timeout_s);
+    let reward_pool = recipe
+        .reward
+        .pool_options()
+        .map_err(|e| RunError::Other(format!("reward: {e}")))?;
+    let reward_deadline = crate::roles::reward::RewardDeadline::new(timeout, &reward_pool);
     let token = Token::generate();
-    let launcher = if cluster.rollout_workers + cluster.reward_workers > 0 {
+    let launcher = if cluster.rollout_workers + cluster.reward_workers + cluster.learner_workers > 0 {
         let token_file = output.join("worker.token");
         token
             .write(&token_file)
@@ -422,9 +407,10 @@ async fn train_async(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary
         progress_note(
             options,
             &format!(
-                "starting {} rollout and {} reward worker process(es) (logs in {})",
+                "starting {} rollout, {} reward and {} learner worker process(es) (logs in {})",
                 cluster.rollout_workers,
                 cluster.reward_workers,
+                cluster.learner_workers,
                 spec.log_dir.display()
             ),
         );
@@ -436,13 +422,64 @@ async fn train_async(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary
     } else {
         None
     };
+
+    // The learner (with the reference model): in this process, or the learner worker, which is
+    // sent the checkpoint's state when the run resumes.
+    let learner_worker: Option<WorkerInfo> = match &launcher {
+        Some(l) if cluster.learner_workers > 0 => Some(
+            l.workers(Role::Learner)
+                .first()
+                .cloned()
+                .ok_or_else(|| RunError::Other("the launcher started no learner worker".into()))?,
+        ),
+        _ => None,
+    };
+    // Errors of a learner worker name it and say where the next run resumes.
+    let learner_error = |error: RoleError, last_checkpoint: Option<&Path>| -> RunError {
+        match &learner_worker {
+            Some(w) => learner_worker_failed(w, error, last_checkpoint),
+            None => RunError::Role(error),
+        }
+    };
+    let learner: Arc<dyn LearnerRole> = match &learner_worker {
+        Some(w) => {
+            // The worker loads the model itself; this process needs no host copy of it.
+            prepared.model.weights.tensors = Vec::new();
+            let remote = RemoteLearner::with_timeout(&w.address, &token, tls, timeout, specs.clone())?;
+            remote
+                .start(resume, optimizer_steps, total_optimizer_steps)
+                .await
+                .map_err(|e| learner_error(e, checkpoint.as_deref()))?;
+            Arc::new(remote)
+        }
+        None => {
+            // The host copy of the weights moves into the learner (the rollout shares the
+            // learner's device buffers), so the model is held once on the host.
+            let initial = learner::initial_params(&specs, &mut prepared.model.weights)?;
+            Arc::new(LocalLearner::start(
+                &client,
+                recipe,
+                &config,
+                initial,
+                resume,
+                optimizer_steps,
+                total_optimizer_steps,
+            )?)
+        }
+    };
+    let prepared = prepared;
     let remote_rollout = |address: &str| -> Result<Arc<dyn RolloutRole>, RoleError> {
         Ok(Arc::new(RemoteRollout::with_timeout(
             address, &token, tls, timeout,
         )?))
     };
     let remote_reward = |address: &str| -> Result<Arc<dyn RewardRole>, RoleError> {
-        Ok(Arc::new(RemoteReward::new(address, &token, tls)?))
+        Ok(Arc::new(RemoteReward::with_deadline(
+            address,
+            &token,
+            tls,
+            reward_deadline,
+        )?))
     };
     let rollouts: Vec<Arc<dyn RolloutRole>> = match &launcher {
         Some(l) if cluster.rollout_workers > 0 => l
@@ -451,7 +488,11 @@ async fn train_async(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary
             .map(|w| remote_rollout(&w.address))
             .collect::<Result<_, _>>()?,
         _ => {
-            let weights = rollout_weights(learner.shared_params(), &client, rollout_dtype, off_policy)?;
+            let current = learner
+                .weights(version, rollout_dtype)
+                .await
+                .map_err(|e| learner_error(e, checkpoint.as_deref()))?;
+            let weights = rollout_weights(current, &client, rollout_dtype, off_policy)?;
             let engine = setup::build_engine(recipe, &prepared, &client, weights, version)?;
             vec![Arc::new(LocalRollout::new(engine))]
         }
@@ -481,7 +522,11 @@ async fn train_async(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary
     ));
     if cluster.rollout_workers > 0 {
         // Workers load the model themselves; from here on they take the learner's versions.
-        let params = rollout_weights(learner.shared_params(), &client, rollout_dtype, false)?;
+        let current = learner
+            .weights(version, rollout_dtype)
+            .await
+            .map_err(|e| learner_error(e, checkpoint.as_deref()))?;
+        let params = rollout_weights(current, &client, rollout_dtype, false)?;
         fleet.update_weights(WeightUpdate { version, params }).await?;
     }
     // Replace workers that fail, in the background: the others carry on meanwhile.
@@ -514,10 +559,18 @@ async fn train_async(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary
                                         .map_err(|e| e.to_string())
                                 }
                                 Role::Reward => {
-                                    let r = RemoteReward::new(&w.address, &token, tls.as_ref())
-                                        .map_err(|e| e.to_string())?;
+                                    let r = RemoteReward::with_deadline(
+                                        &w.address,
+                                        &token,
+                                        tls.as_ref(),
+                                        reward_deadline,
+                                    )
+                                    .map_err(|e| e.to_string())?;
                                     fleet.replace_reward(index, Arc::new(r));
                                     Ok(())
+                                }
+                                Role::Learner => {
+                                    Err("a learner worker is not replaced during a run".to_string())
                                 }
                             }
                         }
@@ -622,14 +675,10 @@ async fn train_async(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary
                 })
                 .collect();
             let t = Instant::now();
-            let (returned, report) = tokio::task::spawn_blocking(move || {
-                let r = learner.update(&rows);
-                (learner, r)
-            })
-            .await
-            .map_err(|e| RunError::Other(format!("learner task: {e}")))?;
-            learner = returned;
-            let report = report?;
+            let report = learner
+                .update(rows)
+                .await
+                .map_err(|e| learner_error(e, last_checkpoint.as_deref()))?;
             let update_s = t.elapsed().as_secs_f64();
             let lag: Vec<f64> = generated
                 .scored
@@ -649,7 +698,11 @@ async fn train_async(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary
             }
             progress.phase("syncing weights");
             let t = Instant::now();
-            let params = rollout_weights(learner.shared_params(), &client, rollout_dtype, off_policy)?;
+            let current = learner
+                .weights(version, rollout_dtype)
+                .await
+                .map_err(|e| learner_error(e, last_checkpoint.as_deref()))?;
+            let params = rollout_weights(current, &client, rollout_dtype, off_policy)?;
             fleet.update_weights(WeightUpdate { version, params }).await?;
             let sync_s = t.elapsed().as_secs_f64();
 
@@ -773,6 +826,10 @@ async fn train_async(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary
             if save_due {
                 progress.phase("saving a checkpoint");
                 let t = Instant::now();
+                let learner_state = learner
+                    .state()
+                    .await
+                    .map_err(|e| learner_error(e, last_checkpoint.as_deref()))?;
                 let state = TrainerState {
                     step,
                     weight_version: version,
@@ -784,7 +841,8 @@ async fn train_async(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary
                         OPTIMIZER_STEPS_KEY: learner.optimizer_steps(),
                     }),
                 };
-                let files = learner.tensor_files()?;
+                let files = learner_state.to_tensor_files(&specs);
+                drop(learner_state);
                 let dir = save_checkpoint(&output, &state, &files, recipe.trainer.max_checkpoints_to_keep)?;
                 tracing::info!("saved {} in {:.1}s", dir.display(), t.elapsed().as_secs_f64());
                 last_checkpoint = Some(dir);
@@ -813,6 +871,24 @@ async fn train_async(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary
         steps: total_steps,
         last_checkpoint,
     })
+}
+
+/// The error of a failed call to the learner worker `worker`: which worker, why, and where the
+/// next `grpo run` resumes (`last_checkpoint`).
+fn learner_worker_failed(worker: &WorkerInfo, error: RoleError, last_checkpoint: Option<&Path>) -> RunError {
+    RunError::LearnerWorker {
+        worker: format!(
+            "learner worker {} (pid {}, log {})",
+            worker.index,
+            worker.pid,
+            worker.log.display()
+        ),
+        error,
+        resume: match last_checkpoint {
+            Some(dir) => format!("from its newest checkpoint, {}", dir.display()),
+            None => "from the start (no checkpoint was saved yet)".to_string(),
+        },
+    }
 }
 
 /// A step's samples with their scores, in (request id, sample index) order.

@@ -36,45 +36,83 @@ pub const KNOWN_TOPOLOGIES: [&str; 15] = [
     "tpu7x:2x2x1",
 ];
 
-/// A TPU generation: its name in topology strings and its HBM.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// A TPU generation: its name in topology strings, its HBM and its published peak rates.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct TpuGeneration {
     /// The name used in topology strings (`v5e`).
     pub name: &'static str,
     /// HBM per chip in bytes.
     pub hbm_bytes_per_chip: u64,
+    /// Peak dense bf16 floating-point operations per second of one chip.
+    pub peak_bf16_flops_per_chip: f64,
+    /// HBM bandwidth of one chip in bytes per second.
+    pub hbm_bandwidth_bytes_per_chip: f64,
 }
 
-/// The generations this crate knows the HBM of. libtpu reports slightly less as available
-/// (v5e: 15.75 GiB of 16, v6e: 31.25 GiB of 32).
+impl TpuGeneration {
+    /// A roofline estimate of a program's run time on one device of a chip split into
+    /// `devices_per_chip` devices: the larger of `flops / peak` and `bytes / bandwidth`, with
+    /// the chip's peak and bandwidth shared evenly between its devices.
+    pub fn roofline_seconds(&self, flops: f64, bytes_accessed: f64, devices_per_chip: usize) -> f64 {
+        let share = devices_per_chip.max(1) as f64;
+        let compute = flops / (self.peak_bf16_flops_per_chip / share);
+        let memory = bytes_accessed / (self.hbm_bandwidth_bytes_per_chip / share);
+        compute.max(memory)
+    }
+}
+
+const TFLOPS: f64 = 1e12;
+const GBPS: f64 = 1e9;
+
+/// The generations this crate knows. HBM: libtpu reports slightly less as available (v5e:
+/// 15.75 GiB of 16, v6e: 31.25 GiB of 32). Peak bf16 FLOP/s and HBM bandwidth per chip are
+/// Google's published figures, from the Cloud TPU system-architecture pages
+/// (cloud.google.com/tpu/docs/v2, /v3, /v4, /v5e, /v5p, /v6e, /tpu7x):
+/// v2 45 TFLOP/s, 600 GB/s; v3 123 TFLOP/s, 900 GB/s; v4 275 TFLOP/s, 1200 GB/s;
+/// v5e 197 TFLOP/s, 819 GB/s; v5p 459 TFLOP/s, 2765 GB/s; v6e (Trillium) 918 TFLOP/s,
+/// 1640 GB/s; tpu7x (Ironwood) 2307 TFLOP/s, 7380 GB/s.
 pub const TPU_GENERATIONS: [TpuGeneration; 7] = [
     TpuGeneration {
         name: "v5e",
         hbm_bytes_per_chip: 16 * GIB,
+        peak_bf16_flops_per_chip: 197.0 * TFLOPS,
+        hbm_bandwidth_bytes_per_chip: 819.0 * GBPS,
     },
     TpuGeneration {
         name: "v6e",
         hbm_bytes_per_chip: 32 * GIB,
+        peak_bf16_flops_per_chip: 918.0 * TFLOPS,
+        hbm_bandwidth_bytes_per_chip: 1640.0 * GBPS,
     },
     TpuGeneration {
         name: "v5p",
         hbm_bytes_per_chip: 95 * GIB,
+        peak_bf16_flops_per_chip: 459.0 * TFLOPS,
+        hbm_bandwidth_bytes_per_chip: 2765.0 * GBPS,
     },
     TpuGeneration {
         name: "v4",
         hbm_bytes_per_chip: 32 * GIB,
+        peak_bf16_flops_per_chip: 275.0 * TFLOPS,
+        hbm_bandwidth_bytes_per_chip: 1200.0 * GBPS,
     },
     TpuGeneration {
         name: "tpu7x",
         hbm_bytes_per_chip: 192 * GIB,
+        peak_bf16_flops_per_chip: 2307.0 * TFLOPS,
+        hbm_bandwidth_bytes_per_chip: 7380.0 * GBPS,
     },
     TpuGeneration {
         name: "v3",
         hbm_bytes_per_chip: 32 * GIB,
+        peak_bf16_flops_per_chip: 123.0 * TFLOPS,
+        hbm_bandwidth_bytes_per_chip: 900.0 * GBPS,
     },
     TpuGeneration {
         name: "v2",
         hbm_bytes_per_chip: 16 * GIB,
+        peak_bf16_flops_per_chip: 45.0 * TFLOPS,
+        hbm_bandwidth_bytes_per_chip: 600.0 * GBPS,
     },
 ];
 
@@ -555,6 +593,31 @@ mod tests {
             .unwrap()
             .known_generation()
             .is_none());
+    }
+
+    #[test]
+    fn roofline_takes_the_slower_of_compute_and_memory() {
+        let v6e = TopologyName::parse("v6e:2x2")
+            .unwrap()
+            .known_generation()
+            .unwrap();
+        // 918 TFLOP/s: 9.18e12 flops take 10 ms; 1 MB at 1640 GB/s is far less.
+        let t = v6e.roofline_seconds(9.18e12, 1e6, 1);
+        assert!((t - 0.01).abs() < 1e-12, "{t}");
+        // 16.4 GB at 1640 GB/s take 10 ms; 1 Mflop is far less.
+        let t = v6e.roofline_seconds(1e6, 16.4e9, 1);
+        assert!((t - 0.01).abs() < 1e-12, "{t}");
+        // Two devices per chip (tpu7x) each get half the chip.
+        let tpu7x = TopologyName::parse("tpu7x:2x2x1")
+            .unwrap()
+            .known_generation()
+            .unwrap();
+        let one = tpu7x.roofline_seconds(2.307e15, 0.0, 1);
+        let half = tpu7x.roofline_seconds(2.307e15, 0.0, 2);
+        assert!(
+            (one - 1.0).abs() < 1e-12 && (half - 2.0).abs() < 1e-12,
+            "{one} {half}"
+        );
     }
 
     #[test]

@@ -13,6 +13,9 @@ mod service;
 pub use local::LocalRollout;
 pub use remote::RemoteRollout;
 pub use service::{ChunkError, RolloutService};
+// The weight stream's chunking and assembly, reused by the learner role's streams.
+pub(crate) use remote::{parse_dtype, send_chunks, CHUNK_BYTES};
+pub(crate) use service::Assembly;
 
 use super::{BoxFuture, RoleError};
 use rollout::{GenerationRequest, Sample};

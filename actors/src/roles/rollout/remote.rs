@@ -4,6 +4,8 @@
 //! weights as a client-streaming call of CRC-32-checked chunks in the worker's dtype. Reading
 //! the device buffers to the host, converting and checksumming runs on a blocking thread that
 //! feeds a small bounded queue, so it overlaps with sending and with the worker's own uploads.
+//! Each tensor is read to the host once, into the host buffer of the previous push
+//! ([`HostCopies`]); chunks in the same dtype are `Bytes` slices of it, not copies.
 //!
 //! It keeps the newest [`WeightUpdate`] it was given: every `generate` call tells the worker
 //! the version it needs, and a worker that is behind (a replacement started after the last
@@ -18,6 +20,7 @@ use crate::auth::{Attach, Token};
 use crate::proto;
 use crate::recipe::TlsSection;
 use crate::roles::{status_to_error, BoxFuture, RoleError};
+use bytes::Bytes;
 use rollout::{FinishReason, GenerationRequest, Sample, SamplingParams};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -65,8 +68,9 @@ pub struct RemoteRollout {
     layout: Mutex<Option<WorkerWeights>>,
     /// The newest weights this client was given: a worker that is behind gets them.
     latest: Mutex<Option<WeightUpdate>>,
-    /// One weight push at a time.
-    pushing: tokio::sync::Mutex<()>,
+    /// One weight push at a time; holds the host buffers the last push read the device
+    /// buffers into, by tensor index, for the next push to reuse.
+    pushing: tokio::sync::Mutex<Vec<Option<Vec<u8>>>>,
 }
 
 impl RemoteRollout {
@@ -87,11 +91,7 @@ impl RemoteRollout {
     ) -> Result<RemoteRollout, RoleError> {
         let endpoint =
             crate::transport::endpoint(address, tls).map_err(|e| RoleError::Invalid(e.to_string()))?;
-        let channel = endpoint
-            .connect_timeout(timeout)
-            .http2_keep_alive_interval((timeout / 4).max(Duration::from_millis(250)))
-            .keep_alive_timeout(timeout)
-            .keep_alive_while_idle(true)
+        let channel = crate::transport::keep_alive(endpoint, timeout)
             .initial_stream_window_size(STREAM_WINDOW_BYTES)
             .initial_connection_window_size(CONNECTION_WINDOW_BYTES)
             .connect_lazy();
@@ -113,7 +113,7 @@ impl RemoteRollout {
             version: AtomicU64::new(0),
             layout: Mutex::new(None),
             latest: Mutex::new(None),
-            pushing: tokio::sync::Mutex::new(()),
+            pushing: tokio::sync::Mutex::new(Vec::new()),
         }
     }
 
@@ -142,7 +142,7 @@ impl RemoteRollout {
     }
 
     fn error(&self, status: tonic::Status) -> RoleError {
-        status_to_error("rollout", &self.address, status)
+        status_to_error("rollout", &self.address, crate::transport::explain_status(status))
     }
 
     fn latest_version(&self) -> u64 {
@@ -151,7 +151,7 @@ impl RemoteRollout {
 
     /// Streams `update` to the worker and waits until it installed it.
     async fn push(&self, update: &WeightUpdate) -> Result<(), RoleError> {
-        let _one_at_a_time = self.pushing.lock().await;
+        let mut spare = self.pushing.lock().await;
         if lock(&self.layout).is_none() {
             self.refresh().await?;
         }
@@ -162,19 +162,23 @@ impl RemoteRollout {
         let params = update.params.clone();
         let (version, dtype) = (update.version, layout.dtype);
         let tensors = layout.tensors;
+        let mut host = HostCopies::reusing(std::mem::take(&mut *spare));
         let producer = tokio::task::spawn_blocking(move || {
-            send_chunks(version, &params, &tensors, dtype, |chunk| {
+            let sent = send_chunks_from(version, &params, &tensors, dtype, &mut host, |chunk| {
                 chunks.blocking_send(chunk).is_ok()
-            })
+            });
+            (sent, host)
         });
         let reply = self
             .client
             .clone()
             .update_weights(tokio_stream::wrappers::ReceiverStream::new(stream))
             .await;
-        let produced = producer
+        let (produced, host) = producer
             .await
             .map_err(|e| RoleError::Invalid(format!("the weight reader thread failed: {e}")))?;
+        // Every chunk has been sent (or dropped) by now, so the host copies are ours again.
+        *spare = host.reclaim();
         // A buffer that could not be read ends the stream early; that is the error to report,
         // not the worker's refusal of the short stream.
         produced?;
@@ -246,13 +250,15 @@ fn conversion(from: DType, to: DType) -> Option<Conversion> {
     }
 }
 
-/// Elements `range` of `source` (little-endian bytes of `from`), as bytes of the target type.
-fn convert_range(source: &[u8], how: Conversion, from: DType, range: std::ops::Range<usize>) -> Vec<u8> {
+/// Elements `range` of `source` (little-endian bytes of `from`), as bytes of the target type:
+/// a slice of `source` (no copy) when the types agree, converted otherwise.
+fn convert_range(source: &Bytes, how: Conversion, from: DType, range: std::ops::Range<usize>) -> Bytes {
     let size = from.size_bytes();
-    let bytes = &source[range.start * size..range.end * size];
+    let (start, end) = (range.start * size, range.end * size);
     match how {
-        Conversion::Same => bytes.to_vec(),
+        Conversion::Same => source.slice(start..end),
         Conversion::F32ToBf16 => {
+            let bytes = &source[start..end];
             // half::bf16::from_f32 bit for bit (round to nearest even, NaN kept quiet), in a
             // loop the compiler vectorises.
             let mut out = vec![0u8; bytes.len() / 2];
@@ -265,15 +271,16 @@ fn convert_range(source: &[u8], how: Conversion, from: DType, range: std::ops::R
                 };
                 o.copy_from_slice(&bits.to_le_bytes());
             }
-            out
+            out.into()
         }
         Conversion::Bf16ToF32 => {
+            let bytes = &source[start..end];
             let mut out = Vec::with_capacity(bytes.len() * 2);
             for c in bytes.chunks_exact(2) {
                 let x = half::bf16::from_le_bytes([c[0], c[1]]);
                 out.extend_from_slice(&x.to_f32().to_le_bytes());
             }
-            out
+            out.into()
         }
     }
 }
@@ -281,17 +288,103 @@ fn convert_range(source: &[u8], how: Conversion, from: DType, range: std::ops::R
 /// Reads every buffer to the host, converts it to `dtype`, cuts it into checksummed chunks of
 /// about [`CHUNK_BYTES`] and hands them to `send` in order. Stops quietly when `send` returns
 /// false (the call ended; its status says why).
-fn send_chunks(
+pub(crate) fn send_chunks(
     version: u64,
     params: &[Buffer],
     tensors: &[(String, Vec<i64>)],
     dtype: DType,
+    send: impl FnMut(proto::WeightChunk) -> bool,
+) -> Result<(), RoleError> {
+    send_chunks_from(version, params, tensors, dtype, &mut HostCopies::default(), send)
+}
+
+/// The host copies of a weight update's tensors. Reading a device buffer into memory that was
+/// used before costs a plain copy; into fresh memory it also costs a page fault per 4 KiB,
+/// about as much again, so a client keeps the copies of one push for the next.
+#[derive(Default)]
+pub(crate) struct HostCopies {
+    /// Buffers to read into, by tensor index.
+    spare: Vec<Option<Vec<u8>>>,
+    /// The copies made, by tensor index, shared with the chunks sliced from them.
+    made: Vec<Option<Bytes>>,
+}
+
+impl HostCopies {
+    /// Reads into `spare` (by tensor index) where it has a buffer.
+    pub(crate) fn reusing(spare: Vec<Option<Vec<u8>>>) -> HostCopies {
+        HostCopies {
+            spare,
+            made: Vec::new(),
+        }
+    }
+
+    /// The host copy of tensor `index`: its bytes, read from the device.
+    fn read(&mut self, index: usize, buffer: &Buffer) -> xla::runtime::Result<Bytes> {
+        let size = buffer.element_count() * buffer.dtype().size_bytes();
+        let mut host = self
+            .spare
+            .get_mut(index)
+            .and_then(Option::take)
+            .unwrap_or_default();
+        // Only a new or grown buffer gets fresh (zeroed) memory.
+        host.resize(size, 0);
+        read_into(buffer, &mut host)?;
+        let bytes = Bytes::from(host);
+        if self.made.len() <= index {
+            self.made.resize(index + 1, None);
+        }
+        self.made[index] = Some(bytes.clone());
+        Ok(bytes)
+    }
+
+    /// The copies back as buffers to read into next time; a copy some chunk still holds is
+    /// left to it.
+    pub(crate) fn reclaim(self) -> Vec<Option<Vec<u8>>> {
+        self.made
+            .into_iter()
+            .map(|copy| copy.and_then(|b| b.try_into_mut().ok()).map(Vec::from))
+            .collect()
+    }
+}
+
+/// Copies `buffer` to `host` (exactly its size in bytes) without an intermediate buffer.
+fn read_into(buffer: &Buffer, host: &mut [u8]) -> xla::runtime::Result<()> {
+    match buffer.dtype() {
+        DType::F32 => {
+            // SAFETY: every bit pattern is a valid f32; align_to_mut leaves out any bytes that
+            // are not aligned for it (none for a heap buffer), which the fallback below covers.
+            let (head, values, tail) = unsafe { host.align_to_mut::<f32>() };
+            if head.is_empty() && tail.is_empty() {
+                return buffer.to_host_into(values);
+            }
+        }
+        DType::BF16 => {
+            // SAFETY: as above, for bf16.
+            let (head, values, tail) = unsafe { host.align_to_mut::<half::bf16>() };
+            if head.is_empty() && tail.is_empty() {
+                return buffer.to_host_into(values);
+            }
+        }
+        _ => {}
+    }
+    host.copy_from_slice(&buffer.to_bytes()?);
+    Ok(())
+}
+
+/// [`send_chunks`], reading the device buffers into `host`.
+pub(crate) fn send_chunks_from(
+    version: u64,
+    params: &[Buffer],
+    tensors: &[(String, Vec<i64>)],
+    dtype: DType,
+    host: &mut HostCopies,
     mut send: impl FnMut(proto::WeightChunk) -> bool,
 ) -> Result<(), RoleError> {
     let per_chunk = (CHUNK_BYTES / dtype.size_bytes()).max(1);
     for (index, (buffer, (name, dims))) in params.iter().zip(tensors).enumerate() {
         let how = conversion(buffer.dtype(), dtype).expect("checked by check_layout");
-        let source = buffer.to_bytes().map_err(|e| {
+        // The one device-to-host copy; chunks of the same dtype are slices of it.
+        let source = host.read(index, buffer).map_err(|e| {
             RoleError::Invalid(format!(
                 "weight update {version}: cannot read tensor {index} `{name}` to the host: {e}"
             ))
@@ -552,6 +645,46 @@ mod tests {
     }
 
     #[test]
+    fn pushes_read_into_the_host_copies_of_the_last_push() {
+        let client = xla::runtime::Client::cpu(1).unwrap();
+        let values: Vec<f32> = (0..3000).map(|i| i as f32 * 0.5 - 7.0).collect();
+        let halves: Vec<half::bf16> = values.iter().map(|&v| half::bf16::from_f32(v)).collect();
+        let params = vec![
+            client.buffer_from_host(&values, &[3000], 0).unwrap(),
+            client.buffer_from_host(&halves, &[1000, 3], 0).unwrap(),
+        ];
+        let tensors = vec![("a".to_string(), vec![3000]), ("b".to_string(), vec![1000, 3])];
+        let push = |host: &mut HostCopies| {
+            let mut received: Vec<Vec<u8>> = vec![Vec::new(), Vec::new()];
+            send_chunks_from(3, &params, &tensors, DType::F32, host, |c| {
+                assert_eq!(c.crc32, crc32fast::hash(&c.data));
+                assert_eq!(c.offset as usize, received[c.tensor_index as usize].len());
+                received[c.tensor_index as usize].extend_from_slice(&c.data);
+                true
+            })
+            .unwrap();
+            received
+        };
+        let f32_bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let widened: Vec<u8> = halves.iter().flat_map(|v| v.to_f32().to_le_bytes()).collect();
+        let mut first = HostCopies::default();
+        assert_eq!(push(&mut first), vec![f32_bytes.clone(), widened.clone()]);
+        let spare = first.reclaim();
+        assert_eq!(
+            spare.iter().map(|s| s.as_ref().map(Vec::len)).collect::<Vec<_>>(),
+            [Some(12000), Some(6000)]
+        );
+        let reused = spare[0].as_ref().unwrap().as_ptr();
+        let mut second = HostCopies::reusing(spare);
+        assert_eq!(push(&mut second), vec![f32_bytes, widened]);
+        assert_eq!(
+            second.reclaim()[0].as_ref().unwrap().as_ptr(),
+            reused,
+            "read into the same memory"
+        );
+    }
+
+    #[test]
     fn conversions_round_like_half_and_cover_the_range() {
         let mut values = vec![1.0f32, -2.5, 5.3, 1e-3, 65504.0, -0.0];
         // Ties, NaN, infinities, the largest finite value, subnormals, and random bit patterns
@@ -571,6 +704,7 @@ mod tests {
         .chain((0..1000u32).map(|i| f32::from_bits(i.wrapping_mul(2_654_435_761))))
         .collect();
         let odd_bytes: Vec<u8> = odd.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let odd_bytes = Bytes::from(odd_bytes);
         let converted = convert_range(&odd_bytes, Conversion::F32ToBf16, DType::F32, 0..odd.len());
         let by_half: Vec<u8> = odd
             .iter()
@@ -578,7 +712,11 @@ mod tests {
             .collect();
         assert_eq!(converted, by_half);
         values.truncate(6);
-        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let bytes: Bytes = values
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect::<Vec<u8>>()
+            .into();
         let bf = convert_range(&bytes, Conversion::F32ToBf16, DType::F32, 1..5);
         let expected: Vec<u8> = values[1..5]
             .iter()
@@ -593,8 +731,11 @@ mod tests {
         assert_eq!(back, vec![-2.5, 5.3125, 0.0009994507, 65536.0]);
         assert_eq!(
             convert_range(&bytes, Conversion::Same, DType::F32, 5..6),
-            (-0.0f32).to_le_bytes()
+            (-0.0f32).to_le_bytes().as_slice()
         );
+        // Same-dtype chunks share the tensor's host copy instead of copying it.
+        let slice = convert_range(&bytes, Conversion::Same, DType::F32, 2..4);
+        assert_eq!(slice.as_ptr(), bytes[8..].as_ptr());
         assert_eq!(conversion(DType::F32, DType::F16), None);
         assert_eq!(parse_dtype("bf16"), Some(DType::BF16));
         assert_eq!(parse_dtype("f16"), None);

@@ -5,12 +5,15 @@
 //! offset, CRC-32) against the worker's own parameter table; each tensor is uploaded to the
 //! device on a blocking thread as soon as its last chunk arrived, while later chunks keep
 //! coming. The engine gets the new buffers only once every tensor arrived whole: any problem
-//! refuses the whole update and the previous version stays in place.
+//! refuses the whole update and the previous version stays in place. Chunks arrive without a
+//! copy (`WeightChunk.data` is `Bytes`); a tensor sent in several chunks is assembled in the host
+//! buffer the previous update used for it, a tensor sent whole is uploaded from the message.
 
 use super::remote::{self, parse_dtype, request_from_proto, sample_to_proto};
 use super::{LocalRollout, RolloutRole, WeightUpdate};
 use crate::proto;
 use crate::roles::RoleError;
+use bytes::Bytes;
 use model::{param_table, ModelConfig};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -89,7 +92,7 @@ pub enum ChunkError {
 
 impl ChunkError {
     /// Corruption and truncation are data loss; the rest are requests this worker cannot take.
-    fn code(&self) -> tonic::Code {
+    pub(crate) fn code(&self) -> tonic::Code {
         match self {
             ChunkError::Checksum { .. } | ChunkError::Incomplete { .. } | ChunkError::Empty => {
                 tonic::Code::DataLoss
@@ -108,7 +111,7 @@ enum Slot {
 
 /// Puts the chunks of one weight update together, checking each against the worker's
 /// parameter table.
-struct Assembly<'a> {
+pub(crate) struct Assembly<'a> {
     /// (name, dims, bytes) of every parameter.
     table: &'a [(String, Vec<i64>, u64)],
     dtype: DType,
@@ -116,10 +119,12 @@ struct Assembly<'a> {
     slots: Vec<Slot>,
     complete: usize,
     bytes: u64,
+    /// Host buffers of an earlier update, by tensor, to assemble into without fresh pages.
+    spare: Vec<Option<Vec<u8>>>,
 }
 
 impl<'a> Assembly<'a> {
-    fn new(table: &'a [(String, Vec<i64>, u64)], dtype: DType) -> Assembly<'a> {
+    pub(crate) fn new(table: &'a [(String, Vec<i64>, u64)], dtype: DType) -> Assembly<'a> {
         Assembly {
             table,
             dtype,
@@ -127,11 +132,19 @@ impl<'a> Assembly<'a> {
             slots: table.iter().map(|_| Slot::Waiting).collect(),
             complete: 0,
             bytes: 0,
+            spare: Vec::new(),
         }
     }
 
+    /// Assemble into these host buffers (by tensor index, e.g. those of the previous update)
+    /// instead of allocating: writing into fresh pages costs a page fault per 4 KiB.
+    pub(crate) fn reusing(mut self, spare: Vec<Option<Vec<u8>>>) -> Assembly<'a> {
+        self.spare = spare;
+        self
+    }
+
     /// Takes one chunk; returns the tensor's index and bytes when this chunk completed it.
-    fn add(&mut self, chunk: proto::WeightChunk) -> Result<Option<(usize, Vec<u8>)>, ChunkError> {
+    pub(crate) fn add(&mut self, chunk: proto::WeightChunk) -> Result<Option<(usize, Bytes)>, ChunkError> {
         match self.version {
             None => self.version = Some(chunk.version),
             Some(v) if v != chunk.version => {
@@ -206,11 +219,22 @@ impl<'a> Assembly<'a> {
             });
         }
         self.bytes += chunk.data.len() as u64;
-        let mut bytes = match std::mem::replace(&mut self.slots[index], Slot::Waiting) {
-            // A tensor sent whole in one chunk needs no copy.
-            Slot::Waiting if end == *size => chunk.data,
+        let bytes = match std::mem::replace(&mut self.slots[index], Slot::Waiting) {
+            // A tensor sent whole in one chunk is uploaded from the received message itself.
+            Slot::Waiting if end == *size => {
+                self.slots[index] = Slot::Complete;
+                self.complete += 1;
+                return Ok(Some((index, chunk.data)));
+            }
+            // The one copy on this side: the chunks of a tensor into one host buffer.
             Slot::Waiting => {
-                let mut b = Vec::with_capacity(*size as usize);
+                let mut b = self
+                    .spare
+                    .get_mut(index)
+                    .and_then(Option::take)
+                    .unwrap_or_default();
+                b.clear();
+                b.reserve_exact(*size as usize);
                 b.extend_from_slice(&chunk.data);
                 b
             }
@@ -223,15 +247,15 @@ impl<'a> Assembly<'a> {
         if end == *size {
             self.slots[index] = Slot::Complete;
             self.complete += 1;
-            Ok(Some((index, bytes)))
+            Ok(Some((index, bytes.into())))
         } else {
-            self.slots[index] = Slot::Filling(std::mem::take(&mut bytes));
+            self.slots[index] = Slot::Filling(bytes);
             Ok(None)
         }
     }
 
     /// The update's version once every tensor is complete.
-    fn finish(&self) -> Result<u64, ChunkError> {
+    pub(crate) fn finish(&self) -> Result<u64, ChunkError> {
         let version = self.version.ok_or(ChunkError::Empty)?;
         if let Some(missing) = self.slots.iter().position(|s| !matches!(s, Slot::Complete)) {
             return Err(ChunkError::Incomplete {
@@ -253,8 +277,9 @@ pub struct RolloutService {
     dtype: DType,
     /// (name, dims, bytes) of every parameter, in parameter-table order.
     table: Vec<(String, Vec<i64>, u64)>,
-    /// One weight update at a time.
-    updating: tokio::sync::Mutex<()>,
+    /// One weight update at a time; holds the host buffers the last update was assembled in,
+    /// by tensor index, for the next one to reuse.
+    updating: tokio::sync::Mutex<Vec<Option<Vec<u8>>>>,
     /// Samples asked for and not yet sent back.
     in_flight: Arc<AtomicU64>,
 }
@@ -292,7 +317,7 @@ impl RolloutService {
             device,
             dtype,
             table,
-            updating: tokio::sync::Mutex::new(()),
+            updating: tokio::sync::Mutex::new(Vec::new()),
             in_flight: Arc::default(),
         }
     }
@@ -311,7 +336,7 @@ impl RolloutService {
         &self,
         mut stream: tonic::Streaming<proto::WeightChunk>,
     ) -> Result<proto::UpdateWeightsReply, Status> {
-        let _one_at_a_time = self.updating.lock().await;
+        let mut spare = self.updating.lock().await;
         let before = self.local.weight_version();
         let refuse = |e: ChunkError, version: Option<u64>| {
             let version = version.map_or_else(|| "?".to_string(), |v| v.to_string());
@@ -320,7 +345,7 @@ impl RolloutService {
                 format!("weight update to version {version} refused, version {before} stays: {e}"),
             )
         };
-        let mut assembly = Assembly::new(&self.table, self.dtype);
+        let mut assembly = Assembly::new(&self.table, self.dtype).reusing(std::mem::take(&mut *spare));
         let mut uploads = Vec::with_capacity(self.table.len());
         while let Some(chunk) = stream.message().await? {
             let completed = assembly.add(chunk).map_err(|e| refuse(e, assembly.version))?;
@@ -330,17 +355,21 @@ impl RolloutService {
                 uploads.push((
                     index,
                     tokio::task::spawn_blocking(move || {
-                        client
+                        let buffer = client
                             .buffer_from_bytes(&bytes, dtype, &dims, device)
-                            .map_err(|e| format!("uploading tensor {index} `{name}`: {e}"))
+                            .map_err(|e| format!("uploading tensor {index} `{name}`: {e}"))?;
+                        // A tensor assembled from several chunks is this worker's own buffer:
+                        // keep it for the next update (one sent whole is the message's).
+                        Ok::<_, String>((buffer, bytes.try_into_mut().ok().map(Vec::from)))
                     }),
                 ));
             }
         }
         let version = assembly.finish().map_err(|e| refuse(e, assembly.version))?;
         let mut buffers: Vec<Option<Buffer>> = (0..self.table.len()).map(|_| None).collect();
+        let mut reusable: Vec<Option<Vec<u8>>> = (0..self.table.len()).map(|_| None).collect();
         for (index, upload) in uploads {
-            let buffer = upload
+            let (buffer, host) = upload
                 .await
                 .map_err(|e| Status::internal(format!("an upload thread failed: {e}")))?
                 .map_err(|e| {
@@ -349,7 +378,9 @@ impl RolloutService {
                     ))
                 })?;
             buffers[index] = Some(buffer);
+            reusable[index] = host;
         }
+        *spare = reusable;
         let params: Arc<[Buffer]> = buffers
             .into_iter()
             .map(|b| b.expect("finish() checked every tensor"))
@@ -499,6 +530,7 @@ mod tests {
     }
 
     fn chunk(index: u32, offset: u64, data: Vec<u8>) -> proto::WeightChunk {
+        let data = Bytes::from(data);
         let t = table();
         let (name, dims, _) = &t[index as usize];
         proto::WeightChunk {
@@ -522,15 +554,36 @@ mod tests {
         assert_eq!(a.add(chunk(0, 0, bytes[..10].to_vec())).unwrap(), None);
         assert_eq!(
             a.add(chunk(0, 10, bytes[10..].to_vec())).unwrap(),
-            Some((0, bytes.clone()))
+            Some((0, Bytes::from(bytes.clone())))
         );
         assert_eq!(
             a.finish().unwrap_err().to_string(),
             "the stream ended with 1 of 2 tensors complete (first missing: tensor 1 `b.weight`)"
         );
-        assert_eq!(a.add(chunk(1, 0, vec![7; 16])).unwrap(), Some((1, vec![7; 16])));
+        let whole = chunk(1, 0, vec![7; 16]);
+        let sent = whole.data.as_ptr();
+        let (index, received) = a.add(whole).unwrap().unwrap();
+        assert_eq!((index, received.as_ref()), (1, [7u8; 16].as_slice()));
+        // A tensor in one chunk is not copied on its way to the device.
+        assert_eq!(received.as_ptr(), sent);
         assert_eq!(a.finish().unwrap(), 5);
         assert_eq!(a.bytes, 40);
+    }
+
+    #[test]
+    fn tensors_are_assembled_in_the_buffers_of_the_last_update() {
+        let t = table();
+        let spare = vec![Some(vec![9u8; 24]), None];
+        let reused = spare[0].as_ref().unwrap().as_ptr();
+        let mut a = Assembly::new(&t, DType::F32).reusing(spare);
+        let bytes: Vec<u8> = (0..24).collect();
+        assert_eq!(a.add(chunk(0, 0, bytes[..8].to_vec())).unwrap(), None);
+        let (index, whole) = a.add(chunk(0, 8, bytes[8..].to_vec())).unwrap().unwrap();
+        assert_eq!((index, whole.as_ref()), (0, bytes.as_slice()));
+        assert_eq!(whole.as_ptr(), reused, "assembled in the spare buffer");
+        // Once uploaded, the worker owns it again for the next update.
+        let back = Vec::from(whole.try_into_mut().unwrap());
+        assert_eq!(back.as_ptr(), reused);
     }
 
     #[test]
@@ -546,7 +599,9 @@ mod tests {
             panic!("every chunk was taken")
         };
         let mut corrupt = chunk(1, 0, vec![1; 16]);
-        corrupt.data[3] ^= 0x10;
+        let mut data = corrupt.data.to_vec();
+        data[3] ^= 0x10;
+        corrupt.data = data.into();
         let e = refused(vec![corrupt]);
         assert!(
             e.starts_with("tensor 1 `b.weight`: the chunk at byte 0 fails its CRC-32 check"),

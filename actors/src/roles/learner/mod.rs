@@ -1,0 +1,58 @@
+//! The learner role: turn a step's scored samples into an optimizer update, hand out the
+//! current weights for the rollout, and give up its state for a checkpoint. The reference model
+//! lives with the learner.
+//!
+//! [`LocalLearner`] trains on this process's device and shares its parameter buffers with an
+//! in-process rollout engine (no copy); [`RemoteLearner`] calls a `grpo worker --role learner`
+//! over gRPC, which streams the weights back in the rollout weight stream's checksummed chunks
+//! and its state (parameters and AdamW moments) in the same chunks; [`LearnerService`] is that
+//! worker's server side. The orchestrator drives both through [`LearnerRole`] and keeps owning
+//! checkpoints: it reads the state from the learner and writes the checkpoint itself, and on
+//! resume hands the checkpoint's state to the learner.
+
+mod local;
+mod remote;
+mod service;
+
+pub use local::{
+    initial_params, needs_reference, param_specs, step_config, LearnerError, LocalLearner, Row, UpdateReport,
+};
+pub use remote::RemoteLearner;
+pub use service::LearnerService;
+
+use super::{BoxFuture, RoleError};
+use std::sync::Arc;
+use trainer::checkpoint::HostTensor;
+use trainer::step::LearnerState;
+use xla::runtime::Buffer;
+use xla::DType;
+
+/// The learner's current parameters, as the rollout side gets them.
+pub enum LearnerWeights {
+    /// The learner's own device buffers in this process (shared, not copied), in its compute
+    /// dtype: the caller converts or copies them as its rollout engine needs.
+    Shared(Arc<[Buffer]>),
+    /// The parameters received from a learner worker, in parameter-table order, as host bytes
+    /// of the dtype that was asked for.
+    Host(Vec<HostTensor>),
+}
+
+/// The learner of a run. Calls come one at a time from the orchestrator's step loop.
+pub trait LearnerRole: Send + Sync {
+    /// One GRPO update (advantages, `ppo_epochs` passes of mini-batches, one optimizer step
+    /// each) from the scored samples of a step; returns its metrics.
+    fn update(&self, rows: Vec<Row>) -> BoxFuture<'_, Result<UpdateReport, RoleError>>;
+
+    /// The current parameters. A learner in this process shares its own buffers; a learner
+    /// worker streams them, stamped `version`, converted to `dtype` (the rollout's).
+    fn weights(&self, version: u64, dtype: DType) -> BoxFuture<'_, Result<LearnerWeights, RoleError>>;
+
+    /// The state a checkpoint holds: f32 parameters, AdamW moments and step count.
+    fn state(&self) -> BoxFuture<'_, Result<LearnerState, RoleError>>;
+
+    /// Optimizer steps so far (the learning-rate schedule's clock).
+    fn optimizer_steps(&self) -> u64;
+
+    /// Where it runs, for logs and errors ("in-process" or an address).
+    fn location(&self) -> String;
+}

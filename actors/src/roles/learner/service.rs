@@ -1,0 +1,241 @@
+//! The gRPC server side of the learner role: a [`LocalLearner`] in the worker process, built
+//! when the orchestrator calls `Start` (from the recipe's model, or from the checkpoint state it
+//! streams), then updated, read for weights and read for checkpoints.
+
+use super::local::{initial_params, param_specs, LocalLearner};
+use super::remote::{
+    chunk_table, report_to_proto, row_from_proto, state_chunks, StateReceiver, MAX_MESSAGE_BYTES,
+};
+use super::LearnerRole;
+use crate::proto;
+use crate::recipe::Recipe;
+use crate::roles::rollout::send_chunks;
+use crate::roles::RoleError;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use tonic::{Request, Response, Status};
+use trainer::step::ParamSpec;
+use xla::runtime::Client;
+use xla::DType;
+
+/// Messages queued ahead of the network on the streams this worker sends.
+const MESSAGES_IN_FLIGHT: usize = 8;
+
+/// The server side of the learner role in a worker process.
+pub struct LearnerService {
+    client: Client,
+    recipe: Recipe,
+    config: model::ModelConfig,
+    specs: Vec<ParamSpec>,
+    /// The model's weights in parameter-table order: a new run's start, and the reference.
+    initial: Vec<Vec<f32>>,
+    learner: Mutex<Option<Arc<LocalLearner>>>,
+    /// Updates in progress (0 or 1), for the health check.
+    in_flight: AtomicU64,
+}
+
+impl LearnerService {
+    /// The largest gRPC message the worker takes or sends.
+    pub const MAX_MESSAGE_BYTES: usize = MAX_MESSAGE_BYTES;
+
+    /// Serves the learner of `recipe` on `client`'s device, for a model of `config` whose
+    /// weights are `weights` (taken out: the worker keeps them once, in parameter-table order).
+    /// The learner itself is built by the first `Start` call.
+    pub fn new(
+        client: Client,
+        recipe: &Recipe,
+        config: &model::ModelConfig,
+        weights: &mut model::ModelWeights,
+    ) -> Result<LearnerService, super::LearnerError> {
+        let specs = param_specs(recipe, config);
+        let initial = initial_params(&specs, weights)?;
+        Ok(LearnerService {
+            client,
+            recipe: recipe.clone(),
+            config: config.clone(),
+            specs,
+            initial,
+            learner: Mutex::new(None),
+            in_flight: AtomicU64::new(0),
+        })
+    }
+
+    /// Updates in progress.
+    pub fn in_flight(&self) -> u64 {
+        self.in_flight.load(Ordering::SeqCst)
+    }
+
+    fn learner(&self) -> Result<Arc<LocalLearner>, Status> {
+        self.learner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .ok_or_else(|| {
+                Status::failed_precondition("this learner worker has not been started: call Start first")
+            })
+    }
+
+    fn status(&self, optimizer_steps: u64) -> proto::LearnerStatus {
+        proto::LearnerStatus {
+            optimizer_steps,
+            tensors: self
+                .specs
+                .iter()
+                .map(|s| proto::TensorSpec {
+                    name: s.name.clone(),
+                    dims: s.dims.clone(),
+                })
+                .collect(),
+        }
+    }
+}
+
+fn to_status(e: RoleError) -> Status {
+    match e {
+        RoleError::Unavailable { message, .. } => Status::unavailable(message),
+        RoleError::Refused { message, .. } => Status::failed_precondition(message),
+        RoleError::Invalid(message) => Status::invalid_argument(message),
+    }
+}
+
+/// Subtracts one from the in-flight count however the call ends.
+struct Busy<'a>(&'a AtomicU64);
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+type ChunkStream = tokio_stream::wrappers::ReceiverStream<Result<proto::WeightChunk, Status>>;
+type StateStream = tokio_stream::wrappers::ReceiverStream<Result<proto::LearnerStateMessage, Status>>;
+
+#[tonic::async_trait]
+impl proto::learner_server::Learner for Arc<LearnerService> {
+    async fn start(
+        &self,
+        request: Request<tonic::Streaming<proto::LearnerStateMessage>>,
+    ) -> Result<Response<proto::LearnerStatus>, Status> {
+        let mut stream = request.into_inner();
+        let table = chunk_table(&self.specs, DType::F32);
+        let mut receiver = StateReceiver::new(&table);
+        while let Some(message) = stream.message().await? {
+            receiver.add(message).map_err(|e| {
+                Status::invalid_argument(format!("the learner state stream was refused: {e}"))
+            })?;
+        }
+        let (counters, resume) = receiver
+            .finish()
+            .map_err(|e| Status::data_loss(format!("the learner state stream was refused: {e}")))?;
+        let service = self.clone();
+        let learner = tokio::task::spawn_blocking(move || {
+            LocalLearner::start(
+                &service.client,
+                &service.recipe,
+                &service.config,
+                service.initial.clone(),
+                resume,
+                counters.optimizer_steps,
+                counters.total_optimizer_steps,
+            )
+        })
+        .await
+        .map_err(|e| Status::internal(format!("the learner build thread failed: {e}")))?
+        .map_err(|e| Status::failed_precondition(format!("building the learner: {e}")))?;
+        let steps = learner.optimizer_steps();
+        *self.learner.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(learner));
+        tracing::info!(optimizer_steps = steps, "learner started");
+        Ok(Response::new(self.status(steps)))
+    }
+
+    async fn update(
+        &self,
+        request: Request<proto::LearnerUpdateRequest>,
+    ) -> Result<Response<proto::LearnerUpdateReply>, Status> {
+        let learner = self.learner()?;
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        let _busy = Busy(&self.in_flight);
+        let rows = request
+            .into_inner()
+            .rows
+            .into_iter()
+            .map(row_from_proto)
+            .collect();
+        let report = learner.update(rows).await.map_err(to_status)?;
+        Ok(Response::new(report_to_proto(report, learner.optimizer_steps())))
+    }
+
+    type WeightsStream = ChunkStream;
+
+    async fn weights(
+        &self,
+        request: Request<proto::LearnerWeightsRequest>,
+    ) -> Result<Response<ChunkStream>, Status> {
+        let request = request.into_inner();
+        let dtype = crate::roles::rollout::parse_dtype(&request.dtype).ok_or_else(|| {
+            Status::invalid_argument(format!(
+                "weights asked for as {:?}; this learner sends f32 or bf16",
+                request.dtype
+            ))
+        })?;
+        let params = self.learner()?.shared_params();
+        if let Some((index, b)) = params
+            .iter()
+            .enumerate()
+            .find(|(_, b)| !matches!(b.dtype(), DType::F32 | DType::BF16))
+        {
+            return Err(Status::failed_precondition(format!(
+                "parameter {index} `{}` is {}; only f32 and bf16 weights can be streamed",
+                self.specs[index].name,
+                b.dtype()
+            )));
+        }
+        let tensors: Vec<(String, Vec<i64>)> = self
+            .specs
+            .iter()
+            .map(|s| (s.name.clone(), s.dims.clone()))
+            .collect();
+        let (out, stream) = tokio::sync::mpsc::channel(MESSAGES_IN_FLIGHT);
+        tokio::task::spawn_blocking(move || {
+            let sent = send_chunks(request.version, &params, &tensors, dtype, |chunk| {
+                out.blocking_send(Ok(chunk)).is_ok()
+            });
+            if let Err(e) = sent {
+                let _ = out.blocking_send(Err(to_status(e)));
+            }
+        });
+        Ok(Response::new(ChunkStream::new(stream)))
+    }
+
+    type StateStream = StateStream;
+
+    async fn state(&self, _: Request<proto::LearnerStateRequest>) -> Result<Response<StateStream>, Status> {
+        let learner = self.learner()?;
+        let specs = self.specs.clone();
+        let (out, stream) = tokio::sync::mpsc::channel(MESSAGES_IN_FLIGHT);
+        tokio::task::spawn_blocking(move || {
+            let state = match learner.read_state() {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ =
+                        out.blocking_send(Err(Status::internal(format!("reading the learner state: {e}"))));
+                    return;
+                }
+            };
+            let steps = learner.optimizer_steps();
+            let first = proto::LearnerStateMessage {
+                counters: Some(proto::LearnerCounters {
+                    adam_step: state.adam_step,
+                    optimizer_steps: steps,
+                    total_optimizer_steps: 0,
+                }),
+                ..Default::default()
+            };
+            if out.blocking_send(Ok(first)).is_err() {
+                return;
+            }
+            state_chunks(steps, &specs, &state, |m| out.blocking_send(Ok(m)).is_ok());
+        });
+        Ok(Response::new(StateStream::new(stream)))
+    }
+}

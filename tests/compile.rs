@@ -1,0 +1,304 @@
+//! `grpo compile` end to end: the TPU recipe's programs compiled deviceless by libtpu for
+//! v6e:2x2, v5e:2x2, v5p:2x2x1 and tpu7x:2x2x1 (from the architecture in
+//! recipes/configs/Qwen2.5-0.5B-Instruct/config.json, no weights), a deliberately oversized 7B
+//! recipe reported as not fitting with advice, and the CPU plugin.
+//!
+//! A full table compiles 31 programs (over 20 minutes on this shared 2-core machine: the
+//! learner's `train_step` and `accumulate` take several minutes each, the batched fan-out
+//! prefill of the 512 bucket over 2), so CI compiles one program per topology: the learner's
+//! largest (`accumulate`) on v6e:2x2, the decode step at the full cache on v5e:2x2, v5p:2x2x1 and
+//! tpu7x:2x2x1, and the oversized recipe's `accumulate` (refused quickly). BENCHMARKS.md records
+//! the full tables.
+//!
+//! libtpu must be installed (scripts/setup.sh does it); set GRPO_SKIP_TPU_TESTS=1 to skip the
+//! TPU tests explicitly.
+
+use std::process::{Command, Output};
+
+const TPU_RECIPE: &str = "recipes/gsm8k-qwen2.5-0.5b-tpu-v6e.yaml";
+
+fn grpo(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_grpo"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("grpo runs")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// False (with a note) when GRPO_SKIP_TPU_TESTS=1; panics with the install command when libtpu
+/// is missing.
+fn libtpu(test: &str) -> bool {
+    if std::env::var("GRPO_SKIP_TPU_TESTS").is_ok_and(|v| v == "1") {
+        eprintln!("SKIPPED {test}: GRPO_SKIP_TPU_TESTS=1");
+        return false;
+    }
+    if let Err(e) = xla::runtime::tpu::load_libtpu(None) {
+        panic!("{test} needs libtpu: {e}\n(run scripts/setup.sh or `pip install libtpu`, or set GRPO_SKIP_TPU_TESTS=1)");
+    }
+    true
+}
+
+/// The rows of the table on stdout, as (program, cells).
+fn table_rows(stdout: &str) -> Vec<(String, Vec<String>)> {
+    let lines: Vec<&str> = stdout.lines().collect();
+    let start = lines
+        .iter()
+        .position(|l| l.starts_with("program "))
+        .unwrap_or_else(|| panic!("no table header in:\n{stdout}"));
+    lines[start + 2..]
+        .iter()
+        .take_while(|l| l.contains(" learner ") || l.contains(" rollout "))
+        .map(|l| {
+            // The program name may contain a space ("log_probs (reference)"); the role follows.
+            let at = l.find(" learner ").or_else(|| l.find(" rollout ")).unwrap();
+            let cells = l[at..].split("  ").map(str::trim).filter(|c| !c.is_empty());
+            (l[..at].trim().to_string(), cells.map(String::from).collect())
+        })
+        .collect()
+}
+
+fn gib(cell: &str) -> f64 {
+    let (n, unit) = cell.split_once(' ').unwrap_or_else(|| panic!("size {cell}"));
+    let n: f64 = n.parse().unwrap();
+    n * match unit {
+        "GiB" => 1.0,
+        "MiB" => 1.0 / 1024.0,
+        "KiB" => 1.0 / (1024.0 * 1024.0),
+        _ => 0.0,
+    }
+}
+
+#[test]
+fn help_teaches_the_topologies_and_what_it_reads() {
+    let o = grpo(&["compile", "--help"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let help = text(&o.stdout);
+    for needle in [
+        "grpo compile recipes/gsm8k-qwen2.5-0.5b-tpu-v6e.yaml --topology v6e:2x2",
+        "v5e:2x2",
+        "v5p:2x2x1",
+        "tpu7x:2x2x1",
+        "config.json",
+        "--device",
+        "deviceless",
+        "actor.ppo_micro_batch_size",
+    ] {
+        assert!(help.contains(needle), "--help lacks {needle:?}:\n{help}");
+    }
+    // One of --topology / --device is needed.
+    let o = grpo(&["compile", TPU_RECIPE]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o.stderr).contains("--topology"), "{}", text(&o.stderr));
+}
+
+#[test]
+fn a_missing_architecture_names_what_to_give() {
+    let dir = tempfile::tempdir().unwrap();
+    let recipe = dir.path().join("r.yaml");
+    std::fs::write(
+        &recipe,
+        "model:\n  path: models/NoSuchModel\ndata:\n  train_files: t.parquet\n",
+    )
+    .unwrap();
+    let o = grpo(&["compile", recipe.to_str().unwrap(), "--device", "cpu"]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = text(&o.stderr);
+    assert!(
+        err.contains("model.path models/NoSuchModel: no model architecture found")
+            && err.contains("--model-config")
+            && err.contains("configs/NoSuchModel/config.json"),
+        "{err}"
+    );
+}
+
+#[test]
+fn the_learners_largest_program_fits_v6e_2x2() {
+    if !libtpu("the_learners_largest_program_fits_v6e_2x2") {
+        return;
+    }
+    // The recipe's micro-batch of 32 rows does not fit a v6e chip; 8 fits alone but not beside
+    // the KV cache and the learner's state on the chip they share (BENCHMARKS.md); 4 does.
+    let o = grpo(&[
+        "compile",
+        TPU_RECIPE,
+        "--topology",
+        "v6e:2x2",
+        "--set",
+        "actor.ppo_micro_batch_size=4",
+        "--only",
+        "accumulate",
+    ]);
+    let (stdout, stderr) = (text(&o.stdout), text(&o.stderr));
+    assert_eq!(o.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("TPU topology v6e:2x2 (TPU v6 lite, 4 chips, 4 devices, HBM 32.00 GiB per chip"),
+        "{stdout}"
+    );
+    assert!(stderr.contains("494.0M parameters"), "{stderr}");
+    assert!(
+        stderr.contains("[1/1] compiling accumulate (1 device)"),
+        "{stderr}"
+    );
+    let rows = table_rows(&stdout);
+    assert_eq!(rows.len(), 1, "{stdout}");
+    let (name, cells) = &rows[0];
+    assert_eq!(name, "accumulate");
+    // role, sharding, runs/step, params, arguments, temporaries, peak, memory, fits, GFLOP, time
+    assert_eq!(cells.len(), 11, "{cells:?}");
+    assert_eq!(&cells[..3], ["learner", "1 device", "128"], "{stdout}");
+    // f32 masters of 494M parameters; the arguments add the f32 gradient sums.
+    assert!((gib(&cells[3]) - 1.84).abs() < 0.01, "{stdout}");
+    assert!((gib(&cells[4]) - 2.0 * gib(&cells[3])).abs() < 0.01, "{stdout}");
+    let peak = gib(&cells[6]);
+    assert!(peak > gib(&cells[4]) && peak < 32.0, "{stdout}");
+    assert_eq!(&cells[7..9], ["32.00 GiB", "yes"], "{stdout}");
+    // Forward and backward of 4 rows of 1024 tokens: about 6 x 4096 tokens x 358M non-embedding
+    // parameters, plus the tied head over the 512 response positions and attention.
+    let flops = cells[9].parse::<f64>().unwrap() * 1e9;
+    assert!(flops > 0.75e13 && flops < 3e13, "accumulate flops {flops:e}");
+    assert!(cells[10].ends_with(" ms"), "{cells:?}");
+    // With the learner's state (f32 masters, 2 moments, gradient sums, bf16 copy: 8.28 GiB) and
+    // the KV cache (6 GiB) resident on the same chip.
+    assert!(
+        stdout.contains("device 0 over the run (learner and rollout share it): learner state 8.28 GiB + KV cache 6.00 GiB"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("everything fits"), "{stdout}");
+    assert!(stdout.contains("estimated step time: needs every program (drop --only)"));
+}
+
+#[test]
+fn the_decode_step_fits_v5e_v5p_and_tpu7x_with_a_time_estimate() {
+    if !libtpu("the_decode_step_fits_v5e_v5p_and_tpu7x_with_a_time_estimate") {
+        return;
+    }
+    let mut seconds = Vec::new();
+    for (topology, memory_gib, devices) in [
+        ("v5e:2x2", 16.0, 4),
+        ("v5p:2x2x1", 95.0, 4),
+        ("tpu7x:2x2x1", 96.0, 8),
+    ] {
+        let o = grpo(&[
+            "compile",
+            TPU_RECIPE,
+            "--topology",
+            topology,
+            "--only",
+            "attend4",
+            "--json",
+        ]);
+        let (stdout, stderr) = (text(&o.stdout), text(&o.stderr));
+        assert_eq!(o.status.code(), Some(0), "{topology}: {stdout}\n{stderr}");
+        let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        assert!(
+            report["target"]
+                .as_str()
+                .unwrap()
+                .contains(&format!("{devices} devices")),
+            "{report}"
+        );
+        let programs = report["programs"].as_array().unwrap();
+        assert_eq!(programs.len(), 1, "{report}");
+        let p = &programs[0];
+        assert_eq!(p["program"], "rollout_decode_plain_cache256x4x256_attend4");
+        assert_eq!(p["sharding"], "1 device");
+        assert_eq!(p["fits"], true, "{topology}: {p}");
+        let memory = p["memory_per_device"].as_f64().unwrap() / (1u64 << 30) as f64;
+        assert_eq!(memory, memory_gib, "{topology}");
+        // bf16 weights (0.92 GiB) and the f32 KV cache of 256 slots x 1024 positions (6 GiB).
+        let arguments = p["argument_bytes"].as_f64().unwrap() / (1u64 << 30) as f64;
+        assert!(arguments > 6.9 && arguments < 7.1, "{topology}: {p}");
+        let peak = p["peak_bytes"].as_f64().unwrap() / (1u64 << 30) as f64;
+        assert!(peak >= arguments && peak < memory, "{topology}: {p}");
+        // 256 tokens through 494M parameters, 2 flops a multiply-add, plus attention.
+        let flops = p["flops"].as_f64().unwrap();
+        assert!(flops > 1.5e11 && flops < 1e12, "{topology}: {p}");
+        // Decode is memory bound: the estimate is the bytes over the HBM bandwidth.
+        let (bytes, t) = (
+            p["bytes_accessed"].as_f64().unwrap(),
+            p["estimated_seconds"].as_f64().unwrap(),
+        );
+        assert!(t > 0.0 && t < 0.5, "{topology}: {p}");
+        seconds.push((topology, t, bytes));
+        assert_eq!(report["fits"], true);
+        assert!(report["advice"].as_array().unwrap().is_empty());
+    }
+    // v5e (819 GB/s) is slower than v5p (2765 GB/s) on the same program.
+    assert!(seconds[0].1 > seconds[1].1, "{seconds:?}");
+}
+
+#[test]
+fn an_oversized_7b_recipe_does_not_fit_v5e_and_says_what_to_change() {
+    if !libtpu("an_oversized_7b_recipe_does_not_fit_v5e_and_says_what_to_change") {
+        return;
+    }
+    let o = grpo(&[
+        "compile",
+        "tests/fixtures/compile/oversized-qwen2.5-7b.yaml",
+        "--topology",
+        "v5e:2x2",
+        "--only",
+        "accumulate",
+    ]);
+    let (stdout, stderr) = (text(&o.stdout), text(&o.stderr));
+    assert_eq!(o.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(stderr.contains("7615.6M parameters"), "{stderr}");
+    let rows = table_rows(&stdout);
+    assert_eq!(rows.len(), 1, "{stdout}");
+    assert_eq!(rows[0].1[8], "NO", "{stdout}");
+    assert!(gib(&rows[0].1[6]) > 100.0, "{stdout}");
+    assert!(stdout.contains("does not fit:"), "{stdout}");
+    // 7.6B parameters: f32 masters, 2 moments, gradient sums, bf16 copy = 128 GiB.
+    assert!(
+        stdout.contains("set `actor.strategy: fsdp`") && stdout.contains("e.g. --topology v5e:"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("`actor.ppo_micro_batch_size: 64`"), "{stdout}");
+    assert!(stderr.contains("error: 1 of 1 programs do not fit"), "{stderr}");
+}
+
+#[test]
+fn cpu_device_compiles_the_quickstart_optimizer_step_with_memory_stats() {
+    let o = grpo(&[
+        "compile",
+        "recipes/quickstart.yaml",
+        "--device",
+        "cpu",
+        "--only",
+        "apply",
+        "--json",
+    ]);
+    let (stdout, stderr) = (text(&o.stdout), text(&o.stderr));
+    assert_eq!(o.status.code(), Some(0), "{stdout}\n{stderr}");
+    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert!(report["target"].as_str().unwrap().starts_with("cpu"), "{report}");
+    let p = &report["programs"][0];
+    assert_eq!(p["program"], "apply");
+    // f32 parameters of SmolLM2-135M; the arguments add both AdamW moments and the gradient sums.
+    let params = p["param_bytes"].as_u64().unwrap();
+    assert!(params > 134_400_000 * 4 && params < 134_600_000 * 4, "{p}");
+    assert!(p["argument_bytes"].as_u64().unwrap() >= 4 * params, "{p}");
+    assert_eq!(p["fits"], true);
+    // No published peak for a CPU: no time estimate.
+    assert!(p["estimated_seconds"].is_null(), "{p}");
+}
+
+#[test]
+fn cuda_device_without_its_plugin_is_a_clear_error() {
+    if xla::runtime::locate_plugin(xla::runtime::PluginKind::Cuda, None).is_ok() {
+        eprintln!("SKIPPED cuda_device_without_its_plugin_is_a_clear_error: the CUDA plugin is installed");
+        return;
+    }
+    let o = grpo(&["compile", "recipes/quickstart.yaml", "--device", "cuda"]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = text(&o.stderr);
+    assert!(
+        err.contains("--device cuda: the cuda PJRT plugin is not installed")
+            && err.contains("pip install jax-cuda"),
+        "{err}"
+    );
+}

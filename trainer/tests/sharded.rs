@@ -1,0 +1,445 @@
+//! The sharded learner on 1, 2 and 4 CPU devices with a tiny random-weight Llama policy:
+//!
+//! - three training steps under `dp` and `fsdp` over 2 and 4 devices end with the same
+//!   parameters, Adam moments and metrics as the single-device learner, within rounding
+//!   (the partitioner sums gradients in another order);
+//! - under `fsdp` the parameter bytes one device holds fall as 1/N (every dimension of this
+//!   model divides by 4), under `dp` they stay whole;
+//! - gradient accumulation over micro-batches under `dp` equals one fused step on the whole
+//!   mini-batch on one device;
+//! - `log_probs` (current and reference parameters) and `shared_params` (device 0's replica
+//!   under `dp`, all-gathered under `fsdp`) agree with the single-device learner;
+//! - a micro-batch that does not split over the mesh, and a mesh larger than the client, are
+//!   refused by name.
+
+use std::sync::OnceLock;
+
+use model::{random_init, ModelConfig};
+use trainer::config::{OptimConfig, Parallelism, PolicyLossConfig, Strategy};
+use trainer::policy::DecoderPolicy;
+use trainer::step::{
+    build_train_programs, mini_batch_normalizer, HostArray, Learner, LearnerState, MicroBatchHost, StepConfig,
+};
+use xla::runtime::Client;
+use xla::DType;
+
+/// Rows of the mini-batch.
+const ROWS: usize = 8;
+const PROMPT: usize = 3;
+const RESPONSE: usize = 3;
+const VOCAB: u64 = 8;
+const STEPS: usize = 3;
+
+/// Parameters and moments after 3 steps may differ by this much (absolute, on values of order
+/// 0.02-1) from the single-device learner: f32 sums in another order, ~1e-7 relative, grown by
+/// Adam's normalisation where a gradient is tiny.
+const STATE_TOL: f32 = 1e-5;
+/// Metrics (loss, grad norm, ...) and log-probs: relative tolerance.
+const METRIC_TOL: f64 = 1e-5;
+
+fn client4() -> &'static Client {
+    static CLIENT: OnceLock<Client> = OnceLock::new();
+    CLIENT
+        .get_or_init(|| Client::cpu(4).unwrap_or_else(|e| panic!("cannot create a 4-device CPU client: {e}")))
+}
+
+fn tiny_llama() -> ModelConfig {
+    ModelConfig::from_hf_json(
+        &serde_json::json!({
+            "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB,
+            "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 16,
+            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": true,
+            "initializer_range": 0.5, "bos_token_id": 1, "eos_token_id": 0
+        }),
+        "tiny sharding test config",
+    )
+    .unwrap()
+}
+
+fn policy(micro_batch_size: usize) -> DecoderPolicy {
+    DecoderPolicy {
+        config: tiny_llama(),
+        prompt_len: PROMPT,
+        response_len: RESPONSE,
+        micro_batch_size,
+        temperature: 1.0,
+    }
+}
+
+fn step_cfg(micro_batch_size: usize, parallel: Parallelism) -> StepConfig {
+    step_cfg_as(micro_batch_size, parallel, DType::F32)
+}
+
+fn step_cfg_as(micro_batch_size: usize, parallel: Parallelism, compute_dtype: DType) -> StepConfig {
+    StepConfig {
+        loss: PolicyLossConfig {
+            use_kl_loss: true,
+            kl_loss_coef: 0.1,
+            entropy_coeff: 0.01,
+            ..Default::default()
+        },
+        optim: OptimConfig {
+            lr: 0.01,
+            grad_clip: Some(1.0),
+            weight_decay: 0.01,
+            ..Default::default()
+        },
+        compute_dtype,
+        micro_batch_size: micro_batch_size as i64,
+        response_len: RESPONSE as i64,
+        parallel,
+    }
+}
+
+/// The mini-batch on the host: packed rows with some left-padded prompts and short responses.
+struct Batch {
+    tokens: Vec<i32>,
+    mask: Vec<i32>,
+    response_mask: Vec<f32>,
+    advantages: Vec<f32>,
+    old: Vec<f32>,
+    reference: Vec<f32>,
+}
+
+fn batch(seed: u64) -> Batch {
+    let mut state = seed;
+    let mut next = move || {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        state >> 33
+    };
+    let width = PROMPT + RESPONSE;
+    let mut tokens = vec![0i32; ROWS * width];
+    let mut mask = vec![0i32; ROWS * width];
+    let mut response_mask = vec![0f32; ROWS * RESPONSE];
+    for r in 0..ROWS {
+        let prompt_len = 1 + r % PROMPT;
+        let response_len = 1 + (r / 2) % RESPONSE;
+        for c in PROMPT - prompt_len..PROMPT + response_len {
+            tokens[r * width + c] = (next() % VOCAB) as i32;
+            mask[r * width + c] = 1;
+        }
+        for j in 0..response_len {
+            response_mask[r * RESPONSE + j] = 1.0;
+        }
+    }
+    let signed = |x: u64| (x % 2001) as f32 / 1000.0 - 1.0;
+    let advantages = (0..ROWS * RESPONSE)
+        .map(|i| signed(next()) * response_mask[i])
+        .collect();
+    let old = (0..ROWS * RESPONSE)
+        .map(|_| -2.0 + 0.3 * signed(next()))
+        .collect();
+    let reference = (0..ROWS * RESPONSE)
+        .map(|_| -2.1 + 0.3 * signed(next()))
+        .collect();
+    Batch {
+        tokens,
+        mask,
+        response_mask,
+        advantages,
+        old,
+        reference,
+    }
+}
+
+/// Rows `[start, start + rows)`, normalised by the whole mini-batch.
+fn micro(b: &Batch, start: usize, rows: usize) -> MicroBatchHost {
+    let w = PROMPT + RESPONSE;
+    let (a, e) = (start * RESPONSE, (start + rows) * RESPONSE);
+    MicroBatchHost {
+        old_log_probs: b.old[a..e].to_vec(),
+        advantages: b.advantages[a..e].to_vec(),
+        response_mask: b.response_mask[a..e].to_vec(),
+        ref_log_probs: Some(b.reference[a..e].to_vec()),
+        rollout_log_probs: None,
+        norm: mini_batch_normalizer(&b.response_mask, RESPONSE),
+        inputs: vec![
+            HostArray::I32(b.tokens[start * w..(start + rows) * w].to_vec()),
+            HostArray::I32(b.mask[start * w..(start + rows) * w].to_vec()),
+        ],
+    }
+}
+
+fn initial() -> Vec<Vec<f32>> {
+    random_init(&tiny_llama(), 7)
+        .tensors
+        .iter()
+        .map(|t| t.to_f32_vec())
+        .collect()
+}
+
+fn learner(micro_batch_size: usize, parallel: Parallelism) -> Learner {
+    learner_as(micro_batch_size, parallel, DType::F32)
+}
+
+fn learner_as(micro_batch_size: usize, parallel: Parallelism, compute_dtype: DType) -> Learner {
+    let p = policy(micro_batch_size);
+    let cfg = step_cfg_as(micro_batch_size, parallel, compute_dtype);
+    let specs = p.param_specs();
+    let programs = build_train_programs(&cfg, &specs, &p.input_specs(), |w, b| p.log_probs(w, b))
+        .unwrap_or_else(|e| panic!("{parallel:?}: {e}"));
+    let mut l = Learner::new(client4(), programs, &specs, &cfg, &initial(), 3).unwrap();
+    l.set_reference(&initial()).unwrap();
+    l
+}
+
+/// `STEPS` steps of `micro_batches` micro-batches each over batches 0, 1, 2; returns the final
+/// state and every step's metrics.
+fn train(l: &mut Learner, micro_batches: usize) -> (LearnerState, Vec<Vec<(&'static str, f64)>>) {
+    let rows = ROWS / micro_batches;
+    let mut metrics = Vec::new();
+    for step in 0..STEPS {
+        let b = batch(step as u64 + 1);
+        let mbs: Vec<_> = (0..micro_batches)
+            .map(|i| l.upload_micro_batch(i, &micro(&b, i * rows, rows)).unwrap())
+            .collect();
+        let m = l.step(&mbs, 0.01).unwrap();
+        assert!(m.update_applied, "step {step}: {m:?}");
+        metrics.push(m.values);
+    }
+    (l.state().unwrap(), metrics)
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+fn assert_same_state(what: &str, got: &LearnerState, want: &LearnerState) {
+    assert_eq!(got.adam_step, want.adam_step, "{what}: adam step");
+    let mut worst = 0f32;
+    for (group, (g, w)) in [(&got.params, &want.params), (&got.m, &want.m), (&got.v, &want.v)]
+        .into_iter()
+        .enumerate()
+    {
+        for (i, (a, b)) in g.iter().zip(w).enumerate() {
+            let d = max_diff(a, b);
+            worst = worst.max(d);
+            assert!(
+                d <= STATE_TOL,
+                "{what}: {} {i} differs by {d} (tolerance {STATE_TOL})",
+                ["parameter", "adam_m", "adam_v"][group]
+            );
+        }
+    }
+    eprintln!("{what}: largest state difference {worst:e}");
+}
+
+fn assert_same_metrics(what: &str, got: &[Vec<(&str, f64)>], want: &[Vec<(&str, f64)>]) {
+    for (step, (g, w)) in got.iter().zip(want).enumerate() {
+        for ((name, a), (_, b)) in g.iter().zip(w) {
+            assert!(
+                (a - b).abs() <= METRIC_TOL * b.abs().max(1e-3),
+                "{what} step {step}: {name} {a} vs single-device {b}"
+            );
+        }
+    }
+}
+
+fn param_bytes(l: &Learner, device: usize) -> usize {
+    l.device_params(device)
+        .iter()
+        .map(|b| b.dims().iter().product::<i64>() as usize * b.dtype().size_bytes())
+        .sum()
+}
+
+#[test]
+fn dp_and_fsdp_on_2_and_4_devices_match_one_device_and_fsdp_memory_falls_as_1_over_n() {
+    let mut single = learner(ROWS, Parallelism::default());
+    let probe = micro(&batch(9), 0, ROWS).inputs;
+    let lp_single = single.log_probs(&probe, false).unwrap();
+    let (want, want_metrics) = train(&mut single, 1);
+    let full_bytes = param_bytes(&single, 0);
+    let lp_after = single.log_probs(&probe, false).unwrap();
+    let lp_reference = single.log_probs(&probe, true).unwrap();
+    assert_eq!(
+        lp_single, lp_reference,
+        "the reference stays at the initial weights"
+    );
+    assert!(
+        max_diff(&lp_single, &lp_after) > 1e-4,
+        "training moved the log-probs"
+    );
+    let whole: Vec<Vec<f32>> = single
+        .shared_params()
+        .iter()
+        .map(|b| b.to_host::<f32>().unwrap())
+        .collect();
+    assert_eq!(whole, want.params, "single: shared_params are the masters");
+
+    for strategy in [Strategy::Dp, Strategy::Fsdp] {
+        for devices in [2usize, 4] {
+            let what = format!("{} over {devices}", strategy.name());
+            let mut l = learner(ROWS, Parallelism::new(strategy, devices));
+            assert_eq!(l.devices(), devices, "{what}");
+            assert_eq!(
+                single.layout().num_params,
+                l.layout().num_params,
+                "{what}: same parameter table"
+            );
+            // The programs carry the mesh the partition count is read from.
+            let lp = l.log_probs(&probe, false).unwrap();
+            assert!(
+                max_diff(&lp, &lp_single) <= 1e-5,
+                "{what}: log_probs before training"
+            );
+            let (got, metrics) = train(&mut l, 1);
+            assert_same_state(&what, &got, &want);
+            assert_same_metrics(&what, &metrics, &want_metrics);
+            let lp = l.log_probs(&probe, false).unwrap();
+            assert!(
+                max_diff(&lp, &lp_after) <= 1e-4,
+                "{what}: log_probs after training"
+            );
+            let lp = l.log_probs(&probe, true).unwrap();
+            assert!(
+                max_diff(&lp, &lp_reference) <= 1e-5,
+                "{what}: reference log_probs"
+            );
+
+            // Per-device parameter memory.
+            let bytes: Vec<usize> = (0..devices).map(|d| param_bytes(&l, d)).collect();
+            let expect = match strategy {
+                Strategy::Fsdp => full_bytes / devices,
+                _ => full_bytes,
+            };
+            assert_eq!(bytes, vec![expect; devices], "{what}: parameter bytes per device");
+            eprintln!(
+                "{what}: {} parameter bytes per device (1 device: {full_bytes})",
+                bytes[0]
+            );
+
+            // What a rollout engine on device 0 reads: whole parameters there.
+            let shared = l.shared_params();
+            assert!(shared.iter().all(|b| b.device() == 0), "{what}");
+            let shared: Vec<Vec<f32>> = shared.iter().map(|b| b.to_host::<f32>().unwrap()).collect();
+            assert_eq!(
+                shared, got.params,
+                "{what}: shared_params are the whole parameters"
+            );
+        }
+    }
+}
+
+#[test]
+fn micro_batch_accumulation_under_dp_equals_one_fused_step_on_one_device() {
+    let mut fused = learner(ROWS, Parallelism::default());
+    let (want, want_metrics) = train(&mut fused, 1);
+    // 4 micro-batches of 2 rows, one row per device.
+    let mut dp = learner(ROWS / 4, Parallelism::new(Strategy::Dp, 2));
+    let (got, metrics) = train(&mut dp, 4);
+    assert_same_state("dp over 2, 4 micro-batches", &got, &want);
+    assert_same_metrics("dp over 2, 4 micro-batches", &metrics, &want_metrics);
+    // A checkpoint of the dp learner restores into an fsdp one and continues identically.
+    let p = policy(ROWS / 4);
+    let cfg = step_cfg(ROWS / 4, Parallelism::new(Strategy::Fsdp, 2));
+    let programs =
+        build_train_programs(&cfg, &p.param_specs(), &p.input_specs(), |w, b| p.log_probs(w, b)).unwrap();
+    let restored = Learner::from_state(client4(), programs, &p.param_specs(), &cfg, &got, 3).unwrap();
+    assert_eq!(
+        restored.state().unwrap(),
+        got,
+        "state survives a change of strategy exactly"
+    );
+}
+
+#[test]
+fn a_micro_batch_that_does_not_split_and_a_mesh_larger_than_the_client_are_refused() {
+    let p = policy(6);
+    let cfg = step_cfg(6, Parallelism::new(Strategy::Fsdp, 4));
+    let err = build_train_programs(&cfg, &p.param_specs(), &p.input_specs(), |w, b| p.log_probs(w, b))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("actor.ppo_micro_batch_size = 6: must divide by actor.mesh (4)"),
+        "{err}"
+    );
+    let p = policy(8);
+    let cfg = step_cfg(8, Parallelism::new(Strategy::Fsdp, 4));
+    let programs =
+        build_train_programs(&cfg, &p.param_specs(), &p.input_specs(), |w, b| p.log_probs(w, b)).unwrap();
+    let embed = programs.train_step.arg_shardings()[0]
+        .clone()
+        .expect("a mesh sharding");
+    assert_eq!(
+        embed.dims()[0],
+        vec!["data".to_string()],
+        "fsdp splits the embedding's rows"
+    );
+    assert_eq!(programs.train_step.local_arg_dims(0), vec![2, 16]);
+    assert_eq!(programs.gather_params.len(), 1);
+    let cfg = step_cfg(8, Parallelism::new(Strategy::Dp, 8));
+    let programs =
+        build_train_programs(&cfg, &p.param_specs(), &p.input_specs(), |w, b| p.log_probs(w, b)).unwrap();
+    assert_eq!(programs.train_step.num_partitions(), 8);
+    assert!(
+        programs.gather_params.is_empty(),
+        "dp hands out device 0's replica"
+    );
+    assert_eq!(
+        programs.train_step.arg_shardings()[0]
+            .as_ref()
+            .map(|s| s.is_replicated()),
+        Some(true),
+        "dp replicates the parameters"
+    );
+    assert_eq!(programs.train_step.mesh().map(|m| m.num_devices()), Some(8));
+    let err = Learner::new(client4(), programs, &p.param_specs(), &cfg, &initial(), 3)
+        .err()
+        .expect("8 devices on a 4-device client")
+        .to_string();
+    assert_eq!(
+        err,
+        "config: actor.mesh = 8: the learner's client has 4 device(s); lower actor.mesh, or on CPU \
+         open more devices with cluster.cpu_device_count"
+    );
+}
+
+#[test]
+fn fsdp_in_bf16_hands_a_rollout_engine_whole_bf16_weights_on_device_0() {
+    let read = |l: &Learner| -> Vec<Vec<f32>> {
+        l.shared_params()
+            .iter()
+            .map(|b| {
+                assert_eq!((b.dtype(), b.device()), (DType::BF16, 0));
+                b.to_host::<half::bf16>()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.to_f32())
+                    .collect()
+            })
+            .collect()
+    };
+    let mut single = learner_as(ROWS, Parallelism::default(), DType::BF16);
+    let mut fsdp = learner_as(ROWS, Parallelism::new(Strategy::Fsdp, 2), DType::BF16);
+    // Before the first update both hand out the f32 masters.
+    assert!(fsdp
+        .shared_params()
+        .iter()
+        .all(|b| b.dtype() == DType::F32 && b.device() == 0));
+    let b = batch(1);
+    let m = single.upload_micro_batch(0, &micro(&b, 0, ROWS)).unwrap();
+    single.step(&[m], 0.01).unwrap();
+    let m = fsdp.upload_micro_batch(0, &micro(&b, 0, ROWS)).unwrap();
+    fsdp.step(&[m], 0.01).unwrap();
+    let (want, got) = (read(&single), read(&fsdp));
+    for (i, (a, w)) in got.iter().zip(&want).enumerate() {
+        // One bf16 ulp at these magnitudes (< 4) is at most 2^-6.
+        assert!(max_diff(a, w) <= 1.0 / 64.0, "bf16 parameter {i}");
+    }
+    // The f32 masters: the bf16 forward and backward round the gradients (~2^-8 relative, so
+    // the moments differ by that much), but the first AdamW step moves each weight by about
+    // lr * sign(gradient), so the masters agree as closely as in f32.
+    let (a, w) = (fsdp.state().unwrap(), single.state().unwrap());
+    let worst = a
+        .params
+        .iter()
+        .zip(&w.params)
+        .map(|(x, y)| max_diff(x, y))
+        .fold(0.0, f32::max);
+    eprintln!("fsdp over 2, bf16 compute: largest master difference {worst:e}");
+    assert!(worst <= STATE_TOL, "bf16 masters differ by {worst}");
+}
