@@ -5,7 +5,8 @@
 #
 # usage: scripts/bench/run_vs_trl.sh [STEPS] [ROUNDS]     (defaults: 8 steps, 2 rounds)
 # DTYPE=bf16 runs both in bf16 with f32 master weights (grpo: actor.param_dtype and
-# rollout.dtype bf16; TRL: bf16=True, autocast); the default is f32 for both.
+# rollout.dtype bf16, as recipes/quickstart.yaml has them; TRL: bf16=True, autocast); the
+# default is f32 for both.
 # Needs: the quickstart's assets (scripts/setup.sh), its datasets (scripts/quickstart.sh makes
 # them), and `pip install trl` (its dependencies are transformers, accelerate, datasets, torch).
 set -euo pipefail
@@ -21,7 +22,7 @@ if [ -z "${GRPO_BIN:-}" ]; then
 fi
 threads=$(nproc)
 dtype=${DTYPE:-f32}
-ours_dtype=()
+ours_dtype=(--set actor.param_dtype=f32 --set rollout.dtype=f32)
 theirs_dtype=()
 if [ "$dtype" = bf16 ]; then
     ours_dtype=(--set actor.param_dtype=bf16 --set rollout.dtype=bf16)

@@ -1,7 +1,8 @@
 """Peer of `grpo run` for the training-run benchmark: the quickstart's GRPO run written with
 TRL's `GRPOTrainer` (PyTorch, CPU), the way a TRL user would write it.
 
-Same model (SmolLM2-135M-Instruct from the same Q4_1 GGUF, dequantised to f32 by transformers),
+Same model (SmolLM2-135M-Instruct from the same Q4_1 GGUF, dequantised to f32 by transformers;
+`--bf16` for bf16 autocast as the quickstart's bf16 compute),
 same Parquet prompts (VeRL schema; TRL reads the `prompt` messages and applies the model's chat
 template), same group size, batch, lengths, sampling temperature, learning rate and loss
 aggregation as `recipes/quickstart.yaml`:
