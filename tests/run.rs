@@ -190,25 +190,7 @@ fn rollout_and_reward_in_worker_processes_give_the_same_metrics_and_survive_kill
 
     // One rollout and one reward worker process: the samples are drawn in the same KV slots
     // with the same seeds, so every metric matches the in-process run's.
-    let (a, b) = (metrics(&local), metrics(&remote));
-    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
-    for key in [
-        "reward/mean",
-        "reward/std",
-        "response_length/mean",
-        "actor/pg_loss",
-        "actor/grad_norm",
-        "actor/entropy",
-        "actor/kl",
-    ] {
-        assert_eq!(
-            metric_series(&a, key),
-            metric_series(&b, key),
-            "{key}: in process vs worker processes"
-        );
-    }
-    assert_eq!(a[&0]["val/accuracy"], b[&0]["val/accuracy"]);
-    assert_eq!(prompts_seen(&local), prompts_seen(&remote));
+    assert_same_training(&local, &remote, "in process vs worker processes");
 
     // Two of each; kill -9 one rollout worker and one reward worker once step 1 is done.
     let mut child = grpo()

@@ -99,26 +99,7 @@ fn a_run_over_tls_matches_the_plain_run_and_tls_workers_refuse_plain_text() {
             String::from_utf8_lossy(&o.stderr)
         );
     }
-    let (a, b) = (metrics(&plain), metrics(&secure));
-    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
-    for key in [
-        "reward/mean",
-        "reward/std",
-        "response_length/mean",
-        "actor/pg_loss",
-        "actor/grad_norm",
-        "actor/entropy",
-        "actor/kl",
-        "batch/samples",
-    ] {
-        assert_eq!(
-            metric_series(&a, key),
-            metric_series(&b, key),
-            "{key}: plain vs TLS"
-        );
-    }
-    assert_eq!(a[&0]["val/accuracy"], b[&0]["val/accuracy"]);
-    assert_eq!(prompts_seen(&plain), prompts_seen(&secure));
+    assert_same_training(&plain, &secure, "plain vs TLS");
     for out in [&plain, &secure] {
         assert!(run_worker_pids(out, "rollout").is_empty() && run_worker_pids(out, "reward").is_empty());
     }

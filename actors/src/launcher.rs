@@ -1057,35 +1057,46 @@ mod tests {
         assert!(error.message.contains("/nonexistent/cpu.so"), "{}", error.message);
     }
 
-    #[tokio::test]
-    async fn overrides_reach_the_workers_of_their_role() {
-        let dir = tempfile::tempdir().unwrap();
-        let token_file = dir.path().join("token");
+    /// A launch of one reward worker whose program is the shell script `script` (a stand-in
+    /// for `grpo` that misbehaves in a chosen way), with a fresh token, in `dir`.
+    fn fake_worker_spec(dir: &Path, script: &str, recipe: &str) -> LaunchSpec {
+        let token_file = dir.join("token");
         Token::generate().write(&token_file).unwrap();
-        // A "worker" that prints its arguments and exits: the error quotes its log.
-        let script = dir.path().join("echo-grpo");
-        std::fs::write(&script, "#!/bin/sh\necho \"args: $*\" >&2\nexit 1\n").unwrap();
+        let program = dir.join("fake-grpo");
+        std::fs::write(&program, script).unwrap();
         #[cfg(unix)]
         {
             use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+            std::fs::set_permissions(&program, std::fs::Permissions::from_mode(0o755)).unwrap();
         }
-        let spec = |role: Role| LaunchSpec {
-            program: script.clone(),
-            recipe: "r.yaml".into(),
-            token_file: token_file.clone(),
+        LaunchSpec {
+            program,
+            recipe: recipe.into(),
+            token_file,
             bind_host: "127.0.0.1".into(),
             tls: None,
-            log_dir: dir.path().join("logs"),
+            log_dir: dir.join("logs"),
+            workers: vec![(Role::Reward, 1)],
+            overrides: Vec::new(),
+            start_timeout: Duration::from_secs(20),
+            health_timeout: Duration::from_secs(1),
+        }
+    }
+
+    #[tokio::test]
+    async fn overrides_reach_the_workers_of_their_role() {
+        let dir = tempfile::tempdir().unwrap();
+        // A "worker" that prints its arguments and exits: the error quotes its log.
+        let base = fake_worker_spec(dir.path(), "#!/bin/sh\necho \"args: $*\" >&2\nexit 1\n", "r.yaml");
+        let spec = |role: Role| LaunchSpec {
             workers: vec![(role, 1)],
             overrides: vec![(
                 Role::Rollout,
                 vec!["cluster.device=cuda".into(), "cluster.plugin_path=".into()],
             )],
-            start_timeout: Duration::from_secs(20),
-            health_timeout: Duration::from_secs(1),
+            ..base.clone()
         };
-        let token = token_file.display();
+        let token = base.token_file.display();
         let message = LocalLauncher::start(spec(Role::Rollout))
             .await
             .err()
@@ -1114,28 +1125,12 @@ mod tests {
     #[tokio::test]
     async fn a_worker_that_dies_at_start_is_reported_with_its_log() {
         let dir = tempfile::tempdir().unwrap();
-        let token_file = dir.path().join("token");
-        Token::generate().write(&token_file).unwrap();
         // A "worker" that complains on stderr and exits 3: the error quotes it.
-        let script = dir.path().join("fake-grpo");
-        std::fs::write(&script, "#!/bin/sh\necho \"no such recipe: $5\" >&2\nexit 3\n").unwrap();
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
-        }
-        let spec = LaunchSpec {
-            program: script,
-            recipe: "missing.yaml".into(),
-            token_file,
-            bind_host: "127.0.0.1".into(),
-            tls: None,
-            log_dir: dir.path().join("logs"),
-            workers: vec![(Role::Reward, 1)],
-            overrides: Vec::new(),
-            start_timeout: Duration::from_secs(20),
-            health_timeout: Duration::from_secs(1),
-        };
+        let spec = fake_worker_spec(
+            dir.path(),
+            "#!/bin/sh\necho \"no such recipe: $5\" >&2\nexit 3\n",
+            "missing.yaml",
+        );
         let error = LocalLauncher::start(spec).await.err().expect("start must fail");
         let message = error.to_string();
         assert!(error.worker_is_down(), "{message}");
@@ -1148,26 +1143,13 @@ mod tests {
     #[tokio::test]
     async fn a_worker_that_never_listens_times_out_and_is_killed() {
         let dir = tempfile::tempdir().unwrap();
-        let token_file = dir.path().join("token");
-        Token::generate().write(&token_file).unwrap();
-        let script = dir.path().join("silent-grpo");
-        std::fs::write(&script, "#!/bin/sh\necho loading >&2\nexec sleep 30\n").unwrap();
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
-        }
         let spec = LaunchSpec {
-            program: script,
-            recipe: "r.yaml".into(),
-            token_file,
-            bind_host: "127.0.0.1".into(),
-            tls: None,
-            log_dir: dir.path().join("logs"),
-            workers: vec![(Role::Reward, 1)],
-            overrides: Vec::new(),
             start_timeout: Duration::from_millis(500),
-            health_timeout: Duration::from_secs(1),
+            ..fake_worker_spec(
+                dir.path(),
+                "#!/bin/sh\necho loading >&2\nexec sleep 30\n",
+                "r.yaml",
+            )
         };
         let started = Instant::now();
         let message = LocalLauncher::start(spec).await.err().unwrap().to_string();

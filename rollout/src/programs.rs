@@ -438,27 +438,15 @@ impl DecodeSample {
             "rollout_decode_{kind}_cache{}x{}{window}{write}{attention}{gumbel}",
             cache.slots, cache.max_len
         );
-        let g = Graph::new(&name);
-        let p = DecoderParams::declare(&g, config, dtype);
-        let kv = cache.declare(&g);
-        let s = cache.slots as i64;
-        let tokens = g.parameter("tokens", DType::I32, &[s]);
-        let positions = g.parameter("positions", DType::I32, &[s]);
-        let temperature = g.parameter("temperature", DType::F32, &[s]);
-        let top_k = g.parameter("top_k", DType::I32, &[s]);
-        let top_p = g.parameter("top_p", DType::F32, &[s]);
-        let keys = g.parameter("keys", DType::U32, &[s, 2]);
-        let (logits, new_cache) = decode_graph_with(&p, &tokens, &positions, &kv, options);
-        let inputs = SamplerInputs {
-            temperature: &temperature,
-            top_k: &top_k,
-            top_p: &top_p,
-            keys: &keys,
-        };
-        let (next, logprobs) = sample_graph_with(&logits, &inputs, truncate, sampler);
-        let mut outs = vec![&next, &logprobs];
-        outs.extend(new_cache.iter());
-        build(&g, &outs, &donate_cache(p.all.len(), 2, kv.len()), &name)
+        decode_sample_program(
+            &name,
+            config,
+            dtype,
+            cache,
+            truncate,
+            sampler,
+            |p, tokens, positions, kv| decode_graph_with(p, tokens, positions, kv, options),
+        )
     }
 
     /// [`DecodeSample::compile`] with a choice of attended cache length, cache write and
@@ -505,28 +493,18 @@ impl DecodeSample {
             cache.chunks(),
             cache.chunk
         );
-        let g = Graph::new(&name);
-        let p = DecoderParams::declare(&g, config, dtype);
-        let kv = cache.declare(&g);
-        let s = cache.slots as i64;
-        let tokens = g.parameter("tokens", DType::I32, &[s]);
-        let positions = g.parameter("positions", DType::I32, &[s]);
-        let temperature = g.parameter("temperature", DType::F32, &[s]);
-        let top_k = g.parameter("top_k", DType::I32, &[s]);
-        let top_p = g.parameter("top_p", DType::F32, &[s]);
-        let keys = g.parameter("keys", DType::U32, &[s, 2]);
-        let (h, new_cache) = decode_hidden_graph_chunked(&p, &tokens, &positions, &kv, attend_chunks);
-        let logits = linear(&h, p.head());
-        let inputs = SamplerInputs {
-            temperature: &temperature,
-            top_k: &top_k,
-            top_p: &top_p,
-            keys: &keys,
-        };
-        let (next, logprobs) = sample_graph_with(&logits, &inputs, truncate, sampler);
-        let mut outs = vec![&next, &logprobs];
-        outs.extend(new_cache.iter());
-        build(&g, &outs, &donate_cache(p.all.len(), 2, kv.len()), &name)
+        decode_sample_program(
+            &name,
+            config,
+            dtype,
+            cache,
+            truncate,
+            sampler,
+            |p, tokens, positions, kv| {
+                let (h, new_cache) = decode_hidden_graph_chunked(p, tokens, positions, kv, attend_chunks);
+                (linear(&h, p.head()), new_cache)
+            },
+        )
     }
 
     /// The step over a chunked cache reading and writing only its first `attend_chunks`
@@ -603,6 +581,42 @@ impl DecodeSample {
             .map_err(|e| RolloutError::runtime(format!("reading {what} log-probs"), e))?;
         Ok((next, lp))
     }
+}
+
+/// The program of one decode-and-sample step named `name`: parameters, the cache, the slots'
+/// tokens, positions and sampling settings declared in the order [`DecodeSample::run`] passes
+/// them; `step(params, tokens, positions, cache)` gives the logits and the new cache; the
+/// sampler picks each slot's token and its log-probability; the cache is donated.
+fn decode_sample_program(
+    name: &str,
+    config: &ModelConfig,
+    dtype: DType,
+    cache: &CacheShape,
+    truncate: bool,
+    sampler: SamplerKind,
+    step: impl FnOnce(&DecoderParams, &Tensor, &Tensor, &[Tensor]) -> (Tensor, Vec<Tensor>),
+) -> Result<Program> {
+    let g = Graph::new(name);
+    let p = DecoderParams::declare(&g, config, dtype);
+    let kv = cache.declare(&g);
+    let s = cache.slots as i64;
+    let tokens = g.parameter("tokens", DType::I32, &[s]);
+    let positions = g.parameter("positions", DType::I32, &[s]);
+    let temperature = g.parameter("temperature", DType::F32, &[s]);
+    let top_k = g.parameter("top_k", DType::I32, &[s]);
+    let top_p = g.parameter("top_p", DType::F32, &[s]);
+    let keys = g.parameter("keys", DType::U32, &[s, 2]);
+    let (logits, new_cache) = step(&p, &tokens, &positions, &kv);
+    let inputs = SamplerInputs {
+        temperature: &temperature,
+        top_k: &top_k,
+        top_p: &top_p,
+        keys: &keys,
+    };
+    let (next, logprobs) = sample_graph_with(&logits, &inputs, truncate, sampler);
+    let mut outs = vec![&next, &logprobs];
+    outs.extend(new_cache.iter());
+    build(&g, &outs, &donate_cache(p.all.len(), 2, kv.len()), name)
 }
 
 #[cfg(test)]

@@ -204,3 +204,33 @@ pub fn wait_for_step(output: &Path, step: u64, child: &mut std::process::Child, 
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
 }
+
+/// Asserts that two runs, written to `a` and `b`, trained alike: the same steps in
+/// `metrics.jsonl`, equal per-step rewards, lengths, losses, gradient norms, entropies, KL and
+/// sample counts, equal validation accuracy before training, and the same prompts seen.
+/// `what` names the comparison in failure messages.
+pub fn assert_same_training(a: &Path, b: &Path, what: &str) {
+    let (ma, mb) = (metrics(a), metrics(b));
+    assert_eq!(
+        ma.keys().collect::<Vec<_>>(),
+        mb.keys().collect::<Vec<_>>(),
+        "{what}: steps"
+    );
+    for key in [
+        "reward/mean",
+        "reward/std",
+        "response_length/mean",
+        "actor/pg_loss",
+        "actor/grad_norm",
+        "actor/entropy",
+        "actor/kl",
+        "batch/samples",
+    ] {
+        assert_eq!(metric_series(&ma, key), metric_series(&mb, key), "{key}: {what}");
+    }
+    assert_eq!(
+        ma[&0]["val/accuracy"], mb[&0]["val/accuracy"],
+        "val/accuracy: {what}"
+    );
+    assert_eq!(prompts_seen(a), prompts_seen(b), "prompts: {what}");
+}
