@@ -179,7 +179,7 @@ fn a_rollout_worker_process_generates_like_the_in_process_engine_and_takes_new_w
         remote
             .update_weights(WeightUpdate {
                 version: 1,
-                params: trained_buffers,
+                params: trained_buffers.into(),
             })
             .await
             .unwrap();

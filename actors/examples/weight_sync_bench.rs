@@ -179,7 +179,7 @@ fn main() -> Result<(), Error> {
                 remote
                     .update_weights(WeightUpdate {
                         version,
-                        params: params.clone(),
+                        params: params.clone().into(),
                     })
                     .await?;
                 if version > 1 {

@@ -54,11 +54,14 @@ pub fn engine_config(recipe: &Recipe, stop_token_ids: &[u32]) -> EngineConfig {
 }
 
 /// The rollout engine of a prepared run over `weights` (in `rollout.dtype`) at `version`.
+/// Weights with a replica on each of devices `0..N` (an in-process rollout colocated with a
+/// `dp`/`fsdp` learner over `N` devices, see [`rollout::handoff`]) make an engine split over
+/// those devices, data parallel over its slots; `rollout.max_num_seqs` must divide by `N`.
 pub fn build_engine(
     recipe: &Recipe,
     prepared: &Prepared,
     client: &Client,
-    weights: impl Into<std::sync::Arc<[Buffer]>>,
+    weights: impl Into<rollout::EngineWeights>,
     version: u64,
 ) -> rollout::Result<Engine> {
     Engine::new(

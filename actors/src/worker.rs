@@ -12,8 +12,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio::net::TcpListener;
 
-/// The roles a worker can serve.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The roles a worker can serve (spelled `rollout`, `reward`, `learner` in recipes and on the
+/// command line).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Role {
     Reward,
     Rollout,
@@ -28,6 +30,13 @@ impl Role {
             Role::Rollout => "rollout",
             Role::Learner => "learner",
         }
+    }
+
+    /// The role named `name` (`rollout`, `reward` or `learner`), if it is one.
+    pub fn from_name(name: &str) -> Option<Role> {
+        [Role::Rollout, Role::Reward, Role::Learner]
+            .into_iter()
+            .find(|r| r.name() == name)
     }
 }
 

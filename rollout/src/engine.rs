@@ -5,8 +5,13 @@
 //! masked). A finished sample frees its slot at once and the next waiting request takes it at
 //! the next step.
 //!
-//! Requests waiting at the same time with the same prefill program are prefilled several at
-//! a time ([`EngineConfig::prefill_batch`]). The KV cache can be split along positions into
+//! Each group is prefilled by its own program run by default. Requests waiting at the same
+//! time with the same prefill program can be prefilled several at a time
+//! ([`EngineConfig::prefill_batch`]), which saves ~9% of prefill CPU but gives a prompt's KV
+//! entries last-bit differences that depend on its batch-mates: a sampled token near a CDF
+//! boundary can then differ from the same request run alone, so it is off by default (the
+//! same request, seed and weights give the same tokens whatever else is in the batch, and a
+//! run gives the same samples however its prompts are split over rollout workers). The KV cache can be split along positions into
 //! chunks ([`EngineConfig::kv_chunk`]); a decode step then reads only the chunks that hold
 //! the active sequences' positions (one compiled step per power-of-two chunk count), so short
 //! sequences in a long cache do not pay for the whole cache.
@@ -22,6 +27,13 @@
 //! says how many times a sample was restarted. Samples finished before the swap keep the old
 //! version. A restarted sample draws the same keys, so it equals a fresh request on the new
 //! weights with the same seed.
+//!
+//! Several devices: weights with one replica per device ([`EngineWeights`], devices `0..N`)
+//! make an engine whose programs run SPMD over a one-axis mesh of those devices, data
+//! parallel over the slots: the KV cache and every per-slot tensor are split into `N`
+//! contiguous blocks of slots (`max_num_seqs` must divide by `N`), the parameters are
+//! replicated. Scheduling, keys and stop rules are the same as on one device, and each slot's
+//! arithmetic is the single-device program's, so the same requests give the same tokens.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc::{channel, Receiver, Sender};
@@ -37,6 +49,7 @@ use xla::DType;
 use crate::error::{Result, RolloutError};
 use crate::programs::{CacheShape, DecodeInputs, DecodeSample, PrefillFanout};
 use crate::sampling::{draw_key, SamplerKind, SamplingParams};
+use crate::weights::EngineWeights;
 
 /// Static sizes of an engine.
 #[derive(Clone, Debug)]
@@ -50,7 +63,8 @@ pub struct EngineConfig {
     pub prefill_buckets: Vec<usize>,
     /// End-of-sequence ids that stop every sample (the tokenizer's / chat template's EOS).
     pub eos_token_ids: Vec<u32>,
-    /// Device the weights and the cache live on.
+    /// Device the weights and the cache live on, for weights on one device (weights with a
+    /// replica per device put the engine on devices `0..N`).
     pub device: usize,
     /// Positions per KV-cache chunk: a decode step reads only the chunks up to the longest
     /// active sequence (chunk counts rounded up to powers of two, one compiled step each).
@@ -58,7 +72,9 @@ pub struct EngineConfig {
     /// chunks of 256 from there; `max_model_len` or more = one chunk.
     pub kv_chunk: usize,
     /// Most prompts (groups) prefilled in one program run (a second program shape, compiled
-    /// on first use, for batches of this size; 1 = one prefill per group).
+    /// on first use, for batches of this size). 1, the default, prefills each group alone,
+    /// which keeps every request's tokens independent of its batch-mates (see the module
+    /// docs); more saves ~9% of prefill CPU at the cost of that reproducibility.
     pub prefill_batch: usize,
     /// The on-device sampler.
     pub sampler: SamplerKind,
@@ -74,7 +90,7 @@ impl EngineConfig {
             eos_token_ids: Vec::new(),
             device: 0,
             kv_chunk: 0,
-            prefill_batch: 4,
+            prefill_batch: 1,
             sampler: SamplerKind::default(),
         }
     }
@@ -222,13 +238,16 @@ pub struct Engine {
     client: Client,
     config: ModelConfig,
     dtype: DType,
-    /// Shared with whoever else holds them (the learner, on the same device): never copied.
-    weights: Arc<[Buffer]>,
+    /// Shared with whoever else holds them (the learner, on the same devices): never copied.
+    weights: EngineWeights,
+    /// The devices the engine runs on: `[settings.device]`, or `0..N` over `N`.
+    devices: Vec<usize>,
     version: u64,
     settings: EngineConfig,
     buckets: Vec<usize>,
     cache_shape: CacheShape,
-    cache: Vec<Buffer>,
+    /// `[device][tensor]`: each device's block of slots.
+    cache: Vec<Vec<Buffer>>,
     tokenizer: Option<ModelTokenizer>,
     prefill: HashMap<(usize, usize, usize), PrefillFanout>,
     /// Decode steps by (top-k/top-p, cache chunks read).
@@ -282,6 +301,37 @@ pub fn upload_weights(
             .map_err(|e| RolloutError::runtime(action, e))
         })
         .collect()
+}
+
+/// Checks every replica of `weights` against the parameter table and its device in
+/// `devices`; returns the weights' dtype.
+fn check_replicas(
+    config: &ModelConfig,
+    weights: &EngineWeights,
+    dtype: Option<DType>,
+    devices: &[usize],
+    version: u64,
+) -> Result<DType> {
+    if weights.devices() != devices.len() {
+        return Err(RolloutError::Weights {
+            version,
+            index: 0,
+            name: param_table(config)
+                .first()
+                .map(|s| s.name.clone())
+                .unwrap_or_default(),
+            problem: format!(
+                "replicas for {} device(s) were given; the engine runs on {} ({devices:?})",
+                weights.devices(),
+                devices.len()
+            ),
+        });
+    }
+    let mut want = dtype;
+    for (replica, &device) in weights.replicas().iter().zip(devices) {
+        want = Some(check_weights(config, replica, want, device, version)?);
+    }
+    Ok(want.unwrap_or(DType::F32))
 }
 
 fn check_weights(
@@ -342,11 +392,13 @@ fn check_weights(
 impl Engine {
     /// Creates an engine over `weights` (device buffers in [`param_table`] order, used in
     /// place) at `version`: allocates the KV cache (its size is logged) and compiles the decode
-    /// step. Prefill programs are compiled on first use per (bucket, group width).
+    /// step. Prefill programs are compiled on first use per (bucket, group width). Weights
+    /// with a replica on each of devices `0..N` make an engine split over those devices
+    /// (see the module comment).
     pub fn new(
         client: &Client,
         config: &ModelConfig,
-        weights: impl Into<Arc<[Buffer]>>,
+        weights: impl Into<EngineWeights>,
         version: u64,
         settings: EngineConfig,
         tokenizer: Option<ModelTokenizer>,
@@ -368,14 +420,29 @@ impl Engine {
             )));
         }
         let weights = weights.into();
-        let dtype = check_weights(config, &weights, None, settings.device, version)?;
+        let devices: Vec<usize> = match weights.devices() {
+            0 => return Err(RolloutError::Config("the weights have no device replica".into())),
+            1 => vec![settings.device],
+            n => (0..n).collect(),
+        };
         let cache_shape = CacheShape::chunked(
             config,
             settings.max_num_seqs,
             settings.max_model_len,
             settings.effective_kv_chunk(),
-        );
+        )
+        .on_devices(devices.len());
+        cache_shape.check_devices()?;
+        if devices.len() > client.num_devices() {
+            return Err(RolloutError::Config(format!(
+                "weights for {} devices, the client has {}",
+                devices.len(),
+                client.num_devices()
+            )));
+        }
+        let dtype = check_replicas(config, &weights, None, &devices, version)?;
         tracing::info!(
+            devices = devices.len(),
             slots = settings.max_num_seqs,
             max_model_len = settings.max_model_len,
             layers = config.num_hidden_layers,
@@ -383,15 +450,17 @@ impl Engine {
             head_dim = config.head_dim,
             chunks = cache_shape.chunks(),
             chunk = cache_shape.chunk,
-            "rollout KV cache: {:.1} MiB (f32)",
-            cache_shape.bytes() as f64 / (1024.0 * 1024.0)
+            "rollout KV cache: {:.1} MiB (f32), {:.1} MiB per device",
+            cache_shape.bytes() as f64 / (1024.0 * 1024.0),
+            cache_shape.bytes_per_device() as f64 / (1024.0 * 1024.0)
         );
-        let cache = cache_shape.allocate(client, settings.device)?;
+        let cache = cache_shape.allocate_on(client, &devices)?;
         let mut engine = Engine {
             client: client.clone(),
             config: config.clone(),
             dtype,
             weights,
+            devices,
             version,
             slots: (0..settings.max_num_seqs).map(|_| None).collect(),
             settings,
@@ -409,9 +478,19 @@ impl Engine {
         Ok(engine)
     }
 
-    /// The KV-cache size in bytes.
+    /// The KV-cache size in bytes (all devices together).
     pub fn kv_cache_bytes(&self) -> usize {
         self.cache_shape.bytes()
+    }
+
+    /// Devices the engine runs on (its slots are split over them).
+    pub fn devices(&self) -> usize {
+        self.devices.len()
+    }
+
+    /// The weights the engine generates with.
+    pub fn weights(&self) -> &EngineWeights {
+        &self.weights
     }
 
     /// The current weight version.
@@ -484,18 +563,12 @@ impl Engine {
     }
 
     /// Installs new weights (device buffers in [`param_table`] order, same dtype, shapes and
-    /// device; used in place, not copied) as `version`, between steps and without
+    /// devices; used in place, not copied) as `version`, between steps and without
     /// recompiling. Samples in flight are restarted on the new weights (see the module
     /// comment). Returns how many samples were restarted. The old buffers are dropped.
-    pub fn update_weights(&mut self, version: u64, weights: impl Into<Arc<[Buffer]>>) -> Result<usize> {
+    pub fn update_weights(&mut self, version: u64, weights: impl Into<EngineWeights>) -> Result<usize> {
         let weights = weights.into();
-        check_weights(
-            &self.config,
-            &weights,
-            Some(self.dtype),
-            self.settings.device,
-            version,
-        )?;
+        check_replicas(&self.config, &weights, Some(self.dtype), &self.devices, version)?;
         self.weights = weights;
         self.version = version;
         // Regroup in-flight samples by request, keeping slot order, and put them first.
@@ -666,6 +739,8 @@ impl Engine {
                 .collect();
             let (bucket, width) = key;
             let started = Instant::now();
+            let replicas = self.weights.clone();
+            let weights: Vec<&[Buffer]> = replicas.replicas().iter().map(|r| &r[..]).collect();
             if placed.len() == batch && batch > 1 {
                 self.ensure_prefill(bucket, width, batch)?;
                 let prompts: Vec<(&[u32], &[usize])> = placed
@@ -675,10 +750,10 @@ impl Engine {
                         (&prompt[..prompt.len() - 1], slots.as_slice())
                     })
                     .collect();
-                self.prefill[&(bucket, width, batch)].run_batch(
+                self.prefill[&(bucket, width, batch)].run_batch_on(
                     &self.client,
-                    self.settings.device,
-                    &self.weights,
+                    &self.devices,
+                    &weights,
                     &mut self.cache,
                     &prompts,
                 )?;
@@ -687,19 +762,18 @@ impl Engine {
                 self.ensure_prefill(bucket, width, 1)?;
                 for (p, slots) in &placed {
                     let prompt = &p.request.prompt;
-                    self.prefill[&(bucket, width, 1)].run(
+                    self.prefill[&(bucket, width, 1)].run_batch_on(
                         &self.client,
-                        self.settings.device,
-                        &self.weights,
+                        &self.devices,
+                        &weights,
                         &mut self.cache,
-                        &prompt[..prompt.len() - 1],
-                        slots,
+                        &[(&prompt[..prompt.len() - 1], slots.as_slice())],
                     )?;
                     self.stats.prefill_batches += 1;
                 }
             }
             // Runs are asynchronous: wait for the cache so the time is the prefill's own.
-            if let Some(last) = self.cache.last() {
+            for last in self.cache.iter().filter_map(|c| c.last()) {
                 last.block_until_ready()
                     .map_err(|e| RolloutError::runtime("waiting for a prefill", e))?;
             }
@@ -766,13 +840,9 @@ impl Engine {
         self.ensure_decode(truncate, chunks)?;
         let program = &self.decode[&(truncate, chunks)];
         let started = Instant::now();
-        let (next, logprobs) = program.run(
-            &self.client,
-            self.settings.device,
-            &self.weights,
-            &mut self.cache,
-            &inputs,
-        )?;
+        let weights: Vec<&[Buffer]> = self.weights.replicas().iter().map(|r| &r[..]).collect();
+        let (next, logprobs) =
+            program.run_on(&self.client, &self.devices, &weights, &mut self.cache, &inputs)?;
         self.stats.decode_time += started.elapsed();
         self.stats.decode_steps += 1;
         let mut finished = Vec::new();
@@ -881,7 +951,7 @@ fn find_stop_string(tokenizer: Option<&ModelTokenizer>, a: &Active) -> Option<(S
 enum Command {
     Submit(GenerationRequest),
     SubmitAll(Vec<GenerationRequest>),
-    UpdateWeights(u64, Arc<[Buffer]>, Sender<Result<usize>>),
+    UpdateWeights(u64, EngineWeights, Sender<Result<usize>>),
     Shutdown,
 }
 
@@ -960,7 +1030,7 @@ impl EngineControl {
 
     /// Installs new weights between two decode steps; waits until done and returns how many
     /// in-flight samples were restarted.
-    pub fn update_weights(&self, version: u64, weights: impl Into<Arc<[Buffer]>>) -> Result<usize> {
+    pub fn update_weights(&self, version: u64, weights: impl Into<EngineWeights>) -> Result<usize> {
         let (tx, rx) = channel();
         self.commands
             .send(Command::UpdateWeights(version, weights.into(), tx))
@@ -988,7 +1058,7 @@ impl EngineHandle {
 
     /// Installs new weights between two decode steps; waits until done and returns how many
     /// in-flight samples were restarted.
-    pub fn update_weights(&self, version: u64, weights: impl Into<Arc<[Buffer]>>) -> Result<usize> {
+    pub fn update_weights(&self, version: u64, weights: impl Into<EngineWeights>) -> Result<usize> {
         let weights = weights.into();
         let (tx, rx) = channel();
         self.commands

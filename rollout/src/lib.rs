@@ -7,12 +7,15 @@
 //! - [`engine`]: requests, samples, scheduling, hot-swap, the streaming thread handle;
 //! - [`programs`]: the compiled prefill + fan-out and decode + sample programs;
 //! - [`sampling`]: sampling parameters, Threefry keys, the traced sampler and its host
-//!   reference distribution.
+//!   reference distribution;
+//! - [`weights`]: the engine's per-device weight replicas and the on-device handoff from a
+//!   learner's layout (replicated or sharded, any dtype) to them.
 
 pub mod engine;
 pub mod error;
 pub mod programs;
 pub mod sampling;
+pub mod weights;
 
 pub use engine::{
     upload_weights, Engine, EngineConfig, EngineControl, EngineHandle, EngineOutput, EngineStats,
@@ -20,3 +23,4 @@ pub use engine::{
 };
 pub use error::{Result, RolloutError};
 pub use sampling::SamplingParams;
+pub use weights::{handoff, EngineWeights, SourceParams};

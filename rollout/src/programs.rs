@@ -8,15 +8,22 @@
 //!
 //! Argument order: the parameters ([`model::param_table`] order), the KV cache (see
 //! [`CacheShape::declare`]; donated to the cache results), then the inputs.
+//!
+//! Sharded over slots: a cache shape on `N > 1` devices ([`CacheShape::on_devices`]) builds
+//! every program SPMD on a one-axis mesh [`SLOT_AXIS`]` = N` (devices `0..N`). The KV cache
+//! and every per-slot tensor (decode inputs, sampled tokens, log-probs) are split on their
+//! slot dimension into contiguous blocks of `slots / N` in device order; the parameters and
+//! the per-prompt prefill inputs (tokens, lengths, destination slots) are replicated. Each
+//! slot's arithmetic is the single-device program's, so the tokens are the same.
 
 use model::forward::{
     decode_graph_with, decode_hidden_graph_chunked, linear, prefill_kv_graph, DecodeAttention, DecodeOptions,
     DecoderParams, KvWrite,
 };
 use model::ModelConfig;
-use xla::graph::{BuildOptions, Graph, Program, Tensor};
+use xla::graph::{BuildOptions, Graph, Mesh, Program, Sharding, Tensor};
 use xla::runtime::{Buffer, Client, Executable};
-use xla::DType;
+use xla::{DType, NativeType};
 
 use crate::error::{Result, RolloutError};
 use crate::sampling::{sample_graph_with, SamplerInputs, SamplerKind};
@@ -39,7 +46,12 @@ pub struct CacheShape {
     pub layers: usize,
     /// Positions per cache tensor (`max_len` when unchunked).
     pub chunk: usize,
+    /// Devices the slots are split over (1: a single-device engine).
+    pub devices: usize,
 }
+
+/// The name of the mesh axis an engine over several devices splits its slots along.
+pub const SLOT_AXIS: &str = "slots";
 
 impl CacheShape {
     /// The cache shape for `config` with `slots` x `max_len`, one tensor per layer for keys
@@ -63,7 +75,70 @@ impl CacheShape {
             } else {
                 chunk
             },
+            devices: 1,
         }
+    }
+
+    /// This shape split over `devices` devices along the slots (see the module comment);
+    /// `slots` must divide by `devices` ([`CacheShape::check_devices`]).
+    pub fn on_devices(mut self, devices: usize) -> CacheShape {
+        self.devices = devices.max(1);
+        self
+    }
+
+    /// Errors unless the slots split evenly over the devices.
+    pub fn check_devices(&self) -> Result<()> {
+        if self.devices > 1 && !self.slots.is_multiple_of(self.devices) {
+            return Err(RolloutError::Config(format!(
+                "rollout.max_num_seqs = {} must divide by the {} devices the rollout runs on \
+                 (the KV-cache slots are split evenly over them): use a multiple of {}",
+                self.slots, self.devices, self.devices
+            )));
+        }
+        Ok(())
+    }
+
+    /// The mesh of the programs (`None` on one device).
+    pub fn mesh(&self) -> Option<Mesh> {
+        (self.devices > 1).then(|| Mesh::new(&[(SLOT_AXIS, self.devices)]))
+    }
+
+    /// How a per-slot tensor of rank `rank` (slots first) is laid out: split on the slots
+    /// over several devices, `None` on one.
+    pub fn slot_sharding(&self, rank: usize) -> Option<Sharding> {
+        (self.devices > 1).then(|| Sharding::split(rank, 0, SLOT_AXIS))
+    }
+
+    /// Slots each device holds.
+    pub fn local_slots(&self) -> usize {
+        self.slots / self.devices.max(1)
+    }
+
+    /// A graph named `name` on this shape's mesh (none on one device).
+    fn graph(&self, name: &str) -> Graph {
+        let g = Graph::new(name);
+        if let Some(mesh) = self.mesh() {
+            g.set_mesh(mesh);
+        }
+        g
+    }
+
+    /// A per-slot program argument (slots first), split on the slots over several devices.
+    fn slot_parameter(&self, g: &Graph, name: &str, dtype: DType, dims: &[i64]) -> Tensor {
+        match self.slot_sharding(dims.len()) {
+            Some(s) => g.parameter_sharded(name, dtype, dims, s),
+            None => g.parameter(name, dtype, dims),
+        }
+    }
+
+    /// `(result index, layout)` of results `first..first + n`, all per-slot tensors of rank
+    /// `rank` (none on one device).
+    fn slot_results(&self, first: usize, ranks: &[usize]) -> Vec<(usize, Sharding)> {
+        ranks
+            .iter()
+            .enumerate()
+            .filter_map(|(i, &rank)| self.slot_sharding(rank).map(|s| (first + i, s)))
+            .collect()
     }
 
     /// Number of chunks per slot.
@@ -94,9 +169,14 @@ impl CacheShape {
         ]
     }
 
-    /// Total bytes of the cache (f32).
+    /// Total bytes of the cache (f32), over all devices.
     pub fn bytes(&self) -> usize {
         2 * self.layers * self.slots * self.kv_heads * self.chunks() * self.chunk * self.head_dim * 4
+    }
+
+    /// Bytes of the cache one device holds.
+    pub fn bytes_per_device(&self) -> usize {
+        self.bytes() / self.devices.max(1)
     }
 
     /// Declares the cache tensors as arguments of `g`: for each layer its key chunks, then
@@ -117,26 +197,98 @@ impl CacheShape {
                     .into_iter()
                     .flat_map(move |which| (0..chunks).map(move |c| (l, which, c)))
             })
-            .map(|(l, which, c)| g.parameter(&name(l, which, c), DType::F32, &dims))
+            .map(|(l, which, c)| self.slot_parameter(g, &name(l, which, c), DType::F32, &dims))
             .collect()
     }
 
-    /// A zero cache on `device`.
+    /// A zero cache on `device` (a single-device shape).
     pub fn allocate(&self, client: &Client, device: usize) -> Result<Vec<Buffer>> {
-        let zeros = vec![0f32; self.slots * self.kv_heads * self.chunk * self.head_dim];
-        (0..2 * self.layers * self.chunks())
-            .map(|_| {
-                client
-                    .buffer_from_host(&zeros, &self.dims(), device)
-                    .map_err(|e| RolloutError::runtime("allocating the KV cache", e))
+        Ok(self.allocate_on(client, &[device])?.remove(0))
+    }
+
+    /// A zero cache, `[device][tensor]`: each of `devices` (one per [`CacheShape::devices`])
+    /// holds its block of slots.
+    pub fn allocate_on(&self, client: &Client, devices: &[usize]) -> Result<Vec<Vec<Buffer>>> {
+        let local = self.local_slots();
+        let zeros = vec![0f32; local * self.kv_heads * self.chunk * self.head_dim];
+        let mut dims = self.dims();
+        dims[0] = local as i64;
+        devices
+            .iter()
+            .map(|&device| {
+                (0..2 * self.layers * self.chunks())
+                    .map(|_| {
+                        client.buffer_from_host(&zeros, &dims, device).map_err(|e| {
+                            RolloutError::runtime(format!("allocating the KV cache on device {device}"), e)
+                        })
+                    })
+                    .collect()
             })
             .collect()
     }
 }
 
+/// Uploads `values` (row-major, shape `dims`) to every device of `devices`: split on dim 0
+/// into contiguous blocks in device order when `split`, whole on each otherwise.
+pub fn upload_on<T: NativeType>(
+    client: &Client,
+    devices: &[usize],
+    values: &[T],
+    dims: &[i64],
+    split: bool,
+    what: &str,
+) -> Result<Vec<Buffer>> {
+    let n = devices.len();
+    let split = split && n > 1 && !dims.is_empty();
+    let mut local = dims.to_vec();
+    let block = if split {
+        local[0] /= n as i64;
+        values.len() / n
+    } else {
+        values.len()
+    };
+    devices
+        .iter()
+        .enumerate()
+        .map(|(d, &device)| {
+            let part = if split {
+                &values[d * block..(d + 1) * block]
+            } else {
+                values
+            };
+            client
+                .buffer_from_host(part, &local, device)
+                .map_err(|e| RolloutError::runtime(format!("uploading {what} to device {device}"), e))
+        })
+        .collect()
+}
+
+/// Reads a per-slot result back, `parts[d]` being device `d`'s block: the blocks
+/// concatenated in device order.
+fn read_slots<T: NativeType>(parts: &[&Buffer], what: &str) -> Result<Vec<T>> {
+    let mut out = Vec::new();
+    for b in parts {
+        out.extend(
+            b.to_host::<T>()
+                .map_err(|e| RolloutError::runtime(format!("reading {what}"), e))?,
+        );
+    }
+    Ok(out)
+}
+
 fn donate_cache(first_arg: usize, first_result: usize, n: usize) -> BuildOptions {
     let pairs: Vec<(usize, usize)> = (0..n).map(|i| (first_arg + i, first_result + i)).collect();
     BuildOptions::donating(&pairs)
+}
+
+/// [`donate_cache`] with the layouts of results `0..first_result + n` on several devices:
+/// `slot_ranks[i]` for the results before the cache, the cache's own after them.
+fn donate_cache_on(cache: &CacheShape, first_arg: usize, slot_ranks: &[usize], n: usize) -> BuildOptions {
+    let mut options = donate_cache(first_arg, slot_ranks.len(), n);
+    let mut ranks = slot_ranks.to_vec();
+    ranks.extend(std::iter::repeat_n(4, n));
+    options.result_shardings = cache.slot_results(0, &ranks);
+    options
 }
 
 fn build(g: &Graph, outs: &[&Tensor], options: &BuildOptions, name: &str) -> Result<Program> {
@@ -162,18 +314,56 @@ pub fn run_donating(
     first_cache_result: usize,
     what: &str,
 ) -> Result<Vec<Buffer>> {
-    if cache.is_empty() {
+    let mut per_device = vec![std::mem::take(cache)];
+    let inputs: Vec<Vec<&Buffer>> = vec![inputs.to_vec()];
+    let result = run_donating_on(
+        exe,
+        &[weights],
+        &mut per_device,
+        &inputs,
+        first_cache_result,
+        what,
+    );
+    *cache = per_device.pop().unwrap_or_default();
+    Ok(result?.remove(0))
+}
+
+/// [`run_donating`] on one device or SPMD over several: `weights[d]`, `cache[d]` and
+/// `inputs[d]` are device `d`'s; returns `results[d]`, the results before the cache.
+pub fn run_donating_on(
+    exe: &Executable,
+    weights: &[&[Buffer]],
+    cache: &mut Vec<Vec<Buffer>>,
+    inputs: &[Vec<&Buffer>],
+    first_cache_result: usize,
+    what: &str,
+) -> Result<Vec<Vec<Buffer>>> {
+    if cache.is_empty() || cache.iter().any(|c| c.is_empty()) {
         return Err(RolloutError::CacheLost);
     }
     let old = std::mem::take(cache);
-    let mut args: Vec<&Buffer> = weights.iter().collect();
-    args.extend(old.iter());
-    args.extend_from_slice(inputs);
-    let mut out = exe
-        .execute(&args)
-        .map_err(|e| RolloutError::runtime(format!("running {what}"), e))?;
-    *cache = out.split_off(first_cache_result);
-    Ok(out)
+    let args: Vec<Vec<&Buffer>> = (0..old.len())
+        .map(|d| {
+            let mut args: Vec<&Buffer> = weights[d].iter().collect();
+            args.extend(old[d].iter());
+            args.extend_from_slice(&inputs[d]);
+            args
+        })
+        .collect();
+    let outputs = if args.len() == 1 {
+        vec![exe
+            .execute(&args[0])
+            .map_err(|e| RolloutError::runtime(format!("running {what}"), e))?]
+    } else {
+        exe.execute_spmd(&args)
+            .map_err(|e| RolloutError::runtime(format!("running {what}"), e))?
+    };
+    let mut results = Vec::with_capacity(outputs.len());
+    for mut out in outputs {
+        cache.push(out.split_off(first_cache_result));
+        results.push(out);
+    }
+    Ok(results)
 }
 
 /// Prefill of `batch` prompts of up to `len` tokens each, prompt `b` into slot `dst[b][0]`
@@ -215,12 +405,13 @@ impl PrefillFanout {
     ) -> Result<Program> {
         let batch = batch.max(1);
         let name = format!(
-            "rollout_prefill_{len}x{batch}_fanout{width}_cache{}x{}x{}",
+            "rollout_prefill_{len}x{batch}_fanout{width}_cache{}x{}x{}{}",
             cache.slots,
             cache.chunks(),
-            cache.chunk
+            cache.chunk,
+            spmd_suffix(cache)
         );
-        let g = Graph::new(&name);
+        let g = cache.graph(&name);
         let p = DecoderParams::declare(&g, config, dtype);
         let kv = cache.declare(&g);
         let (b, t) = (batch as i64, len as i64);
@@ -263,7 +454,12 @@ impl PrefillFanout {
             }
         }
         let outs: Vec<&Tensor> = out.iter().collect();
-        build(&g, &outs, &donate_cache(p.all.len(), 0, kv.len()), &name)
+        build(
+            &g,
+            &outs,
+            &donate_cache_on(cache, p.all.len(), &[], kv.len()),
+            &name,
+        )
     }
 
     /// Traces and compiles the program for `batch` prompts per run.
@@ -311,6 +507,22 @@ impl PrefillFanout {
         cache: &mut Vec<Buffer>,
         prompts: &[(&[u32], &[usize])],
     ) -> Result<()> {
+        let mut per_device = vec![std::mem::take(cache)];
+        let result = self.run_batch_on(client, &[device], &[weights], &mut per_device, prompts);
+        *cache = per_device.pop().unwrap_or_default();
+        result
+    }
+
+    /// [`PrefillFanout::run_batch`] on `devices` (one, or the `0..N` of a program split over
+    /// `N`), with `weights[d]` and `cache[d]` device `d`'s.
+    pub fn run_batch_on(
+        &self,
+        client: &Client,
+        devices: &[usize],
+        weights: &[&[Buffer]],
+        cache: &mut Vec<Vec<Buffer>>,
+        prompts: &[(&[u32], &[usize])],
+    ) -> Result<()> {
         let what = format!("prefill[{}x{}] fan-out {}", self.len, self.batch, self.width);
         assert!(!prompts.is_empty() && prompts.len() <= self.batch);
         let mut ids = vec![0i32; self.batch * self.len];
@@ -328,15 +540,14 @@ impl PrefillFanout {
             }
         }
         let up = |v: &[i32], dims: &[i64], n: &str| {
-            client
-                .buffer_from_host(v, dims, device)
-                .map_err(|e| RolloutError::runtime(format!("uploading {n} for {what}"), e))
+            upload_on(client, devices, v, dims, false, &format!("{n} for {what}"))
         };
         let (b, t, w) = (self.batch as i64, self.len as i64, self.width as i64);
         let tb = up(&ids, &[b, t], "tokens")?;
         let lb = up(&lengths, &[b], "lengths")?;
         let db = up(&dst, &[b, w], "slots")?;
-        run_donating(&self.exe, weights, cache, &[&tb, &lb, &db], 0, &what)?;
+        let inputs: Vec<Vec<&Buffer>> = (0..devices.len()).map(|d| vec![&tb[d], &lb[d], &db[d]]).collect();
+        run_donating_on(&self.exe, weights, cache, &inputs, 0, &what)?;
         Ok(())
     }
 }
@@ -435,8 +646,10 @@ impl DecodeSample {
             ""
         };
         let name = format!(
-            "rollout_decode_{kind}_cache{}x{}{window}{write}{attention}{gumbel}",
-            cache.slots, cache.max_len
+            "rollout_decode_{kind}_cache{}x{}{window}{write}{attention}{gumbel}{}",
+            cache.slots,
+            cache.max_len,
+            spmd_suffix(cache)
         );
         decode_sample_program(
             &name,
@@ -488,10 +701,11 @@ impl DecodeSample {
             ""
         };
         let name = format!(
-            "rollout_decode_{kind}_cache{}x{}x{}_attend{attend_chunks}{gumbel}",
+            "rollout_decode_{kind}_cache{}x{}x{}_attend{attend_chunks}{gumbel}{}",
             cache.slots,
             cache.chunks(),
-            cache.chunk
+            cache.chunk,
+            spmd_suffix(cache)
         );
         decode_sample_program(
             &name,
@@ -537,48 +751,52 @@ impl DecodeSample {
         cache: &mut Vec<Buffer>,
         inputs: &DecodeInputs,
     ) -> Result<(Vec<i32>, Vec<f32>)> {
+        let mut per_device = vec![std::mem::take(cache)];
+        let result = self.run_on(client, &[device], &[weights], &mut per_device, inputs);
+        *cache = per_device.pop().unwrap_or_default();
+        result
+    }
+
+    /// [`DecodeSample::run`] on `devices` (one, or the `0..N` of a program split over `N`),
+    /// with `weights[d]` and `cache[d]` device `d`'s: each device gets its block of every
+    /// per-slot input and returns its block of tokens and log-probs.
+    pub fn run_on(
+        &self,
+        client: &Client,
+        devices: &[usize],
+        weights: &[&[Buffer]],
+        cache: &mut Vec<Vec<Buffer>>,
+        inputs: &DecodeInputs,
+    ) -> Result<(Vec<i32>, Vec<f32>)> {
         let what = if self.truncate {
             "decode (top-k/top-p)"
         } else {
             "decode"
         };
         let s = self.slots as i64;
-        let err = |n: &str| {
-            let n = n.to_string();
-            move |e| RolloutError::runtime(format!("uploading {n} for {what}"), e)
-        };
-        let tb = client
-            .buffer_from_host(&inputs.tokens, &[s], device)
-            .map_err(err("tokens"))?;
-        let pb = client
-            .buffer_from_host(&inputs.positions, &[s], device)
-            .map_err(err("positions"))?;
-        let temp = client
-            .buffer_from_host(&inputs.temperature, &[s], device)
-            .map_err(err("temperatures"))?;
-        let kb = client
-            .buffer_from_host(&inputs.top_k, &[s], device)
-            .map_err(err("top_k"))?;
-        let ppb = client
-            .buffer_from_host(&inputs.top_p, &[s], device)
-            .map_err(err("top_p"))?;
-        let keys = client
-            .buffer_from_host(&inputs.keys, &[s, 2], device)
-            .map_err(err("keys"))?;
-        let out = run_donating(
-            &self.exe,
-            weights,
-            cache,
-            &[&tb, &pb, &temp, &kb, &ppb, &keys],
-            2,
-            what,
+        let up_i = |v: &[i32], n: &str| upload_on(client, devices, v, &[s], true, &format!("{n} for {what}"));
+        let up_f = |v: &[f32], n: &str| upload_on(client, devices, v, &[s], true, &format!("{n} for {what}"));
+        let tb = up_i(&inputs.tokens, "tokens")?;
+        let pb = up_i(&inputs.positions, "positions")?;
+        let temp = up_f(&inputs.temperature, "temperatures")?;
+        let kb = up_i(&inputs.top_k, "top_k")?;
+        let ppb = up_f(&inputs.top_p, "top_p")?;
+        let keys = upload_on(
+            client,
+            devices,
+            &inputs.keys,
+            &[s, 2],
+            true,
+            &format!("keys for {what}"),
         )?;
-        let next = out[0]
-            .to_host::<i32>()
-            .map_err(|e| RolloutError::runtime(format!("reading {what} tokens"), e))?;
-        let lp = out[1]
-            .to_host::<f32>()
-            .map_err(|e| RolloutError::runtime(format!("reading {what} log-probs"), e))?;
+        let args: Vec<Vec<&Buffer>> = (0..devices.len())
+            .map(|d| vec![&tb[d], &pb[d], &temp[d], &kb[d], &ppb[d], &keys[d]])
+            .collect();
+        let out = run_donating_on(&self.exe, weights, cache, &args, 2, what)?;
+        let tokens: Vec<&Buffer> = out.iter().map(|o| &o[0]).collect();
+        let logprobs: Vec<&Buffer> = out.iter().map(|o| &o[1]).collect();
+        let next = read_slots::<i32>(&tokens, &format!("{what} tokens"))?;
+        let lp = read_slots::<f32>(&logprobs, &format!("{what} log-probs"))?;
         Ok((next, lp))
     }
 }
@@ -596,16 +814,16 @@ fn decode_sample_program(
     sampler: SamplerKind,
     step: impl FnOnce(&DecoderParams, &Tensor, &Tensor, &[Tensor]) -> (Tensor, Vec<Tensor>),
 ) -> Result<Program> {
-    let g = Graph::new(name);
+    let g = cache.graph(name);
     let p = DecoderParams::declare(&g, config, dtype);
     let kv = cache.declare(&g);
     let s = cache.slots as i64;
-    let tokens = g.parameter("tokens", DType::I32, &[s]);
-    let positions = g.parameter("positions", DType::I32, &[s]);
-    let temperature = g.parameter("temperature", DType::F32, &[s]);
-    let top_k = g.parameter("top_k", DType::I32, &[s]);
-    let top_p = g.parameter("top_p", DType::F32, &[s]);
-    let keys = g.parameter("keys", DType::U32, &[s, 2]);
+    let tokens = cache.slot_parameter(&g, "tokens", DType::I32, &[s]);
+    let positions = cache.slot_parameter(&g, "positions", DType::I32, &[s]);
+    let temperature = cache.slot_parameter(&g, "temperature", DType::F32, &[s]);
+    let top_k = cache.slot_parameter(&g, "top_k", DType::I32, &[s]);
+    let top_p = cache.slot_parameter(&g, "top_p", DType::F32, &[s]);
+    let keys = cache.slot_parameter(&g, "keys", DType::U32, &[s, 2]);
     let (logits, new_cache) = step(&p, &tokens, &positions, &kv);
     let inputs = SamplerInputs {
         temperature: &temperature,
@@ -616,7 +834,21 @@ fn decode_sample_program(
     let (next, logprobs) = sample_graph_with(&logits, &inputs, truncate, sampler);
     let mut outs = vec![&next, &logprobs];
     outs.extend(new_cache.iter());
-    build(&g, &outs, &donate_cache(p.all.len(), 2, kv.len()), name)
+    build(
+        &g,
+        &outs,
+        &donate_cache_on(cache, p.all.len(), &[1, 1], kv.len()),
+        name,
+    )
+}
+
+/// `_spmd4` for a program split over 4 devices, empty on one.
+fn spmd_suffix(cache: &CacheShape) -> String {
+    if cache.devices > 1 {
+        format!("_spmd{}", cache.devices)
+    } else {
+        String::new()
+    }
 }
 
 #[cfg(test)]

@@ -2,11 +2,12 @@
 
 use actors::auth::Token;
 use actors::recipe::load_recipe;
+use actors::registry::{self, Registration, RegistryError};
 use actors::roles::learner::LearnerService;
 use actors::roles::reward::LocalReward;
 use actors::roles::rollout::{LocalRollout, RolloutService};
 use actors::setup;
-use actors::worker::Worker;
+use actors::worker::{Role, Worker};
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use std::io::Write;
@@ -27,17 +28,45 @@ pub enum RoleArg {
     Learner,
 }
 
+impl RoleArg {
+    fn role(self) -> Role {
+        match self {
+            RoleArg::Reward => Role::Reward,
+            RoleArg::Rollout => Role::Rollout,
+            RoleArg::Learner => Role::Learner,
+        }
+    }
+}
+
+/// Exit status when the orchestrator refuses the worker's registration (or it cannot be sent:
+/// TLS files, the address).
+const EXIT_REFUSED: u8 = 2;
+/// Exit status when the orchestrator cannot be reached, stops answering, or retires the worker.
+const EXIT_ORCHESTRATOR_GONE: u8 = 3;
+
 #[derive(Args)]
 #[command(
     about = "Serve one role of a run (started by `grpo run`; rarely by hand)",
     long_about = "Serve one role of a run to its orchestrator over gRPC.\n\n\
         `grpo run` starts its workers itself as the recipe's `cluster` section says. The worker \
         prints `listening on ADDRESS` once it accepts calls, and refuses every call that does \
-        not carry the run's token.",
-    after_help = "Example:\n  \
+        not carry the run's token.\n\n\
+        With `--connect ORCHESTRATOR_ADDRESS` (how the `ray` launcher starts workers on nodes \
+        only Ray knows), the worker then registers with that orchestrator: its worker id, role, \
+        pool, the address to call it at (with `--listen 0.0.0.0:0`, the IP of its interface \
+        that routes to the orchestrator), its devices, grpo version, host and pid. It prints \
+        `registered with ORCHESTRATOR_ADDRESS as ID`, then sends a heartbeat every second. \
+        Exit status 2: the orchestrator refused it (the reason is printed, e.g. another grpo \
+        version). Exit status 3: the orchestrator could not be reached, stopped answering for \
+        3 x cluster.worker_timeout_s (at least 5 s), or retired the worker; so no worker outlives \
+        its run.",
+    after_help = "Examples:\n  \
         grpo worker --role reward --recipe recipes/quickstart.yaml --listen 127.0.0.1:0 --token-file run.token\n  \
         grpo worker --role rollout --recipe recipes/quickstart.yaml --token-file run.token\n  \
-        grpo worker --role learner --recipe recipes/quickstart.yaml --token-file run.token"
+        grpo worker --role learner --recipe recipes/quickstart.yaml --token-file run.token\n  \
+        grpo worker --role rollout --recipe run/recipe.yaml --token-file run/token \\\n      \
+        --listen 0.0.0.0:0 --connect http://10.0.0.5:41234 \\\n      \
+        --worker-id rollout-0-a1 --pool tpu-rollout --set cluster.device=tpu"
 )]
 pub struct WorkerArgs {
     /// The role to serve.
@@ -60,21 +89,39 @@ pub struct WorkerArgs {
     /// File holding the run's token (one line); calls without it are refused.
     #[arg(long, value_name = "FILE")]
     pub token_file: PathBuf,
+
+    /// Register with the orchestrator at this address (`http[s]://HOST:PORT`, as `grpo run`
+    /// passes it) once listening, then watch it with heartbeats and exit (status 3) when it is
+    /// gone. Needs `--worker-id` and `--pool`.
+    #[arg(long, value_name = "ORCHESTRATOR_ADDRESS", requires_all = ["worker_id", "pool"])]
+    pub connect: Option<String>,
+
+    /// This worker's id in the registration, unique per submission, e.g. `rollout-0-a1`
+    /// (with `--connect`).
+    #[arg(long, value_name = "ID", requires = "connect")]
+    pub worker_id: Option<String>,
+
+    /// The `cluster.pools` entry this worker was started for, e.g. `tpu-rollout` (with
+    /// `--connect`).
+    #[arg(long, value_name = "NAME", requires = "connect")]
+    pub pool: Option<String>,
 }
 
 pub fn run(args: WorkerArgs) -> Result<ExitCode> {
     let token = Token::read(&args.token_file)?;
     let recipe = load_recipe(&args.recipe, &args.overrides)?;
     // The rollout engine is built (weights uploaded, decode step compiled) before serving.
+    let mut devices = Vec::new();
     let rollout = match args.role {
-        RoleArg::Rollout => Some(rollout_service(&recipe)?),
+        RoleArg::Rollout => Some(rollout_service(&recipe, &mut devices)?),
         RoleArg::Reward | RoleArg::Learner => None,
     };
     // The learner loads the model before serving; it compiles its programs when started.
     let learner = match args.role {
-        RoleArg::Learner => Some(learner_service(&recipe)?),
+        RoleArg::Learner => Some(learner_service(&recipe, &mut devices)?),
         RoleArg::Reward | RoleArg::Rollout => None,
     };
+    let registry_token = token.clone();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async move {
         let worker = match args.role {
@@ -107,17 +154,69 @@ pub fn run(args: WorkerArgs) -> Result<ExitCode> {
         let address = worker.local_addr()?;
         println!("listening on {address}");
         std::io::stdout().flush()?;
-        worker.serve(shutdown_signal()).await?;
-        Ok(ExitCode::SUCCESS)
+        let Some(orchestrator) = args.connect else {
+            worker.serve(shutdown_signal()).await?;
+            return Ok(ExitCode::SUCCESS);
+        };
+        // Serve first, so the orchestrator's first call after the registration is answered.
+        let mut serving = tokio::spawn(worker.serve(shutdown_signal()));
+        let tls = recipe.cluster.tls.as_ref();
+        let registration = Registration {
+            worker_id: args.worker_id.expect("clap requires --worker-id with --connect"),
+            role: args.role.role(),
+            pool: args.pool.expect("clap requires --pool with --connect"),
+            address: registry::callable_address(address, &orchestrator, tls.is_some()).await?,
+            devices,
+            grpo_version: env!("CARGO_PKG_VERSION").into(),
+            hostname: registry::hostname(),
+            pid: std::process::id(),
+        };
+        match registry::register(&orchestrator, &registry_token, tls, &registration).await {
+            Ok(()) => {}
+            Err(e @ RegistryError::Unreachable { .. }) => {
+                eprintln!("error: {e}");
+                return Ok(ExitCode::from(EXIT_ORCHESTRATOR_GONE));
+            }
+            // Refused, or set up wrongly (TLS files, the address): the same again would fail too.
+            Err(e) => {
+                eprintln!("error: {e}");
+                return Ok(ExitCode::from(EXIT_REFUSED));
+            }
+        }
+        println!("registered with {orchestrator} as {}", registration.worker_id);
+        std::io::stdout().flush()?;
+        let deadline = registry::heartbeat_deadline(recipe.cluster.worker_timeout_s);
+        let watch = registry::heartbeat(
+            &orchestrator,
+            &registry_token,
+            tls,
+            &registration.worker_id,
+            deadline,
+        );
+        tokio::select! {
+            served = &mut serving => {
+                served.context("the worker's server task failed")??;
+                Ok(ExitCode::SUCCESS)
+            }
+            end = watch => {
+                eprintln!("error: {end}");
+                Ok(ExitCode::from(EXIT_ORCHESTRATOR_GONE))
+            }
+        }
     })
 }
 
 /// The rollout role of `recipe`, built exactly as the orchestrator builds its in-process one:
 /// the prepared model's weights in `rollout.dtype` on `cluster.device`, version 0.
-fn rollout_service(recipe: &actors::recipe::Recipe) -> Result<RolloutService> {
+/// The client's devices are written to `devices` (for the registration).
+fn rollout_service(
+    recipe: &actors::recipe::Recipe,
+    devices: &mut Vec<registry::Device>,
+) -> Result<RolloutService> {
     let prepared = actors::prepare::prepare(recipe).context("preparing the run")?;
     let client = setup::open_client(recipe)
         .with_context(|| format!("opening the {:?} device", recipe.cluster.device))?;
+    *devices = registry::devices_of(&client);
     let weights =
         setup::upload_rollout_weights(recipe, &prepared, &client).context("uploading the rollout weights")?;
     let engine =
@@ -133,10 +232,15 @@ fn rollout_service(recipe: &actors::recipe::Recipe) -> Result<RolloutService> {
 
 /// The learner role of `recipe`: the prepared model's weights (the start of a new run and the
 /// reference model) on `cluster.device`; the learner is built when the orchestrator starts it.
-fn learner_service(recipe: &actors::recipe::Recipe) -> Result<LearnerService> {
+/// The client's devices are written to `devices` (for the registration).
+fn learner_service(
+    recipe: &actors::recipe::Recipe,
+    devices: &mut Vec<registry::Device>,
+) -> Result<LearnerService> {
     let mut prepared = actors::prepare::prepare(recipe).context("preparing the run")?;
     let client = setup::open_client(recipe)
         .with_context(|| format!("opening the {:?} device", recipe.cluster.device))?;
+    *devices = registry::devices_of(&client);
     let config = prepared.model.weights.config.clone();
     LearnerService::new(client, recipe, &config, &mut prepared.model.weights)
         .context("reading the model's weights for the learner")

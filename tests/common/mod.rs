@@ -3,6 +3,8 @@
 //! `grpo preprocess`.
 #![allow(dead_code)]
 
+pub mod ray_head;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 

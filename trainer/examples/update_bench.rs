@@ -6,8 +6,18 @@
 //! cargo run --release -p trainer --example update_bench -- \
 //!     [--model models/SmolLM2-135M-Instruct.Q4_1.gguf] [--rows 8] [--prompt-len 64] \
 //!     [--response-len 448] [--micro-batch 8] [--rounds 3] [--dtype f32|bf16|f32,bf16] \
-//!     [--peer-dtype f32|bf16|f32,bf16] [--peer-threads N] [--peer-micro-batch M] [--no-peer]
+//!     [--peer-dtype f32|bf16|f32,bf16] [--peer-threads N] [--peer-micro-batch M] [--no-peer] \
+//!     [--prompt-lens A-B] [--response-lens A-B] [--length-bucket N,M,...]
 //! ```
+//!
+//! `--prompt-lens` / `--response-lens` give the rows real lengths between A and B tokens
+//! (row `r` gets `A + (7 r mod (B - A + 1))`), left/right-padded to `--prompt-len` /
+//! `--response-len` as the learner packs them (needs `--no-peer`: the torch peer takes rows
+//! without padding). `--length-bucket` lists the `actor.length_bucket` values to run, one
+//! learner each per dtype (`trainer::bucket::BucketedLearner`; 0 = every row at the full
+//! length, the default); every round runs one update of each, so bucketed and full-length
+//! updates alternate under the same load. Tokens/s count the full `P + L` columns per row
+//! whatever the bucket (the work a full-length learner would do).
 //!
 //! `--dtype` lists our compute types (one learner each, f32 master weights; `bf16` = bf16
 //! parameters and matmul operands with f32 results); `--peer-dtype` lists the peer's (one torch
@@ -39,11 +49,10 @@ use std::time::Instant;
 use model::forward::DecoderParams;
 use model::programs::HostModel;
 use trainer::advantage::{broadcast_over_response, compute_advantages};
+use trainer::bucket::BucketedLearner;
 use trainer::config::{AdvantageEstimator, OptimConfig, PolicyLossConfig};
 use trainer::policy::DecoderPolicy;
-use trainer::step::{
-    build_train_programs, mini_batch_normalizer, HostArray, Learner, MicroBatchHost, StepConfig,
-};
+use trainer::step::{mini_batch_normalizer, LearnerState, MicroBatchHost, StepConfig};
 use xla::graph::Graph;
 use xla::runtime::{Client, Executable};
 use xla::DType;
@@ -60,6 +69,23 @@ struct Args {
     peer: bool,
     peer_threads: usize,
     peer_micro_batch: usize,
+    prompt_lens: Option<(usize, usize)>,
+    response_lens: Option<(usize, usize)>,
+    length_buckets: Vec<usize>,
+}
+
+fn parse_range(flag: &str, v: &str) -> (usize, usize) {
+    let (a, b) = v
+        .split_once('-')
+        .unwrap_or_else(|| panic!("{flag} takes A-B, not {v}"));
+    let (a, b): (usize, usize) = (
+        a.parse()
+            .unwrap_or_else(|_| panic!("{flag} A-B: {a} is not a number")),
+        b.parse()
+            .unwrap_or_else(|_| panic!("{flag} A-B: {b} is not a number")),
+    );
+    assert!(a <= b, "{flag} A-B needs A <= B");
+    (a, b)
 }
 
 fn parse_args() -> Args {
@@ -77,6 +103,9 @@ fn parse_args() -> Args {
         peer: true,
         peer_threads: cores,
         peer_micro_batch: 0,
+        prompt_lens: None,
+        response_lens: None,
+        length_buckets: vec![0],
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -91,6 +120,14 @@ fn parse_args() -> Args {
             "--peer-threads" => a.peer_threads = value().parse().expect("--peer-threads N"),
             "--peer-micro-batch" => a.peer_micro_batch = value().parse().expect("--peer-micro-batch N"),
             "--no-peer" => a.peer = false,
+            "--prompt-lens" => a.prompt_lens = Some(parse_range("--prompt-lens", &value())),
+            "--response-lens" => a.response_lens = Some(parse_range("--response-lens", &value())),
+            "--length-bucket" => {
+                a.length_buckets = value()
+                    .split(',')
+                    .map(|b| b.parse().expect("--length-bucket N[,M...]"))
+                    .collect()
+            }
             "--dtype" => {
                 a.dtypes = value()
                     .split(',')
@@ -113,7 +150,8 @@ fn parse_args() -> Args {
             other => panic!(
                 "unknown option {other}; options: --model PATH --rows N --prompt-len N \
                  --response-len N --micro-batch N --rounds N --dtype f32|bf16|f32,bf16 \
-                 --peer-dtype f32|bf16|f32,bf16 --peer-threads N --peer-micro-batch N --no-peer"
+                 --peer-dtype f32|bf16|f32,bf16 --peer-threads N --peer-micro-batch N --no-peer \
+                 --prompt-lens A-B --response-lens A-B --length-bucket N[,M...]"
             ),
         }
     }
@@ -123,6 +161,18 @@ fn parse_args() -> Args {
         a.micro_batch,
         a.rows
     );
+    assert!(
+        !(a.peer && (a.prompt_lens.is_some() || a.response_lens.is_some())),
+        "--prompt-lens and --response-lens need --no-peer (the torch peer takes unpadded rows)"
+    );
+    for (flag, range, max) in [
+        ("--prompt-lens", a.prompt_lens, a.prompt_len),
+        ("--response-lens", a.response_lens, a.response_len),
+    ] {
+        if let Some((lo, hi)) = range {
+            assert!(lo >= 1 && hi <= max, "{flag} {lo}-{hi} must lie in 1..={max}");
+        }
+    }
     if a.peer_micro_batch == 0 {
         a.peer_micro_batch = a.micro_batch;
     }
@@ -284,6 +334,23 @@ fn main() {
     let ids = host.tokenizer.encode(&text.repeat(40), false).unwrap();
     assert!(ids.len() >= width + 13 * rows, "the benchmark text is too short");
     let row_ids: Vec<Vec<u32>> = (0..rows).map(|r| ids[13 * r..13 * r + width].to_vec()).collect();
+    // Each row's real (prompt, response) lengths: the full ones unless ranges were given.
+    let pick = |range: Option<(usize, usize)>, full: usize, r: usize| {
+        range.map_or(full, |(lo, hi)| lo + (7 * r) % (hi - lo + 1))
+    };
+    let row_lens: Vec<(usize, usize)> = (0..rows)
+        .map(|r| {
+            (
+                pick(args.prompt_lens, p_len, r),
+                pick(args.response_lens, r_len, r),
+            )
+        })
+        .collect();
+    let real_tokens: usize = row_lens.iter().map(|(p, r)| p + r).sum();
+    println!(
+        "rows: {rows} x {width} columns, {real_tokens} real tokens ({:.1} % padding)",
+        100.0 * (1.0 - real_tokens as f64 / (rows * width) as f64)
+    );
 
     let client = Client::cpu(1).expect("CPU plugin");
     let gemm = Gemm::new(&client, 2048);
@@ -305,7 +372,11 @@ fn main() {
         micro_batch_size: rows,
         ..policy.clone()
     };
-    let rows_ref: Vec<(&[u32], &[u32])> = row_ids.iter().map(|r| (&r[..p_len], &r[p_len..])).collect();
+    let rows_ref: Vec<(&[u32], &[u32])> = row_ids
+        .iter()
+        .zip(&row_lens)
+        .map(|(r, &(pl, rl))| (&r[p_len - pl..p_len], &r[p_len..p_len + rl]))
+        .collect();
     let packed = full_policy.pack(&rows_ref).unwrap();
     let init: Vec<Vec<f32>> = host.weights.tensors.iter().map(|t| t.to_f32_vec()).collect();
     let n_params: usize = init.iter().map(Vec::len).sum();
@@ -350,10 +421,8 @@ fn main() {
     let advantages = broadcast_over_response(&adv, &packed.response_mask, r_len).unwrap();
     let norm = mini_batch_normalizer(&packed.response_mask, r_len);
 
-    let specs = policy.param_specs();
     let optim = OptimConfig::default();
     let loss = PolicyLossConfig::default();
-    let w = width;
     let host_micro_batches: Vec<MicroBatchHost> = (0..rows / mb)
         .map(|i| {
             let (rs, re) = (i * mb, (i + 1) * mb);
@@ -362,19 +431,21 @@ fn main() {
                 advantages: advantages[rs * r_len..re * r_len].to_vec(),
                 response_mask: packed.response_mask[rs * r_len..re * r_len].to_vec(),
                 norm,
-                inputs: vec![
-                    HostArray::I32(packed.tokens[rs * w..re * w].to_vec()),
-                    HostArray::I32(packed.mask[rs * w..re * w].to_vec()),
-                ],
                 ..Default::default()
             }
         })
         .collect();
-    // One learner per compute type, each with its uploaded micro-batches.
-    let mut ours: Vec<(String, Learner, Vec<_>)> = args
-        .dtypes
-        .iter()
-        .map(|&dtype| {
+    let zeros: Vec<Vec<f32>> = init.iter().map(|v| vec![0.0; v.len()]).collect();
+    let state = LearnerState {
+        params: init.clone(),
+        m: zeros.clone(),
+        v: zeros,
+        adam_step: 0,
+    };
+    // One learner per compute type and length bucket, each with its uploaded micro-batches.
+    let mut ours: Vec<(String, BucketedLearner, Vec<_>)> = Vec::new();
+    for &dtype in &args.dtypes {
+        for &bucket in &args.length_buckets {
             let cfg = StepConfig {
                 loss: loss.clone(),
                 optim: optim.clone(),
@@ -383,20 +454,27 @@ fn main() {
                 response_len: r_len as i64,
                 parallel: Default::default(),
             };
+            let name = match (args.length_buckets.len(), bucket) {
+                (1, 0) => format!("ours {dtype}"),
+                (_, 0) => format!("ours {dtype} full"),
+                _ => format!("ours {dtype} bucket {bucket}"),
+            };
             let t = Instant::now();
-            let programs =
-                build_train_programs(&cfg, &specs, &policy.input_specs(), |p, b| policy.log_probs(p, b))
-                    .unwrap();
-            println!("ours {dtype}: trace {:.1} s", t.elapsed().as_secs_f64());
-            let learner = Learner::new(&client, programs, &specs, &cfg, &init, 3).unwrap();
-            let uploaded: Vec<_> = host_micro_batches
-                .iter()
-                .enumerate()
-                .map(|(i, h)| learner.upload_micro_batch(i, h).unwrap())
-                .collect();
-            (format!("ours {dtype}"), learner, uploaded)
-        })
-        .collect();
+            let mut learner =
+                BucketedLearner::from_state(&client, policy.clone(), cfg, &state, bucket, 3).unwrap();
+            let mut uploaded = Vec::new();
+            for (i, h) in host_micro_batches.iter().enumerate() {
+                let p = learner.pack(&rows_ref[i * mb..(i + 1) * mb]).unwrap();
+                uploaded.push(learner.upload(i, &p, h).unwrap());
+            }
+            println!(
+                "{name}: trace {:.1} s; shapes (prompt+response columns) {:?}",
+                t.elapsed().as_secs_f64(),
+                learner.shapes()
+            );
+            ours.push((name, learner, uploaded));
+        }
+    }
 
     // The peers: same weights as a Hugging Face directory, same batch as JSON.
     let dir = std::env::temp_dir().join(format!("update-bench-{}", std::process::id()));

@@ -14,6 +14,8 @@
 //!   the host-side splitting and gathering of per-device shards.
 //! - [`policy`]: the decoder model as the policy: its parameters, batch layout and per-token
 //!   log-probs of responses.
+//! - [`bucket`]: length buckets: each micro-batch runs padded to the smallest bucket holding its
+//!   longest prompt and response ([`bucket::BucketedLearner`]), one set of programs per bucket.
 //! - [`checkpoint`]: atomic, checksummed checkpoints under `OUTPUT/checkpoints/step_N/`.
 //! - [`memory`]: transparent huge pages for the C allocator (re-executing the program with
 //!   glibc's `glibc.malloc.hugetlb=1`), which cuts the page faults of XLA's per-call temporaries.
@@ -22,6 +24,7 @@
 //! comment says otherwise) and names its source in its doc comment.
 
 pub mod advantage;
+pub mod bucket;
 pub mod checkpoint;
 pub mod config;
 pub mod export;

@@ -23,6 +23,11 @@ pub struct Normalizer {
     pub tokens: Tensor,
     /// Number of sequences in the mini-batch.
     pub seqs: Tensor,
+    /// The `L` of `seq-mean-token-sum-norm`: the response length rows are padded to at most
+    /// (`data.max_response_length`). `None` takes the loss matrix's width; a learner that runs
+    /// rows padded to a shorter length bucket sets the full length here, so the loss does not
+    /// depend on the bucket.
+    pub response_len: Option<f64>,
 }
 
 impl Normalizer {
@@ -32,6 +37,7 @@ impl Normalizer {
         Normalizer {
             tokens: mask.sum_all(),
             seqs: mask.graph().scalar(seqs, mask.dtype()),
+            response_len: None,
         }
     }
 }
@@ -50,7 +56,7 @@ pub fn masked_token_mean(x: &Tensor, mask: &Tensor, norm: &Normalizer) -> Tensor
 
 /// VeRL `agg_loss(loss_mat, loss_mask, loss_agg_mode)` (core_algos.py), for a micro-batch of a
 /// mini-batch of `norm.tokens` tokens and `norm.seqs` sequences; `L` is the padded response
-/// length (`loss_mask.shape[-1]`):
+/// length (`norm.response_len`, else `loss_mask.shape[-1]`):
 ///
 /// - `token-mean`: `sum(l * m) / (tokens + 1e-8)`;
 /// - `seq-mean-token-sum`: `sum_i sum_t(l * m) / seqs`;
@@ -74,7 +80,7 @@ pub fn agg_loss(loss_mat: &Tensor, mask: &Tensor, mode: LossAggMode, norm: &Norm
             (row_sum / row_count).sum_all() / &norm.seqs
         }
         LossAggMode::SeqMeanTokenSumNorm => {
-            let max_response_length = loss_mat.dim(-1) as f64;
+            let max_response_length = norm.response_len.unwrap_or(loss_mat.dim(-1) as f64);
             masked(loss_mat, mask).sum_all() * (1.0 / max_response_length)
         }
     }

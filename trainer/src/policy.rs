@@ -53,6 +53,16 @@ impl DecoderPolicy {
         self.prompt_len + self.response_len
     }
 
+    /// This policy with `prompt_len` prompt and `response_len` response columns (a length
+    /// bucket; see [`crate::bucket`]): the same model, micro-batch and temperature.
+    pub fn with_lengths(&self, prompt_len: usize, response_len: usize) -> DecoderPolicy {
+        DecoderPolicy {
+            prompt_len,
+            response_len,
+            ..self.clone()
+        }
+    }
+
     /// The trainable parameters, in the model's parameter-table order (Hugging Face names).
     pub fn param_specs(&self) -> Vec<ParamSpec> {
         param_table(&self.config)

@@ -28,6 +28,13 @@
 //! copies (the gradient flows back through the conversion into f32) and the update programs
 //! also return the new bf16 weights for the `logprobs`/rollout programs.
 //!
+//! Length buckets ([`crate::bucket`]): [`build_shape_programs`] builds `train_step`,
+//! `accumulate` and `log_probs` for another batch shape (fewer prompt and response columns);
+//! [`Learner::add_shape`] registers them beside the full shape of [`build_train_programs`].
+//! All shapes share the parameters, optimizer state, accumulators and `apply`, so one
+//! optimizer step may accumulate micro-batches of several shapes; each program compiles on
+//! first use through the client's executable cache and is listed in [`Learner::compile_log`].
+//!
 //! [`StepConfig::parallel`] chooses the device layout ([`crate::sharding`]): `single` builds
 //! single-device programs; `dp` and `fsdp` over `N > 1` devices build the same programs as
 //! SPMD programs on a one-axis mesh (micro-batch rows split; parameters, moments and
@@ -91,7 +98,10 @@ pub struct StepConfig {
     pub compute_dtype: DType,
     /// Sequences per micro-batch (`actor.ppo_micro_batch_size`).
     pub micro_batch_size: i64,
-    /// Padded response length of the bucket.
+    /// The response length rows are padded to at most (`data.max_response_length`): the
+    /// response columns of [`build_train_programs`]' programs and the `L` that
+    /// `seq-mean-token-sum-norm` divides by. Programs for a shorter length bucket
+    /// ([`build_shape_programs`]) keep this `L` in the loss, so the bucket does not change it.
     pub response_len: i64,
     /// `actor.strategy` and `actor.mesh`: single device, data parallel or fully sharded over
     /// devices `0..mesh` of the learner's client (see [`crate::sharding`]). The mesh must be
@@ -226,8 +236,8 @@ fn new_graph(name: &str, mesh: &LearnerMesh) -> Graph {
     g
 }
 
-fn declare_loss_args(g: &Graph, cfg: &StepConfig, mesh: &LearnerMesh) -> LossArgs {
-    let bl = [cfg.micro_batch_size, cfg.response_len];
+fn declare_loss_args(g: &Graph, cfg: &StepConfig, response_len: i64, mesh: &LearnerMesh) -> LossArgs {
+    let bl = [cfg.micro_batch_size, response_len];
     let rows = |name: &str| declare(g, name, DType::F32, &bl, mesh.batch_sharding(2));
     let old = rows("old_log_probs");
     let adv = rows("advantages");
@@ -317,6 +327,7 @@ where
         norm: Normalizer {
             tokens: args.tokens.clone(),
             seqs: args.seqs.clone(),
+            response_len: Some(cfg.response_len as f64),
         },
     };
     let loss = actor_loss(&cfg.loss, &inputs);
@@ -397,19 +408,30 @@ fn batch_args(g: &Graph, inputs: &[InputSpec], mesh: &LearnerMesh) -> Vec<Tensor
         .collect()
 }
 
-/// Builds `train_step`, `accumulate` and `apply` for the policy function `policy(params,
-/// batch)`, which receives the parameters in `cfg.compute_dtype` (in `params` order) and the
-/// batch tensors (in `inputs` order) and returns `[micro_batch_size, response_len]` log-probs
-/// (and entropy). Validates the configuration first.
-pub fn build_train_programs<F>(
-    cfg: &StepConfig,
-    params: &[ParamSpec],
-    inputs: &[InputSpec],
-    policy: F,
-) -> Result<TrainPrograms>
-where
-    F: Fn(&[Tensor], &[Tensor]) -> PolicyOutput,
-{
+/// The programs that depend on the batch shape (one length bucket): `train_step`,
+/// `accumulate` and `log_probs` for micro-batches of `cfg.micro_batch_size` rows with
+/// `response_len` response columns and the policy inputs `batch_inputs`. `apply` and the
+/// parameter gathers do not depend on the shape; [`TrainPrograms`] holds them once.
+#[derive(Clone, Debug)]
+pub struct ShapePrograms {
+    /// Forward + loss + backward + clip + AdamW, one micro-batch = the mini-batch.
+    pub train_step: Program,
+    /// Forward + backward of one micro-batch into donated accumulators.
+    pub accumulate: Program,
+    /// Forward only: per-token log-probs `[micro_batch_size, response_len]`.
+    pub log_probs: Program,
+    /// Response columns of this shape.
+    pub response_len: i64,
+    /// The policy's batch inputs of this shape.
+    pub batch_inputs: Vec<InputSpec>,
+    /// The loss inputs (as [`StepLayout::loss_inputs`]).
+    pub loss_inputs: Vec<&'static str>,
+    /// Devices the programs are partitioned over.
+    pub partitions: usize,
+}
+
+/// Checks what every program of the learner relies on and returns the mesh.
+fn check_step_config(cfg: &StepConfig, params: &[ParamSpec], inputs: &[InputSpec]) -> Result<LearnerMesh> {
     cfg.loss.validate()?;
     cfg.optim.validate()?;
     if !matches!(cfg.compute_dtype, DType::F32 | DType::BF16) {
@@ -440,14 +462,37 @@ where
             });
         }
     }
+    Ok(mesh)
+}
+
+/// Builds the shape-dependent programs ([`ShapePrograms`]) for micro-batches whose policy
+/// inputs are `inputs` and whose per-token tensors have `response_len` columns (a length
+/// bucket at most `cfg.response_len`), for the policy function `policy(params, batch)` as in
+/// [`build_train_programs`]. Register them with [`Learner::add_shape`].
+pub fn build_shape_programs<F>(
+    cfg: &StepConfig,
+    params: &[ParamSpec],
+    inputs: &[InputSpec],
+    response_len: i64,
+    policy: F,
+) -> Result<ShapePrograms>
+where
+    F: Fn(&[Tensor], &[Tensor]) -> PolicyOutput,
+{
+    let mesh = check_step_config(cfg, params, inputs)?;
+    if response_len < 1 || response_len > cfg.response_len {
+        return Err(TrainerError::Config {
+            key: "data.max_response_length",
+            value: cfg.response_len.to_string(),
+            message: format!(
+                "a length bucket of {response_len} response columns is outside 1..={}; buckets \
+                 never exceed the configured response length",
+                cfg.response_len
+            ),
+        });
+    }
     let n = params.len();
-    let layout = StepLayout {
-        num_params: n,
-        loss_inputs: loss_input_names(&cfg.loss),
-        batch_inputs: inputs.to_vec(),
-        bf16_outputs: cfg.compute_dtype != DType::F32,
-    };
-    let bf16 = layout.bf16_outputs;
+    let bf16 = cfg.compute_dtype != DType::F32;
 
     // ---- train_step ----
     let g = new_graph("train_step", &mesh);
@@ -456,7 +501,7 @@ where
     let v = declare_params(&g, params, "adam_v.", &mesh);
     let step = g.parameter("step", DType::I32, &[]);
     let lr = g.parameter("lr", DType::F32, &[]);
-    let args = declare_loss_args(&g, cfg, &mesh);
+    let args = declare_loss_args(&g, cfg, response_len, &mesh);
     let batch = batch_args(&g, inputs, &mesh);
     let (loss, grads) =
         trace_loss_and_grads(cfg, &masters, &args, &batch, &policy).map_err(graph_err("train_step"))?;
@@ -478,7 +523,7 @@ where
     let acc = declare_params(&g, params, "grad_acc.", &mesh);
     let metric_acc = g.parameter("metric_acc", DType::F32, &[NUM_SUMMED_METRICS as i64]);
     let masters = declare_params(&g, params, "", &mesh);
-    let args = declare_loss_args(&g, cfg, &mesh);
+    let args = declare_loss_args(&g, cfg, response_len, &mesh);
     let batch = batch_args(&g, inputs, &mesh);
     let (loss, grads) =
         trace_loss_and_grads(cfg, &masters, &args, &batch, &policy).map_err(graph_err("accumulate"))?;
@@ -494,6 +539,60 @@ where
             &build_options(&donate, param_result_shardings(params, 0, &mesh)),
         )
         .map_err(graph_err("accumulate"))?;
+
+    // ---- log_probs ----
+    let g = new_graph("log_probs", &mesh);
+    let masters = declare_params(&g, params, "", &mesh);
+    let batch = batch_args(&g, inputs, &mesh);
+    let compute: Vec<Tensor> = masters
+        .iter()
+        .map(|p| p.convert_if_needed(cfg.compute_dtype))
+        .collect();
+    let lp = policy(&compute, &batch).log_probs.convert_if_needed(DType::F32);
+    let log_probs = g.build(&[&lp]).map_err(graph_err("log_probs"))?;
+
+    Ok(ShapePrograms {
+        train_step,
+        accumulate,
+        log_probs,
+        response_len,
+        batch_inputs: inputs.to_vec(),
+        loss_inputs: loss_input_names(&cfg.loss),
+        partitions: mesh.devices(),
+    })
+}
+
+/// Builds `train_step`, `accumulate` and `apply` for the policy function `policy(params,
+/// batch)`, which receives the parameters in `cfg.compute_dtype` (in `params` order) and the
+/// batch tensors (in `inputs` order) and returns `[micro_batch_size, response_len]` log-probs
+/// (and entropy). Validates the configuration first. The shape-dependent programs are those of
+/// the full shape (`cfg.response_len` response columns); programs for shorter length buckets
+/// come from [`build_shape_programs`].
+pub fn build_train_programs<F>(
+    cfg: &StepConfig,
+    params: &[ParamSpec],
+    inputs: &[InputSpec],
+    policy: F,
+) -> Result<TrainPrograms>
+where
+    F: Fn(&[Tensor], &[Tensor]) -> PolicyOutput,
+{
+    let shape = build_shape_programs(cfg, params, inputs, cfg.response_len, &policy)?;
+    let mesh = LearnerMesh::new(&cfg.parallel, cfg.micro_batch_size)?;
+    let n = params.len();
+    let layout = StepLayout {
+        num_params: n,
+        loss_inputs: shape.loss_inputs.clone(),
+        batch_inputs: inputs.to_vec(),
+        bf16_outputs: cfg.compute_dtype != DType::F32,
+    };
+    let bf16 = layout.bf16_outputs;
+    let ShapePrograms {
+        train_step,
+        accumulate,
+        log_probs,
+        ..
+    } = shape;
 
     // ---- apply ----
     let g = new_graph("apply", &mesh);
@@ -526,17 +625,6 @@ where
     let apply = g
         .build_with(&refs, &build_options(&donate, shardings))
         .map_err(graph_err("apply"))?;
-
-    // ---- log_probs ----
-    let g = new_graph("log_probs", &mesh);
-    let masters = declare_params(&g, params, "", &mesh);
-    let batch = batch_args(&g, inputs, &mesh);
-    let compute: Vec<Tensor> = masters
-        .iter()
-        .map(|p| p.convert_if_needed(cfg.compute_dtype))
-        .collect();
-    let lp = policy(&compute, &batch).log_probs.convert_if_needed(DType::F32);
-    let log_probs = g.build(&[&lp]).map_err(graph_err("log_probs"))?;
 
     // ---- gather_params (fsdp over several devices) ----
     let mut gather_params = Vec::new();
@@ -572,6 +660,17 @@ where
 pub struct MicroBatch {
     /// `per_device[d]`: device `d`'s buffers.
     pub per_device: Vec<Vec<Buffer>>,
+    /// The [`Learner`] shape (length bucket) the buffers were uploaded for: 0 is the full
+    /// shape of [`build_train_programs`], others come from [`Learner::add_shape`].
+    pub shape: usize,
+}
+
+/// The shape-dependent programs of a [`Learner`] shape.
+#[derive(Clone, Copy, Debug)]
+enum ShapeProgram {
+    TrainStep,
+    Accumulate,
+    LogProbs,
 }
 
 /// A batch input on the host.
@@ -684,12 +783,13 @@ pub struct Learner {
     /// The layout of each parameter (also of its moments and accumulator).
     param_shardings: Vec<Option<Sharding>>,
     param_dims: Vec<Vec<i64>>,
-    response_len: i64,
     micro_batch_size: i64,
-    train_step: Option<Executable>,
-    accumulate: Option<Executable>,
+    /// The batch shapes (length buckets) the learner runs: 0 is the full shape of its
+    /// [`TrainPrograms`], the others were added with [`Learner::add_shape`].
+    shapes: Vec<ShapeSlot>,
     apply: Option<Executable>,
-    log_probs: Option<Executable>,
+    /// Every program load (compile or executable-cache hit), in order.
+    compiles: Vec<CompileRecord>,
     gather: Vec<Option<Executable>>,
     /// Frozen reference parameters (f32), when set: `[device][parameter]`.
     reference: Option<Vec<Vec<Buffer>>>,
@@ -707,6 +807,38 @@ pub struct Learner {
     gathered: Option<Arc<[Buffer]>>,
     guard: NonFiniteGuard,
     attempted_steps: u64,
+}
+
+/// The programs of one batch shape and their executables, compiled on first use.
+struct ShapeSlot {
+    programs: ShapePrograms,
+    train_step: Option<Executable>,
+    accumulate: Option<Executable>,
+    log_probs: Option<Executable>,
+}
+
+impl ShapeSlot {
+    fn new(programs: ShapePrograms) -> ShapeSlot {
+        ShapeSlot {
+            programs,
+            train_step: None,
+            accumulate: None,
+            log_probs: None,
+        }
+    }
+}
+
+/// One program the learner loaded: compiled, or taken from the client's executable cache
+/// (in memory or on disk; see `xla::runtime::ExecutableCache`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct CompileRecord {
+    /// `train_step`, `accumulate`, `apply`, `log_probs` or `gather_params`.
+    pub program: String,
+    /// The learner shape it belongs to (`None` for the shape-independent `apply` and
+    /// `gather_params`).
+    pub shape: Option<usize>,
+    /// Wall time of the load, in seconds.
+    pub seconds: f64,
 }
 
 /// Uploads a whole host array as one buffer per device: device `d`'s shard under `sharding`
@@ -931,12 +1063,18 @@ impl Learner {
             client: client.clone(),
             param_shardings,
             param_dims: params.iter().map(|p| p.dims.clone()).collect(),
-            response_len: cfg.response_len,
             micro_batch_size: cfg.micro_batch_size,
-            train_step: None,
-            accumulate: None,
+            shapes: vec![ShapeSlot::new(ShapePrograms {
+                train_step: programs.train_step.clone(),
+                accumulate: programs.accumulate.clone(),
+                log_probs: programs.log_probs.clone(),
+                response_len: cfg.response_len,
+                batch_inputs: programs.layout.batch_inputs.clone(),
+                loss_inputs: programs.layout.loss_inputs.clone(),
+                partitions: devices,
+            })],
             apply: None,
-            log_probs: None,
+            compiles: Vec::new(),
             gather: programs.gather_params.iter().map(|_| None).collect(),
             reference: None,
             params: uploaded_params,
@@ -988,6 +1126,14 @@ impl Learner {
         &self.params[device]
     }
 
+    /// Every device's f32 master parameter buffers, `[device][parameter]` (whole replicas, or
+    /// shards laid out as [`Learner::mesh`] says under `fsdp`), shared, not copied: the next
+    /// [`Learner::step`] donates them, so take new ones after each step. For an on-device
+    /// handoff to a rollout engine on the same devices.
+    pub fn shared_device_params(&self) -> Vec<Arc<[Buffer]>> {
+        self.params.clone()
+    }
+
     /// The bf16 parameters from the last update on device 0 (None before the first update or
     /// in f32); shards under `fsdp` over several devices.
     pub fn compute_params(&self) -> Option<&[Buffer]> {
@@ -1025,7 +1171,13 @@ impl Learner {
         // gather_params[0] takes f32, gather_params[1] the compute dtype.
         let which = usize::from(dtype);
         let program = &self.programs.gather_params[which];
-        Self::exe(&mut self.gather[which], program, &self.client)?;
+        Self::exe(
+            &mut self.gather[which],
+            program,
+            &self.client,
+            &mut self.compiles,
+            None,
+        )?;
         let args: Vec<Vec<&Buffer>> = source.iter().map(|p| p.iter().collect()).collect();
         let mut out = run(
             self.gather[which].as_ref().expect("compiled"),
@@ -1102,10 +1254,17 @@ impl Learner {
     /// The per-token log-probs `[micro_batch_size * response_len]` of one micro-batch's
     /// policy inputs (in [`StepLayout::batch_inputs`] order) under the current parameters, or
     /// under the reference parameters when `reference` (see [`Learner::set_reference`]).
-    /// Nothing is updated.
+    /// Nothing is updated. The full shape (0); see [`Learner::log_probs_in`].
     pub fn log_probs(&mut self, inputs: &[HostArray], reference: bool) -> Result<Vec<f32>> {
-        let specs = self.programs.layout.batch_inputs.clone();
+        self.log_probs_in(0, inputs, reference)
+    }
+
+    /// [`Learner::log_probs`] for inputs of shape `shape` (from [`Learner::add_shape`]): the
+    /// result has that shape's `micro_batch_size * response_len` values.
+    pub fn log_probs_in(&mut self, shape: usize, inputs: &[HostArray], reference: bool) -> Result<Vec<f32>> {
         let err = |message: String| TrainerError::Batch { index: 0, message };
+        self.check_shape(shape, 0)?;
+        let specs = self.shapes[shape].programs.batch_inputs.clone();
         if inputs.len() != specs.len() {
             return Err(err(format!(
                 "{} policy inputs given; the policy takes {}",
@@ -1127,7 +1286,7 @@ impl Learner {
             }
         }
         let batch = by_device(batch, self.devices());
-        Self::exe(&mut self.log_probs, &self.programs.log_probs, &self.client)?;
+        self.compile_shape(shape, ShapeProgram::LogProbs)?;
         let params: Vec<&[Buffer]> = if reference {
             self.reference
                 .as_ref()
@@ -1145,16 +1304,31 @@ impl Learner {
             .zip(&batch)
             .map(|(p, b)| p.iter().chain(b.iter()).collect())
             .collect();
-        let out = run(self.log_probs.as_ref().expect("compiled"), &args, "log_probs")?;
+        let exe = self.shapes[shape].log_probs.as_ref().expect("compiled");
+        let out = run(exe, &args, "log_probs")?;
         // The result is replicated: device 0 holds all rows.
         out[0][0].to_host::<f32>().map_err(rt("reading log_probs"))
     }
 
     /// Uploads a host micro-batch, checking every array against the layout; its rows are split
-    /// over the devices of the mesh.
+    /// over the devices of the mesh. The full shape (0); see [`Learner::upload_micro_batch_in`].
     pub fn upload_micro_batch(&self, index: usize, mb: &MicroBatchHost) -> Result<MicroBatch> {
-        let n_tok = (self.micro_batch_size * self.response_len) as usize;
-        let bl = [self.micro_batch_size, self.response_len];
+        self.upload_micro_batch_in(0, index, mb)
+    }
+
+    /// [`Learner::upload_micro_batch`] for shape `shape` (from [`Learner::add_shape`]): the
+    /// per-token arrays have that shape's `response_len` columns and the policy inputs its
+    /// dimensions.
+    pub fn upload_micro_batch_in(
+        &self,
+        shape: usize,
+        index: usize,
+        mb: &MicroBatchHost,
+    ) -> Result<MicroBatch> {
+        self.check_shape(shape, index)?;
+        let response_len = self.shapes[shape].programs.response_len;
+        let n_tok = (self.micro_batch_size * response_len) as usize;
+        let bl = [self.micro_batch_size, response_len];
         let devices = self.devices();
         let rows = self.programs.mesh.batch_sharding(2);
         let err = |message: String| TrainerError::Batch { index, message };
@@ -1202,7 +1376,7 @@ impl Learner {
                 )?),
             }
         }
-        let specs = &self.programs.layout.batch_inputs;
+        let specs = &self.shapes[shape].programs.batch_inputs;
         if mb.inputs.len() != specs.len() {
             return Err(err(format!(
                 "{} batch inputs given; the policy takes {} ({})",
@@ -1234,18 +1408,116 @@ impl Learner {
         }
         Ok(MicroBatch {
             per_device: by_device(per_tensor, devices),
+            shape,
         })
     }
 
-    fn exe(slot: &mut Option<Executable>, program: &Program, client: &Client) -> Result<()> {
+    fn check_shape(&self, shape: usize, index: usize) -> Result<()> {
+        if shape >= self.shapes.len() {
+            return Err(TrainerError::Batch {
+                index,
+                message: format!(
+                    "shape {shape} was never added to this learner (it has {}); register its \
+                     programs with Learner::add_shape first",
+                    self.shapes.len()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Loads `program` into `slot` unless it is there (through the client's executable cache,
+    /// so a shape seen by an earlier learner or run is not compiled again) and records it.
+    fn exe(
+        slot: &mut Option<Executable>,
+        program: &Program,
+        client: &Client,
+        compiles: &mut Vec<CompileRecord>,
+        shape: Option<usize>,
+    ) -> Result<()> {
         if slot.is_none() {
+            let started = std::time::Instant::now();
             *slot = Some(
                 program
                     .compile(client)
                     .map_err(rt(format!("compiling {}", program.name())))?,
             );
+            compiles.push(CompileRecord {
+                program: program.name().to_string(),
+                shape,
+                seconds: started.elapsed().as_secs_f64(),
+            });
         }
         Ok(())
+    }
+
+    fn compile_shape(&mut self, shape: usize, which: ShapeProgram) -> Result<()> {
+        let slot = &mut self.shapes[shape];
+        let (exe, program) = match which {
+            ShapeProgram::TrainStep => (&mut slot.train_step, &slot.programs.train_step),
+            ShapeProgram::Accumulate => (&mut slot.accumulate, &slot.programs.accumulate),
+            ShapeProgram::LogProbs => (&mut slot.log_probs, &slot.programs.log_probs),
+        };
+        Self::exe(exe, program, &self.client, &mut self.compiles, Some(shape))
+    }
+
+    /// Registers the programs of another batch shape (a length bucket, from
+    /// [`build_shape_programs`] with this learner's configuration and parameter table) and
+    /// returns its shape index for [`Learner::log_probs_in`] and
+    /// [`Learner::upload_micro_batch_in`]. The parameters, optimizer state, accumulators and
+    /// the `apply` program are shared by all shapes; the shape's programs compile on first use.
+    pub fn add_shape(&mut self, programs: ShapePrograms) -> Result<usize> {
+        let layout = &self.programs.layout;
+        let mismatch = |message: String| TrainerError::Config {
+            key: "actor.length_bucket",
+            value: format!("{} response columns", programs.response_len),
+            message,
+        };
+        if programs.loss_inputs != layout.loss_inputs {
+            return Err(mismatch(format!(
+                "the shape's programs take the loss inputs {:?}; this learner's take {:?} (build \
+                 them with the learner's StepConfig)",
+                programs.loss_inputs, layout.loss_inputs
+            )));
+        }
+        if programs.partitions != self.devices() {
+            return Err(mismatch(format!(
+                "the shape's programs span {} device(s); this learner runs on {}",
+                programs.partitions,
+                self.devices()
+            )));
+        }
+        let same_inputs = programs.batch_inputs.len() == layout.batch_inputs.len()
+            && programs
+                .batch_inputs
+                .iter()
+                .zip(&layout.batch_inputs)
+                .all(|(a, b)| a.dtype == b.dtype && a.dims.len() == b.dims.len());
+        if !same_inputs {
+            return Err(mismatch(format!(
+                "the shape's policy inputs {:?} do not match this learner's {:?} in number, type \
+                 or rank",
+                programs.batch_inputs, layout.batch_inputs
+            )));
+        }
+        self.shapes.push(ShapeSlot::new(programs));
+        Ok(self.shapes.len() - 1)
+    }
+
+    /// Shapes registered so far (1 + the [`Learner::add_shape`] calls).
+    pub fn num_shapes(&self) -> usize {
+        self.shapes.len()
+    }
+
+    /// The response columns of shape `shape`, if registered.
+    pub fn shape_response_len(&self, shape: usize) -> Option<i64> {
+        self.shapes.get(shape).map(|s| s.programs.response_len)
+    }
+
+    /// Every program this learner loaded so far (compiled or from the executable cache), in
+    /// order; each program of each shape appears at most once.
+    pub fn compile_log(&self) -> &[CompileRecord] {
+        &self.compiles
     }
 
     /// One optimizer step over a mini-batch given as micro-batches (all normalised with the
@@ -1258,7 +1530,13 @@ impl Learner {
         let n = layout.num_params;
         let devices = self.devices();
         for (i, mb) in micro_batches.iter().enumerate() {
-            let message = if mb.per_device.len() != devices {
+            let message = if mb.shape >= self.shapes.len() {
+                Some(format!(
+                    "uploaded for shape {}, which this learner does not have ({} shapes)",
+                    mb.shape,
+                    self.shapes.len()
+                ))
+            } else if mb.per_device.len() != devices {
                 Some(format!(
                     "uploaded for {} device(s); this learner runs on {devices}",
                     mb.per_device.len()
@@ -1292,7 +1570,7 @@ impl Learner {
                 })
             }
             [only] => {
-                Self::exe(&mut self.train_step, &self.programs.train_step, &self.client)?;
+                self.compile_shape(only.shape, ShapeProgram::TrainStep)?;
                 let args: Vec<Vec<&Buffer>> = (0..devices)
                     .map(|d| {
                         let mut args: Vec<&Buffer> = Vec::new();
@@ -1305,11 +1583,20 @@ impl Learner {
                         args
                     })
                     .collect();
-                run(self.train_step.as_ref().expect("compiled"), &args, "train_step")?
+                let exe = self.shapes[only.shape].train_step.as_ref().expect("compiled");
+                run(exe, &args, "train_step")?
             }
             many => {
-                Self::exe(&mut self.accumulate, &self.programs.accumulate, &self.client)?;
-                Self::exe(&mut self.apply, &self.programs.apply, &self.client)?;
+                for mb in many {
+                    self.compile_shape(mb.shape, ShapeProgram::Accumulate)?;
+                }
+                Self::exe(
+                    &mut self.apply,
+                    &self.programs.apply,
+                    &self.client,
+                    &mut self.compiles,
+                    None,
+                )?;
                 for mb in many {
                     let args: Vec<Vec<&Buffer>> = (0..devices)
                         .map(|d| {
@@ -1321,7 +1608,8 @@ impl Learner {
                             args
                         })
                         .collect();
-                    let out = run(self.accumulate.as_ref().expect("compiled"), &args, "accumulate")?;
+                    let exe = self.shapes[mb.shape].accumulate.as_ref().expect("compiled");
+                    let out = run(exe, &args, "accumulate")?;
                     drop(args);
                     self.metric_acc.clear();
                     self.grad_acc.clear();

@@ -127,6 +127,7 @@ fn agg_loss_with_a_mini_batch_normaliser_adds_up_over_micro_batches() {
                     let norm = Normalizer {
                         tokens: g.scalar(TOKENS, xla::DType::F64),
                         seqs: g.scalar(3.0, xla::DType::F64),
+                        response_len: None,
                     };
                     vec![agg_loss(&x[0], &x[1], mode, &norm)]
                 },

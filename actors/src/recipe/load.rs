@@ -392,13 +392,16 @@ fn closest<'a>(word: &str, candidates: impl Iterator<Item = &'a str>) -> Option<
 
 /// The closest valid key: first among the siblings of the unknown key, then anywhere (a key
 /// placed in the wrong section, such as `rollout.clip_ratio_low`).
+/// Keys inside list entries (`cluster.pools[2].nme`) are matched against the documented
+/// `cluster.pools[].name` and suggested with their index (`cluster.pools[2].name`).
 fn suggest_key(key: &str, parent: &str, name: &str) -> Option<String> {
     let all = Recipe::all_keys();
+    let generic_parent = without_indices(parent);
     let siblings: Vec<&str> = all
         .iter()
         .filter_map(|k| {
             let (p, n) = k.rsplit_once('.').unwrap_or(("", k.as_str()));
-            (p == parent).then_some(n)
+            (p == generic_parent).then_some(n)
         })
         .collect();
     if let Some(s) = closest(name, siblings.into_iter()) {
@@ -414,36 +417,106 @@ fn suggest_key(key: &str, parent: &str, name: &str) -> Option<String> {
     closest(key, all.iter().map(String::as_str))
 }
 
+/// `cluster.pools[2].roles` -> `cluster.pools[].roles`.
+fn without_indices(key: &str) -> String {
+    let mut out = String::with_capacity(key.len());
+    let mut in_brackets = false;
+    for c in key.chars() {
+        match c {
+            '[' => {
+                in_brackets = true;
+                out.push(c);
+            }
+            ']' => {
+                in_brackets = false;
+                out.push(c);
+            }
+            _ if in_brackets => {}
+            _ => out.push(c),
+        }
+    }
+    out
+}
+
 fn example_for(key: &str) -> Option<&'static str> {
     match key {
         "model" => Some("model: {path: models/SmolLM2-135M-Instruct.Q4_1.gguf}"),
         "model.path" => Some("path: models/SmolLM2-135M-Instruct.Q4_1.gguf"),
         "data" => Some("data: {train_files: data/train.parquet}"),
         "data.train_files" => Some("train_files: data/train.parquet"),
+        "cluster.ray.address" => Some("address: http://127.0.0.1:8265"),
+        _ if key.starts_with("cluster.pools[") && key.ends_with("].name") => Some("name: cpu-reward"),
+        _ if key.starts_with("cluster.pools[") && key.ends_with("].roles") => Some("roles: [reward]"),
         _ => None,
     }
 }
 
 /// The 1-based line and column of a dotted key in block-style YAML text, if it is written there.
+/// List entries are addressed by index: `cluster.pools[1].workers` is the `workers:` key of the
+/// second `- ` entry under `cluster.pools`, and `cluster.pools[1]` is that entry's dash.
 pub(crate) fn locate_key(text: &str, key: &str) -> Option<(usize, usize)> {
-    let target: Vec<&str> = key.split('.').collect();
-    let mut stack: Vec<(usize, String)> = Vec::new();
+    #[derive(PartialEq)]
+    enum Part {
+        Key(String),
+        Index(usize),
+    }
+    let mut target = Vec::new();
+    for segment in key.split('.') {
+        let mut pieces = segment.split('[');
+        target.push(Part::Key(pieces.next().unwrap_or_default().to_string()));
+        for index in pieces {
+            target.push(Part::Index(index.trim_end_matches(']').parse().ok()?));
+        }
+    }
+    // The open keys and list entries above the current line: (indent, what, entries seen so far
+    // in the list it holds).
+    let mut stack: Vec<(usize, Part, usize)> = Vec::new();
+    let matches = |stack: &[(usize, Part, usize)]| {
+        stack.len() == target.len() && stack.iter().zip(&target).all(|((_, a, _), b)| a == b)
+    };
     for (i, line) in text.lines().enumerate() {
         let content = line.split(" #").next().unwrap_or("");
-        let trimmed = content.trim_start();
-        if trimmed.is_empty() || trimmed.starts_with('#') || trimmed.starts_with('-') {
+        let mut trimmed = content.trim_start();
+        if trimmed.is_empty() || trimmed.starts_with('#') {
             continue;
         }
-        let indent = content.len() - trimmed.len();
+        let mut indent = content.len() - trimmed.len();
+        // A list entry: `- key: value` (or `- value`), possibly several dashes deep.
+        while let Some(rest) = trimmed
+            .strip_prefix('-')
+            .filter(|r| r.is_empty() || r.starts_with(' '))
+        {
+            // The entry belongs to the nearest open key at this indent or less (YAML lets a
+            // list sit at its key's own indent); entries of the same list end here.
+            while stack.last().is_some_and(|(ind, part, _)| {
+                *ind > indent || (*ind == indent && matches!(part, Part::Index(_)))
+            }) {
+                stack.pop();
+            }
+            let index = match stack.last_mut() {
+                Some((_, _, seen)) => {
+                    *seen += 1;
+                    *seen - 1
+                }
+                None => return None,
+            };
+            stack.push((indent, Part::Index(index), 0));
+            if matches(&stack) {
+                return Some((i + 1, indent + 1));
+            }
+            let inner = rest.trim_start();
+            indent += 1 + (rest.len() - inner.len());
+            trimmed = inner;
+        }
         let Some((name, _)) = trimmed.split_once(':') else {
             continue;
         };
         let name = name.trim().trim_matches(|c| c == '"' || c == '\'');
-        while stack.last().is_some_and(|(ind, _)| *ind >= indent) {
+        while stack.last().is_some_and(|(ind, _, _)| *ind >= indent) {
             stack.pop();
         }
-        stack.push((indent, name.to_string()));
-        if stack.len() == target.len() && stack.iter().zip(&target).all(|((_, a), b)| a == b) {
+        stack.push((indent, Part::Key(name.to_string()), 0));
+        if matches(&stack) {
             return Some((i + 1, indent + 1));
         }
     }
@@ -582,5 +655,67 @@ mod tests {
         assert_eq!(locate_key(text, "actor.optim.lr"), Some((6, 5)));
         assert_eq!(locate_key(text, "actor.clip_ratio_low"), Some((7, 3)));
         assert_eq!(locate_key(text, "rollout.n"), None);
+    }
+
+    #[test]
+    fn keys_in_list_entries_are_located_by_index() {
+        let text = "cluster:\n  pools:\n    - name: a\n      roles: [rollout]\n    - name: b\n      \
+                    resources:\n        TPU: 4\n  ray:\n    address: x\n";
+        assert_eq!(locate_key(text, "cluster.pools[0].name"), Some((3, 7)));
+        assert_eq!(locate_key(text, "cluster.pools[0].roles"), Some((4, 7)));
+        assert_eq!(locate_key(text, "cluster.pools[1]"), Some((5, 5)));
+        assert_eq!(locate_key(text, "cluster.pools[1].name"), Some((5, 7)));
+        assert_eq!(locate_key(text, "cluster.pools[1].resources.TPU"), Some((7, 9)));
+        assert_eq!(locate_key(text, "cluster.pools[2]"), None);
+        assert_eq!(locate_key(text, "cluster.ray.address"), Some((9, 5)));
+        // A list at its key's own indent.
+        let text = "cluster:\n  pools:\n  - name: a\n  - name: b\n    workers: 2\n  launcher: ray\n";
+        assert_eq!(locate_key(text, "cluster.pools[1].workers"), Some((5, 5)));
+        assert_eq!(locate_key(text, "cluster.launcher"), Some((6, 3)));
+    }
+
+    #[test]
+    fn unknown_keys_in_list_entries_suggest_the_entry_key() {
+        let m = err(&format!(
+            "{MINIMAL}cluster:\n  launcher: ray\n  pools:\n    - name: a\n      roles: [reward]\n      wokers: 2\n"
+        ));
+        assert_eq!(
+            m,
+            "r.yaml:10:7: unknown key `cluster.pools[0].wokers`; did you mean `cluster.pools[0].workers`?"
+        );
+        let m = err(&format!("{MINIMAL}cluster:\n  ray:\n    adress: http://h:8265\n"));
+        assert_eq!(
+            m,
+            "r.yaml:7:5: unknown key `cluster.ray.adress`; did you mean `cluster.ray.address`?"
+        );
+    }
+
+    #[test]
+    fn pool_devices_and_roles_are_checked_when_read() {
+        let pool = |fields: &str| format!("{MINIMAL}cluster:\n  pools:\n    - {{name: a, {fields}}}\n");
+        let m = err(&pool("roles: [reward], device: gpux"));
+        assert!(
+            m.contains("`cluster.pools[0].device` must be one of `cpu`, `cuda`, `gpu`, `tpu`, but found `gpux`; did you mean `gpu`?"),
+            "{m}"
+        );
+        let m = err(&pool("roles: [rollouts]"));
+        assert!(
+            m.contains("`cluster.pools[0].roles[0]` must be one of `reward`, `rollout`, `learner`, but found `rollouts`; did you mean `rollout`?"),
+            "{m}"
+        );
+        let m = err(&pool("workers: 2"));
+        assert_eq!(
+            m,
+            "r.yaml: missing required key `cluster.pools[0].roles`: add it under `cluster.pools[0]:` (for example `roles: [reward]`)"
+        );
+        let r = load_recipe_str(&pool("roles: [rollout], device: cuda"), "r.yaml").unwrap();
+        assert_eq!(r.cluster.pools[0].device, super::super::PoolDevice::Gpu);
+        let m = err(&format!(
+            "{MINIMAL}cluster:\n  ray:\n    address: a\n    runtime_env: [pip]\n"
+        ));
+        assert!(
+            m.starts_with("r.yaml:8:18: `cluster.ray.runtime_env` expects a map"),
+            "{m}"
+        );
     }
 }

@@ -208,6 +208,12 @@ pub struct ActorSection {
     /// Stop the run after this many updates in a row skipped for a non-finite loss or gradient.
     #[serde(default = "default_max_nonfinite")]
     pub max_consecutive_nonfinite: usize,
+    /// Length buckets of the learner: each micro-batch is padded to its longest prompt and its
+    /// longest response, each rounded up to a multiple of this many columns (capped at the
+    /// maximum lengths); 0 pads every row to the full prompt + response length
+    /// (see `trainer::bucket`).
+    #[serde(default = "default_length_bucket")]
+    pub length_bucket: usize,
 }
 
 /// `actor.strategy`: the trainer's own enum (`single`, `dp`, `fsdp`; `single` by default).
@@ -337,7 +343,8 @@ pub struct ClusterSection {
     /// Devices the CPU plugin exposes (its `cpu_device_count`).
     #[serde(default = "default_one_usize")]
     pub cpu_device_count: usize,
-    /// How worker processes are started (`local`: on this host, by the orchestrator).
+    /// How worker processes are started: `local` on this host by the orchestrator, `ray` as jobs
+    /// of an existing Ray cluster (`cluster.ray`, `cluster.pools`).
     #[serde(default)]
     pub launcher: Launcher,
     /// Rollout worker processes to start; 0 runs rollout in the orchestrator's process.
@@ -365,13 +372,135 @@ pub struct ClusterSection {
     /// TLS for worker connections; null means plain TCP.
     #[serde(default)]
     pub tls: Option<TlsSection>,
+    /// The Ray cluster that places the workers (`cluster.launcher: ray` only).
+    #[serde(default)]
+    pub ray: Option<RaySection>,
+    /// Pools of Ray workers: device kind, resources per worker, worker count and roles
+    /// (`cluster.launcher: ray` only). A role served by no pool runs in the orchestrator's process.
+    #[serde(default)]
+    pub pools: Vec<PoolSection>,
 }
 
+/// `cluster.launcher`: how worker processes are started.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum Launcher {
+    /// `grpo worker` processes on this host, started and stopped by the orchestrator.
     #[default]
     Local,
+    /// Ray jobs submitted to an existing Ray cluster (`cluster.ray`), placed by `cluster.pools`.
+    Ray,
+}
+
+impl Launcher {
+    /// `local` or `ray`, as recipes spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Launcher::Local => "local",
+            Launcher::Ray => "ray",
+        }
+    }
+}
+
+/// `cluster.ray`: the Ray cluster the workers are submitted to as jobs.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RaySection {
+    /// The Ray dashboard / Job Submission API address, e.g. `http://127.0.0.1:8265`.
+    pub address: String,
+    /// The address workers dial back to register: the orchestrator binds its registry there
+    /// and advertises it, so it must be reachable from the Ray nodes.
+    #[serde(default = "default_bind_host")]
+    pub orchestrator_host: String,
+    /// Path of the `grpo` binary on the nodes; null means this binary's own path (a shared path).
+    #[serde(default)]
+    pub binary: Option<String>,
+    /// Ray's `runtime_env` for the worker jobs, passed verbatim (any map).
+    #[serde(default)]
+    pub runtime_env: Option<serde_json::Map<String, serde_json::Value>>,
+    /// Times a worker job that failed or disappeared is resubmitted before the run fails.
+    #[serde(default = "default_max_resubmits")]
+    pub max_resubmits: usize,
+    /// Seconds between polls of the workers' job status.
+    #[serde(default = "default_one")]
+    pub poll_interval_s: f64,
+}
+
+/// One entry of `cluster.pools`: `workers` Ray jobs for each role it lists, each asking Ray for
+/// `num_cpus`, `num_gpus` and `resources`, each opening a `device` client.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PoolSection {
+    /// The pool's name (unique; letters, digits, `-`, `_`, `.`).
+    pub name: String,
+    /// The device kind its workers open.
+    #[serde(default)]
+    pub device: PoolDevice,
+    /// The roles it serves; `workers` workers for each.
+    pub roles: Vec<crate::worker::Role>,
+    /// Workers per listed role.
+    #[serde(default = "default_one_usize")]
+    pub workers: usize,
+    /// CPUs each worker asks Ray for (`entrypoint_num_cpus`).
+    #[serde(default = "default_one")]
+    pub num_cpus: f64,
+    /// GPUs each worker asks Ray for (`entrypoint_num_gpus`).
+    #[serde(default)]
+    pub num_gpus: f64,
+    /// Other Ray resources each worker asks for (`entrypoint_resources`), e.g. `{TPU: 4}`.
+    #[serde(default)]
+    pub resources: std::collections::BTreeMap<String, f64>,
+}
+
+/// `cluster.pools[].device`: `cpu`, `gpu` (the CUDA plugin; `cuda` is accepted too) or `tpu`.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum PoolDevice {
+    #[default]
+    Cpu,
+    #[serde(alias = "cuda")]
+    Gpu,
+    Tpu,
+}
+
+impl PoolDevice {
+    /// The device kind (PJRT plugin) the pool's workers open.
+    pub fn kind(self) -> DeviceKind {
+        match self {
+            PoolDevice::Cpu => DeviceKind::Cpu,
+            PoolDevice::Gpu => DeviceKind::Cuda,
+            PoolDevice::Tpu => DeviceKind::Tpu,
+        }
+    }
+
+    /// `cpu`, `gpu` or `tpu`, as pools spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            PoolDevice::Cpu => "cpu",
+            PoolDevice::Gpu => "gpu",
+            PoolDevice::Tpu => "tpu",
+        }
+    }
+}
+
+/// One worker the pools ask for: which pool, which role, and its index among all workers of
+/// that role (counting up across pools). See [`ClusterSection::pool_workers`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PoolWorker<'a> {
+    /// The pool it belongs to.
+    pub pool: &'a PoolSection,
+    /// The role it serves.
+    pub role: crate::worker::Role,
+    /// Its index among the workers of `role`, over all pools.
+    pub index: usize,
+}
+
+impl PoolWorker<'_> {
+    /// The worker id of its `attempt`-th submission (1 for the first): `ROLE-INDEX-aATTEMPT`,
+    /// e.g. `rollout-0-a1`; unique per submission.
+    pub fn worker_id(&self, attempt: usize) -> String {
+        format!("{}-{}-a{attempt}", self.role.name(), self.index)
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -407,6 +536,43 @@ impl ClusterSection {
         (kind == self.device)
             .then_some(self.plugin_path.as_deref())
             .flatten()
+    }
+
+    /// Workers of `role` over all `cluster.pools` (0: the role runs in the orchestrator's
+    /// process).
+    pub fn pool_worker_count(&self, role: crate::worker::Role) -> usize {
+        self.pools
+            .iter()
+            .filter(|p| p.roles.contains(&role))
+            .map(|p| p.workers)
+            .sum()
+    }
+
+    /// Every worker `cluster.pools` asks for, in a stable order: pools in recipe order, within a
+    /// pool its roles in the order listed, `workers` of each; `index` counts up per role across
+    /// pools (a rollout pool of 2 then one of 1 give rollout 0, 1, 2).
+    pub fn pool_workers(&self) -> Vec<PoolWorker<'_>> {
+        let mut next_index: std::collections::HashMap<crate::worker::Role, usize> = Default::default();
+        let mut out = Vec::new();
+        for pool in &self.pools {
+            for &role in &pool.roles {
+                for _ in 0..pool.workers {
+                    let index = next_index.entry(role).or_insert(0);
+                    out.push(PoolWorker {
+                        pool,
+                        role,
+                        index: *index,
+                    });
+                    *index += 1;
+                }
+            }
+        }
+        out
+    }
+
+    /// The pool named `name`, if the recipe has one.
+    pub fn pool(&self, name: &str) -> Option<&PoolSection> {
+        self.pools.iter().find(|p| p.name == name)
     }
 }
 
@@ -500,8 +666,14 @@ fn default_weight_decay() -> f64 {
 fn default_max_nonfinite() -> usize {
     3
 }
+fn default_length_bucket() -> usize {
+    16
+}
 fn default_bind_host() -> String {
     "127.0.0.1".into()
+}
+fn default_max_resubmits() -> usize {
+    3
 }
 fn default_worker_timeout_s() -> f64 {
     10.0
@@ -540,7 +712,8 @@ impl Recipe {
     pub fn all_keys() -> Vec<String> {
         // Optional sections are filled in so that their keys are listed too.
         let example = load_recipe_str(
-            "model: {path: m}\ndata: {train_files: t.parquet}\ncluster: {tls: {cert: c, key: k, ca: a}}\n",
+            "model: {path: m}\ndata: {train_files: t.parquet}\ncluster: {tls: {cert: c, key: k, ca: a}, \
+             ray: {address: a}, pools: [{name: p, roles: [rollout]}]}\n",
             "<keys>",
         )
         .expect("a minimal recipe loads");
@@ -556,7 +729,14 @@ impl Recipe {
     }
 }
 
+/// Collects the dotted keys under `value`; the keys of a list's entries are listed once, as
+/// `list[].key` (e.g. `cluster.pools[].name`).
 fn collect_keys(value: &serde_yaml::Value, prefix: &str, out: &mut Vec<String>) {
+    if let serde_yaml::Value::Sequence(items) = value {
+        if let Some(first) = items.first() {
+            collect_keys(first, &format!("{prefix}[]"), out);
+        }
+    }
     if let serde_yaml::Value::Mapping(map) = value {
         for (k, v) in map {
             let key = k.as_str().unwrap_or_default();
@@ -567,7 +747,13 @@ fn collect_keys(value: &serde_yaml::Value, prefix: &str, out: &mut Vec<String>) 
             };
             out.push(path.clone());
             // Maps whose keys are user data (data sources, scorer names) are documented as one key.
-            if !matches!(path.as_str(), "reward.scorers" | "reward.data_sources") {
+            if !matches!(
+                path.as_str(),
+                "reward.scorers"
+                    | "reward.data_sources"
+                    | "cluster.ray.runtime_env"
+                    | "cluster.pools[].resources"
+            ) {
                 collect_keys(v, &path, out);
             }
         }

@@ -1,7 +1,8 @@
 //! Range and cross-key checks, run before any work starts. Each rule is stated in its message.
 
 use super::load::locate_key;
-use super::{Recipe, Strategy};
+use super::{ClusterSection, Launcher, Recipe, Strategy};
+use crate::worker::Role;
 use std::fmt;
 
 /// One broken rule: the key, its value, the rule, and where the key is written.
@@ -33,15 +34,18 @@ struct Checker<'a> {
 impl Checker<'_> {
     fn check(&mut self, ok: bool, key: &str, value: impl fmt::Display, rule: &str) {
         if !ok {
-            // The last `--set` of a key wins, so it is the one to blame.
-            let set = self
-                .overrides
-                .iter()
-                .rev()
-                .find(|raw| raw.split_once('=').is_some_and(|(k, _)| k.trim() == key));
+            // The last `--set` of a key (or of a section holding it) wins, so it is the one to
+            // blame.
+            let set = self.overrides.iter().rev().find(|raw| {
+                raw.split_once('=').is_some_and(|(k, _)| {
+                    let k = k.trim();
+                    key.strip_prefix(k)
+                        .is_some_and(|rest| rest.is_empty() || rest.starts_with(['.', '[']))
+                })
+            });
             let at = match set {
                 Some(raw) => Some(format!("--set {raw}")),
-                None => locate_key(self.text, key).map(|(l, c)| format!("{}:{l}:{c}", self.file)),
+                None => self.locate(key).map(|(l, c)| format!("{}:{l}:{c}", self.file)),
             };
             self.out.push(Violation {
                 key: key.into(),
@@ -49,6 +53,24 @@ impl Checker<'_> {
                 rule: rule.into(),
                 at,
             });
+        }
+    }
+}
+
+impl Checker<'_> {
+    /// Where `key` is written; for a key inside a list entry written in flow style
+    /// (`- {name: a, workers: 0}`), the entry or the list itself.
+    fn locate(&self, key: &str) -> Option<(usize, usize)> {
+        let mut key = key;
+        loop {
+            if let Some(at) = locate_key(self.text, key) {
+                return Some(at);
+            }
+            if !key.contains('[') {
+                return None;
+            }
+            let cut = key.rfind(['.', '['])?;
+            key = &key[..cut];
         }
     }
 }
@@ -316,6 +338,19 @@ pub(crate) fn validate(r: &Recipe, text: &str, file: &str, overrides: &[String])
             ),
             Some(_) => {}
         }
+        // The in-process rollout runs on the learner's devices with its slots split over them.
+        let colocated = r.cluster.rollout_workers == 0 && r.cluster.learner_workers == 0;
+        if let Some(m) = a.parallelism(&r.cluster).mesh.filter(|m| *m > 1 && colocated) {
+            c.check(
+                r.rollout.max_num_seqs.is_multiple_of(m),
+                "rollout.max_num_seqs",
+                r.rollout.max_num_seqs,
+                &format!(
+                    "must divide by actor.mesh ({m}): the in-process rollout runs on the learner's {m} \
+                     devices and splits its KV-cache slots evenly over them"
+                ),
+            );
+        }
     }
     c.check(
         !(a.use_kl_loss && al.use_kl_in_reward),
@@ -416,7 +451,12 @@ pub(crate) fn validate(r: &Recipe, text: &str, file: &str, overrides: &[String])
         r.cluster.worker_timeout_s,
         "must be a positive number of seconds",
     );
-    if let Some(kind) = r.cluster.rollout_device {
+    check_cluster_launcher(&mut c, &r.cluster);
+    if let Some(kind) = r
+        .cluster
+        .rollout_device
+        .filter(|_| r.cluster.launcher == Launcher::Local)
+    {
         c.check(
             kind == r.cluster.device || r.cluster.rollout_workers > 0,
             "cluster.rollout_device",
@@ -429,7 +469,11 @@ pub(crate) fn validate(r: &Recipe, text: &str, file: &str, overrides: &[String])
             ),
         );
     }
-    if let Some(kind) = r.cluster.learner_device {
+    if let Some(kind) = r
+        .cluster
+        .learner_device
+        .filter(|_| r.cluster.launcher == Launcher::Local)
+    {
         c.check(
             kind == r.cluster.device || r.cluster.learner_workers > 0,
             "cluster.learner_device",
@@ -443,6 +487,232 @@ pub(crate) fn validate(r: &Recipe, text: &str, file: &str, overrides: &[String])
         );
     }
     c.out
+}
+
+/// `cluster.launcher` with `cluster.ray` and `cluster.pools`: which keys go with which launcher,
+/// and the rules of each pool.
+fn check_cluster_launcher(c: &mut Checker<'_>, cluster: &ClusterSection) {
+    match cluster.launcher {
+        Launcher::Local => {
+            c.check(
+                cluster.ray.is_none(),
+                "cluster.ray",
+                "{...}",
+                "applies to `cluster.launcher: ray` only (the launcher is `local`): set \
+                 `cluster.launcher: ray` or remove the section",
+            );
+            c.check(
+                cluster.pools.is_empty(),
+                "cluster.pools",
+                format!(
+                    "[{}]",
+                    cluster
+                        .pools
+                        .iter()
+                        .map(|p| p.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+                "applies to `cluster.launcher: ray` only (the launcher is `local`, which starts \
+                 `cluster.rollout_workers` / `reward_workers` / `learner_workers` on this host): set \
+                 `cluster.launcher: ray` or remove the pools",
+            );
+        }
+        Launcher::Ray => {
+            c.check(
+                cluster.ray.is_some(),
+                "cluster.launcher",
+                "ray",
+                "needs `cluster.ray.address`, the Ray dashboard / Jobs API address (for example \
+                 `ray: {address: http://127.0.0.1:8265}`)",
+            );
+            c.check(
+                !cluster.pools.is_empty(),
+                "cluster.launcher",
+                "ray",
+                "needs at least one pool in `cluster.pools` to place workers in (for example \
+                 `pools: [{name: cpu-reward, device: cpu, roles: [reward], workers: 2}]`)",
+            );
+            if !cluster.pools.is_empty() {
+                for role in [Role::Rollout, Role::Reward, Role::Learner] {
+                    let served = cluster.pool_worker_count(role) > 0;
+                    c.check(
+                        served,
+                        "cluster.pools",
+                        cluster
+                            .pools
+                            .iter()
+                            .map(|p| p.name.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                        &format!(
+                            "has no pool for the `{role}` role: with `cluster.launcher: ray` every \
+                             role runs as Ray jobs, so list `{role}` in the `roles` of a pool (for \
+                             example `{{name: cpu-{role}, device: cpu, roles: [{role}], workers: 1}}`)",
+                            role = role.name()
+                        ),
+                    );
+                }
+            }
+            for (key, count, role) in [
+                ("cluster.rollout_workers", cluster.rollout_workers, "rollout"),
+                ("cluster.reward_workers", cluster.reward_workers, "reward"),
+                ("cluster.learner_workers", cluster.learner_workers, "learner"),
+            ] {
+                c.check(
+                    count == 0,
+                    key,
+                    count,
+                    &format!(
+                        "must be 0 with `cluster.launcher: ray`: the pools say how many workers run \
+                         (`workers` of each pool listing `{role}` in its `roles`)"
+                    ),
+                );
+            }
+            for (key, kind) in [
+                ("cluster.rollout_device", cluster.rollout_device),
+                ("cluster.learner_device", cluster.learner_device),
+            ] {
+                if let Some(kind) = kind {
+                    c.check(
+                        false,
+                        key,
+                        kind.name(),
+                        "applies to `cluster.launcher: local` only: with `ray` each pool's `device` \
+                         says what its workers open; leave the key out",
+                    );
+                }
+            }
+        }
+    }
+    if let Some(ray) = &cluster.ray {
+        c.check(
+            ray.address.starts_with("http://") || ray.address.starts_with("https://"),
+            "cluster.ray.address",
+            format!("{:?}", ray.address),
+            "must be the Ray dashboard's HTTP address, where its Jobs API answers (for example \
+             `http://127.0.0.1:8265`; not a `ray://` client address)",
+        );
+        let host = ray.orchestrator_host.trim_matches(|ch| ch == '[' || ch == ']');
+        let unspecified = host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_unspecified());
+        c.check(
+            !host.is_empty() && !unspecified,
+            "cluster.ray.orchestrator_host",
+            format!("{:?}", ray.orchestrator_host),
+            "must be an address of this host that the Ray nodes can reach (workers dial it to \
+             register), such as its IP or DNS name; not empty, 0.0.0.0 or ::",
+        );
+        c.check(
+            ray.poll_interval_s > 0.0 && ray.poll_interval_s.is_finite(),
+            "cluster.ray.poll_interval_s",
+            ray.poll_interval_s,
+            "must be a positive number of seconds",
+        );
+    }
+
+    let mut learners = 0;
+    for (i, pool) in cluster.pools.iter().enumerate() {
+        let key = |field: &str| format!("cluster.pools[{i}].{field}");
+        let name_ok = !pool.name.is_empty()
+            && pool
+                .name
+                .chars()
+                .all(|ch| ch.is_ascii_alphanumeric() || "-_.".contains(ch));
+        c.check(
+            name_ok,
+            &key("name"),
+            format!("{:?}", pool.name),
+            "must be a non-empty name of letters, digits, `-`, `_` and `.` (it goes on the \
+             workers' command line), e.g. `tpu-rollout`",
+        );
+        if let Some(first) = cluster.pools[..i].iter().position(|p| p.name == pool.name) {
+            c.check(
+                false,
+                &key("name"),
+                format!("{:?}", pool.name),
+                &format!("is already the name of cluster.pools[{first}]; pool names must be unique"),
+            );
+        }
+        c.check(
+            pool.workers >= 1,
+            &key("workers"),
+            pool.workers,
+            "must be at least 1 (workers per listed role); remove the pool to run none",
+        );
+        let roles = format!(
+            "[{}]",
+            pool.roles.iter().map(|r| r.name()).collect::<Vec<_>>().join(", ")
+        );
+        c.check(
+            !pool.roles.is_empty(),
+            &key("roles"),
+            &roles,
+            "must list at least one of `rollout`, `reward`, `learner`",
+        );
+        for (j, role) in pool.roles.iter().enumerate() {
+            if pool.roles[..j].contains(role) {
+                c.check(
+                    false,
+                    &key("roles"),
+                    &roles,
+                    &format!("lists `{}` twice; list each role once", role.name()),
+                );
+            }
+        }
+        if pool.roles.contains(&Role::Learner) {
+            learners += pool.workers;
+            if learners > 1 {
+                let (field, value) = if pool.workers > 1 {
+                    ("workers", pool.workers.to_string())
+                } else {
+                    ("roles", roles.clone())
+                };
+                c.check(
+                    false,
+                    &key(field),
+                    value,
+                    &format!(
+                        "makes {learners} learner workers over all pools; there is at most one (the \
+                         learner is not replicated: list `learner` in one pool with `workers: 1`)"
+                    ),
+                );
+            }
+        }
+        for (field, amount) in [("num_cpus", pool.num_cpus), ("num_gpus", pool.num_gpus)] {
+            c.check(
+                amount >= 0.0 && amount.is_finite(),
+                &key(field),
+                amount,
+                "must be 0 or more",
+            );
+        }
+        for (resource, amount) in &pool.resources {
+            let resource_key = key(&format!("resources.{resource}"));
+            c.check(
+                *amount >= 0.0 && amount.is_finite(),
+                &resource_key,
+                amount,
+                "must be 0 or more",
+            );
+            if let Some(field) = match resource.as_str() {
+                "CPU" => Some("num_cpus"),
+                "GPU" => Some("num_gpus"),
+                _ => None,
+            } {
+                c.check(
+                    false,
+                    &resource_key,
+                    amount,
+                    &format!(
+                        "Ray takes CPUs and GPUs from their own fields: use `cluster.pools[{i}].{field}` \
+                         instead"
+                    ),
+                );
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -480,6 +750,300 @@ mod tests {
             ]
         );
         assert!(violations("cluster:\n  learner_device: cuda\n  learner_workers: 1\n").is_empty());
+    }
+
+    /// A ray cluster section (lines 5-9) followed by `pools` (from line 10); the violations
+    /// other than roles without a pool (see [`roles_without_a_pool`]).
+    fn ray_violations(pools: &str) -> Vec<String> {
+        ray_rules(violations(&format!(
+            "cluster:\n  launcher: ray\n  ray:\n    address: http://127.0.0.1:8265\n  pools:\n{pools}"
+        )))
+    }
+
+    /// `v` without the "has no pool for the ROLE role" violations, for tests of other rules
+    /// whose pools serve only some roles.
+    fn ray_rules(v: Vec<String>) -> Vec<String> {
+        v.into_iter()
+            .filter(|m| !m.contains("has no pool for the"))
+            .collect()
+    }
+
+    #[test]
+    fn roles_without_a_pool() {
+        assert_eq!(
+            violations(
+                "cluster:\n  launcher: ray\n  ray: {address: http://h:8265}\n  pools:\n    \
+                 - {name: tpu, roles: [rollout]}\n    - {name: cpu, roles: [reward]}\n"
+            ),
+            vec![
+                "r.yaml:8:3: `cluster.pools` = tpu, cpu: has no pool for the `learner` role: with \
+                 `cluster.launcher: ray` every role runs as Ray jobs, so list `learner` in the \
+                 `roles` of a pool (for example `{name: cpu-learner, device: cpu, roles: [learner], \
+                 workers: 1}`)"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_ray_cluster_with_pools_is_valid_and_lists_its_workers() {
+        let text = "model:\n  path: m\ndata:\n  train_files: t.parquet\ncluster:\n  launcher: ray\n  \
+                    ray:\n    address: http://127.0.0.1:8265\n  pools:\n    - name: tpu-rollout\n      \
+                    device: tpu\n      roles: [rollout]\n      resources: {TPU: 4}\n    - name: gpu\n      \
+                    device: gpu\n      roles: [rollout, learner]\n      num_gpus: 1\n    - name: cpu\n      \
+                    roles: [reward]\n      workers: 2\n      num_cpus: 0.5\n";
+        let r = load_recipe_str(text, "r.yaml").unwrap();
+        assert!(validate(&r, text, "r.yaml", &[]).is_empty());
+        let c = &r.cluster;
+        assert_eq!(c.launcher, Launcher::Ray);
+        let ray = c.ray.as_ref().unwrap();
+        assert_eq!(
+            (
+                ray.orchestrator_host.as_str(),
+                ray.max_resubmits,
+                ray.poll_interval_s
+            ),
+            ("127.0.0.1", 3, 1.0)
+        );
+        assert_eq!(c.pools[0].device.kind(), super::super::DeviceKind::Tpu);
+        assert_eq!(c.pools[1].device.kind(), super::super::DeviceKind::Cuda);
+        assert_eq!((c.pools[2].device.name(), c.pools[2].num_cpus), ("cpu", 0.5));
+        assert_eq!(c.pools[0].resources.get("TPU"), Some(&4.0));
+        assert_eq!(
+            (c.pools[0].workers, c.pools[0].num_cpus, c.pools[0].num_gpus),
+            (1, 1.0, 0.0)
+        );
+        assert_eq!(c.pool_worker_count(Role::Rollout), 2);
+        assert_eq!(c.pool_worker_count(Role::Reward), 2);
+        assert_eq!(c.pool_worker_count(Role::Learner), 1);
+        let listed: Vec<(&str, &str, usize, String)> = c
+            .pool_workers()
+            .iter()
+            .map(|w| (w.pool.name.as_str(), w.role.name(), w.index, w.worker_id(1)))
+            .collect();
+        let expected = [
+            ("tpu-rollout", "rollout", 0, "rollout-0-a1"),
+            ("gpu", "rollout", 1, "rollout-1-a1"),
+            ("gpu", "learner", 0, "learner-0-a1"),
+            ("cpu", "reward", 0, "reward-0-a1"),
+            ("cpu", "reward", 1, "reward-1-a1"),
+        ];
+        assert_eq!(
+            listed,
+            expected
+                .iter()
+                .map(|(p, r, i, id)| (*p, *r, *i, id.to_string()))
+                .collect::<Vec<_>>()
+        );
+        assert_eq!(c.pool("gpu").map(|p| p.num_gpus), Some(1.0));
+        assert!(c.pool("nope").is_none());
+        // The defaults: no pools, so every role runs in the orchestrator's process.
+        let d = ClusterSection::default();
+        assert_eq!(
+            (d.pool_worker_count(Role::Rollout), d.pool_workers().len()),
+            (0, 0)
+        );
+    }
+
+    #[test]
+    fn the_ray_launcher_needs_its_address_and_pools() {
+        assert_eq!(
+            violations("cluster:\n  launcher: ray\n"),
+            vec![
+                "r.yaml:6:3: `cluster.launcher` = ray: needs `cluster.ray.address`, the Ray dashboard \
+                 / Jobs API address (for example `ray: {address: http://127.0.0.1:8265}`)",
+                "r.yaml:6:3: `cluster.launcher` = ray: needs at least one pool in `cluster.pools` to \
+                 place workers in (for example `pools: [{name: cpu-reward, device: cpu, roles: \
+                 [reward], workers: 2}]`)",
+            ]
+        );
+    }
+
+    #[test]
+    fn ray_keys_are_refused_with_the_local_launcher() {
+        assert_eq!(
+            violations(
+                "cluster:\n  ray:\n    address: http://h:8265\n  pools:\n    - {name: a, roles: [reward]}\n"
+            ),
+            vec![
+                "r.yaml:6:3: `cluster.ray` = {...}: applies to `cluster.launcher: ray` only (the \
+                 launcher is `local`): set `cluster.launcher: ray` or remove the section",
+                "r.yaml:8:3: `cluster.pools` = [a]: applies to `cluster.launcher: ray` only (the \
+                 launcher is `local`, which starts `cluster.rollout_workers` / `reward_workers` / \
+                 `learner_workers` on this host): set `cluster.launcher: ray` or remove the pools",
+            ]
+        );
+    }
+
+    #[test]
+    fn local_worker_counts_and_devices_are_refused_with_ray() {
+        let v = ray_rules(violations(
+            "cluster:\n  launcher: ray\n  ray: {address: http://h:8265}\n  pools: [{name: a, roles: [reward]}]\n  \
+             rollout_workers: 2\n  learner_workers: 1\n  rollout_device: tpu\n",
+        ));
+        assert_eq!(
+            v,
+            vec![
+                "r.yaml:9:3: `cluster.rollout_workers` = 2: must be 0 with `cluster.launcher: ray`: \
+                 the pools say how many workers run (`workers` of each pool listing `rollout` in its \
+                 `roles`)",
+                "r.yaml:10:3: `cluster.learner_workers` = 1: must be 0 with `cluster.launcher: ray`: \
+                 the pools say how many workers run (`workers` of each pool listing `learner` in its \
+                 `roles`)",
+                "r.yaml:11:3: `cluster.rollout_device` = tpu: applies to `cluster.launcher: local` \
+                 only: with `ray` each pool's `device` says what its workers open; leave the key out",
+            ]
+        );
+        let v = ray_rules(violations(
+            "cluster:\n  launcher: ray\n  ray: {address: http://h:8265}\n  pools: [{name: a, roles: [reward]}]\n  \
+             reward_workers: 1\n  learner_device: cuda\n",
+        ));
+        assert_eq!(
+            v,
+            vec![
+                "r.yaml:9:3: `cluster.reward_workers` = 1: must be 0 with `cluster.launcher: ray`: \
+                 the pools say how many workers run (`workers` of each pool listing `reward` in its \
+                 `roles`)",
+                "r.yaml:10:3: `cluster.learner_device` = cuda: applies to `cluster.launcher: local` \
+                 only: with `ray` each pool's `device` says what its workers open; leave the key out",
+            ]
+        );
+    }
+
+    #[test]
+    fn ray_section_values_are_checked() {
+        let v = ray_rules(violations(
+            "cluster:\n  launcher: ray\n  ray:\n    address: ray://h:10001\n    orchestrator_host: 0.0.0.0\n    \
+             poll_interval_s: 0\n  pools: [{name: a, roles: [reward]}]\n",
+        ));
+        assert_eq!(
+            v,
+            vec![
+                "r.yaml:8:5: `cluster.ray.address` = \"ray://h:10001\": must be the Ray dashboard's HTTP \
+                 address, where its Jobs API answers (for example `http://127.0.0.1:8265`; not a \
+                 `ray://` client address)",
+                "r.yaml:9:5: `cluster.ray.orchestrator_host` = \"0.0.0.0\": must be an address of this \
+                 host that the Ray nodes can reach (workers dial it to register), such as its IP or \
+                 DNS name; not empty, 0.0.0.0 or ::",
+                "r.yaml:10:5: `cluster.ray.poll_interval_s` = 0: must be a positive number of seconds",
+            ]
+        );
+        let v = ray_rules(violations(
+            "cluster:\n  launcher: ray\n  ray: {address: 'https://h:8265', orchestrator_host: '[::]'}\n  \
+             pools: [{name: a, roles: [reward]}]\n",
+        ));
+        assert_eq!(v.len(), 1, "{v:?}");
+        // Written in flow style, the key has no line of its own to point at.
+        assert!(
+            v[0].starts_with("`cluster.ray.orchestrator_host` = \"[::]\": must be"),
+            "{v:?}"
+        );
+    }
+
+    #[test]
+    fn pool_names_must_be_unique_and_plain() {
+        assert_eq!(
+            ray_violations(
+                "    - name: a\n      roles: [reward]\n    - name: a\n      roles: [rollout]\n    \
+                 - name: 'tpu pool'\n      roles: [rollout]\n    - name: ''\n      roles: [rollout]\n"
+            ),
+            vec![
+                "r.yaml:12:7: `cluster.pools[1].name` = \"a\": is already the name of cluster.pools[0]; \
+                 pool names must be unique",
+                "r.yaml:14:7: `cluster.pools[2].name` = \"tpu pool\": must be a non-empty name of \
+                 letters, digits, `-`, `_` and `.` (it goes on the workers' command line), e.g. \
+                 `tpu-rollout`",
+                "r.yaml:16:7: `cluster.pools[3].name` = \"\": must be a non-empty name of letters, \
+                 digits, `-`, `_` and `.` (it goes on the workers' command line), e.g. `tpu-rollout`",
+            ]
+        );
+    }
+
+    #[test]
+    fn pool_workers_and_roles_are_checked() {
+        assert_eq!(
+            ray_violations(
+                "    - name: a\n      roles: []\n      workers: 0\n    - name: b\n      roles: [rollout, reward, rollout]\n"
+            ),
+            vec![
+                "r.yaml:12:7: `cluster.pools[0].workers` = 0: must be at least 1 (workers per listed \
+                 role); remove the pool to run none",
+                "r.yaml:11:7: `cluster.pools[0].roles` = []: must list at least one of `rollout`, \
+                 `reward`, `learner`",
+                "r.yaml:14:7: `cluster.pools[1].roles` = [rollout, reward, rollout]: lists `rollout` \
+                 twice; list each role once",
+            ]
+        );
+    }
+
+    #[test]
+    fn at_most_one_learner_worker_over_all_pools() {
+        assert_eq!(
+            ray_violations("    - name: a\n      roles: [learner]\n      workers: 2\n"),
+            vec![
+                "r.yaml:12:7: `cluster.pools[0].workers` = 2: makes 2 learner workers over all pools; \
+                 there is at most one (the learner is not replicated: list `learner` in one pool with \
+                 `workers: 1`)"
+            ]
+        );
+        assert_eq!(
+            ray_violations(
+                "    - name: a\n      roles: [learner]\n    - name: b\n      roles: [reward, learner]\n"
+            ),
+            vec![
+                "r.yaml:13:7: `cluster.pools[1].roles` = [reward, learner]: makes 2 learner workers \
+                 over all pools; there is at most one (the learner is not replicated: list `learner` \
+                 in one pool with `workers: 1`)"
+            ]
+        );
+    }
+
+    #[test]
+    fn pool_resources_must_not_be_negative() {
+        assert_eq!(
+            ray_violations(
+                "    - name: a\n      roles: [rollout]\n      num_cpus: -1\n      num_gpus: -0.5\n      \
+                 resources:\n        TPU: -4\n        GPU: 1\n"
+            ),
+            vec![
+                "r.yaml:12:7: `cluster.pools[0].num_cpus` = -1: must be 0 or more",
+                "r.yaml:13:7: `cluster.pools[0].num_gpus` = -0.5: must be 0 or more",
+                "r.yaml:16:9: `cluster.pools[0].resources.GPU` = 1: Ray takes CPUs and GPUs from their \
+                 own fields: use `cluster.pools[0].num_gpus` instead",
+                "r.yaml:15:9: `cluster.pools[0].resources.TPU` = -4: must be 0 or more",
+            ]
+        );
+        // In flow style the entry's line is named.
+        assert_eq!(
+            ray_violations("    - {name: a, roles: [rollout], resources: {CPU: 2}}\n"),
+            vec![
+                "r.yaml:10:5: `cluster.pools[0].resources.CPU` = 2: Ray takes CPUs and GPUs from \
+                 their own fields: use `cluster.pools[0].num_cpus` instead"
+            ]
+        );
+    }
+
+    #[test]
+    fn pool_values_set_by_an_override_blame_it() {
+        let text = "model:\n  path: m\ndata:\n  train_files: t\n";
+        let set = "cluster.pools=[{name: a, roles: [reward], workers: 0}]".to_string();
+        let r = load_recipe_str(text, "r.yaml").unwrap();
+        let r = super::super::apply_overrides(&r, std::slice::from_ref(&set), "r.yaml").unwrap();
+        let v: Vec<String> = validate(&r, text, "r.yaml", std::slice::from_ref(&set))
+            .iter()
+            .map(|v| v.to_string())
+            .collect();
+        assert_eq!(
+            v,
+            vec![
+                "--set cluster.pools=[{name: a, roles: [reward], workers: 0}]: `cluster.pools` = [a]: \
+                 applies to `cluster.launcher: ray` only (the launcher is `local`, which starts \
+                 `cluster.rollout_workers` / `reward_workers` / `learner_workers` on this host): set \
+                 `cluster.launcher: ray` or remove the pools",
+                "--set cluster.pools=[{name: a, roles: [reward], workers: 0}]: \
+                 `cluster.pools[0].workers` = 0: must be at least 1 (workers per listed role); remove \
+                 the pool to run none",
+            ]
+        );
     }
 
     #[test]
@@ -523,8 +1087,23 @@ mod tests {
             violations("actor:\n  strategy: dp\n  mesh: 3\n"),
             vec![
                 "`actor.ppo_micro_batch_size` = 4: must divide by actor.mesh (3): \
-                 actor.strategy dp splits each micro-batch's rows evenly over the devices"
+                 actor.strategy dp splits each micro-batch's rows evenly over the devices",
+                "`rollout.max_num_seqs` = 64: must divide by actor.mesh (3): the in-process rollout \
+                 runs on the learner's 3 devices and splits its KV-cache slots evenly over them"
             ]
+        );
+        let six_slots = "actor:\n  strategy: fsdp\n  mesh: 4\nrollout:\n  max_num_seqs: 6\n";
+        assert_eq!(
+            violations(six_slots),
+            vec![
+                "r.yaml:9:3: `rollout.max_num_seqs` = 6: must divide by actor.mesh (4): the in-process \
+                 rollout runs on the learner's 4 devices and splits its KV-cache slots evenly over them"
+            ]
+        );
+        // With rollout workers the slots are theirs, on their own devices.
+        assert_eq!(
+            violations(&format!("{six_slots}cluster:\n  rollout_workers: 1\n")),
+            Vec::<String>::new()
         );
         assert_eq!(
             violations("actor:\n  strategy: fsdp\ncluster:\n  cpu_device_count: 8\n"),

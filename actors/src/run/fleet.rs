@@ -128,6 +128,8 @@ pub struct Fleet {
     replaced: AtomicU64,
     /// Workers found dead so far.
     failures: AtomicU64,
+    /// Samples per second of each rollout slot's worker, smoothed over its recent generations.
+    throughput: Mutex<HashMap<usize, f64>>,
 }
 
 type Key = (u64, usize);
@@ -154,6 +156,7 @@ impl Fleet {
             wait_for_workers,
             replaced: AtomicU64::new(0),
             failures: AtomicU64::new(0),
+            throughput: Mutex::new(HashMap::new()),
         }
     }
 
@@ -209,8 +212,45 @@ impl Fleet {
             role.update_weights(update).await?;
         }
         self.replaced.fetch_add(1, Ordering::Relaxed);
+        // A new worker (maybe on another node) is measured afresh.
+        self.throughput
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&index);
         self.rollouts.replace(index, role);
         Ok(())
+    }
+
+    /// Samples per second of each rollout slot measured so far (slots not yet measured absent).
+    pub fn rollout_throughput(&self) -> HashMap<usize, f64> {
+        self.throughput.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Folds one finished generation of `samples` in `took` into slot `index`'s throughput
+    /// (an exponential average, half weight on the newest).
+    fn record_throughput(&self, index: usize, samples: usize, took: std::time::Duration) {
+        let rate = samples as f64 / took.as_secs_f64().max(1e-6);
+        let mut throughput = self.throughput.lock().unwrap_or_else(|e| e.into_inner());
+        let smoothed = throughput.get(&index).map_or(rate, |old| 0.5 * old + 0.5 * rate);
+        throughput.insert(index, smoothed);
+    }
+
+    /// The share weights of `live` rollout workers: their measured throughput; a worker not yet
+    /// measured counts as the mean of those that are (all equal when none is).
+    fn rollout_weights(&self, live: &[(usize, Arc<dyn RolloutRole>)]) -> Vec<f64> {
+        let throughput = self.throughput.lock().unwrap_or_else(|e| e.into_inner());
+        let known: Vec<f64> = live
+            .iter()
+            .filter_map(|(i, _)| throughput.get(i).copied())
+            .collect();
+        let default = if known.is_empty() {
+            1.0
+        } else {
+            known.iter().sum::<f64>() / known.len() as f64
+        };
+        live.iter()
+            .map(|(i, _)| throughput.get(i).copied().unwrap_or(default))
+            .collect()
     }
 
     /// Puts a replacement reward worker in slot `index`.
@@ -275,7 +315,8 @@ impl Fleet {
         let mut stalled_since: Option<Instant> = None;
         let mut ticker = tokio::time::interval(std::time::Duration::from_millis(100));
 
-        let mut gens: JoinSet<(usize, Vec<u64>, Result<(), RoleError>)> = JoinSet::new();
+        type GenDone = (usize, Vec<u64>, Result<(usize, std::time::Duration), RoleError>);
+        let mut gens: JoinSet<GenDone> = JoinSet::new();
         type RewardDone = (
             usize,
             Vec<(u64, Key)>,
@@ -290,14 +331,23 @@ impl Fleet {
             if !waiting_gen.is_empty() {
                 let live = self.live_rollouts();
                 if !live.is_empty() {
-                    let reqs = std::mem::take(&mut waiting_gen);
-                    // Contiguous shares, so each worker prefills its own prompts.
-                    let per = reqs.len().div_ceil(live.len()).max(1);
-                    for (chunk, (i, role)) in reqs.chunks(per).zip(live) {
+                    let mut reqs = std::mem::take(&mut waiting_gen).into_iter();
+                    // Contiguous shares (each worker prefills its own prompts), sized by the
+                    // workers' measured throughput.
+                    let weights = self.rollout_weights(&live);
+                    for (count, (i, role)) in shares(reqs.len(), &weights).into_iter().zip(live) {
+                        let chunk: Vec<GenerationRequest> = reqs.by_ref().take(count).collect();
+                        if chunk.is_empty() {
+                            continue;
+                        }
                         let ids = chunk.iter().map(|r| r.id).collect();
-                        let chunk = chunk.to_vec();
+                        let samples: usize = chunk.iter().map(|r| r.n).sum();
                         let tx = tx.clone();
-                        gens.spawn(async move { (i, ids, role.generate(chunk, tx).await) });
+                        gens.spawn(async move {
+                            let started = Instant::now();
+                            let result = role.generate(chunk, tx).await;
+                            (i, ids, result.map(|()| (samples, started.elapsed())))
+                        });
                     }
                 }
             }
@@ -371,7 +421,7 @@ impl Fleet {
                 Some(done) = gens.join_next(), if !gens.is_empty() => {
                     let (worker, ids, result) = done.map_err(|e| RoleError::Invalid(format!("generation task: {e}")))?;
                     match result {
-                        Ok(()) => {}
+                        Ok((count, took)) => self.record_throughput(worker, count, took),
                         Err(e @ RoleError::Unavailable { .. }) => {
                             tracing::warn!("{e}; re-issuing its unfinished requests");
                             rollout_failures += 1;
@@ -428,5 +478,63 @@ impl Fleet {
             reward_failures,
             reissued,
         })
+    }
+}
+
+/// Splits `total` requests over workers in proportion to `weights` (largest remainders get the
+/// leftovers), giving every worker at least one while there are enough requests, so that each
+/// keeps being measured.
+fn shares(total: usize, weights: &[f64]) -> Vec<usize> {
+    let n = weights.len();
+    if n == 0 {
+        return Vec::new();
+    }
+    let floor = usize::from(total >= n);
+    let sum: f64 = weights.iter().map(|w| w.max(0.0)).sum();
+    let rest = total - floor * n;
+    let exact: Vec<f64> = weights
+        .iter()
+        .map(|w| {
+            if sum > 0.0 {
+                w.max(0.0) / sum * rest as f64
+            } else {
+                rest as f64 / n as f64
+            }
+        })
+        .collect();
+    let mut counts: Vec<usize> = exact.iter().map(|e| floor + e.floor() as usize).collect();
+    let mut left = total - counts.iter().sum::<usize>();
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| (exact[b] - exact[b].floor()).total_cmp(&(exact[a] - exact[a].floor())));
+    for i in order.into_iter().cycle() {
+        if left == 0 {
+            break;
+        }
+        counts[i] += 1;
+        left -= 1;
+    }
+    counts
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shares;
+
+    #[test]
+    fn requests_are_shared_in_proportion_to_throughput() {
+        assert_eq!(shares(8, &[1.0, 1.0]), vec![4, 4]);
+        assert_eq!(shares(7, &[1.0, 1.0]), vec![4, 3]);
+        // A worker three times as fast gets three times the work (after one each).
+        assert_eq!(shares(10, &[3.0, 1.0]), vec![7, 3]);
+        assert_eq!(shares(16, &[30.0, 10.0]), vec![12, 4]);
+        // Every worker keeps getting some work while there is enough to go round.
+        assert_eq!(shares(3, &[100.0, 1.0, 1.0]), vec![1, 1, 1]);
+        assert_eq!(shares(2, &[1.0, 5.0, 1.0]).iter().sum::<usize>(), 2);
+        assert_eq!(shares(0, &[1.0, 1.0]), vec![0, 0]);
+        assert_eq!(shares(5, &[0.0, 0.0]), vec![3, 2]);
+        assert!(shares(5, &[]).is_empty());
+        for total in 0..40 {
+            assert_eq!(shares(total, &[2.5, 0.7, 1.1]).iter().sum::<usize>(), total);
+        }
     }
 }

@@ -16,7 +16,8 @@ pub mod learner;
 pub mod metrics;
 
 use crate::auth::Token;
-use crate::launcher::{LaunchSpec, LocalLauncher, WorkerInfo};
+use crate::launcher::ray::RaySpec;
+use crate::launcher::{LaunchSpec, Launcher, LocalLauncher, RayLauncher, WorkerInfo};
 use crate::prepare::{prepare, PrepareError, Prepared};
 use crate::recipe::{Recipe, ResumeMode};
 use crate::roles::learner::{LearnerRole, LearnerWeights, RemoteLearner};
@@ -35,7 +36,7 @@ use std::sync::Arc;
 use std::time::Instant;
 use trainer::checkpoint::{latest_checkpoint, load_checkpoint, save_checkpoint, TrainerState};
 use trainer::step::LearnerState;
-use xla::runtime::{Buffer, Client};
+use xla::runtime::Client;
 use xla::DType;
 
 /// Why a run stopped early.
@@ -213,66 +214,37 @@ fn build_prompts(
     Ok(out)
 }
 
-/// Weights for a rollout engine in `dtype`. From a learner in this process: its own buffers
-/// when the dtypes agree and `copy` is off (no copy), a device copy with `copy`, a converted
-/// upload when the dtypes differ. From a learner worker: the streamed tensors uploaded to this
-/// process's device 0 (where the rollout engine lives).
+/// Weights for a rollout engine in `dtype`. From a learner in this process: its buffers
+/// turned into one replica per learner device on the devices ([`rollout::handoff`]: used in
+/// place when already replicated in `dtype` and `copy` is off, else gathered and converted by
+/// a compiled program, never through the host; `copy` asks for buffers of the rollout's own).
+/// From a learner worker: the streamed tensors uploaded to this process's device 0 (where the
+/// rollout engine lives).
 fn rollout_weights(
     weights: LearnerWeights,
     client: &Client,
     dtype: DType,
     copy: bool,
-) -> Result<Arc<[Buffer]>, RunError> {
+) -> Result<rollout::EngineWeights, RunError> {
     let rt = |e: xla::runtime::Error| RunError::Other(format!("preparing rollout weights: {e}"));
-    let params = match weights {
-        LearnerWeights::Shared(params) => params,
-        LearnerWeights::Host(tensors) => {
-            return tensors
-                .iter()
-                .map(|t| {
-                    if t.dtype != dtype {
-                        return Err(RunError::Other(format!(
-                            "the learner sent tensor `{}` as {}, the rollout needs {dtype}",
-                            t.name, t.dtype
-                        )));
-                    }
-                    let dims: Vec<i64> = t.dims.iter().map(|d| *d as i64).collect();
-                    client.buffer_from_bytes(&t.bytes, dtype, &dims, 0).map_err(rt)
-                })
-                .collect();
-        }
-    };
-    if params.first().map(|b| b.dtype()) == Some(dtype) {
-        if !copy {
-            return Ok(params);
-        }
-        return params
+    match weights {
+        LearnerWeights::Shared(source) => rollout::handoff(client, &source, dtype, copy)
+            .map_err(|e| RunError::Other(format!("handing the learner's weights to the rollout: {e}"))),
+        LearnerWeights::Host(tensors) => tensors
             .iter()
-            .map(|b| b.copy_to_device(b.device()).map_err(rt))
-            .collect();
-    }
-    params
-        .iter()
-        .map(|b| {
-            let values: Vec<f32> = match b.dtype() {
-                DType::BF16 => b
-                    .to_host::<half::bf16>()
-                    .map_err(rt)?
-                    .iter()
-                    .map(|v| v.to_f32())
-                    .collect(),
-                _ => b.to_host::<f32>().map_err(rt)?,
-            };
-            match dtype {
-                DType::BF16 => {
-                    let v: Vec<half::bf16> = values.iter().map(|x| half::bf16::from_f32(*x)).collect();
-                    client.buffer_from_host(&v, b.dims(), b.device())
+            .map(|t| {
+                if t.dtype != dtype {
+                    return Err(RunError::Other(format!(
+                        "the learner sent tensor `{}` as {}, the rollout needs {dtype}",
+                        t.name, t.dtype
+                    )));
                 }
-                _ => client.buffer_from_host(&values, b.dims(), b.device()),
-            }
-            .map_err(rt)
-        })
-        .collect()
+                let dims: Vec<i64> = t.dims.iter().map(|d| *d as i64).collect();
+                client.buffer_from_bytes(&t.bytes, dtype, &dims, 0).map_err(rt)
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(rollout::EngineWeights::from),
+    }
 }
 
 /// Rewrites `path` keeping only the JSON lines whose `step` is at most `last_step` (what a
@@ -394,31 +366,72 @@ async fn train_async(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary
         .map_err(|e| RunError::Other(format!("reward: {e}")))?;
     let reward_deadline = crate::roles::reward::RewardDeadline::new(timeout, &reward_pool);
     let token = Token::generate();
-    let launcher = if cluster.rollout_workers + cluster.reward_workers + cluster.learner_workers > 0 {
+    let launcher = if [Role::Rollout, Role::Reward, Role::Learner]
+        .into_iter()
+        .any(|role| worker_count(cluster, role) > 0)
+    {
         let token_file = output.join("worker.token");
         token
             .write(&token_file)
             .map_err(|e| RunError::Other(format!("writing the workers' token: {e}")))?;
-        let program = match &options.worker_program {
-            Some(p) => p.clone(),
-            None => std::env::current_exe().map_err(io("locating", Path::new("the grpo executable")))?,
+        let program = match (
+            &options.worker_program,
+            cluster.ray.as_ref().and_then(|r| r.binary.as_ref()),
+        ) {
+            (Some(p), _) => p.clone(),
+            (None, Some(binary)) if cluster.launcher == crate::recipe::Launcher::Ray => PathBuf::from(binary),
+            (None, _) => std::env::current_exe().map_err(io("locating", Path::new("the grpo executable")))?,
         };
         let spec = LaunchSpec::from_cluster(cluster, program, recipe_path.clone(), token_file, &output);
-        progress_note(
-            options,
-            &format!(
-                "starting {} rollout, {} reward and {} learner worker process(es) (logs in {})",
-                cluster.rollout_workers,
-                cluster.reward_workers,
-                cluster.learner_workers,
-                spec.log_dir.display()
-            ),
+        let counts = format!(
+            "{} rollout, {} reward and {} learner worker process(es)",
+            worker_count(cluster, Role::Rollout),
+            worker_count(cluster, Role::Reward),
+            worker_count(cluster, Role::Learner),
         );
-        Some(Arc::new(
-            LocalLauncher::start(spec)
-                .await
-                .map_err(|e| RunError::Other(e.to_string()))?,
-        ))
+        let launcher = match cluster.launcher {
+            crate::recipe::Launcher::Local => {
+                progress_note(
+                    options,
+                    &format!("starting {counts} (logs in {})", spec.log_dir.display()),
+                );
+                Launcher::Local(
+                    LocalLauncher::start(spec)
+                        .await
+                        .map_err(|e| RunError::Other(e.to_string()))?,
+                )
+            }
+            crate::recipe::Launcher::Ray => {
+                // Ray runs the jobs elsewhere: every path they are given is absolute.
+                let absolute = |p: &Path| std::path::absolute(p).map_err(io("resolving", p));
+                let spec = LaunchSpec {
+                    recipe: absolute(&spec.recipe)?,
+                    token_file: absolute(&spec.token_file)?,
+                    log_dir: absolute(&spec.log_dir)?,
+                    ..spec
+                };
+                let workdir =
+                    std::env::current_dir().map_err(io("reading", Path::new("the working directory")))?;
+                let ray = RaySpec::from_cluster(cluster, workdir)
+                    .ok_or_else(|| RunError::Other("`cluster.launcher: ray` needs `cluster.ray`".into()))?;
+                progress_note(
+                    options,
+                    &format!(
+                        "submitting {counts} as Ray jobs to {} (logs copied to {})",
+                        ray.ray.address,
+                        spec.log_dir.display()
+                    ),
+                );
+                let launcher = RayLauncher::start(spec, ray)
+                    .await
+                    .map_err(|e| RunError::Other(e.to_string()))?;
+                for line in launcher.placements() {
+                    progress_note(options, &format!("  {line}"));
+                }
+                Launcher::Ray(launcher)
+            }
+        };
+        Some(Arc::new(launcher))
     } else {
         None
     };
@@ -426,7 +439,7 @@ async fn train_async(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary
     // The learner (with the reference model): in this process, or the learner worker, which is
     // sent the checkpoint's state when the run resumes.
     let learner_worker: Option<WorkerInfo> = match &launcher {
-        Some(l) if cluster.learner_workers > 0 => Some(
+        Some(l) if worker_count(cluster, Role::Learner) > 0 => Some(
             l.workers(Role::Learner)
                 .first()
                 .cloned()
@@ -482,7 +495,7 @@ async fn train_async(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary
         )?))
     };
     let rollouts: Vec<Arc<dyn RolloutRole>> = match &launcher {
-        Some(l) if cluster.rollout_workers > 0 => l
+        Some(l) if worker_count(cluster, Role::Rollout) > 0 => l
             .workers(Role::Rollout)
             .iter()
             .map(|w| remote_rollout(&w.address))
@@ -498,7 +511,7 @@ async fn train_async(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary
         }
     };
     let rewards: Vec<Arc<dyn RewardRole>> = match &launcher {
-        Some(l) if cluster.reward_workers > 0 => l
+        Some(l) if worker_count(cluster, Role::Reward) > 0 => l
             .workers(Role::Reward)
             .iter()
             .map(|w| remote_reward(&w.address))
@@ -520,7 +533,7 @@ async fn train_async(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary
         rewards,
         LaunchSpec::DEFAULT_START_TIMEOUT + timeout,
     ));
-    if cluster.rollout_workers > 0 {
+    if worker_count(cluster, Role::Rollout) > 0 {
         // Workers load the model themselves; from here on they take the learner's versions.
         let current = learner
             .weights(version, rollout_dtype)
@@ -537,6 +550,14 @@ async fn train_async(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                // A Ray job that ended is a dead worker even before a call to it fails.
+                for (role, index) in launcher.ended_jobs().await {
+                    match role {
+                        Role::Rollout => fleet.rollout_failed(index),
+                        Role::Reward => fleet.reward_failed(index),
+                        Role::Learner => {} // its next call fails and stops the run
+                    }
+                }
                 for (role, index) in fleet.take_dead() {
                     let (launcher, fleet, token, tls) =
                         (launcher.clone(), fleet.clone(), token.clone(), tls.clone());
@@ -698,6 +719,8 @@ async fn train_async(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary
             }
             progress.phase("syncing weights");
             let t = Instant::now();
+            // Nothing else runs on the client during the sync, so this counts its transfers.
+            let transfers_before = client.transfer_stats();
             let current = learner
                 .weights(version, rollout_dtype)
                 .await
@@ -705,6 +728,7 @@ async fn train_async(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary
             let params = rollout_weights(current, &client, rollout_dtype, off_policy)?;
             fleet.update_weights(WeightUpdate { version, params }).await?;
             let sync_s = t.elapsed().as_secs_f64();
+            let sync_transfers = client.transfer_stats().since(&transfers_before);
 
             // Metrics.
             let scores: Vec<f64> = generated.scored.iter().map(|s| s.score.score).collect();
@@ -781,6 +805,14 @@ async fn train_async(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary
             );
             m.insert("weights/version".into(), version as f64);
             m.insert("weights/version_lag".into(), mean_std(&lag).0);
+            m.insert(
+                "weights/host_transfers".into(),
+                sync_transfers.host_transfers() as f64,
+            );
+            m.insert(
+                "weights/host_transfer_bytes".into(),
+                sync_transfers.host_bytes() as f64,
+            );
             m.insert(
                 "workers/rollout_failures".into(),
                 generated.rollout_failures as f64,
@@ -871,6 +903,19 @@ async fn train_async(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary
         steps: total_steps,
         last_checkpoint,
     })
+}
+
+/// Worker processes of `role` the recipe asks for: `cluster.*_workers` with the local launcher,
+/// the pools' workers with Ray (0: the role runs in this process).
+fn worker_count(cluster: &crate::recipe::ClusterSection, role: Role) -> usize {
+    match cluster.launcher {
+        crate::recipe::Launcher::Local => match role {
+            Role::Rollout => cluster.rollout_workers,
+            Role::Reward => cluster.reward_workers,
+            Role::Learner => cluster.learner_workers,
+        },
+        crate::recipe::Launcher::Ray => cluster.pool_worker_count(role),
+    }
 }
 
 /// The error of a failed call to the learner worker `worker`: which worker, why, and where the

@@ -278,6 +278,7 @@ impl Buffer {
         copy.dst = dst;
         copy.dst_size = size;
         pjrt_call!(&self.handle.plugin, PJRT_Buffer_ToHostBuffer, &mut copy)?;
+        self.handle.transfers.device_to_host(size);
         self.handle.plugin.await_event(copy.event)
     }
 
@@ -292,6 +293,9 @@ impl Buffer {
         copy.buffer = self.raw;
         copy.dst_device = target;
         pjrt_call!(&self.handle.plugin, PJRT_Buffer_CopyToDevice, &mut copy)?;
+        self.handle
+            .transfers
+            .device_to_device(self.element_count() * self.dtype.size_bytes());
         Ok(Buffer::wrap(
             self.handle.clone(),
             copy.dst_buffer,

@@ -3,6 +3,7 @@
 //! [`Executable`]s through the executable cache.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use super::buffer::Buffer;
@@ -110,6 +111,100 @@ pub struct DeviceInfo {
     pub memory: Option<DeviceMemory>,
 }
 
+/// Copies between the host and a client's devices (and between its devices) since the client
+/// was created: how many and how many bytes. Every upload (`buffer_from_host`,
+/// `buffer_from_bytes`) is a host-to-device copy, every read-back (`to_host`, `to_host_into`,
+/// `to_bytes`) a device-to-host copy, `copy_to_device` a device-to-device copy; program runs
+/// and their results are none of these. Take two snapshots and subtract
+/// ([`TransferStats::since`]) to count what a piece of work moved.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TransferStats {
+    /// Host-to-device copies.
+    pub host_to_device: u64,
+    /// Bytes of host-to-device copies.
+    pub host_to_device_bytes: u64,
+    /// Device-to-host copies.
+    pub device_to_host: u64,
+    /// Bytes of device-to-host copies.
+    pub device_to_host_bytes: u64,
+    /// Device-to-device copies (`Buffer::copy_to_device`).
+    pub device_to_device: u64,
+    /// Bytes of device-to-device copies.
+    pub device_to_device_bytes: u64,
+}
+
+impl TransferStats {
+    /// Copies in either direction between the host and the devices.
+    pub fn host_transfers(&self) -> u64 {
+        self.host_to_device + self.device_to_host
+    }
+
+    /// Bytes copied in either direction between the host and the devices.
+    pub fn host_bytes(&self) -> u64 {
+        self.host_to_device_bytes + self.device_to_host_bytes
+    }
+
+    /// What was copied between `earlier` (a snapshot of the same client) and this snapshot.
+    pub fn since(&self, earlier: &TransferStats) -> TransferStats {
+        TransferStats {
+            host_to_device: self.host_to_device.saturating_sub(earlier.host_to_device),
+            host_to_device_bytes: self
+                .host_to_device_bytes
+                .saturating_sub(earlier.host_to_device_bytes),
+            device_to_host: self.device_to_host.saturating_sub(earlier.device_to_host),
+            device_to_host_bytes: self
+                .device_to_host_bytes
+                .saturating_sub(earlier.device_to_host_bytes),
+            device_to_device: self.device_to_device.saturating_sub(earlier.device_to_device),
+            device_to_device_bytes: self
+                .device_to_device_bytes
+                .saturating_sub(earlier.device_to_device_bytes),
+        }
+    }
+}
+
+/// The live counters behind [`TransferStats`], one set per client.
+#[derive(Debug, Default)]
+pub(crate) struct TransferCounters {
+    host_to_device: AtomicU64,
+    host_to_device_bytes: AtomicU64,
+    device_to_host: AtomicU64,
+    device_to_host_bytes: AtomicU64,
+    device_to_device: AtomicU64,
+    device_to_device_bytes: AtomicU64,
+}
+
+impl TransferCounters {
+    pub(crate) fn host_to_device(&self, bytes: usize) {
+        self.host_to_device.fetch_add(1, Ordering::Relaxed);
+        self.host_to_device_bytes
+            .fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    pub(crate) fn device_to_host(&self, bytes: usize) {
+        self.device_to_host.fetch_add(1, Ordering::Relaxed);
+        self.device_to_host_bytes
+            .fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    pub(crate) fn device_to_device(&self, bytes: usize) {
+        self.device_to_device.fetch_add(1, Ordering::Relaxed);
+        self.device_to_device_bytes
+            .fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    fn snapshot(&self) -> TransferStats {
+        TransferStats {
+            host_to_device: self.host_to_device.load(Ordering::Relaxed),
+            host_to_device_bytes: self.host_to_device_bytes.load(Ordering::Relaxed),
+            device_to_host: self.device_to_host.load(Ordering::Relaxed),
+            device_to_host_bytes: self.device_to_host_bytes.load(Ordering::Relaxed),
+            device_to_device: self.device_to_device.load(Ordering::Relaxed),
+            device_to_device_bytes: self.device_to_device_bytes.load(Ordering::Relaxed),
+        }
+    }
+}
+
 /// The part of a client that buffers and executables keep alive: destroyed after the last of
 /// them.
 pub(crate) struct ClientHandle {
@@ -119,6 +214,8 @@ pub(crate) struct ClientHandle {
     pub device_info: Vec<DeviceInfo>,
     pub platform_name: String,
     pub platform_version: String,
+    /// Host transfers through this client (see [`TransferStats`]).
+    pub transfers: TransferCounters,
 }
 
 // SAFETY: PJRT clients and devices are thread-safe handles.
@@ -243,6 +340,7 @@ impl Client {
             device_info: Vec::new(),
             platform_name: String::new(),
             platform_version: String::new(),
+            transfers: TransferCounters::default(),
         };
         let mut name = args!(
             PJRT_Client_PlatformName_Args,
@@ -317,6 +415,11 @@ impl Client {
     /// The platform version string the plugin reports.
     pub fn platform_version(&self) -> &str {
         &self.inner.handle.platform_version
+    }
+
+    /// Host transfers (and device-to-device copies) through this client so far.
+    pub fn transfer_stats(&self) -> TransferStats {
+        self.inner.handle.transfers.snapshot()
     }
 
     /// The executable cache of this client.
@@ -438,6 +541,7 @@ impl Client {
         transfer.device = device_ptr;
         pjrt_call!(&handle.plugin, PJRT_Client_BufferFromHostBuffer, &mut transfer)?;
         let buffer = Buffer::wrap(handle.clone(), transfer.buffer, dtype, dims.to_vec(), device);
+        handle.transfers.host_to_device(bytes.len());
         // The host data may be released only after this event.
         handle.plugin.await_event(transfer.done_with_host_buffer)?;
         Ok(buffer)
@@ -556,6 +660,37 @@ mod tests {
         assert!(build.ends_with(&[0x98, 0x01, 1]));
         // SPMD programs are never portable.
         assert!(!proto.ends_with(&[0x20, 1]) || build.ends_with(&[0x20, 1]));
+    }
+
+    #[test]
+    fn transfers_are_counted_by_direction_and_bytes() {
+        let client = Client::cpu(2).expect("the CPU plugin");
+        let start = client.transfer_stats();
+        let a = client.buffer_from_host(&[1.0f32, 2.0, 3.0], &[3], 0).unwrap();
+        let b = client.buffer_from_host(&[7i32; 4], &[2, 2], 1).unwrap();
+        let copied = a.copy_to_device(1).unwrap();
+        let back = copied.to_host::<f32>().unwrap();
+        assert_eq!(back, vec![1.0, 2.0, 3.0]);
+        let mut into = [0i32; 4];
+        b.to_host_into(&mut into).unwrap();
+        assert_eq!(b.to_bytes().unwrap().len(), 16);
+        let moved = client.transfer_stats().since(&start);
+        assert_eq!(
+            moved,
+            TransferStats {
+                host_to_device: 2,
+                host_to_device_bytes: 12 + 16,
+                device_to_host: 3,
+                device_to_host_bytes: 12 + 16 + 16,
+                device_to_device: 1,
+                device_to_device_bytes: 12,
+            }
+        );
+        assert_eq!((moved.host_transfers(), moved.host_bytes()), (5, 72));
+        // Another client counts its own transfers only.
+        let other = Client::cpu(1).unwrap();
+        other.buffer_from_host(&[0u8; 5], &[5], 0).unwrap();
+        assert_eq!(client.transfer_stats().since(&start), moved);
     }
 
     #[test]

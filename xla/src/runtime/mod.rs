@@ -32,7 +32,9 @@ pub use cache::{
     default_cache_dir, host_cpu_features, program_fingerprint, CacheConfig, CacheStats, ExecutableCache,
     CACHE_ENV_VAR,
 };
-pub use client::{compile_options_proto, Client, ClientOptions, CompileOptions, DeviceInfo, DeviceMemory};
+pub use client::{
+    compile_options_proto, Client, ClientOptions, CompileOptions, DeviceInfo, DeviceMemory, TransferStats,
+};
 pub use cuda::{cuda_libraries_in, CUDA_LIBRARY_ORDER};
 pub use error::{Error, PjrtErrorCode, Result};
 pub use executable::{parse_main_params, program_name, CostAnalysis, Executable, MemoryStats, ParamType};

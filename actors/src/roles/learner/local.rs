@@ -19,13 +19,11 @@ use trainer::advantage::{
     apply_kl_in_reward, broadcast_over_response, compute_advantages, filter_groups, mask_truncated,
     outcome_token_scores, sequence_scores,
 };
+use trainer::bucket::{BucketedLearner, PackedMicroBatch};
 use trainer::config::{KlPenalty, OptimConfig, PolicyLossConfig};
 use trainer::optim::learning_rate;
 use trainer::policy::DecoderPolicy;
-use trainer::step::{
-    build_train_programs, mini_batch_normalizer, HostArray, Learner, LearnerState, MicroBatchHost, ParamSpec,
-    StepConfig,
-};
+use trainer::step::{mini_batch_normalizer, LearnerState, MicroBatchHost, ParamSpec, StepConfig};
 use xla::runtime::{Buffer, Client};
 
 /// One scored sample, as the learner needs it.
@@ -49,7 +47,8 @@ pub struct UpdateReport {
     pub metrics: BTreeMap<String, f64>,
     /// Response tokens in the loss, times passes over them (`ppo_epochs`).
     pub trained_tokens: usize,
-    /// Prompt + response tokens through forward and backward.
+    /// Prompt + response columns through forward and backward: rows times the width of their
+    /// micro-batch's length bucket (`actor.length_bucket`), padding included.
     pub processed_tokens: usize,
     /// Optimizer steps taken.
     pub optimizer_steps: u64,
@@ -118,8 +117,10 @@ pub fn initial_params(
 
 /// The device learner, its policy shapes and the recipe's knobs (what [`LocalLearner`] locks).
 struct Core {
-    learner: Learner,
+    learner: BucketedLearner,
     policy: DecoderPolicy,
+    /// Entries of the learner's compile log already logged.
+    compiles_logged: usize,
     specs: Vec<ParamSpec>,
     optim: OptimConfig,
     recipe: Recipe,
@@ -179,26 +180,24 @@ impl Core {
         let policy = policy(recipe, config);
         let cfg = step_config(recipe, total_optimizer_steps);
         let specs = policy.param_specs();
-        let p = policy.clone();
-        let programs = build_train_programs(&cfg, &specs, &policy.input_specs(), move |params, batch| {
-            p.log_probs(params, batch)
-        })?;
-        let mut learner = Learner::from_state(
+        let optim = cfg.optim.clone();
+        let mut learner = BucketedLearner::from_state(
             client,
-            programs,
-            &specs,
-            &cfg,
+            policy.clone(),
+            cfg,
             state,
+            recipe.actor.length_bucket,
             recipe.actor.max_consecutive_nonfinite as u32,
         )?;
         if let Some(r) = reference {
-            learner.set_reference(r)?;
+            learner.learner_mut().set_reference(r)?;
         }
         Ok(Core {
             learner,
             policy,
+            compiles_logged: 0,
             specs,
-            optim: cfg.optim,
+            optim,
             recipe: recipe.clone(),
             optimizer_steps,
         })
@@ -230,27 +229,21 @@ impl Core {
         let n_rows = rows.len();
         let mb = self.policy.micro_batch_size;
 
-        // Pack every row once; micro-batch k holds rows [k*mb, (k+1)*mb).
-        let mut packed = Vec::new();
+        // Pack every row once, at its micro-batch's length bucket; micro-batch k holds rows
+        // [k*mb, (k+1)*mb). Mini-batches are whole micro-batches (mb divides the mini-batch), so
+        // the update reuses these packings.
+        let mut packed: Vec<PackedMicroBatch> = Vec::new();
         for chunk in rows.chunks(mb) {
             let pairs: Vec<(&[u32], &[u32])> = chunk
                 .iter()
                 .map(|x| (x.prompt.as_slice(), x.response.as_slice()))
                 .collect();
-            packed.push(self.policy.pack(&pairs)?);
+            packed.push(self.learner.pack(&pairs)?);
         }
-        let mut response_mask: Vec<f32> = Vec::with_capacity(n_rows * l);
-        for (k, p) in packed.iter().enumerate() {
-            let real = (n_rows - k * mb).min(mb);
-            response_mask.extend_from_slice(&p.response_mask[..real * l]);
+        let mut response_mask = vec![0.0f32; n_rows * l];
+        for (i, x) in rows.iter().enumerate() {
+            response_mask[i * l..i * l + x.response.len()].fill(1.0);
         }
-        let inputs = |k: usize| -> Vec<HostArray> {
-            vec![
-                HostArray::I32(packed[k].tokens.clone()),
-                HostArray::I32(packed[k].mask.clone()),
-            ]
-        };
-        let per_row = |all: Vec<f32>| -> Vec<f32> { all };
 
         // Rollout log-probs, padded to L.
         let mut rollout_lp = vec![0.0f32; n_rows * l];
@@ -263,12 +256,12 @@ impl Core {
             rollout_lp.clone()
         } else {
             let mut all = Vec::with_capacity(n_rows * l);
-            for k in 0..packed.len() {
-                let lp = self.learner.log_probs(&inputs(k), false)?;
+            for (k, p) in packed.iter().enumerate() {
+                let lp = self.learner.log_probs(p, false)?;
                 let real = (n_rows - k * mb).min(mb);
                 all.extend_from_slice(&lp[..real * l]);
             }
-            per_row(all)
+            all
         };
         m.insert("timing_s/old_log_prob".into(), t.elapsed().as_secs_f64());
         // How far the trainer's and the rollout's probabilities are apart (same weights).
@@ -283,8 +276,8 @@ impl Core {
         let t = Instant::now();
         let ref_lp = if needs_reference(r) {
             let mut all = Vec::with_capacity(n_rows * l);
-            for k in 0..packed.len() {
-                let lp = self.learner.log_probs(&inputs(k), true)?;
+            for (k, p) in packed.iter().enumerate() {
+                let lp = self.learner.log_probs(p, true)?;
                 let real = (n_rows - k * mb).min(mb);
                 all.extend_from_slice(&lp[..real * l]);
             }
@@ -353,11 +346,20 @@ impl Core {
                         v.resize(mb * l, 0.0);
                         v
                     };
-                    let pairs: Vec<(&[u32], &[u32])> = rows[s..e]
-                        .iter()
-                        .map(|x| (x.prompt.as_slice(), x.response.as_slice()))
-                        .collect();
-                    let p = self.policy.pack(&pairs)?;
+                    // The packing of these rows from above (micro-batches align with
+                    // mini-batches), else a fresh one.
+                    let fresh;
+                    let p = match packed.get(s / mb) {
+                        Some(p) if s % mb == 0 && p.rows == e - s => p,
+                        _ => {
+                            let pairs: Vec<(&[u32], &[u32])> = rows[s..e]
+                                .iter()
+                                .map(|x| (x.prompt.as_slice(), x.response.as_slice()))
+                                .collect();
+                            fresh = self.learner.pack(&pairs)?;
+                            &fresh
+                        }
+                    };
                     let host = MicroBatchHost {
                         old_log_probs: pad(slice(&old_lp, s..e)),
                         advantages: pad(slice(&adv_tokens, s..e)),
@@ -365,10 +367,10 @@ impl Core {
                         ref_log_probs: ref_lp.as_ref().map(|v| pad(slice(v, s..e))),
                         rollout_log_probs: Some(pad(slice(&rollout_lp, s..e))),
                         norm,
-                        inputs: vec![HostArray::I32(p.tokens), HostArray::I32(p.mask)],
+                        inputs: Vec::new(),
                     };
-                    micro.push(self.learner.upload_micro_batch(micro.len(), &host)?);
-                    report.processed_tokens += (e - s) * (self.policy.prompt_len + l);
+                    micro.push(self.learner.upload(micro.len(), p, &host)?);
+                    report.processed_tokens += (e - s) * p.width();
                     s = e;
                 }
                 let lr = learning_rate(&self.optim, self.optimizer_steps);
@@ -400,7 +402,44 @@ impl Core {
             m.insert("actor/kl".into(), kl);
         }
         report.optimizer_steps = steps;
+        self.log_compiles();
         Ok(report)
+    }
+
+    /// Logs the learner programs loaded since the last call (one per length bucket and
+    /// program, compiled or from the executable cache) and how many there are.
+    fn log_compiles(&mut self) {
+        let learner = self.learner.learner();
+        let log = learner.compile_log();
+        if log.len() == self.compiles_logged {
+            return;
+        }
+        let shapes = self.learner.shapes();
+        let buckets = self.learner.buckets();
+        for record in &log[self.compiles_logged..] {
+            let shape = record
+                .shape
+                .and_then(|s| self.learner.shape_columns(s))
+                .map_or("any".to_string(), |(p, l)| format!("{p}+{l}"));
+            tracing::info!(
+                "learner: loaded {} for length bucket {shape} in {:.1} s",
+                record.program,
+                record.seconds
+            );
+        }
+        tracing::info!(
+            "learner: {} programs loaded for {} length buckets (at most {} with actor.length_bucket = {}): {}",
+            log.len(),
+            shapes.len(),
+            buckets.max_shapes(),
+            buckets.multiple,
+            shapes
+                .iter()
+                .map(|(p, l)| format!("{p}+{l}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        self.compiles_logged = log.len();
     }
 }
 
@@ -494,12 +533,30 @@ impl LocalLearner {
 
     /// The parameters for a rollout engine on the same device (shared, not copied).
     pub fn shared_params(&self) -> Arc<[Buffer]> {
-        lock(&self.core).learner.shared_params()
+        lock(&self.core).learner.learner().shared_params()
+    }
+
+    /// The parameters with their layout, for a rollout engine on the learner's devices
+    /// (shared, not copied): on one device [`LocalLearner::shared_params`]; over a mesh of
+    /// `N > 1` every device's f32 masters, split as the learner's mesh splits them.
+    pub fn rollout_source(&self) -> rollout::SourceParams {
+        let core = lock(&self.core);
+        let learner = core.learner.learner();
+        let mesh = learner.mesh();
+        if learner.devices() <= 1 {
+            return rollout::SourceParams::single(learner.shared_params());
+        }
+        rollout::SourceParams {
+            mesh: mesh.mesh(),
+            per_device: learner.shared_device_params(),
+            shardings: self.specs.iter().map(|p| mesh.param_sharding(&p.dims)).collect(),
+            dims: self.specs.iter().map(|p| p.dims.clone()).collect(),
+        }
     }
 
     /// The learner's state (parameters, AdamW moments, step count) read to the host.
     pub fn read_state(&self) -> Result<LearnerState> {
-        Ok(lock(&self.core).learner.state()?)
+        Ok(lock(&self.core).learner.learner().state()?)
     }
 }
 
@@ -533,13 +590,13 @@ impl LearnerRole for LocalLearner {
         _version: u64,
         _dtype: xla::DType,
     ) -> BoxFuture<'_, std::result::Result<LearnerWeights, RoleError>> {
-        Box::pin(async move { Ok(LearnerWeights::Shared(self.shared_params())) })
+        Box::pin(async move { Ok(LearnerWeights::Shared(self.rollout_source())) })
     }
 
     fn state(&self) -> BoxFuture<'_, std::result::Result<LearnerState, RoleError>> {
         let core = self.core.clone();
         Box::pin(async move {
-            tokio::task::spawn_blocking(move || lock(&core).learner.state())
+            tokio::task::spawn_blocking(move || lock(&core).learner.learner().state())
                 .await
                 .map_err(|e| RoleError::Invalid(format!("learner: the state reader failed: {e}")))?
                 .map_err(|e| role_error(e.into()))

@@ -21,17 +21,17 @@ pub use remote::RemoteLearner;
 pub use service::LearnerService;
 
 use super::{BoxFuture, RoleError};
-use std::sync::Arc;
 use trainer::checkpoint::HostTensor;
 use trainer::step::LearnerState;
-use xla::runtime::Buffer;
 use xla::DType;
 
 /// The learner's current parameters, as the rollout side gets them.
 pub enum LearnerWeights {
-    /// The learner's own device buffers in this process (shared, not copied), in its compute
-    /// dtype: the caller converts or copies them as its rollout engine needs.
-    Shared(Arc<[Buffer]>),
+    /// The learner's own device buffers in this process (shared, not copied) with their
+    /// layout: on one device its compute-dtype parameters; over a `dp`/`fsdp` mesh every
+    /// device's f32 masters (replicas or shards). The caller turns them into its rollout
+    /// engine's replicas on the same devices with [`rollout::handoff`] (on the devices).
+    Shared(rollout::SourceParams),
     /// The parameters received from a learner worker, in parameter-table order, as host bytes
     /// of the dtype that was asked for.
     Host(Vec<HostTensor>),

@@ -19,9 +19,7 @@ pub(crate) use service::Assembly;
 
 use super::{BoxFuture, RoleError};
 use rollout::{GenerationRequest, Sample};
-use std::sync::Arc;
 use tokio::sync::mpsc::UnboundedSender;
-use xla::runtime::Buffer;
 
 /// A new version of the policy's parameters, as the learner holds them on its device
 /// (in [`model::param_table`] order).
@@ -29,8 +27,10 @@ use xla::runtime::Buffer;
 pub struct WeightUpdate {
     /// The version: the number of optimizer steps that produced these weights.
     pub version: u64,
-    /// The parameter buffers, shared with the learner.
-    pub params: Arc<[Buffer]>,
+    /// The parameter buffers, shared with the learner: a replica per device of the rollout
+    /// engine in this process (see [`rollout::EngineWeights`]); a remote rollout streams the
+    /// first.
+    pub params: rollout::EngineWeights,
 }
 
 /// Generates samples. Every sample of every request is sent exactly once, tagged with the

@@ -386,7 +386,10 @@ impl RolloutService {
             .map(|b| b.expect("finish() checked every tensor"))
             .collect();
         self.local
-            .update_weights(WeightUpdate { version, params })
+            .update_weights(WeightUpdate {
+                version,
+                params: params.into(),
+            })
             .await
             .map_err(|e| role_error_to_status(e, "installing the weights"))?;
         tracing::info!(version, bytes = assembly.bytes, "installed streamed weights");

@@ -1,0 +1,166 @@
+//! Colocated learner and rollout on one device set: `grpo run` of the tiny model with
+//! `cluster.cpu_device_count: 4` and `actor.strategy: dp` or `fsdp` (the learner's mesh over
+//! the 4 devices; the in-process rollout engine split over the same 4 devices, data parallel
+//! over its slots) trains like the single-device run of the same seed, and its weight syncs
+//! copy nothing through the host.
+//!
+//! Sampled tokens are the single-device engine's for the same weights, so rewards, response
+//! lengths and sample counts are equal exactly. The learner's metrics (losses, gradient norm,
+//! entropy, KL) are equal within a relative 1e-4: the partitioned learner sums gradients and
+//! losses over the devices in another order (f32, ~1e-7 relative per sum), and those
+//! differences grow through three Adam steps (the sharded learner's own test bounds
+//! parameters at 1e-5 absolute after 3 steps); they are far too small to flip a sampled token
+//! here, which the exact reward and length equality checks.
+//!
+//! Each step's `weights/host_transfers` and `weights/host_transfer_bytes` (the client's
+//! host<->device copies between the start and the end of the weight sync) are 0: the
+//! learner's replicas or shards become the rollout's replicas through a compiled program on
+//! the devices. The same counters are positive when the weights stream to a rollout worker
+//! process (they are read to the host), so they do count.
+
+mod common;
+
+use common::*;
+use std::path::{Path, PathBuf};
+
+/// Runs `recipe` with `sets` (`key=value` overrides), logging the rollout engine's start;
+/// returns the run's stderr.
+fn run(recipe: &Path, sets: &[&str]) -> String {
+    let mut args = vec!["run", recipe.to_str().unwrap(), "--quiet"];
+    for s in sets {
+        args.extend(["--set", s]);
+    }
+    let o = grpo()
+        .args(&args)
+        .env("RUST_LOG", "rollout::engine=info")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(o.status.success(), "grpo run {sets:?} failed: {stderr}");
+    stderr
+}
+
+/// `text` without terminal colour sequences (`ESC [ ... m`).
+fn strip_ansi(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for d in chars.by_ref() {
+                if d == 'm' {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// `a` and `b` agree within `rel` of the larger magnitude (plus 1e-6 for values near 0).
+fn close(a: f64, b: f64, rel: f64) -> bool {
+    (a - b).abs() <= rel * a.abs().max(b.abs()) + 1e-6
+}
+
+fn assert_trains_like(single: &Path, sharded: &Path, what: &str) {
+    let (ms, mp) = (metrics(single), metrics(sharded));
+    assert_eq!(
+        ms.keys().collect::<Vec<_>>(),
+        mp.keys().collect::<Vec<_>>(),
+        "{what}: steps"
+    );
+    for key in [
+        "reward/mean",
+        "reward/std",
+        "response_length/mean",
+        "batch/samples",
+    ] {
+        assert_eq!(metric_series(&ms, key), metric_series(&mp, key), "{what}: {key}");
+    }
+    assert_eq!(
+        ms[&0]["val/accuracy"], mp[&0]["val/accuracy"],
+        "{what}: val/accuracy"
+    );
+    for key in [
+        "actor/pg_loss",
+        "actor/grad_norm",
+        "actor/entropy",
+        "actor/kl",
+        "actor/lr",
+    ] {
+        let (a, b) = (metric_series(&ms, key), metric_series(&mp, key));
+        let worst = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs() / x.abs().max(y.abs()).max(1e-12))
+            .fold(0.0, f64::max);
+        eprintln!(
+            "{}: {key}: largest relative difference {worst:.2e}",
+            what.lines().next().unwrap_or(what).trim_end_matches(':')
+        );
+        assert!(
+            a.iter().zip(&b).all(|(x, y)| close(*x, *y, 1e-4)),
+            "{what}: {key}: {a:?} vs {b:?}"
+        );
+    }
+    for (m, run) in [(&ms, "single device"), (&mp, what)] {
+        for key in ["weights/host_transfers", "weights/host_transfer_bytes"] {
+            let series = metric_series(m, key);
+            assert_eq!(series.len(), 3, "{run}: {key}");
+            assert!(series.iter().all(|v| *v == 0.0), "{run}: {key} = {series:?}");
+        }
+    }
+}
+
+#[test]
+fn dp_and_fsdp_on_four_devices_train_like_one_device_without_host_weight_copies() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_chat_model(dir.path());
+    let train = arithmetic(dir.path(), "train", 1, 64);
+    let val = arithmetic(dir.path(), "val", 2, 6);
+    let recipe = |name: &str| -> (PathBuf, PathBuf) {
+        let out = dir.path().join(name);
+        let r = tiny_recipe(
+            dir.path(),
+            &format!("{name}.yaml"),
+            &model,
+            &train,
+            &val,
+            &out,
+            3,
+            "",
+        );
+        (r, out)
+    };
+    let engine_devices = |stderr: &str| -> Vec<String> {
+        strip_ansi(stderr)
+            .lines()
+            .filter(|l| l.contains("rollout KV cache"))
+            .filter_map(|l| l.split_whitespace().find(|w| w.starts_with("devices=")))
+            .map(str::to_string)
+            .collect()
+    };
+    let (single, single_out) = recipe("single");
+    let stderr = run(&single, &[]);
+    assert_eq!(engine_devices(&stderr), ["devices=1"], "{stderr}");
+    // The counter is live: streaming the weights to a rollout worker reads them to the host.
+    let (streamed, streamed_out) = recipe("streamed");
+    run(&streamed, &["cluster.rollout_workers=1"]);
+    let m = metrics(&streamed_out);
+    for key in ["weights/host_transfers", "weights/host_transfer_bytes"] {
+        let series = metric_series(&m, key);
+        assert!(
+            series.len() == 3 && series.iter().all(|v| *v > 0.0),
+            "{key}: {series:?}"
+        );
+    }
+    for strategy in ["dp", "fsdp"] {
+        let (r, out) = recipe(strategy);
+        let strategy_set = format!("actor.strategy={strategy}");
+        let stderr = run(&r, &["cluster.cpu_device_count=4", &strategy_set]);
+        // The one in-process engine runs on the learner's 4 devices.
+        assert_eq!(engine_devices(&stderr), ["devices=4"], "{stderr}");
+        assert_trains_like(&single_out, &out, &format!("{strategy} on 4 devices:\n{stderr}"));
+    }
+}
