@@ -168,6 +168,7 @@ fn workers_run_as_ray_jobs_in_their_pools_and_a_stopped_job_is_resubmitted() {
     let mut stderr = String::new();
     std::io::Read::read_to_string(&mut run.stderr.take().unwrap(), &mut stderr).unwrap();
     assert!(status.success(), "{stderr}");
+    eprintln!("the run whose rollout job was stopped; its log:\n{stderr}");
     let m = metrics(&resubmitted);
     assert_eq!(metric_series(&m, "batch/samples"), vec![16.0; steps], "{stderr}");
     assert_eq!(prompts_seen(&local), prompts_seen(&resubmitted), "{stderr}");

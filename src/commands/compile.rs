@@ -38,7 +38,7 @@ use xla::runtime::{
     long_about = "Compile every program a recipe's run would use, without weights and without running \
         anything, and report whether it fits.\n\n\
         Programs: the rollout's prefill (each prompt-length bucket up to data.max_prompt_length, \
-        single and batched, for the training group size rollout.n and for validation) and decode \
+        for the training group size rollout.n and for validation) and decode \
         steps (one per KV-cache length), and the learner's train_step, accumulate + apply (when \
         actor.ppo_micro_batch_size splits a mini-batch), log_probs (the policy's old log-probs and, \
         with a KL term, the reference's).\n\n\
@@ -1474,7 +1474,7 @@ mod tests {
                 .runs_per_step
         };
         // Buckets 16, 32, 64 (max_model_len 64); a prompt of 40 tokens prefills 39 in bucket 64;
-        // width 4, batched 4 groups (16 slots / 4).
+        // width 4, each group prefilled alone (the engine's default `prefill_batch` of 1).
         let prefill: Vec<&str> = plan
             .rows
             .iter()
@@ -1485,17 +1485,13 @@ mod tests {
             prefill,
             [
                 "rollout_prefill_16x1_fanout4_cache16x1x64",
-                "rollout_prefill_16x4_fanout4_cache16x1x64",
                 "rollout_prefill_32x1_fanout4_cache16x1x64",
-                "rollout_prefill_32x4_fanout4_cache16x1x64",
                 "rollout_prefill_64x1_fanout4_cache16x1x64",
-                "rollout_prefill_64x4_fanout4_cache16x1x64"
             ]
         );
-        // The longest bucket runs once batched (4 groups of 4); the single variant not at all.
-        assert_eq!(runs("rollout_prefill_64x4_fanout4_cache16x1x64"), 1.0);
-        assert_eq!(runs("rollout_prefill_64x1_fanout4_cache16x1x64"), 0.0);
-        assert_eq!(runs("rollout_prefill_32x4_fanout4_cache16x1x64"), 0.0);
+        // The longest bucket runs once per group (4 groups of 4 samples); the others not at all.
+        assert_eq!(runs("rollout_prefill_64x1_fanout4_cache16x1x64"), 4.0);
+        assert_eq!(runs("rollout_prefill_32x1_fanout4_cache16x1x64"), 0.0);
         // One decode program (an unchunked cache), one run per response token in 1 wave.
         assert_eq!(runs("rollout_decode_plain_cache16x64"), 24.0);
         // 2 mini-batches of 2 micro-batches: accumulate 4x, apply 2x; log-probs 4 micro-batches
@@ -1513,7 +1509,7 @@ mod tests {
             .unwrap()
             .program;
         assert_eq!(lp, reference);
-        assert_eq!(plan.programs.len(), 6 + 1 + 4);
+        assert_eq!(plan.programs.len(), 3 + 1 + 4);
     }
 
     #[test]

@@ -257,20 +257,7 @@ impl RayLauncher {
             .iter()
             .filter_map(|s| {
                 let (info, reg) = s.running.as_ref()?;
-                let devices = if reg.devices.is_empty() {
-                    "no devices".to_string()
-                } else {
-                    reg.devices
-                        .iter()
-                        .map(|d| {
-                            format!(
-                                "{} x{} ({} {})",
-                                d.kind, d.count, d.platform_name, d.platform_version
-                            )
-                        })
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                };
+                let devices = reg.devices_text();
                 Some(format!(
                     "{} worker {} -> pool `{}`, host {} pid {}, {}, at {} (Ray job {})",
                     s.role.name(),
