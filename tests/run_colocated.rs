@@ -4,13 +4,15 @@
 //! over its slots) trains like the single-device run of the same seed, and its weight syncs
 //! copy nothing through the host.
 //!
-//! Sampled tokens are the single-device engine's for the same weights, so rewards, response
-//! lengths and sample counts are equal exactly. The learner's metrics (losses, gradient norm,
-//! entropy, KL) are equal within a relative 1e-4: the partitioned learner sums gradients and
-//! losses over the devices in another order (f32, ~1e-7 relative per sum), and those
-//! differences grow through three Adam steps (the sharded learner's own test bounds
-//! parameters at 1e-5 absolute after 3 steps); they are far too small to flip a sampled token
-//! here, which the exact reward and length equality checks.
+//! Step 1 starts from the same weights, and the engine's tokens do not depend on how its slots
+//! are split over devices, so step 1's rewards, response lengths and sample counts are equal
+//! exactly, and validation before training too. The learner's step-1 metrics (losses, gradient
+//! norm, entropy, KL) are equal within a relative 1e-4: the partitioned learner sums gradients
+//! and losses over the devices in another order (f32, ~1e-7 relative per sum). Later steps are
+//! not compared: their weights differ from the single-device run's in the last bits, which can
+//! flip a token sampled near a boundary of the sampling distribution (it did, at step 3, in
+//! one run of this test), after which the runs legitimately part. Every step must still have all
+//! its samples.
 //!
 //! Each step's `weights/host_transfers` and `weights/host_transfer_bytes` (the client's
 //! host<->device copies between the start and the end of the weight sync) are 0: the
@@ -70,14 +72,15 @@ fn assert_trains_like(single: &Path, sharded: &Path, what: &str) {
         mp.keys().collect::<Vec<_>>(),
         "{what}: steps"
     );
-    for key in [
-        "reward/mean",
-        "reward/std",
-        "response_length/mean",
-        "batch/samples",
-    ] {
-        assert_eq!(metric_series(&ms, key), metric_series(&mp, key), "{what}: {key}");
+    let first = |m: &std::collections::BTreeMap<u64, serde_json::Value>, key: &str| metric_series(m, key)[0];
+    for key in ["reward/mean", "reward/std", "response_length/mean"] {
+        assert_eq!(first(&ms, key), first(&mp, key), "{what}: step 1 {key}");
     }
+    assert_eq!(
+        metric_series(&ms, "batch/samples"),
+        metric_series(&mp, "batch/samples"),
+        "{what}: samples per step"
+    );
     assert_eq!(
         ms[&0]["val/accuracy"], mp[&0]["val/accuracy"],
         "{what}: val/accuracy"
@@ -89,20 +92,12 @@ fn assert_trains_like(single: &Path, sharded: &Path, what: &str) {
         "actor/kl",
         "actor/lr",
     ] {
-        let (a, b) = (metric_series(&ms, key), metric_series(&mp, key));
-        let worst = a
-            .iter()
-            .zip(&b)
-            .map(|(x, y)| (x - y).abs() / x.abs().max(y.abs()).max(1e-12))
-            .fold(0.0, f64::max);
+        let (a, b) = (first(&ms, key), first(&mp, key));
         eprintln!(
-            "{}: {key}: largest relative difference {worst:.2e}",
+            "{}: step 1 {key}: {a} vs {b}",
             what.lines().next().unwrap_or(what).trim_end_matches(':')
         );
-        assert!(
-            a.iter().zip(&b).all(|(x, y)| close(*x, *y, 1e-4)),
-            "{what}: {key}: {a:?} vs {b:?}"
-        );
+        assert!(close(a, b, 1e-4), "{what}: step 1 {key}: {a} vs {b}");
     }
     for (m, run) in [(&ms, "single device"), (&mp, what)] {
         for key in ["weights/host_transfers", "weights/host_transfer_bytes"] {
