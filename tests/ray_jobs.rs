@@ -100,7 +100,7 @@ fn ray_jobs_run_stop_pend_and_leave_nothing_behind() {
         // The cluster reports what the head declared.
         let version = client.version().await.unwrap();
         assert_eq!(version.ray_version, "2.60.0");
-        let resources = client.cluster_resources().await.unwrap();
+        let resources = actors::ray_jobs::total_resources(&client.nodes().await.unwrap());
         assert_eq!(
             (resources["CPU"], resources["GPU"], resources["TPU"]),
             (4.0, 2.0, 4.0)
@@ -304,6 +304,6 @@ fn a_missing_ray_fails_the_test_saying_what_to_do() {
     assert_eq!(
         message,
         "`/nonexistent/bin/ray` is not installed or does not run: the Ray tests need Ray with its \
-         dashboard; run scripts/setup.sh (it installs `ray[default]==2.60.0`)"
+         dashboard; run scripts/test.sh (it installs `ray[default]==2.60.0`)"
     );
 }

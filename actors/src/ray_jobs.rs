@@ -492,13 +492,6 @@ impl RayJobs {
         listing.into_result(self, endpoint)
     }
 
-    /// The total of every resource over the cluster's alive nodes, by Ray's resource name
-    /// (`CPU`, `GPU`, `TPU`, `memory`, `object_store_memory`, custom resources, `node:IP`, ...),
-    /// as the nodes report them. A resource absent here has never been offered by a live node.
-    pub async fn cluster_resources(&self) -> Result<BTreeMap<String, f64>, RayJobsError> {
-        Ok(total_resources(&self.nodes().await?))
-    }
-
     /// Submits a job (`POST /api/jobs/`) and returns its submission id.
     pub async fn submit(&self, request: &JobRequest) -> Result<String, RayJobsError> {
         let endpoint = "/api/jobs/";
@@ -1183,7 +1176,7 @@ mod tests {
             let client = RayJobs::new(&address).unwrap();
             let version = client.version().await.unwrap();
             assert_eq!((version.version.as_str(), version.ray_version.as_str()), ("4", "2.60.0"));
-            assert_eq!(client.cluster_resources().await.unwrap()["TPU"], 4.0);
+            assert_eq!(total_resources(&client.nodes().await.unwrap())["TPU"], 4.0);
             let request = JobRequest {
                 submission_id: "grpo-r1-reward-0-a1".into(),
                 entrypoint: "python3 -c \"print(1)\"".into(),

@@ -783,12 +783,18 @@ mod tests {
 
     const VERSION: &str = env!("CARGO_PKG_VERSION");
 
-    #[tokio::test]
-    async fn a_worker_with_the_token_registers_and_is_waited_for() {
+    /// A registry on loopback expecting [`VERSION`], with its fresh token.
+    async fn serving() -> (Token, RegistryServer) {
         let token = Token::generate();
         let server = Registry::serve("127.0.0.1", token.clone(), None, VERSION)
             .await
             .unwrap();
+        (token, server)
+    }
+
+    #[tokio::test]
+    async fn a_worker_with_the_token_registers_and_is_waited_for() {
+        let (token, server) = serving().await;
         assert!(
             server.address().starts_with("http://127.0.0.1:"),
             "{}",
@@ -840,10 +846,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_worker_listening_everywhere_is_called_at_the_address_it_came_from() {
-        let token = Token::generate();
-        let server = Registry::serve("127.0.0.1", token.clone(), None, VERSION)
-            .await
-            .unwrap();
+        let (token, server) = serving().await;
         let sent = Registration {
             address: "http://0.0.0.0:7001".into(),
             role: Role::Reward,
@@ -938,10 +941,7 @@ mod tests {
 
     #[tokio::test]
     async fn waiting_for_a_worker_that_never_comes_says_who_and_how_long() {
-        let token = Token::generate();
-        let server = Registry::serve("127.0.0.1", token.clone(), None, VERSION)
-            .await
-            .unwrap();
+        let (token, server) = serving().await;
         register(
             &server.address(),
             &token,
@@ -969,10 +969,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_heartbeat_gives_up_after_the_deadline_once_the_registry_is_gone() {
-        let token = Token::generate();
-        let server = Registry::serve("127.0.0.1", token.clone(), None, VERSION)
-            .await
-            .unwrap();
+        let (token, server) = serving().await;
         let address = server.address();
         register(&address, &token, None, &registration("rollout-0-a1", VERSION))
             .await
@@ -1030,10 +1027,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_retired_worker_is_dismissed_by_its_heartbeat() {
-        let token = Token::generate();
-        let server = Registry::serve("127.0.0.1", token.clone(), None, VERSION)
-            .await
-            .unwrap();
+        let (token, server) = serving().await;
         let address = server.address();
         register(&address, &token, None, &registration("reward-0-a1", VERSION))
             .await

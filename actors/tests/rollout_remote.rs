@@ -10,7 +10,7 @@ use actors::proto;
 use actors::roles::rollout::{LocalRollout, RemoteRollout, RolloutRole, RolloutService, WeightUpdate};
 use actors::roles::RoleError;
 use actors::worker::Worker;
-use model::{param_table, random_init, Family, ModelConfig, ModelWeights};
+use model::{param_table, random_init, ModelConfig, ModelWeights};
 use rollout::{upload_weights, Engine, EngineConfig, GenerationRequest, Sample, SamplingParams};
 use std::net::SocketAddr;
 use std::sync::OnceLock;
@@ -20,31 +20,6 @@ use xla::DType;
 fn client() -> &'static Client {
     static CLIENT: OnceLock<Client> = OnceLock::new();
     CLIENT.get_or_init(|| Client::cpu(1).expect("the CPU PJRT plugin loads"))
-}
-
-fn tiny() -> ModelConfig {
-    ModelConfig {
-        family: Family::Llama,
-        hidden_size: 32,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 8,
-        intermediate_size: 64,
-        vocab_size: 32,
-        rope_theta: 10000.0,
-        rope_scaling: None,
-        rms_norm_eps: 1e-6,
-        tie_word_embeddings: true,
-        attention_bias: false,
-        o_proj_bias: false,
-        qk_norm: false,
-        max_position_embeddings: 64,
-        bos_token_id: None,
-        eos_token_ids: vec![],
-        pad_token_id: None,
-        initializer_range: 0.4,
-    }
 }
 
 fn buffers(weights: &ModelWeights, dtype: DType) -> Vec<Buffer> {
@@ -218,8 +193,8 @@ async fn raw_update(
 #[test]
 fn remote_rollout_matches_local_takes_weights_and_refuses_bad_updates() {
     let token = Token::generate();
-    let a = random_init(&tiny(), 1);
-    let b = random_init(&tiny(), 2);
+    let a = random_init(&ModelConfig::tiny_llama(), 1);
+    let b = random_init(&ModelConfig::tiny_llama(), 2);
     let worker = TestWorker::start(&a, DType::F32, &token, 0);
     let local_a = LocalRollout::new(engine(&a, DType::F32, 0));
     let local_b = LocalRollout::new(engine(&b, DType::F32, 1));
@@ -290,7 +265,7 @@ fn remote_rollout_matches_local_takes_weights_and_refuses_bad_updates() {
         assert_eq!(remote.refresh().await.unwrap(), 3);
 
         // Buffers of another model are refused before anything is sent.
-        let mut wide = tiny();
+        let mut wide = ModelConfig::tiny_llama();
         wide.hidden_size = 40;
         wide.head_dim = 10;
         let other = WeightUpdate {
@@ -330,8 +305,8 @@ fn remote_rollout_matches_local_takes_weights_and_refuses_bad_updates() {
 #[test]
 fn a_bf16_worker_takes_f32_weights_converted_on_the_way() {
     let token = Token::generate();
-    let a = random_init(&tiny(), 3);
-    let b = random_init(&tiny(), 4);
+    let a = random_init(&ModelConfig::tiny_llama(), 3);
+    let b = random_init(&ModelConfig::tiny_llama(), 4);
     let worker = TestWorker::start(&a, DType::BF16, &token, 0);
     let local_b = LocalRollout::new(engine(&b, DType::BF16, 5));
     let runtime = tokio::runtime::Runtime::new().unwrap();
@@ -354,8 +329,8 @@ fn a_bf16_worker_takes_f32_weights_converted_on_the_way() {
 #[test]
 fn a_dead_worker_is_unavailable_and_its_replacement_is_brought_up_to_date() {
     let token = Token::generate();
-    let a = random_init(&tiny(), 5);
-    let b = random_init(&tiny(), 6);
+    let a = random_init(&ModelConfig::tiny_llama(), 5);
+    let b = random_init(&ModelConfig::tiny_llama(), 6);
     let mut worker = TestWorker::start(&a, DType::F32, &token, 0);
     let local_b = LocalRollout::new(engine(&b, DType::F32, 7));
     let runtime = tokio::runtime::Runtime::new().unwrap();

@@ -247,6 +247,35 @@ fn parse_rope_scaling(keys: &JsonKeys<'_>, key: &str) -> Result<Option<RopeScali
 }
 
 impl ModelConfig {
+    /// A 2-layer Llama, 32 wide, with a 32-token vocabulary and 4 query / 2 key-value heads,
+    /// whose random weights ([`crate::random_init`], `initializer_range` 0.4) spread the logits
+    /// enough to make greedy choices clear: for tests and examples that need a real model
+    /// shape in milliseconds.
+    pub fn tiny_llama() -> ModelConfig {
+        ModelConfig {
+            family: Family::Llama,
+            hidden_size: 32,
+            num_hidden_layers: 2,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            head_dim: 8,
+            intermediate_size: 64,
+            vocab_size: 32,
+            rope_theta: 10000.0,
+            rope_scaling: None,
+            rms_norm_eps: 1e-6,
+            tie_word_embeddings: true,
+            attention_bias: false,
+            o_proj_bias: false,
+            qk_norm: false,
+            max_position_embeddings: 64,
+            bos_token_id: None,
+            eos_token_ids: vec![],
+            pad_token_id: None,
+            initializer_range: 0.4,
+        }
+    }
+
     /// Reads a Hugging Face `config.json` file.
     pub fn from_hf_file(path: &Path) -> Result<ModelConfig> {
         let text = std::fs::read_to_string(path).map_err(|e| ModelError::io("reading", path, e))?;

@@ -7,7 +7,7 @@
 use std::sync::OnceLock;
 
 use model::programs::{DeviceModel, FullLogitsProgram, GenerateOptions, Generator, LogprobsProgram};
-use model::{random_init, Family, ModelConfig, ModelTokenizer, ModelWeights};
+use model::{random_init, ModelConfig, ModelTokenizer, ModelWeights};
 use rollout::sampling::reference_distribution;
 use rollout::{
     upload_weights, Engine, EngineConfig, EngineOutput, FinishReason, GenerationRequest, Sample,
@@ -19,32 +19,6 @@ use xla::DType;
 fn client() -> &'static Client {
     static CLIENT: OnceLock<Client> = OnceLock::new();
     CLIENT.get_or_init(|| Client::cpu(1).expect("the CPU PJRT plugin loads"))
-}
-
-/// A tiny Llama whose random logits are spread enough to make greedy choices clear.
-fn tiny() -> ModelConfig {
-    ModelConfig {
-        family: Family::Llama,
-        hidden_size: 32,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 8,
-        intermediate_size: 64,
-        vocab_size: 32,
-        rope_theta: 10000.0,
-        rope_scaling: None,
-        rms_norm_eps: 1e-6,
-        tie_word_embeddings: true,
-        attention_bias: false,
-        o_proj_bias: false,
-        qk_norm: false,
-        max_position_embeddings: 64,
-        bos_token_id: None,
-        eos_token_ids: vec![],
-        pad_token_id: None,
-        initializer_range: 0.4,
-    }
 }
 
 fn engine_with(
@@ -105,7 +79,7 @@ fn of_request(samples: &[Sample], id: u64) -> Vec<&Sample> {
 
 #[test]
 fn greedy_equals_step_by_step_generation_alone_and_in_a_full_batch() {
-    let weights = random_init(&tiny(), 1);
+    let weights = random_init(&ModelConfig::tiny_llama(), 1);
     let a = [3u32, 7, 1, 9, 4];
     let b = [12u32, 30, 2];
     let expected_a = greedy_reference(&weights, &a, 12);
@@ -146,7 +120,7 @@ fn greedy_equals_step_by_step_generation_alone_and_in_a_full_batch() {
 
 #[test]
 fn logprobs_equal_the_logprobs_program_and_samples_are_batch_invariant() {
-    let weights = random_init(&tiny(), 3);
+    let weights = random_init(&ModelConfig::tiny_llama(), 3);
     let requests = [
         request(1, &[4, 8, 15, 16, 23, 4], 3, 11, sampled(0.8, 0, 1.0, 10)),
         request(2, &[9], 2, 12, sampled(1.3, 5, 0.9, 10)),
@@ -200,7 +174,7 @@ fn logprobs_equal_the_logprobs_program_and_samples_are_batch_invariant() {
 
 #[test]
 fn a_group_is_prefilled_once_and_copied_into_its_slots() {
-    let weights = random_init(&tiny(), 4);
+    let weights = random_init(&ModelConfig::tiny_llama(), 4);
     let mut engine = engine_with(&weights, 8, 32, None);
     let prompt = [5u32, 9, 13, 2, 7, 7, 1, 30, 22];
     engine
@@ -228,7 +202,7 @@ fn a_group_is_prefilled_once_and_copied_into_its_slots() {
 
 #[test]
 fn a_chunked_cache_and_batched_prefill_give_the_tokens_of_the_whole_cache() {
-    let weights = random_init(&tiny(), 6);
+    let weights = random_init(&ModelConfig::tiny_llama(), 6);
     let make = |kv_chunk: usize, prefill_batch: usize| {
         let buffers = upload_weights(client(), &weights, DType::F32, 0).unwrap();
         let mut settings = EngineConfig::new(6, 32);
@@ -322,7 +296,7 @@ fn chi_square(observed: &[usize], p: &[f64]) -> (f64, usize) {
 #[test]
 fn sampled_token_frequencies_match_the_analytic_distribution() {
     // Significance level 0.001 per configuration, fixed seeds: deterministic.
-    let weights = random_init(&tiny(), 5);
+    let weights = random_init(&ModelConfig::tiny_llama(), 5);
     let prompt = [2u32, 5, 8];
     let dm = DeviceModel::upload(client(), &weights, DType::F32, 0).unwrap();
     let logits = FullLogitsProgram::compile(&dm, 1, 3)
@@ -378,8 +352,8 @@ fn sampled_token_frequencies_match_the_analytic_distribution() {
 
 #[test]
 fn hot_swap_restarts_in_flight_samples_on_the_new_weights() {
-    let w1 = random_init(&tiny(), 6);
-    let w2 = random_init(&tiny(), 7);
+    let w1 = random_init(&ModelConfig::tiny_llama(), 6);
+    let w2 = random_init(&ModelConfig::tiny_llama(), 7);
     let long = [3u32, 1, 4, 1, 5];
     let short = [9u32, 2, 6];
     let mut engine = engine_with(&w1, 4, 32, None);
@@ -399,7 +373,7 @@ fn hot_swap_restarts_in_flight_samples_on_the_new_weights() {
 
     // Wrong weights are refused by name and change nothing.
     let wrong = {
-        let mut c = tiny();
+        let mut c = ModelConfig::tiny_llama();
         c.intermediate_size = 48;
         upload_weights(client(), &random_init(&c, 1), DType::F32, 0).unwrap()
     };
@@ -450,7 +424,7 @@ fn word_tokenizer() -> ModelTokenizer {
 
 #[test]
 fn stop_tokens_stop_strings_and_length_limits_end_samples() {
-    let weights = random_init(&tiny(), 8);
+    let weights = random_init(&ModelConfig::tiny_llama(), 8);
     let prompt = [6u32, 2, 19, 11];
     let greedy = greedy_reference(&weights, &prompt, 12);
     let mut engine = engine_with(&weights, 4, 16, Some(word_tokenizer()));
@@ -501,7 +475,7 @@ fn stop_tokens_stop_strings_and_length_limits_end_samples() {
 
 #[test]
 fn the_streaming_handle_rejects_bad_requests_and_serves_the_rest() {
-    let weights = random_init(&tiny(), 9);
+    let weights = random_init(&ModelConfig::tiny_llama(), 9);
     let engine = engine_with(&weights, 2, 16, None);
     assert_eq!(engine.kv_cache_bytes(), 2 * 2 * 2 * 2 * 16 * 8 * 4);
     let handle = engine.spawn();

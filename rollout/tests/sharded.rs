@@ -12,7 +12,7 @@
 
 use std::sync::{Arc, OnceLock};
 
-use model::{param_table, random_init, Family, ModelConfig, ModelWeights};
+use model::{param_table, random_init, ModelConfig, ModelWeights};
 use rollout::{
     handoff, upload_weights, Engine, EngineConfig, EngineWeights, GenerationRequest, Sample, SamplingParams,
     SourceParams,
@@ -24,31 +24,6 @@ use xla::DType;
 fn client() -> &'static Client {
     static CLIENT: OnceLock<Client> = OnceLock::new();
     CLIENT.get_or_init(|| Client::cpu(4).expect("the CPU PJRT plugin opens 4 devices"))
-}
-
-fn tiny() -> ModelConfig {
-    ModelConfig {
-        family: Family::Llama,
-        hidden_size: 32,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 8,
-        intermediate_size: 64,
-        vocab_size: 32,
-        rope_theta: 10000.0,
-        rope_scaling: None,
-        rms_norm_eps: 1e-6,
-        tie_word_embeddings: true,
-        attention_bias: false,
-        o_proj_bias: false,
-        qk_norm: false,
-        max_position_embeddings: 64,
-        bos_token_id: None,
-        eos_token_ids: vec![],
-        pad_token_id: None,
-        initializer_range: 0.4,
-    }
 }
 
 /// Replicas of `weights` in `dtype` on devices `0..devices`.
@@ -132,7 +107,7 @@ fn assert_same_samples(got: &[Sample], expected: &[Sample], what: &str) {
 
 #[test]
 fn one_two_and_four_devices_give_the_same_tokens() {
-    let weights = random_init(&tiny(), 21);
+    let weights = random_init(&ModelConfig::tiny_llama(), 21);
     let config = &weights.config;
     for (kv_chunk, prefill_batch) in [(0, 1), (8, 2)] {
         let make = |devices: usize| {
@@ -176,7 +151,10 @@ fn one_two_and_four_devices_give_the_same_tokens() {
 
 #[test]
 fn hot_swap_on_several_devices_follows_the_new_weights() {
-    let (w1, w2) = (random_init(&tiny(), 31), random_init(&tiny(), 32));
+    let (w1, w2) = (
+        random_init(&ModelConfig::tiny_llama(), 31),
+        random_init(&ModelConfig::tiny_llama(), 32),
+    );
     let config = &w1.config;
     let reqs = [request(1, &[4, 9, 2], 2, 5, sampled(1.0, 0, 1.0, 6))];
     let expected = {
@@ -217,7 +195,7 @@ fn hot_swap_on_several_devices_follows_the_new_weights() {
 
 #[test]
 fn slots_that_do_not_split_over_the_devices_are_refused() {
-    let weights = random_init(&tiny(), 2);
+    let weights = random_init(&ModelConfig::tiny_llama(), 2);
     let err = Engine::new(
         client(),
         &weights.config,
@@ -307,7 +285,7 @@ fn the_handoff_gathers_and_converts_on_the_devices() {
     // A client of its own: its transfer counters see this test's work only.
     let own = Client::cpu(4).unwrap();
     let client = &own;
-    let weights = random_init(&tiny(), 41);
+    let weights = random_init(&ModelConfig::tiny_llama(), 41);
     let table = param_table(&weights.config);
     let host: Vec<Vec<f32>> = table
         .iter()
@@ -392,7 +370,7 @@ fn the_handoff_gathers_and_converts_on_the_devices() {
 
 #[test]
 fn a_layout_that_does_not_fit_its_mesh_is_refused() {
-    let weights = random_init(&tiny(), 3);
+    let weights = random_init(&ModelConfig::tiny_llama(), 3);
     let mut layout = learner_layout(client(), &weights, 2, true);
     layout.mesh = Some(Mesh::new(&[("data", 4)]));
     let err = handoff(client(), &layout, DType::F32, false)

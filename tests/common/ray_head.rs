@@ -98,9 +98,12 @@ impl RayHead {
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("dup the log"))
             .stderr(log);
-        let child = command
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot run `{}`: {e}; run scripts/setup.sh", ray.display()));
+        let child = command.spawn().unwrap_or_else(|e| {
+            panic!(
+                "cannot run `{}`: {e}; scripts/test.sh installs Ray",
+                ray.display()
+            )
+        });
         let mut head = RayHead {
             child: Some(child),
             temp: Some(temp),
@@ -220,7 +223,7 @@ impl RayHead {
                 self.shutdown();
                 panic!(
                     "the test's Ray head did not start: {why} (it needs Ray with its dashboard, \
-                     `ray[default]==2.60.0`: run scripts/setup.sh); its log ends with:\n{}",
+                     `ray[default]==2.60.0`: scripts/test.sh installs it); its log ends with:\n{}",
                     tail.join("\n")
                 );
             }
@@ -238,7 +241,7 @@ impl Drop for RayHead {
     }
 }
 
-/// `ray` on PATH (or `$RAY`), checked to run; panics saying to run scripts/setup.sh otherwise.
+/// `ray` on PATH (or `$RAY`), checked to run; panics saying to run scripts/test.sh otherwise.
 fn ray_executable() -> PathBuf {
     check_ray(
         std::env::var_os("RAY")
@@ -247,7 +250,7 @@ fn ray_executable() -> PathBuf {
     )
 }
 
-/// `ray` if `ray --version` runs; panics saying to run scripts/setup.sh otherwise.
+/// `ray` if `ray --version` runs; panics saying to run scripts/test.sh otherwise.
 pub fn check_ray(ray: PathBuf) -> PathBuf {
     let works = Command::new(&ray)
         .arg("--version")
@@ -259,7 +262,7 @@ pub fn check_ray(ray: PathBuf) -> PathBuf {
     assert!(
         works,
         "`{}` is not installed or does not run: the Ray tests need Ray with its dashboard; run \
-         scripts/setup.sh (it installs `ray[default]==2.60.0`)",
+         scripts/test.sh (it installs `ray[default]==2.60.0`)",
         ray.display()
     );
     ray

@@ -22,8 +22,8 @@
 
 use super::{health_check, log_tail, LaunchError, LaunchSpec, WorkerInfo};
 use crate::auth::Token;
-use crate::ray_jobs::{JobRequest, JobStatus, RayJobs};
-use crate::recipe::{ClusterSection, PoolSection, RaySection};
+use crate::ray_jobs::{format_resources, total_resources, JobRequest, JobStatus, RayJobs, RayNode};
+use crate::recipe::{ClusterSection, PoolSection, PoolWorker, RaySection};
 use crate::registry::{Registration, Registry, RegistryError, RegistryServer};
 use crate::transport;
 use crate::worker::Role;
@@ -44,14 +44,14 @@ pub enum RayLaunchError {
     },
     #[error(
         "`cluster.pools` pool `{pool}` asks for {amount} {resource} per worker, but the Ray \
-         cluster at {address} {has}; the cluster has: {available}"
+         cluster at {address} {has}; its live nodes have: {available}"
     )]
     MissingResource {
         pool: String,
         resource: String,
         amount: f64,
         address: String,
-        /// "has no `TPU` resource" or "has only 2 `TPU` in total".
+        /// "has no `TPU` resource" or "has no node with all of CPU 1, TPU 8 at once".
         has: String,
         available: String,
     },
@@ -144,7 +144,12 @@ struct Slot {
 
 impl Slot {
     fn worker_id(&self) -> String {
-        format!("{}-{}-a{}", self.role.name(), self.index, self.attempts)
+        PoolWorker {
+            pool: &self.pool,
+            role: self.role,
+            index: self.index,
+        }
+        .worker_id(self.attempts)
     }
 }
 
@@ -180,8 +185,8 @@ impl RayLauncher {
         };
         let jobs = RayJobs::new(&address).map_err(jobs_error)?;
         jobs.version().await.map_err(jobs_error)?;
-        let resources = jobs.cluster_resources().await.map_err(jobs_error)?;
-        check_pools(&address, ray.workers.iter().map(|(_, _, p)| p), &resources)?;
+        let nodes = jobs.nodes().await.map_err(jobs_error)?;
+        check_pools(&address, ray.workers.iter().map(|(_, _, p)| p), &nodes)?;
         let registry = Registry::serve(
             &ray.ray.orchestrator_host,
             token.clone(),
@@ -671,58 +676,48 @@ impl Drop for RayLauncher {
 }
 
 /// Checks that every pool's per-worker request can ever be met: each resource it asks for is one
-/// the cluster reports, in at least that amount in total.
+/// the cluster reports, and one live node has all of it at once (Ray places a job on one node).
 pub fn check_pools<'a>(
     address: &str,
     pools: impl IntoIterator<Item = &'a PoolSection>,
-    resources: &BTreeMap<String, f64>,
+    nodes: &[RayNode],
 ) -> Result<(), RayLaunchError> {
-    let available = || {
-        resources
-            .iter()
-            .filter(|(name, _)| !name.starts_with("node:") && !name.starts_with("accelerator_type:"))
-            .map(|(name, amount)| format!("{name} {}", trim_amount(*amount)))
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
+    let totals = total_resources(nodes);
     for pool in pools {
-        let asks = [
-            ("CPU".to_string(), pool.num_cpus),
-            ("GPU".to_string(), pool.num_gpus),
-        ]
-        .into_iter()
-        .chain(pool.resources.iter().map(|(k, v)| (k.clone(), *v)));
-        for (resource, amount) in asks {
-            if amount <= 0.0 {
-                continue;
-            }
-            let has = match resources.get(&resource) {
-                None => format!("has no `{resource}` resource"),
-                Some(&total) if total < amount => {
-                    format!("has only {} `{resource}` in total", trim_amount(total))
-                }
-                Some(_) => continue,
-            };
-            return Err(RayLaunchError::MissingResource {
-                pool: pool.name.clone(),
-                resource,
-                amount,
-                address: address.to_string(),
-                has,
-                available: available(),
-            });
+        let mut asks = pool.resources.clone();
+        for (name, amount) in [("CPU", pool.num_cpus), ("GPU", pool.num_gpus)] {
+            asks.insert(name.to_string(), amount);
         }
+        asks.retain(|_, amount| *amount > 0.0);
+        if nodes.iter().any(|n| n.is_alive() && n.could_fit(&asks)) {
+            continue;
+        }
+        // Name a resource the cluster lacks altogether, else the largest of the request.
+        let (resource, amount) = asks
+            .iter()
+            .find(|(name, _)| !totals.contains_key(*name))
+            .or_else(|| asks.iter().max_by(|a, b| a.1.total_cmp(b.1)))
+            .map(|(name, amount)| (name.clone(), *amount))
+            .expect("a request that no node fits asks for something");
+        let has = match totals.get(&resource) {
+            None => format!("has no `{resource}` resource"),
+            Some(_) => format!("has no node with all of {} at once", format_resources(&asks)),
+        };
+        return Err(RayLaunchError::MissingResource {
+            pool: pool.name.clone(),
+            resource,
+            amount,
+            address: address.to_string(),
+            has,
+            available: nodes
+                .iter()
+                .filter(|n| n.is_alive())
+                .map(|n| format!("[{}: {}]", n.node_ip, format_resources(&n.resources_total)))
+                .collect::<Vec<_>>()
+                .join(" "),
+        });
     }
     Ok(())
-}
-
-/// `4` for 4.0, `0.5` for 0.5.
-fn trim_amount(amount: f64) -> String {
-    if amount.fract() == 0.0 && amount.abs() < 1e15 {
-        format!("{}", amount as i64)
-    } else {
-        format!("{amount}")
-    }
 }
 
 /// The `--set` overrides that make a pool's worker open the pool's device kind, whatever
@@ -784,32 +779,47 @@ mod tests {
         assert_eq!(shell_quote("cluster.plugin_path="), "cluster.plugin_path=");
     }
 
+    fn node(ip: &str, resources: &[(&str, f64)]) -> RayNode {
+        RayNode {
+            node_id: format!("id-{ip}"),
+            node_ip: ip.to_string(),
+            is_head_node: false,
+            state: "ALIVE".to_string(),
+            resources_total: resources.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            labels: BTreeMap::new(),
+        }
+    }
+
     #[test]
-    fn pools_asking_for_what_the_cluster_never_had_are_refused_with_what_it_has() {
-        let resources = BTreeMap::from([
-            ("CPU".to_string(), 8.0),
-            ("GPU".to_string(), 2.0),
-            ("TPU".to_string(), 4.0),
-            ("memory".to_string(), 1.5e10),
-            ("node:127.0.0.1".to_string(), 1.0),
-        ]);
+    fn pools_no_node_can_ever_take_are_refused_with_what_the_nodes_have() {
+        // Two nodes with 4 TPU each: 8 in total, but never 8 on one node.
+        let nodes = [
+            node("10.0.0.1", &[("CPU", 8.0), ("TPU", 4.0), ("node:10.0.0.1", 1.0)]),
+            node("10.0.0.2", &[("CPU", 8.0), ("TPU", 4.0), ("GPU", 2.0)]),
+        ];
         let ok = pool("name: tpu\ndevice: tpu\nroles: [rollout]\nnum_cpus: 1\nresources: {TPU: 4}\n");
-        check_pools("http://h:8265", [&ok], &resources).unwrap();
+        let gpu = pool("name: gpu\ndevice: gpu\nroles: [learner]\nnum_gpus: 2\n");
+        check_pools("http://h:8265", [&ok, &gpu], &nodes).unwrap();
 
         let fpga = pool("name: fpga\ndevice: cpu\nroles: [reward]\nresources: {FPGA: 1}\n");
-        let e = check_pools("http://h:8265", [&ok, &fpga], &resources)
+        let e = check_pools("http://h:8265", [&ok, &fpga], &nodes)
             .unwrap_err()
             .to_string();
         assert_eq!(
             e,
             "`cluster.pools` pool `fpga` asks for 1 FPGA per worker, but the Ray cluster at \
-             http://h:8265 has no `FPGA` resource; the cluster has: CPU 8, GPU 2, TPU 4, memory 15000000000"
+             http://h:8265 has no `FPGA` resource; its live nodes have: [10.0.0.1: CPU 8, TPU 4] \
+             [10.0.0.2: CPU 8, GPU 2, TPU 4]"
         );
-        let gpus = pool("name: big\ndevice: gpu\nroles: [learner]\nnum_gpus: 8\n");
-        let e = check_pools("http://h:8265", [&gpus], &resources)
+        let big = pool("name: big\ndevice: tpu\nroles: [rollout]\nresources: {TPU: 8}\n");
+        let e = check_pools("http://h:8265", [&big], &nodes)
             .unwrap_err()
             .to_string();
-        assert!(e.contains("asks for 8 GPU per worker"), "{e}");
-        assert!(e.contains("has only 2 `GPU` in total"), "{e}");
+        assert!(e.contains("asks for 8 TPU per worker"), "{e}");
+        assert!(e.contains("has no node with all of CPU 1, TPU 8 at once"), "{e}");
+        // A dead node does not count.
+        let mut dead = node("10.0.0.3", &[("CPU", 8.0), ("TPU", 8.0)]);
+        dead.state = "DEAD".to_string();
+        assert!(check_pools("http://h:8265", [&big], &[dead]).is_err());
     }
 }

@@ -237,7 +237,7 @@ impl Fleet {
 
     /// The share weights of `live` rollout workers: their measured throughput; a worker not yet
     /// measured counts as the mean of those that are (all equal when none is).
-    fn rollout_weights(&self, live: &[(usize, Arc<dyn RolloutRole>)]) -> Vec<f64> {
+    fn share_weights(&self, live: &[(usize, Arc<dyn RolloutRole>)]) -> Vec<f64> {
         let throughput = self.throughput.lock().unwrap_or_else(|e| e.into_inner());
         let known: Vec<f64> = live
             .iter()
@@ -334,7 +334,7 @@ impl Fleet {
                     let mut reqs = std::mem::take(&mut waiting_gen).into_iter();
                     // Contiguous shares (each worker prefills its own prompts), sized by the
                     // workers' measured throughput.
-                    let weights = self.rollout_weights(&live);
+                    let weights = self.share_weights(&live);
                     for (count, (i, role)) in shares(reqs.len(), &weights).into_iter().zip(live) {
                         let chunk: Vec<GenerationRequest> = reqs.by_ref().take(count).collect();
                         if chunk.is_empty() {
