@@ -162,9 +162,9 @@ fn the_learners_largest_program_fits_v6e_2x2() {
     assert!(flops > 0.75e13 && flops < 3e13, "accumulate flops {flops:e}");
     assert!(cells[10].ends_with(" ms"), "{cells:?}");
     // With the learner's state (f32 masters, 2 moments, gradient sums, bf16 copy: 8.28 GiB) and
-    // the KV cache (6 GiB) resident on the same chip.
+    // the KV cache (bf16 with the recipe's bf16 rollout: 3 GiB) resident on the same chip.
     assert!(
-        stdout.contains("device 0 over the run (learner and rollout share it): learner state 8.28 GiB + KV cache 6.00 GiB"),
+        stdout.contains("device 0 over the run (learner and rollout share it): learner state 8.28 GiB + KV cache 3.00 GiB"),
         "{stdout}"
     );
     assert!(stdout.contains("everything fits"), "{stdout}");
@@ -209,9 +209,9 @@ fn the_decode_step_fits_v5e_v5p_and_tpu7x_with_a_time_estimate() {
         assert_eq!(p["fits"], true, "{topology}: {p}");
         let memory = p["memory_per_device"].as_f64().unwrap() / (1u64 << 30) as f64;
         assert_eq!(memory, memory_gib, "{topology}");
-        // bf16 weights (0.92 GiB) and the f32 KV cache of 256 slots x 1024 positions (6 GiB).
+        // bf16 weights (0.92 GiB) and the bf16 KV cache of 256 slots x 1024 positions (3 GiB).
         let arguments = p["argument_bytes"].as_f64().unwrap() / (1u64 << 30) as f64;
-        assert!(arguments > 6.9 && arguments < 7.1, "{topology}: {p}");
+        assert!(arguments > 3.9 && arguments < 4.1, "{topology}: {p}");
         let peak = p["peak_bytes"].as_f64().unwrap() / (1u64 << 30) as f64;
         assert!(peak >= arguments && peak < memory, "{topology}: {p}");
         // 256 tokens through 494M parameters, 2 flops a multiply-add, plus attention.

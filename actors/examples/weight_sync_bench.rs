@@ -1,7 +1,9 @@
-//! Weight sync benchmark: SmolLM2-135M's parameters (f32 device buffers, as the learner holds
-//! them) pushed to a rollout worker in another process over loopback gRPC, into an f32 and
-//! into a bf16 worker (converted on the way). Prints the median time of several pushes and the
-//! rate in GB/s of weight bytes delivered in the worker's dtype.
+//! Weight sync benchmark: SmolLM2-135M's parameters pushed to a rollout worker in another
+//! process over loopback gRPC, in three cases: f32 device buffers (as an f32 learner holds
+//! them) into an f32 worker; the same f32 buffers into a bf16 worker (converted on the way);
+//! bf16 device buffers into a bf16 worker (what `grpo run` sends a bf16 rollout: the learner's
+//! weights are converted on the device first, `rollout::handoff`). Prints the median time of
+//! several pushes and the rate in GB/s of weight bytes delivered in the worker's dtype.
 //!
 //! ```text
 //! cargo run --release -p actors --example weight_sync_bench -- \
@@ -144,25 +146,33 @@ fn main() -> Result<(), Error> {
     let token_file = dir.join("token");
     token.write(&token_file)?;
 
-    // The learner's side: f32 parameters on its device.
+    // The learner's side: its parameters on its device, f32 and bf16.
     let host = HostModel::load(&model)?;
     let client = Client::cpu(1)?;
-    let params: std::sync::Arc<[xla::runtime::Buffer]> =
-        upload_weights(&client, &host.weights, DType::F32, 0)?.into();
-    let elements: usize = params
+    let on_device = |dtype| -> Result<std::sync::Arc<[xla::runtime::Buffer]>, Error> {
+        Ok(upload_weights(&client, &host.weights, dtype, 0)?.into())
+    };
+    let (params_f32, params_bf16) = (on_device(DType::F32)?, on_device(DType::BF16)?);
+    let elements: usize = params_f32
         .iter()
         .map(|b| b.dims().iter().product::<i64>() as usize)
         .sum();
     println!(
         "{}: {} tensors, {:.1} M parameters; {} timed pushes after one warm-up",
         model.display(),
-        params.len(),
+        params_f32.len(),
         elements as f64 / 1e6,
         pushes
     );
 
     let runtime = tokio::runtime::Runtime::new()?;
-    for dtype in [DType::F32, DType::BF16] {
+    for (source, dtype) in [
+        (&params_f32, DType::F32),
+        (&params_f32, DType::BF16),
+        (&params_bf16, DType::BF16),
+    ] {
+        let params = source.clone();
+        let from = source[0].dtype();
         let worker = start_worker(dtype, &model, &token_file)?;
         let bytes = (elements * dtype.size_bytes()) as f64;
         let worker_pid = worker.child.id().to_string();
@@ -196,7 +206,7 @@ fn main() -> Result<(), Error> {
         let (seconds, (client_cpu, worker_cpu)) = seconds;
         let m = median(seconds.clone());
         println!(
-            "{dtype:>4} worker: {:.1} MB per push, median {:.3} s (min {:.3}, max {:.3}) = {:.2} GB/s",
+            "{from:>4} buffers -> {dtype:>4} worker: {:.1} MB per push, median {:.3} s (min {:.3}, max {:.3}) = {:.2} GB/s",
             bytes / 1e6,
             m,
             seconds.iter().cloned().fold(f64::INFINITY, f64::min),

@@ -767,19 +767,22 @@ pub fn decode_hidden_graph(
             kv_out.push(updated);
         }
         let windowed = |c: &Tensor| {
-            let c = if window < max_len {
+            if window < max_len {
                 c.slice_axis(2, 0, window)
             } else {
                 c.clone()
-            };
-            c.convert_if_needed(DType::F32)
+            }
         };
+        // The products take the cache's type as operands (f32 results): a bf16 cache is read
+        // as it is, as the trainer's attention reads bf16 keys and values.
+        let operand = cache[0].dtype();
         let (kc, vc) = (windowed(&kv_out[0]), windowed(&kv_out[1]));
         let q = q.reshape(&[s, kvh, groups, hd]);
         let scale = 1.0 / (hd as f64).sqrt();
         let scores = match options.attention {
             // [S, kvh, G, hd] x [S, kvh, W, hd] -> [S, kvh, G, W]
-            DecodeAttention::Dot => q.dot_general(
+            DecodeAttention::Dot => attention_dot(
+                &q.convert_if_needed(operand),
                 &kc,
                 DotDims {
                     lhs_batch: vec![0, 1],
@@ -787,31 +790,33 @@ pub fn decode_hidden_graph(
                     lhs_contract: vec![3],
                     rhs_contract: vec![3],
                 },
-                None,
             ),
-            DecodeAttention::KeysLeft => kc
-                .dot_general(
-                    &q,
-                    DotDims {
-                        lhs_batch: vec![0, 1],
-                        rhs_batch: vec![0, 1],
-                        lhs_contract: vec![3],
-                        rhs_contract: vec![3],
-                    },
-                    None,
-                )
-                .transpose(&[0, 1, 3, 2]),
+            DecodeAttention::KeysLeft => attention_dot(
+                &kc,
+                &q.convert_if_needed(operand),
+                DotDims {
+                    lhs_batch: vec![0, 1],
+                    rhs_batch: vec![0, 1],
+                    lhs_contract: vec![3],
+                    rhs_contract: vec![3],
+                },
+            )
+            .transpose(&[0, 1, 3, 2]),
             DecodeAttention::MultiplyReduce => {
                 let full = [s, kvh, groups, window, hd];
                 let qb = q.reshape(&[s, kvh, groups, 1, hd]).broadcast_to(&full);
-                let kb = kc.reshape(&[s, kvh, 1, window, hd]).broadcast_to(&full);
+                let kb = kc
+                    .convert_if_needed(DType::F32)
+                    .reshape(&[s, kvh, 1, window, hd])
+                    .broadcast_to(&full);
                 (&qb * &kb).reduce_sum(&[4])
             }
         } * scale;
         let masked = allowed.select(&scores, &scores.scalar_like(MASKED_SCORE));
         let pv = |probs: &Tensor| match options.attention {
             // [S, kvh, G, W] x [S, kvh, W, hd] -> [S, kvh, G, hd]
-            DecodeAttention::Dot | DecodeAttention::KeysLeft => probs.dot_general(
+            DecodeAttention::Dot | DecodeAttention::KeysLeft => attention_dot(
+                &probs.convert_if_needed(operand),
                 &vc,
                 DotDims {
                     lhs_batch: vec![0, 1],
@@ -819,13 +824,15 @@ pub fn decode_hidden_graph(
                     lhs_contract: vec![3],
                     rhs_contract: vec![2],
                 },
-                None,
             ),
             DecodeAttention::MultiplyReduce => {
                 let w = probs.dims()[3];
                 let full = [s, kvh, groups, w, hd];
                 let pb = probs.reshape(&[s, kvh, groups, w, 1]).broadcast_to(&full);
-                let vb = vc.reshape(&[s, kvh, 1, w, hd]).broadcast_to(&full);
+                let vb = vc
+                    .convert_if_needed(DType::F32)
+                    .reshape(&[s, kvh, 1, w, hd])
+                    .broadcast_to(&full);
                 (&pb * &vb).reduce_sum(&[3])
             }
         };
@@ -933,21 +940,23 @@ pub fn decode_hidden_graph_chunked(
                     .reshape(&dims);
             }
         }
-        let keys = |c: usize| out_cache[l * per_layer + c].convert_if_needed(DType::F32);
-        let values = |c: usize| out_cache[l * per_layer + chunks + c].convert_if_needed(DType::F32);
-        let q = q.reshape(&[s, kvh, groups, hd]);
+        // Operands of the cache's type, f32 results (as in `decode_hidden_graph`).
+        let operand = cache[0].dtype();
+        let keys = |c: usize| &out_cache[l * per_layer + c];
+        let values = |c: usize| &out_cache[l * per_layer + chunks + c];
+        let q = q.reshape(&[s, kvh, groups, hd]).convert_if_needed(operand);
         // [S, kvh, G, hd] x [S, kvh, chunk, hd] -> [S, kvh, G, chunk], per chunk.
         let scores: Vec<Tensor> = (0..attend)
             .map(|c| {
-                q.dot_general(
-                    &keys(c),
+                attention_dot(
+                    &q,
+                    keys(c),
                     DotDims {
                         lhs_batch: vec![0, 1],
                         rhs_batch: vec![0, 1],
                         lhs_contract: vec![3],
                         rhs_contract: vec![3],
                     },
-                    None,
                 )
             })
             .collect();
@@ -957,7 +966,7 @@ pub fn decode_hidden_graph_chunked(
             Tensor::concat(&scores.iter().collect::<Vec<_>>(), 3)
         } * scale;
         let masked = allowed.select(&scores, &scores.scalar_like(MASKED_SCORE));
-        let probs = masked.softmax(-1);
+        let probs = masked.softmax(-1).convert_if_needed(operand);
         // [S, kvh, G, chunk] x [S, kvh, chunk, hd] -> [S, kvh, G, hd], summed over chunks.
         let mut attn: Option<Tensor> = None;
         for c in 0..attend {
@@ -966,15 +975,15 @@ pub fn decode_hidden_graph_chunked(
             } else {
                 probs.slice_axis(3, c as i64 * chunk, (c as i64 + 1) * chunk)
             };
-            let part = pc.dot_general(
-                &values(c),
+            let part = attention_dot(
+                &pc,
+                values(c),
                 DotDims {
                     lhs_batch: vec![0, 1],
                     rhs_batch: vec![0, 1],
                     lhs_contract: vec![3],
                     rhs_contract: vec![2],
                 },
-                None,
             );
             attn = Some(match attn {
                 Some(a) => &a + &part,

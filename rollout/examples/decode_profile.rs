@@ -4,7 +4,8 @@
 //!
 //!     cargo run --release -p rollout --example decode_profile -- \
 //!         [--model models/SmolLM2-135M-Instruct.Q4_1.gguf] [--seqs 64] [--max-len 384] \
-//!         [--position 120] [--rounds 7] [--variants engine,argmax,skip-write,...]
+//!         [--position 120] [--rounds 7] [--dtype f32|bf16] [--kv-dtype auto|f32] \
+//!         [--variants engine,argmax,skip-write,...]
 //!
 //! Variants: `engine` (the engine's decode + sampler: scatter-add write, attention over the
 //! whole cache), `argmax` (no sampler: the head's argmax), `no-head` (no output head and no
@@ -82,11 +83,20 @@ fn main() {
     let config = host.weights.config.clone();
     let client = Client::cpu(1).expect("CPU plugin");
     let weights = upload_weights(&client, &host.weights, dtype, 0).unwrap();
-    let shape = CacheShape::new(&config, seqs, max_len);
+    // The engine's cache type for these weights, or f32 with `--kv-dtype f32`.
+    let cache_type = |mut shape: CacheShape| {
+        shape = shape.for_weights(dtype);
+        if arg(&args, "--kv-dtype", "auto") == "f32" {
+            shape.dtype = DType::F32;
+        }
+        shape
+    };
+    let shape = cache_type(CacheShape::new(&config, seqs, max_len));
+    println!("KV cache: {} ({:.0} MiB)", shape.dtype, shape.bytes() as f64 / (1 << 20) as f64);
     let mut cache = shape.allocate(&client, 0).unwrap();
     let chunk: usize = arg(&args, "--chunk", "64").parse().unwrap();
     let prompt_len: usize = arg(&args, "--prompt-len", "127").parse().unwrap();
-    let chunked_shape = CacheShape::chunked(&config, seqs, max_len, chunk);
+    let chunked_shape = cache_type(CacheShape::chunked(&config, seqs, max_len, chunk));
     let mut chunked_cache = chunked_shape.allocate(&client, 0).unwrap();
 
     let s = seqs as i64;
@@ -114,13 +124,13 @@ fn main() {
             // The head as W [V, hidden] x h^T: logits transposed [V, S].
             let (h, c) = decode_hidden_graph(&p, &tokens, &positions, &kv, DecodeOptions::default());
             let logits_t = p.head().dot_general(
-                &h,
+                &h.convert_if_needed(p.head().dtype()),
                 DotDims {
                     lhs_contract: vec![1],
                     rhs_contract: vec![1],
                     ..Default::default()
                 },
-                None,
+                Some(DType::F32),
             );
             (logits_t.argmax(0), c)
         } else if head {

@@ -425,14 +425,6 @@ impl Engine {
             1 => vec![settings.device],
             n => (0..n).collect(),
         };
-        let cache_shape = CacheShape::chunked(
-            config,
-            settings.max_num_seqs,
-            settings.max_model_len,
-            settings.effective_kv_chunk(),
-        )
-        .on_devices(devices.len());
-        cache_shape.check_devices()?;
         if devices.len() > client.num_devices() {
             return Err(RolloutError::Config(format!(
                 "weights for {} devices, the client has {}",
@@ -441,6 +433,15 @@ impl Engine {
             )));
         }
         let dtype = check_replicas(config, &weights, None, &devices, version)?;
+        let cache_shape = CacheShape::chunked(
+            config,
+            settings.max_num_seqs,
+            settings.max_model_len,
+            settings.effective_kv_chunk(),
+        )
+        .on_devices(devices.len())
+        .for_weights(dtype);
+        cache_shape.check_devices()?;
         tracing::info!(
             devices = devices.len(),
             slots = settings.max_num_seqs,
@@ -450,8 +451,9 @@ impl Engine {
             head_dim = config.head_dim,
             chunks = cache_shape.chunks(),
             chunk = cache_shape.chunk,
-            "rollout KV cache: {:.1} MiB (f32), {:.1} MiB per device",
+            "rollout KV cache: {:.1} MiB ({}), {:.1} MiB per device",
             cache_shape.bytes() as f64 / (1024.0 * 1024.0),
+            cache_shape.dtype,
             cache_shape.bytes_per_device() as f64 / (1024.0 * 1024.0)
         );
         let cache = cache_shape.allocate_on(client, &devices)?;

@@ -29,7 +29,7 @@ use crate::error::{Result, RolloutError};
 use crate::sampling::{sample_graph_with, SamplerInputs, SamplerKind};
 
 /// Static shape of the KV cache: for each layer, its key tensors then its value tensors, each
-/// f32 `[slots, kv_heads, chunk, head_dim]`; the positions of a slot are split into
+/// `[slots, kv_heads, chunk, head_dim]` of [`CacheShape::dtype`]; the positions of a slot are split into
 /// [`CacheShape::chunks`] chunks of `chunk` positions (one chunk of `max_len` positions when
 /// unchunked), so a decode step can read only the chunks that hold filled positions.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -48,6 +48,10 @@ pub struct CacheShape {
     pub chunk: usize,
     /// Devices the slots are split over (1: a single-device engine).
     pub devices: usize,
+    /// Element type of the keys and values: f32, or bf16 with bf16 weights (the engine's
+    /// choice, [`CacheShape::for_weights`]). A narrow cache is read by attention products with
+    /// narrow operands and f32 results, as the trainer computes attention with narrow weights.
+    pub dtype: DType,
 }
 
 /// The name of the mesh axis an engine over several devices splits its slots along.
@@ -76,7 +80,20 @@ impl CacheShape {
                 chunk
             },
             devices: 1,
+            dtype: DType::F32,
         }
+    }
+
+    /// This shape with the cache type that goes with weights of `weights`: bf16 keys and
+    /// values for bf16 weights (half the bytes a decode step reads), f32 otherwise. The
+    /// trainer rounds keys and values to the weights' narrow type before its attention
+    /// products too, so the rollout's log-probs keep tracking the trainer's.
+    pub fn for_weights(mut self, weights: DType) -> CacheShape {
+        self.dtype = match weights {
+            DType::BF16 => DType::BF16,
+            _ => DType::F32,
+        };
+        self
     }
 
     /// This shape split over `devices` devices along the slots (see the module comment);
@@ -169,9 +186,9 @@ impl CacheShape {
         ]
     }
 
-    /// Total bytes of the cache (f32), over all devices.
+    /// Total bytes of the cache, over all devices.
     pub fn bytes(&self) -> usize {
-        2 * self.layers * self.slots * self.kv_heads * self.chunks() * self.chunk * self.head_dim * 4
+        2 * self.layers * self.slots * self.kv_heads * self.chunks() * self.chunk * self.head_dim * self.dtype.size_bytes()
     }
 
     /// Bytes of the cache one device holds.
@@ -197,7 +214,7 @@ impl CacheShape {
                     .into_iter()
                     .flat_map(move |which| (0..chunks).map(move |c| (l, which, c)))
             })
-            .map(|(l, which, c)| self.slot_parameter(g, &name(l, which, c), DType::F32, &dims))
+            .map(|(l, which, c)| self.slot_parameter(g, &name(l, which, c), self.dtype, &dims))
             .collect()
     }
 
@@ -210,7 +227,11 @@ impl CacheShape {
     /// holds its block of slots.
     pub fn allocate_on(&self, client: &Client, devices: &[usize]) -> Result<Vec<Vec<Buffer>>> {
         let local = self.local_slots();
-        let zeros = vec![0f32; local * self.kv_heads * self.chunk * self.head_dim];
+        let len = local * self.kv_heads * self.chunk * self.head_dim;
+        let (zeros_f32, zeros_bf16) = match self.dtype {
+            DType::BF16 => (Vec::new(), vec![half::bf16::ZERO; len]),
+            _ => (vec![0f32; len], Vec::new()),
+        };
         let mut dims = self.dims();
         dims[0] = local as i64;
         devices
@@ -218,7 +239,11 @@ impl CacheShape {
             .map(|&device| {
                 (0..2 * self.layers * self.chunks())
                     .map(|_| {
-                        client.buffer_from_host(&zeros, &dims, device).map_err(|e| {
+                        match self.dtype {
+                            DType::BF16 => client.buffer_from_host(&zeros_bf16, &dims, device),
+                            _ => client.buffer_from_host(&zeros_f32, &dims, device),
+                        }
+                        .map_err(|e| {
                             RolloutError::runtime(format!("allocating the KV cache on device {device}"), e)
                         })
                     })
@@ -422,7 +447,7 @@ impl PrefillFanout {
         let chunks = cache.chunks();
         let span = (chunks * cache.chunk) as i64;
         let zero = g.scalar(0.0, DType::I32);
-        let zero_f = g.scalar(0.0, DType::F32);
+        let zero_kv = g.scalar(0.0, cache.dtype);
         let slot = |row: i64, k: i64| {
             dst.slice_axis(0, row, row + 1)
                 .slice_axis(1, k, k + 1)
@@ -432,7 +457,12 @@ impl PrefillFanout {
         for (layer, (k, v)) in kvs.iter().enumerate() {
             for (which, new) in [(0usize, k), (1usize, v)] {
                 // [B, kvh, T, hd] -> [B, kvh, chunks * chunk, hd], zeros past the prompt.
-                let padded = new.pad(&zero_f, &[0, 0, 0, 0], &[0, 0, span - t, 0], &[0, 0, 0, 0]);
+                let padded = new.convert_if_needed(cache.dtype).pad(
+                    &zero_kv,
+                    &[0, 0, 0, 0],
+                    &[0, 0, span - t, 0],
+                    &[0, 0, 0, 0],
+                );
                 for c in 0..chunks {
                     let at = layer * 2 * chunks + which * chunks + c;
                     let part = if chunks == 1 {

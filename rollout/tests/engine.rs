@@ -173,6 +173,54 @@ fn logprobs_equal_the_logprobs_program_and_samples_are_batch_invariant() {
 }
 
 #[test]
+fn bf16_weights_keep_a_bf16_cache_and_track_the_bf16_logprobs_program() {
+    let weights = random_init(&ModelConfig::tiny_llama(), 5);
+    let requests = [
+        request(1, &[4, 8, 15, 16, 23, 4], 2, 21, sampled(1.0, 0, 1.0, 12)),
+        request(2, &[9, 3], 2, 22, sampled(0.7, 0, 1.0, 12)),
+    ];
+    let buffers = upload_weights(client(), &weights, DType::BF16, 0).unwrap();
+    let mut engine = Engine::new(
+        client(),
+        &weights.config,
+        buffers,
+        1,
+        EngineConfig::new(4, 32),
+        None,
+    )
+    .unwrap();
+    // Keys and values in bf16: half the bytes of an f32 cache.
+    let c = &weights.config;
+    let f32_bytes = 2 * c.num_hidden_layers * 4 * c.num_key_value_heads * 32 * c.head_dim * 4;
+    assert_eq!(engine.kv_cache_bytes() * 2, f32_bytes);
+    for r in &requests {
+        engine.submit(r.clone()).unwrap();
+    }
+    let samples = engine.run_to_completion().unwrap();
+    assert_eq!(samples.len(), 4);
+
+    // The trainer's bf16 program rounds keys and values to bf16 before its attention products,
+    // as the cache does, so the two agree to f32 rounding (9e-7 here; with an f32 cache under
+    // bf16 weights they differed by up to 0.09).
+    let dm = DeviceModel::upload(client(), &weights, DType::BF16, 0).unwrap();
+    let program = LogprobsProgram::compile(&dm, 1, 32).unwrap();
+    let mut worst = 0f32;
+    for s in &samples {
+        let r = &requests[(s.request_id - 1) as usize];
+        let mut tokens = s.prompt_ids.clone();
+        tokens.extend(&s.response_ids);
+        let real = tokens.len();
+        let mask: Vec<i32> = (0..32).map(|i| (i < real) as i32).collect();
+        tokens.resize(32, 0);
+        let (lp, _) = program.run(&dm, &tokens, &mask, r.params.temperature).unwrap();
+        for (j, &got) in s.logprobs.iter().enumerate() {
+            worst = worst.max((got - lp[s.prompt_ids.len() + j]).abs());
+        }
+    }
+    assert!(worst < 1e-5, "bf16 engine vs bf16 logprobs program: {worst}");
+}
+
+#[test]
 fn a_group_is_prefilled_once_and_copied_into_its_slots() {
     let weights = random_init(&ModelConfig::tiny_llama(), 4);
     let mut engine = engine_with(&weights, 8, 32, None);

@@ -1211,7 +1211,8 @@ pub fn run(args: CompileArgs) -> Result<ExitCode> {
             settings.max_num_seqs,
             settings.max_model_len,
             settings.effective_kv_chunk(),
-        ),
+        )
+        .for_weights(dtype(recipe.rollout.dtype)),
     };
     eprintln!(
         "model: {} ({}, {:.1}M parameters, from {config_origin})",
@@ -1447,7 +1448,8 @@ mod tests {
                 settings.max_num_seqs,
                 settings.max_model_len,
                 settings.effective_kv_chunk(),
-            ),
+            )
+            .for_weights(dtype(r.rollout.dtype)),
         };
         plan_rollout(&mut plan, r, &config).unwrap();
         plan_learner(&mut plan, r, &config).unwrap();
