@@ -120,6 +120,62 @@ fn main() {
                 h = &h + &linear(&(&gate * &up), &layer.down_proj);
             }
             (h.reduce_sum(&[1]), kv.clone())
+        } else if name == "attn-nt" || name == "attn-nn" {
+            // The attention products alone, every layer over its whole cache: `nt` as the
+            // decode step has them (keys [L, hd], contracted on their minor dimension), `nn`
+            // with the keys read as if stored transposed ([hd, L]: the same bytes reshaped, so
+            // the values are meaningless but the work is that of a transposed key layout).
+            let (kvh, hd) = (config.num_key_value_heads as i64, config.head_dim as i64);
+            let groups = (config.num_attention_heads / config.num_key_value_heads) as i64;
+            let l = max_len as i64;
+            let operand = kv[0].dtype();
+            let h = p.embed.take(&tokens, 0).convert_if_needed(DType::F32);
+            let q = linear(&h, &p.layers[0].q_proj)
+                .reshape(&[s, kvh, groups, hd])
+                .convert_if_needed(operand);
+            let mut acc: Option<Tensor> = None;
+            for layer in 0..config.num_hidden_layers {
+                let (k, v) = (&kv[2 * layer], &kv[2 * layer + 1]);
+                let scores = if name == "attn-nt" {
+                    q.dot_general(
+                        k,
+                        DotDims {
+                            lhs_batch: vec![0, 1],
+                            rhs_batch: vec![0, 1],
+                            lhs_contract: vec![3],
+                            rhs_contract: vec![3],
+                        },
+                        Some(DType::F32),
+                    )
+                } else {
+                    q.dot_general(
+                        &k.reshape(&[s, kvh, hd, l]),
+                        DotDims {
+                            lhs_batch: vec![0, 1],
+                            rhs_batch: vec![0, 1],
+                            lhs_contract: vec![3],
+                            rhs_contract: vec![2],
+                        },
+                        Some(DType::F32),
+                    )
+                };
+                let probs = scores.softmax(-1).convert_if_needed(operand);
+                let out = probs.dot_general(
+                    v,
+                    DotDims {
+                        lhs_batch: vec![0, 1],
+                        rhs_batch: vec![0, 1],
+                        lhs_contract: vec![3],
+                        rhs_contract: vec![2],
+                    },
+                    Some(DType::F32),
+                );
+                acc = Some(match acc {
+                    Some(a) => &a + &out,
+                    None => out,
+                });
+            }
+            (acc.unwrap().reduce_sum(&[1, 2, 3]), kv.clone())
         } else if name == "head-t" {
             // The head as W [V, hidden] x h^T: logits transposed [V, S].
             let (h, c) = decode_hidden_graph(&p, &tokens, &positions, &kv, DecodeOptions::default());
@@ -153,7 +209,7 @@ fn main() {
         let t = Instant::now();
         let v = match name.as_str() {
             "argmax" => Variant::Raw(raw(name, true)),
-            "gemms" | "head-t" => Variant::Raw(raw(name, false)),
+            "gemms" | "head-t" | "attn-nt" | "attn-nn" => Variant::Raw(raw(name, false)),
             c if c.starts_with("chunks-") => Variant::Chunked(
                 DecodeSample::compile_chunked(
                     &client,
