@@ -92,7 +92,11 @@ fn main() {
         shape
     };
     let shape = cache_type(CacheShape::new(&config, seqs, max_len));
-    println!("KV cache: {} ({:.0} MiB)", shape.dtype, shape.bytes() as f64 / (1 << 20) as f64);
+    println!(
+        "KV cache: {} ({:.0} MiB)",
+        shape.dtype,
+        shape.bytes() as f64 / (1 << 20) as f64
+    );
     let mut cache = shape.allocate(&client, 0).unwrap();
     let chunk: usize = arg(&args, "--chunk", "64").parse().unwrap();
     let prompt_len: usize = arg(&args, "--prompt-len", "127").parse().unwrap();

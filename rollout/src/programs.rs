@@ -188,7 +188,13 @@ impl CacheShape {
 
     /// Total bytes of the cache, over all devices.
     pub fn bytes(&self) -> usize {
-        2 * self.layers * self.slots * self.kv_heads * self.chunks() * self.chunk * self.head_dim * self.dtype.size_bytes()
+        2 * self.layers
+            * self.slots
+            * self.kv_heads
+            * self.chunks()
+            * self.chunk
+            * self.head_dim
+            * self.dtype.size_bytes()
     }
 
     /// Bytes of the cache one device holds.

@@ -802,8 +802,8 @@ pub struct Learner {
     grad_acc: Vec<Vec<Buffer>>,
     metric_acc: Vec<Buffer>,
     compute_params: Option<Vec<Arc<[Buffer]>>>,
-    /// `fsdp` over several devices: the whole parameters on device 0, gathered after each
-    /// update for [`Learner::shared_params`].
+    /// `fsdp` over several devices: the whole parameters on device 0, gathered by the first
+    /// [`Learner::shared_params`] after an update (`None` until then).
     gathered: Option<Arc<[Buffer]>>,
     guard: NonFiniteGuard,
     attempted_steps: u64,
@@ -1059,7 +1059,7 @@ impl Learner {
         let m = upload("adam_m", &state.m)?;
         let v = upload("adam_v", &state.v)?;
         let grad_acc = upload("grad_acc", &zeros)?;
-        let mut learner = Learner {
+        Ok(Learner {
             client: client.clone(),
             param_shardings,
             param_dims: params.iter().map(|p| p.dims.clone()).collect(),
@@ -1092,9 +1092,7 @@ impl Learner {
             guard: NonFiniteGuard::new(max_consecutive_nonfinite),
             attempted_steps: 0,
             programs,
-        };
-        learner.gather_shared()?;
-        Ok(learner)
+        })
     }
 
     /// The program layout.
@@ -1146,24 +1144,26 @@ impl Learner {
     /// `single` and `dp`: device 0's own buffers, shared, not copied; the next
     /// [`Learner::step`] donates them, so hand the engine the new ones after each step.
     /// `fsdp` over several devices: whole copies on device 0, all-gathered from the shards by
-    /// the `gather_params` program after construction and after every update (so device 0
-    /// holds one whole copy besides its shards; they are not donated by the next step).
-    pub fn shared_params(&self) -> Arc<[Buffer]> {
-        if let Some(whole) = &self.gathered {
-            return whole.clone();
+    /// the `gather_params` program on the first call after an update and kept until the next
+    /// update (device 0 then holds one whole copy besides its shards; the next step does not
+    /// donate it). A rollout on the learner's own devices reads the shards in place instead
+    /// (`rollout::handoff`) and never asks, so its steps gather nothing.
+    pub fn shared_params(&mut self) -> Result<Arc<[Buffer]>> {
+        if !self.programs.gather_params.is_empty() {
+            if self.gathered.is_none() {
+                self.gather_shared()?;
+            }
+            return Ok(self.gathered.clone().expect("gathered above"));
         }
-        match &self.compute_params {
+        Ok(match &self.compute_params {
             Some(p) => p[0].clone(),
             None => self.params[0].clone(),
-        }
+        })
     }
 
     /// Under `fsdp` over several devices, all-gathers the parameters `shared_params` hands out
     /// into whole buffers on device 0.
     fn gather_shared(&mut self) -> Result<()> {
-        if self.programs.gather_params.is_empty() {
-            return Ok(());
-        }
         let (source, dtype) = match &self.compute_params {
             Some(p) => (p, self.programs.layout.bf16_outputs),
             None => (&self.params, false),
@@ -1667,7 +1667,8 @@ impl Learner {
         if layout.bf16_outputs {
             self.compute_params = Some(compute);
         }
-        self.gather_shared()?;
+        // A whole copy gathered for the old parameters is stale; the next request gathers anew.
+        self.gathered = None;
         let raw = metrics_buf
             .expect("device 0's outputs")
             .to_host::<f32>()

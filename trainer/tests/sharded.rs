@@ -265,6 +265,7 @@ fn dp_and_fsdp_on_2_and_4_devices_match_one_device_and_fsdp_memory_falls_as_1_ov
     );
     let whole: Vec<Vec<f32>> = single
         .shared_params()
+        .unwrap()
         .iter()
         .map(|b| b.to_host::<f32>().unwrap())
         .collect();
@@ -313,7 +314,7 @@ fn dp_and_fsdp_on_2_and_4_devices_match_one_device_and_fsdp_memory_falls_as_1_ov
             );
 
             // What a rollout engine on device 0 reads: whole parameters there.
-            let shared = l.shared_params();
+            let shared = l.shared_params().unwrap();
             assert!(shared.iter().all(|b| b.device() == 0), "{what}");
             let shared: Vec<Vec<f32>> = shared.iter().map(|b| b.to_host::<f32>().unwrap()).collect();
             assert_eq!(
@@ -400,8 +401,9 @@ fn a_micro_batch_that_does_not_split_and_a_mesh_larger_than_the_client_are_refus
 
 #[test]
 fn fsdp_in_bf16_hands_a_rollout_engine_whole_bf16_weights_on_device_0() {
-    let read = |l: &Learner| -> Vec<Vec<f32>> {
+    let read = |l: &mut Learner| -> Vec<Vec<f32>> {
         l.shared_params()
+            .unwrap()
             .iter()
             .map(|b| {
                 assert_eq!((b.dtype(), b.device()), (DType::BF16, 0));
@@ -418,6 +420,7 @@ fn fsdp_in_bf16_hands_a_rollout_engine_whole_bf16_weights_on_device_0() {
     // Before the first update both hand out the f32 masters.
     assert!(fsdp
         .shared_params()
+        .unwrap()
         .iter()
         .all(|b| b.dtype() == DType::F32 && b.device() == 0));
     let b = batch(1);
@@ -425,7 +428,21 @@ fn fsdp_in_bf16_hands_a_rollout_engine_whole_bf16_weights_on_device_0() {
     single.step(&[m], 0.01).unwrap();
     let m = fsdp.upload_micro_batch(0, &micro(&b, 0, ROWS)).unwrap();
     fsdp.step(&[m], 0.01).unwrap();
-    let (want, got) = (read(&single), read(&fsdp));
+    // The step gathers nothing (a rollout on the learner's devices reads the shards); the
+    // whole copy is gathered when asked for.
+    let gathers = |l: &Learner| {
+        l.compile_log()
+            .iter()
+            .filter(|r| r.program.starts_with("gather_params"))
+            .count()
+    };
+    assert_eq!(
+        gathers(&fsdp),
+        1,
+        "the f32 gather, for the request before the step"
+    );
+    let (want, got) = (read(&mut single), read(&mut fsdp));
+    assert_eq!(gathers(&fsdp), 2, "the bf16 gather, for the request after it");
     for (i, (a, w)) in got.iter().zip(&want).enumerate() {
         // One bf16 ulp at these magnitudes (< 4) is at most 2^-6.
         assert!(max_diff(a, w) <= 1.0 / 64.0, "bf16 parameter {i}");

@@ -532,26 +532,26 @@ impl LocalLearner {
     }
 
     /// The parameters for a rollout engine on the same device (shared, not copied).
-    pub fn shared_params(&self) -> Arc<[Buffer]> {
-        lock(&self.core).learner.learner().shared_params()
+    pub fn shared_params(&self) -> Result<Arc<[Buffer]>> {
+        Ok(lock(&self.core).learner.learner_mut().shared_params()?)
     }
 
     /// The parameters with their layout, for a rollout engine on the learner's devices
     /// (shared, not copied): on one device [`LocalLearner::shared_params`]; over a mesh of
     /// `N > 1` every device's f32 masters, split as the learner's mesh splits them.
-    pub fn rollout_source(&self) -> rollout::SourceParams {
-        let core = lock(&self.core);
-        let learner = core.learner.learner();
+    pub fn rollout_source(&self) -> Result<rollout::SourceParams> {
+        let mut core = lock(&self.core);
+        let learner = core.learner.learner_mut();
         let mesh = learner.mesh();
         if learner.devices() <= 1 {
-            return rollout::SourceParams::single(learner.shared_params());
+            return Ok(rollout::SourceParams::single(learner.shared_params()?));
         }
-        rollout::SourceParams {
+        Ok(rollout::SourceParams {
             mesh: mesh.mesh(),
             per_device: learner.shared_device_params(),
             shardings: self.specs.iter().map(|p| mesh.param_sharding(&p.dims)).collect(),
             dims: self.specs.iter().map(|p| p.dims.clone()).collect(),
-        }
+        })
     }
 
     /// The learner's state (parameters, AdamW moments, step count) read to the host.
@@ -590,7 +590,7 @@ impl LearnerRole for LocalLearner {
         _version: u64,
         _dtype: xla::DType,
     ) -> BoxFuture<'_, std::result::Result<LearnerWeights, RoleError>> {
-        Box::pin(async move { Ok(LearnerWeights::Shared(self.rollout_source())) })
+        Box::pin(async move { Ok(LearnerWeights::Shared(self.rollout_source().map_err(role_error)?)) })
     }
 
     fn state(&self) -> BoxFuture<'_, std::result::Result<LearnerState, RoleError>> {

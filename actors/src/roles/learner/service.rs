@@ -2,7 +2,7 @@
 //! when the orchestrator calls `Start` (from the recipe's model, or from the checkpoint state it
 //! streams), then updated, read for weights and read for checkpoints.
 
-use super::local::{initial_params, param_specs, LocalLearner};
+use super::local::{initial_params, param_specs, role_error, LocalLearner};
 use super::remote::{
     chunk_table, report_to_proto, row_from_proto, state_chunks, StateReceiver, MAX_MESSAGE_BYTES,
 };
@@ -178,7 +178,10 @@ impl proto::learner_server::Learner for Arc<LearnerService> {
                 request.dtype
             ))
         })?;
-        let params = self.learner()?.shared_params();
+        let params = self
+            .learner()?
+            .shared_params()
+            .map_err(|e| to_status(role_error(e)))?;
         if let Some((index, b)) = params
             .iter()
             .enumerate()
