@@ -965,8 +965,9 @@ fn advice(
         }
     }
     if let Some((row, m)) = worst(Role::Rollout) {
-        let cache = plan.cache.bytes() as u64;
-        let slots = recipe.rollout.max_num_seqs;
+        // Per device: a rollout split over N devices holds 1/N of the slots on each.
+        let (devices, slots) = (plan.cache.devices, plan.cache.local_slots());
+        let cache = plan.cache.bytes_per_device() as u64;
         let per_slot = cache / slots.max(1) as u64;
         let other = m.peak_bytes.saturating_sub(cache);
         let fitting_slots = if other < head_room && per_slot > 0 {
@@ -974,8 +975,13 @@ fn advice(
         } else {
             0
         };
+        let on_each = if devices > 1 {
+            format!(" on each of {devices} devices")
+        } else {
+            String::new()
+        };
         let mut text = format!(
-            "{} peaks at {} per device (weights {}, KV cache {} for {slots} slots), more than the {} a device has: ",
+            "{} peaks at {} per device (weights {}, KV cache {} for {slots} slots{on_each}), more than the {} a device has: ",
             row.label,
             bytes(m.peak_bytes),
             bytes(m.param_bytes),
@@ -985,14 +991,15 @@ fn advice(
         if fitting_slots >= 1 && fitting_slots < slots {
             let _ = write!(
                 text,
-                "set `rollout.max_num_seqs: {}` (now {slots})",
-                1usize << fitting_slots.ilog2()
+                "set `rollout.max_num_seqs: {}` (now {})",
+                (1usize << fitting_slots.ilog2()) * devices,
+                recipe.rollout.max_num_seqs
             );
         } else {
             text.push_str("the weights leave no room for the KV cache: use a chip with more memory");
         }
         if recipe.rollout.dtype == DTypeName::F32 {
-            text.push_str(", or `rollout.dtype: bf16` (halves the weights)");
+            text.push_str(", or `rollout.dtype: bf16` (halves the weights and the KV cache)");
         }
         text.push_str(", or shorter `data.max_prompt_length` / `data.max_response_length`");
         out.push(text);
@@ -1074,7 +1081,7 @@ fn device_total(
         .iter()
         .map(|(r, m)| (r.label.clone(), m.peak_bytes.saturating_sub(m.argument_bytes)))
         .max_by_key(|(_, t)| *t)?;
-    let kv_cache = plan.cache.bytes() as u64;
+    let kv_cache = plan.cache.bytes_per_device() as u64;
     Some(DeviceTotal {
         learner_state,
         kv_cache,
@@ -1212,7 +1219,8 @@ pub fn run(args: CompileArgs) -> Result<ExitCode> {
             settings.max_model_len,
             settings.effective_kv_chunk(),
         )
-        .for_weights(dtype(recipe.rollout.dtype)),
+        .for_weights(dtype(recipe.rollout.dtype))
+        .on_devices(recipe.rollout_devices()),
     };
     eprintln!(
         "model: {} ({}, {:.1}M parameters, from {config_origin})",
@@ -1449,7 +1457,8 @@ mod tests {
                 settings.max_model_len,
                 settings.effective_kv_chunk(),
             )
-            .for_weights(dtype(r.rollout.dtype)),
+            .for_weights(dtype(r.rollout.dtype))
+            .on_devices(r.rollout_devices()),
         };
         plan_rollout(&mut plan, r, &config).unwrap();
         plan_learner(&mut plan, r, &config).unwrap();
@@ -1541,6 +1550,32 @@ mod tests {
             .iter()
             .any(|x| x.label == "train_step" && x.runs_per_step == 1.0));
         assert!(!plan.rows.iter().any(|x| x.label == "accumulate"));
+    }
+
+    #[test]
+    fn a_rollout_colocated_with_a_sharded_learner_is_planned_over_its_devices() {
+        let sections = format!(
+            "{SMALL_DATA}rollout:\n  n: 4\n  max_num_seqs: 16\n  dtype: bf16\nactor:\n  strategy: fsdp\n  mesh: 4\n  param_dtype: bf16\n"
+        );
+        let plan = plan_for(&recipe(&sections));
+        assert_eq!((plan.cache.devices, plan.cache.local_slots()), (4, 4));
+        assert_eq!(plan.cache.bytes_per_device() * 4, plan.cache.bytes());
+        let rollout: Vec<&str> = plan
+            .rows
+            .iter()
+            .filter(|x| x.label.starts_with("rollout_"))
+            .map(|x| x.label.as_str())
+            .collect();
+        assert!(!rollout.is_empty());
+        assert!(rollout.iter().all(|l| l.ends_with("_spmd4")), "{rollout:?}");
+        // With rollout workers the rollout runs elsewhere, on one device each.
+        let apart = plan_for(&recipe(&format!("{sections}cluster:\n  rollout_workers: 1\n")));
+        assert_eq!(apart.cache.devices, 1);
+        assert!(apart
+            .rows
+            .iter()
+            .filter(|x| x.label.starts_with("rollout_"))
+            .all(|x| !x.label.contains("spmd")));
     }
 
     #[test]
@@ -1638,7 +1673,7 @@ mod tests {
             "{a:?}"
         );
         // The rollout: fewer slots.
-        let cache = plan.cache.bytes() as u64;
+        let cache = plan.cache.bytes_per_device() as u64;
         let rollout = [failing(
             "rollout_decode",
             Role::Rollout,
@@ -1677,7 +1712,7 @@ mod tests {
         // Masters, 2 moments, gradient sums and the bf16 copy the rollout shares.
         assert_eq!(t.learner_state, 4 * GIB + GIB / 2);
         assert_eq!(t.rollout_weights, 0);
-        assert_eq!(t.kv_cache, plan.cache.bytes() as u64);
+        assert_eq!(t.kv_cache, plan.cache.bytes_per_device() as u64);
         assert_eq!(t.largest_temporaries, 10 * GIB);
         assert_eq!(t.total, 14 * GIB + GIB / 2 + t.kv_cache);
         assert!(t.fits(), "{}", t.describe());

@@ -246,6 +246,17 @@ impl Recipe {
             _ => self.cluster.cpu_device_count,
         }
     }
+
+    /// Devices the in-process rollout runs on: the learner's mesh when rollout and learner
+    /// both run in the orchestrator's process and the learner is split over several devices
+    /// (`dp`, `fsdp`; the engine splits its KV-cache slots over them), 1 otherwise.
+    pub fn rollout_devices(&self) -> usize {
+        let colocated = self.cluster.rollout_workers == 0 && self.cluster.learner_workers == 0;
+        match self.actor.parallelism(&self.cluster).mesh {
+            Some(m) if m > 1 && colocated => m,
+            _ => 1,
+        }
+    }
 }
 
 /// `actor.optim`: AdamW and its schedule.

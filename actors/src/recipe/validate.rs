@@ -339,8 +339,8 @@ pub(crate) fn validate(r: &Recipe, text: &str, file: &str, overrides: &[String])
             Some(_) => {}
         }
         // The in-process rollout runs on the learner's devices with its slots split over them.
-        let colocated = r.cluster.rollout_workers == 0 && r.cluster.learner_workers == 0;
-        if let Some(m) = a.parallelism(&r.cluster).mesh.filter(|m| *m > 1 && colocated) {
+        let m = r.rollout_devices();
+        if m > 1 {
             c.check(
                 r.rollout.max_num_seqs.is_multiple_of(m),
                 "rollout.max_num_seqs",
