@@ -219,36 +219,31 @@ fn a_worker_of_another_grpo_version_is_refused_with_exit_status_2() {
 
 #[test]
 fn worker_id_and_pool_go_with_connect() {
-    let out = common::run_grpo(&[
-        "worker",
-        "--role",
-        "reward",
-        "--recipe",
-        "recipes/quickstart.yaml",
-        "--token-file",
-        "token",
-        "--connect",
-        "http://127.0.0.1:1",
-    ]);
-    assert_eq!(out.status.code(), Some(2));
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("--worker-id <ID>"), "{stderr}");
-    assert!(stderr.contains("--pool <NAME>"), "{stderr}");
-
-    let out = common::run_grpo(&[
-        "worker",
-        "--role",
-        "reward",
-        "--recipe",
-        "recipes/quickstart.yaml",
-        "--token-file",
-        "token",
-        "--pool",
-        "cpu",
-    ]);
-    assert_eq!(out.status.code(), Some(2));
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("--connect <ORCHESTRATOR_ADDRESS>"), "{stderr}");
+    // A reward worker given `extra` on top of the common arguments: refused as a usage error
+    // (exit 2) naming `wanted`.
+    let refused_without = |extra: &[&str], wanted: &[&str]| {
+        let mut args = vec![
+            "worker",
+            "--role",
+            "reward",
+            "--recipe",
+            "recipes/quickstart.yaml",
+            "--token-file",
+            "token",
+        ];
+        args.extend_from_slice(extra);
+        let out = common::run_grpo(&args);
+        assert_eq!(out.status.code(), Some(2), "{extra:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        for w in wanted {
+            assert!(stderr.contains(w), "{extra:?}: {stderr}");
+        }
+    };
+    refused_without(
+        &["--connect", "http://127.0.0.1:1"],
+        &["--worker-id <ID>", "--pool <NAME>"],
+    );
+    refused_without(&["--pool", "cpu"], &["--connect <ORCHESTRATOR_ADDRESS>"]);
 
     let help = common::run_grpo(&["worker", "--help"]);
     let help = String::from_utf8_lossy(&help.stdout);

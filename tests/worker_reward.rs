@@ -1,10 +1,11 @@
 //! A reward worker as a real process over loopback gRPC: it scores exactly as the in-process
 //! role does, and refuses callers without the run's token.
 
+mod common;
+
 use actors::auth::Token;
 use actors::proto;
 use actors::roles::reward::{LocalReward, RemoteReward, RewardRole};
-use actors::roles::RoleError;
 use reward::{RewardConfig, Sample};
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -111,24 +112,10 @@ fn remote_reward_scores_like_local_and_checks_the_token() {
 
         // A caller holding another run's token is refused, and so is one without a token.
         let intruder = RemoteReward::new(&worker.address, &Token::generate(), None).unwrap();
-        match intruder.score(samples()).await {
-            Err(RoleError::Refused { message, .. }) => {
-                assert!(message.starts_with("wrong token"), "{message}")
-            }
-            other => panic!("expected a refusal, got {other:?}"),
-        }
+        common::assert_wrong_token(intruder.score(samples()).await);
         let mut anonymous = proto::reward_client::RewardClient::connect(worker.address.clone())
             .await
             .unwrap();
-        let status = anonymous
-            .score(proto::ScoreRequest { samples: vec![] })
-            .await
-            .unwrap_err();
-        assert_eq!(status.code(), tonic::Code::Unauthenticated);
-        assert!(
-            status.message().starts_with("missing token"),
-            "{}",
-            status.message()
-        );
+        common::assert_missing_token(anonymous.score(proto::ScoreRequest { samples: vec![] }).await);
     });
 }

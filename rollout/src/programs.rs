@@ -890,49 +890,32 @@ fn spmd_suffix(cache: &CacheShape) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use model::Family;
-
-    fn config() -> ModelConfig {
-        ModelConfig {
-            family: Family::Llama,
-            hidden_size: 16,
-            num_hidden_layers: 2,
-            num_attention_heads: 4,
-            num_key_value_heads: 2,
-            head_dim: 4,
-            intermediate_size: 24,
-            vocab_size: 32,
-            rope_theta: 10000.0,
-            rope_scaling: None,
-            rms_norm_eps: 1e-6,
-            tie_word_embeddings: true,
-            attention_bias: false,
-            o_proj_bias: false,
-            qk_norm: false,
-            max_position_embeddings: 64,
-            bos_token_id: None,
-            eos_token_ids: vec![],
-            pad_token_id: None,
-            initializer_range: 0.1,
-        }
-    }
 
     #[test]
     fn a_chunked_cache_covers_every_position_in_order() {
-        let whole = CacheShape::new(&config(), 3, 20);
+        let whole = CacheShape::new(&ModelConfig::tiny_llama(), 3, 20);
         assert_eq!((whole.chunks(), whole.chunk), (1, 20));
-        assert_eq!(whole.bytes(), 2 * 2 * 3 * 2 * 20 * 4 * 4);
+        assert_eq!(whole.bytes(), 2 * 2 * 3 * 2 * 20 * 8 * 4);
+        // With bf16 weights the cache is bf16: half the bytes.
+        assert_eq!(whole.clone().for_weights(DType::BF16).bytes() * 2, whole.bytes());
+        assert_eq!(whole.clone().for_weights(DType::F32), whole);
         // 20 positions in chunks of 8: 3 chunks, the last padded to 24 positions.
-        let chunked = CacheShape::chunked(&config(), 3, 20, 8);
+        let chunked = CacheShape::chunked(&ModelConfig::tiny_llama(), 3, 20, 8);
         assert_eq!(chunked.chunks(), 3);
-        assert_eq!(chunked.dims(), [3, 2, 8, 4]);
-        assert_eq!(chunked.bytes(), 2 * 2 * 3 * 2 * 24 * 4 * 4);
+        assert_eq!(chunked.dims(), [3, 2, 8, 8]);
+        assert_eq!(chunked.bytes(), 2 * 2 * 3 * 2 * 24 * 8 * 4);
         assert_eq!(
             [0, 7, 8, 15, 16, 19].map(|p| chunked.chunks_for(p)),
             [1, 1, 2, 2, 3, 3]
         );
-        assert_eq!(CacheShape::chunked(&config(), 3, 20, 0).chunks(), 1);
-        assert_eq!(CacheShape::chunked(&config(), 3, 20, 64).chunks(), 1);
+        assert_eq!(
+            CacheShape::chunked(&ModelConfig::tiny_llama(), 3, 20, 0).chunks(),
+            1
+        );
+        assert_eq!(
+            CacheShape::chunked(&ModelConfig::tiny_llama(), 3, 20, 64).chunks(),
+            1
+        );
         let names = |shape: &CacheShape| {
             let g = Graph::new("cache");
             let declared = shape.declare(&g);
@@ -954,7 +937,7 @@ mod tests {
 
     #[test]
     fn programs_are_built_without_a_client() {
-        let c = config();
+        let c = ModelConfig::tiny_llama();
         let params = model::param_table(&c).len();
         let cache = CacheShape::chunked(&c, 4, 20, 8);
         let prefill = PrefillFanout::build(&c, DType::F32, &cache, 8, 2, 2).unwrap();

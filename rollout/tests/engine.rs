@@ -4,6 +4,10 @@
 //! sharing (one prefill per group), a chunked KV cache and batched prefill against the whole
 //! cache, weight hot-swap, rejections, stop rules and the streaming handle.
 
+mod common;
+
+use common::{of_request, request, sampled};
+
 use std::sync::OnceLock;
 
 use model::programs::{DeviceModel, FullLogitsProgram, GenerateOptions, Generator, LogprobsProgram};
@@ -51,30 +55,37 @@ fn greedy_reference(weights: &ModelWeights, prompt: &[u32], max_new_tokens: usiz
     generator.generate(&dm, prompt, &options).unwrap()
 }
 
-fn request(id: u64, prompt: &[u32], n: usize, seed: u64, params: SamplingParams) -> GenerationRequest {
-    GenerationRequest {
-        id,
-        prompt: prompt.to_vec(),
-        n,
-        seed,
-        params,
+/// The largest difference between a sample's per-token log-probs and those the `logprobs`
+/// program (weights of `dtype`, at the request's temperature, 1 for greedy) computes on the
+/// finished sequence; each sample must carry one log-prob per response token.
+fn largest_logprob_gap(
+    weights: &ModelWeights,
+    dtype: DType,
+    requests: &[GenerationRequest],
+    samples: &[Sample],
+) -> f32 {
+    let dm = DeviceModel::upload(client(), weights, dtype, 0).unwrap();
+    let program = LogprobsProgram::compile(&dm, 1, 32).unwrap();
+    let mut worst = 0f32;
+    for s in samples {
+        assert_eq!(s.logprobs.len(), s.response_ids.len());
+        let r = requests.iter().find(|r| r.id == s.request_id).unwrap();
+        let temperature = if r.params.temperature > 0.0 {
+            r.params.temperature
+        } else {
+            1.0
+        };
+        let mut tokens = s.prompt_ids.clone();
+        tokens.extend(&s.response_ids);
+        let real = tokens.len();
+        let mask: Vec<i32> = (0..32).map(|i| (i < real) as i32).collect();
+        tokens.resize(32, 0);
+        let (lp, _) = program.run(&dm, &tokens, &mask, temperature).unwrap();
+        for (j, &got) in s.logprobs.iter().enumerate() {
+            worst = worst.max((got - lp[s.prompt_ids.len() + j]).abs());
+        }
     }
-}
-
-fn sampled(temperature: f32, top_k: usize, top_p: f32, max_new_tokens: usize) -> SamplingParams {
-    SamplingParams {
-        temperature,
-        top_k,
-        top_p,
-        max_new_tokens,
-        ..Default::default()
-    }
-}
-
-fn of_request(samples: &[Sample], id: u64) -> Vec<&Sample> {
-    let mut v: Vec<&Sample> = samples.iter().filter(|s| s.request_id == id).collect();
-    v.sort_by_key(|s| s.sample_index);
-    v
+    worst
 }
 
 #[test]
@@ -133,32 +144,8 @@ fn logprobs_equal_the_logprobs_program_and_samples_are_batch_invariant() {
     let samples = engine.run_to_completion().unwrap();
     assert_eq!(samples.len(), 6);
 
-    let dm = DeviceModel::upload(client(), &weights, DType::F32, 0).unwrap();
-    let program = LogprobsProgram::compile(&dm, 1, 32).unwrap();
-    for s in &samples {
-        let r = &requests[(s.request_id - 1) as usize];
-        let temperature = if r.params.temperature > 0.0 {
-            r.params.temperature
-        } else {
-            1.0
-        };
-        let mut tokens = s.prompt_ids.clone();
-        tokens.extend(&s.response_ids);
-        let real = tokens.len();
-        let mask: Vec<i32> = (0..32).map(|i| (i < real) as i32).collect();
-        tokens.resize(32, 0);
-        let (lp, _) = program.run(&dm, &tokens, &mask, temperature).unwrap();
-        for (j, &got) in s.logprobs.iter().enumerate() {
-            let want = lp[s.prompt_ids.len() + j];
-            assert!(
-                (got - want).abs() < 1e-5,
-                "request {} sample {} token {j}: engine {got} vs logprobs program {want}",
-                s.request_id,
-                s.sample_index
-            );
-        }
-        assert_eq!(s.logprobs.len(), s.response_ids.len());
-    }
+    let worst = largest_logprob_gap(&weights, DType::F32, &requests, &samples);
+    assert!(worst < 1e-5, "engine vs logprobs program: {worst}");
 
     // The same seeded request alone, in a fresh engine, gives the same tokens.
     let mut alone = engine_with(&weights, 8, 32, None);
@@ -202,21 +189,7 @@ fn bf16_weights_keep_a_bf16_cache_and_track_the_bf16_logprobs_program() {
     // The trainer's bf16 program rounds keys and values to bf16 before its attention products,
     // as the cache does, so the two agree to f32 rounding (9e-7 here; with an f32 cache under
     // bf16 weights they differed by up to 0.09).
-    let dm = DeviceModel::upload(client(), &weights, DType::BF16, 0).unwrap();
-    let program = LogprobsProgram::compile(&dm, 1, 32).unwrap();
-    let mut worst = 0f32;
-    for s in &samples {
-        let r = &requests[(s.request_id - 1) as usize];
-        let mut tokens = s.prompt_ids.clone();
-        tokens.extend(&s.response_ids);
-        let real = tokens.len();
-        let mask: Vec<i32> = (0..32).map(|i| (i < real) as i32).collect();
-        tokens.resize(32, 0);
-        let (lp, _) = program.run(&dm, &tokens, &mask, r.params.temperature).unwrap();
-        for (j, &got) in s.logprobs.iter().enumerate() {
-            worst = worst.max((got - lp[s.prompt_ids.len() + j]).abs());
-        }
-    }
+    let worst = largest_logprob_gap(&weights, DType::BF16, &requests, &samples);
     assert!(worst < 1e-5, "bf16 engine vs bf16 logprobs program: {worst}");
 }
 

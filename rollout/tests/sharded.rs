@@ -10,6 +10,10 @@
 //!   transfer, values equal to the host's conversion, and a replicated same-dtype layout is
 //!   shared in place; an engine on those replicas generates the single-device tokens.
 
+mod common;
+
+use common::{request, sampled};
+
 use std::sync::{Arc, OnceLock};
 
 use model::{param_table, random_init, ModelConfig, ModelWeights};
@@ -37,26 +41,6 @@ fn replicas_on(client: &Client, weights: &ModelWeights, dtype: DType, devices: u
             .map(|d| Arc::from(upload_weights(client, weights, dtype, d).unwrap()))
             .collect(),
     )
-}
-
-fn request(id: u64, prompt: &[u32], n: usize, seed: u64, params: SamplingParams) -> GenerationRequest {
-    GenerationRequest {
-        id,
-        prompt: prompt.to_vec(),
-        n,
-        seed,
-        params,
-    }
-}
-
-fn sampled(temperature: f32, top_k: usize, top_p: f32, max_new_tokens: usize) -> SamplingParams {
-    SamplingParams {
-        temperature,
-        top_k,
-        top_p,
-        max_new_tokens,
-        ..Default::default()
-    }
 }
 
 /// More samples (4 + 3 + 2 + 1 + 4 + 2 = 16) than the 8 slots, so slots are freed and

@@ -197,6 +197,27 @@ struct Plan {
 }
 
 impl Plan {
+    /// Every program a run of `recipe` compiles (rollout, then learner), traced, not compiled.
+    fn for_recipe(recipe: &Recipe, config: &ModelConfig) -> Result<Plan, CompileError> {
+        let settings = engine_config(recipe, &[]);
+        let mut plan = Plan {
+            programs: Vec::new(),
+            rows: Vec::new(),
+            param_names: model::param_table(config).into_iter().map(|s| s.name).collect(),
+            cache: CacheShape::chunked(
+                config,
+                settings.max_num_seqs,
+                settings.max_model_len,
+                settings.effective_kv_chunk(),
+            )
+            .for_weights(dtype(recipe.rollout.dtype))
+            .on_devices(recipe.rollout_devices()),
+        };
+        plan_rollout(&mut plan, recipe, config)?;
+        plan_learner(&mut plan, recipe, config)?;
+        Ok(plan)
+    }
+
     fn add(&mut self, role: Role, label: String, program: Program, runs_per_step: f64, purpose: String) {
         let index = match self
             .programs
@@ -1208,20 +1229,6 @@ fn selected(row: &PlannedRow, only: &[String], step_only: bool) -> bool {
 pub fn run(args: CompileArgs) -> Result<ExitCode> {
     let recipe = load_recipe(&args.recipe, &args.overrides)?;
     let (config, config_origin) = model_config(&recipe, &args.recipe, args.model_config.as_deref())?;
-    let settings = engine_config(&recipe, &[]);
-    let mut plan = Plan {
-        programs: Vec::new(),
-        rows: Vec::new(),
-        param_names: model::param_table(&config).into_iter().map(|s| s.name).collect(),
-        cache: CacheShape::chunked(
-            &config,
-            settings.max_num_seqs,
-            settings.max_model_len,
-            settings.effective_kv_chunk(),
-        )
-        .for_weights(dtype(recipe.rollout.dtype))
-        .on_devices(recipe.rollout_devices()),
-    };
     eprintln!(
         "model: {} ({}, {:.1}M parameters, from {config_origin})",
         recipe.model.path,
@@ -1229,8 +1236,7 @@ pub fn run(args: CompileArgs) -> Result<ExitCode> {
         config.num_parameters() as f64 / 1e6
     );
     let started = Instant::now();
-    plan_rollout(&mut plan, &recipe, &config)?;
-    plan_learner(&mut plan, &recipe, &config)?;
+    let plan = Plan::for_recipe(&recipe, &config)?;
     eprintln!(
         "traced {} programs in {:.1} s",
         plan.programs.len(),
@@ -1445,24 +1451,7 @@ mod tests {
     }
 
     fn plan_for(r: &Recipe) -> Plan {
-        let config = tiny();
-        let settings = engine_config(r, &[]);
-        let mut plan = Plan {
-            programs: Vec::new(),
-            rows: Vec::new(),
-            param_names: model::param_table(&config).into_iter().map(|s| s.name).collect(),
-            cache: CacheShape::chunked(
-                &config,
-                settings.max_num_seqs,
-                settings.max_model_len,
-                settings.effective_kv_chunk(),
-            )
-            .for_weights(dtype(r.rollout.dtype))
-            .on_devices(r.rollout_devices()),
-        };
-        plan_rollout(&mut plan, r, &config).unwrap();
-        plan_learner(&mut plan, r, &config).unwrap();
-        plan
+        Plan::for_recipe(r, &tiny()).unwrap()
     }
 
     #[test]

@@ -236,3 +236,24 @@ pub fn assert_same_training(a: &Path, b: &Path, what: &str) {
     );
     assert_eq!(prompts_seen(a), prompts_seen(b), "prompts: {what}");
 }
+
+/// Asserts that a worker refused a caller with another run's token (the role's error).
+pub fn assert_wrong_token<T: std::fmt::Debug>(result: Result<T, actors::roles::RoleError>) {
+    match result {
+        Err(actors::roles::RoleError::Refused { message, .. }) => {
+            assert!(message.starts_with("wrong token"), "{message}")
+        }
+        other => panic!("expected a refusal for the wrong token, got {other:?}"),
+    }
+}
+
+/// Asserts that a worker refused a call made without any token (the raw gRPC status).
+pub fn assert_missing_token<T: std::fmt::Debug>(result: Result<T, tonic::Status>) {
+    let status = result.expect_err("a call without a token was accepted");
+    assert_eq!(status.code(), tonic::Code::Unauthenticated, "{status:?}");
+    assert!(
+        status.message().starts_with("missing token"),
+        "{}",
+        status.message()
+    );
+}

@@ -302,46 +302,34 @@ fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
     Some((status, body))
 }
 
+/// The live (not zombie) processes whose `/proc/PID/FILE` contents satisfy `matches`.
+fn live_processes_where(file: &str, matches: impl Fn(&[u8]) -> bool) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|entry| {
+            let pid = entry.file_name().to_string_lossy().parse::<u32>().ok()?;
+            let contents = std::fs::read(entry.path().join(file)).ok()?;
+            (matches(&contents) && super::process_alive(pid)).then_some(pid)
+        })
+        .collect()
+}
+
 /// The live (not zombie) processes whose environment has `MARKER_VAR=marker`.
 pub fn marked_processes(marker: &str) -> Vec<u32> {
     let needle = format!("{MARKER_VAR}={marker}");
-    let mut pids = Vec::new();
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return pids;
-    };
-    for entry in entries.flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(environ) = std::fs::read(entry.path().join("environ")) else {
-            continue;
-        };
-        let marked = environ.split(|b| *b == 0).any(|var| var == needle.as_bytes());
-        if marked && super::process_alive(pid) {
-            pids.push(pid);
-        }
-    }
-    pids
+    live_processes_where("environ", |environ| {
+        environ.split(|b| *b == 0).any(|var| var == needle.as_bytes())
+    })
 }
 
 /// The live processes whose command line mentions `text`.
 pub fn processes_mentioning(text: &str) -> Vec<u32> {
-    let mut pids = Vec::new();
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return pids;
-    };
-    for entry in entries.flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
-            continue;
-        };
-        if String::from_utf8_lossy(&cmdline).contains(text) && super::process_alive(pid) {
-            pids.push(pid);
-        }
-    }
-    pids
+    live_processes_where("cmdline", |cmdline| {
+        String::from_utf8_lossy(cmdline).contains(text)
+    })
 }
 
 /// Every process's parent: (pid, ppid) from /proc/PID/stat.

@@ -435,13 +435,7 @@ fn main() {
             }
         })
         .collect();
-    let zeros: Vec<Vec<f32>> = init.iter().map(|v| vec![0.0; v.len()]).collect();
-    let state = LearnerState {
-        params: init.clone(),
-        m: zeros.clone(),
-        v: zeros,
-        adam_step: 0,
-    };
+    let state = LearnerState::fresh(init);
     // One learner per compute type and length bucket, each with its uploaded micro-batches.
     let mut ours: Vec<(String, BucketedLearner, Vec<_>)> = Vec::new();
     for &dtype in &args.dtypes {

@@ -900,6 +900,17 @@ pub struct LearnerState {
 }
 
 impl LearnerState {
+    /// The state before the first update: `params` with zero AdamW moments.
+    pub fn fresh(params: Vec<Vec<f32>>) -> LearnerState {
+        let zeros: Vec<Vec<f32>> = params.iter().map(|v| vec![0.0; v.len()]).collect();
+        LearnerState {
+            params,
+            m: zeros.clone(),
+            v: zeros,
+            adam_step: 0,
+        }
+    }
+
     /// The checkpoint tensor files of this state: `params` (the f32 master weights under their
     /// [`ParamSpec`] names) and `optimizer` (`adam_m.NAME`, `adam_v.NAME` and `adam_step`, an
     /// f32 `[1]` tensor, exact up to 2^24 steps). Pass them to
@@ -975,16 +986,7 @@ impl Learner {
         initial: &[Vec<f32>],
         max_consecutive_nonfinite: u32,
     ) -> Result<Learner> {
-        let zeros: Vec<Vec<f32>> = params
-            .iter()
-            .map(|p| vec![0.0; p.dims.iter().product::<i64>() as usize])
-            .collect();
-        let state = LearnerState {
-            params: initial.to_vec(),
-            m: zeros.clone(),
-            v: zeros,
-            adam_step: 0,
-        };
+        let state = LearnerState::fresh(initial.to_vec());
         Learner::from_state(client, programs, params, cfg, &state, max_consecutive_nonfinite)
     }
 

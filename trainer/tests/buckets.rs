@@ -113,13 +113,7 @@ fn initial() -> Vec<Vec<f32>> {
 
 fn learner(loss: PolicyLossConfig, parallel: Parallelism, multiple: usize) -> BucketedLearner {
     let init = initial();
-    let zeros: Vec<Vec<f32>> = init.iter().map(|v| vec![0.0; v.len()]).collect();
-    let state = LearnerState {
-        params: init.clone(),
-        m: zeros.clone(),
-        v: zeros,
-        adam_step: 0,
-    };
+    let state = LearnerState::fresh(init.clone());
     let mut l =
         BucketedLearner::from_state(client(), policy(), step_cfg(loss, parallel), &state, multiple, 3)
             .unwrap();

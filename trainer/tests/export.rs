@@ -92,12 +92,9 @@ fn trained_checkpoint(output: &Path, model_path: &Path) -> (PathBuf, Vec<Vec<f32
                 .collect()
         })
         .collect();
-    let zeros: Vec<Vec<f32>> = params.iter().map(|p| vec![0.0; p.len()]).collect();
     let state = LearnerState {
-        params: params.clone(),
-        m: zeros.clone(),
-        v: zeros,
         adam_step: 3,
+        ..LearnerState::fresh(params.clone())
     };
     let trainer_state = TrainerState {
         step: 3,

@@ -24,6 +24,34 @@ struct CountingStore {
     calls: Mutex<Vec<String>>,
 }
 
+impl CountingStore {
+    /// Records a call `op` on `key`.
+    fn record(&self, op: &str, key: &[u8]) {
+        self.calls
+            .lock()
+            .unwrap()
+            .push(format!("{op} {}", String::from_utf8_lossy(key)));
+    }
+
+    /// Records a read `op` of `key` and returns its value: `Ok((pointer, length))` of a copy
+    /// for the plugin to free with [`free_value`], or the plugin's "not found" error.
+    ///
+    /// # Safety
+    /// `callback_error` is the plugin's error constructor (or null).
+    unsafe fn lookup(
+        &self,
+        op: &str,
+        key: &[u8],
+        callback_error: *mut PJRT_CallbackError,
+    ) -> Result<(*mut c_char, usize), *mut PJRT_Error> {
+        self.record(op, key);
+        match self.values.lock().unwrap().get(key) {
+            Some(value) => Ok((leak_value(value), value.len())),
+            None => Err(not_found(callback_error, key)),
+        }
+    }
+}
+
 /// Copies a (pointer, length) byte string the plugin passed in.
 ///
 /// # Safety
@@ -68,19 +96,13 @@ unsafe extern "C" fn kv_get(args: *mut PJRT_KeyValueGetCallback_Args) -> *mut PJ
     let args = &mut *args;
     let store = &*(args.user_arg as *const CountingStore);
     let key = bytes_from(args.key, args.key_size);
-    store
-        .calls
-        .lock()
-        .unwrap()
-        .push(format!("get {}", String::from_utf8_lossy(&key)));
-    match store.values.lock().unwrap().get(&key) {
-        Some(value) => {
-            args.value = leak_value(value);
-            args.value_size = value.len();
+    match store.lookup("get", &key, args.callback_error) {
+        Ok((value, size)) => {
+            (args.value, args.value_size) = (value, size);
             args.value_deleter_callback = Some(free_value);
             std::ptr::null_mut()
         }
-        None => not_found(args.callback_error, &key),
+        Err(e) => e,
     }
 }
 
@@ -88,19 +110,13 @@ unsafe extern "C" fn kv_try_get(args: *mut PJRT_KeyValueTryGetCallback_Args) -> 
     let args = &mut *args;
     let store = &*(args.user_arg as *const CountingStore);
     let key = bytes_from(args.key, args.key_size);
-    store
-        .calls
-        .lock()
-        .unwrap()
-        .push(format!("try_get {}", String::from_utf8_lossy(&key)));
-    match store.values.lock().unwrap().get(&key) {
-        Some(value) => {
-            args.value = leak_value(value);
-            args.value_size = value.len();
+    match store.lookup("try_get", &key, args.callback_error) {
+        Ok((value, size)) => {
+            (args.value, args.value_size) = (value, size);
             args.value_deleter_callback = Some(free_value);
             std::ptr::null_mut()
         }
-        None => not_found(args.callback_error, &key),
+        Err(e) => e,
     }
 }
 
@@ -109,11 +125,7 @@ unsafe extern "C" fn kv_put(args: *mut PJRT_KeyValuePutCallback_Args) -> *mut PJ
     let store = &*(args.user_arg as *const CountingStore);
     let key = bytes_from(args.key, args.key_size);
     let value = bytes_from(args.value, args.value_size);
-    store
-        .calls
-        .lock()
-        .unwrap()
-        .push(format!("put {}", String::from_utf8_lossy(&key)));
+    store.record("put", &key);
     store.values.lock().unwrap().insert(key, value);
     std::ptr::null_mut()
 }

@@ -499,20 +499,13 @@ impl LocalLearner {
         let (state, reference) = match resume {
             Some(state) => (state, needs_reference.then_some(initial)),
             None => {
-                let zeros: Vec<Vec<f32>> = initial.iter().map(|v| vec![0.0; v.len()]).collect();
                 // Without a reference the initial weights move into the state, not copied.
                 let (params, reference) = if needs_reference {
                     (initial.clone(), Some(initial))
                 } else {
                     (initial, None)
                 };
-                let state = LearnerState {
-                    params,
-                    m: zeros.clone(),
-                    v: zeros,
-                    adam_step: 0,
-                };
-                (state, reference)
+                (LearnerState::fresh(params), reference)
             }
         };
         LocalLearner::new(

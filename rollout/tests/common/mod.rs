@@ -1,0 +1,33 @@
+//! Request builders shared by the engine tests.
+#![allow(dead_code)]
+
+use rollout::{GenerationRequest, Sample, SamplingParams};
+
+/// A request for `n` samples of `prompt` with its own `seed`.
+pub fn request(id: u64, prompt: &[u32], n: usize, seed: u64, params: SamplingParams) -> GenerationRequest {
+    GenerationRequest {
+        id,
+        prompt: prompt.to_vec(),
+        n,
+        seed,
+        params,
+    }
+}
+
+/// Sampling at `temperature` with top-k / top-p (0 / 1.0: off), up to `max_new_tokens`.
+pub fn sampled(temperature: f32, top_k: usize, top_p: f32, max_new_tokens: usize) -> SamplingParams {
+    SamplingParams {
+        temperature,
+        top_k,
+        top_p,
+        max_new_tokens,
+        ..Default::default()
+    }
+}
+
+/// The samples of request `id`, in sample-index order.
+pub fn of_request(samples: &[Sample], id: u64) -> Vec<&Sample> {
+    let mut v: Vec<&Sample> = samples.iter().filter(|s| s.request_id == id).collect();
+    v.sort_by_key(|s| s.sample_index);
+    v
+}
