@@ -11,9 +11,8 @@ use actors::proto;
 use actors::roles::learner::{LearnerRole, RemoteLearner};
 use actors::roles::RoleError;
 use common::*;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 /// The shared tiny recipe (`common::tiny_recipe`, 3 steps) as `dir/NAME.yaml`, writing to
@@ -222,19 +221,6 @@ fn a_learner_worker_trains_checkpoints_and_resumes_like_the_in_process_learner()
     eprintln!("the run's error when its learner worker died:\n{stderr}");
 }
 
-/// The learner worker process; killed when the test ends, pass or fail.
-struct WorkerProcess {
-    child: Child,
-    address: String,
-}
-
-impl Drop for WorkerProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 #[test]
 fn a_learner_worker_refuses_callers_without_the_runs_token() {
     let dir = tempfile::tempdir().unwrap();
@@ -245,31 +231,14 @@ fn a_learner_worker_refuses_callers_without_the_runs_token() {
     let token = Token::generate();
     let token_file = dir.path().join("token");
     token.write(&token_file).unwrap();
-    let mut child = grpo()
-        .args(["worker", "--role", "learner", "--recipe"])
-        .arg(&recipe)
-        .arg("--token-file")
-        .arg(&token_file)
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let address = line
-        .trim()
-        .strip_prefix("listening on ")
-        .unwrap_or_else(|| panic!("worker said {line:?}"))
-        .to_string();
-    assert!(
-        address.starts_with("127.0.0.1:"),
-        "binds loopback by default: {address}"
+    let mut worker = WorkerProcess::start(
+        grpo()
+            .args(["worker", "--role", "learner", "--recipe"])
+            .arg(&recipe)
+            .arg("--token-file")
+            .arg(&token_file),
     );
-    let worker = WorkerProcess {
-        address: format!("http://{address}"),
-        child,
-    };
+    let address = worker.loopback_address();
 
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {
@@ -277,8 +246,7 @@ fn a_learner_worker_refuses_callers_without_the_runs_token() {
         let timeout = Duration::from_secs(10);
         // Another run's token: refused.
         let intruder =
-            RemoteLearner::with_timeout(&worker.address, &Token::generate(), None, timeout, specs.clone())
-                .unwrap();
+            RemoteLearner::with_timeout(&address, &Token::generate(), None, timeout, specs.clone()).unwrap();
         match intruder.update(Vec::new()).await {
             Err(RoleError::Refused { role, message, .. }) => {
                 assert_eq!(role, "learner");
@@ -289,7 +257,7 @@ fn a_learner_worker_refuses_callers_without_the_runs_token() {
         }
         common::assert_wrong_token(intruder.state().await.map(|_| "the learner's state"));
         // No token at all: refused.
-        let mut anonymous = proto::learner_client::LearnerClient::connect(worker.address.clone())
+        let mut anonymous = proto::learner_client::LearnerClient::connect(address.clone())
             .await
             .unwrap();
         common::assert_missing_token(
@@ -299,7 +267,7 @@ fn a_learner_worker_refuses_callers_without_the_runs_token() {
                 .map(|_| ()),
         );
         // The run's token gets through to the learner, which has not been started yet.
-        let owner = RemoteLearner::with_timeout(&worker.address, &token, None, timeout, specs).unwrap();
+        let owner = RemoteLearner::with_timeout(&address, &token, None, timeout, specs).unwrap();
         match owner.update(Vec::new()).await {
             Err(RoleError::Refused { message, .. }) => assert_eq!(
                 message,

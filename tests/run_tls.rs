@@ -11,9 +11,7 @@ use actors::roles::reward::{RemoteReward, RewardRole};
 use actors::roles::RoleError;
 use common::*;
 use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair, KeyUsagePurpose};
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Stdio};
 
 /// A CA and a certificate for `localhost` signed by it, as PEM files in `dir`.
 fn make_pki(dir: &Path) -> TlsSection {
@@ -45,16 +43,6 @@ fn tls_yaml(tls: &TlsSection) -> String {
         "  tls:\n    cert: {}\n    key: {}\n    ca: {}\n    domain: {}\n",
         tls.cert, tls.key, tls.ca, tls.domain
     )
-}
-
-/// A worker started by hand; killed when the test ends.
-struct WorkerProcess(Child);
-
-impl Drop for WorkerProcess {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 fn reward_sample() -> reward::Sample {
@@ -108,22 +96,15 @@ fn a_run_over_tls_matches_the_plain_run_and_tls_workers_refuse_plain_text() {
     let token_file = dir.path().join("token");
     let token = Token::generate();
     token.write(&token_file).unwrap();
-    let mut worker = WorkerProcess(
+    let mut worker = WorkerProcess::start(
         grpo()
             .args(["worker", "--role", "reward", "--recipe"])
             .arg(&r_tls)
             .arg("--token-file")
-            .arg(&token_file)
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap(),
+            .arg(&token_file),
     );
-    let mut line = String::new();
-    BufReader::new(worker.0.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
+    let line = worker.line();
     let address = line
-        .trim()
         .strip_prefix("listening on ")
         .unwrap_or_else(|| panic!("the worker said {line:?}"))
         .to_string();

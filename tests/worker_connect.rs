@@ -8,50 +8,9 @@ use actors::auth::Token;
 use actors::proto;
 use actors::registry::{self, Registry, RegistryServer};
 use actors::worker::Role;
-use std::io::{BufRead, BufReader, Read};
-use std::process::{Child, ChildStdout, ExitStatus, Stdio};
+use common::WorkerProcess;
+use std::process::Stdio;
 use std::time::{Duration, Instant};
-
-/// A `grpo worker` process; killed when the test ends, pass or fail.
-struct WorkerProcess {
-    child: Child,
-    stdout: BufReader<ChildStdout>,
-}
-
-impl Drop for WorkerProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl WorkerProcess {
-    /// The next line the worker prints on stdout (empty at end of output).
-    fn line(&mut self) -> String {
-        let mut line = String::new();
-        self.stdout.read_line(&mut line).unwrap();
-        line.trim_end().to_string()
-    }
-
-    /// Waits up to `within` for the process to exit; its status and its stderr.
-    fn exit_within(&mut self, within: Duration) -> Option<(ExitStatus, String)> {
-        let started = Instant::now();
-        while started.elapsed() < within {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                let mut stderr = String::new();
-                self.child
-                    .stderr
-                    .take()
-                    .unwrap()
-                    .read_to_string(&mut stderr)
-                    .unwrap();
-                return Some((status, stderr));
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        None
-    }
-}
 
 /// `grpo worker --role reward --connect ORCH` listening on every interface, with a worker
 /// timeout of 0.5 s (so it gives a silent orchestrator the minimum 5 s).
@@ -60,7 +19,8 @@ fn start_connected_worker(
     orchestrator: &str,
     worker_id: &str,
 ) -> WorkerProcess {
-    let mut child = common::grpo()
+    let mut command = common::grpo();
+    command
         .args([
             "worker",
             "--role",
@@ -80,12 +40,8 @@ fn start_connected_worker(
             "--token-file",
         ])
         .arg(token_file)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start grpo worker");
-    let stdout = BufReader::new(child.stdout.take().unwrap());
-    WorkerProcess { child, stdout }
+        .stderr(Stdio::piped());
+    WorkerProcess::start(&mut command)
 }
 
 async fn serve_registry(token: &Token, version: &str) -> RegistryServer {

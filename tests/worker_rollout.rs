@@ -8,24 +8,10 @@ use actors::auth::Token;
 use actors::roles::rollout::{LocalRollout, RemoteRollout, RolloutRole, WeightUpdate};
 use actors::roles::RoleError;
 use actors::setup;
+use common::WorkerProcess;
 use rollout::{GenerationRequest, Sample, SamplingParams};
 use std::fs;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-
-/// The worker process; killed when the test ends, pass or fail.
-struct WorkerProcess {
-    child: Child,
-    address: String,
-}
-
-impl Drop for WorkerProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// The tiny Llama fixture's config with a word-level tokenizer (one token per embedding row)
 /// and a plain chat template; the recipe asks for random weights.
@@ -68,32 +54,16 @@ fn write_run(root: &Path) -> PathBuf {
     recipe
 }
 
-fn start_worker(recipe: &Path, token_file: &Path) -> WorkerProcess {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_grpo"))
-        .args(["worker", "--role", "rollout", "--recipe"])
-        .arg(recipe)
-        .arg("--token-file")
-        .arg(token_file)
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("start grpo worker");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let address = line
-        .trim()
-        .strip_prefix("listening on ")
-        .unwrap_or_else(|| panic!("worker said {line:?}"))
-        .to_string();
-    assert!(
-        address.starts_with("127.0.0.1:"),
-        "binds loopback by default: {address}"
+fn start_worker(recipe: &Path, token_file: &Path) -> (WorkerProcess, String) {
+    let mut worker = WorkerProcess::start(
+        common::grpo()
+            .args(["worker", "--role", "rollout", "--recipe"])
+            .arg(recipe)
+            .arg("--token-file")
+            .arg(token_file),
     );
-    WorkerProcess {
-        address: format!("http://{address}"),
-        child,
-    }
+    let address = worker.loopback_address();
+    (worker, address)
 }
 
 fn requests() -> Vec<GenerationRequest> {
@@ -145,7 +115,7 @@ fn a_rollout_worker_process_generates_like_the_in_process_engine_and_takes_new_w
     let token = Token::generate();
     let token_file = dir.path().join("token");
     token.write(&token_file).unwrap();
-    let worker = start_worker(&recipe_path, &token_file);
+    let (_worker, address) = start_worker(&recipe_path, &token_file);
 
     // The same engine in this process, built as the orchestrator builds it.
     let recipe = actors::recipe::load_recipe(&recipe_path, &[]).unwrap();
@@ -166,7 +136,7 @@ fn a_rollout_worker_process_generates_like_the_in_process_engine_and_takes_new_w
 
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {
-        let remote = RemoteRollout::new(&worker.address, &token, None).unwrap();
+        let remote = RemoteRollout::new(&address, &token, None).unwrap();
         assert_eq!(remote.refresh().await.unwrap(), 0);
         let expected = generate(&local).await.unwrap();
         let got = generate(&remote).await.unwrap();

@@ -7,6 +7,7 @@ pub mod ray_head;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::time::Duration;
 
 /// The `grpo` binary under test.
 pub fn grpo() -> Command {
@@ -256,4 +257,69 @@ pub fn assert_missing_token<T: std::fmt::Debug>(result: Result<T, tonic::Status>
         "{}",
         status.message()
     );
+}
+
+/// A `grpo worker` process a test started; killed when the test ends, pass or fail.
+pub struct WorkerProcess {
+    pub child: std::process::Child,
+    stdout: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl Drop for WorkerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl WorkerProcess {
+    /// Starts `command` (a `grpo worker ...`) with its stdout piped to the test.
+    pub fn start(command: &mut Command) -> WorkerProcess {
+        let mut child = command
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("start grpo worker");
+        let stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+        WorkerProcess { child, stdout }
+    }
+
+    /// The next line the worker prints on stdout (empty at end of output).
+    pub fn line(&mut self) -> String {
+        use std::io::BufRead;
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).unwrap();
+        line.trim_end().to_string()
+    }
+
+    /// Reads the worker's first line, `listening on 127.0.0.1:PORT` (a worker binds loopback
+    /// unless told otherwise), and returns `http://127.0.0.1:PORT`.
+    pub fn loopback_address(&mut self) -> String {
+        let line = self.line();
+        let address = line
+            .strip_prefix("listening on ")
+            .unwrap_or_else(|| panic!("the worker said {line:?}"));
+        assert!(
+            address.starts_with("127.0.0.1:"),
+            "binds loopback by default: {address}"
+        );
+        format!("http://{address}")
+    }
+
+    /// Waits up to `within` for the process to exit; its status and its stderr (piped by the
+    /// caller's command).
+    pub fn exit_within(&mut self, within: Duration) -> Option<(std::process::ExitStatus, String)> {
+        use std::io::Read;
+        let started = std::time::Instant::now();
+        while started.elapsed() < within {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                let mut stderr = String::new();
+                if let Some(mut pipe) = self.child.stderr.take() {
+                    pipe.read_to_string(&mut stderr).unwrap();
+                }
+                return Some((status, stderr));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    }
 }
