@@ -278,11 +278,45 @@ fn attention_dot(a: &Tensor, b: &Tensor, dims: DotDims) -> Tensor {
     }
 }
 
+/// Attention scores per (batch, KV head): the last axis of `q` (queries grouped under their
+/// KV head, e.g. `[B, kvh, G, T, hd]`) against the last axis of `k` (`[B, kvh, S, hd]`):
+/// `[B, kvh, G, T, S]`.
+fn grouped_scores(q: &Tensor, k: &Tensor) -> Tensor {
+    let dims = DotDims {
+        lhs_batch: vec![0, 1],
+        rhs_batch: vec![0, 1],
+        lhs_contract: vec![q.rank() - 1],
+        rhs_contract: vec![k.rank() - 1],
+    };
+    attention_dot(q, k, dims)
+}
+
+/// Attention outputs per (batch, KV head): probabilities over keys on their last axis (e.g.
+/// `[B, kvh, G, T, S]`) times values `[B, kvh, S, hd]`: `[B, kvh, G, T, hd]`.
+fn grouped_values(probs: &Tensor, v: &Tensor) -> Tensor {
+    let dims = DotDims {
+        lhs_batch: vec![0, 1],
+        rhs_batch: vec![0, 1],
+        lhs_contract: vec![probs.rank() - 1],
+        rhs_contract: vec![2],
+    };
+    attention_dot(probs, v, dims)
+}
+
+/// The rest of a decoder layer after attention: output projection and residual, then the
+/// post-attention norm, the MLP and its residual.
+fn finish_layer(config: &ModelConfig, layer: &LayerParams, h: &Tensor, attn: &Tensor) -> Tensor {
+    let h = h + &linear_bias(attn, &layer.o_proj, layer.o_bias.as_ref());
+    let normed = rms_norm(&h, &layer.post_norm, config.rms_norm_eps);
+    &h + &mlp(layer, &normed)
+}
+
 /// Attention of a full sequence over itself.
 ///
 /// `x [B, T, hidden]`, `cos`/`sin` `[B, T, head_dim]`, `allowed [B, 1, 1, T, T]` (bool: query
-/// t may attend key s). Returns the attention output `[B, T, hidden]` and the keys and values
-/// `[B, kv_heads, T, head_dim]` (the cache layout).
+/// t may attend key s). Returns the heads' outputs `[B, T, heads * head_dim]` (before the output
+/// projection, which [`finish_layer`] applies) and the keys and values `[B, kv_heads, T,
+/// head_dim]` (the cache layout).
 ///
 /// With narrow (bf16/f16) projection weights the score and value products take operands of
 /// that type with f32 results (scores and softmax stay f32). (Queries in causal blocks over the
@@ -305,33 +339,14 @@ fn self_attention(
     let k = k.transpose(&[0, 2, 1, 3]);
     let v = v.transpose(&[0, 2, 1, 3]);
     let operand = layer.q_proj.dtype();
-    let scores = attention_dot(
-        &q.convert_if_needed(operand),
-        &k.convert_if_needed(operand),
-        DotDims {
-            lhs_batch: vec![0, 1],
-            rhs_batch: vec![0, 1],
-            lhs_contract: vec![4],
-            rhs_contract: vec![3],
-        },
-    ) * (1.0 / (hd as f64).sqrt());
+    let scores = grouped_scores(&q.convert_if_needed(operand), &k.convert_if_needed(operand))
+        * (1.0 / (hd as f64).sqrt());
     let masked = allowed.select(&scores, &scores.scalar_like(MASKED_SCORE));
     let probs = masked.softmax(-1).convert_if_needed(operand);
     // [B, kvh, G, T, S] x [B, kvh, S, hd] -> [B, kvh, G, T, hd]
-    let out = attention_dot(
-        &probs,
-        &v.convert_if_needed(operand),
-        DotDims {
-            lhs_batch: vec![0, 1],
-            rhs_batch: vec![0, 1],
-            lhs_contract: vec![4],
-            rhs_contract: vec![2],
-        },
-    );
-    let out = out
+    let out = grouped_values(&probs, &v.convert_if_needed(operand))
         .transpose(&[0, 3, 1, 2, 4])
         .reshape(&[b, t, kvh * groups * hd]);
-    let out = linear_bias(&out, &layer.o_proj, layer.o_bias.as_ref());
     (out, k, v)
 }
 
@@ -373,9 +388,7 @@ fn trunk(p: &DecoderParams, tokens: &Tensor, mask: &Tensor) -> (Tensor, Vec<(Ten
     for layer in &p.layers {
         let normed = rms_norm(&h, &layer.input_norm, config.rms_norm_eps);
         let (attn, k, v) = self_attention(config, layer, &normed, &cos, &sin, &allowed);
-        h = &h + &attn;
-        let normed = rms_norm(&h, &layer.post_norm, config.rms_norm_eps);
-        h = &h + &mlp(layer, &normed);
+        h = finish_layer(config, layer, &h, &attn);
         kvs.push((k, v));
     }
     (h, kvs)
@@ -781,27 +794,10 @@ pub fn decode_hidden_graph(
         let scale = 1.0 / (hd as f64).sqrt();
         let scores = match options.attention {
             // [S, kvh, G, hd] x [S, kvh, W, hd] -> [S, kvh, G, W]
-            DecodeAttention::Dot => attention_dot(
-                &q.convert_if_needed(operand),
-                &kc,
-                DotDims {
-                    lhs_batch: vec![0, 1],
-                    rhs_batch: vec![0, 1],
-                    lhs_contract: vec![3],
-                    rhs_contract: vec![3],
-                },
-            ),
-            DecodeAttention::KeysLeft => attention_dot(
-                &kc,
-                &q.convert_if_needed(operand),
-                DotDims {
-                    lhs_batch: vec![0, 1],
-                    rhs_batch: vec![0, 1],
-                    lhs_contract: vec![3],
-                    rhs_contract: vec![3],
-                },
-            )
-            .transpose(&[0, 1, 3, 2]),
+            DecodeAttention::Dot => grouped_scores(&q.convert_if_needed(operand), &kc),
+            DecodeAttention::KeysLeft => {
+                grouped_scores(&kc, &q.convert_if_needed(operand)).transpose(&[0, 1, 3, 2])
+            }
             DecodeAttention::MultiplyReduce => {
                 let full = [s, kvh, groups, window, hd];
                 let qb = q.reshape(&[s, kvh, groups, 1, hd]).broadcast_to(&full);
@@ -815,16 +811,9 @@ pub fn decode_hidden_graph(
         let masked = allowed.select(&scores, &scores.scalar_like(MASKED_SCORE));
         let pv = |probs: &Tensor| match options.attention {
             // [S, kvh, G, W] x [S, kvh, W, hd] -> [S, kvh, G, hd]
-            DecodeAttention::Dot | DecodeAttention::KeysLeft => attention_dot(
-                &probs.convert_if_needed(operand),
-                &vc,
-                DotDims {
-                    lhs_batch: vec![0, 1],
-                    rhs_batch: vec![0, 1],
-                    lhs_contract: vec![3],
-                    rhs_contract: vec![2],
-                },
-            ),
+            DecodeAttention::Dot | DecodeAttention::KeysLeft => {
+                grouped_values(&probs.convert_if_needed(operand), &vc)
+            }
             DecodeAttention::MultiplyReduce => {
                 let w = probs.dims()[3];
                 let full = [s, kvh, groups, w, hd];
@@ -850,10 +839,7 @@ pub fn decode_hidden_graph(
         } else {
             pv(&masked.softmax(-1))
         };
-        let attn = attn.reshape(&[s, heads * hd]);
-        h = &h + &linear_bias(&attn, &layer.o_proj, layer.o_bias.as_ref());
-        let normed = rms_norm(&h, &layer.post_norm, config.rms_norm_eps);
-        h = &h + &mlp(layer, &normed);
+        h = finish_layer(config, layer, &h, &attn.reshape(&[s, heads * hd]));
         out_cache.extend(kv_out);
     }
     (rms_norm(&h, &p.final_norm, config.rms_norm_eps), out_cache)
@@ -946,20 +932,7 @@ pub fn decode_hidden_graph_chunked(
         let values = |c: usize| &out_cache[l * per_layer + chunks + c];
         let q = q.reshape(&[s, kvh, groups, hd]).convert_if_needed(operand);
         // [S, kvh, G, hd] x [S, kvh, chunk, hd] -> [S, kvh, G, chunk], per chunk.
-        let scores: Vec<Tensor> = (0..attend)
-            .map(|c| {
-                attention_dot(
-                    &q,
-                    keys(c),
-                    DotDims {
-                        lhs_batch: vec![0, 1],
-                        rhs_batch: vec![0, 1],
-                        lhs_contract: vec![3],
-                        rhs_contract: vec![3],
-                    },
-                )
-            })
-            .collect();
+        let scores: Vec<Tensor> = (0..attend).map(|c| grouped_scores(&q, keys(c))).collect();
         let scores = if attend == 1 {
             scores[0].clone()
         } else {
@@ -975,25 +948,14 @@ pub fn decode_hidden_graph_chunked(
             } else {
                 probs.slice_axis(3, c as i64 * chunk, (c as i64 + 1) * chunk)
             };
-            let part = attention_dot(
-                &pc,
-                values(c),
-                DotDims {
-                    lhs_batch: vec![0, 1],
-                    rhs_batch: vec![0, 1],
-                    lhs_contract: vec![3],
-                    rhs_contract: vec![2],
-                },
-            );
+            let part = grouped_values(&pc, values(c));
             attn = Some(match attn {
                 Some(a) => &a + &part,
                 None => part,
             });
         }
         let attn = attn.expect("at least one chunk").reshape(&[s, heads * hd]);
-        h = &h + &linear_bias(&attn, &layer.o_proj, layer.o_bias.as_ref());
-        let normed = rms_norm(&h, &layer.post_norm, config.rms_norm_eps);
-        h = &h + &mlp(layer, &normed);
+        h = finish_layer(config, layer, &h, &attn);
     }
     (rms_norm(&h, &p.final_norm, config.rms_norm_eps), out_cache)
 }

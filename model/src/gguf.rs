@@ -1017,61 +1017,31 @@ pub(crate) mod tests {
         let arch = c.family.model_type();
         let u32v = |v: usize| (v as u32).to_le_bytes().to_vec();
         let f32v = |v: f64| (v as f32).to_le_bytes().to_vec();
-        let metadata = vec![
-            ("general.architecture", 8, gguf_string(arch)),
-            (
-                Box::leak(format!("{arch}.block_count").into_boxed_str()) as &str,
-                4,
-                u32v(c.num_hidden_layers),
-            ),
-            (
-                Box::leak(format!("{arch}.embedding_length").into_boxed_str()),
-                4,
-                u32v(c.hidden_size),
-            ),
-            (
-                Box::leak(format!("{arch}.feed_forward_length").into_boxed_str()),
-                4,
-                u32v(c.intermediate_size),
-            ),
-            (
-                Box::leak(format!("{arch}.attention.head_count").into_boxed_str()),
-                4,
-                u32v(c.num_attention_heads),
-            ),
-            (
-                Box::leak(format!("{arch}.attention.head_count_kv").into_boxed_str()),
-                4,
-                u32v(c.num_key_value_heads),
-            ),
-            (
-                Box::leak(format!("{arch}.attention.key_length").into_boxed_str()),
-                4,
-                u32v(c.head_dim),
-            ),
-            (
-                Box::leak(format!("{arch}.rope.freq_base").into_boxed_str()),
-                6,
-                f32v(c.rope_theta),
-            ),
-            (
-                Box::leak(format!("{arch}.attention.layer_norm_rms_epsilon").into_boxed_str()),
-                6,
-                f32v(c.rms_norm_eps),
-            ),
-            (
-                Box::leak(format!("{arch}.context_length").into_boxed_str()),
-                4,
-                u32v(c.max_position_embeddings),
-            ),
-            (
-                Box::leak(format!("{arch}.vocab_size").into_boxed_str()),
-                4,
-                u32v(c.vocab_size),
-            ),
-            ("tokenizer.ggml.bos_token_id", 4, u32v(0)),
-            ("tokenizer.ggml.eos_token_id", 4, u32v(1)),
+        const U32: u32 = 4;
+        const F32: u32 = 6;
+        let per_arch: [(&str, u32, Vec<u8>); 10] = [
+            ("block_count", U32, u32v(c.num_hidden_layers)),
+            ("embedding_length", U32, u32v(c.hidden_size)),
+            ("feed_forward_length", U32, u32v(c.intermediate_size)),
+            ("attention.head_count", U32, u32v(c.num_attention_heads)),
+            ("attention.head_count_kv", U32, u32v(c.num_key_value_heads)),
+            ("attention.key_length", U32, u32v(c.head_dim)),
+            ("rope.freq_base", F32, f32v(c.rope_theta)),
+            ("attention.layer_norm_rms_epsilon", F32, f32v(c.rms_norm_eps)),
+            ("context_length", U32, u32v(c.max_position_embeddings)),
+            ("vocab_size", U32, u32v(c.vocab_size)),
         ];
+        let keys: Vec<String> = per_arch.iter().map(|(k, _, _)| format!("{arch}.{k}")).collect();
+        let mut metadata: Vec<(&str, u32, Vec<u8>)> = vec![
+            ("general.architecture", 8, gguf_string(arch)),
+            ("tokenizer.ggml.bos_token_id", U32, u32v(0)),
+            ("tokenizer.ggml.eos_token_id", U32, u32v(1)),
+        ];
+        metadata.extend(
+            keys.iter()
+                .zip(per_arch)
+                .map(|(key, (_, type_id, value))| (key.as_str(), type_id, value)),
+        );
         let tensors: Vec<(String, Vec<u64>, u32, Vec<u8>)> = weights
             .tensors
             .iter()
