@@ -194,6 +194,10 @@ struct Plan {
     param_names: HashSet<String>,
     /// The rollout's KV-cache shape (for advice).
     cache: CacheShape,
+    /// Bytes of f32 master weights one learner device holds (its shards under `fsdp`), from
+    /// the learner's layout: what the learner state is counted from when no compiled learner
+    /// program says (`--only` without one).
+    master_bytes_per_device: u64,
 }
 
 impl Plan {
@@ -212,6 +216,7 @@ impl Plan {
             )
             .for_weights(dtype(recipe.rollout.dtype))
             .on_devices(recipe.rollout_devices()),
+            master_bytes_per_device: 4 * config.num_parameters() as u64,
         };
         plan_rollout(&mut plan, recipe, config)?;
         plan_learner(&mut plan, recipe, config)?;
@@ -380,6 +385,24 @@ fn plan_learner(plan: &mut Plan, recipe: &Recipe, config: &ModelConfig) -> Resul
     let total_steps = recipe.trainer.total_training_steps.unwrap_or(1).max(1) as u64;
     let cfg = step_config(recipe, total_steps * minis * a.ppo_epochs.max(1) as u64);
     let specs = policy.param_specs();
+    let mesh = trainer::sharding::LearnerMesh::new(&cfg.parallel, cfg.micro_batch_size).map_err(|e| {
+        CompileError::Build {
+            role: "learner",
+            message: e.to_string(),
+        }
+    })?;
+    plan.master_bytes_per_device = specs
+        .iter()
+        .map(|spec| {
+            let elements: i64 = spec.dims.iter().product();
+            let shards = if mesh.param_sharding(&spec.dims).is_some() {
+                mesh.devices()
+            } else {
+                1
+            };
+            4 * elements as u64 / shards as u64
+        })
+        .sum();
     let p = policy.clone();
     let programs = build_train_programs(&cfg, &specs, &policy.input_specs(), move |params, batch| {
         p.log_probs(params, batch)
@@ -1080,13 +1103,14 @@ fn device_total(
         return None;
     }
     let accumulating = plan.rows.iter().any(|r| r.label == "accumulate");
-    // The f32 masters one device holds (a shard under FSDP), from a compiled learner program.
+    // The f32 masters one device holds (a shard under FSDP): from a compiled learner program,
+    // else from the learner's layout.
     let masters = measured
         .iter()
         .filter(|(r, _)| r.role == Role::Learner)
         .map(|(_, m)| m.param_bytes)
         .max()
-        .unwrap_or(num_parameters * 4);
+        .unwrap_or(plan.master_bytes_per_device);
     let sharded = masters < num_parameters * 4;
     let bf16 = recipe.actor.param_dtype == DTypeName::Bf16;
     let learner_state = masters * (3 + u64::from(accumulating)) + if bf16 { masters / 2 } else { 0 };
@@ -1676,6 +1700,36 @@ mod tests {
             "{a:?}"
         );
         assert!(advice(&r, &plan, 1, &small, None).is_empty());
+    }
+
+    #[test]
+    fn without_a_learner_program_the_learner_state_is_counted_from_its_layout() {
+        const GIB: u64 = 1 << 30;
+        let with = |actor: &str| {
+            recipe(&format!(
+                "{SMALL_DATA}rollout:\n  n: 4\n  max_num_seqs: 16\n  dtype: bf16\nactor:\n{actor}  param_dtype: bf16\n"
+            ))
+        };
+        let whole = 4 * tiny().num_parameters() as u64;
+        // Every dimension of the tiny Qwen2 (vocabulary 384, hidden 64, KV 32, MLP 128)
+        // divides by 4, so under fsdp over 4 devices each holds a quarter of every tensor.
+        for (actor, masters) in [
+            ("", whole),
+            ("  strategy: dp\n  mesh: 4\n", whole),
+            ("  strategy: fsdp\n  mesh: 4\n", whole / 4),
+        ] {
+            let r = with(actor);
+            let plan = plan_for(&r);
+            assert_eq!(plan.master_bytes_per_device, masters, "{actor}");
+            // `--only` a rollout program: the learner state still follows the layout.
+            let rollout = plan.rows.iter().find(|x| x.role == Role::Rollout).unwrap();
+            let mut row = failing(&rollout.label, Role::Rollout, rollout.program, GIB, GIB / 2);
+            row.1.fits = true;
+            let t = device_total(&r, &plan, whole / 4, &[row], Some(16 * GIB)).unwrap();
+            // Masters, 2 moments, gradient sums when micro-batches accumulate, the bf16 copy.
+            let sums = u64::from(plan.rows.iter().any(|x| x.label == "accumulate"));
+            assert_eq!(t.learner_state, masters * (3 + sums) + masters / 2, "{actor}");
+        }
     }
 
     #[test]
