@@ -396,37 +396,11 @@ pub fn export_checkpoint(
 mod tests {
     use super::*;
     use crate::checkpoint::{save_checkpoint, TrainerState};
-    use model::Family;
-
-    fn tiny_config() -> ModelConfig {
-        ModelConfig {
-            family: Family::Llama,
-            hidden_size: 8,
-            num_hidden_layers: 1,
-            num_attention_heads: 2,
-            num_key_value_heads: 1,
-            head_dim: 4,
-            intermediate_size: 12,
-            vocab_size: 10,
-            rope_theta: 10000.0,
-            rope_scaling: None,
-            rms_norm_eps: 1e-6,
-            tie_word_embeddings: true,
-            attention_bias: false,
-            o_proj_bias: false,
-            qk_norm: false,
-            max_position_embeddings: 64,
-            bos_token_id: None,
-            eos_token_ids: vec![],
-            pad_token_id: None,
-            initializer_range: 0.02,
-        }
-    }
 
     /// A checkpoint holding the tiny config's parameters, value `i * 0.5 + first` at flat
     /// index `i`, with `edit` applied to the tensor list first.
     fn checkpoint_with(edit: impl FnOnce(&mut Vec<HostTensor>)) -> (tempfile::TempDir, Checkpoint) {
-        let mut params: Vec<HostTensor> = param_table(&tiny_config())
+        let mut params: Vec<HostTensor> = param_table(&ModelConfig::tiny_llama())
             .iter()
             .enumerate()
             .map(|(k, s)| {
@@ -451,13 +425,13 @@ mod tests {
     #[test]
     fn parameters_follow_the_table_with_their_values() {
         let (_tmp, ck) = checkpoint_with(|_| {});
-        let w = trained_weights(&ck, &tiny_config(), Path::new("m")).unwrap();
-        let table = param_table(&tiny_config());
+        let w = trained_weights(&ck, &ModelConfig::tiny_llama(), Path::new("m")).unwrap();
+        let table = param_table(&ModelConfig::tiny_llama());
         assert_eq!(
             w.tensors.iter().map(|t| t.name.clone()).collect::<Vec<_>>(),
             table.iter().map(|s| s.name.clone()).collect::<Vec<_>>()
         );
-        // the second table entry (input_layernorm of layer 0, shape [8]) holds 1.0 + 0.5 * i
+        // the second table entry (input_layernorm of layer 0, shape [32]) holds 1.0 + 0.5 * i
         assert_eq!(w.tensors[1].name, "model.layers.0.input_layernorm.weight");
         assert_eq!(w.tensors[1].to_f32_vec()[..3], [1.0, 1.5, 2.0]);
         assert_eq!(recorded_model_path(&ck), Some(PathBuf::from("models/x.gguf")));
@@ -466,9 +440,9 @@ mod tests {
     #[test]
     fn a_bf16_checkpoint_tensor_is_kept_bit_exact() {
         let (_tmp, ck) = checkpoint_with(|p| {
-            p[0] = HostTensor::from_f32_as_bf16(&p[0].name.clone(), &[10, 8], &vec![0.1f32; 80]);
+            p[0] = HostTensor::from_f32_as_bf16(&p[0].name.clone(), &[32, 32], &vec![0.1f32; 1024]);
         });
-        let w = trained_weights(&ck, &tiny_config(), Path::new("m")).unwrap();
+        let w = trained_weights(&ck, &ModelConfig::tiny_llama(), Path::new("m")).unwrap();
         assert_eq!(w.tensors[0].dtype(), model::DType::BF16);
         assert_eq!(w.tensors[0].to_f32_vec()[0], half::bf16::from_f32(0.1).to_f32());
     }
@@ -478,12 +452,12 @@ mod tests {
         let (_tmp, ck) = checkpoint_with(|p| {
             p.retain(|t| t.name != "model.layers.0.mlp.up_proj.weight");
         });
-        let err = trained_weights(&ck, &tiny_config(), Path::new("src.gguf"))
+        let err = trained_weights(&ck, &ModelConfig::tiny_llama(), Path::new("src.gguf"))
             .unwrap_err()
             .to_string();
         assert!(
             err.contains(
-                "tensor `model.layers.0.mlp.up_proj.weight` (shape [12, 8] in src.gguf) is missing from"
+                "tensor `model.layers.0.mlp.up_proj.weight` (shape [64, 32] in src.gguf) is missing from"
             ) && err.contains("params.safetensors"),
             "{err}"
         );
@@ -492,33 +466,33 @@ mod tests {
             let t = p.iter_mut().find(|t| t.name == "model.norm.weight").unwrap();
             *t = HostTensor::from_f32("model.norm.weight", &[4], &[1.0; 4]);
         });
-        let err = trained_weights(&ck, &tiny_config(), Path::new("m"))
+        let err = trained_weights(&ck, &ModelConfig::tiny_llama(), Path::new("m"))
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("tensor `model.norm.weight`") && err.contains("has shape [4], but m expects [8]"),
+            err.contains("tensor `model.norm.weight`") && err.contains("has shape [4], but m expects [32]"),
             "{err}"
         );
 
         let (_tmp, ck) = checkpoint_with(|p| {
-            p.push(HostTensor::from_f32("lm_head.weight", &[10, 8], &[0.0; 80]));
+            p.push(HostTensor::from_f32("lm_head.weight", &[32, 32], &[0.0; 1024]));
         });
-        let err = trained_weights(&ck, &tiny_config(), Path::new("m"))
+        let err = trained_weights(&ck, &ModelConfig::tiny_llama(), Path::new("m"))
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("tensor `lm_head.weight` (shape [10, 8])")
+            err.contains("tensor `lm_head.weight` (shape [32, 32])")
                 && err.contains("is not a parameter of m"),
             "{err}"
         );
 
         let (_tmp, ck) = checkpoint_with(|p| {
-            let mut values = vec![0.0f32; 8];
+            let mut values = vec![0.0f32; 32];
             values[3] = f32::NAN;
             let t = p.iter_mut().find(|t| t.name == "model.norm.weight").unwrap();
-            *t = HostTensor::from_f32("model.norm.weight", &[8], &values);
+            *t = HostTensor::from_f32("model.norm.weight", &[32], &values);
         });
-        let err = trained_weights(&ck, &tiny_config(), Path::new("m"))
+        let err = trained_weights(&ck, &ModelConfig::tiny_llama(), Path::new("m"))
             .unwrap_err()
             .to_string();
         assert!(
