@@ -792,6 +792,15 @@ mod tests {
         (token, server)
     }
 
+    /// A registry serving, with worker `name` registered.
+    async fn serving_with(name: &str) -> (Token, RegistryServer) {
+        let (token, server) = serving().await;
+        register(&server.address(), &token, None, &registration(name, VERSION))
+            .await
+            .unwrap();
+        (token, server)
+    }
+
     #[tokio::test]
     async fn a_worker_with_the_token_registers_and_is_waited_for() {
         let (token, server) = serving().await;
@@ -941,15 +950,7 @@ mod tests {
 
     #[tokio::test]
     async fn waiting_for_a_worker_that_never_comes_says_who_and_how_long() {
-        let (token, server) = serving().await;
-        register(
-            &server.address(),
-            &token,
-            None,
-            &registration("reward-0-a1", VERSION),
-        )
-        .await
-        .unwrap();
+        let (_token, server) = serving_with("reward-0-a1").await;
         let started = Instant::now();
         let message = server
             .wait_for("rollout-7-a3", Duration::from_millis(300))
@@ -969,11 +970,8 @@ mod tests {
 
     #[tokio::test]
     async fn the_heartbeat_gives_up_after_the_deadline_once_the_registry_is_gone() {
-        let (token, server) = serving().await;
+        let (token, server) = serving_with("rollout-0-a1").await;
         let address = server.address();
-        register(&address, &token, None, &registration("rollout-0-a1", VERSION))
-            .await
-            .unwrap();
         let deadline = Duration::from_millis(1500);
         // While the registry answers, the heartbeat keeps going (and keeps the worker fresh).
         let beating = tokio::time::timeout(
@@ -1027,11 +1025,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_retired_worker_is_dismissed_by_its_heartbeat() {
-        let (token, server) = serving().await;
+        let (token, server) = serving_with("reward-0-a1").await;
         let address = server.address();
-        register(&address, &token, None, &registration("reward-0-a1", VERSION))
-            .await
-            .unwrap();
         server.forget("reward-0-a1");
         let end = tokio::time::timeout(
             Duration::from_secs(5),
