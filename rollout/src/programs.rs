@@ -517,24 +517,10 @@ impl PrefillFanout {
         })
     }
 
-    /// Runs one prompt: `tokens` (1 to `len` ids; 0 ids writes an all-zero row) into
-    /// `slots` (1 to `width`; padded with the first slot, which rewrites it with the same
-    /// values).
-    pub fn run(
-        &self,
-        client: &Client,
-        device: usize,
-        weights: &[Buffer],
-        cache: &mut Vec<Buffer>,
-        tokens: &[u32],
-        slots: &[usize],
-    ) -> Result<()> {
-        self.run_batch(client, device, weights, cache, &[(tokens, slots)])
-    }
-
-    /// Runs 1 to `batch` prompts, each `(tokens, slots)` as in [`PrefillFanout::run`]; a
-    /// short batch is padded by repeating its first prompt (which rewrites its slots with
-    /// the same values).
+    /// Runs 1 to `batch` prompts, each `(tokens, slots)`: `tokens` 1 to `len` ids (0 ids
+    /// writes an all-zero row) into `slots` (1 to `width`; padded with the first slot, which
+    /// rewrites it with the same values). A short batch is padded by repeating its first
+    /// prompt (which rewrites its slots with the same values).
     pub fn run_batch(
         &self,
         client: &Client,
