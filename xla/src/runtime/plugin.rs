@@ -310,6 +310,59 @@ fn tpu_init_hint(message: &str) -> String {
     }
 }
 
+/// Whether this host has TPU device files: `/dev/accel*` (v4, v5e, v6e) or `/dev/vfio/`
+/// (v5p and later), which libtpu opens to find its chips.
+fn tpu_devices_present() -> bool {
+    let accel = std::fs::read_dir("/dev").is_ok_and(|entries| {
+        entries
+            .flatten()
+            .any(|e| e.file_name().to_string_lossy().starts_with("accel"))
+    });
+    accel || Path::new("/dev/vfio").exists()
+}
+
+/// Runs `f` with the process's standard error (file descriptor 2) sent to a temporary file,
+/// and returns what was written there, for libraries that print to it directly. Anything
+/// else the process writes to stderr meanwhile is captured too. Where the redirection cannot
+/// be set up, `f` runs with stderr as it is and nothing is captured.
+fn capturing_stderr<R>(f: impl FnOnce() -> R) -> (R, String) {
+    #[cfg(unix)]
+    {
+        use std::io::{Read, Seek, Write};
+        use std::os::fd::AsRawFd;
+        let Ok(mut file) = tempfile::tempfile() else {
+            return (f(), String::new());
+        };
+        let _ = std::io::stderr().flush();
+        // SAFETY: dup/dup2/close on descriptor 2 and on descriptors this function owns.
+        let saved = unsafe { libc::dup(2) };
+        if saved < 0 {
+            return (f(), String::new());
+        }
+        // SAFETY: as above.
+        if unsafe { libc::dup2(file.as_raw_fd(), 2) } < 0 {
+            unsafe { libc::close(saved) };
+            return (f(), String::new());
+        }
+        let result = f();
+        let _ = std::io::stderr().flush();
+        // SAFETY: as above; restores the original stderr.
+        unsafe {
+            libc::dup2(saved, 2);
+            libc::close(saved);
+        }
+        let mut bytes = Vec::new();
+        if file.rewind().is_ok() {
+            let _ = file.read_to_end(&mut bytes);
+        }
+        (result, String::from_utf8_lossy(&bytes).into_owned())
+    }
+    #[cfg(not(unix))]
+    {
+        (f(), String::new())
+    }
+}
+
 fn loaded_plugins() -> &'static Mutex<HashMap<PathBuf, Arc<Plugin>>> {
     static LOADED: OnceLock<Mutex<HashMap<PathBuf, Arc<Plugin>>>> = OnceLock::new();
     LOADED.get_or_init(|| Mutex::new(HashMap::new()))
@@ -352,6 +405,29 @@ impl Plugin {
             PluginKind::Cuda => super::cuda::preload_cuda_libraries(path),
             PluginKind::Cpu => {}
         }
+        // libtpu on a host without TPU devices (deviceless compilation) prints warnings about
+        // the missing accelerator straight to the process's stderr while it loads; they say
+        // nothing a user of deviceless compilation can act on, so they go to the log (`-v`).
+        // With LIBTPU_INIT_ARGS set nothing is hidden: an unknown flag there makes libtpu print
+        // why and exit the process.
+        let quiet = kind == PluginKind::Tpu
+            && !tpu_devices_present()
+            && std::env::var_os("LIBTPU_INIT_ARGS").is_none();
+        if !quiet {
+            return Plugin::open_library(kind, path);
+        }
+        let (plugin, printed) = capturing_stderr(|| Plugin::open_library(kind, path));
+        if !printed.trim().is_empty() {
+            tracing::info!(
+                "libtpu printed while loading on this host without TPU devices:\n{}",
+                printed.trim_end()
+            );
+        }
+        plugin
+    }
+
+    /// Loads the library, checks its API version and initializes it.
+    fn open_library(kind: PluginKind, path: &Path) -> Result<Plugin> {
         let load_err = |reason: String| Error::PluginLoad {
             path: path.to_path_buf(),
             reason,
@@ -742,6 +818,34 @@ impl<'a> NamedValues<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The file behind descriptor 2, as (device, inode).
+    #[cfg(unix)]
+    fn stderr_identity() -> (u64, u64) {
+        // SAFETY: fstat into a zeroed struct this function owns.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        assert_eq!(unsafe { libc::fstat(2, &mut st) }, 0);
+        (st.st_dev as u64, st.st_ino as u64)
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn what_a_library_prints_to_stderr_is_captured_and_stderr_is_restored() {
+        let before = stderr_identity();
+        let (value, printed) = capturing_stderr(|| {
+            let message = b"WARNING: could not determine TPU accelerator type\n";
+            // SAFETY: writing a byte slice this test owns to descriptor 2.
+            unsafe { libc::write(2, message.as_ptr().cast(), message.len()) };
+            7
+        });
+        assert_eq!(value, 7);
+        // Other tests' plugins may print to descriptor 2 meanwhile, so only look for ours.
+        assert!(
+            printed.contains("WARNING: could not determine TPU accelerator type\n"),
+            "{printed:?}"
+        );
+        assert_eq!(stderr_identity(), before, "stderr is not the original file again");
+    }
 
     #[test]
     fn tpu_init_hints_say_what_to_do() {
