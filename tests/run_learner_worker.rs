@@ -231,13 +231,7 @@ fn a_learner_worker_refuses_callers_without_the_runs_token() {
     let token = Token::generate();
     let token_file = dir.path().join("token");
     token.write(&token_file).unwrap();
-    let mut worker = WorkerProcess::start(
-        grpo()
-            .args(["worker", "--role", "learner", "--recipe"])
-            .arg(&recipe)
-            .arg("--token-file")
-            .arg(&token_file),
-    );
+    let mut worker = WorkerProcess::start(&mut common::worker("learner", &recipe, &token_file));
     let address = worker.loopback_address();
 
     let runtime = tokio::runtime::Runtime::new().unwrap();

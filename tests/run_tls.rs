@@ -96,13 +96,7 @@ fn a_run_over_tls_matches_the_plain_run_and_tls_workers_refuse_plain_text() {
     let token_file = dir.path().join("token");
     let token = Token::generate();
     token.write(&token_file).unwrap();
-    let mut worker = WorkerProcess::start(
-        grpo()
-            .args(["worker", "--role", "reward", "--recipe"])
-            .arg(&r_tls)
-            .arg("--token-file")
-            .arg(&token_file),
-    );
+    let mut worker = WorkerProcess::start(&mut common::worker("reward", &r_tls, &token_file));
     let line = worker.line();
     let address = line
         .strip_prefix("listening on ")

@@ -19,14 +19,9 @@ fn start_connected_worker(
     orchestrator: &str,
     worker_id: &str,
 ) -> WorkerProcess {
-    let mut command = common::grpo();
+    let mut command = common::worker("reward", "recipes/quickstart.yaml", token_file);
     command
         .args([
-            "worker",
-            "--role",
-            "reward",
-            "--recipe",
-            "recipes/quickstart.yaml",
             "--set",
             "cluster.worker_timeout_s=0.5",
             "--listen",
@@ -37,9 +32,7 @@ fn start_connected_worker(
             worker_id,
             "--pool",
             "cpu-reward",
-            "--token-file",
         ])
-        .arg(token_file)
         .stderr(Stdio::piped());
     WorkerProcess::start(&mut command)
 }
@@ -178,17 +171,10 @@ fn worker_id_and_pool_go_with_connect() {
     // A reward worker given `extra` on top of the common arguments: refused as a usage error
     // (exit 2) naming `wanted`.
     let refused_without = |extra: &[&str], wanted: &[&str]| {
-        let mut args = vec![
-            "worker",
-            "--role",
-            "reward",
-            "--recipe",
-            "recipes/quickstart.yaml",
-            "--token-file",
-            "token",
-        ];
-        args.extend_from_slice(extra);
-        let out = common::run_grpo(&args);
+        let out = common::worker("reward", "recipes/quickstart.yaml", "token")
+            .args(extra)
+            .output()
+            .expect("run grpo");
         assert_eq!(out.status.code(), Some(2), "{extra:?}");
         let stderr = String::from_utf8_lossy(&out.stderr);
         for w in wanted {

@@ -11,18 +11,11 @@ use reward::{RewardConfig, Sample};
 use std::sync::Arc;
 
 fn start_worker(token_file: &std::path::Path) -> (WorkerProcess, String) {
-    let mut worker = WorkerProcess::start(
-        common::grpo()
-            .args([
-                "worker",
-                "--role",
-                "reward",
-                "--recipe",
-                "recipes/quickstart.yaml",
-                "--token-file",
-            ])
-            .arg(token_file),
-    );
+    let mut worker = WorkerProcess::start(&mut common::worker(
+        "reward",
+        "recipes/quickstart.yaml",
+        token_file,
+    ));
     let address = worker.loopback_address();
     (worker, address)
 }

@@ -55,13 +55,7 @@ fn write_run(root: &Path) -> PathBuf {
 }
 
 fn start_worker(recipe: &Path, token_file: &Path) -> (WorkerProcess, String) {
-    let mut worker = WorkerProcess::start(
-        common::grpo()
-            .args(["worker", "--role", "rollout", "--recipe"])
-            .arg(recipe)
-            .arg("--token-file")
-            .arg(token_file),
-    );
+    let mut worker = WorkerProcess::start(&mut common::worker("rollout", recipe, token_file));
     let address = worker.loopback_address();
     (worker, address)
 }

@@ -16,6 +16,20 @@ pub fn grpo() -> Command {
     c
 }
 
+/// `grpo worker --role ROLE --recipe RECIPE --token-file TOKEN_FILE`, ready for more arguments.
+pub fn worker(
+    role: &str,
+    recipe: impl AsRef<std::ffi::OsStr>,
+    token_file: impl AsRef<std::ffi::OsStr>,
+) -> Command {
+    let mut c = grpo();
+    c.args(["worker", "--role", role, "--recipe"])
+        .arg(recipe)
+        .arg("--token-file")
+        .arg(token_file);
+    c
+}
+
 /// Runs `grpo args...` and returns its output.
 pub fn run_grpo(args: &[&str]) -> Output {
     grpo().args(args).output().expect("run grpo")
