@@ -140,29 +140,22 @@ fn main() {
             let mut acc: Option<Tensor> = None;
             for layer in 0..config.num_hidden_layers {
                 let (k, v) = (&kv[2 * layer], &kv[2 * layer + 1]);
-                let scores = if name == "attn-nt" {
-                    q.dot_general(
-                        k,
-                        DotDims {
-                            lhs_batch: vec![0, 1],
-                            rhs_batch: vec![0, 1],
-                            lhs_contract: vec![3],
-                            rhs_contract: vec![3],
-                        },
-                        Some(DType::F32),
-                    )
+                // Keys [S, kvh, L, hd] contracted on hd (axis 3), or read as [S, kvh, hd, L] (axis 2).
+                let (keys, key_axis) = if name == "attn-nt" {
+                    (k.clone(), 3)
                 } else {
-                    q.dot_general(
-                        &k.reshape(&[s, kvh, hd, l]),
-                        DotDims {
-                            lhs_batch: vec![0, 1],
-                            rhs_batch: vec![0, 1],
-                            lhs_contract: vec![3],
-                            rhs_contract: vec![2],
-                        },
-                        Some(DType::F32),
-                    )
+                    (k.reshape(&[s, kvh, hd, l]), 2)
                 };
+                let scores = q.dot_general(
+                    &keys,
+                    DotDims {
+                        lhs_batch: vec![0, 1],
+                        rhs_batch: vec![0, 1],
+                        lhs_contract: vec![3],
+                        rhs_contract: vec![key_axis],
+                    },
+                    Some(DType::F32),
+                );
                 let probs = scores.softmax(-1).convert_if_needed(operand);
                 let out = probs.dot_general(
                     v,
