@@ -25,22 +25,25 @@ fn client() -> &'static Client {
     CLIENT.get_or_init(|| Client::cpu(1).expect("the CPU PJRT plugin loads"))
 }
 
+/// An engine on device 0 with `weights` uploaded in `dtype`, weight version 1.
+fn engine_of(
+    weights: &ModelWeights,
+    dtype: DType,
+    settings: EngineConfig,
+    tokenizer: Option<ModelTokenizer>,
+) -> Engine {
+    let buffers = upload_weights(client(), weights, dtype, 0).unwrap();
+    Engine::new(client(), &weights.config, buffers, 1, settings, tokenizer).unwrap()
+}
+
+/// An f32 engine of `slots` slots of `max_len` positions.
 fn engine_with(
     weights: &ModelWeights,
     slots: usize,
     max_len: usize,
     tokenizer: Option<ModelTokenizer>,
 ) -> Engine {
-    let buffers = upload_weights(client(), weights, DType::F32, 0).unwrap();
-    Engine::new(
-        client(),
-        &weights.config,
-        buffers,
-        1,
-        EngineConfig::new(slots, max_len),
-        tokenizer,
-    )
-    .unwrap()
+    engine_of(weights, DType::F32, EngineConfig::new(slots, max_len), tokenizer)
 }
 
 fn greedy_reference(weights: &ModelWeights, prompt: &[u32], max_new_tokens: usize) -> Vec<u32> {
@@ -166,16 +169,7 @@ fn bf16_weights_keep_a_bf16_cache_and_track_the_bf16_logprobs_program() {
         request(1, &[4, 8, 15, 16, 23, 4], 2, 21, sampled(1.0, 0, 1.0, 12)),
         request(2, &[9, 3], 2, 22, sampled(0.7, 0, 1.0, 12)),
     ];
-    let buffers = upload_weights(client(), &weights, DType::BF16, 0).unwrap();
-    let mut engine = Engine::new(
-        client(),
-        &weights.config,
-        buffers,
-        1,
-        EngineConfig::new(4, 32),
-        None,
-    )
-    .unwrap();
+    let mut engine = engine_of(&weights, DType::BF16, EngineConfig::new(4, 32), None);
     // Keys and values in bf16: half the bytes of an f32 cache.
     let c = &weights.config;
     let f32_bytes = 2 * c.num_hidden_layers * 4 * c.num_key_value_heads * 32 * c.head_dim * 4;
@@ -225,11 +219,10 @@ fn a_group_is_prefilled_once_and_copied_into_its_slots() {
 fn a_chunked_cache_and_batched_prefill_give_the_tokens_of_the_whole_cache() {
     let weights = random_init(&ModelConfig::tiny_llama(), 6);
     let make = |kv_chunk: usize, prefill_batch: usize| {
-        let buffers = upload_weights(client(), &weights, DType::F32, 0).unwrap();
         let mut settings = EngineConfig::new(6, 32);
         settings.kv_chunk = kv_chunk;
         settings.prefill_batch = prefill_batch;
-        Engine::new(client(), &weights.config, buffers, 1, settings, None).unwrap()
+        engine_of(&weights, DType::F32, settings, None)
     };
     // Prompts of 3 to 12 tokens, up to 31 positions: decode steps read 1, 2 and 4 chunks of 8.
     let requests = [
@@ -565,18 +558,9 @@ fn smollm2_greedy_matches_step_by_step_generation() {
     let host = model::programs::HostModel::load(&path).unwrap();
     let prompt = host.tokenizer.encode("The capital of France is", false).unwrap();
     let expected = greedy_reference(&host.weights, &prompt, 8);
-    let buffers = upload_weights(client(), &host.weights, DType::F32, 0).unwrap();
     let mut settings = EngineConfig::new(2, 32);
     settings.eos_token_ids = host.stop_tokens();
-    let mut engine = Engine::new(
-        client(),
-        &host.weights.config,
-        buffers,
-        1,
-        settings,
-        Some(host.tokenizer.clone()),
-    )
-    .unwrap();
+    let mut engine = engine_of(&host.weights, DType::F32, settings, Some(host.tokenizer.clone()));
     engine
         .submit(request(1, &[1, 2, 3, 4], 1, 3, sampled(1.0, 0, 1.0, 8)))
         .unwrap();
