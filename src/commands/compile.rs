@@ -1478,6 +1478,15 @@ mod tests {
         Plan::for_recipe(r, &tiny()).unwrap()
     }
 
+    /// The labels of `plan`'s rows that start with `prefix`, in plan order.
+    fn labels<'a>(plan: &'a Plan, prefix: &str) -> Vec<&'a str> {
+        plan.rows
+            .iter()
+            .filter(|x| x.label.starts_with(prefix))
+            .map(|x| x.label.as_str())
+            .collect()
+    }
+
     #[test]
     fn plans_the_programs_a_run_compiles_with_their_runs_per_step() {
         // 4 prompts x n=4 = 16 rows; mini-batch 2 prompts = 8 rows; micro-batch 4 rows.
@@ -1499,12 +1508,7 @@ mod tests {
         };
         // Buckets 16, 32, 64 (max_model_len 64); a prompt of 40 tokens prefills 39 in bucket 64;
         // width 4, each group prefilled alone (the engine's default `prefill_batch` of 1).
-        let prefill: Vec<&str> = plan
-            .rows
-            .iter()
-            .filter(|x| x.label.starts_with("rollout_prefill"))
-            .map(|x| x.label.as_str())
-            .collect();
+        let prefill = labels(&plan, "rollout_prefill");
         assert_eq!(
             prefill,
             [
@@ -1573,22 +1577,13 @@ mod tests {
         let plan = plan_for(&recipe(&sections));
         assert_eq!((plan.cache.devices, plan.cache.local_slots()), (4, 4));
         assert_eq!(plan.cache.bytes_per_device() * 4, plan.cache.bytes());
-        let rollout: Vec<&str> = plan
-            .rows
-            .iter()
-            .filter(|x| x.label.starts_with("rollout_"))
-            .map(|x| x.label.as_str())
-            .collect();
+        let rollout = labels(&plan, "rollout_");
         assert!(!rollout.is_empty());
         assert!(rollout.iter().all(|l| l.ends_with("_spmd4")), "{rollout:?}");
         // With rollout workers the rollout runs elsewhere, on one device each.
         let apart = plan_for(&recipe(&format!("{sections}cluster:\n  rollout_workers: 1\n")));
         assert_eq!(apart.cache.devices, 1);
-        assert!(apart
-            .rows
-            .iter()
-            .filter(|x| x.label.starts_with("rollout_"))
-            .all(|x| !x.label.contains("spmd")));
+        assert!(labels(&apart, "rollout_").iter().all(|l| !l.contains("spmd")));
     }
 
     #[test]
