@@ -233,11 +233,8 @@ impl CacheShape {
     /// holds its block of slots.
     pub fn allocate_on(&self, client: &Client, devices: &[usize]) -> Result<Vec<Vec<Buffer>>> {
         let local = self.local_slots();
-        let len = local * self.kv_heads * self.chunk * self.head_dim;
-        let (zeros_f32, zeros_bf16) = match self.dtype {
-            DType::BF16 => (Vec::new(), vec![half::bf16::ZERO; len]),
-            _ => (vec![0f32; len], Vec::new()),
-        };
+        // All-zero bytes are 0.0 in f32 and in bf16 alike.
+        let zeros = vec![0u8; local * self.kv_heads * self.chunk * self.head_dim * self.dtype.size_bytes()];
         let mut dims = self.dims();
         dims[0] = local as i64;
         devices
@@ -245,13 +242,14 @@ impl CacheShape {
             .map(|&device| {
                 (0..2 * self.layers * self.chunks())
                     .map(|_| {
-                        match self.dtype {
-                            DType::BF16 => client.buffer_from_host(&zeros_bf16, &dims, device),
-                            _ => client.buffer_from_host(&zeros_f32, &dims, device),
-                        }
-                        .map_err(|e| {
-                            RolloutError::runtime(format!("allocating the KV cache on device {device}"), e)
-                        })
+                        client
+                            .buffer_from_bytes(&zeros, self.dtype, &dims, device)
+                            .map_err(|e| {
+                                RolloutError::runtime(
+                                    format!("allocating the KV cache on device {device}"),
+                                    e,
+                                )
+                            })
                     })
                     .collect()
             })
