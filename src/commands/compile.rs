@@ -216,7 +216,7 @@ impl Plan {
             )
             .for_weights(dtype(recipe.rollout.dtype))
             .on_devices(recipe.rollout_devices()),
-            master_bytes_per_device: 4 * config.num_parameters() as u64,
+            master_bytes_per_device: master_bytes_per_device(recipe, config)?,
         };
         plan_rollout(&mut plan, recipe, config)?;
         plan_learner(&mut plan, recipe, config)?;
@@ -385,24 +385,6 @@ fn plan_learner(plan: &mut Plan, recipe: &Recipe, config: &ModelConfig) -> Resul
     let total_steps = recipe.trainer.total_training_steps.unwrap_or(1).max(1) as u64;
     let cfg = step_config(recipe, total_steps * minis * a.ppo_epochs.max(1) as u64);
     let specs = policy.param_specs();
-    let mesh = trainer::sharding::LearnerMesh::new(&cfg.parallel, cfg.micro_batch_size).map_err(|e| {
-        CompileError::Build {
-            role: "learner",
-            message: e.to_string(),
-        }
-    })?;
-    plan.master_bytes_per_device = specs
-        .iter()
-        .map(|spec| {
-            let elements: i64 = spec.dims.iter().product();
-            let shards = if mesh.param_sharding(&spec.dims).is_some() {
-                mesh.devices()
-            } else {
-                1
-            };
-            4 * elements as u64 / shards as u64
-        })
-        .sum();
     let p = policy.clone();
     let programs = build_train_programs(&cfg, &specs, &policy.input_specs(), move |params, batch| {
         p.log_probs(params, batch)
@@ -468,6 +450,30 @@ fn plan_learner(plan: &mut Plan, recipe: &Recipe, config: &ModelConfig) -> Resul
         );
     }
     Ok(())
+}
+
+/// Bytes of f32 master weights one learner device holds: each parameter whole, or its share
+/// where the learner's mesh splits it (`fsdp`).
+fn master_bytes_per_device(recipe: &Recipe, config: &ModelConfig) -> Result<u64, CompileError> {
+    let a = &recipe.actor;
+    let mesh =
+        trainer::sharding::LearnerMesh::new(&a.parallelism(&recipe.cluster), a.ppo_micro_batch_size as i64)
+            .map_err(|e| CompileError::Build {
+            role: "learner",
+            message: e.to_string(),
+        })?;
+    Ok(model::param_table(config)
+        .iter()
+        .map(|spec| {
+            let dims: Vec<i64> = spec.shape.iter().map(|&d| d as i64).collect();
+            let shards = if mesh.param_sharding(&dims).is_some() {
+                mesh.devices()
+            } else {
+                1
+            };
+            4 * spec.numel() as u64 / shards as u64
+        })
+        .sum())
 }
 
 /// The model's architecture, from `--model-config`, `model.path`, or the configs folder beside
