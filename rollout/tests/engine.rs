@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{of_request, request, sampled};
+use common::{generate, of_request, request, sampled};
 
 use std::sync::OnceLock;
 
@@ -140,11 +140,7 @@ fn logprobs_equal_the_logprobs_program_and_samples_are_batch_invariant() {
         request(2, &[9], 2, 12, sampled(1.3, 5, 0.9, 10)),
         request(3, &[1, 2], 1, 0, SamplingParams::greedy(10)),
     ];
-    let mut engine = engine_with(&weights, 8, 32, None);
-    for r in &requests {
-        engine.submit(r.clone()).unwrap();
-    }
-    let samples = engine.run_to_completion().unwrap();
+    let samples = generate(&mut engine_with(&weights, 8, 32, None), &requests);
     assert_eq!(samples.len(), 6);
 
     let worst = largest_logprob_gap(&weights, DType::F32, &requests, &samples);
@@ -174,10 +170,7 @@ fn bf16_weights_keep_a_bf16_cache_and_track_the_bf16_logprobs_program() {
     let c = &weights.config;
     let f32_bytes = 2 * c.num_hidden_layers * 4 * c.num_key_value_heads * 32 * c.head_dim * 4;
     assert_eq!(engine.kv_cache_bytes() * 2, f32_bytes);
-    for r in &requests {
-        engine.submit(r.clone()).unwrap();
-    }
-    let samples = engine.run_to_completion().unwrap();
+    let samples = generate(&mut engine, &requests);
     assert_eq!(samples.len(), 4);
 
     // The trainer's bf16 program rounds keys and values to bf16 before its attention products,

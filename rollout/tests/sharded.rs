@@ -12,7 +12,7 @@
 
 mod common;
 
-use common::{request, sampled};
+use common::{generate, request, sampled};
 
 use std::sync::{Arc, OnceLock};
 
@@ -60,16 +60,6 @@ fn requests() -> Vec<GenerationRequest> {
         request(5, &[1, 2, 3, 4, 5, 6, 7], 4, 15, sampled(1.0, 0, 1.0, 12)),
         request(6, &[9, 8, 7, 6], 2, 16, SamplingParams::greedy(10)),
     ]
-}
-
-/// Every sample, sorted by (request, sample index).
-fn generate(engine: &mut Engine, requests: &[GenerationRequest]) -> Vec<Sample> {
-    for r in requests {
-        engine.submit(r.clone()).unwrap();
-    }
-    let mut all = engine.run_to_completion().unwrap();
-    all.sort_by_key(|s| (s.request_id, s.sample_index));
-    all
 }
 
 fn assert_same_samples(got: &[Sample], expected: &[Sample], what: &str) {

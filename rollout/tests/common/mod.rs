@@ -1,7 +1,7 @@
 //! Request builders shared by the engine tests.
 #![allow(dead_code)]
 
-use rollout::{GenerationRequest, Sample, SamplingParams};
+use rollout::{Engine, GenerationRequest, Sample, SamplingParams};
 
 /// A request for `n` samples of `prompt` with its own `seed`.
 pub fn request(id: u64, prompt: &[u32], n: usize, seed: u64, params: SamplingParams) -> GenerationRequest {
@@ -30,4 +30,15 @@ pub fn of_request(samples: &[Sample], id: u64) -> Vec<&Sample> {
     let mut v: Vec<&Sample> = samples.iter().filter(|s| s.request_id == id).collect();
     v.sort_by_key(|s| s.sample_index);
     v
+}
+
+/// Submits every request, runs the engine until all are done and returns every sample,
+/// sorted by (request, sample index).
+pub fn generate(engine: &mut Engine, requests: &[GenerationRequest]) -> Vec<Sample> {
+    for r in requests {
+        engine.submit(r.clone()).unwrap();
+    }
+    let mut all = engine.run_to_completion().unwrap();
+    all.sort_by_key(|s| (s.request_id, s.sample_index));
+    all
 }
