@@ -7,6 +7,8 @@ variable ROLLOUT_PEER_DTYPE (so that `rollout_bench`, which passes three argumen
 peer in bf16: `ROLLOUT_PEER_DTYPE=bf16 cargo run ... --example rollout_bench -- --dtype bf16`),
 else f32. bf16 loads the model with `dtype=torch.bfloat16` (weights, activations and KV cache in
 bf16, as a transformers user asking for bf16 gets).
+ROLLOUT_PEER_GROUP=N (default 1) asks `generate` for N samples of each prompt
+(`num_return_sequences=N`), as `rollout_bench --group N` does of the engine.
 prints `peer_tokens_per_s X` and details."""
 import json
 import os
@@ -22,6 +24,7 @@ dtypes = {"f32": torch.float32, "bf16": torch.bfloat16}
 if dtype_name not in dtypes:
     sys.exit(f"hf_generate_peer.py: unknown dtype {dtype_name!r} (4th argument or "
              f"ROLLOUT_PEER_DTYPE); use f32 or bf16")
+group = int(os.environ.get("ROLLOUT_PEER_GROUP", "1"))
 prompts = json.load(open(prompts_file))
 torch.manual_seed(0)
 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtypes[dtype_name])
@@ -31,7 +34,8 @@ mask = torch.ones_like(ids)
 with torch.inference_mode():
     # Warm-up (first-call initialisation), not timed.
     model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
-                   top_p=1.0, max_new_tokens=2, min_new_tokens=2, pad_token_id=0)
+                   top_p=1.0, max_new_tokens=2, min_new_tokens=2, pad_token_id=0,
+                   num_return_sequences=group)
     start = time.time()
     cpu_start = time.process_time()
     out = model.generate(
@@ -44,13 +48,14 @@ with torch.inference_mode():
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
         pad_token_id=0,
+        num_return_sequences=group,
     )
     elapsed = time.time() - start
     cpu = time.process_time() - cpu_start
-generated = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+generated = (out.shape[1] - ids.shape[1]) * out.shape[0]
 print(f"peer: transformers {__import__('transformers').__version__}, torch {torch.__version__}, "
       f"{torch.get_num_threads()} threads, {dtype_name} (model dtype {model.dtype}), "
-      f"batch {ids.shape[0]}")
+      f"batch {out.shape[0]} ({ids.shape[0]} prompts x {group} samples)")
 print(f"peer: {generated} tokens in {elapsed:.1f} s; CPU time of generate {cpu:.1f} s = "
       f"{generated / cpu:.1f} tokens per CPU-second (OpenMP threads that spin while waiting "
       f"count as busy)")

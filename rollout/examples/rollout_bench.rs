@@ -3,7 +3,12 @@
 //!
 //!     cargo run --release -p rollout --example rollout_bench -- \
 //!         [--model models/SmolLM2-135M-Instruct.Q4_1.gguf] [--seqs 64] [--prompt-len 128] \
-//!         [--new-tokens 256] [--dtype f32|bf16] [--no-peer] [--baseline] [--kv-chunk N]
+//!         [--new-tokens 256] [--dtype f32|bf16] [--group N] [--no-peer] [--baseline] [--kv-chunk N]
+//!
+//! `--group N` (default 1) shapes the work as GRPO does: `seqs / N` distinct prompts with N
+//! samples each. The engine prefills each prompt once and copies its KV entries into the N slots
+//! (group prefix sharing); the peer passes `num_return_sequences=N` to `generate`, which is how a
+//! transformers user (and TRL's `GRPOTrainer` without vLLM) asks for N samples of a prompt.
 //!
 //! `--baseline` also runs the engine configured as before the speed work (whole cache read
 //! every step, one prefill per prompt, Gumbel-max sampler) in the same run; `--kv-chunk`
@@ -128,6 +133,11 @@ fn main() {
         _ => DType::F32,
     };
     let run_peer = !args.iter().any(|a| a == "--no-peer");
+    let group: usize = arg(&args, "--group", "1").parse().unwrap();
+    assert!(
+        group >= 1 && seqs % group == 0,
+        "--group must divide --seqs ({seqs})"
+    );
 
     let host = HostModel::load(&model_path).expect("loading the model");
     let config = host.weights.config.clone();
@@ -137,7 +147,7 @@ fn main() {
                 India, China and the Islamic world each added methods for solving equations, \
                 measuring land, predicting the motion of the stars and keeping accounts. ";
     let ids = host.tokenizer.encode(&text.repeat(8), false).unwrap();
-    let prompts: Vec<Vec<u32>> = (0..seqs)
+    let prompts: Vec<Vec<u32>> = (0..seqs / group)
         .map(|i| ids[i % 17..i % 17 + prompt_len].to_vec())
         .collect();
 
@@ -175,14 +185,14 @@ fn main() {
         let mut engine = Engine::new(&client, &config, weights.clone(), 0, settings, None).unwrap();
         let compile_decode = t.elapsed().as_secs_f64();
         let t = Instant::now();
-        engine.precompile(prompt_len, 1, false).unwrap();
+        engine.precompile(prompt_len, group, false).unwrap();
         let compile_prefill = t.elapsed().as_secs_f64();
         for (i, p) in prompts.iter().enumerate() {
             engine
                 .submit(GenerationRequest {
                     id: i as u64,
                     prompt: p.clone(),
-                    n: 1,
+                    n: group,
                     seed: i as u64,
                     params: params.clone(),
                 })
@@ -210,8 +220,9 @@ fn main() {
         let cache_bytes = engine.kv_cache_bytes();
         let bound = (weight_bytes + cache_bytes) as f64 / bandwidth;
         let stats = engine.stats().clone();
-        println!("{label}: {seqs} sequences x {prompt_len} prompt tokens, {new_tokens} new tokens, temperature 1, {dtype:?} weights");
-        println!("{label}: compile decode {compile_decode:.1} s, prefill + other decode steps {compile_prefill:.1} s (not timed); first step ({seqs} prefills + 1 decode) {first_step:.1} s");
+        let n_prompts = prompts.len();
+        println!("{label}: {seqs} sequences ({n_prompts} prompts x {group} samples) x {prompt_len} prompt tokens, {new_tokens} new tokens, temperature 1, {dtype:?} weights");
+        println!("{label}: compile decode {compile_decode:.1} s, prefill + other decode steps {compile_prefill:.1} s (not timed); first step ({n_prompts} prefills + 1 decode) {first_step:.1} s");
         println!("{label}: {generated} tokens in {total:.1} s wall (prefill + decode) = {:.1} tok/s; decode-only {:.1} tok/s; CPU time {cpu:.1} s = {:.1} tokens per CPU-second", generated as f64 / total, (generated - seqs) as f64 / decode_total, generated as f64 / cpu);
         println!(
             "{label}: decode step median {:.1} ms over {} steps",
@@ -270,6 +281,7 @@ fn main() {
             .arg(dir.join("model"))
             .arg(&prompts_file)
             .arg(new_tokens.to_string())
+            .env("ROLLOUT_PEER_GROUP", group.to_string())
             .output()
             .expect("running python3");
         let children_cpu = children_cpu_seconds();
