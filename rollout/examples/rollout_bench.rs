@@ -135,7 +135,7 @@ fn main() {
     let run_peer = !args.iter().any(|a| a == "--no-peer");
     let group: usize = arg(&args, "--group", "1").parse().unwrap();
     assert!(
-        group >= 1 && seqs % group == 0,
+        group >= 1 && seqs.is_multiple_of(group),
         "--group must divide --seqs ({seqs})"
     );
 
