@@ -1152,10 +1152,10 @@ impl Learner {
     /// (`rollout::handoff`) and never asks, so its steps gather nothing.
     pub fn shared_params(&mut self) -> Result<Arc<[Buffer]>> {
         if !self.programs.gather_params.is_empty() {
-            if self.gathered.is_none() {
-                self.gather_shared()?;
-            }
-            return Ok(self.gathered.clone().expect("gathered above"));
+            return match &self.gathered {
+                Some(whole) => Ok(whole.clone()),
+                None => self.gather_shared(),
+            };
         }
         Ok(match &self.compute_params {
             Some(p) => p[0].clone(),
@@ -1164,8 +1164,8 @@ impl Learner {
     }
 
     /// Under `fsdp` over several devices, all-gathers the parameters `shared_params` hands out
-    /// into whole buffers on device 0.
-    fn gather_shared(&mut self) -> Result<()> {
+    /// into whole buffers on device 0, keeps them until the next update and returns them.
+    fn gather_shared(&mut self) -> Result<Arc<[Buffer]>> {
         let (source, dtype) = match &self.compute_params {
             Some(p) => (p, self.programs.layout.bf16_outputs),
             None => (&self.params, false),
@@ -1186,8 +1186,9 @@ impl Learner {
             &args,
             "gather_params",
         )?;
-        self.gathered = Some(out.swap_remove(0).into());
-        Ok(())
+        let whole: Arc<[Buffer]> = out.swap_remove(0).into();
+        self.gathered = Some(whole.clone());
+        Ok(whole)
     }
 
     /// Attempted optimizer steps so far.
