@@ -271,6 +271,9 @@ fn cpu_device_compiles_the_quickstart_optimizer_step_with_memory_stats() {
         "--only",
         "apply",
         "--json",
+        // Two micro-batches per mini-batch, so the step accumulates and then applies.
+        "--set",
+        "actor.ppo_micro_batch_size=16",
     ]);
     let (stdout, stderr) = (text(&o.stdout), text(&o.stderr));
     assert_eq!(o.status.code(), Some(0), "{stdout}\n{stderr}");

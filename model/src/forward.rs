@@ -318,9 +318,8 @@ fn finish_layer(config: &ModelConfig, layer: &LayerParams, h: &Tensor, attn: &Te
 /// projection, which [`finish_layer`] applies) and the keys and values `[B, kv_heads, T,
 /// head_dim]` (the cache layout).
 ///
-/// With narrow (bf16/f16) projection weights the score and value products take operands of
-/// that type with f32 results (scores and softmax stay f32). (Queries in causal blocks over the
-/// key prefix were measured on the CPU plugin at T = 512 and gave no gain: BENCHMARKS.md.)
+/// (Queries in causal blocks over the key prefix were measured on the CPU plugin at T = 512
+/// and gave no gain: BENCHMARKS.md.)
 fn self_attention(
     config: &ModelConfig,
     layer: &LayerParams,
@@ -329,25 +328,42 @@ fn self_attention(
     sin: &Tensor,
     allowed: &Tensor,
 ) -> (Tensor, Tensor, Tensor) {
-    let (b, t) = (x.dims()[0], x.dims()[1]);
+    let (q, k, v) = qkv(config, layer, x, cos, sin);
+    let k = k.transpose(&[0, 2, 1, 3]);
+    let v = v.transpose(&[0, 2, 1, 3]);
+    let out = attend(config, layer, &q, &k, &v, allowed);
+    (out, k, v)
+}
+
+/// Grouped-query attention of queries `q [B, T, heads, head_dim]` over keys and values
+/// `[B, kv_heads, S, head_dim]` where `allowed [B, 1, 1, T, S]` (bool) says so. Returns the
+/// heads' outputs `[B, T, heads * head_dim]`.
+///
+/// With narrow (bf16/f16) projection weights the score and value products take operands of
+/// that type with f32 results (scores and softmax stay f32).
+fn attend(
+    config: &ModelConfig,
+    layer: &LayerParams,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    allowed: &Tensor,
+) -> Tensor {
+    let (b, t) = (q.dims()[0], q.dims()[1]);
     let hd = config.head_dim as i64;
     let kvh = config.num_key_value_heads as i64;
     let groups = (config.num_attention_heads / config.num_key_value_heads) as i64;
-    let (q, k, v) = qkv(config, layer, x, cos, sin);
     // q [B, T, H, hd] -> [B, H, T, hd] -> [B, kvh, G, T, hd] (query head h uses kv head h / G).
     let q = q.transpose(&[0, 2, 1, 3]).reshape(&[b, kvh, groups, t, hd]);
-    let k = k.transpose(&[0, 2, 1, 3]);
-    let v = v.transpose(&[0, 2, 1, 3]);
     let operand = layer.q_proj.dtype();
     let scores = grouped_scores(&q.convert_if_needed(operand), &k.convert_if_needed(operand))
         * (1.0 / (hd as f64).sqrt());
     let masked = allowed.select(&scores, &scores.scalar_like(MASKED_SCORE));
     let probs = masked.softmax(-1).convert_if_needed(operand);
     // [B, kvh, G, T, S] x [B, kvh, S, hd] -> [B, kvh, G, T, hd]
-    let out = grouped_values(&probs, &v.convert_if_needed(operand))
+    grouped_values(&probs, &v.convert_if_needed(operand))
         .transpose(&[0, 3, 1, 2, 4])
-        .reshape(&[b, t, kvh * groups * hd]);
-    (out, k, v)
+        .reshape(&[b, t, kvh * groups * hd])
 }
 
 /// Positions from a `[B, T]` 0/1 mask: the number of real tokens before each one
@@ -529,6 +545,160 @@ pub fn logprobs_graph_span(
     let m = mask.convert_if_needed(DType::F32);
     let valid = &m.slice_axis(1, from, t) * &m.slice_axis(1, from - 1, t - 1);
     debug_assert_eq!(lp.dims(), &[b, span]);
+    (&lp * &valid, &ent * &valid)
+}
+
+/// Prompts shared by groups of rows, for [`logprobs_graph_shared_prompts`].
+///
+/// `prompts [U, P]` and `prompt_mask [U, P]`: `U` prompts, left-padded (each has at least one
+/// real token, so column `P - 1` is its last token). `responses [B, L]` and `response_mask
+/// [B, L]`: `B` responses, right-padded. `prompt_index [B]` (i32): the prompt each response
+/// follows. Rows and prompts are cut into `blocks` equal blocks, and a response may only
+/// follow a prompt of its own block: `prompt_index` counts from the start of the block (in
+/// `0..U / blocks`). With the blocks split over devices every product stays on its device.
+pub struct SharedPrompts<'a> {
+    pub prompts: &'a Tensor,
+    pub prompt_mask: &'a Tensor,
+    pub responses: &'a Tensor,
+    pub response_mask: &'a Tensor,
+    pub prompt_index: &'a Tensor,
+    pub blocks: i64,
+}
+
+/// The per-token log-probabilities and entropies of `B` responses, `[B, L]` each, where groups
+/// of responses follow the same prompt (GRPO's `n` samples per prompt): each prompt runs
+/// through the decoder once and its responses attend to its keys and values, instead of every
+/// row carrying its own copy of the prompt. Entry `[b, j]` equals column `P + j` of
+/// [`logprobs_graph_span`] over the row `prompt ++ response` (same positions, same masking):
+/// the response's position `j` is the prompt's real length plus `j`, and response column 0 is
+/// predicted from the prompt's last position. The gradient of a shared prompt is the sum over
+/// its responses (the rows are picked by a one-hot product, whose transpose adds them up).
+///
+/// `temperature` is an f32 scalar (logits are divided by it). Entries past a response's end
+/// are 0.
+pub fn logprobs_graph_shared_prompts(
+    g: &Graph,
+    p: &DecoderParams,
+    batch: &SharedPrompts,
+    temperature: &Tensor,
+) -> (Tensor, Tensor) {
+    let config = &p.config;
+    let eps = config.rms_norm_eps;
+    let (u, pl) = (batch.prompts.dims()[0], batch.prompts.dims()[1]);
+    let (b, l) = (batch.responses.dims()[0], batch.responses.dims()[1]);
+    let blocks = batch.blocks;
+    assert!(
+        blocks >= 1 && u % blocks == 0 && b % blocks == 0,
+        "{u} prompts and {b} rows must split into {blocks} blocks"
+    );
+    assert!(
+        pl >= 1 && l >= 1,
+        "prompts and responses need at least one column"
+    );
+    let (slots, rows) = (u / blocks, b / blocks);
+    // one_hot[s, r, i] = 1 when row r of block s follows prompt i of that block.
+    let index = batch
+        .prompt_index
+        .convert_if_needed(DType::I32)
+        .reshape(&[blocks, rows, 1])
+        .broadcast_to(&[blocks, rows, slots]);
+    let one_hot = index
+        .eq(&g.iota(DType::I32, &[blocks, rows, slots], 2))
+        .select(&g.scalar(1.0, DType::F32), &g.scalar(0.0, DType::F32));
+    // x [U, ...] -> [B, ...]: each row's prompt's entry (exact: a product with 0s and one 1).
+    let per_row = |x: &Tensor| -> Tensor {
+        let rest = x.dims()[1..].to_vec();
+        let flat: i64 = rest.iter().product();
+        let dims = DotDims {
+            lhs_batch: vec![0],
+            rhs_batch: vec![0],
+            lhs_contract: vec![2],
+            rhs_contract: vec![1],
+        };
+        let picked = one_hot.dot_general(
+            &x.convert_if_needed(DType::F32).reshape(&[blocks, slots, flat]),
+            dims,
+            None,
+        );
+        let mut out = vec![b];
+        out.extend(rest);
+        picked.reshape(&out).convert_if_needed(x.dtype())
+    };
+
+    // Prompts: causal self-attention over their real tokens, positions 0, 1, ...
+    let prompt_mask = batch.prompt_mask.convert_if_needed(DType::I32);
+    let (p_cos, p_sin) = rope_tables(config, &positions_from_mask(&prompt_mask));
+    let p_allowed = causal_padding_mask(&prompt_mask);
+    // Responses: position = the prompt's real length + column; keys are the prompt's real
+    // tokens, then the response's own real tokens up to the query (causal).
+    let prompt_real = prompt_mask.ne(&prompt_mask.zeros_like());
+    let real_f = prompt_real.select(&g.scalar(1.0, DType::F32), &g.scalar(0.0, DType::F32));
+    let prompt_len = per_row(&real_f.reduce_sum(&[1])).convert(DType::I32);
+    let r_pos = &prompt_len.reshape(&[b, 1]).broadcast_to(&[b, l]) + &g.iota(DType::I32, &[b, l], 1);
+    let (r_cos, r_sin) = rope_tables(config, &r_pos);
+    let response_mask = batch.response_mask.convert_if_needed(DType::I32);
+    let prompt_keys = per_row(&real_f)
+        .ne(&g.zeros(DType::F32, &[b, pl]))
+        .reshape(&[b, 1, pl])
+        .broadcast_to(&[b, l, pl]);
+    let own_keys = causal_padding_mask(&response_mask).reshape(&[b, l, l]);
+    let r_allowed = Tensor::concat(&[&prompt_keys, &own_keys], 2).reshape(&[b, 1, 1, l, pl + l]);
+
+    // Prompt and response positions go through the projections and the MLP as one list of
+    // `U * P + B * L` positions (larger matrix products); only attention sees them apart.
+    let (np, nr) = (u * pl, b * l);
+    let hd = config.head_dim as i64;
+    let flat = |x: &Tensor, n: i64| {
+        let mut d = vec![n];
+        d.extend_from_slice(&x.dims()[2..]);
+        x.reshape(&d)
+    };
+    let both =
+        |prompt: &Tensor, response: &Tensor| Tensor::concat(&[&flat(prompt, np), &flat(response, nr)], 0);
+    let cos = both(&p_cos, &r_cos);
+    let sin = both(&p_sin, &r_sin);
+    let mut h = both(&embed(p, batch.prompts), &embed(p, batch.responses));
+    // `[N, heads, hd]` -> the prompts' `[U, P, heads, hd]` or the responses' `[B, L, heads, hd]`.
+    let prompts_of = |x: &Tensor| x.slice_axis(0, 0, np).reshape(&[u, pl, x.dims()[1], hd]);
+    let responses_of = |x: &Tensor| x.slice_axis(0, np, np + nr).reshape(&[b, l, x.dims()[1], hd]);
+    for layer in &p.layers {
+        let normed = rms_norm(&h, &layer.input_norm, eps);
+        let (q, k, v) = qkv(config, layer, &normed, &cos, &sin);
+        // Prompts over themselves; responses over their prompt's keys, then their own.
+        let k_p = prompts_of(&k).transpose(&[0, 2, 1, 3]);
+        let v_p = prompts_of(&v).transpose(&[0, 2, 1, 3]);
+        let attn_p = attend(config, layer, &prompts_of(&q), &k_p, &v_p, &p_allowed);
+        let k_r = Tensor::concat(&[&per_row(&k_p), &responses_of(&k).transpose(&[0, 2, 1, 3])], 2);
+        let v_r = Tensor::concat(&[&per_row(&v_p), &responses_of(&v).transpose(&[0, 2, 1, 3])], 2);
+        let attn_r = attend(config, layer, &responses_of(&q), &k_r, &v_r, &r_allowed);
+        h = finish_layer(config, layer, &h, &both(&attn_p, &attn_r));
+    }
+    let h_p = h
+        .slice_axis(0, 0, np)
+        .reshape(&[u, pl, config.hidden_size as i64]);
+    let h_r = h
+        .slice_axis(0, np, np + nr)
+        .reshape(&[b, l, config.hidden_size as i64]);
+    // Column j is predicted by the position before it: the prompt's last one for j = 0.
+    let last_prompt = per_row(&h_p.slice_axis(1, pl - 1, pl));
+    let h = if l > 1 {
+        Tensor::concat(&[&last_prompt, &h_r.slice_axis(1, 0, l - 1)], 1)
+    } else {
+        last_prompt
+    };
+    let h = rms_norm(&h, &p.final_norm, eps);
+    let ids = batch.responses.convert_if_needed(DType::I32);
+    let (lp, ent) = head_log_probs(g, p, &h, &ids, temperature, DEFAULT_HEAD_CHUNK);
+    // Valid where the token and its predecessor are real (a prompt's last token always is).
+    let m = batch.response_mask.convert_if_needed(DType::F32);
+    let valid = if l > 1 {
+        &m * &Tensor::concat(
+            &[&g.full(1.0, DType::F32, &[b, 1]), &m.slice_axis(1, 0, l - 1)],
+            1,
+        )
+    } else {
+        m
+    };
     (&lp * &valid, &ent * &valid)
 }
 

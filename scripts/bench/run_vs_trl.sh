@@ -6,7 +6,8 @@
 # usage: scripts/bench/run_vs_trl.sh [STEPS] [ROUNDS]     (defaults: 8 steps, 2 rounds)
 # DTYPE=bf16 runs both in bf16 with f32 master weights (grpo: actor.param_dtype and
 # rollout.dtype bf16, as recipes/quickstart.yaml has them; TRL: bf16=True, autocast); the
-# default is f32 for both.
+# default is f32 for both. TRL_MICRO_BATCH sets TRL's per_device_train_batch_size (default 32,
+# the quickstart's actor.ppo_micro_batch_size; 16 accumulates two micro-batches).
 # Needs: the quickstart's assets (scripts/setup.sh), its datasets (scripts/quickstart.sh makes
 # them), and `pip install trl` (its dependencies are transformers, accelerate, datasets, torch).
 set -euo pipefail
@@ -41,6 +42,7 @@ for round in $(seq 1 "$rounds"); do
     start=$(date +%s.%N)
     python3 scripts/bench/trl_grpo_peer.py --model-dir models --gguf SmolLM2-135M-Instruct.Q4_1.gguf \
         --train datasets/arithmetic/train.parquet --steps "$steps" --threads "$threads" \
+        --micro-batch "${TRL_MICRO_BATCH:-32}" \
         --output-dir "$out/trl-$round" "${theirs_dtype[@]}" 2> "$out/trl-$round.log" | grep '^{"step"' > "$out/trl-$round.jsonl"
     python3 -c "import sys; print(float(sys.argv[1]) - float(sys.argv[2]))" "$(date +%s.%N)" "$start" > "$out/trl-$round.wall"
 done

@@ -10,7 +10,7 @@ aggregation as `recipes/quickstart.yaml`:
 | quickstart.yaml                           | GRPOConfig                                      |
 |-------------------------------------------|-------------------------------------------------|
 | data.train_batch_size 4, rollout.n 8      | num_generations 8, 32 completions per step      |
-| actor.ppo_micro_batch_size 16             | per_device_train_batch_size 16, grad. accum. 2  |
+| actor.ppo_micro_batch_size 32             | per_device_train_batch_size 32, grad. accum. 1  |
 | actor.ppo_mini_batch_size 4 (one step)    | one optimizer step per 32 completions           |
 | data.max_response_length 16               | max_completion_length 16                        |
 | rollout.temperature 1.0                   | temperature 1.0                                 |
@@ -45,6 +45,9 @@ def parse_args():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--micro-batch", type=int, default=32,
+                   help="completions per forward/backward (per_device_train_batch_size); "
+                        "gradients accumulate over 32 / this")
     p.add_argument("--output-dir", default="/tmp/trl-grpo-peer")
     p.add_argument("--bf16", action="store_true",
                    help="bf16 autocast with f32 master weights (GRPOConfig bf16=True)")
@@ -116,8 +119,8 @@ def main():
     config = GRPOConfig(
         output_dir=args.output_dir,
         max_steps=args.steps,
-        per_device_train_batch_size=16,
-        gradient_accumulation_steps=2,
+        per_device_train_batch_size=args.micro_batch,
+        gradient_accumulation_steps=32 // args.micro_batch,
         num_generations=8,
         max_completion_length=16,
         temperature=1.0,

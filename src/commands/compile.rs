@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use actors::recipe::{load_recipe, DTypeName, Recipe};
-use actors::run::learner::{needs_reference, step_config};
+use actors::run::learner::{needs_reference, policy, step_config};
 use actors::run::sampling_params;
 use actors::setup::{dtype, engine_config};
 use anyhow::Result;
@@ -21,7 +21,6 @@ use clap::{ArgGroup, Args, ValueEnum};
 use model::forward::DecodeOptions;
 use model::{GgufFile, ModelConfig};
 use rollout::programs::{CacheShape, DecodeSample, PrefillFanout};
-use trainer::policy::DecoderPolicy;
 use trainer::step::build_train_programs;
 use xla::graph::Program;
 use xla::runtime::tpu::{
@@ -371,13 +370,7 @@ fn plan_rollout(plan: &mut Plan, recipe: &Recipe, config: &ModelConfig) -> Resul
 /// The learner's programs and their runs per step (see `actors::run::learner`).
 fn plan_learner(plan: &mut Plan, recipe: &Recipe, config: &ModelConfig) -> Result<(), CompileError> {
     let a = &recipe.actor;
-    let policy = DecoderPolicy {
-        config: config.clone(),
-        prompt_len: recipe.data.max_prompt_length,
-        response_len: recipe.data.max_response_length,
-        micro_batch_size: a.ppo_micro_batch_size,
-        temperature: recipe.rollout.temperature as f32,
-    };
+    let policy = policy(recipe, config);
     let minis = recipe
         .data
         .train_batch_size
@@ -402,8 +395,10 @@ fn plan_learner(plan: &mut Plan, recipe: &Recipe, config: &ModelConfig) -> Resul
     let accumulating = micro_per_mini > 1;
     let micro_batches = rows.div_ceil(micro) as f64;
     let purpose_mb = format!(
-        "{micro} rows of {} tokens",
-        policy.prompt_len + policy.response_len
+        "{micro} responses of {} tokens after {} prompts of {}",
+        policy.response_len,
+        policy.prompt_slots(),
+        policy.prompt_len
     );
     plan.add(
         Role::Learner,

@@ -7,8 +7,13 @@
 //!     [--model models/SmolLM2-135M-Instruct.Q4_1.gguf] [--rows 8] [--prompt-len 64] \
 //!     [--response-len 448] [--micro-batch 8] [--rounds 3] [--dtype f32|bf16|f32,bf16] \
 //!     [--peer-dtype f32|bf16|f32,bf16] [--peer-threads N] [--peer-micro-batch M] [--no-peer] \
-//!     [--prompt-lens A-B] [--response-lens A-B] [--length-bucket N,M,...]
+//!     [--prompt-lens A-B] [--response-lens A-B] [--length-bucket N,M,...] [--group N]
 //! ```
+//!
+//! `--group N` gives consecutive rows in groups of `N` one prompt, as GRPO samples them (`N`
+//! = `rollout.n`): the learner packs each group's prompt once (`DecoderPolicy::group_size`),
+//! the peer gets every row whole, as TRL's `GRPOTrainer` trains them. The default, 1, gives
+//! every row its own prompt.
 //!
 //! `--prompt-lens` / `--response-lens` give the rows real lengths between A and B tokens
 //! (row `r` gets `A + (7 r mod (B - A + 1))`), left/right-padded to `--prompt-len` /
@@ -72,6 +77,7 @@ struct Args {
     prompt_lens: Option<(usize, usize)>,
     response_lens: Option<(usize, usize)>,
     length_buckets: Vec<usize>,
+    group: usize,
 }
 
 fn parse_range(flag: &str, v: &str) -> (usize, usize) {
@@ -106,6 +112,7 @@ fn parse_args() -> Args {
         prompt_lens: None,
         response_lens: None,
         length_buckets: vec![0],
+        group: 1,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -120,6 +127,7 @@ fn parse_args() -> Args {
             "--peer-threads" => a.peer_threads = value().parse().expect("--peer-threads N"),
             "--peer-micro-batch" => a.peer_micro_batch = value().parse().expect("--peer-micro-batch N"),
             "--no-peer" => a.peer = false,
+            "--group" => a.group = value().parse().expect("--group N"),
             "--prompt-lens" => a.prompt_lens = Some(parse_range("--prompt-lens", &value())),
             "--response-lens" => a.response_lens = Some(parse_range("--response-lens", &value())),
             "--length-bucket" => {
@@ -151,10 +159,11 @@ fn parse_args() -> Args {
                 "unknown option {other}; options: --model PATH --rows N --prompt-len N \
                  --response-len N --micro-batch N --rounds N --dtype f32|bf16|f32,bf16 \
                  --peer-dtype f32|bf16|f32,bf16 --peer-threads N --peer-micro-batch N --no-peer \
-                 --prompt-lens A-B --response-lens A-B --length-bucket N[,M...]"
+                 --prompt-lens A-B --response-lens A-B --length-bucket N[,M...] --group N"
             ),
         }
     }
+    assert!(a.group >= 1, "--group N needs N >= 1");
     assert!(
         a.micro_batch > 0 && a.rows.is_multiple_of(a.micro_batch),
         "--micro-batch {} must divide --rows {}",
@@ -333,7 +342,15 @@ fn main() {
                 measuring land, predicting the motion of the stars and keeping accounts. ";
     let ids = host.tokenizer.encode(&text.repeat(40), false).unwrap();
     assert!(ids.len() >= width + 13 * rows, "the benchmark text is too short");
-    let row_ids: Vec<Vec<u32>> = (0..rows).map(|r| ids[13 * r..13 * r + width].to_vec()).collect();
+    // With --group N, rows of one group take their first row's prompt.
+    let row_ids: Vec<Vec<u32>> = (0..rows)
+        .map(|r| {
+            let leader = r - r % args.group;
+            let mut row = ids[13 * leader..13 * leader + p_len].to_vec();
+            row.extend_from_slice(&ids[13 * r + p_len..13 * r + width]);
+            row
+        })
+        .collect();
     // Each row's real (prompt, response) lengths: the full ones unless ranges were given.
     let pick = |range: Option<(usize, usize)>, full: usize, r: usize| {
         range.map_or(full, |(lo, hi)| lo + (7 * r) % (hi - lo + 1))
@@ -341,7 +358,7 @@ fn main() {
     let row_lens: Vec<(usize, usize)> = (0..rows)
         .map(|r| {
             (
-                pick(args.prompt_lens, p_len, r),
+                pick(args.prompt_lens, p_len, r - r % args.group),
                 pick(args.response_lens, r_len, r),
             )
         })
@@ -367,27 +384,28 @@ fn main() {
         response_len: r_len,
         micro_batch_size: mb,
         temperature: 1.0,
-    };
-    let full_policy = DecoderPolicy {
-        micro_batch_size: rows,
-        ..policy.clone()
+        group_size: args.group,
+        blocks: 1,
     };
     let rows_ref: Vec<(&[u32], &[u32])> = row_ids
         .iter()
         .zip(&row_lens)
         .map(|(r, &(pl, rl))| (&r[p_len - pl..p_len], &r[p_len..p_len + rl]))
         .collect();
-    let packed = full_policy.pack(&rows_ref).unwrap();
+    let packed: Vec<_> = rows_ref.chunks(mb).map(|c| policy.pack(c).unwrap()).collect();
+    let response_mask: Vec<f32> = packed.iter().flat_map(|p| p.response_mask.clone()).collect();
     let init: Vec<Vec<f32>> = host.weights.tensors.iter().map(|t| t.to_f32_vec()).collect();
     let n_params: usize = init.iter().map(Vec::len).sum();
     let t = Instant::now();
     let old_log_probs = {
         let g = Graph::new("old_log_probs");
         let p = DecoderParams::declare(&g, &config, DType::F32);
-        let dims = [mb as i64, width as i64];
-        let tokens = g.parameter("tokens", DType::I32, &dims);
-        let mask = g.parameter("mask", DType::I32, &dims);
-        let out = policy.log_probs(&p.all, &[tokens, mask]);
+        let specs = policy.input_specs();
+        let inputs: Vec<_> = specs
+            .iter()
+            .map(|s| g.parameter(&s.name, s.dtype, &s.dims))
+            .collect();
+        let out = policy.log_probs(&p.all, &inputs);
         let exe = g.build(&[&out.log_probs]).unwrap().compile(&client).unwrap();
         let compile_s = t.elapsed().as_secs_f64();
         let weights: Vec<xla::runtime::Buffer> = init
@@ -397,14 +415,15 @@ fn main() {
             .collect();
         let t = Instant::now();
         let mut lp = Vec::new();
-        for chunk in 0..rows / mb {
-            let cols = chunk * mb * width..(chunk + 1) * mb * width;
-            let tok = client
-                .buffer_from_host(&packed.tokens[cols.clone()], &dims, 0)
-                .unwrap();
-            let msk = client.buffer_from_host(&packed.mask[cols], &dims, 0).unwrap();
+        for chunk in &packed {
+            let inputs: Vec<xla::runtime::Buffer> = chunk
+                .inputs()
+                .iter()
+                .zip(&specs)
+                .map(|(a, s)| a.to_device(&client, &s.dims, 0).unwrap())
+                .collect();
             let mut a: Vec<&xla::runtime::Buffer> = weights.iter().collect();
-            a.extend([&tok, &msk]);
+            a.extend(inputs.iter());
             lp.extend(exe.execute(&a).unwrap()[0].to_host::<f32>().unwrap());
         }
         println!(
@@ -418,8 +437,8 @@ fn main() {
     let rewards: Vec<f64> = (0..rows).map(|r| ((r * 5 + 3) % 3 == 0) as u8 as f64).collect();
     let groups = vec![0usize; rows];
     let adv = compute_advantages(AdvantageEstimator::Grpo, &rewards, &groups, true).unwrap();
-    let advantages = broadcast_over_response(&adv, &packed.response_mask, r_len).unwrap();
-    let norm = mini_batch_normalizer(&packed.response_mask, r_len);
+    let advantages = broadcast_over_response(&adv, &response_mask, r_len).unwrap();
+    let norm = mini_batch_normalizer(&response_mask, r_len);
 
     let optim = OptimConfig::default();
     let loss = PolicyLossConfig::default();
@@ -429,7 +448,7 @@ fn main() {
             MicroBatchHost {
                 old_log_probs: old_log_probs_for(&old_log_probs, rs, re, r_len),
                 advantages: advantages[rs * r_len..re * r_len].to_vec(),
-                response_mask: packed.response_mask[rs * r_len..re * r_len].to_vec(),
+                response_mask: response_mask[rs * r_len..re * r_len].to_vec(),
                 norm,
                 ..Default::default()
             }
@@ -483,7 +502,7 @@ fn main() {
             "response_len": r_len,
             "old_log_probs": chunk(&old_log_probs_for(&old_log_probs, 0, rows, r_len)),
             "advantages": chunk(&advantages),
-            "response_mask": chunk(&packed.response_mask),
+            "response_mask": chunk(&response_mask),
             "temperature": 1.0,
             "lr": optim.lr,
             "betas": optim.betas,

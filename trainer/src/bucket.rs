@@ -7,7 +7,8 @@
 //! `P' = min(ceil(p / multiple) * multiple, P)` prompt columns and
 //! `L' = min(ceil(max(r, 1) / multiple) * multiple, L)` response columns; `multiple = 0` means
 //! one bucket, the full `P + L`. Each `(P', L')` gets its own `train_step`, `accumulate` and
-//! `log_probs` programs ([`build_shape_programs`]), traced when the bucket first appears and
+//! `log_probs` programs ([`build_shape_programs`]) (and a second set, with a prompt slot per
+//! row, if a micro-batch's rows ever come out of their groups: [`DecoderPolicy::unshared`]), traced when the bucket first appears and
 //! compiled on first use through the client's executable cache (in memory, and on disk across
 //! runs); the parameters, the optimizer state, the accumulators and `apply` are shared, so
 //! micro-batches of different buckets accumulate into one optimizer step. At most
@@ -24,8 +25,8 @@ use xla::runtime::Client;
 
 use crate::policy::{DecoderPolicy, PackError, PackedRows};
 use crate::step::{
-    build_shape_programs, build_train_programs, HostArray, Learner, LearnerState, MicroBatch, MicroBatchHost,
-    ParamSpec, StepConfig, StepMetrics,
+    build_shape_programs, build_train_programs, Learner, LearnerState, MicroBatch, MicroBatchHost, ParamSpec,
+    StepConfig, StepMetrics,
 };
 use crate::{Result, TrainerError};
 
@@ -75,19 +76,24 @@ pub struct PackedMicroBatch {
     pub prompt_len: usize,
     /// `L'`: response columns of the bucket.
     pub response_len: usize,
+    /// Whether the rows share prompts in groups (else a prompt slot per row: see
+    /// [`DecoderPolicy::unshared`]).
+    pub shared: bool,
     /// Real rows (the rest, up to the micro-batch size, is padding).
     pub rows: usize,
-    /// `tokens`, `mask` `[micro_batch_size, P' + L']` and `response_mask`
-    /// `[micro_batch_size, L']`.
+    /// The packed prompts `[U, P']` and responses `[micro_batch_size, L']`.
     pub packed: PackedRows,
 }
 
 impl PackedMicroBatch {
-    /// Columns each row runs through the model (`P' + L'`).
+    /// Columns each row stands for (`P' + L'`), whether or not its prompt is shared.
     pub fn width(&self) -> usize {
         self.prompt_len + self.response_len
     }
 }
+
+/// A learner shape: the bucket's columns and whether prompts are shared.
+type ShapeKey = (usize, usize, bool);
 
 /// A [`Learner`] over a [`DecoderPolicy`] whose micro-batches run at their length bucket.
 /// Per-token arrays go in and come out at the full response length `L` (zeros past a
@@ -98,8 +104,8 @@ pub struct BucketedLearner {
     cfg: StepConfig,
     specs: Vec<ParamSpec>,
     buckets: LengthBuckets,
-    /// `(P', L')` -> learner shape; the full shape is 0.
-    shapes: BTreeMap<(usize, usize), usize>,
+    /// `(P', L', shared)` -> learner shape; the full shape with shared prompts is 0.
+    shapes: BTreeMap<ShapeKey, usize>,
 }
 
 impl BucketedLearner {
@@ -139,7 +145,7 @@ impl BucketedLearner {
             max_response: policy.response_len,
         };
         let mut shapes = BTreeMap::new();
-        shapes.insert((policy.prompt_len, policy.response_len), 0);
+        shapes.insert((policy.prompt_len, policy.response_len, true), 0);
         Ok(BucketedLearner {
             learner,
             policy,
@@ -170,36 +176,57 @@ impl BucketedLearner {
         self.buckets
     }
 
-    /// The `(P', L')` shapes registered so far (the full shape included), smallest first.
+    /// The `(P', L')` shapes registered so far (the full shape included), smallest first;
+    /// a bucket with and without shared prompts counts once.
     pub fn shapes(&self) -> Vec<(usize, usize)> {
-        self.shapes.keys().copied().collect()
+        let mut out: Vec<(usize, usize)> = self.shapes.keys().map(|&(p, l, _)| (p, l)).collect();
+        out.dedup();
+        out
     }
 
     /// The `(P', L')` of learner shape `shape` (as in [`crate::step::CompileRecord::shape`]).
     pub fn shape_columns(&self, shape: usize) -> Option<(usize, usize)> {
-        self.shapes.iter().find(|(_, &s)| s == shape).map(|(&k, _)| k)
+        self.shapes
+            .iter()
+            .find(|(_, &s)| s == shape)
+            .map(|(&(p, l, _), _)| (p, l))
     }
 
-    /// Packs up to `micro_batch_size` `(prompt, response)` rows at the shape of their bucket.
+    /// The policy of a learner shape.
+    fn shape_policy(&self, (prompt_len, response_len, shared): ShapeKey) -> DecoderPolicy {
+        let policy = self.policy.with_lengths(prompt_len, response_len);
+        if shared {
+            policy
+        } else {
+            policy.unshared()
+        }
+    }
+
+    /// Packs up to `micro_batch_size` `(prompt, response)` rows at the shape of their bucket,
+    /// sharing each group's prompt (a slot per row when the rows do not come in groups).
     pub fn pack(&self, rows: &[(&[u32], &[u32])]) -> std::result::Result<PackedMicroBatch, PackError> {
         let longest_prompt = rows.iter().map(|(p, _)| p.len()).max().unwrap_or(1);
         let longest_response = rows.iter().map(|(_, r)| r.len()).max().unwrap_or(1);
         let (prompt_len, response_len) = self.buckets.bucket(longest_prompt, longest_response);
-        let policy = self.policy.with_lengths(prompt_len, response_len);
+        let shared = self.policy.fits(rows);
+        let policy = self.shape_policy((prompt_len, response_len, shared));
         Ok(PackedMicroBatch {
             prompt_len,
             response_len,
+            shared,
             rows: rows.len(),
             packed: policy.pack(rows)?,
         })
     }
 
-    /// The learner shape of `(P', L')`, tracing its programs the first time.
-    fn shape(&mut self, prompt_len: usize, response_len: usize) -> Result<usize> {
-        if let Some(&shape) = self.shapes.get(&(prompt_len, response_len)) {
+    /// The learner shape of a packed micro-batch, tracing its programs the first time.
+    fn shape(&mut self, mb: &PackedMicroBatch) -> Result<usize> {
+        let key = (mb.prompt_len, mb.response_len, mb.shared);
+        if let Some(&shape) = self.shapes.get(&key) {
             return Ok(shape);
         }
-        let policy = self.policy.with_lengths(prompt_len, response_len);
+        let response_len = key.1;
+        let policy = self.shape_policy(key);
         let p = policy.clone();
         let programs = build_shape_programs(
             &self.cfg,
@@ -209,19 +236,15 @@ impl BucketedLearner {
             move |params, batch| p.log_probs(params, batch),
         )?;
         let shape = self.learner.add_shape(programs)?;
-        self.shapes.insert((prompt_len, response_len), shape);
+        self.shapes.insert(key, shape);
         Ok(shape)
     }
 
     /// The policy's per-token log-probs of `mb` under the current (or, with `reference`, the
     /// reference) parameters, `[micro_batch_size, L]` at the full response length.
     pub fn log_probs(&mut self, mb: &PackedMicroBatch, reference: bool) -> Result<Vec<f32>> {
-        let shape = self.shape(mb.prompt_len, mb.response_len)?;
-        let inputs = [
-            HostArray::I32(mb.packed.tokens.clone()),
-            HostArray::I32(mb.packed.mask.clone()),
-        ];
-        let lp = self.learner.log_probs_in(shape, &inputs, reference)?;
+        let shape = self.shape(mb)?;
+        let lp = self.learner.log_probs_in(shape, &mb.packed.inputs(), reference)?;
         Ok(widen(&lp, mb.response_len, self.policy.response_len))
     }
 
@@ -243,7 +266,7 @@ impl BucketedLearner {
                 host.inputs.len()
             )));
         }
-        let shape = self.shape(mb.prompt_len, mb.response_len)?;
+        let shape = self.shape(mb)?;
         let (full, cut) = (self.policy.response_len, mb.response_len);
         let rows = self.policy.micro_batch_size.max(mb.rows);
         let narrow = |name: &str, v: &[f32]| -> Result<Vec<f32>> {
@@ -273,10 +296,7 @@ impl BucketedLearner {
             ref_log_probs: narrow_opt("ref_log_probs", &host.ref_log_probs)?,
             rollout_log_probs: narrow_opt("rollout_log_probs", &host.rollout_log_probs)?,
             norm: host.norm,
-            inputs: vec![
-                HostArray::I32(mb.packed.tokens.clone()),
-                HostArray::I32(mb.packed.mask.clone()),
-            ],
+            inputs: mb.packed.inputs(),
         };
         self.learner.upload_micro_batch_in(shape, index, &narrowed)
     }

@@ -1,15 +1,27 @@
 //! The policy the learner trains: a decoder from the `model` crate, seen through the per-token
 //! log-probabilities of its responses.
 //!
-//! A training row is one prompt followed by one response, packed into `P + L` columns: the
-//! prompt left-padded to `P = prompt_len`, the response right-padded to `L = response_len`.
-//! Positions come from the attention mask, so left padding does not shift them, and response
-//! token `j` always sits in column `P + j`. The policy's output column `j` is
-//! `log p(response[j] | prompt, response[<j])` at the sampling temperature, exactly the
-//! quantity the rollout reports for the same token.
+//! A training row is one prompt followed by one response. GRPO samples `n` responses per
+//! prompt, so a micro-batch is packed as its distinct prompts (`U` of them, left-padded to
+//! `P = prompt_len` columns) and its responses (`micro_batch_size` of them, right-padded to
+//! `L = response_len` columns), each response naming its prompt: every prompt runs through the
+//! model once and its responses attend to its keys and values
+//! ([`model::forward::logprobs_graph_shared_prompts`]). For the quickstart's 4 prompts x 8
+//! samples of 48 + 16 tokens that is 704 token columns per pass instead of 2,048.
+//!
+//! Rows come in groups of [`DecoderPolicy::group_size`] consecutive rows with one prompt (1:
+//! every row its own prompt). With the rows split over [`DecoderPolicy::blocks`] devices, each
+//! device's rows and prompts form one block ([`model::forward::SharedPrompts`]). The number of
+//! prompt slots follows from those ([`DecoderPolicy::prompt_slots`]); a micro-batch with more
+//! distinct prompts than that (groups not in that order, or cut short) is packed by the policy
+//! [`DecoderPolicy::unshared`], which has a slot per row.
+//!
+//! The policy's output column `j` is `log p(response[j] | prompt, response[<j])` at the
+//! sampling temperature, exactly the quantity the rollout reports for the same token: the
+//! response's positions continue the prompt's real length, so left padding moves nothing.
 
-use crate::step::{InputSpec, ParamSpec, PolicyOutput};
-use model::forward::{logprobs_graph_span, DecoderParams};
+use crate::step::{HostArray, InputSpec, ParamSpec, PolicyOutput};
+use model::forward::{logprobs_graph_shared_prompts, DecoderParams, SharedPrompts};
 use model::{param_table, ModelConfig};
 use xla::graph::Tensor;
 use xla::DType;
@@ -26,15 +38,38 @@ pub struct DecoderPolicy {
     pub micro_batch_size: usize,
     /// The sampling temperature the log-probs are taken at (logits / T).
     pub temperature: f32,
+    /// Consecutive rows that share one prompt (GRPO's `rollout.n`); 1: no sharing.
+    pub group_size: usize,
+    /// Blocks the rows and prompts are cut into (the learner's devices; 1 on one device).
+    pub blocks: usize,
 }
 
-/// One micro-batch of rows packed for [`DecoderPolicy`]: `tokens` and `mask` are
-/// `[rows, P + L]`, `response_mask` is `[rows, L]`.
+/// One micro-batch of rows packed for [`DecoderPolicy`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct PackedRows {
-    pub tokens: Vec<i32>,
-    pub mask: Vec<i32>,
+    /// Distinct prompts `[U, P]`, left-padded (unused slots all padding).
+    pub prompts: Vec<i32>,
+    /// `[U, P]`: 1 on real prompt tokens.
+    pub prompt_mask: Vec<i32>,
+    /// Responses `[micro_batch_size, L]`, right-padded.
+    pub responses: Vec<i32>,
+    /// `[micro_batch_size, L]`: 1.0 on real response tokens.
     pub response_mask: Vec<f32>,
+    /// `[micro_batch_size]`: each row's prompt, counted from the start of its block.
+    pub prompt_index: Vec<i32>,
+}
+
+impl PackedRows {
+    /// The policy inputs, in [`DecoderPolicy::input_specs`] order.
+    pub fn inputs(&self) -> Vec<HostArray> {
+        vec![
+            HostArray::I32(self.prompts.clone()),
+            HostArray::I32(self.prompt_mask.clone()),
+            HostArray::I32(self.responses.clone()),
+            HostArray::I32(self.response_mask.iter().map(|&m| (m != 0.0) as i32).collect()),
+            HostArray::I32(self.prompt_index.clone()),
+        ]
+    }
 }
 
 /// A row that does not fit the policy's shapes.
@@ -46,21 +81,63 @@ pub enum PackError {
     ResponseTooLong { row: usize, len: usize, max: usize },
     #[error("row {row}: the prompt is empty; a response needs at least one token to follow")]
     EmptyPrompt { row: usize },
+    #[error("{rows} rows given; a micro-batch holds {max} (actor.ppo_micro_batch_size)")]
+    TooManyRows { rows: usize, max: usize },
+    #[error("rows {first}..{end} hold {distinct} distinct prompts; the learner packs at most {slots} per block of rows (rows must come in groups of {group} with one prompt)")]
+    TooManyPrompts {
+        first: usize,
+        end: usize,
+        distinct: usize,
+        slots: usize,
+        group: usize,
+    },
+}
+
+/// The most distinct prompts `rows` consecutive rows can hold when groups of `group` rows
+/// share one and the rows start at a multiple of `rows` (a block of a micro-batch).
+fn prompts_in(rows: usize, group: usize) -> usize {
+    if group <= 1 || rows <= 1 {
+        rows
+    } else if rows.is_multiple_of(group) {
+        rows / group
+    } else if group.is_multiple_of(rows) {
+        1
+    } else {
+        (1 + (rows - 1).div_ceil(group)).min(rows)
+    }
 }
 
 impl DecoderPolicy {
-    fn width(&self) -> usize {
-        self.prompt_len + self.response_len
-    }
-
     /// This policy with `prompt_len` prompt and `response_len` response columns (a length
-    /// bucket; see [`crate::bucket`]): the same model, micro-batch and temperature.
+    /// bucket; see [`crate::bucket`]): the same model, micro-batch, temperature and sharing.
     pub fn with_lengths(&self, prompt_len: usize, response_len: usize) -> DecoderPolicy {
         DecoderPolicy {
             prompt_len,
             response_len,
             ..self.clone()
         }
+    }
+
+    /// This policy with a prompt slot per row: packs any rows.
+    pub fn unshared(&self) -> DecoderPolicy {
+        DecoderPolicy {
+            group_size: 1,
+            ..self.clone()
+        }
+    }
+
+    fn rows_per_block(&self) -> usize {
+        self.micro_batch_size / self.blocks.max(1)
+    }
+
+    /// Prompt slots per block of rows.
+    fn slots_per_block(&self) -> usize {
+        prompts_in(self.rows_per_block(), self.group_size)
+    }
+
+    /// `U`: the prompt slots of a micro-batch (the first dimension of the prompt inputs).
+    pub fn prompt_slots(&self) -> usize {
+        self.blocks.max(1) * self.slots_per_block()
     }
 
     /// The trainable parameters, in the model's parameter-table order (Hugging Face names).
@@ -74,81 +151,135 @@ impl DecoderPolicy {
             .collect()
     }
 
-    /// The batch inputs: `tokens` and `mask`, both i32 `[micro_batch_size, P + L]`.
+    /// The batch inputs (all i32): `prompts` and `prompt_mask` `[U, P]`, `responses` and
+    /// `response_mask` `[micro_batch_size, L]`, `prompt_index` `[micro_batch_size]`.
     pub fn input_specs(&self) -> Vec<InputSpec> {
-        let dims = vec![self.micro_batch_size as i64, self.width() as i64];
+        let prompts = vec![self.prompt_slots() as i64, self.prompt_len as i64];
+        let responses = vec![self.micro_batch_size as i64, self.response_len as i64];
+        let spec = |name: &str, dims: &Vec<i64>| InputSpec {
+            name: name.into(),
+            dtype: DType::I32,
+            dims: dims.clone(),
+        };
         vec![
-            InputSpec {
-                name: "tokens".into(),
-                dtype: DType::I32,
-                dims: dims.clone(),
-            },
-            InputSpec {
-                name: "mask".into(),
-                dtype: DType::I32,
-                dims,
-            },
+            spec("prompts", &prompts),
+            spec("prompt_mask", &prompts),
+            spec("responses", &responses),
+            spec("response_mask", &responses),
+            spec("prompt_index", &vec![self.micro_batch_size as i64]),
         ]
     }
 
     /// The policy function for [`crate::step::build_train_programs`]: per-token log-probs
     /// and entropies of the response columns, `[micro_batch_size, L]`.
     pub fn log_probs(&self, params: &[Tensor], batch: &[Tensor]) -> PolicyOutput {
-        let (tokens, mask) = (&batch[0], &batch[1]);
-        let g = tokens.graph();
+        let g = batch[0].graph();
         let p =
             DecoderParams::from_tensors(&self.config, params).expect("parameters follow the parameter table");
         let temperature = g.scalar(self.temperature as f64, DType::F32);
-        // The head runs only over the positions that predict response tokens.
-        let (lp, ent) = logprobs_graph_span(g, &p, tokens, mask, &temperature, self.prompt_len as i64);
+        let shared = SharedPrompts {
+            prompts: &batch[0],
+            prompt_mask: &batch[1],
+            responses: &batch[2],
+            response_mask: &batch[3],
+            prompt_index: &batch[4],
+            blocks: self.blocks.max(1) as i64,
+        };
+        let (lp, ent) = logprobs_graph_shared_prompts(g, &p, &shared, &temperature);
         PolicyOutput {
             log_probs: lp,
             entropy: Some(ent),
         }
     }
 
-    /// Pack `(prompt, response)` rows. Rows past the end of `rows` (up to `micro_batch_size`)
-    /// are filled with padding whose response mask is 0, so they contribute nothing.
+    /// Pack up to `micro_batch_size` `(prompt, response)` rows. Rows past the end of `rows`
+    /// are padding whose response mask is 0, so they contribute nothing. Equal prompts within
+    /// a block share a slot, in order of first appearance.
     pub fn pack(&self, rows: &[(&[u32], &[u32])]) -> Result<PackedRows, PackError> {
-        let (p, l, w) = (self.prompt_len, self.response_len, self.width());
-        let n = self.micro_batch_size.max(rows.len());
+        let (p, l, mb) = (self.prompt_len, self.response_len, self.micro_batch_size);
+        if rows.len() > mb {
+            return Err(PackError::TooManyRows {
+                rows: rows.len(),
+                max: mb,
+            });
+        }
+        let (per_block, slots) = (self.rows_per_block(), self.slots_per_block());
+        let u = self.prompt_slots();
         let mut out = PackedRows {
-            tokens: vec![0; n * w],
-            mask: vec![0; n * w],
-            response_mask: vec![0.0; n * l],
+            prompts: vec![0; u * p],
+            prompt_mask: vec![0; u * p],
+            responses: vec![0; mb * l],
+            response_mask: vec![0.0; mb * l],
+            prompt_index: vec![0; mb],
         };
-        for (row, (prompt, response)) in rows.iter().enumerate() {
-            if prompt.is_empty() {
-                return Err(PackError::EmptyPrompt { row });
-            }
-            if prompt.len() > p {
-                return Err(PackError::PromptTooLong {
-                    row,
-                    len: prompt.len(),
-                    max: p,
+        for (block, chunk) in rows.chunks(per_block.max(1)).enumerate() {
+            let first = block * per_block;
+            let distinct = distinct_prompts(chunk);
+            if distinct.len() > slots {
+                return Err(PackError::TooManyPrompts {
+                    first,
+                    end: first + chunk.len(),
+                    distinct: distinct.len(),
+                    slots,
+                    group: self.group_size,
                 });
             }
-            if response.len() > l {
-                return Err(PackError::ResponseTooLong {
-                    row,
-                    len: response.len(),
-                    max: l,
-                });
+            for (i, (prompt, response)) in chunk.iter().enumerate() {
+                let row = first + i;
+                if prompt.is_empty() {
+                    return Err(PackError::EmptyPrompt { row });
+                }
+                if prompt.len() > p {
+                    return Err(PackError::PromptTooLong {
+                        row,
+                        len: prompt.len(),
+                        max: p,
+                    });
+                }
+                if response.len() > l {
+                    return Err(PackError::ResponseTooLong {
+                        row,
+                        len: response.len(),
+                        max: l,
+                    });
+                }
+                let slot = distinct.iter().position(|s| s == prompt).expect("listed above");
+                out.prompt_index[row] = slot as i32;
+                for (j, &t) in response.iter().enumerate() {
+                    out.responses[row * l + j] = t as i32;
+                    out.response_mask[row * l + j] = 1.0;
+                }
             }
-            let base = row * w;
-            for (i, &t) in prompt.iter().enumerate() {
-                let col = p - prompt.len() + i;
-                out.tokens[base + col] = t as i32;
-                out.mask[base + col] = 1;
-            }
-            for (j, &t) in response.iter().enumerate() {
-                out.tokens[base + p + j] = t as i32;
-                out.mask[base + p + j] = 1;
-                out.response_mask[row * l + j] = 1.0;
+            for (k, prompt) in distinct.iter().enumerate() {
+                let base = (block * slots + k) * p;
+                for (i, &t) in prompt.iter().enumerate() {
+                    let col = p - prompt.len() + i;
+                    out.prompts[base + col] = t as i32;
+                    out.prompt_mask[base + col] = 1;
+                }
             }
         }
         Ok(out)
     }
+
+    /// Whether `rows` fit this policy's prompt slots (else pack them with
+    /// [`DecoderPolicy::unshared`]).
+    pub fn fits(&self, rows: &[(&[u32], &[u32])]) -> bool {
+        let slots = self.slots_per_block();
+        rows.chunks(self.rows_per_block().max(1))
+            .all(|chunk| distinct_prompts(chunk).len() <= slots)
+    }
+}
+
+/// The distinct prompts of `rows`, in order of first appearance.
+fn distinct_prompts<'a>(rows: &[(&'a [u32], &[u32])]) -> Vec<&'a [u32]> {
+    let mut out: Vec<&[u32]> = Vec::new();
+    for (p, _) in rows {
+        if !out.contains(p) {
+            out.push(p);
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -172,6 +303,8 @@ mod tests {
             response_len: 2,
             micro_batch_size: 3,
             temperature: 1.0,
+            group_size: 1,
+            blocks: 1,
         }
     }
 
@@ -179,9 +312,57 @@ mod tests {
     fn rows_are_packed_prompt_left_response_right() {
         let p = policy();
         let packed = p.pack(&[(&[5, 6], &[7]), (&[1, 2, 3], &[4, 9])]).unwrap();
-        assert_eq!(packed.tokens, vec![0, 5, 6, 7, 0, 1, 2, 3, 4, 9, 0, 0, 0, 0, 0]);
-        assert_eq!(packed.mask, vec![0, 1, 1, 1, 0, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0]);
+        assert_eq!(packed.prompts, vec![0, 5, 6, 1, 2, 3, 0, 0, 0]);
+        assert_eq!(packed.prompt_mask, vec![0, 1, 1, 1, 1, 1, 0, 0, 0]);
+        assert_eq!(packed.responses, vec![7, 0, 4, 9, 0, 0]);
         assert_eq!(packed.response_mask, vec![1.0, 0.0, 1.0, 1.0, 0.0, 0.0]);
+        assert_eq!(packed.prompt_index, vec![0, 1, 0]);
+        assert_eq!(p.input_specs()[0].dims, vec![3, 3]);
+    }
+
+    #[test]
+    fn groups_share_one_prompt_slot_per_block() {
+        // 8 rows in groups of 4 over 2 blocks: one slot per block.
+        let p = DecoderPolicy {
+            micro_batch_size: 8,
+            group_size: 4,
+            blocks: 2,
+            ..policy()
+        };
+        assert_eq!(p.prompt_slots(), 2);
+        let (a, b): (&[u32], &[u32]) = (&[1, 2], &[3]);
+        let rows: Vec<(&[u32], &[u32])> = (0..8).map(|r| (if r < 4 { a } else { b }, &[5u32][..])).collect();
+        let packed = p.pack(&rows).unwrap();
+        assert_eq!(packed.prompts, vec![0, 1, 2, 0, 0, 3]);
+        assert_eq!(packed.prompt_index, vec![0; 8]);
+        assert_eq!(p.input_specs()[2].dims, vec![8, 2]);
+        // Groups out of order need a slot per row: the unshared policy packs them.
+        let mixed: Vec<(&[u32], &[u32])> = (0..8)
+            .map(|r| (if r % 2 == 0 { a } else { b }, &[5u32][..]))
+            .collect();
+        assert!(!p.fits(&mixed));
+        let e = p.pack(&mixed).unwrap_err().to_string();
+        assert!(
+            e.starts_with("rows 0..4 hold 2 distinct prompts; the learner packs at most 1"),
+            "{e}"
+        );
+        let unshared = p.unshared();
+        assert!(unshared.fits(&mixed));
+        assert_eq!(unshared.prompt_slots(), 8);
+        assert_eq!(
+            unshared.pack(&mixed).unwrap().prompt_index,
+            vec![0, 1, 0, 1, 0, 1, 0, 1]
+        );
+    }
+
+    #[test]
+    fn prompt_slots_cover_any_block_of_consecutive_groups() {
+        assert_eq!(prompts_in(8, 8), 1);
+        assert_eq!(prompts_in(32, 8), 4);
+        assert_eq!(prompts_in(4, 8), 1);
+        assert_eq!(prompts_in(6, 4), 3);
+        assert_eq!(prompts_in(5, 1), 5);
+        assert_eq!(prompts_in(3, 2), 2);
     }
 
     #[test]
@@ -202,5 +383,8 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("prompt is empty"));
+        let row: (&[u32], &[u32]) = (&[1], &[2]);
+        let e = p.pack(&[row; 4]).unwrap_err().to_string();
+        assert!(e.contains("4 rows given; a micro-batch holds 3"), "{e}");
     }
 }

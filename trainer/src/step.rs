@@ -449,15 +449,16 @@ fn check_step_config(cfg: &StepConfig, params: &[ParamSpec], inputs: &[InputSpec
         });
     }
     let mesh = LearnerMesh::new(&cfg.parallel, cfg.micro_batch_size)?;
+    let devices = mesh.devices() as i64;
     for input in inputs {
-        if mesh.devices() > 1 && input.dims.first() != Some(&cfg.micro_batch_size) {
+        if devices > 1 && input.dims.first().is_none_or(|&rows| rows % devices != 0) {
             return Err(TrainerError::Config {
                 key: "actor.strategy",
                 value: cfg.parallel.strategy.name().to_string(),
                 message: format!(
                     "the policy input {} has shape {:?}; splitting rows over the mesh needs every \
-                     input to have the micro-batch's {} rows first",
-                    input.name, input.dims, cfg.micro_batch_size
+                     input's first dimension to divide by the {devices} devices",
+                    input.name, input.dims
                 ),
             });
         }
@@ -680,6 +681,16 @@ pub enum HostArray {
     F32(Vec<f32>),
     /// i32 values (token ids, positions), row-major.
     I32(Vec<i32>),
+}
+
+impl HostArray {
+    /// A buffer of shape `dims` on device `device` holding these values.
+    pub fn to_device(&self, client: &Client, dims: &[i64], device: usize) -> xla::runtime::Result<Buffer> {
+        match self {
+            HostArray::F32(v) => client.buffer_from_host(v, dims, device),
+            HostArray::I32(v) => client.buffer_from_host(v, dims, device),
+        }
+    }
 }
 
 /// A micro-batch on the host, `[micro_batch_size, response_len]` row-major arrays.

@@ -53,6 +53,8 @@ fn policy() -> DecoderPolicy {
         response_len: RESPONSE,
         micro_batch_size: MICRO,
         temperature: 0.9,
+        group_size: 1,
+        blocks: 1,
     }
 }
 
@@ -114,9 +116,12 @@ fn initial() -> Vec<Vec<f32>> {
 fn learner(loss: PolicyLossConfig, parallel: Parallelism, multiple: usize) -> BucketedLearner {
     let init = initial();
     let state = LearnerState::fresh(init.clone());
+    let policy = DecoderPolicy {
+        blocks: parallel.devices(MICRO as i64).unwrap(),
+        ..policy()
+    };
     let mut l =
-        BucketedLearner::from_state(client(), policy(), step_cfg(loss, parallel), &state, multiple, 3)
-            .unwrap();
+        BucketedLearner::from_state(client(), policy, step_cfg(loss, parallel), &state, multiple, 3).unwrap();
     l.learner_mut().set_reference(&init).unwrap();
     l
 }

@@ -13,9 +13,7 @@ use support::{client, Rng};
 use trainer::advantage::{broadcast_over_response, compute_advantages};
 use trainer::config::{AdvantageEstimator, OptimConfig, PolicyLossConfig};
 use trainer::policy::DecoderPolicy;
-use trainer::step::{
-    build_train_programs, mini_batch_normalizer, HostArray, Learner, MicroBatchHost, StepConfig,
-};
+use trainer::step::{build_train_programs, mini_batch_normalizer, Learner, MicroBatchHost, StepConfig};
 use xla::graph::Graph;
 use xla::runtime::Executable;
 use xla::DType;
@@ -61,9 +59,12 @@ fn sampler(config: &ModelConfig) -> Executable {
 fn learner_view(policy: &DecoderPolicy) -> Executable {
     let g = Graph::new("learner_view");
     let p = DecoderParams::declare(&g, &policy.config, DType::F32);
-    let tokens = g.parameter("tokens", DType::I32, &[ROWS as i64, 3]);
-    let mask = g.parameter("mask", DType::I32, &[ROWS as i64, 3]);
-    let out = policy.log_probs(&p.all, &[tokens, mask]);
+    let inputs: Vec<_> = policy
+        .input_specs()
+        .iter()
+        .map(|s| g.parameter(&s.name, s.dtype, &s.dims))
+        .collect();
+    let out = policy.log_probs(&p.all, &inputs);
     g.build(&[&out.log_probs]).unwrap().compile(client()).unwrap()
 }
 
@@ -76,6 +77,8 @@ fn train(seed: u64, steps: usize, check_alignment: bool) -> Vec<f64> {
         response_len: 1,
         micro_batch_size: ROWS,
         temperature: 1.0,
+        group_size: GROUP,
+        blocks: 1,
     };
     let specs = policy.param_specs();
     let cfg = StepConfig {
@@ -148,14 +151,14 @@ fn train(seed: u64, steps: usize, check_alignment: bool) -> Vec<f64> {
             .collect();
         let packed = policy.pack(&rows).unwrap();
         if let Some(view) = &view {
-            let t = client()
-                .buffer_from_host(&packed.tokens, &[ROWS as i64, 3], 0)
-                .unwrap();
-            let m = client()
-                .buffer_from_host(&packed.mask, &[ROWS as i64, 3], 0)
-                .unwrap();
+            let inputs: Vec<xla::runtime::Buffer> = packed
+                .inputs()
+                .iter()
+                .zip(policy.input_specs())
+                .map(|(a, s)| a.to_device(client(), &s.dims, 0).unwrap())
+                .collect();
             let mut args: Vec<&xla::runtime::Buffer> = learner.params().iter().collect();
-            args.extend([&t, &m]);
+            args.extend(inputs.iter());
             let seen = view.execute(&args).unwrap()[0].to_host::<f32>().unwrap();
             for (a, b) in seen.iter().zip(&old) {
                 assert!((a - b).abs() < 1e-5, "learner log-prob {a} vs sampler {b}");
@@ -168,8 +171,8 @@ fn train(seed: u64, steps: usize, check_alignment: bool) -> Vec<f64> {
             old_log_probs: old,
             advantages: adv,
             norm: mini_batch_normalizer(&packed.response_mask, 1),
-            response_mask: packed.response_mask,
-            inputs: vec![HostArray::I32(packed.tokens), HostArray::I32(packed.mask)],
+            response_mask: packed.response_mask.clone(),
+            inputs: packed.inputs(),
             ..Default::default()
         };
         let mb = learner.upload_micro_batch(0, &mb).unwrap();

@@ -78,6 +78,8 @@ fn trained_checkpoint(output: &Path, model_path: &Path) -> (PathBuf, Vec<Vec<f32
         response_len: 4,
         micro_batch_size: 1,
         temperature: 1.0,
+        group_size: 1,
+        blocks: 1,
     };
     let specs = policy.param_specs();
     let params: Vec<Vec<f32>> = source

@@ -9,8 +9,11 @@
 //!   mini-batch on one device;
 //! - `log_probs` (current and reference parameters) and `shared_params` (device 0's replica
 //!   under `dp`, all-gathered under `fsdp`) agree with the single-device learner;
-//! - a micro-batch that does not split over the mesh, and a mesh larger than the client, are
-//!   refused by name.
+//! - a micro-batch that does not split over the mesh, prompt slots that do not, and a mesh
+//!   larger than the client, are refused by name.
+//!
+//! Pairs of consecutive rows share a prompt, packed once per block of rows (one block per
+//! device), so the shared-prompt policy is checked under every strategy too.
 
 use std::sync::OnceLock;
 
@@ -18,7 +21,7 @@ use model::{random_init, ModelConfig};
 use trainer::config::{OptimConfig, Parallelism, PolicyLossConfig, Strategy};
 use trainer::policy::DecoderPolicy;
 use trainer::step::{
-    build_train_programs, mini_batch_normalizer, HostArray, Learner, LearnerState, MicroBatchHost, StepConfig,
+    build_train_programs, mini_batch_normalizer, Learner, LearnerState, MicroBatchHost, StepConfig,
 };
 use xla::runtime::Client;
 use xla::DType;
@@ -29,6 +32,8 @@ const PROMPT: usize = 3;
 const RESPONSE: usize = 3;
 const VOCAB: u64 = 8;
 const STEPS: usize = 3;
+/// Rows per prompt.
+const GROUP: usize = 2;
 
 /// Parameters and moments after 3 steps may differ by this much (absolute, on values of order
 /// 0.02-1) from the single-device learner: f32 sums in another order, ~1e-7 relative, grown by
@@ -57,13 +62,17 @@ fn tiny_llama() -> ModelConfig {
     .unwrap()
 }
 
-fn policy(micro_batch_size: usize) -> DecoderPolicy {
+/// Pairs of consecutive rows share a prompt; the rows and prompts of a micro-batch split into
+/// one block per device.
+fn policy(micro_batch_size: usize, blocks: usize) -> DecoderPolicy {
     DecoderPolicy {
         config: tiny_llama(),
         prompt_len: PROMPT,
         response_len: RESPONSE,
         micro_batch_size,
         temperature: 1.0,
+        group_size: GROUP,
+        blocks,
     }
 }
 
@@ -92,10 +101,10 @@ fn step_cfg_as(micro_batch_size: usize, parallel: Parallelism, compute_dtype: DT
     }
 }
 
-/// The mini-batch on the host: packed rows with some left-padded prompts and short responses.
+/// The mini-batch on the host: rows in pairs with one prompt, prompts and responses of
+/// different lengths.
 struct Batch {
-    tokens: Vec<i32>,
-    mask: Vec<i32>,
+    rows: Vec<(Vec<u32>, Vec<u32>)>,
     response_mask: Vec<f32>,
     advantages: Vec<f32>,
     old: Vec<f32>,
@@ -110,17 +119,21 @@ fn batch(seed: u64) -> Batch {
             .wrapping_add(1442695040888963407);
         state >> 33
     };
-    let width = PROMPT + RESPONSE;
-    let mut tokens = vec![0i32; ROWS * width];
-    let mut mask = vec![0i32; ROWS * width];
+    let mut rows: Vec<(Vec<u32>, Vec<u32>)> = Vec::new();
     let mut response_mask = vec![0f32; ROWS * RESPONSE];
     for r in 0..ROWS {
-        let prompt_len = 1 + r % PROMPT;
-        let response_len = 1 + (r / 2) % RESPONSE;
-        for c in PROMPT - prompt_len..PROMPT + response_len {
-            tokens[r * width + c] = (next() % VOCAB) as i32;
-            mask[r * width + c] = 1;
-        }
+        let prompt = if r % GROUP == 0 {
+            (0..1 + (r / GROUP) % PROMPT)
+                .map(|_| (next() % VOCAB) as u32)
+                .collect()
+        } else {
+            rows[r - 1].0.clone()
+        };
+        let response_len = 1 + (r / 2 + r % 2) % RESPONSE;
+        rows.push((
+            prompt,
+            (0..response_len).map(|_| (next() % VOCAB) as u32).collect(),
+        ));
         for j in 0..response_len {
             response_mask[r * RESPONSE + j] = 1.0;
         }
@@ -136,8 +149,7 @@ fn batch(seed: u64) -> Batch {
         .map(|_| -2.1 + 0.3 * signed(next()))
         .collect();
     Batch {
-        tokens,
-        mask,
+        rows,
         response_mask,
         advantages,
         old,
@@ -145,10 +157,15 @@ fn batch(seed: u64) -> Batch {
     }
 }
 
-/// Rows `[start, start + rows)`, normalised by the whole mini-batch.
-fn micro(b: &Batch, start: usize, rows: usize) -> MicroBatchHost {
-    let w = PROMPT + RESPONSE;
+/// Rows `[start, start + rows)` packed for a learner on `blocks` devices, normalised by the
+/// whole mini-batch.
+fn micro(b: &Batch, start: usize, rows: usize, blocks: usize) -> MicroBatchHost {
     let (a, e) = (start * RESPONSE, (start + rows) * RESPONSE);
+    let pairs: Vec<(&[u32], &[u32])> = b.rows[start..start + rows]
+        .iter()
+        .map(|(p, r)| (&p[..], &r[..]))
+        .collect();
+    let packed = policy(rows, blocks).pack(&pairs).unwrap();
     MicroBatchHost {
         old_log_probs: b.old[a..e].to_vec(),
         advantages: b.advantages[a..e].to_vec(),
@@ -156,10 +173,7 @@ fn micro(b: &Batch, start: usize, rows: usize) -> MicroBatchHost {
         ref_log_probs: Some(b.reference[a..e].to_vec()),
         rollout_log_probs: None,
         norm: mini_batch_normalizer(&b.response_mask, RESPONSE),
-        inputs: vec![
-            HostArray::I32(b.tokens[start * w..(start + rows) * w].to_vec()),
-            HostArray::I32(b.mask[start * w..(start + rows) * w].to_vec()),
-        ],
+        inputs: packed.inputs(),
     }
 }
 
@@ -176,7 +190,10 @@ fn learner(micro_batch_size: usize, parallel: Parallelism) -> Learner {
 }
 
 fn learner_as(micro_batch_size: usize, parallel: Parallelism, compute_dtype: DType) -> Learner {
-    let p = policy(micro_batch_size);
+    let p = policy(
+        micro_batch_size,
+        parallel.devices(micro_batch_size as i64).unwrap(),
+    );
     let cfg = step_cfg_as(micro_batch_size, parallel, compute_dtype);
     let specs = p.param_specs();
     let programs = build_train_programs(&cfg, &specs, &p.input_specs(), |w, b| p.log_probs(w, b))
@@ -194,7 +211,10 @@ fn train(l: &mut Learner, micro_batches: usize) -> (LearnerState, Vec<Vec<(&'sta
     for step in 0..STEPS {
         let b = batch(step as u64 + 1);
         let mbs: Vec<_> = (0..micro_batches)
-            .map(|i| l.upload_micro_batch(i, &micro(&b, i * rows, rows)).unwrap())
+            .map(|i| {
+                l.upload_micro_batch(i, &micro(&b, i * rows, rows, l.devices()))
+                    .unwrap()
+            })
             .collect();
         let m = l.step(&mbs, 0.01).unwrap();
         assert!(m.update_applied, "step {step}: {m:?}");
@@ -249,12 +269,12 @@ fn param_bytes(l: &Learner, device: usize) -> usize {
 #[test]
 fn dp_and_fsdp_on_2_and_4_devices_match_one_device_and_fsdp_memory_falls_as_1_over_n() {
     let mut single = learner(ROWS, Parallelism::default());
-    let probe = micro(&batch(9), 0, ROWS).inputs;
-    let lp_single = single.log_probs(&probe, false).unwrap();
+    let probe = |blocks| micro(&batch(9), 0, ROWS, blocks).inputs;
+    let lp_single = single.log_probs(&probe(1), false).unwrap();
     let (want, want_metrics) = train(&mut single, 1);
     let full_bytes = param_bytes(&single, 0);
-    let lp_after = single.log_probs(&probe, false).unwrap();
-    let lp_reference = single.log_probs(&probe, true).unwrap();
+    let lp_after = single.log_probs(&probe(1), false).unwrap();
+    let lp_reference = single.log_probs(&probe(1), true).unwrap();
     assert_eq!(
         lp_single, lp_reference,
         "the reference stays at the initial weights"
@@ -282,7 +302,7 @@ fn dp_and_fsdp_on_2_and_4_devices_match_one_device_and_fsdp_memory_falls_as_1_ov
                 "{what}: same parameter table"
             );
             // The programs carry the mesh the partition count is read from.
-            let lp = l.log_probs(&probe, false).unwrap();
+            let lp = l.log_probs(&probe(devices), false).unwrap();
             assert!(
                 max_diff(&lp, &lp_single) <= 1e-5,
                 "{what}: log_probs before training"
@@ -290,12 +310,12 @@ fn dp_and_fsdp_on_2_and_4_devices_match_one_device_and_fsdp_memory_falls_as_1_ov
             let (got, metrics) = train(&mut l, 1);
             assert_same_state(&what, &got, &want);
             assert_same_metrics(&what, &metrics, &want_metrics);
-            let lp = l.log_probs(&probe, false).unwrap();
+            let lp = l.log_probs(&probe(devices), false).unwrap();
             assert!(
                 max_diff(&lp, &lp_after) <= 1e-4,
                 "{what}: log_probs after training"
             );
-            let lp = l.log_probs(&probe, true).unwrap();
+            let lp = l.log_probs(&probe(devices), true).unwrap();
             assert!(
                 max_diff(&lp, &lp_reference) <= 1e-5,
                 "{what}: reference log_probs"
@@ -335,7 +355,7 @@ fn micro_batch_accumulation_under_dp_equals_one_fused_step_on_one_device() {
     assert_same_state("dp over 2, 4 micro-batches", &got, &want);
     assert_same_metrics("dp over 2, 4 micro-batches", &metrics, &want_metrics);
     // A checkpoint of the dp learner restores into an fsdp one and continues identically.
-    let p = policy(ROWS / 4);
+    let p = policy(ROWS / 4, 2);
     let cfg = step_cfg(ROWS / 4, Parallelism::new(Strategy::Fsdp, 2));
     let programs =
         build_train_programs(&cfg, &p.param_specs(), &p.input_specs(), |w, b| p.log_probs(w, b)).unwrap();
@@ -349,7 +369,7 @@ fn micro_batch_accumulation_under_dp_equals_one_fused_step_on_one_device() {
 
 #[test]
 fn a_micro_batch_that_does_not_split_and_a_mesh_larger_than_the_client_are_refused() {
-    let p = policy(6);
+    let p = policy(6, 4);
     let cfg = step_cfg(6, Parallelism::new(Strategy::Fsdp, 4));
     let err = build_train_programs(&cfg, &p.param_specs(), &p.input_specs(), |w, b| p.log_probs(w, b))
         .unwrap_err()
@@ -358,7 +378,7 @@ fn a_micro_batch_that_does_not_split_and_a_mesh_larger_than_the_client_are_refus
         err.contains("actor.ppo_micro_batch_size = 6: must divide by actor.mesh (4)"),
         "{err}"
     );
-    let p = policy(8);
+    let p = policy(8, 4);
     let cfg = step_cfg(8, Parallelism::new(Strategy::Fsdp, 4));
     let programs =
         build_train_programs(&cfg, &p.param_specs(), &p.input_specs(), |w, b| p.log_probs(w, b)).unwrap();
@@ -373,6 +393,15 @@ fn a_micro_batch_that_does_not_split_and_a_mesh_larger_than_the_client_are_refus
     assert_eq!(programs.train_step.local_arg_dims(0), vec![2, 16]);
     assert_eq!(programs.gather_params.len(), 1);
     let cfg = step_cfg(8, Parallelism::new(Strategy::Dp, 8));
+    // The policy's prompt blocks must follow the mesh: 4 prompt slots do not split over 8.
+    let err = build_train_programs(&cfg, &p.param_specs(), &p.input_specs(), |w, b| p.log_probs(w, b))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("the policy input prompts has shape [4, 3]") && err.contains("divide by the 8 devices"),
+        "{err}"
+    );
+    let p = policy(8, 8);
     let programs =
         build_train_programs(&cfg, &p.param_specs(), &p.input_specs(), |w, b| p.log_probs(w, b)).unwrap();
     assert_eq!(programs.train_step.num_partitions(), 8);
@@ -424,9 +453,9 @@ fn fsdp_in_bf16_hands_a_rollout_engine_whole_bf16_weights_on_device_0() {
         .iter()
         .all(|b| b.dtype() == DType::F32 && b.device() == 0));
     let b = batch(1);
-    let m = single.upload_micro_batch(0, &micro(&b, 0, ROWS)).unwrap();
+    let m = single.upload_micro_batch(0, &micro(&b, 0, ROWS, 1)).unwrap();
     single.step(&[m], 0.01).unwrap();
-    let m = fsdp.upload_micro_batch(0, &micro(&b, 0, ROWS)).unwrap();
+    let m = fsdp.upload_micro_batch(0, &micro(&b, 0, ROWS, 2)).unwrap();
     fsdp.step(&[m], 0.01).unwrap();
     // The step gathers nothing (a rollout on the learner's devices reads the shards); the
     // whole copy is gathered when asked for.

@@ -2,5 +2,6 @@
 //! it now, in process and over gRPC. Re-exported here for callers of `actors::run::learner`.
 
 pub use crate::roles::learner::{
-    initial_params, needs_reference, param_specs, step_config, LearnerError, LocalLearner, Row, UpdateReport,
+    initial_params, needs_reference, param_specs, policy, step_config, LearnerError, LocalLearner, Row,
+    UpdateReport,
 };

@@ -72,15 +72,23 @@ pub fn needs_reference(recipe: &Recipe) -> bool {
     recipe.actor.use_kl_loss || recipe.algorithm.use_kl_in_reward
 }
 
-/// The policy of a recipe over a model of `config`: how rows are packed and what the parameter
+/// The policy of a recipe over a model of `config`: how rows are packed (each prompt's
+/// `rollout.n` samples share it; one block of rows per learner device) and what the parameter
 /// table is.
-fn policy(recipe: &Recipe, config: &model::ModelConfig) -> DecoderPolicy {
+pub fn policy(recipe: &Recipe, config: &model::ModelConfig) -> DecoderPolicy {
+    let micro_batch_size = recipe.actor.ppo_micro_batch_size;
     DecoderPolicy {
         config: config.clone(),
         prompt_len: recipe.data.max_prompt_length,
         response_len: recipe.data.max_response_length,
-        micro_batch_size: recipe.actor.ppo_micro_batch_size,
+        micro_batch_size,
         temperature: recipe.rollout.temperature as f32,
+        group_size: recipe.rollout.n.max(1),
+        blocks: recipe
+            .actor
+            .parallelism(&recipe.cluster)
+            .devices(micro_batch_size as i64)
+            .unwrap_or(1),
     }
 }
 

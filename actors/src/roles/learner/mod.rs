@@ -15,7 +15,8 @@ mod remote;
 mod service;
 
 pub use local::{
-    initial_params, needs_reference, param_specs, step_config, LearnerError, LocalLearner, Row, UpdateReport,
+    initial_params, needs_reference, param_specs, policy, step_config, LearnerError, LocalLearner, Row,
+    UpdateReport,
 };
 pub use remote::RemoteLearner;
 pub use service::LearnerService;
