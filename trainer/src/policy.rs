@@ -14,14 +14,16 @@
 //! device's rows and prompts form one block ([`model::forward::SharedPrompts`]). The number of
 //! prompt slots follows from those ([`DecoderPolicy::prompt_slots`]); a micro-batch with more
 //! distinct prompts than that (groups not in that order, or cut short) is packed by the policy
-//! [`DecoderPolicy::unshared`], which has a slot per row.
+//! [`DecoderPolicy::unshared`], which has a slot per row. With a slot per row (no groups, or
+//! one row per block) the policy runs each row whole, prompt then response, through
+//! [`model::forward::logprobs_graph_span`]: the same numbers, and faster when nothing is shared.
 //!
 //! The policy's output column `j` is `log p(response[j] | prompt, response[<j])` at the
 //! sampling temperature, exactly the quantity the rollout reports for the same token: the
 //! response's positions continue the prompt's real length, so left padding moves nothing.
 
 use crate::step::{HostArray, InputSpec, ParamSpec, PolicyOutput};
-use model::forward::{logprobs_graph_shared_prompts, DecoderParams, SharedPrompts};
+use model::forward::{logprobs_graph_shared_prompts, logprobs_graph_span, DecoderParams, SharedPrompts};
 use model::{param_table, ModelConfig};
 use xla::graph::Tensor;
 use xla::DType;
@@ -140,6 +142,13 @@ impl DecoderPolicy {
         self.blocks.max(1) * self.slots_per_block()
     }
 
+    /// Whether rows share prompt slots (fewer slots than rows). Without sharing, row `r`'s
+    /// prompt is slot `r` and the model runs each row whole (the same result; the whole-row
+    /// program is the faster one when nothing is shared: BENCHMARKS.md).
+    pub fn shares_prompts(&self) -> bool {
+        self.prompt_slots() < self.micro_batch_size
+    }
+
     /// The trainable parameters, in the model's parameter-table order (Hugging Face names).
     pub fn param_specs(&self) -> Vec<ParamSpec> {
         param_table(&self.config)
@@ -177,6 +186,16 @@ impl DecoderPolicy {
         let p =
             DecoderParams::from_tensors(&self.config, params).expect("parameters follow the parameter table");
         let temperature = g.scalar(self.temperature as f64, DType::F32);
+        if !self.shares_prompts() {
+            // Rows whole: prompt columns then response columns.
+            let tokens = Tensor::concat(&[&batch[0], &batch[2]], 1);
+            let mask = Tensor::concat(&[&batch[1], &batch[3]], 1);
+            let (lp, ent) = logprobs_graph_span(g, &p, &tokens, &mask, &temperature, self.prompt_len as i64);
+            return PolicyOutput {
+                log_probs: lp,
+                entropy: Some(ent),
+            };
+        }
         let shared = SharedPrompts {
             prompts: &batch[0],
             prompt_mask: &batch[1],
@@ -214,7 +233,12 @@ impl DecoderPolicy {
         };
         for (block, chunk) in rows.chunks(per_block.max(1)).enumerate() {
             let first = block * per_block;
-            let distinct = distinct_prompts(chunk);
+            // A slot per row (no sharing): row i of the block is slot i, equal prompts or not.
+            let distinct = if self.shares_prompts() {
+                distinct_prompts(chunk)
+            } else {
+                chunk.iter().map(|(p, _)| *p).collect()
+            };
             if distinct.len() > slots {
                 return Err(PackError::TooManyPrompts {
                     first,
@@ -243,7 +267,11 @@ impl DecoderPolicy {
                         max: l,
                     });
                 }
-                let slot = distinct.iter().position(|s| s == prompt).expect("listed above");
+                let slot = if self.shares_prompts() {
+                    distinct.iter().position(|s| s == prompt).expect("listed above")
+                } else {
+                    i
+                };
                 out.prompt_index[row] = slot as i32;
                 for (j, &t) in response.iter().enumerate() {
                     out.responses[row * l + j] = t as i32;
@@ -349,9 +377,11 @@ mod tests {
         let unshared = p.unshared();
         assert!(unshared.fits(&mixed));
         assert_eq!(unshared.prompt_slots(), 8);
+        // A slot per row, counted from the start of each block of 4 rows.
+        assert!(!unshared.shares_prompts());
         assert_eq!(
             unshared.pack(&mixed).unwrap().prompt_index,
-            vec![0, 1, 0, 1, 0, 1, 0, 1]
+            vec![0, 1, 2, 3, 0, 1, 2, 3]
         );
     }
 
