@@ -133,6 +133,18 @@ impl BucketedLearner {
                 ),
             });
         }
+        let devices = cfg.parallel.devices(cfg.micro_batch_size)?;
+        if policy.blocks.max(1) != devices {
+            return Err(TrainerError::Config {
+                key: "actor.mesh",
+                value: devices.to_string(),
+                message: format!(
+                    "the policy packs its rows in {} blocks but the learner splits them over {devices} \
+                     devices; build the policy with one block per device",
+                    policy.blocks
+                ),
+            });
+        }
         let specs = policy.param_specs();
         let p = policy.clone();
         let programs = build_train_programs(&cfg, &specs, &policy.input_specs(), move |params, batch| {

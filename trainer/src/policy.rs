@@ -223,7 +223,7 @@ impl DecoderPolicy {
             });
         }
         let (per_block, slots) = (self.rows_per_block(), self.slots_per_block());
-        let u = self.prompt_slots();
+        let (u, shared) = (self.prompt_slots(), self.shares_prompts());
         let mut out = PackedRows {
             prompts: vec![0; u * p],
             prompt_mask: vec![0; u * p],
@@ -234,7 +234,7 @@ impl DecoderPolicy {
         for (block, chunk) in rows.chunks(per_block.max(1)).enumerate() {
             let first = block * per_block;
             // A slot per row (no sharing): row i of the block is slot i, equal prompts or not.
-            let distinct = if self.shares_prompts() {
+            let distinct = if shared {
                 distinct_prompts(chunk)
             } else {
                 chunk.iter().map(|(p, _)| *p).collect()
@@ -267,7 +267,7 @@ impl DecoderPolicy {
                         max: l,
                     });
                 }
-                let slot = if self.shares_prompts() {
+                let slot = if shared {
                     distinct.iter().position(|s| s == prompt).expect("listed above")
                 } else {
                     i

@@ -390,3 +390,23 @@ fn shapes_built_for_another_configuration_are_refused() {
         .unwrap();
     assert_eq!((ok, l.learner().shape_response_len(ok)), (1, Some(4)));
 }
+
+#[test]
+fn a_policy_whose_blocks_do_not_follow_the_mesh_is_refused() {
+    let state = LearnerState::fresh(initial());
+    let err = BucketedLearner::from_state(
+        client(),
+        policy(),
+        step_cfg(PolicyLossConfig::default(), Parallelism::new(Strategy::Dp, 2)),
+        &state,
+        BUCKET,
+        3,
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        err.contains("packs its rows in 1 blocks but the learner splits them over 2 devices"),
+        "{err}"
+    );
+}
