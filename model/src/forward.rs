@@ -224,7 +224,10 @@ pub fn rope_tables(config: &ModelConfig, positions: &Tensor) -> (Tensor, Tensor)
     dims.push(half);
     let angles = &pos.keep_axis(rank).broadcast_to(&dims) * &inv.broadcast_to(&dims);
     let emb = Tensor::concat(&[&angles, &angles], rank);
-    (emb.cos(), emb.sin())
+    // Materialised once: left free, XLA fuses the cosine and sine into every layer's rotation,
+    // forward and backward, recomputing them ~100 times per pass.
+    let tables = g.optimization_barrier(&[&emb.cos(), &emb.sin()]);
+    (tables[0].clone(), tables[1].clone())
 }
 
 /// The SwiGLU MLP: `down(silu(gate(x)) * up(x))`.

@@ -622,6 +622,9 @@ fn main() {
         }
     }
     println!("load average at end: {}", load_average());
+    if xla::runtime::host_blocks::installed() {
+        println!("CPU plugin block cache: {:?}", xla::runtime::host_blocks::stats());
+    }
 }
 
 /// Rows `[start, end)` of the `[rows, L]` old log-probs.

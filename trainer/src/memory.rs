@@ -8,6 +8,11 @@
 //! what it maps, and the same memory arrives in 2 MiB pages: the bf16 update took 14.4 s
 //! instead of 17.9 s (`trainer/examples/update_bench.rs`, BENCHMARKS.md "Learner (trainer)").
 //!
+//! The CPU plugin's blocks of 16 MiB and more no longer come from glibc at all: they are kept
+//! and reused by `xla::runtime::host_blocks` (mapped with huge pages once, never faulted in
+//! again). The tunable still serves everything else glibc maps (buffers the host code and
+//! smaller plugin allocations take).
+//!
 //! glibc reads tunables only when a process starts, so [`reexec_with_huge_page_malloc`]
 //! re-executes the program once with the tunable added to `GLIBC_TUNABLES`; a program calls
 //! it first thing in `main`, before any thread starts.

@@ -23,6 +23,7 @@ mod client;
 mod cuda;
 mod error;
 mod executable;
+pub mod host_blocks;
 pub mod inventory;
 mod plugin;
 pub mod tpu;

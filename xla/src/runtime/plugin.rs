@@ -435,6 +435,14 @@ impl Plugin {
         // SAFETY: loading a PJRT plugin runs its initialisers; these are trusted libraries.
         let library =
             unsafe { libloading::Library::new(path) }.map_err(|e| load_err(format!("dlopen failed: {e}")))?;
+        if kind == PluginKind::Cpu {
+            match super::host_blocks::install(path) {
+                Ok(slots) => {
+                    tracing::debug!("CPU plugin: large host allocations cached ({slots} import slots)")
+                }
+                Err(why) => tracing::info!("CPU plugin: large host allocations not cached: {why}"),
+            }
+        }
         // SAFETY: GetPjrtApi has this signature in every PJRT plugin.
         let get_api: libloading::Symbol<unsafe extern "C" fn() -> *const PJRT_Api> =
             unsafe { library.get(b"GetPjrtApi\0") }
