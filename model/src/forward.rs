@@ -36,6 +36,10 @@ use crate::params::param_table;
 /// distribution instead of NaN; such rows are padding and their outputs are discarded).
 const MASKED_SCORE: f64 = -1.0e30;
 
+/// Full-sequence attention from this many positions on runs its queries in two causal halves
+/// (see `self_attention`).
+pub const CAUSAL_HALVES_FROM: i64 = 256;
+
 /// Default number of positions per chunk of the output head in [`logprobs_graph`].
 pub const DEFAULT_HEAD_CHUNK: i64 = 128;
 
@@ -321,8 +325,9 @@ fn finish_layer(config: &ModelConfig, layer: &LayerParams, h: &Tensor, attn: &Te
 /// projection, which [`finish_layer`] applies) and the keys and values `[B, kv_heads, T,
 /// head_dim]` (the cache layout).
 ///
-/// (Queries in causal blocks over the key prefix were measured on the CPU plugin at T = 512
-/// and gave no gain: BENCHMARKS.md.)
+/// From [`CAUSAL_HALVES_FROM`] positions the queries run in two halves, the first over the first
+/// half of the keys only: 8 % off the SmolLM2 update at T = 512 on the CPU plugin, where four
+/// blocks of 128 gained less (BENCHMARKS.md, "Learner").
 fn self_attention(
     config: &ModelConfig,
     layer: &LayerParams,
@@ -334,7 +339,29 @@ fn self_attention(
     let (q, k, v) = qkv(config, layer, x, cos, sin);
     let k = k.transpose(&[0, 2, 1, 3]);
     let v = v.transpose(&[0, 2, 1, 3]);
-    let out = attend(config, layer, &q, &k, &v, allowed);
+    let t = q.dims()[1];
+    let out = if t >= CAUSAL_HALVES_FROM && t % 2 == 0 {
+        // Query half i sees only key halves 0..=i (causal in column order), so the quarter of
+        // the scores above the diagonal is never computed.
+        let half = t / 2;
+        let parts: Vec<Tensor> = (0..2)
+            .map(|i| {
+                let (from, to) = (i * half, (i + 1) * half);
+                attend(
+                    config,
+                    layer,
+                    &q.slice_axis(1, from, to),
+                    &k.slice_axis(2, 0, to),
+                    &v.slice_axis(2, 0, to),
+                    &allowed.slice_axis(3, from, to).slice_axis(4, 0, to),
+                )
+            })
+            .collect();
+        let refs: Vec<&Tensor> = parts.iter().collect();
+        Tensor::concat(&refs, 1)
+    } else {
+        attend(config, layer, &q, &k, &v, allowed)
+    };
     (out, k, v)
 }
 

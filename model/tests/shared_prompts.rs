@@ -121,6 +121,30 @@ fn one_column_case() -> Case {
     }
 }
 
+/// Rows of 256 columns: the per-row program runs its attention in two causal halves
+/// (`model::forward::CAUSAL_HALVES_FROM`), the shared program does not, so this also checks the
+/// halves against whole attention, left padding and empty responses included.
+fn long_case() -> Case {
+    assert_eq!(model::forward::CAUSAL_HALVES_FROM, 256);
+    let tokens = |n: usize, seed: usize| -> Vec<i32> {
+        (0..n)
+            .map(|i| ((i * 37 + seed * 11 + 5) % 383 + 1) as i32)
+            .collect()
+    };
+    Case {
+        prompt_len: 100,
+        response_len: 156,
+        blocks: 1,
+        prompts: vec![vec![tokens(100, 1), tokens(37, 2)]],
+        rows: vec![
+            Some((0, 0, tokens(156, 3))),
+            Some((0, 0, tokens(90, 4))),
+            Some((0, 1, tokens(156, 5))),
+            Some((0, 1, vec![])),
+        ],
+    }
+}
+
 /// Runs `log-probs, entropies, d(loss)/d(every parameter)` for both formulations and returns
 /// them (shared first).
 fn both(family: &str, dtype: DType, case: &Case) -> [Vec<Vec<f32>>; 2] {
@@ -243,6 +267,7 @@ fn check(family: &str, dtype: DType, case: &Case, rel: f32) {
 fn llama_shared_prompts_equal_one_row_each() {
     check("llama", DType::F32, &two_block_case(), 1e-4);
     check("llama", DType::F32, &one_column_case(), 1e-4);
+    check("llama", DType::F32, &long_case(), 1e-4);
 }
 
 #[test]
