@@ -325,9 +325,8 @@ fn finish_layer(config: &ModelConfig, layer: &LayerParams, h: &Tensor, attn: &Te
 /// projection, which [`finish_layer`] applies) and the keys and values `[B, kv_heads, T,
 /// head_dim]` (the cache layout).
 ///
-/// From [`CAUSAL_HALVES_FROM`] positions the queries run in two halves, the first over the first
-/// half of the keys only: 8 % off the SmolLM2 update at T = 512 on the CPU plugin, where four
-/// blocks of 128 gained less (BENCHMARKS.md, "Learner").
+/// Long sequences run in causal halves ([`causal_attend`]): 8 % off the SmolLM2 update at
+/// T = 512 on the CPU plugin, where four blocks of 128 gained less (BENCHMARKS.md, "Learner").
 fn self_attention(
     config: &ModelConfig,
     layer: &LayerParams,
@@ -339,30 +338,44 @@ fn self_attention(
     let (q, k, v) = qkv(config, layer, x, cos, sin);
     let k = k.transpose(&[0, 2, 1, 3]);
     let v = v.transpose(&[0, 2, 1, 3]);
-    let t = q.dims()[1];
-    let out = if t >= CAUSAL_HALVES_FROM && t % 2 == 0 {
-        // Query half i sees only key halves 0..=i (causal in column order), so the quarter of
-        // the scores above the diagonal is never computed.
-        let half = t / 2;
-        let parts: Vec<Tensor> = (0..2)
-            .map(|i| {
-                let (from, to) = (i * half, (i + 1) * half);
-                attend(
-                    config,
-                    layer,
-                    &q.slice_axis(1, from, to),
-                    &k.slice_axis(2, 0, to),
-                    &v.slice_axis(2, 0, to),
-                    &allowed.slice_axis(3, from, to).slice_axis(4, 0, to),
-                )
-            })
-            .collect();
-        let refs: Vec<&Tensor> = parts.iter().collect();
-        Tensor::concat(&refs, 1)
-    } else {
-        attend(config, layer, &q, &k, &v, allowed)
-    };
+    let out = causal_attend(config, layer, &q, &k, &v, allowed);
     (out, k, v)
+}
+
+/// [`attend`] of a sequence over itself, where `allowed` is causal in column order (a query
+/// never sees a later column; padding anywhere). From [`CAUSAL_HALVES_FROM`] positions the
+/// first half of the queries runs over the first half of the keys only, so the quarter of the
+/// scores above the diagonal is never computed.
+fn causal_attend(
+    config: &ModelConfig,
+    layer: &LayerParams,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    allowed: &Tensor,
+) -> Tensor {
+    let t = q.dims()[1];
+    if t < CAUSAL_HALVES_FROM || t % 2 != 0 {
+        return attend(config, layer, q, k, v, allowed);
+    }
+    let half = t / 2;
+    let early = attend(
+        config,
+        layer,
+        &q.slice_axis(1, 0, half),
+        &k.slice_axis(2, 0, half),
+        &v.slice_axis(2, 0, half),
+        &allowed.slice_axis(3, 0, half).slice_axis(4, 0, half),
+    );
+    let late = attend(
+        config,
+        layer,
+        &q.slice_axis(1, half, t),
+        k,
+        v,
+        &allowed.slice_axis(3, half, t),
+    );
+    Tensor::concat(&[&early, &late], 1)
 }
 
 /// Grouped-query attention of queries `q [B, T, heads, head_dim]` over keys and values
@@ -595,6 +608,24 @@ pub struct SharedPrompts<'a> {
     pub blocks: i64,
 }
 
+impl<'a> SharedPrompts<'a> {
+    /// From the five inputs in field order: prompts, prompt mask, responses, response mask,
+    /// prompt index.
+    pub fn from_inputs(inputs: &'a [Tensor], blocks: i64) -> SharedPrompts<'a> {
+        let [prompts, prompt_mask, responses, response_mask, prompt_index] = inputs else {
+            panic!("shared prompts take 5 inputs, got {}", inputs.len());
+        };
+        SharedPrompts {
+            prompts,
+            prompt_mask,
+            responses,
+            response_mask,
+            prompt_index,
+            blocks,
+        }
+    }
+}
+
 /// The per-token log-probabilities and entropies of `B` responses, `[B, L]` each, where groups
 /// of responses follow the same prompt (GRPO's `n` samples per prompt): each prompt runs
 /// through the decoder once and its responses attend to its keys and values, instead of every
@@ -697,7 +728,7 @@ pub fn logprobs_graph_shared_prompts(
         // Prompts over themselves; responses over their prompt's keys, then their own.
         let k_p = prompts_of(&k).transpose(&[0, 2, 1, 3]);
         let v_p = prompts_of(&v).transpose(&[0, 2, 1, 3]);
-        let attn_p = attend(config, layer, &prompts_of(&q), &k_p, &v_p, &p_allowed);
+        let attn_p = causal_attend(config, layer, &prompts_of(&q), &k_p, &v_p, &p_allowed);
         let k_r = Tensor::concat(&[&per_row(&k_p), &responses_of(&k).transpose(&[0, 2, 1, 3])], 2);
         let v_r = Tensor::concat(&[&per_row(&v_p), &responses_of(&v).transpose(&[0, 2, 1, 3])], 2);
         let attn_r = attend(config, layer, &responses_of(&q), &k_r, &v_r, &r_allowed);

@@ -145,6 +145,28 @@ fn long_case() -> Case {
     }
 }
 
+/// Prompts of 256 columns: now the shared program runs the prompts' attention in halves (split
+/// at 128) and the per-row program its rows of 260 (split at 130).
+fn long_prompt_case() -> Case {
+    let tokens = |n: usize, seed: usize| -> Vec<i32> {
+        (0..n)
+            .map(|i| ((i * 29 + seed * 13 + 7) % 383 + 1) as i32)
+            .collect()
+    };
+    Case {
+        prompt_len: 256,
+        response_len: 4,
+        blocks: 1,
+        prompts: vec![vec![tokens(256, 1), tokens(140, 2)]],
+        rows: vec![
+            Some((0, 0, tokens(4, 3))),
+            Some((0, 1, tokens(2, 4))),
+            Some((0, 1, tokens(4, 5))),
+            Some((0, 0, vec![])),
+        ],
+    }
+}
+
 /// Runs `log-probs, entropies, d(loss)/d(every parameter)` for both formulations and returns
 /// them (shared first).
 fn both(family: &str, dtype: DType, case: &Case) -> [Vec<Vec<f32>>; 2] {
@@ -176,14 +198,7 @@ fn both(family: &str, dtype: DType, case: &Case) -> [Vec<Vec<f32>>; 2] {
         let forward = |params: &[Tensor]| {
             let p = DecoderParams::from_tensors(&config, params).unwrap();
             if shared {
-                let batch = SharedPrompts {
-                    prompts: &args[0],
-                    prompt_mask: &args[1],
-                    responses: &args[2],
-                    response_mask: &args[3],
-                    prompt_index: &args[4],
-                    blocks: case.blocks as i64,
-                };
+                let batch = SharedPrompts::from_inputs(&args, case.blocks as i64);
                 logprobs_graph_shared_prompts(&g, &p, &batch, &temp)
             } else {
                 logprobs_graph_span(&g, &p, &args[0], &args[1], &temp, case.prompt_len as i64)
@@ -268,6 +283,7 @@ fn llama_shared_prompts_equal_one_row_each() {
     check("llama", DType::F32, &two_block_case(), 1e-4);
     check("llama", DType::F32, &one_column_case(), 1e-4);
     check("llama", DType::F32, &long_case(), 1e-4);
+    check("llama", DType::F32, &long_prompt_case(), 1e-4);
 }
 
 #[test]

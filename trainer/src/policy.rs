@@ -196,14 +196,7 @@ impl DecoderPolicy {
                 entropy: Some(ent),
             };
         }
-        let shared = SharedPrompts {
-            prompts: &batch[0],
-            prompt_mask: &batch[1],
-            responses: &batch[2],
-            response_mask: &batch[3],
-            prompt_index: &batch[4],
-            blocks: self.blocks.max(1) as i64,
-        };
+        let shared = SharedPrompts::from_inputs(batch, self.blocks.max(1) as i64);
         let (lp, ent) = logprobs_graph_shared_prompts(g, &p, &shared, &temperature);
         PolicyOutput {
             log_probs: lp,

@@ -87,7 +87,13 @@ struct Pool {
     clock: u64,
     /// Request lengths whose wait timed out: they map at once from then on.
     concurrent: Vec<usize>,
-    stats: BlockStats,
+    /// The counters of [`BlockStats`]; the byte totals are read off `blocks`.
+    mapped: u64,
+    reused: u64,
+    unmapped: u64,
+    waits: u64,
+    timeouts: u64,
+    peak_busy_bytes: usize,
 }
 
 impl Pool {
@@ -96,16 +102,30 @@ impl Pool {
             blocks: Vec::new(),
             clock: 0,
             concurrent: Vec::new(),
-            stats: BlockStats {
-                mapped: 0,
-                reused: 0,
-                unmapped: 0,
-                waits: 0,
-                timeouts: 0,
-                held_bytes: 0,
-                busy_bytes: 0,
-                peak_busy_bytes: 0,
-            },
+            mapped: 0,
+            reused: 0,
+            unmapped: 0,
+            waits: 0,
+            timeouts: 0,
+            peak_busy_bytes: 0,
+        }
+    }
+
+    fn bytes(&self, busy: bool) -> usize {
+        self.blocks.iter().filter(|b| b.busy == busy).map(|b| b.len).sum()
+    }
+
+    fn stats(&self) -> BlockStats {
+        let busy_bytes = self.bytes(true);
+        BlockStats {
+            mapped: self.mapped,
+            reused: self.reused,
+            unmapped: self.unmapped,
+            waits: self.waits,
+            timeouts: self.timeouts,
+            held_bytes: busy_bytes + self.bytes(false),
+            busy_bytes,
+            peak_busy_bytes: self.peak_busy_bytes,
         }
     }
 
@@ -118,9 +138,9 @@ impl Pool {
             .filter(|b| !b.busy && b.len >= len && b.len / 2 <= len)
             .min_by_key(|b| b.len)?;
         best.busy = true;
-        let (addr, got) = (best.addr, best.len);
-        self.stats.reused += 1;
-        self.note_busy(got);
+        let addr = best.addr;
+        self.reused += 1;
+        self.note_busy();
         Some(addr)
     }
 
@@ -139,14 +159,12 @@ impl Pool {
             busy: true,
             freed_at: 0,
         });
-        self.stats.mapped += 1;
-        self.stats.held_bytes += len;
-        self.note_busy(len);
+        self.mapped += 1;
+        self.note_busy();
     }
 
-    fn note_busy(&mut self, len: usize) {
-        self.stats.busy_bytes += len;
-        self.stats.peak_busy_bytes = self.stats.peak_busy_bytes.max(self.stats.busy_bytes);
+    fn note_busy(&mut self) {
+        self.peak_busy_bytes = self.peak_busy_bytes.max(self.bytes(true));
     }
 
     /// The length of the busy block at `addr`, if it is one.
@@ -166,10 +184,9 @@ impl Pool {
         let block = self.blocks.iter_mut().find(|b| b.busy && b.addr == addr)?;
         block.busy = false;
         block.freed_at = clock;
-        self.stats.busy_bytes -= block.len;
-        let mut idle: usize = self.blocks.iter().filter(|b| !b.busy).map(|b| b.len).sum();
+        let mut idle = self.bytes(false);
         let mut evict = Vec::new();
-        while idle > 2 * self.stats.peak_busy_bytes {
+        while idle > 2 * self.peak_busy_bytes {
             let oldest = self
                 .blocks
                 .iter()
@@ -180,8 +197,7 @@ impl Pool {
                 .expect("idle bytes come from idle blocks");
             let b = self.blocks.swap_remove(oldest);
             idle -= b.len;
-            self.stats.held_bytes -= b.len;
-            self.stats.unmapped += 1;
+            self.unmapped += 1;
             evict.push((b.addr, b.len));
         }
         Some(evict)
@@ -202,7 +218,7 @@ fn pool() -> MutexGuard<'static, Pool> {
 
 /// The cache's counters (all zero when it is not installed).
 pub fn stats() -> BlockStats {
-    pool().stats
+    pool().stats()
 }
 
 /// Whether the CPU plugin's large allocations go through the cache in this process.
@@ -266,13 +282,13 @@ fn acquire(size: usize) -> Option<usize> {
             break;
         }
         waited = true;
-        pool.stats.waits += 1;
+        pool.waits += 1;
         let (guard, result) = FREED
             .wait_timeout(pool, WAIT_FOR)
             .unwrap_or_else(|poison| poison.into_inner());
         pool = guard;
         if result.timed_out() {
-            pool.stats.timeouts += 1;
+            pool.timeouts += 1;
             pool.concurrent.push(len);
         }
     }
@@ -508,7 +524,8 @@ mod elf {
             }
         };
         let (mut strtab, mut symtab) = (None, None);
-        let mut tables: Vec<(Option<usize>, Option<usize>)> = vec![(None, None), (None, None)];
+        // (address, bytes) of the relocation tables: DT_RELA and the PLT's DT_JMPREL.
+        let (mut rela, mut jmprel) = ((None, None), (None, None));
         // SAFETY (whole block): reads of the loaded object's dynamic-linking tables, which the
         // loader keeps mapped, and writes of its import slots.
         unsafe {
@@ -518,10 +535,10 @@ mod elf {
                 match tag {
                     DT_STRTAB => strtab = Some(absolute(val)),
                     DT_SYMTAB => symtab = Some(absolute(val)),
-                    DT_RELA => tables[0].0 = Some(absolute(val)),
-                    DT_RELASZ => tables[0].1 = Some(val as usize),
-                    DT_JMPREL => tables[1].0 = Some(absolute(val)),
-                    DT_PLTRELSZ => tables[1].1 = Some(val as usize),
+                    DT_RELA => rela.0 = Some(absolute(val)),
+                    DT_RELASZ => rela.1 = Some(val as usize),
+                    DT_JMPREL => jmprel.0 = Some(absolute(val)),
+                    DT_PLTRELSZ => jmprel.1 = Some(val as usize),
                     _ => {}
                 }
                 entry = entry.add(1);
@@ -529,7 +546,7 @@ mod elf {
             let strtab = strtab.ok_or(InstallError::Malformed("DT_STRTAB"))?;
             let symtab = symtab.ok_or(InstallError::Malformed("DT_SYMTAB"))?;
             let mut patched = 0;
-            for (start, bytes) in tables {
+            for (start, bytes) in [rela, jmprel] {
                 let (Some(start), Some(bytes)) = (start, bytes) else {
                     continue;
                 };
@@ -597,9 +614,10 @@ mod tests {
         assert_eq!(pool.take_idle(GB), Some(0x1000_0000));
         assert_eq!(pool.take_idle(GB), Some(0x9000_0000));
         assert_eq!(pool.take_idle(GB), None);
-        assert_eq!(pool.stats.reused, 2);
-        assert_eq!(pool.stats.busy_bytes, 3 * GB);
-        assert_eq!(pool.stats.peak_busy_bytes, 3 * GB);
+        let stats = pool.stats();
+        assert_eq!((stats.reused, stats.mapped), (2, 2));
+        assert_eq!((stats.busy_bytes, stats.held_bytes), (3 * GB, 3 * GB));
+        assert_eq!(stats.peak_busy_bytes, 3 * GB);
     }
 
     #[test]
@@ -611,15 +629,15 @@ mod tests {
         pool.add(0x5000_0000, 2 * GB);
         assert_eq!(pool.release(0x5000_0000), Some(vec![]));
         pool.add(0x9000_0000, 4 * GB);
-        assert_eq!(pool.stats.peak_busy_bytes, 4 * GB);
+        assert_eq!(pool.stats().peak_busy_bytes, 4 * GB);
         // 7 GB idle after it is freed, within 2 x 4 GB: all three stay.
         assert_eq!(pool.release(0x9000_0000), Some(vec![]));
         // A 6 GB program raises the peak to 6 GB; freeing it makes 13 GB idle against a limit
         // of 12 GB: the 1 GB block, freed first, is unmapped.
         pool.add(0xf000_0000, 6 * GB);
         assert_eq!(pool.release(0xf000_0000), Some(vec![(0x1000_0000, GB)]));
-        assert_eq!(pool.stats.held_bytes, 12 * GB);
-        assert_eq!(pool.stats.unmapped, 1);
+        assert_eq!(pool.stats().held_bytes, 12 * GB);
+        assert_eq!(pool.stats().unmapped, 1);
         assert_eq!(pool.take_idle(3 * GB), Some(0x9000_0000));
     }
 
