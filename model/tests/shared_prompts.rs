@@ -121,16 +121,18 @@ fn one_column_case() -> Case {
     }
 }
 
+/// `n` token ids (1..=383, within the tiny models' vocabulary), varied by `seed`.
+fn tokens(n: usize, seed: usize) -> Vec<i32> {
+    (0..n)
+        .map(|i| ((i * 37 + seed * 11 + 5) % 383 + 1) as i32)
+        .collect()
+}
+
 /// Rows of 256 columns: the per-row program runs its attention in two causal halves
 /// (`model::forward::CAUSAL_HALVES_FROM`), the shared program does not, so this also checks the
 /// halves against whole attention, left padding and empty responses included.
 fn long_case() -> Case {
     assert_eq!(model::forward::CAUSAL_HALVES_FROM, 256);
-    let tokens = |n: usize, seed: usize| -> Vec<i32> {
-        (0..n)
-            .map(|i| ((i * 37 + seed * 11 + 5) % 383 + 1) as i32)
-            .collect()
-    };
     Case {
         prompt_len: 100,
         response_len: 156,
@@ -145,14 +147,9 @@ fn long_case() -> Case {
     }
 }
 
-/// Prompts of 256 columns: now the shared program runs the prompts' attention in halves (split
-/// at 128) and the per-row program its rows of 260 (split at 130).
+/// Prompts of 256 columns: the shared program runs the prompts' attention in halves (split at
+/// 128), the per-row program its rows of 260 (split at 130).
 fn long_prompt_case() -> Case {
-    let tokens = |n: usize, seed: usize| -> Vec<i32> {
-        (0..n)
-            .map(|i| ((i * 29 + seed * 13 + 7) % 383 + 1) as i32)
-            .collect()
-    };
     Case {
         prompt_len: 256,
         response_len: 4,
