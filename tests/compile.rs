@@ -257,7 +257,11 @@ fn an_oversized_7b_recipe_does_not_fit_v5e_and_says_what_to_change() {
         stdout.contains("set `actor.strategy: fsdp`") && stdout.contains("e.g. --topology v5e:"),
         "{stdout}"
     );
-    assert!(stdout.contains("`actor.ppo_micro_batch_size: 64`"), "{stdout}");
+    assert!(
+        stdout.contains("at `actor.ppo_micro_batch_size: 128`")
+            && stdout.contains("set `actor.ppo_micro_batch_size: 64`"),
+        "{stdout}"
+    );
     assert!(stderr.contains("error: 1 of 1 programs do not fit"), "{stderr}");
 }
 
