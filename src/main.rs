@@ -37,11 +37,10 @@ enum Command {
 }
 
 fn main() -> std::process::ExitCode {
-    // XLA CPU takes its large per-call temporaries from malloc; with glibc's huge-page tunable
-    // they arrive in 2 MiB pages instead of a million fresh 4 KiB faults per call (the learner's
-    // update: 17.9 s -> 14.4 s in bf16, 37.7 s -> 30.4 s in f32; BENCHMARKS.md "Learner"). This
-    // re-executes grpo once with the tunable set (same pid); where it cannot, grpo carries on.
-    // `GLIBC_TUNABLES=glibc.malloc.hugetlb=0` opts out.
+    // XLA CPU takes its per-call temporaries from malloc; with glibc's huge-page tunable they
+    // arrive in 2 MiB pages instead of fresh 4 KiB faults on every call (BENCHMARKS.md,
+    // "Learner"). This re-executes grpo once with the tunable set (same pid); where it cannot,
+    // grpo carries on. `GLIBC_TUNABLES=glibc.malloc.hugetlb=0` opts out.
     let _ = trainer::memory::reexec_with_huge_page_malloc();
     let cli = Cli::parse();
     init_logging(cli.verbose);
@@ -58,10 +57,27 @@ fn main() -> std::process::ExitCode {
     match result {
         Ok(code) => code,
         Err(err) => {
-            eprintln!("error: {err:#}");
+            eprintln!("error: {}", error_text(&err));
             std::process::ExitCode::from(2)
         }
     }
+}
+
+/// An error and its causes on one line, each said once: many errors already quote their cause
+/// in their own message (`cannot write X: <the OS error>`), and the chain would repeat it.
+fn error_text(err: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in err.chain() {
+        let part = cause.to_string();
+        if text.contains(&part) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&part);
+    }
+    text
 }
 
 fn init_logging(verbose: u8) {
@@ -77,4 +93,28 @@ fn init_logging(verbose: u8) {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .init();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::error_text;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("cannot write out.parquet: {source}; check that its folder is writable")]
+    struct Quoting {
+        source: std::io::Error,
+    }
+
+    #[test]
+    fn each_cause_is_said_once() {
+        let os = std::io::Error::from(std::io::ErrorKind::NotFound);
+        let os_text = os.to_string();
+        let err = anyhow::Error::new(Quoting { source: os }).context("grpo preprocess failed");
+        assert_eq!(
+            error_text(&err),
+            format!("grpo preprocess failed: cannot write out.parquet: {os_text}; check that its folder is writable")
+        );
+        let plain = anyhow::anyhow!("inner").context("outer");
+        assert_eq!(error_text(&plain), "outer: inner");
+    }
 }

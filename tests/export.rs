@@ -72,7 +72,8 @@ fn export_of_a_run_directory_writes_its_newest_checkpoint() {
     let model = model_dir(tmp.path());
     let run = tmp.path().join("run");
     let (_, trained) = checkpoint(&run, &model);
-    let out = tmp.path().join("exported");
+    // Folders that do not exist yet are made.
+    let out = tmp.path().join("exported/new/folder");
     let result = grpo(&["export", run.to_str().unwrap(), "--output", out.to_str().unwrap()]);
     let stdout = String::from_utf8_lossy(&result.stdout);
     assert!(

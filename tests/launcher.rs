@@ -6,7 +6,7 @@
 use actors::auth::Token;
 use actors::launcher::{LaunchSpec, LocalLauncher};
 use actors::roles::reward::{RemoteReward, RewardRole};
-use actors::worker::Role;
+use actors::roles::Role;
 use reward::Sample;
 use std::io::{BufRead, BufReader};
 use std::path::Path;

@@ -1,6 +1,6 @@
 //! `grpo plot` end to end: the binary reads a metrics.jsonl written the way `grpo run` writes it
-//! (validation-only step 0, missing keys, nulls, a resumed run repeating steps, a half-written
-//! last line) and writes decodable PNG charts plus a summary; and its error messages.
+//! (run headers, validation-only step 0, missing keys, nulls, a resumed run repeating steps, a
+//! half-written last line) and writes decodable PNG charts plus a summary; and its error messages.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -16,9 +16,13 @@ fn grpo_plot(args: &[&std::ffi::OsStr]) -> Output {
 
 /// A 14-step run: rewards 0.1, 0.15, ... rising; validation every 5 steps; the run was killed
 /// after step 9 and resumed from a checkpoint at step 7, so steps 8 and 9 appear twice (the
-/// first copies with reward 0.0, which must not count); the last line is being written.
+/// first copies with reward 0.0, which must not count); each start writes a run header; the
+/// last line is being written.
 fn write_metrics(directory: &Path) {
-    let mut text = String::from("{\"step\": 0, \"val/accuracy\": 0.1}\n");
+    let header =
+        |start: u64| format!("{{\"run\": {{\"start_step\": {start}, \"rollout_dtype\": \"f32\"}}}}\n");
+    let mut text = header(0);
+    text.push_str("{\"step\": 0, \"val/accuracy\": 0.1}\n");
     let line = |step: u64, reward: f64| {
         format!(
             "{{\"step\": {step}, \"reward/mean\": {reward}, \"reward/std\": 0.2, \
@@ -43,6 +47,7 @@ fn write_metrics(directory: &Path) {
             text.push_str("{\"step\": 5, \"val/accuracy\": 0.3}\n");
         }
     }
+    text.push_str(&header(7));
     for step in 8..=14 {
         text.push_str(&line(step, 0.05 + 0.05 * step as f64));
         if step == 10 {

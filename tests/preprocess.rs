@@ -180,6 +180,51 @@ fn arithmetic_is_deterministic_and_correct() {
 }
 
 #[test]
+fn missing_output_folders_are_made() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = Command::new(env!("CARGO_BIN_EXE_grpo"))
+        .args(["preprocess", "arithmetic", "--seed", "1", "--count", "10"])
+        .args(["--output", "a/new/folder/train.parquet"])
+        .current_dir(dir.path())
+        .output()
+        .expect("the grpo binary runs");
+    assert!(run.status.success(), "stderr: {}", text(&run.stderr));
+    assert_eq!(
+        text(&run.stdout),
+        "wrote 10 rows (1 row group) to a/new/folder/train.parquet\n"
+    );
+    let written = dir.path().join("a/new/folder/train.parquet");
+    let dataset = ParquetDataset::open(std::slice::from_ref(&written), ColumnNames::default()).unwrap();
+    assert_eq!(dataset.len(), 10);
+    // Only the file itself is left: the temporary beside it is gone.
+    let names: Vec<_> = std::fs::read_dir(dir.path().join("a/new/folder"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names, ["train.parquet"]);
+}
+
+#[test]
+fn an_unwritable_output_states_the_os_error_once() {
+    let dir = tempfile::tempdir().unwrap();
+    // A file where a folder of the output path should be: no permission trick a root user
+    // would bypass.
+    std::fs::write(dir.path().join("blocker"), "not a folder").unwrap();
+    let output = dir.path().join("blocker/train.parquet");
+    let run = arithmetic("1", &output, &[]);
+    assert_eq!(run.status.code(), Some(2));
+    let stderr = text(&run.stderr);
+    assert!(
+        stderr.starts_with(&format!(
+            "error: grpo preprocess arithmetic failed: cannot write {}: ",
+            output.display()
+        )),
+        "{stderr}"
+    );
+    assert_eq!(stderr.matches("(os error").count(), 1, "{stderr}");
+}
+
+#[test]
 fn bad_input_fails_with_a_clear_message() {
     let dir = tempfile::tempdir().unwrap();
     let output = dir.path().join("out.parquet");

@@ -1,4 +1,4 @@
-//! The Ray Jobs client (`actors::ray_jobs`) against a real local Ray head (`common::ray_head`):
+//! The Ray Jobs client (`actors::launcher::ray::jobs`) against a real local Ray head (`common::ray_head`):
 //! the cluster reports the declared CPU/GPU/TPU, a job asking for CPU and TPU runs and Ray's
 //! record shows what it asked, a long job stopped mid-run ends and its process is gone, a job
 //! asking for more than the cluster has stays PENDING, delete works, and when the head is
@@ -6,7 +6,7 @@
 
 mod common;
 
-use actors::ray_jobs::{JobRequest, JobStatus, RayJobs};
+use actors::launcher::ray::jobs::{JobRequest, JobStatus, RayJobs};
 use common::ray_head::{check_ray, marked_processes, processes_mentioning, RayHead, MARKER_VAR};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -30,7 +30,7 @@ async fn wait_for(
     id: &str,
     within: Duration,
     done: impl Fn(JobStatus) -> bool,
-) -> actors::ray_jobs::JobInfo {
+) -> actors::launcher::ray::jobs::JobInfo {
     let started = Instant::now();
     loop {
         let info = client.info(id).await.expect("job info");
@@ -100,7 +100,7 @@ fn ray_jobs_run_stop_pend_and_leave_nothing_behind() {
         // The cluster reports what the head declared.
         let version = client.version().await.unwrap();
         assert_eq!(version.ray_version, "2.60.0");
-        let resources = actors::ray_jobs::total_resources(&client.nodes().await.unwrap());
+        let resources = actors::launcher::ray::jobs::total_resources(&client.nodes().await.unwrap());
         assert_eq!(
             (resources["CPU"], resources["GPU"], resources["TPU"]),
             (4.0, 2.0, 4.0)

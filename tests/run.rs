@@ -61,6 +61,105 @@ fn a_tiny_run_trains_validates_checkpoints_and_resumes() {
 }
 
 #[test]
+fn auto_compute_types_follow_the_cpu_and_are_recorded() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_chat_model(dir.path());
+    let train = arithmetic(dir.path(), "train", 1, 16);
+    let val = arithmetic(dir.path(), "val", 2, 4);
+    // An output folder whose parents do not exist yet.
+    let out = dir.path().join("runs/new/out");
+    let r = tiny_recipe(dir.path(), "recipe.yaml", &model, &train, &val, &out, 1, "");
+    let o = run_grpo(&[
+        "run",
+        r.to_str().unwrap(),
+        "--quiet",
+        "--set",
+        "rollout.dtype=auto",
+        "--set",
+        "actor.param_dtype=auto",
+    ]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    let (native, reason) = xla::runtime::HostCpu::get().bf16_support();
+    let chosen = if native { "bf16" } else { "f32" };
+    let line = format!("rollout.dtype and actor.param_dtype: auto chose {chosen}: {reason}");
+    assert!(
+        stderr.lines().next() == Some(line.as_str()),
+        "the first line should be `{line}`:\n{stderr}"
+    );
+    let headers = run_headers(&out);
+    assert_eq!(headers.len(), 1, "{headers:?}");
+    assert_eq!(headers[0]["rollout_dtype"], chosen);
+    assert_eq!(headers[0]["actor_param_dtype"], chosen);
+    assert_eq!(headers[0]["start_step"], 0);
+    assert_eq!(headers[0]["dtype_auto"], serde_json::json!([line]));
+    // The workers' copy of the recipe holds the choice, not `auto`.
+    let written = std::fs::read_to_string(out.join("recipe.yaml")).unwrap();
+    assert!(written.contains(&format!("dtype: {chosen}")), "{written}");
+    assert!(!written.contains("dtype: auto"), "{written}");
+    assert_eq!(metrics(&out).keys().copied().collect::<Vec<_>>(), vec![0, 1]);
+}
+
+#[test]
+fn validation_in_shuffled_batches_scores_the_same_rows_alike() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_chat_model(dir.path());
+    let train = arithmetic(dir.path(), "train", 1, 16);
+    let val = arithmetic(dir.path(), "val", 2, 6);
+    let validation = |name: &str, sets: &[&str]| {
+        let out = dir.path().join(name);
+        let r = tiny_recipe(
+            dir.path(),
+            &format!("{name}.yaml"),
+            &model,
+            &train,
+            &val,
+            &out,
+            1,
+            "",
+        );
+        let mut args = vec!["run", r.to_str().unwrap(), "--quiet"];
+        for set in ["trainer.test_freq=-1", "trainer.save_freq=-1"]
+            .iter()
+            .chain(sets)
+        {
+            args.extend(["--set", set]);
+        }
+        let o = run_grpo(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let text = std::fs::read_to_string(out.join("validation/step_0.jsonl")).unwrap();
+        let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        (metrics(&out)[&0]["val/accuracy"].clone(), lines)
+    };
+    let (whole_accuracy, whole) = validation("whole", &[]);
+    let (batched_accuracy, batched) = validation(
+        "batched",
+        &["data.val_batch_size=4", "data.validation_shuffle=true"],
+    );
+    assert_eq!(batched_accuracy, whole_accuracy);
+    let rows = |lines: &[serde_json::Value]| {
+        lines
+            .iter()
+            .map(|l| l["row"].as_u64().unwrap())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(rows(&whole), [0, 1, 2, 3, 4, 5]);
+    let shuffled = rows(&batched);
+    assert_ne!(shuffled, rows(&whole), "the shuffled order is the file order");
+    let mut sorted = shuffled.clone();
+    sorted.sort_unstable();
+    assert_eq!(sorted, rows(&whole), "every row once");
+    // Each row's responses and scores are the same, whichever batch it was in.
+    for line in &whole {
+        let twin = batched.iter().find(|b| b["row"] == line["row"]).unwrap();
+        assert_eq!(
+            (&twin["response"], &twin["score"]),
+            (&line["response"], &line["score"])
+        );
+    }
+}
+
+#[test]
 fn kill_9_then_run_again_resumes_with_the_same_prompts_and_metrics() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_chat_model(dir.path());

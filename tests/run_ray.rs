@@ -15,7 +15,7 @@
 
 mod common;
 
-use actors::ray_jobs::{JobStatus, RayJobs};
+use actors::launcher::ray::jobs::{JobStatus, RayJobs};
 use common::ray_head::RayHead;
 use common::*;
 use std::path::Path;
@@ -41,7 +41,7 @@ fn runtime() -> tokio::runtime::Runtime {
 }
 
 /// This run's jobs as Ray records them: (submission id, record), ordered by id.
-fn run_jobs(ray: &RayJobs, output: &Path) -> Vec<(String, actors::ray_jobs::JobInfo)> {
+fn run_jobs(ray: &RayJobs, output: &Path) -> Vec<(String, actors::launcher::ray::jobs::JobInfo)> {
     let mut jobs: Vec<_> = runtime()
         .block_on(ray.list())
         .unwrap()

@@ -5,9 +5,9 @@
 mod common;
 
 use actors::auth::Token;
+use actors::launcher::ray::registry::{self, Registry, RegistryServer};
 use actors::proto;
-use actors::registry::{self, Registry, RegistryServer};
-use actors::worker::Role;
+use actors::roles::Role;
 use common::WorkerProcess;
 use std::process::Stdio;
 use std::time::{Duration, Instant};

@@ -6,7 +6,7 @@ use crate::prepare::Prepared;
 use crate::recipe::{DTypeName, DeviceKind, Recipe};
 use rollout::{Engine, EngineConfig};
 use std::path::Path;
-use xla::runtime::{Buffer, CacheConfig, Client, ClientOptions, OptionValue, PluginKind};
+use xla::runtime::{Buffer, CacheConfig, Client, ClientOptions, OptionValue};
 use xla::DType;
 
 /// The client for `cluster.device` (plugin from `cluster.plugin_path` or discovered). On CPU it
@@ -14,11 +14,7 @@ use xla::DType;
 /// `dp`/`fsdp` learner asks for more.
 pub fn open_client(recipe: &Recipe) -> xla::runtime::Result<Client> {
     let c = &recipe.cluster;
-    let kind = match c.device {
-        DeviceKind::Cpu => PluginKind::Cpu,
-        DeviceKind::Cuda => PluginKind::Cuda,
-        DeviceKind::Tpu => PluginKind::Tpu,
-    };
+    let kind = c.device.plugin();
     let create_options = match c.device {
         DeviceKind::Cpu => vec![(
             "cpu_device_count".to_string(),
@@ -36,12 +32,117 @@ pub fn open_client(recipe: &Recipe) -> xla::runtime::Result<Client> {
     )
 }
 
-/// A recipe dtype as the compute dtype.
-pub fn dtype(name: DTypeName) -> DType {
-    match name {
-        DTypeName::F32 => DType::F32,
-        DTypeName::Bf16 => DType::BF16,
+/// The device kind the rollout computes on: `cluster.rollout_device` for rollout worker
+/// processes, else `cluster.device` (the rollout runs in the orchestrator).
+pub fn rollout_device(recipe: &Recipe) -> DeviceKind {
+    match recipe.cluster.rollout_workers {
+        0 => recipe.cluster.device,
+        _ => recipe.cluster.rollout_device_kind(),
     }
+}
+
+/// The device kind the learner computes on: `cluster.learner_device` for a learner worker
+/// process, else `cluster.device`.
+pub fn learner_device(recipe: &Recipe) -> DeviceKind {
+    match recipe.cluster.learner_workers {
+        0 => recipe.cluster.device,
+        _ => recipe.cluster.learner_device_kind(),
+    }
+}
+
+/// The rollout's compute type: `rollout.dtype`, `auto` decided for [`rollout_device`].
+pub fn rollout_dtype(recipe: &Recipe) -> DType {
+    compute_dtype(recipe.rollout.dtype, rollout_device(recipe)).0
+}
+
+/// The learner's compute type: `actor.param_dtype`, `auto` decided for [`learner_device`].
+pub fn actor_dtype(recipe: &Recipe) -> DType {
+    compute_dtype(recipe.actor.param_dtype, learner_device(recipe)).0
+}
+
+/// A recipe dtype on a kind of device as the compute dtype, with the reason `auto` chose it
+/// (`None` when the recipe named the type).
+pub fn compute_dtype(name: DTypeName, device: DeviceKind) -> (DType, Option<String>) {
+    match name {
+        DTypeName::F32 => (DType::F32, None),
+        DTypeName::Bf16 => (DType::BF16, None),
+        DTypeName::Auto => {
+            let (native, why) = device.plugin().bf16_support();
+            (if native { DType::BF16 } else { DType::F32 }, Some(why))
+        }
+    }
+}
+
+/// What `auto` became for one recipe key, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DTypeChoice {
+    /// `rollout.dtype` or `actor.param_dtype`.
+    pub key: &'static str,
+    /// `f32` or `bf16`.
+    pub dtype: DTypeName,
+    /// The device's capability in words (`this CPU (AMD EPYC) has AVX512-BF16`).
+    pub reason: String,
+}
+
+impl DTypeChoice {
+    /// One line per distinct choice, keys that chose alike joined: `rollout.dtype and
+    /// actor.param_dtype: auto chose f32: this CPU (AMD EPYC) has no bf16 instructions ...`.
+    pub fn lines(choices: &[DTypeChoice]) -> Vec<String> {
+        let mut groups: Vec<(Vec<&str>, &DTypeChoice)> = Vec::new();
+        for c in choices {
+            match groups
+                .iter_mut()
+                .find(|(_, g)| g.dtype == c.dtype && g.reason == c.reason)
+            {
+                Some((keys, _)) => keys.push(c.key),
+                None => groups.push((vec![c.key], c)),
+            }
+        }
+        groups
+            .into_iter()
+            .map(|(keys, c)| {
+                let name = if c.dtype == DTypeName::Bf16 { "bf16" } else { "f32" };
+                format!("{}: auto chose {name}: {}", keys.join(" and "), c.reason)
+            })
+            .collect()
+    }
+}
+
+/// The recipe with every `auto` compute type made concrete for the device its role runs on
+/// ([`rollout_device`], [`learner_device`]), and what was chosen. The orchestrator hands the
+/// resolved recipe to its workers, so every process of a run computes in the same types
+/// whichever host it lands on.
+pub fn resolve_auto_dtypes(recipe: &Recipe) -> (Recipe, Vec<DTypeChoice>) {
+    resolve_auto_dtypes_on(recipe, rollout_device(recipe), learner_device(recipe))
+}
+
+/// [`resolve_auto_dtypes`] for given devices (`grpo compile` decides for its target).
+pub fn resolve_auto_dtypes_on(
+    recipe: &Recipe,
+    rollout: DeviceKind,
+    learner: DeviceKind,
+) -> (Recipe, Vec<DTypeChoice>) {
+    let mut resolved = recipe.clone();
+    let mut choices = Vec::new();
+    let keys: [(&'static str, &mut DTypeName, DeviceKind); 2] = [
+        ("rollout.dtype", &mut resolved.rollout.dtype, rollout),
+        ("actor.param_dtype", &mut resolved.actor.param_dtype, learner),
+    ];
+    for (key, name, device) in keys {
+        if let (dtype, Some(reason)) = compute_dtype(*name, device) {
+            *name = if dtype == DType::BF16 {
+                DTypeName::Bf16
+            } else {
+                DTypeName::F32
+            };
+            choices.push(DTypeChoice {
+                key,
+                dtype: *name,
+                reason,
+            });
+        }
+    }
+    (resolved, choices)
 }
 
 /// The engine settings of the `rollout` section: `rollout.max_num_seqs` KV slots of
@@ -80,5 +181,5 @@ pub fn upload_rollout_weights(
     prepared: &Prepared,
     client: &Client,
 ) -> rollout::Result<Vec<Buffer>> {
-    rollout::upload_weights(client, &prepared.model.weights, dtype(recipe.rollout.dtype), 0)
+    rollout::upload_weights(client, &prepared.model.weights, rollout_dtype(recipe), 0)
 }

@@ -7,38 +7,11 @@ use crate::recipe::TlsSection;
 use crate::roles::learner::LearnerService;
 use crate::roles::reward::{LocalReward, RewardService};
 use crate::roles::rollout::RolloutService;
+use crate::roles::Role;
 use crate::transport::{server_builder, TransportError};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio::net::TcpListener;
-
-/// The roles a worker can serve (spelled `rollout`, `reward`, `learner` in recipes and on the
-/// command line).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Role {
-    Reward,
-    Rollout,
-    Learner,
-}
-
-impl Role {
-    /// The role's name, as `--role` spells it.
-    pub fn name(self) -> &'static str {
-        match self {
-            Role::Reward => "reward",
-            Role::Rollout => "rollout",
-            Role::Learner => "learner",
-        }
-    }
-
-    /// The role named `name` (`rollout`, `reward` or `learner`), if it is one.
-    pub fn from_name(name: &str) -> Option<Role> {
-        [Role::Rollout, Role::Reward, Role::Learner]
-            .into_iter()
-            .find(|r| r.name() == name)
-    }
-}
 
 /// What a worker serves.
 #[derive(Clone)]

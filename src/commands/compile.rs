@@ -12,10 +12,10 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
-use actors::recipe::{load_recipe, DTypeName, Recipe};
-use actors::run::learner::{needs_reference, policy, step_config};
+use actors::recipe::{load_recipe, DTypeName, DeviceKind, Recipe};
+use actors::roles::learner::{needs_reference, policy, step_config};
 use actors::run::sampling_params;
-use actors::setup::{dtype, engine_config};
+use actors::setup::{engine_config, resolve_auto_dtypes_on, rollout_dtype};
 use anyhow::Result;
 use clap::{ArgGroup, Args, ValueEnum};
 use model::forward::DecodeOptions;
@@ -213,7 +213,7 @@ impl Plan {
                 settings.max_model_len,
                 settings.effective_kv_chunk(),
             )
-            .for_weights(dtype(recipe.rollout.dtype))
+            .for_weights(rollout_dtype(recipe))
             .on_devices(recipe.rollout_devices()),
             master_bytes_per_device: master_bytes_per_device(recipe, config)?,
         };
@@ -259,7 +259,7 @@ impl Plan {
 /// validation files, for the validation groups (`rollout.val_kwargs.n`).
 fn plan_rollout(plan: &mut Plan, recipe: &Recipe, config: &ModelConfig) -> Result<(), CompileError> {
     let settings = engine_config(recipe, &[]);
-    let weights = dtype(recipe.rollout.dtype);
+    let weights = rollout_dtype(recipe);
     let cache = plan.cache.clone();
     let buckets = settings.buckets();
     let slots = settings.max_num_seqs;
@@ -367,7 +367,7 @@ fn plan_rollout(plan: &mut Plan, recipe: &Recipe, config: &ModelConfig) -> Resul
     Ok(())
 }
 
-/// The learner's programs and their runs per step (see `actors::run::learner`).
+/// The learner's programs and their runs per step (see `actors::roles::learner`).
 fn plan_learner(plan: &mut Plan, recipe: &Recipe, config: &ModelConfig) -> Result<(), CompileError> {
     let a = &recipe.actor;
     let policy = policy(recipe, config);
@@ -1253,6 +1253,16 @@ fn selected(row: &PlannedRow, only: &[String], step_only: bool) -> bool {
 
 pub fn run(args: CompileArgs) -> Result<ExitCode> {
     let recipe = load_recipe(&args.recipe, &args.overrides)?;
+    // `auto` compute types are decided for the target, not for this host.
+    let target_kind = match (&args.topology, args.device) {
+        (Some(_), _) => DeviceKind::Tpu,
+        (None, Some(LocalDevice::Cuda)) => DeviceKind::Cuda,
+        (None, _) => DeviceKind::Cpu,
+    };
+    let (recipe, choices) = resolve_auto_dtypes_on(&recipe, target_kind, target_kind);
+    for line in actors::setup::DTypeChoice::lines(&choices) {
+        eprintln!("{line}");
+    }
     let (config, config_origin) = model_config(&recipe, &args.recipe, args.model_config.as_deref())?;
     eprintln!(
         "model: {} ({}, {:.1}M parameters, from {config_origin})",

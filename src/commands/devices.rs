@@ -14,8 +14,10 @@ use xla::runtime::PluginKind;
     about = "List the PJRT plugins (cpu, cuda, tpu) found on this host and their devices",
     long_about = "List the PJRT plugins found on this host and their devices.\n\n\
                   Each plugin is looked for in this order: --path, then the environment variable \
-                  (GRPO_PJRT_CPU, GRPO_PJRT_CUDA, GRPO_PJRT_TPU), then the installed Python \
-                  packages (lammps-jax-pjrt-cpu, jax-cuda13-pjrt, libtpu). For each one found it \
+                  (GRPO_PJRT_CPU, GRPO_PJRT_CUDA, GRPO_PJRT_TPU), then the Python packages \
+                  that ship them (lammps-jax-pjrt-cpu, jax-cuda13-pjrt, libtpu) in the checkout's \
+                  .venv (made by scripts/setup.sh), in the active virtual environment \
+                  ($VIRTUAL_ENV) and in python3's site-packages. For each one found it \
                   prints the file, its PJRT C API version and its devices; when one is missing it \
                   prints the pip command that installs it. libtpu on a host without a TPU can \
                   still compile programs for a named topology (deviceless); those topologies are \

@@ -181,7 +181,7 @@ pub fn read_metrics(path: &Path) -> Result<MetricsLog, PlotError> {
 
 /// Parses the text of a metrics.jsonl file (`path` only names it in errors).
 ///
-/// Blank lines are skipped; null and non-finite values (`NaN`, `Infinity` as bare tokens or
+/// Blank lines and run headers are skipped; null and non-finite values (`NaN`, `Infinity` as bare tokens or
 /// strings) leave a gap in their chart. When a step number repeats, the later line wins: a line
 /// with the same step as the line just before it is merged into it (its values replace the
 /// earlier ones, a null removes one), and a step lower than the one before means a resumed run
@@ -221,6 +221,8 @@ pub fn parse_metrics(text: &str, path: &Path) -> Result<MetricsLog, PlotError> {
             )));
         };
         let step = match object.get("step") {
+            // A run's header (`{"run": {...}}`, written when it starts or resumes).
+            None if object.contains_key("run") => continue,
             None => return Err(malformed("no `step` key".to_string())),
             Some(step) => step
                 .as_u64()
@@ -455,7 +457,8 @@ fn draw_error(chart: &str) -> impl Fn(String) -> PlotError + '_ {
 /// Text for a y tick at `value` on an axis spanning `span`: enough decimals to tell ticks
 /// apart, trailing zeros dropped; scientific notation for very large or tiny magnitudes.
 fn tick_label(value: f64, span: f64) -> String {
-    if value == 0.0 {
+    // A tick at zero computed as the sum of float steps lands a rounding error away from it.
+    if value == 0.0 || value.abs() < span.abs() * 1e-9 {
         return "0".to_string();
     }
     let magnitude = value.abs().max(span.abs());
@@ -1060,6 +1063,7 @@ mod tests {
         assert_eq!(tick_label(2e-6, 5e-6), "2.00e-6");
         assert_eq!(tick_label(-0.0000001, 1.0), "0");
         assert_eq!(tick_label(0.0, 3.0), "0");
+        assert_eq!(tick_label(-8.47e-22, 6e-6), "0");
     }
 
     #[test]

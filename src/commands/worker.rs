@@ -1,13 +1,14 @@
 //! `grpo worker`: serve one role of a run to an orchestrator over gRPC.
 
 use actors::auth::Token;
+use actors::launcher::ray::registry::{self, Registration, RegistryError};
 use actors::recipe::load_recipe;
-use actors::registry::{self, Registration, RegistryError};
 use actors::roles::learner::LearnerService;
 use actors::roles::reward::LocalReward;
 use actors::roles::rollout::{LocalRollout, RolloutService};
+use actors::roles::Role;
 use actors::setup;
-use actors::worker::{Role, Worker};
+use actors::worker::Worker;
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use std::io::Write;
@@ -225,7 +226,7 @@ fn rollout_service(
         LocalRollout::new(engine),
         client,
         &prepared.model.weights.config,
-        setup::dtype(recipe.rollout.dtype),
+        setup::rollout_dtype(recipe),
         0,
     ))
 }

@@ -88,12 +88,27 @@ pub fn arithmetic(dir: &Path, name: &str, seed: u64, count: usize) -> PathBuf {
     path
 }
 
-/// Reads `OUTPUT/metrics.jsonl`, the later line winning for a repeated step.
+/// Reads `OUTPUT/metrics.jsonl`'s steps, the later line winning for a repeated step.
 pub fn metrics(output: &Path) -> std::collections::BTreeMap<u64, serde_json::Value> {
+    metric_lines(output)
+        .into_iter()
+        .filter(|v| v.get("run").is_none())
+        .map(|v| (v["step"].as_u64().expect("step"), v))
+        .collect()
+}
+
+/// The run headers of `OUTPUT/metrics.jsonl` (`{"run": {...}}`, one per start or resume).
+pub fn run_headers(output: &Path) -> Vec<serde_json::Value> {
+    metric_lines(output)
+        .into_iter()
+        .filter_map(|v| v.get("run").cloned())
+        .collect()
+}
+
+fn metric_lines(output: &Path) -> Vec<serde_json::Value> {
     let text = std::fs::read_to_string(output.join("metrics.jsonl")).expect("metrics.jsonl");
     text.lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("a JSON line"))
-        .map(|v| (v["step"].as_u64().expect("step"), v))
         .collect()
 }
 

@@ -241,13 +241,17 @@ impl Drop for RayHead {
     }
 }
 
-/// `ray` on PATH (or `$RAY`), checked to run; panics saying to run scripts/test.sh otherwise.
+/// `$RAY`, else the checkout's `.venv/bin/ray` (where scripts/test.sh installs it), else `ray`
+/// on PATH, checked to run; panics saying to run scripts/test.sh otherwise.
 fn ray_executable() -> PathBuf {
-    check_ray(
-        std::env::var_os("RAY")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from("ray")),
-    )
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/ray");
+    check_ray(std::env::var_os("RAY").map(PathBuf::from).unwrap_or_else(|| {
+        if venv.is_file() {
+            venv
+        } else {
+            PathBuf::from("ray")
+        }
+    }))
 }
 
 /// `ray` if `ray --version` runs; panics saying to run scripts/test.sh otherwise.

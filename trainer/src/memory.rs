@@ -1,17 +1,15 @@
 //! How a learner process gets its memory from the C allocator.
 //!
-//! XLA CPU runs each train program with one large temporary allocation (about 4 GB for a
-//! SmolLM2-135M micro-batch of 2 x 512 tokens), taken from `malloc` at every call. glibc maps
-//! allocations that large with `mmap` and unmaps them on `free`, so every call faults in a
-//! million fresh 4 KiB pages: measured as 24% of the update's CPU time in bf16 (13% in f32).
-//! With glibc's `glibc.malloc.hugetlb=1` tunable, `malloc` advises transparent huge pages for
-//! what it maps, and the same memory arrives in 2 MiB pages: the bf16 update took 14.4 s
-//! instead of 17.9 s (`trainer/examples/update_bench.rs`, BENCHMARKS.md "Learner (trainer)").
+//! XLA CPU runs each train program with large temporary allocations taken from `malloc` at
+//! every call. glibc maps allocations that large with `mmap` and unmaps them on `free`, so
+//! every call faults in fresh 4 KiB pages. With glibc's `glibc.malloc.hugetlb=1` tunable,
+//! `malloc` advises transparent huge pages for what it maps, and the same memory arrives in
+//! 2 MiB pages (measured with `trainer/examples/update_bench.rs`: BENCHMARKS.md, "Learner").
 //!
-//! The CPU plugin's blocks of 16 MiB and more no longer come from glibc at all: they are kept
-//! and reused by `xla::runtime::host_blocks` (mapped with huge pages once, never faulted in
-//! again). The tunable still serves everything else glibc maps (buffers the host code and
-//! smaller plugin allocations take).
+//! The CPU plugin's blocks of 16 MiB and more do not come from glibc: they are kept and reused
+//! by `xla::runtime::host_blocks` (mapped with huge pages once, never faulted in again). The
+//! tunable serves everything else glibc maps (buffers the host code and smaller plugin
+//! allocations take).
 //!
 //! glibc reads tunables only when a process starts, so [`reexec_with_huge_page_malloc`]
 //! re-executes the program once with the tunable added to `GLIBC_TUNABLES`; a program calls

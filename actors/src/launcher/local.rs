@@ -22,8 +22,8 @@
 use super::{health_check, log_tail, LaunchError, LaunchSpec, WorkerInfo};
 use crate::auth::Token;
 use crate::proto;
+use crate::roles::Role;
 use crate::transport;
-use crate::worker::Role;
 use std::io::{BufRead, BufReader, Seek, SeekFrom, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::PathBuf;

@@ -18,8 +18,8 @@ pub use ray::RayLauncher;
 use crate::auth::{Token, TokenError};
 use crate::proto;
 use crate::recipe::{ClusterSection, DeviceKind, TlsSection};
+use crate::roles::Role;
 use crate::transport::{self, TransportError};
-use crate::worker::Role;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -156,15 +156,12 @@ pub fn check_device_plugins_with(
         if key != "cluster.device" && kind == cluster.device {
             continue; // checked as `cluster.device`
         }
-        let plugin = match kind {
-            DeviceKind::Cpu => PluginKind::Cpu,
-            DeviceKind::Cuda => PluginKind::Cuda,
-            DeviceKind::Tpu => PluginKind::Tpu,
-        };
-        locate(plugin, cluster.plugin_path_for(kind).map(Path::new)).map_err(|e| DevicePluginError {
-            key,
-            kind: kind.name(),
-            message: e.to_string(),
+        locate(kind.plugin(), cluster.plugin_path_for(kind).map(Path::new)).map_err(|e| {
+            DevicePluginError {
+                key,
+                kind: kind.name(),
+                message: e.to_string(),
+            }
         })?;
     }
     Ok(())

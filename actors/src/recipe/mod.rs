@@ -118,6 +118,9 @@ pub struct ValKwargs {
 pub enum DTypeName {
     F32,
     Bf16,
+    /// `bf16` where the role's device computes bf16 natively, `f32` elsewhere; decided when the
+    /// run starts (`setup::resolve_auto_dtypes`).
+    Auto,
 }
 
 /// `algorithm:` advantages and reward shaping.
@@ -448,7 +451,7 @@ pub struct PoolSection {
     #[serde(default)]
     pub device: PoolDevice,
     /// The roles it serves; `workers` workers for each.
-    pub roles: Vec<crate::worker::Role>,
+    pub roles: Vec<crate::roles::Role>,
     /// Workers per listed role.
     #[serde(default = "default_one_usize")]
     pub workers: usize,
@@ -501,7 +504,7 @@ pub struct PoolWorker<'a> {
     /// The pool it belongs to.
     pub pool: &'a PoolSection,
     /// The role it serves.
-    pub role: crate::worker::Role,
+    pub role: crate::roles::Role,
     /// Its index among the workers of `role`, over all pools.
     pub index: usize,
 }
@@ -551,7 +554,7 @@ impl ClusterSection {
 
     /// Workers of `role` over all `cluster.pools` (0: the role runs in the orchestrator's
     /// process).
-    pub fn pool_worker_count(&self, role: crate::worker::Role) -> usize {
+    pub fn pool_worker_count(&self, role: crate::roles::Role) -> usize {
         self.pools
             .iter()
             .filter(|p| p.roles.contains(&role))
@@ -563,7 +566,7 @@ impl ClusterSection {
     /// pool its roles in the order listed, `workers` of each; `index` counts up per role across
     /// pools (a rollout pool of 2 then one of 1 give rollout 0, 1, 2).
     pub fn pool_workers(&self) -> Vec<PoolWorker<'_>> {
-        let mut next_index: std::collections::HashMap<crate::worker::Role, usize> = Default::default();
+        let mut next_index: std::collections::HashMap<crate::roles::Role, usize> = Default::default();
         let mut out = Vec::new();
         for pool in &self.pools {
             for &role in &pool.roles {
@@ -604,6 +607,15 @@ impl DeviceKind {
             DeviceKind::Cpu => "cpu",
             DeviceKind::Cuda => "cuda",
             DeviceKind::Tpu => "tpu",
+        }
+    }
+
+    /// The PJRT plugin that drives this kind of device.
+    pub fn plugin(self) -> xla::runtime::PluginKind {
+        match self {
+            DeviceKind::Cpu => xla::runtime::PluginKind::Cpu,
+            DeviceKind::Cuda => xla::runtime::PluginKind::Cuda,
+            DeviceKind::Tpu => xla::runtime::PluginKind::Tpu,
         }
     }
 }

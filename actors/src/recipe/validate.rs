@@ -2,7 +2,7 @@
 
 use super::load::locate_key;
 use super::{ClusterSection, Launcher, Recipe, Strategy};
-use crate::worker::Role;
+use crate::roles::Role;
 use std::fmt;
 
 /// One broken rule: the key, its value, the rule, and where the key is written.
@@ -156,10 +156,12 @@ pub(crate) fn validate(r: &Recipe, text: &str, file: &str, overrides: &[String])
         "must be at least 1",
     );
     c.check(
-        ro.tensor_parallel_size >= 1,
+        ro.tensor_parallel_size == 1,
         "rollout.tensor_parallel_size",
         ro.tensor_parallel_size,
-        "must be at least 1",
+        "must be 1: the rollout has no tensor parallelism yet; a rollout in the orchestrator \
+         already runs data parallel over the learner's devices (`actor.strategy: dp` or `fsdp` \
+         with `actor.mesh`), and `cluster.rollout_workers` adds engines",
     );
     let vk = &ro.val_kwargs;
     c.check(vk.n >= 1, "rollout.val_kwargs.n", vk.n, "must be at least 1");

@@ -9,6 +9,34 @@ pub mod rollout;
 use std::future::Future;
 use std::pin::Pin;
 
+/// The roles of a run, each of which a worker process can serve (spelled `rollout`, `reward`, `learner` in recipes and on the
+/// command line).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    Reward,
+    Rollout,
+    Learner,
+}
+
+impl Role {
+    /// The role's name, as `--role` spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Reward => "reward",
+            Role::Rollout => "rollout",
+            Role::Learner => "learner",
+        }
+    }
+
+    /// The role named `name` (`rollout`, `reward` or `learner`), if it is one.
+    pub fn from_name(name: &str) -> Option<Role> {
+        [Role::Rollout, Role::Reward, Role::Learner]
+            .into_iter()
+            .find(|r| r.name() == name)
+    }
+}
+
 /// A boxed future, so role traits stay object-safe.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 

@@ -5,8 +5,8 @@
 
 use crate::roles::reward::RewardRole;
 use crate::roles::rollout::{RolloutRole, WeightUpdate};
+use crate::roles::Role;
 use crate::roles::RoleError;
-use crate::worker::Role;
 use rollout::{FinishReason, GenerationRequest, Sample};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};

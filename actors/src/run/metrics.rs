@@ -29,6 +29,15 @@ impl MetricsLog {
         &self.path
     }
 
+    /// Writes the header of a run's start (or resume): `{"run": header}`, a line with no
+    /// `step`, which readers of the steps skip.
+    pub fn write_header(&mut self, header: serde_json::Value) -> std::io::Result<()> {
+        let mut line = serde_json::json!({ "run": header }).to_string();
+        line.push('\n');
+        self.file.write_all(line.as_bytes())?;
+        self.file.flush()
+    }
+
     /// Writes `{"step": step, ...metrics}`; non-finite values become `null`.
     pub fn write(&mut self, step: u64, metrics: &Metrics) -> std::io::Result<()> {
         let mut obj = serde_json::Map::new();

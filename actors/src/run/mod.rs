@@ -12,7 +12,6 @@
 //! a run whose workers live in other processes see the same prompts and draw the same tokens.
 
 pub mod fleet;
-pub mod learner;
 pub mod metrics;
 
 use crate::auth::Token;
@@ -20,14 +19,15 @@ use crate::launcher::ray::RaySpec;
 use crate::launcher::{LaunchSpec, Launcher, LocalLauncher, RayLauncher, WorkerInfo};
 use crate::prepare::{prepare, PrepareError, Prepared};
 use crate::recipe::{Recipe, ResumeMode};
-use crate::roles::learner::{LearnerRole, LearnerWeights, RemoteLearner};
+use crate::roles::learner::{
+    self as learner, LearnerError, LearnerRole, LearnerWeights, LocalLearner, RemoteLearner, Row,
+};
 use crate::roles::reward::{LocalReward, RemoteReward, RewardRole};
 use crate::roles::rollout::{LocalRollout, RemoteRollout, RolloutRole, WeightUpdate};
+use crate::roles::Role;
 use crate::roles::RoleError;
 use crate::setup;
-use crate::worker::Role;
 use fleet::{Fleet, PromptMeta, Scored};
-use learner::{LearnerError, LocalLearner, Row};
 use metrics::{mean_std, Metrics, MetricsLog, Progress};
 use rollout::{FinishReason, GenerationRequest, SamplingParams};
 use std::collections::HashMap;
@@ -117,12 +117,33 @@ const OPTIMIZER_STEPS_KEY: &str = "optimizer_steps";
 
 /// Trains as `recipe` says. Blocks the calling thread until the run ends.
 pub fn train(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary, RunError> {
+    // Decided once, here: the workers read the resolved recipe the run writes.
+    let (recipe, dtype_choices) = setup::resolve_auto_dtypes(recipe);
+    for line in setup::DTypeChoice::lines(&dtype_choices) {
+        eprintln!("{line}");
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .worker_threads(2)
         .build()
         .map_err(|e| RunError::Other(format!("starting the async runtime: {e}")))?;
-    runtime.block_on(train_async(recipe, options))
+    runtime.block_on(train_async(&recipe, &dtype_choices, options))
+}
+
+/// The first line a run (or a resumed run) writes to `metrics.jsonl`: what it runs on and in
+/// which compute types, and why where `auto` chose.
+fn run_header(recipe: &Recipe, dtype_choices: &[setup::DTypeChoice], start_step: u64) -> serde_json::Value {
+    let name = |d: xla::DType| d.to_string();
+    serde_json::json!({
+        "grpo_version": env!("CARGO_PKG_VERSION"),
+        "start_step": start_step,
+        "rollout_device": setup::rollout_device(recipe).name(),
+        "learner_device": setup::learner_device(recipe).name(),
+        "rollout_dtype": name(setup::rollout_dtype(recipe)),
+        "actor_param_dtype": name(setup::actor_dtype(recipe)),
+        "dtype_auto": setup::DTypeChoice::lines(dtype_choices),
+        "host_cpu": xla::runtime::HostCpu::get().name,
+    })
 }
 
 /// Request ids: training prompt `i` of step `s` is `s << 24 | i`; validation requests set bit 62.
@@ -247,19 +268,20 @@ fn rollout_weights(
     }
 }
 
-/// Rewrites `path` keeping only the JSON lines whose `step` is at most `last_step` (what a
-/// resumed run must not see twice). A missing file is fine.
+/// Rewrites `path` keeping only the run headers and the JSON lines whose `step` is at most
+/// `last_step` (what a resumed run must not see twice). A missing file is fine.
 fn truncate_jsonl(path: &Path, last_step: u64) -> Result<(), RunError> {
     let Ok(text) = std::fs::read_to_string(path) else {
         return Ok(());
     };
+    // Steps after `last_step` go; run headers (no `step`) stay.
     let kept: String = text
         .lines()
         .filter(|l| {
-            serde_json::from_str::<serde_json::Value>(l)
-                .ok()
-                .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
-                .is_some_and(|s| s <= last_step)
+            serde_json::from_str::<serde_json::Value>(l).is_ok_and(|v| match v.get("step") {
+                Some(s) => s.as_u64().is_some_and(|s| s <= last_step),
+                None => v.get("run").is_some(),
+            })
         })
         .map(|l| format!("{l}\n"))
         .collect();
@@ -278,7 +300,11 @@ fn append_line(path: &Path, value: &serde_json::Value) -> Result<(), RunError> {
     writeln!(f, "{value}").map_err(io("writing", path))
 }
 
-async fn train_async(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary, RunError> {
+async fn train_async(
+    recipe: &Recipe,
+    dtype_choices: &[setup::DTypeChoice],
+    options: &RunOptions,
+) -> Result<RunSummary, RunError> {
     let output = PathBuf::from(&recipe.trainer.output_dir);
     std::fs::create_dir_all(&output).map_err(io("creating the output directory", &output))?;
     let recipe_path = output.join("recipe.yaml");
@@ -354,7 +380,7 @@ async fn train_async(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary
     }
 
     let off_policy = recipe.trainer.off_policy_steps > 0;
-    let rollout_dtype = setup::dtype(recipe.rollout.dtype);
+    let rollout_dtype = setup::rollout_dtype(recipe);
 
     // The roles: in this process, or worker processes started by the local launcher.
     let cluster = &recipe.cluster;
@@ -611,6 +637,8 @@ async fn train_async(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary
 
     let steps = async {
         let mut log = MetricsLog::open(&output).map_err(io("opening", &output.join("metrics.jsonl")))?;
+        log.write_header(run_header(recipe, dtype_choices, start_step))
+            .map_err(io("writing", log.path()))?;
         let prompts_log = output.join("prompts.jsonl");
         let progress = Progress::new(start_step, total_steps, options.quiet);
         tracing::info!("ready in {:.1}s", started.elapsed().as_secs_f64());
@@ -980,38 +1008,53 @@ async fn validate(
         .validation
         .as_ref()
         .expect("validation is due only with val_files");
-    let positions: Vec<u64> = (0..dataset.len()).collect();
-    let prompts = build_prompts(
-        recipe,
-        prepared,
-        dataset,
-        &positions,
-        |i| VALIDATION_ID | (step << 24) | i as u64,
-        true,
-    )?;
-    let outcome = fleet
-        .generate_and_score(prompts.requests.clone(), prompts.metas.clone())
-        .await?;
-    let acc: Vec<f64> = outcome
-        .scored
+    // In batches of `data.val_batch_size` prompts (the whole set by default), in the order
+    // `data.validation_shuffle` gives. A request's id, and so its seed, is its row's position,
+    // so neither changes what is sampled.
+    let mut sampler = dataset.validation_sampler(&recipe.data)?;
+    let mut scored = Vec::new();
+    let mut rows: HashMap<u64, u64> = HashMap::new();
+    for _ in 0..sampler.batches_per_epoch() {
+        let batch = sampler.next_batch();
+        let prompts = build_prompts(
+            recipe,
+            prepared,
+            dataset,
+            &batch.positions,
+            |i| VALIDATION_ID | (step << 24) | batch.positions[i],
+            true,
+        )?;
+        rows.extend(prompts.requests.iter().map(|r| r.id).zip(prompts.indices));
+        let visit: HashMap<u64, usize> = prompts
+            .requests
+            .iter()
+            .enumerate()
+            .map(|(k, r)| (r.id, k))
+            .collect();
+        let mut outcome = fleet.generate_and_score(prompts.requests, prompts.metas).await?;
+        // The file lists the rows in the order they were visited.
+        outcome
+            .scored
+            .sort_by_key(|s| (visit[&s.sample.request_id], s.sample.sample_index));
+        scored.extend(outcome.scored);
+    }
+    let acc: Vec<f64> = scored
         .iter()
         .map(|s| s.score.extras.get("acc").copied().unwrap_or(s.score.score))
         .collect();
-    let rewards: Vec<f64> = outcome.scored.iter().map(|s| s.score.score).collect();
-    let lengths: Vec<f64> = outcome
-        .scored
+    let rewards: Vec<f64> = scored.iter().map(|s| s.score.score).collect();
+    let lengths: Vec<f64> = scored
         .iter()
         .map(|s| s.sample.response_ids.len() as f64)
         .collect();
     let dir = output.join("validation");
     std::fs::create_dir_all(&dir).map_err(io("creating", &dir))?;
     let path = dir.join(format!("step_{step}.jsonl"));
-    let lines: String = outcome
-        .scored
+    let lines: String = scored
         .iter()
         .map(|s| {
             let line = serde_json::json!({
-                "row": prompts.indices[(s.sample.request_id & 0xFF_FFFF) as usize],
+                "row": rows[&s.sample.request_id],
                 "sample": s.sample.sample_index,
                 "response": s.sample.text,
                 "score": s.score.score,

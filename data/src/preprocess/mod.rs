@@ -147,6 +147,10 @@ impl VerlWriter {
         temporary_name.push(file_name);
         temporary_name.push(".partial");
         let temporary = path.with_file_name(temporary_name);
+        // Missing folders are made, as cargo and git make theirs.
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).map_err(|e| write_error(path, e))?;
+        }
         let file = File::create(&temporary).map_err(|e| write_error(path, e))?;
         let properties = WriterProperties::builder()
             .set_compression(Compression::SNAPPY)

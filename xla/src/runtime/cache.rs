@@ -87,19 +87,11 @@ fn hex(bytes: &[u8]) -> String {
 pub fn host_cpu_features() -> &'static str {
     static FEATURES: OnceLock<String> = OnceLock::new();
     FEATURES.get_or_init(|| {
-        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-        let flags = cpuinfo
-            .lines()
-            .find(|l| l.starts_with("flags") || l.starts_with("Features"))
-            .and_then(|l| l.split_once(':'))
-            .map(|(_, v)| {
-                let mut f: Vec<&str> = v.split_whitespace().collect();
-                f.sort_unstable();
-                f.join(" ")
-            });
-        match flags {
-            Some(f) => hex(&Sha256::digest(f.as_bytes()))[..16].to_string(),
-            None => "unknown".to_string(),
+        let flags = &super::HostCpu::get().flags;
+        if flags.is_empty() {
+            "unknown".to_string()
+        } else {
+            hex(&Sha256::digest(flags.join(" ").as_bytes()))[..16].to_string()
         }
     })
 }

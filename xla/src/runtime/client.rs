@@ -297,7 +297,17 @@ impl Client {
         let mut create = args!(PJRT_Client_Create_Args, PJRT_Client_Create_Args_STRUCT_SIZE);
         create.create_options = named.as_ptr();
         create.num_options = named.values.len();
-        if let Err(e) = pjrt_call!(&plugin, PJRT_Client_Create, &mut create) {
+        // The CPU plugin logs its options at info level straight to stderr when a client is
+        // made; that belongs in the log, not on a user's terminal.
+        let created = if plugin.kind() == PluginKind::Cpu {
+            let (created, printed) =
+                super::plugin::capturing_stderr(|| pjrt_call!(&plugin, PJRT_Client_Create, &mut create));
+            super::plugin::relay_plugin_stderr(&printed);
+            created
+        } else {
+            pjrt_call!(&plugin, PJRT_Client_Create, &mut create)
+        };
+        if let Err(e) = created {
             let message = e
                 .pjrt_message()
                 .unwrap_or_default()

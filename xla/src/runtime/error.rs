@@ -14,8 +14,9 @@ pub type Result<T> = std::result::Result<T, Error>;
 pub enum Error {
     /// No plugin file was found for a device kind.
     #[error(
-        "no PJRT plugin for {kind} found: set {env_var}=/path/to/{file_name}, or install the \
-         Python package that ships it: `{pip_command}` (searched: {searched})"
+        "no PJRT plugin for {kind} found: in a grpo checkout, `scripts/setup.sh` installs it \
+         into .venv; elsewhere set {env_var}=/path/to/{file_name}, or install the Python \
+         package that ships it into a virtual environment: `{pip_command}` (searched: {searched})"
     )]
     PluginNotFound {
         kind: &'static str,

@@ -1,18 +1,17 @@
 //! Reuse of the XLA CPU plugin's large host allocations.
 //!
-//! XLA CPU takes every temporary of a program run as one allocation (3.75 GB for a SmolLM2-135M
-//! learner pass over 2 x 512 tokens in bf16) from `posix_memalign`, and frees it when the run
-//! ends. glibc maps allocations that large with `mmap` and unmaps them on `free`, so each run
-//! faults the whole block in again and the kernel zeroes every page of it: 22 % of the CPU time
-//! of the learner's update was `clear_page_erms` (`perf record`, BENCHMARKS.md "Learner").
+//! XLA CPU takes every temporary of a program run as one allocation (gigabytes for a learner
+//! pass) from `posix_memalign`, and frees it when the run ends. glibc maps allocations that
+//! large with `mmap` and unmaps them on `free`, so each run faults the whole block in again and
+//! the kernel zeroes every page of it (the cost is measured in BENCHMARKS.md, "Learner").
 //!
 //! This module keeps those blocks instead. When the CPU plugin is loaded, [`install`] points
 //! the plugin's own imports of `posix_memalign`, `free` and `realloc` (its global offset table
 //! entries, nothing else in the process) at the functions here:
 //!
 //! - a request of [`MIN_BLOCK`] bytes or more (alignment up to 2 MiB) gets the smallest idle
-//!   block that holds it and is at most twice its size, or else a new anonymous mapping rounded up to 2 MiB and advised for
-//!   transparent huge pages;
+//!   block that holds it and is at most twice its size, or else a new anonymous mapping
+//!   rounded up to 2 MiB and advised for transparent huge pages;
 //! - `free` of one of these blocks marks it idle; anything else goes to the C library;
 //! - idle blocks are kept up to twice the most bytes the plugin ever had in use in these blocks
 //!   at once (room for each program's temporaries, which take differently sized blocks; never

@@ -24,6 +24,7 @@ mod cuda;
 mod error;
 mod executable;
 pub mod host_blocks;
+mod host_cpu;
 pub mod inventory;
 mod plugin;
 pub mod tpu;
@@ -39,9 +40,10 @@ pub use client::{
 pub use cuda::{cuda_libraries_in, CUDA_LIBRARY_ORDER};
 pub use error::{Error, PjrtErrorCode, Result};
 pub use executable::{parse_main_params, program_name, CostAnalysis, Executable, MemoryStats, ParamType};
+pub use host_cpu::HostCpu;
 pub use plugin::{
-    check_api_version, find_in_site_dirs, locate_plugin, locate_plugin_with, python_site_dirs, NamedValue,
-    OptionValue, Plugin, PluginKind, MIN_PJRT_API_VERSION,
+    check_api_version, find_in_site_dirs, locate_plugin, locate_plugin_with, plugin_site_dirs,
+    venv_site_dirs, NamedValue, OptionValue, Plugin, PluginKind, MIN_PJRT_API_VERSION, PROJECT_VENV,
 };
 pub use tpu::{
     compile_for_topology, compile_for_topology_with, HbmShortfall, TopologyInfo, TopologyOptions,

@@ -120,6 +120,20 @@ impl PluginKind {
         }
     }
 
+    /// Whether this kind's chips compute bf16 products natively, and why in words: on the CPU
+    /// it depends on the host's instructions ([`HostCpu::bf16_support`]); TPUs and NVIDIA GPUs
+    /// (tensor cores) do.
+    pub fn bf16_support(self) -> (bool, String) {
+        match self {
+            PluginKind::Cpu => super::HostCpu::get().bf16_support(),
+            PluginKind::Cuda => (
+                true,
+                "NVIDIA GPUs compute bf16 natively (tensor cores)".to_string(),
+            ),
+            PluginKind::Tpu => (true, "TPUs compute bf16 natively".to_string()),
+        }
+    }
+
     fn file_name(self) -> &'static str {
         Path::new(self.relative_path())
             .file_name()
@@ -134,36 +148,107 @@ impl std::fmt::Display for PluginKind {
     }
 }
 
-/// The `site-packages` directories of `python3` (or `$GRPO_PYTHON`), asked once per process
-/// without importing any plugin package. Empty when Python is not available.
-pub fn python_site_dirs() -> &'static [PathBuf] {
+/// The folder `scripts/setup.sh` installs the plugins into: a Python virtual environment the
+/// project owns, at the root of the checkout.
+pub const PROJECT_VENV: &str = ".venv";
+
+/// The `site-packages` directories searched for plugins, in order, read once per process:
+///
+/// 1. the project's environment, [`PROJECT_VENV`] in the working directory or the nearest
+///    folder above it that has one, else above the `grpo` executable (`target/release/grpo`
+///    of a checkout);
+/// 2. the active virtual environment (`$VIRTUAL_ENV`);
+/// 3. the site-packages of `python3` (or `$GRPO_PYTHON`), as that interpreter reports them.
+///
+/// The first two are read from the file system, so which `python3` is first on `PATH` only
+/// adds to the list.
+pub fn plugin_site_dirs() -> &'static [PathBuf] {
     static DIRS: OnceLock<Vec<PathBuf>> = OnceLock::new();
     DIRS.get_or_init(|| {
-        let python = std::env::var("GRPO_PYTHON").unwrap_or_else(|_| "python3".to_string());
-        let script = "import site, sys\n\
-                      dirs = list(getattr(site, 'getsitepackages', lambda: [])())\n\
-                      dirs.append(site.getusersitepackages())\n\
-                      dirs += [p for p in sys.path if p.endswith(('site-packages', 'dist-packages'))]\n\
-                      print('\\n'.join(dirs))";
-        let output = std::process::Command::new(&python).args(["-c", script]).output();
         let mut dirs: Vec<PathBuf> = Vec::new();
-        match output {
-            Ok(out) if out.status.success() => {
-                for line in String::from_utf8_lossy(&out.stdout).lines() {
-                    let p = PathBuf::from(line.trim());
-                    if !line.trim().is_empty() && p.is_dir() && !dirs.contains(&p) {
-                        dirs.push(p);
-                    }
+        let mut add = |found: Vec<PathBuf>| {
+            for d in found {
+                if !dirs.contains(&d) {
+                    dirs.push(d);
                 }
             }
-            Ok(out) => tracing::debug!(
-                "{python} could not list its site-packages: {}",
-                String::from_utf8_lossy(&out.stderr)
-            ),
-            Err(e) => tracing::debug!("cannot run {python} to find PJRT plugins: {e}"),
+        };
+        let starts = [
+            std::env::current_dir().ok(),
+            std::env::current_exe()
+                .ok()
+                .and_then(|e| e.parent().map(Path::to_path_buf)),
+        ];
+        if let Some(venv) = starts.iter().flatten().find_map(|s| nearest_venv(s)) {
+            add(venv_site_dirs(&venv));
         }
+        if let Some(active) = std::env::var_os("VIRTUAL_ENV").filter(|v| !v.is_empty()) {
+            add(venv_site_dirs(Path::new(&active)));
+        }
+        add(python_site_dirs());
         dirs
     })
+}
+
+/// [`PROJECT_VENV`] in `start` or the nearest folder above it.
+fn nearest_venv(start: &Path) -> Option<PathBuf> {
+    start
+        .ancestors()
+        .map(|a| a.join(PROJECT_VENV))
+        .find(|v| v.join("pyvenv.cfg").is_file())
+}
+
+/// A virtual environment's `lib/pythonX.Y/site-packages` folders.
+pub fn venv_site_dirs(venv: &Path) -> Vec<PathBuf> {
+    let mut dirs = Vec::new();
+    for lib in ["lib", "lib64"] {
+        let Ok(entries) = std::fs::read_dir(venv.join(lib)) else {
+            continue;
+        };
+        let mut found: Vec<PathBuf> = entries
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("python"))
+            .map(|e| e.path().join("site-packages"))
+            .filter(|p| p.is_dir())
+            .collect();
+        found.sort();
+        for d in found {
+            let d = d.canonicalize().unwrap_or(d);
+            if !dirs.contains(&d) {
+                dirs.push(d);
+            }
+        }
+    }
+    dirs
+}
+
+/// The `site-packages` directories of `python3` (or `$GRPO_PYTHON`), asked without importing
+/// any plugin package. Empty when Python is not available.
+fn python_site_dirs() -> Vec<PathBuf> {
+    let python = std::env::var("GRPO_PYTHON").unwrap_or_else(|_| "python3".to_string());
+    let script = "import site, sys\n\
+                  dirs = list(getattr(site, 'getsitepackages', lambda: [])())\n\
+                  dirs.append(site.getusersitepackages())\n\
+                  dirs += [p for p in sys.path if p.endswith(('site-packages', 'dist-packages'))]\n\
+                  print('\\n'.join(dirs))";
+    let output = std::process::Command::new(&python).args(["-c", script]).output();
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    match output {
+        Ok(out) if out.status.success() => {
+            for line in String::from_utf8_lossy(&out.stdout).lines() {
+                let p = PathBuf::from(line.trim());
+                if !line.trim().is_empty() && p.is_dir() && !dirs.contains(&p) {
+                    dirs.push(p);
+                }
+            }
+        }
+        Ok(out) => tracing::debug!(
+            "{python} could not list its site-packages: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ),
+        Err(e) => tracing::debug!("cannot run {python} to find PJRT plugins: {e}"),
+    }
+    dirs
 }
 
 /// Looks for a plugin of `kind` in the given `site-packages` directories.
@@ -180,7 +265,7 @@ pub fn locate_plugin(kind: PluginKind, explicit: Option<&Path>) -> Result<PathBu
         kind,
         explicit,
         std::env::var_os(kind.env_var()),
-        python_site_dirs(),
+        plugin_site_dirs(),
     )
 }
 
@@ -219,7 +304,10 @@ pub fn locate_plugin_with(
         package: kind.package(),
         pip_command: kind.pip_command(),
         searched: if site_dirs.is_empty() {
-            format!("${} unset; no python3 site-packages found", kind.env_var())
+            format!(
+                "${} unset; no {PROJECT_VENV} and no python3 site-packages found",
+                kind.env_var()
+            )
         } else {
             format!(
                 "${} unset; {}",
@@ -325,11 +413,15 @@ fn tpu_devices_present() -> bool {
 /// and returns what was written there, for libraries that print to it directly. Anything
 /// else the process writes to stderr meanwhile is captured too. Where the redirection cannot
 /// be set up, `f` runs with stderr as it is and nothing is captured.
-fn capturing_stderr<R>(f: impl FnOnce() -> R) -> (R, String) {
+pub(super) fn capturing_stderr<R>(f: impl FnOnce() -> R) -> (R, String) {
     #[cfg(unix)]
     {
         use std::io::{Read, Seek, Write};
         use std::os::fd::AsRawFd;
+        // One redirection at a time: two threads interleaving theirs would leave descriptor 2
+        // pointing at the other's temporary file.
+        static REDIRECTING: Mutex<()> = Mutex::new(());
+        let _one_at_a_time = REDIRECTING.lock().unwrap_or_else(|e| e.into_inner());
         let Ok(mut file) = tempfile::tempfile() else {
             return (f(), String::new());
         };
@@ -361,6 +453,27 @@ fn capturing_stderr<R>(f: impl FnOnce() -> R) -> (R, String) {
     {
         (f(), String::new())
     }
+}
+
+/// Hands on what a plugin printed to stderr (captured with [`capturing_stderr`]): its
+/// informational lines (absl's `I` level and its notice that logging is not initialised) go to
+/// the log at info (`-v`), anything else back to stderr.
+pub(super) fn relay_plugin_stderr(printed: &str) {
+    for line in printed.lines().filter(|l| !l.trim().is_empty()) {
+        if is_informational_log_line(line) {
+            tracing::info!("PJRT plugin: {line}");
+        } else {
+            eprintln!("{line}");
+        }
+    }
+}
+
+/// `I0000 00:00:1796159729.898200   10794 file.cc:74] ...` (absl's info level) or absl's
+/// `WARNING: All log messages before absl::InitializeLog() is called are written to STDERR`.
+fn is_informational_log_line(line: &str) -> bool {
+    let b = line.as_bytes();
+    let absl_info = b.len() > 5 && b[0] == b'I' && b[1..5].iter().all(u8::is_ascii_digit) && b[5] == b' ';
+    absl_info || line.starts_with("WARNING: All log messages before absl::InitializeLog() is called")
 }
 
 fn loaded_plugins() -> &'static Mutex<HashMap<PathBuf, Arc<Plugin>>> {
@@ -953,12 +1066,49 @@ mod tests {
     }
 
     #[test]
-    fn python_finds_the_installed_cpu_plugin() {
-        let dirs = python_site_dirs();
-        assert!(!dirs.is_empty(), "python3 reported no site-packages");
-        let found = find_in_site_dirs(PluginKind::Cpu, dirs)
-            .expect("lammps-jax-pjrt-cpu is installed on this machine and in CI");
+    fn the_project_environment_holds_the_cpu_plugin() {
+        // `scripts/setup.sh` (which `scripts/test.sh` runs) installs it there.
+        let venv = nearest_venv(Path::new(env!("CARGO_MANIFEST_DIR")))
+            .expect("the checkout's .venv: run scripts/setup.sh");
+        let site = venv_site_dirs(&venv);
+        let found = find_in_site_dirs(PluginKind::Cpu, &site).expect("lammps-jax-pjrt-cpu in .venv");
         assert!(found.ends_with("lammps_jax_pjrt_cpu/pjrt_c_api_cpu_plugin.so"));
+        // The project's environment is searched first, wherever python3 points.
+        assert_eq!(&plugin_site_dirs()[..site.len()], &site[..]);
+    }
+
+    #[test]
+    fn only_informational_plugin_lines_leave_stderr() {
+        assert!(is_informational_log_line(
+            "I0000 00:00:1796159729.898200   10794 pjrt_c_api_cpu_internal.cc:74] cpu_device_count set via create_options: 1"
+        ));
+        assert!(is_informational_log_line(
+            "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
+        ));
+        assert!(!is_informational_log_line("W0000 00:00:1.0 1 x.cc:1] a warning"));
+        assert!(!is_informational_log_line("E0000 00:00:1.0 1 x.cc:1] an error"));
+        assert!(!is_informational_log_line("I'm not a log line"));
+        assert!(!is_informational_log_line("I000"));
+    }
+
+    #[test]
+    fn a_virtual_environment_lists_its_site_packages() {
+        let dir = tempfile::tempdir().unwrap();
+        let site = dir.path().join("lib/python3.11/site-packages");
+        std::fs::create_dir_all(&site).unwrap();
+        std::fs::create_dir_all(dir.path().join("lib/not-python")).unwrap();
+        assert_eq!(venv_site_dirs(dir.path()), [site.canonicalize().unwrap()]);
+        assert!(venv_site_dirs(&dir.path().join("missing")).is_empty());
+        // Found from a folder below the one holding it.
+        let project = dir.path().join("project");
+        std::fs::create_dir_all(project.join(".venv")).unwrap();
+        std::fs::write(project.join(".venv/pyvenv.cfg"), "home = /usr/bin\n").unwrap();
+        std::fs::create_dir_all(project.join("target/release")).unwrap();
+        assert_eq!(
+            nearest_venv(&project.join("target/release")),
+            Some(project.join(".venv"))
+        );
+        assert_eq!(nearest_venv(dir.path()), None);
     }
 
     #[test]

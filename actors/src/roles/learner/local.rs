@@ -10,7 +10,7 @@
 use super::{LearnerRole, LearnerWeights};
 use crate::recipe::Recipe;
 use crate::roles::{BoxFuture, RoleError};
-use crate::setup::dtype;
+use crate::setup::actor_dtype;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -165,7 +165,7 @@ pub fn step_config(recipe: &Recipe, total_optimizer_steps: u64) -> StepConfig {
             num_cycles: 0.5,
             total_training_steps: total_optimizer_steps,
         },
-        compute_dtype: dtype(a.param_dtype),
+        compute_dtype: actor_dtype(recipe),
         parallel: a.parallelism(&recipe.cluster),
         micro_batch_size: a.ppo_micro_batch_size as i64,
         response_len: recipe.data.max_response_length as i64,

@@ -5,8 +5,8 @@
 //! 1. before any work, the pools' resource requests are checked against the resources the
 //!    cluster reports ([`check_pools`]); a pool asking for a resource the cluster has never had
 //!    fails the run with the cluster's resources in the message;
-//! 2. the orchestrator serves the [`Registry`](crate::registry) and submits one job per worker
-//!    through Ray's Job Submission REST API ([`crate::ray_jobs`]) with the pool's
+//! 2. the orchestrator serves the [`Registry`] and submits one job per worker
+//!    through Ray's Job Submission REST API ([`jobs`]) with the pool's
 //!    `entrypoint_num_cpus`, `entrypoint_num_gpus` and `entrypoint_resources`. The entrypoint is
 //!    `cd CWD && exec GRPO worker --role ROLE ... --connect REGISTRY --worker-id ID --pool POOL`:
 //!    the binary, recipe, token file and the recipe's relative paths must be reachable at the
@@ -20,13 +20,16 @@
 //!    to `OUTPUT/logs/ROLE-INDEX.log`. A worker whose orchestrator vanishes (SIGKILL) stops by
 //!    itself when its heartbeat goes unanswered.
 
+pub mod jobs;
+pub mod registry;
+
 use super::{health_check, log_tail, LaunchError, LaunchSpec, WorkerInfo};
 use crate::auth::Token;
-use crate::ray_jobs::{format_resources, total_resources, JobRequest, JobStatus, RayJobs, RayNode};
 use crate::recipe::{ClusterSection, PoolSection, PoolWorker, RaySection};
-use crate::registry::{Registration, Registry, RegistryError, RegistryServer};
+use crate::roles::Role;
 use crate::transport;
-use crate::worker::Role;
+use jobs::{format_resources, total_resources, JobRequest, JobStatus, RayJobs, RayNode};
+use registry::{Registration, Registry, RegistryError, RegistryServer};
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -40,7 +43,7 @@ pub enum RayLaunchError {
     Jobs {
         address: String,
         #[source]
-        source: crate::ray_jobs::RayJobsError,
+        source: jobs::RayJobsError,
     },
     #[error(
         "`cluster.pools` pool `{pool}` asks for {amount} {resource} per worker, but the Ray \
