@@ -63,9 +63,7 @@ fn a_tiny_run_trains_validates_checkpoints_and_resumes() {
 #[test]
 fn auto_compute_types_follow_the_cpu_and_are_recorded() {
     let dir = tempfile::tempdir().unwrap();
-    let model = tiny_chat_model(dir.path());
-    let train = arithmetic(dir.path(), "train", 1, 16);
-    let val = arithmetic(dir.path(), "val", 2, 4);
+    let (model, train, val) = tiny_inputs(dir.path(), 16, 4);
     // An output folder whose parents do not exist yet.
     let out = dir.path().join("runs/new/out");
     let r = tiny_recipe(dir.path(), "recipe.yaml", &model, &train, &val, &out, 1, "");
@@ -103,9 +101,7 @@ fn auto_compute_types_follow_the_cpu_and_are_recorded() {
 #[test]
 fn validation_in_shuffled_batches_scores_the_same_rows_alike() {
     let dir = tempfile::tempdir().unwrap();
-    let model = tiny_chat_model(dir.path());
-    let train = arithmetic(dir.path(), "train", 1, 16);
-    let val = arithmetic(dir.path(), "val", 2, 6);
+    let (model, train, val) = tiny_inputs(dir.path(), 16, 6);
     let validation = |name: &str, sets: &[&str]| {
         let out = dir.path().join(name);
         let r = tiny_recipe(

@@ -71,6 +71,16 @@ pub fn tiny_chat_model(dir: &Path) -> PathBuf {
     out
 }
 
+/// What a tiny run trains on, in `dir`: [`tiny_chat_model`], `train_rows` arithmetic problems
+/// (seed 1) and `val_rows` held out (seed 2).
+pub fn tiny_inputs(dir: &Path, train_rows: usize, val_rows: usize) -> (PathBuf, PathBuf, PathBuf) {
+    (
+        tiny_chat_model(dir),
+        arithmetic(dir, "train", 1, train_rows),
+        arithmetic(dir, "val", 2, val_rows),
+    )
+}
+
 /// `grpo preprocess arithmetic` into `dir/NAME.parquet`.
 pub fn arithmetic(dir: &Path, name: &str, seed: u64, count: usize) -> PathBuf {
     let path = dir.join(format!("{name}.parquet"));
