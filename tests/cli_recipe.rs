@@ -111,7 +111,7 @@ fn out_of_range_values_are_rejected_before_work_with_the_rule() {
         "{e}"
     );
     assert!(
-        e.contains("--set actor.clip_ratio_low=1.5: `actor.clip_ratio_low` = 1.5: must be in (0, 1)"),
+        e.contains("--set actor.clip_ratio_low=1.5: `actor.clip_ratio_low` = 1.5: must be in [0, 1)"),
         "{e}"
     );
     assert!(e.contains("must divide data.train_batch_size (4)"), "{e}");

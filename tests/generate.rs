@@ -4,16 +4,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 fn gguf() -> PathBuf {
-    let dir = std::env::var_os("GRPO_TEST_ASSETS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models"));
-    let path = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(
-        path.is_file(),
-        "{} is missing: run scripts/setup.sh",
-        path.display()
-    );
-    path
+    testkit::smollm2_gguf()
 }
 
 #[test]

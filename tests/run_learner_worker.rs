@@ -1,8 +1,9 @@
 //! The learner role in a worker process (`cluster.learner_workers: 1`): a run with every role in
-//! its own process trains exactly as the run in one process, writes the same checkpoints from
-//! the state it fetches over gRPC, resumes by sending a checkpoint's state to a fresh learner
-//! worker, stops with an error naming the learner worker when it dies, and the worker refuses
-//! callers without the run's token.
+//! its own process trains exactly as the run in one process (its weights passing through the
+//! orchestrator to the rollout worker as host bytes, never through a device), writes the same
+//! checkpoints from the state it fetches over gRPC, resumes by sending a checkpoint's state to a
+//! fresh learner worker, stops with an error naming the learner worker when it dies, and the
+//! worker refuses callers without the run's token.
 
 mod common;
 
@@ -107,6 +108,13 @@ fn a_learner_worker_trains_checkpoints_and_resumes_like_the_in_process_learner()
         assert_eq!(a[&step]["val/accuracy"], b[&step]["val/accuracy"], "step {step}");
     }
     assert_eq!(prompts_seen(&local), prompts_seen(&remote));
+    // The learner worker's weights stream on to the rollout worker from host memory: the
+    // orchestrator's own client never uploads or reads them.
+    for step in [1, 2, 3] {
+        for key in ["weights/host_transfers", "weights/host_transfer_bytes"] {
+            assert_eq!(b[&step][key], 0.0, "step {step}: {key}");
+        }
+    }
 
     // The checkpoint written from the state fetched over gRPC is the in-process one, byte for
     // byte (parameters and AdamW moments).

@@ -29,11 +29,7 @@ use xla::DType;
 type Error = Box<dyn std::error::Error>;
 
 fn parse_dtype(name: &str) -> Result<DType, Error> {
-    match name {
-        "f32" => Ok(DType::F32),
-        "bf16" => Ok(DType::BF16),
-        other => Err(format!("dtype must be f32 or bf16, not {other:?}").into()),
-    }
+    Ok(name.parse()?)
 }
 
 /// The worker side: serve `model` as a rollout worker with weights in `dtype`.

@@ -134,10 +134,7 @@ pub fn prepare(recipe: &Recipe) -> Result<Prepared, PrepareError> {
             Some(&tokenizer),
         )?)
     };
-    let reward = recipe
-        .reward
-        .build(Some(recipe.data.max_response_length))
-        .map_err(|e| PrepareError::Reward(e.to_string()))?;
+    let reward = crate::setup::reward_function(recipe).map_err(|e| PrepareError::Reward(e.to_string()))?;
     Ok(Prepared {
         model,
         tokenizer,

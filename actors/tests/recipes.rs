@@ -80,3 +80,78 @@ fn every_ready_recipe_loads_and_is_valid() {
         "recipes checked: {seen:?}"
     );
 }
+
+/// Rust sources of the workspace's crates that run a recipe: everything under a crate's `src/`
+/// except the recipe's loading and validation (parsing and checking a key is not using it; the
+/// recipe types' own methods, which turn sections into the crates' configs, count).
+fn sources_that_use_recipes() -> String {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let not_use = [
+        root.join("actors/src/recipe/load.rs"),
+        root.join("actors/src/recipe/validate.rs"),
+    ];
+    let mut text = String::new();
+    let mut dirs: Vec<PathBuf> = [
+        "src",
+        "actors/src",
+        "data/src",
+        "reward/src",
+        "trainer/src",
+        "rollout/src",
+    ]
+    .iter()
+    .map(|d| root.join(d))
+    .collect();
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+            let path = entry.unwrap().path();
+            if not_use.contains(&path) {
+                continue;
+            }
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                text.push_str(&std::fs::read_to_string(&path).unwrap());
+            }
+        }
+    }
+    text
+}
+
+/// Keys that are read only where they are validated, with the reason.
+const READ_BY_VALIDATION_ONLY: &[(&str, &str)] = &[(
+    "rollout.tensor_parallel_size",
+    "tensor parallelism is not built yet; validation refuses any value but 1",
+)];
+
+/// A recipe key that parses but that nothing reads is a key that silently does nothing. Every
+/// key's field must be read (`.name`) somewhere outside the recipe's loading and validation, or
+/// be listed in [`READ_BY_VALIDATION_ONLY`] with why.
+#[test]
+fn every_recipe_key_is_read_by_the_run() {
+    let sources = sources_that_use_recipes();
+    let read = |field: &str| {
+        let access = format!(".{field}");
+        sources.match_indices(&access).any(|(i, _)| {
+            let next = sources[i + access.len()..].chars().next();
+            !next.is_some_and(|c| c.is_alphanumeric() || c == '_')
+        })
+    };
+    let unread: Vec<String> = Recipe::all_keys()
+        .into_iter()
+        .filter(|key| !READ_BY_VALIDATION_ONLY.iter().any(|(k, _)| k == key))
+        .filter(|key| !read(key.rsplit('.').next().unwrap()))
+        .collect();
+    assert!(
+        unread.is_empty(),
+        "recipe keys parsed but never read outside recipe/load.rs and recipe/validate.rs: {unread:?}; \
+         make the run \
+         use each, or refuse values it cannot honour and list it in READ_BY_VALIDATION_ONLY"
+    );
+    for (key, _) in READ_BY_VALIDATION_ONLY {
+        assert!(
+            Recipe::all_keys().iter().any(|k| k == key),
+            "READ_BY_VALIDATION_ONLY lists `{key}`, which is not a recipe key"
+        );
+    }
+}

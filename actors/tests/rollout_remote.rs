@@ -13,14 +13,9 @@ use actors::worker::Worker;
 use model::{param_table, random_init, ModelConfig, ModelWeights};
 use rollout::{upload_weights, Engine, EngineConfig, GenerationRequest, Sample, SamplingParams};
 use std::net::SocketAddr;
-use std::sync::OnceLock;
-use xla::runtime::{Buffer, Client};
+use testkit::client;
+use xla::runtime::Buffer;
 use xla::DType;
-
-fn client() -> &'static Client {
-    static CLIENT: OnceLock<Client> = OnceLock::new();
-    CLIENT.get_or_init(|| Client::cpu(1).expect("the CPU PJRT plugin loads"))
-}
 
 fn buffers(weights: &ModelWeights, dtype: DType) -> Vec<Buffer> {
     upload_weights(client(), weights, dtype, 0).unwrap()

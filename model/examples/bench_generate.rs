@@ -57,13 +57,7 @@ fn parse_args() -> Args {
             "--decode-slots" => a.decode_slots = value().parse().expect("--decode-slots N"),
             "--with-hf" => a.with_hf = true,
             "--hf-threads" => a.hf_threads = value().parse().expect("--hf-threads N"),
-            "--dtype" => {
-                a.dtype = match value().as_str() {
-                    "f32" => DType::F32,
-                    "bf16" => DType::BF16,
-                    other => panic!("--dtype takes f32 or bf16, not {other}"),
-                }
-            }
+            "--dtype" => a.dtype = value().parse().unwrap_or_else(|e| panic!("--dtype: {e}")),
             other => panic!(
                 "unknown option {other}; options: --model PATH --prefill-batch N --prefill-len N \
                  --decode-steps N --decode-slots N --dtype f32|bf16 --with-hf --hf-threads N"

@@ -5,7 +5,8 @@
 
 use std::path::PathBuf;
 
-use model::{save_hf_checkpoint, DType, GgufFile, ModelConfig};
+use model::{save_hf_checkpoint, GgufFile, ModelConfig};
+use xla::DType;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();

@@ -27,5 +27,5 @@ pub use gguf::{GgmlType, GgufFile, GgufValue};
 pub use init::random_init;
 pub use params::{param_table, ParamSpec};
 pub use safetensors_io::{load_safetensors, save_hf_checkpoint, ModelWeights};
-pub use tensor::{DType, HostTensor, TensorData};
+pub use tensor::{HostTensor, TensorData};
 pub use tokenizer::{write_gguf_tokenizer_files, ModelTokenizer};

@@ -106,6 +106,54 @@ fn input(program: &str, problem: String) -> ProgramError {
     }
 }
 
+/// Uploads every tensor of `weights`' parameter table ([`crate::param_table`]) to `device` of
+/// `client` as `dtype` (F32, BF16 or F16), in table order, checking each is present with its
+/// shape.
+pub fn upload_params(
+    client: &Client,
+    weights: &ModelWeights,
+    dtype: DType,
+    device: usize,
+) -> Result<Vec<Buffer>> {
+    let config = &weights.config;
+    let mut buffers = Vec::new();
+    for spec in param_table(config) {
+        let t = weights.get(&spec.name).ok_or_else(|| ProgramError::Weights {
+            name: spec.name.clone(),
+            problem: format!("missing (expected shape {:?})", spec.shape),
+        })?;
+        if t.shape != spec.shape {
+            return Err(ProgramError::Weights {
+                name: spec.name.clone(),
+                problem: format!("expected shape {:?}, found {:?}", spec.shape, t.shape),
+            });
+        }
+        let dims: Vec<i64> = spec.shape.iter().map(|&d| d as i64).collect();
+        let values = t.to_f32_vec();
+        let action = format!("uploading `{}`", spec.name);
+        let buffer = match dtype {
+            DType::F32 => client.buffer_from_host(&values, &dims, device),
+            DType::BF16 => {
+                let v: Vec<half::bf16> = values.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                client.buffer_from_host(&v, &dims, device)
+            }
+            DType::F16 => {
+                let v: Vec<half::f16> = values.iter().map(|&x| half::f16::from_f32(x)).collect();
+                client.buffer_from_host(&v, &dims, device)
+            }
+            other => {
+                return Err(ProgramError::Weights {
+                    name: spec.name.clone(),
+                    problem: format!("weights can be f32, bf16 or f16 on the device, not {other}"),
+                })
+            }
+        }
+        .map_err(runtime(action))?;
+        buffers.push(buffer);
+    }
+    Ok(buffers)
+}
+
 /// Model weights on one device, in [`crate::param_table`] order.
 pub struct DeviceModel {
     client: Client,
@@ -116,8 +164,7 @@ pub struct DeviceModel {
 }
 
 impl DeviceModel {
-    /// Uploads `weights` to `device` of `client` as `dtype` (F32, BF16 or F16), checking every
-    /// tensor of the parameter table is present with its shape.
+    /// Uploads `weights` to `device` of `client` as `dtype` (see [`upload_params`]).
     pub fn upload(
         client: &Client,
         weights: &ModelWeights,
@@ -125,41 +172,7 @@ impl DeviceModel {
         device: usize,
     ) -> Result<DeviceModel> {
         let config = &weights.config;
-        let mut buffers = Vec::new();
-        for spec in param_table(config) {
-            let t = weights.get(&spec.name).ok_or_else(|| ProgramError::Weights {
-                name: spec.name.clone(),
-                problem: format!("missing (expected shape {:?})", spec.shape),
-            })?;
-            if t.shape != spec.shape {
-                return Err(ProgramError::Weights {
-                    name: spec.name.clone(),
-                    problem: format!("expected shape {:?}, found {:?}", spec.shape, t.shape),
-                });
-            }
-            let dims: Vec<i64> = spec.shape.iter().map(|&d| d as i64).collect();
-            let values = t.to_f32_vec();
-            let action = format!("uploading `{}`", spec.name);
-            let buffer = match dtype {
-                DType::F32 => client.buffer_from_host(&values, &dims, device),
-                DType::BF16 => {
-                    let v: Vec<half::bf16> = values.iter().map(|&x| half::bf16::from_f32(x)).collect();
-                    client.buffer_from_host(&v, &dims, device)
-                }
-                DType::F16 => {
-                    let v: Vec<half::f16> = values.iter().map(|&x| half::f16::from_f32(x)).collect();
-                    client.buffer_from_host(&v, &dims, device)
-                }
-                other => {
-                    return Err(ProgramError::Weights {
-                        name: spec.name.clone(),
-                        problem: format!("weights can be f32, bf16 or f16 on the device, not {other}"),
-                    })
-                }
-            }
-            .map_err(runtime(action))?;
-            buffers.push(buffer);
-        }
+        let buffers = upload_params(client, weights, dtype, device)?;
         Ok(DeviceModel {
             client: client.clone(),
             config: config.clone(),

@@ -13,7 +13,8 @@ use serde_json::Value;
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::params::param_table;
-use crate::tensor::{DType, HostTensor};
+use crate::tensor::HostTensor;
+use xla::DType;
 
 /// A model's parameters in parameter-table order, with the config they belong to.
 #[derive(Debug, Clone, PartialEq)]
@@ -50,6 +51,7 @@ impl View for &HostTensor {
             DType::F32 => Dtype::F32,
             DType::BF16 => Dtype::BF16,
             DType::F16 => Dtype::F16,
+            other => unreachable!("a host tensor is never {other}"),
         }
     }
     fn shape(&self) -> &[usize] {
@@ -59,7 +61,7 @@ impl View for &HostTensor {
         Cow::Owned(self.to_le_bytes())
     }
     fn data_len(&self) -> usize {
-        self.numel() * HostTensor::dtype(self).size_in_bytes()
+        self.numel() * HostTensor::dtype(self).size_bytes()
     }
 }
 
@@ -255,6 +257,7 @@ pub fn save_hf_checkpoint(dir: &Path, weights: &ModelWeights, tokenizer_files: &
         DType::F32 => "float32",
         DType::BF16 => "bfloat16",
         DType::F16 => "float16",
+        other => unreachable!("a host tensor is never {other}"),
     });
     let text = serde_json::to_string_pretty(&config_json).expect("JSON values serialise");
     std::fs::write(&config_path, text + "\n").map_err(|e| ModelError::io("writing", &config_path, e))?;

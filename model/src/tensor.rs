@@ -1,37 +1,8 @@
-//! Host tensors: a name, an element type (f32, bf16 or f16), a row-major shape and the values.
+//! Host tensors: a name, a float element type ([`DType`] f32, bf16 or f16), a row-major shape
+//! and the values.
 
 use half::{bf16, f16};
-
-/// Element type of a [`HostTensor`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum DType {
-    /// 32-bit IEEE float.
-    F32,
-    /// bfloat16.
-    BF16,
-    /// 16-bit IEEE float.
-    F16,
-}
-
-impl DType {
-    /// Size of one element in bytes.
-    pub fn size_in_bytes(self) -> usize {
-        match self {
-            DType::F32 => 4,
-            DType::BF16 | DType::F16 => 2,
-        }
-    }
-}
-
-impl std::fmt::Display for DType {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            DType::F32 => "F32",
-            DType::BF16 => "BF16",
-            DType::F16 => "F16",
-        })
-    }
-}
+use xla::DType;
 
 /// The values of a [`HostTensor`], in row-major order.
 #[derive(Debug, Clone, PartialEq)]
@@ -98,7 +69,8 @@ impl HostTensor {
         }
     }
 
-    /// A copy converted to `dtype` (round to nearest even when narrowing).
+    /// A copy converted to `dtype` (round to nearest even when narrowing). Panics unless
+    /// `dtype` is f32, bf16 or f16, the types a host tensor holds.
     pub fn to_dtype(&self, dtype: DType) -> HostTensor {
         if dtype == self.dtype() {
             return self.clone();
@@ -108,6 +80,7 @@ impl HostTensor {
             DType::F32 => TensorData::F32(values),
             DType::BF16 => TensorData::BF16(values.iter().map(|&x| bf16::from_f32(x)).collect()),
             DType::F16 => TensorData::F16(values.iter().map(|&x| f16::from_f32(x)).collect()),
+            other => panic!("a host tensor holds f32, bf16 or f16 values, not {other}"),
         };
         HostTensor {
             name: self.name.clone(),
@@ -125,7 +98,8 @@ impl HostTensor {
         }
     }
 
-    /// Builds a tensor from little-endian bytes; `None` if the byte count does not match.
+    /// Builds a tensor from little-endian bytes; `None` if the byte count does not match or
+    /// `dtype` is not f32, bf16 or f16.
     pub fn from_le_bytes(
         name: impl Into<String>,
         dtype: DType,
@@ -133,7 +107,7 @@ impl HostTensor {
         bytes: &[u8],
     ) -> Option<Self> {
         let numel: usize = shape.iter().product();
-        if bytes.len() != numel * dtype.size_in_bytes() {
+        if bytes.len() != numel * dtype.size_bytes() {
             return None;
         }
         let data = match dtype {
@@ -155,6 +129,7 @@ impl HostTensor {
                     .map(|b| f16::from_le_bytes([b[0], b[1]]))
                     .collect(),
             ),
+            _ => return None,
         };
         Some(HostTensor {
             name: name.into(),

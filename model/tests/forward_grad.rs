@@ -7,7 +7,7 @@
 //! so rounding contributes ~1e-4 to the numeric derivative).
 
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use testkit::client;
 
 use model::forward::{logprobs_graph, DecoderParams};
 use model::params::param_table;
@@ -15,13 +15,8 @@ use model::programs::DeviceModel;
 use model::safetensors_io::load_hf_checkpoint;
 use rand::{Rng, SeedableRng};
 use xla::graph::{value_and_grad, Graph};
-use xla::runtime::{Buffer, Client};
+use xla::runtime::Buffer;
 use xla::DType;
-
-fn client() -> &'static Client {
-    static CLIENT: OnceLock<Client> = OnceLock::new();
-    CLIENT.get_or_init(|| Client::cpu(1).expect("CPU PJRT client (run scripts/setup.sh)"))
-}
 
 const BATCH: usize = 2;
 const LEN: usize = 9;

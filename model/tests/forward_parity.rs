@@ -7,21 +7,15 @@
 //!   reference logits of the whole sequence.
 
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use testkit::client;
 
 use model::programs::{
     DecodeProgram, DeviceModel, FullLogitsProgram, KvCache, LogprobsProgram, PrefillProgram, PrefillRequest,
 };
 use model::safetensors_io::load_hf_checkpoint;
-use xla::runtime::Client;
 use xla::DType;
 
 const TOL: f32 = 1e-4;
-
-fn client() -> &'static Client {
-    static CLIENT: OnceLock<Client> = OnceLock::new();
-    CLIENT.get_or_init(|| Client::cpu(1).expect("CPU PJRT client (run scripts/setup.sh)"))
-}
 
 fn fixture_dir(family: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

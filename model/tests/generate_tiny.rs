@@ -3,17 +3,11 @@
 //! step); sampling is reproducible by seed; stop tokens end the continuation.
 
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use testkit::client;
 
 use model::programs::{generate, DeviceModel, FullLogitsProgram, GenerateOptions, Generator, HostModel};
 use model::safetensors_io::load_hf_checkpoint;
-use xla::runtime::Client;
 use xla::DType;
-
-fn client() -> &'static Client {
-    static CLIENT: OnceLock<Client> = OnceLock::new();
-    CLIENT.get_or_init(|| Client::cpu(1).expect("CPU PJRT client (run scripts/setup.sh)"))
-}
 
 fn tiny_llama() -> DeviceModel {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny/llama");

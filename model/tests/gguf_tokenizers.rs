@@ -100,13 +100,18 @@ fn check(tokenizer: &ModelTokenizer, key: &str) {
 fn llama3_and_qwen3_vocabularies_from_gguf() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("llama3.gguf");
-    write_tokenizer_gguf(&common::asset("llama3/tokenizer.json"), "llama-bpe", false, &path);
+    write_tokenizer_gguf(
+        &testkit::asset("llama3/tokenizer.json"),
+        "llama-bpe",
+        false,
+        &path,
+    );
     let llama3 = ModelTokenizer::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
     check(&llama3, "llama3");
     assert_eq!(llama3.vocab_size(), 128_256);
 
     let path = dir.path().join("qwen3.gguf");
-    write_tokenizer_gguf(&common::asset("qwen3/tokenizer.json"), "qwen2", false, &path);
+    write_tokenizer_gguf(&testkit::asset("qwen3/tokenizer.json"), "qwen2", false, &path);
     let qwen3 = ModelTokenizer::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
     check(&qwen3, "qwen3");
     assert_eq!(qwen3.vocab_size(), 151_669);

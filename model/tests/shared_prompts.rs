@@ -6,20 +6,15 @@
 //! response length of one column.
 
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use testkit::client;
 
 use model::forward::{logprobs_graph_shared_prompts, logprobs_graph_span, DecoderParams, SharedPrompts};
 use model::params::param_table;
 use model::programs::DeviceModel;
 use model::safetensors_io::load_hf_checkpoint;
 use xla::graph::{value_and_grad, Graph, Tensor};
-use xla::runtime::{Buffer, Client};
+use xla::runtime::Buffer;
 use xla::DType;
-
-fn client() -> &'static Client {
-    static CLIENT: OnceLock<Client> = OnceLock::new();
-    CLIENT.get_or_init(|| Client::cpu(1).expect("CPU PJRT client (run scripts/setup.sh)"))
-}
 
 /// Rows as (block, prompt slot in the block, response); `None` is a padding row.
 struct Case {

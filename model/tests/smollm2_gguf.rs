@@ -7,11 +7,9 @@ mod common;
 use model::gguf::GgufFile;
 use model::{param_table, Family, ModelConfig};
 
-const GGUF: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-
 #[test]
 fn config_and_parameter_table_from_gguf() {
-    let gguf = GgufFile::open(&common::asset(GGUF)).unwrap();
+    let gguf = GgufFile::open(&testkit::smollm2_gguf()).unwrap();
     assert_eq!(gguf.version, 3);
     assert_eq!(gguf.tensor_infos().len(), 272);
     let c = ModelConfig::from_gguf(&gguf).unwrap();
@@ -40,7 +38,7 @@ fn config_and_parameter_table_from_gguf() {
 
 #[test]
 fn weights_match_gguf_py_dequantisation() {
-    let gguf = GgufFile::open(&common::asset(GGUF)).unwrap();
+    let gguf = GgufFile::open(&testkit::smollm2_gguf()).unwrap();
     let config = ModelConfig::from_gguf(&gguf).unwrap();
     let start = std::time::Instant::now();
     let weights = gguf.load_weights(&config).unwrap();
@@ -91,7 +89,7 @@ fn weights_match_gguf_py_dequantisation() {
 
 #[test]
 fn truncated_copy_is_a_clear_error() {
-    let bytes = std::fs::read(common::asset(GGUF)).unwrap();
+    let bytes = std::fs::read(testkit::smollm2_gguf()).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("truncated.gguf");
     std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();

@@ -6,8 +6,9 @@
 mod common;
 
 use model::safetensors_io::load_hf_checkpoint;
-use model::{save_hf_checkpoint, DType, Family, RopeScaling};
+use model::{save_hf_checkpoint, Family, RopeScaling};
 use safetensors::SafeTensors;
+use xla::DType;
 
 #[test]
 fn configs_parse_as_written_by_transformers() {

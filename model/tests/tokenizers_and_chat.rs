@@ -8,8 +8,6 @@ use model::gguf::GgufFile;
 use model::{ChatTemplate, ModelConfig, ModelTokenizer};
 use serde_json::Value;
 
-const GGUF: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-
 fn strings() -> Vec<String> {
     common::fixture_json("tokenizer_strings.json")["strings"]
         .as_array()
@@ -49,7 +47,7 @@ fn check(tokenizer: &ModelTokenizer, key: &str, add_special_tokens: bool) {
 
 #[test]
 fn qwen3_and_llama3_tokenizer_json() {
-    let qwen3 = ModelTokenizer::from_file(&common::asset("qwen3/tokenizer.json")).unwrap();
+    let qwen3 = ModelTokenizer::from_file(&testkit::asset("qwen3/tokenizer.json")).unwrap();
     check(&qwen3, "qwen3", false);
     assert_eq!(qwen3.vocab_size(), 151_669);
     // Qwen3's config (no pad id) with its tokenizer_config: stop at <|endoftext|> and <|im_end|>,
@@ -63,20 +61,20 @@ fn qwen3_and_llama3_tokenizer_json() {
     .unwrap();
     qwen3.check_fits(&config).unwrap();
     let template =
-        ChatTemplate::from_tokenizer_config(&common::asset("qwen3/tokenizer_config.json")).unwrap();
+        ChatTemplate::from_tokenizer_config(&testkit::asset("qwen3/tokenizer_config.json")).unwrap();
     assert_eq!(
         qwen3.stop_token_ids(&config, Some(&template)),
         vec![151643, 151645]
     );
     assert_eq!(qwen3.pad_token_id(&config, Some(&template)), Some(151643));
-    let llama3 = ModelTokenizer::from_file(&common::asset("llama3/tokenizer.json")).unwrap();
+    let llama3 = ModelTokenizer::from_file(&testkit::asset("llama3/tokenizer.json")).unwrap();
     check(&llama3, "llama3", false);
     check(&llama3, "llama3_with_special", true);
 }
 
 #[test]
 fn smollm2_gguf_tokenizer() {
-    let gguf = GgufFile::open(&common::asset(GGUF)).unwrap();
+    let gguf = GgufFile::open(&testkit::smollm2_gguf()).unwrap();
     let tokenizer = ModelTokenizer::from_gguf(&gguf).unwrap();
     check(&tokenizer, "smollm2_gguf", false);
     let config = ModelConfig::from_gguf(&gguf).unwrap();
@@ -86,7 +84,7 @@ fn smollm2_gguf_tokenizer() {
     assert_eq!(tokenizer.stop_token_ids(&config, Some(&template)), vec![2]);
     assert_eq!(tokenizer.pad_token_id(&config, Some(&template)), Some(2));
     // The Qwen3 tokenizer does not fit SmolLM2's 49,152-row embedding table.
-    let qwen3 = ModelTokenizer::from_file(&common::asset("qwen3/tokenizer.json")).unwrap();
+    let qwen3 = ModelTokenizer::from_file(&testkit::asset("qwen3/tokenizer.json")).unwrap();
     let e = qwen3.check_fits(&config).unwrap_err().to_string();
     assert!(e.ends_with("tokenizer.json has 151669 tokens (largest id 151668) but the model's vocab_size is 49152: the tokenizer does not belong to this model"), "{e}");
 }
@@ -114,7 +112,7 @@ fn check_template(template: &ChatTemplate, key: &str) {
 
 #[test]
 fn chat_templates_render_like_transformers() {
-    let qwen3 = ChatTemplate::from_tokenizer_config(&common::asset("qwen3/tokenizer_config.json")).unwrap();
+    let qwen3 = ChatTemplate::from_tokenizer_config(&testkit::asset("qwen3/tokenizer_config.json")).unwrap();
     assert_eq!(qwen3.eos_token.as_deref(), Some("<|im_end|>"));
     assert_eq!(qwen3.pad_token.as_deref(), Some("<|endoftext|>"));
     check_template(&qwen3, "qwen3");
@@ -132,10 +130,11 @@ fn chat_templates_render_like_transformers() {
             .unwrap();
         assert_eq!(got, case["expected"].as_str().unwrap());
     }
-    let llama3 = ChatTemplate::from_tokenizer_config(&common::asset("llama3/tokenizer_config.json")).unwrap();
+    let llama3 =
+        ChatTemplate::from_tokenizer_config(&testkit::asset("llama3/tokenizer_config.json")).unwrap();
     assert_eq!(llama3.bos_token.as_deref(), Some("<|begin_of_text|>"));
     check_template(&llama3, "llama3");
-    let gguf = GgufFile::open(&common::asset(GGUF)).unwrap();
+    let gguf = GgufFile::open(&testkit::smollm2_gguf()).unwrap();
     let smol = ChatTemplate::from_gguf(&gguf).unwrap();
     assert_eq!(
         (smol.bos_token.as_deref(), smol.eos_token.as_deref()),
@@ -147,7 +146,7 @@ fn chat_templates_render_like_transformers() {
 #[test]
 fn smollm2_greedy_prompts_tokenize_like_the_fixture() {
     let fixture = common::fixture_json("smollm2_greedy.json");
-    let gguf = GgufFile::open(&common::asset(GGUF)).unwrap();
+    let gguf = GgufFile::open(&testkit::smollm2_gguf()).unwrap();
     let tokenizer = ModelTokenizer::from_gguf(&gguf).unwrap();
     let template = ChatTemplate::from_gguf(&gguf).unwrap();
     let cases = fixture["cases"].as_array().unwrap();

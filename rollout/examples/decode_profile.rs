@@ -66,10 +66,9 @@ fn main() {
     let max_len: usize = arg(&args, "--max-len", "384").parse().unwrap();
     let position: i32 = arg(&args, "--position", "120").parse().unwrap();
     let rounds: usize = arg(&args, "--rounds", "7").parse().unwrap();
-    let dtype = match arg(&args, "--dtype", "f32").as_str() {
-        "bf16" => DType::BF16,
-        _ => DType::F32,
-    };
+    let dtype: DType = arg(&args, "--dtype", "f32")
+        .parse()
+        .unwrap_or_else(|e| panic!("--dtype: {e}"));
     let names: Vec<String> = arg(
         &args,
         "--variants",

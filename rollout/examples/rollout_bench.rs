@@ -128,10 +128,9 @@ fn main() {
     let seqs: usize = arg(&args, "--seqs", "64").parse().unwrap();
     let prompt_len: usize = arg(&args, "--prompt-len", "128").parse().unwrap();
     let new_tokens: usize = arg(&args, "--new-tokens", "256").parse().unwrap();
-    let dtype = match arg(&args, "--dtype", "f32").as_str() {
-        "bf16" => DType::BF16,
-        _ => DType::F32,
-    };
+    let dtype: DType = arg(&args, "--dtype", "f32")
+        .parse()
+        .unwrap_or_else(|e| panic!("--dtype: {e}"));
     let run_peer = !args.iter().any(|a| a == "--no-peer");
     let group: usize = arg(&args, "--group", "1").parse().unwrap();
     assert!(

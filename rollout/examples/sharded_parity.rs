@@ -36,11 +36,9 @@ fn main() {
         .split(',')
         .map(|d| d.parse().expect("--devices: comma-separated counts"))
         .collect();
-    let dtype = match arg(&args, "--dtype", "bf16").as_str() {
-        "f32" => DType::F32,
-        "bf16" => DType::BF16,
-        other => panic!("--dtype f32 or bf16, not {other}"),
-    };
+    let dtype: DType = arg(&args, "--dtype", "bf16")
+        .parse()
+        .unwrap_or_else(|e| panic!("--dtype: {e}"));
     let slots: usize = arg(&args, "--slots", "32").parse().unwrap();
     let new_tokens: usize = arg(&args, "--new", "16").parse().unwrap();
     let prompts: usize = arg(&args, "--prompts", "8").parse().unwrap();

@@ -13,14 +13,15 @@
 
 pub mod engine;
 pub mod error;
+pub mod plan;
 pub mod programs;
 pub mod sampling;
 pub mod weights;
 
 pub use engine::{
-    upload_weights, Engine, EngineConfig, EngineControl, EngineHandle, EngineOutput, EngineStats,
-    FinishReason, GenerationRequest, Sample,
+    Engine, EngineConfig, EngineControl, EngineHandle, EngineOutput, EngineStats, FinishReason,
+    GenerationRequest, Sample,
 };
 pub use error::{Result, RolloutError};
 pub use sampling::SamplingParams;
-pub use weights::{handoff, EngineWeights, SourceParams};
+pub use weights::{handoff, upload_weights, EngineWeights, SourceParams};

@@ -26,6 +26,7 @@ use xla::runtime::{Buffer, Client, Executable};
 use xla::{DType, NativeType};
 
 use crate::error::{Result, RolloutError};
+use crate::plan::DecodeKey;
 use crate::sampling::{sample_graph_with, SamplerInputs, SamplerKind};
 
 /// Static shape of the KV cache: for each layer, its key tensors then its value tensors, each
@@ -610,26 +611,45 @@ impl DecodeSample {
         cache: &CacheShape,
         truncate: bool,
     ) -> Result<DecodeSample> {
-        if cache.chunks() > 1 {
-            return DecodeSample::compile_chunked(
-                client,
-                config,
-                dtype,
-                cache,
-                truncate,
-                cache.chunks(),
-                SamplerKind::default(),
-            );
-        }
-        DecodeSample::compile_with(
-            client,
-            config,
-            dtype,
-            cache,
+        let key = DecodeKey {
             truncate,
-            DecodeOptions::default(),
-            SamplerKind::default(),
-        )
+            chunks: cache.chunks(),
+        };
+        DecodeSample::compile_step(client, config, dtype, cache, key, SamplerKind::default())
+    }
+
+    /// The decode step of `key` ([`crate::plan`]): over the whole cache in one tensor, or
+    /// reading `key.chunks` of its chunks. Traced, not compiled.
+    pub fn build_step(
+        config: &ModelConfig,
+        dtype: DType,
+        cache: &CacheShape,
+        key: DecodeKey,
+        sampler: SamplerKind,
+    ) -> Result<Program> {
+        if cache.chunks() == 1 {
+            let options = DecodeOptions::default();
+            DecodeSample::build_with(config, dtype, cache, key.truncate, options, sampler)
+        } else {
+            DecodeSample::build_chunked(config, dtype, cache, key.truncate, key.chunks, sampler)
+        }
+    }
+
+    /// [`DecodeSample::build_step`], compiled.
+    pub fn compile_step(
+        client: &Client,
+        config: &ModelConfig,
+        dtype: DType,
+        cache: &CacheShape,
+        key: DecodeKey,
+        sampler: SamplerKind,
+    ) -> Result<DecodeSample> {
+        if cache.chunks() == 1 {
+            let options = DecodeOptions::default();
+            DecodeSample::compile_with(client, config, dtype, cache, key.truncate, options, sampler)
+        } else {
+            DecodeSample::compile_chunked(client, config, dtype, cache, key.truncate, key.chunks, sampler)
+        }
     }
 
     /// Traces the program of [`DecodeSample::compile_with`] without compiling it.

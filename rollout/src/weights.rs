@@ -18,6 +18,7 @@ use xla::runtime::{Buffer, Client};
 use xla::DType;
 
 use crate::error::{Result, RolloutError};
+use model::{param_table, ModelConfig, ModelWeights};
 
 /// The rollout's parameters: one replica of the whole parameter table per device of the
 /// engine, in device order (one entry for a single-device engine). Cheap to clone.
@@ -223,4 +224,118 @@ fn handoff_program(source: &SourceParams, dtype: DType) -> Result<xla::graph::Pr
         program: name.clone(),
         source,
     })
+}
+
+/// Uploads `weights` (every [`param_table`] tensor) to `device` as `dtype` (F32 or BF16).
+pub fn upload_weights(
+    client: &Client,
+    weights: &ModelWeights,
+    dtype: DType,
+    device: usize,
+) -> Result<Vec<Buffer>> {
+    let table = param_table(&weights.config);
+    let bad = |name: &str, problem: String| RolloutError::Weights {
+        version: 0,
+        index: table.iter().position(|s| s.name == name).unwrap_or(0),
+        name: name.to_string(),
+        problem,
+    };
+    if !matches!(dtype, DType::F32 | DType::BF16) {
+        let first = table.first().map_or("", |s| s.name.as_str());
+        return Err(bad(
+            first,
+            format!("weights can be f32 or bf16 on the device, not {dtype}"),
+        ));
+    }
+    model::programs::upload_params(client, weights, dtype, device).map_err(|e| match e {
+        model::programs::ProgramError::Weights { name, problem } => bad(&name, problem),
+        model::programs::ProgramError::Runtime { action, source } => RolloutError::runtime(action, source),
+        other => RolloutError::Config(other.to_string()),
+    })
+}
+
+/// Checks every replica of `weights` against the parameter table and its device in
+/// `devices`; returns the weights' dtype.
+pub(crate) fn check_replicas(
+    config: &ModelConfig,
+    weights: &EngineWeights,
+    dtype: Option<DType>,
+    devices: &[usize],
+    version: u64,
+) -> Result<DType> {
+    if weights.devices() != devices.len() {
+        return Err(RolloutError::Weights {
+            version,
+            index: 0,
+            name: param_table(config)
+                .first()
+                .map(|s| s.name.clone())
+                .unwrap_or_default(),
+            problem: format!(
+                "replicas for {} device(s) were given; the engine runs on {} ({devices:?})",
+                weights.devices(),
+                devices.len()
+            ),
+        });
+    }
+    let mut want = dtype;
+    for (replica, &device) in weights.replicas().iter().zip(devices) {
+        want = Some(check_weights(config, replica, want, device, version)?);
+    }
+    Ok(want.unwrap_or(DType::F32))
+}
+
+fn check_weights(
+    config: &ModelConfig,
+    weights: &[Buffer],
+    dtype: Option<DType>,
+    device: usize,
+    version: u64,
+) -> Result<DType> {
+    let table = param_table(config);
+    if weights.len() != table.len() {
+        return Err(RolloutError::Weights {
+            version,
+            index: weights.len().min(table.len()),
+            name: table
+                .get(weights.len())
+                .map(|s| s.name.clone())
+                .unwrap_or_default(),
+            problem: format!(
+                "the parameter table has {} tensors, {} buffers were given",
+                table.len(),
+                weights.len()
+            ),
+        });
+    }
+    let want = dtype.unwrap_or_else(|| weights.first().map(|b| b.dtype()).unwrap_or(DType::F32));
+    for (index, (spec, b)) in table.iter().zip(weights).enumerate() {
+        let dims: Vec<i64> = spec.shape.iter().map(|&d| d as i64).collect();
+        let problem = if b.dims() != dims.as_slice() {
+            Some(format!("expected shape {:?}, found {:?}", dims, b.dims()))
+        } else if b.dtype() != want {
+            Some(format!(
+                "expected {want} (the compiled programs' weight type; a different type needs a new engine), found {}",
+                b.dtype()
+            ))
+        } else if b.device() != device {
+            Some(format!(
+                "on device {}, the engine runs on device {device}",
+                b.device()
+            ))
+        } else if b.is_donated() {
+            Some("the buffer was donated to another program and no longer holds data".to_string())
+        } else {
+            None
+        };
+        if let Some(problem) = problem {
+            return Err(RolloutError::Weights {
+                version,
+                index,
+                name: spec.name.clone(),
+                problem,
+            });
+        }
+    }
+    Ok(want)
 }

@@ -7,8 +7,7 @@
 mod common;
 
 use common::{generate, of_request, request, sampled};
-
-use std::sync::OnceLock;
+use testkit::client;
 
 use model::programs::{DeviceModel, FullLogitsProgram, GenerateOptions, Generator, LogprobsProgram};
 use model::{random_init, ModelConfig, ModelTokenizer, ModelWeights};
@@ -17,13 +16,7 @@ use rollout::{
     upload_weights, Engine, EngineConfig, EngineOutput, FinishReason, GenerationRequest, Sample,
     SamplingParams,
 };
-use xla::runtime::Client;
 use xla::DType;
-
-fn client() -> &'static Client {
-    static CLIENT: OnceLock<Client> = OnceLock::new();
-    CLIENT.get_or_init(|| Client::cpu(1).expect("the CPU PJRT plugin loads"))
-}
 
 /// An engine on device 0 with `weights` uploaded in `dtype`, weight version 1.
 fn engine_of(
@@ -542,16 +535,7 @@ fn the_streaming_handle_rejects_bad_requests_and_serves_the_rest() {
 /// a sampled neighbour equals the model crate's step-by-step generation, and the text decodes.
 #[test]
 fn smollm2_greedy_matches_step_by_step_generation() {
-    let dir = std::env::var_os("GRPO_TEST_ASSETS")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models"));
-    let path = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(
-        path.is_file(),
-        "{} is missing: run scripts/setup.sh (or set GRPO_TEST_ASSETS)",
-        path.display()
-    );
-    let host = model::programs::HostModel::load(&path).unwrap();
+    let host = model::programs::HostModel::load(&testkit::smollm2_gguf()).unwrap();
     let prompt = host.tokenizer.encode("The capital of France is", false).unwrap();
     let expected = greedy_reference(&host.weights, &prompt, 8);
     let mut settings = EngineConfig::new(2, 32);

@@ -14,7 +14,7 @@ mod common;
 
 use common::{generate, request, sampled};
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use model::{param_table, random_init, ModelConfig, ModelWeights};
 use rollout::{
@@ -23,12 +23,11 @@ use rollout::{
 };
 use xla::graph::{Mesh, Sharding};
 use xla::runtime::{Buffer, Client};
-use xla::DType;
 
 fn client() -> &'static Client {
-    static CLIENT: OnceLock<Client> = OnceLock::new();
-    CLIENT.get_or_init(|| Client::cpu(4).expect("the CPU PJRT plugin opens 4 devices"))
+    testkit::cpu_client(4)
 }
+use xla::DType;
 
 /// Replicas of `weights` in `dtype` on devices `0..devices`.
 fn replicas(weights: &ModelWeights, dtype: DType, devices: usize) -> EngineWeights {

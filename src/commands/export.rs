@@ -65,10 +65,8 @@ pub fn run(args: ExportArgs) -> anyhow::Result<ExitCode> {
     let checkpoint = resolve_checkpoint(&args.checkpoint)?;
     let options = ExportOptions {
         model: args.model,
-        dtype: match args.dtype.as_str() {
-            "bf16" => model::DType::BF16,
-            _ => model::DType::F32,
-        },
+        // clap lets only f32 and bf16 through.
+        dtype: args.dtype.parse()?,
     };
     // The export errors carry their causes in their messages; print them once.
     let summary = export_checkpoint(&checkpoint, &args.output, &options)

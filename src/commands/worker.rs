@@ -127,11 +127,8 @@ pub fn run(args: WorkerArgs) -> Result<ExitCode> {
     runtime.block_on(async move {
         let worker = match args.role {
             RoleArg::Reward => {
-                let function = recipe
-                    .reward
-                    .build(Some(recipe.data.max_response_length))
-                    .context("building the reward scorers")?;
-                let local = LocalReward::new(Arc::new(function), recipe.reward.pool_options()?);
+                let function = setup::reward_function(&recipe).context("building the reward scorers")?;
+                let local = LocalReward::new(Arc::new(function), setup::reward_pool(&recipe)?);
                 Worker::bind_reward(args.listen, token, local)
                     .await
                     .with_context(|| format!("cannot listen on {}", args.listen))?

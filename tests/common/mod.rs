@@ -35,19 +35,7 @@ pub fn run_grpo(args: &[&str]) -> Output {
     grpo().args(args).output().expect("run grpo")
 }
 
-/// The SmolLM2 GGUF fetched by `scripts/setup.sh`.
-pub fn smollm2_gguf() -> PathBuf {
-    let dir = std::env::var_os("GRPO_TEST_ASSETS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models"));
-    let path = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(
-        path.is_file(),
-        "{} is missing: run scripts/setup.sh",
-        path.display()
-    );
-    path
-}
+pub use testkit::smollm2_gguf;
 
 /// A Hugging Face model directory `dir/tiny-smollm2`: SmolLM2's tokenizer and chat template on
 /// a 2-layer, 32-wide Llama with random weights (seed 7).

@@ -139,11 +139,7 @@ fn parse_args() -> Args {
             "--dtype" => {
                 a.dtypes = value()
                     .split(',')
-                    .map(|d| match d {
-                        "f32" => DType::F32,
-                        "bf16" => DType::BF16,
-                        other => panic!("--dtype takes f32, bf16 or a comma list of them, not {other}"),
-                    })
+                    .map(|d| d.parse().unwrap_or_else(|e| panic!("--dtype: {e}")))
                     .collect()
             }
             "--peer-dtype" => {

@@ -99,7 +99,7 @@ pub struct PolicyLossConfig {
     pub kl_loss_type: KlPenalty,
     /// `actor.entropy_coeff`: subtract `entropy_coeff * agg(entropy)` from the loss.
     pub entropy_coeff: f64,
-    /// `algorithm.rollout_is_threshold`: when set, multiply the per-token policy loss by the
+    /// `algorithm.rollout_is_threshold` (at least 1): when set, multiply the per-token policy loss by the
     /// truncated importance weight `min(pi_old / pi_rollout, threshold)`.
     pub rollout_is_threshold: Option<f64>,
     /// `algorithm.rollout_is_veto_threshold`: when set (with `rollout_is_threshold`), a
@@ -127,49 +127,59 @@ impl Default for PolicyLossConfig {
 
 impl PolicyLossConfig {
     /// Checks the ranges VeRL asserts (`clip_ratio_c > 1`) and the ones that would make the
-    /// loss meaningless.
+    /// loss meaningless: the first violation (see [`PolicyLossConfig::violations`]).
     pub fn validate(&self) -> Result<()> {
+        match self.violations().into_iter().next() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Every range violation, each naming its recipe key (recipe validation reports them all
+    /// with their lines).
+    pub fn violations(&self) -> Vec<TrainerError> {
+        let mut out = Vec::new();
         let bad = |key: &'static str, value: f64, message: &str| TrainerError::Config {
             key,
             value: value.to_string(),
             message: message.to_string(),
         };
         if !above(self.clip_ratio_c, 1.0) {
-            return Err(bad(
+            out.push(bad(
                 "actor.clip_ratio_c",
                 self.clip_ratio_c,
                 "the dual-clip bound must be greater than 1.0",
             ));
         }
         if !(self.clip_ratio_low >= 0.0 && self.clip_ratio_low < 1.0) {
-            return Err(bad(
+            out.push(bad(
                 "actor.clip_ratio_low",
                 self.clip_ratio_low,
                 "must be in [0, 1)",
             ));
         }
         if !at_least(self.clip_ratio_high, 0.0) {
-            return Err(bad("actor.clip_ratio_high", self.clip_ratio_high, "must be >= 0"));
+            out.push(bad("actor.clip_ratio_high", self.clip_ratio_high, "must be >= 0"));
         }
         if let Some(t) = self.rollout_is_threshold {
-            if !above(t, 0.0) {
-                return Err(bad(
+            if !at_least(t, 1.0) {
+                out.push(bad(
                     "algorithm.rollout_is_threshold",
                     t,
-                    "must be > 0 (or null to disable)",
+                    "must be at least 1, since it caps a probability ratio (or null to disable)",
                 ));
             }
         }
         if let Some(t) = self.rollout_is_veto_threshold {
             if !above(t, 0.0) {
-                return Err(bad(
+                out.push(bad(
                     "algorithm.rollout_is_veto_threshold",
                     t,
                     "must be > 0 (or null to disable)",
                 ));
             }
         }
-        Ok(())
+        out
     }
 }
 
@@ -229,32 +239,41 @@ impl Default for OptimConfig {
 }
 
 impl OptimConfig {
-    /// Checks ranges (`betas` in [0, 1), `eps` > 0, `min_lr_ratio` in [0, 1], positive clip).
+    /// Checks ranges (`betas` in [0, 1), `eps` > 0, `min_lr_ratio` in [0, 1], positive clip). The first violation (see [`OptimConfig::violations`]).
     pub fn validate(&self) -> Result<()> {
+        match self.violations().into_iter().next() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Every range violation, each naming its recipe key.
+    pub fn violations(&self) -> Vec<TrainerError> {
+        let mut out = Vec::new();
         let bad = |key: &'static str, value: String, message: &str| TrainerError::Config {
             key,
             value,
             message: message.to_string(),
         };
         if self.betas.iter().any(|b| !(0.0..1.0).contains(b)) {
-            return Err(bad(
+            out.push(bad(
                 "actor.optim.betas",
                 format!("{:?}", self.betas),
                 "each beta must be in [0, 1)",
             ));
         }
         if !above(self.eps, 0.0) {
-            return Err(bad("actor.optim.eps", self.eps.to_string(), "must be > 0"));
+            out.push(bad("actor.optim.eps", self.eps.to_string(), "must be > 0"));
         }
-        if !at_least(self.lr, 0.0) || !self.lr.is_finite() {
-            return Err(bad(
+        if !above(self.lr, 0.0) || !self.lr.is_finite() {
+            out.push(bad(
                 "actor.optim.lr",
                 self.lr.to_string(),
-                "must be a finite number >= 0",
+                "must be a finite number > 0",
             ));
         }
         if !(0.0..=1.0).contains(&self.min_lr_ratio) {
-            return Err(bad(
+            out.push(bad(
                 "actor.optim.min_lr_ratio",
                 self.min_lr_ratio.to_string(),
                 "must be in [0, 1]",
@@ -262,14 +281,14 @@ impl OptimConfig {
         }
         if let Some(c) = self.grad_clip {
             if !above(c, 0.0) {
-                return Err(bad(
+                out.push(bad(
                     "actor.grad_clip",
                     c.to_string(),
                     "must be > 0 (or null to disable)",
                 ));
             }
         }
-        Ok(())
+        out
     }
 }
 

@@ -155,14 +155,14 @@ pub struct ExportOptions {
     /// directory); `None` takes `extra.model_path` from the checkpoint's `state.json`.
     pub model: Option<PathBuf>,
     /// Element type of the exported weights (f32 or bf16; bf16 rounds to nearest even).
-    pub dtype: model::DType,
+    pub dtype: xla::DType,
 }
 
 impl Default for ExportOptions {
     fn default() -> Self {
         ExportOptions {
             model: None,
-            dtype: model::DType::F32,
+            dtype: xla::DType::F32,
         }
     }
 }
@@ -330,7 +330,7 @@ pub fn trained_weights(
         }
         let tensor = match t.dtype {
             xla::DType::BF16 => {
-                model::HostTensor::from_le_bytes(&spec.name, model::DType::BF16, t.dims.clone(), &t.bytes)
+                model::HostTensor::from_le_bytes(&spec.name, xla::DType::BF16, t.dims.clone(), &t.bytes)
                     .expect("checkpoint tensors have dims-consistent byte counts")
             }
             _ => model::HostTensor::from_f32(&spec.name, t.dims.clone(), values),
@@ -443,7 +443,7 @@ mod tests {
             p[0] = HostTensor::from_f32_as_bf16(&p[0].name.clone(), &[32, 32], &vec![0.1f32; 1024]);
         });
         let w = trained_weights(&ck, &ModelConfig::tiny_llama(), Path::new("m")).unwrap();
-        assert_eq!(w.tensors[0].dtype(), model::DType::BF16);
+        assert_eq!(w.tensors[0].dtype(), xla::DType::BF16);
         assert_eq!(w.tensors[0].to_f32_vec()[0], half::bf16::from_f32(0.1).to_f32());
     }
 
@@ -521,7 +521,7 @@ mod tests {
             &tmp.path().join("out"),
             &ExportOptions {
                 model: Some(tmp.path().join("nowhere")),
-                dtype: model::DType::F32,
+                dtype: xla::DType::F32,
             },
         )
         .unwrap_err()

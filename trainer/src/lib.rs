@@ -16,6 +16,10 @@
 //!   log-probs of responses.
 //! - [`bucket`]: length buckets: each micro-batch runs padded to the smallest bucket holding its
 //!   longest prompt and response ([`bucket::BucketedLearner`]), one set of programs per bucket.
+//! - [`update`]: the GRPO update as a whole ([`update::GrpoUpdate`]): group filtering, old and
+//!   reference log-probs, KL in the reward, advantages, then `ppo_epochs` passes of mini-batches
+//!   of micro-batches, configured by [`update::UpdateConfig`]; [`update::BatchPlan`], the
+//!   mini-batch arithmetic every caller shares.
 //! - [`checkpoint`]: atomic, checksummed checkpoints under `OUTPUT/checkpoints/step_N/`.
 //! - [`memory`]: transparent huge pages for the C allocator (re-executing the program with
 //!   glibc's `glibc.malloc.hugetlb=1`), which cuts the page faults of XLA's per-call temporaries.
@@ -34,6 +38,7 @@ pub mod optim;
 pub mod policy;
 pub mod sharding;
 pub mod step;
+pub mod update;
 
 pub use config::{
     AdvantageEstimator, KlPenalty, LossAggMode, LrSchedule, OptimConfig, PolicyLossConfig, PolicyLossMode,

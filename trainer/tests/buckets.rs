@@ -8,9 +8,8 @@
 //! normaliser is the full `L`, not the bucket's), and with the bucketed learner data parallel
 //! over 2 devices.
 
-use std::sync::OnceLock;
-
 use model::{random_init, ModelConfig};
+use testkit::TinyLlama;
 use trainer::bucket::{BucketedLearner, PackedMicroBatch};
 use trainer::config::{LossAggMode, OptimConfig, Parallelism, PolicyLossConfig, Strategy};
 use trainer::policy::DecoderPolicy;
@@ -27,23 +26,16 @@ const VOCAB: u64 = 11;
 const BUCKET: usize = 4;
 
 fn client() -> &'static Client {
-    static CLIENT: OnceLock<Client> = OnceLock::new();
-    CLIENT
-        .get_or_init(|| Client::cpu(2).unwrap_or_else(|e| panic!("cannot create a 2-device CPU client: {e}")))
+    testkit::cpu_client(2)
 }
 
 fn tiny_llama() -> ModelConfig {
-    ModelConfig::from_hf_json(
-        &serde_json::json!({
-            "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB,
-            "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-            "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 32,
-            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": true,
-            "initializer_range": 0.5, "bos_token_id": 1, "eos_token_id": 0
-        }),
-        "tiny length-bucket test config",
-    )
-    .unwrap()
+    TinyLlama {
+        vocab: VOCAB as usize,
+        max_positions: 32,
+        ..TinyLlama::default()
+    }
+    .config()
 }
 
 fn policy() -> DecoderPolicy {

@@ -10,6 +10,7 @@ mod support;
 use model::forward::{full_logits_graph, DecoderParams};
 use model::{random_init, ModelConfig};
 use support::{client, Rng};
+use testkit::TinyLlama;
 use trainer::advantage::{broadcast_over_response, compute_advantages};
 use trainer::config::{AdvantageEstimator, OptimConfig, PolicyLossConfig};
 use trainer::policy::DecoderPolicy;
@@ -28,17 +29,17 @@ fn answer(c: u32) -> u32 {
 }
 
 fn tiny_llama() -> ModelConfig {
-    ModelConfig::from_hf_json(
-        &serde_json::json!({
-            "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": V,
-            "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16,
-            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": true,
-            "initializer_range": 0.02, "bos_token_id": 1, "eos_token_id": 0
-        }),
-        "tiny test config",
-    )
-    .unwrap()
+    TinyLlama {
+        vocab: V,
+        hidden: 32,
+        intermediate: 64,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        max_positions: 16,
+        initializer_range: 0.02,
+    }
+    .config()
 }
 
 /// `[ROWS, V]` next-token log-probs after each 2-token prompt, from parameter buffers.

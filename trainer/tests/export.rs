@@ -132,7 +132,7 @@ fn export_writes_the_trained_parameters_config_and_tokenizer() {
     assert_eq!(exported.tensors.len(), trained.len());
     assert_eq!(summary.parameters, trained.iter().map(Vec::len).sum::<usize>());
     for (t, want) in exported.tensors.iter().zip(&trained) {
-        assert_eq!(t.dtype(), model::DType::F32, "{}", t.name);
+        assert_eq!(t.dtype(), xla::DType::F32, "{}", t.name);
         assert_eq!(&t.to_f32_vec(), want, "{}", t.name);
     }
     let source_weights = load_hf_checkpoint(&fixture()).unwrap();
@@ -166,7 +166,7 @@ fn bf16_export_rounds_each_value_to_nearest_even() {
     let out = tmp.path().join("export-bf16");
     let options = ExportOptions {
         model: Some(model.clone()),
-        dtype: model::DType::BF16,
+        dtype: xla::DType::BF16,
     };
     export_checkpoint(&ck, &out, &options).unwrap();
     let exported = load_hf_checkpoint(&out).unwrap();
@@ -174,7 +174,7 @@ fn bf16_export_rounds_each_value_to_nearest_even() {
         serde_json::from_slice(&fs::read(out.join("config.json")).unwrap()).unwrap();
     assert_eq!(config["torch_dtype"], "bfloat16");
     for (t, want) in exported.tensors.iter().zip(&trained) {
-        assert_eq!(t.dtype(), model::DType::BF16, "{}", t.name);
+        assert_eq!(t.dtype(), xla::DType::BF16, "{}", t.name);
         let rounded: Vec<f32> = want.iter().map(|v| half::bf16::from_f32(*v).to_f32()).collect();
         assert_eq!(t.to_f32_vec(), rounded, "{}", t.name);
     }
@@ -212,7 +212,7 @@ fn a_model_whose_parameter_table_differs_is_refused_naming_the_tensor() {
     let out = tmp.path().join("export");
     let options = ExportOptions {
         model: Some(other.clone()),
-        dtype: model::DType::F32,
+        dtype: xla::DType::F32,
     };
     let err = export_checkpoint(&ck, &out, &options).unwrap_err().to_string();
     assert!(
@@ -225,7 +225,7 @@ fn a_model_whose_parameter_table_differs_is_refused_naming_the_tensor() {
     let tied = model_dir(tmp.path(), "tied", |c| c["tie_word_embeddings"] = true.into());
     let options = ExportOptions {
         model: Some(tied),
-        dtype: model::DType::F32,
+        dtype: xla::DType::F32,
     };
     let err = export_checkpoint(&ck, &out, &options).unwrap_err().to_string();
     assert!(

@@ -15,9 +15,8 @@
 //! Pairs of consecutive rows share a prompt, packed once per block of rows (one block per
 //! device), so the shared-prompt policy is checked under every strategy too.
 
-use std::sync::OnceLock;
-
 use model::{random_init, ModelConfig};
+use testkit::TinyLlama;
 use trainer::config::{OptimConfig, Parallelism, PolicyLossConfig, Strategy};
 use trainer::policy::DecoderPolicy;
 use trainer::step::{
@@ -43,23 +42,15 @@ const STATE_TOL: f32 = 1e-5;
 const METRIC_TOL: f64 = 1e-5;
 
 fn client4() -> &'static Client {
-    static CLIENT: OnceLock<Client> = OnceLock::new();
-    CLIENT
-        .get_or_init(|| Client::cpu(4).unwrap_or_else(|e| panic!("cannot create a 4-device CPU client: {e}")))
+    testkit::cpu_client(4)
 }
 
 fn tiny_llama() -> ModelConfig {
-    ModelConfig::from_hf_json(
-        &serde_json::json!({
-            "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB,
-            "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-            "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 16,
-            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": true,
-            "initializer_range": 0.5, "bos_token_id": 1, "eos_token_id": 0
-        }),
-        "tiny sharding test config",
-    )
-    .unwrap()
+    TinyLlama {
+        vocab: VOCAB as usize,
+        ..TinyLlama::default()
+    }
+    .config()
 }
 
 /// Pairs of consecutive rows share a prompt; the rows and prompts of a micro-batch split into

@@ -72,6 +72,51 @@ impl fmt::Display for DType {
     }
 }
 
+impl DType {
+    /// Every element type, in the order [`DType`] declares them.
+    pub const ALL: [DType; 9] = [
+        DType::F64,
+        DType::F32,
+        DType::BF16,
+        DType::F16,
+        DType::I64,
+        DType::I32,
+        DType::U32,
+        DType::U8,
+        DType::Bool,
+    ];
+}
+
+/// A name that is not a [`DType`]'s.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnknownDType(pub String);
+
+impl fmt::Display for UnknownDType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let names: Vec<String> = DType::ALL.iter().map(|d| d.to_string()).collect();
+        write!(
+            f,
+            "unknown element type {:?}; use one of {}",
+            self.0,
+            names.join(", ")
+        )
+    }
+}
+
+impl std::error::Error for UnknownDType {}
+
+/// The names [`DType`] displays as (`f32`, `bf16`, ...), in any case.
+impl std::str::FromStr for DType {
+    type Err = UnknownDType;
+
+    fn from_str(s: &str) -> Result<DType, UnknownDType> {
+        DType::ALL
+            .into_iter()
+            .find(|d| d.to_string().eq_ignore_ascii_case(s))
+            .ok_or_else(|| UnknownDType(s.to_string()))
+    }
+}
+
 /// A host element type that can be copied to and from a device buffer as is.
 ///
 /// # Safety
@@ -110,6 +155,16 @@ unsafe impl NativeType for bool {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn every_dtype_parses_from_its_display_name() {
+        for d in super::DType::ALL {
+            assert_eq!(d.to_string().parse::<super::DType>(), Ok(d));
+            assert_eq!(d.to_string().to_uppercase().parse::<super::DType>(), Ok(d));
+        }
+        let err = "float32".parse::<super::DType>().unwrap_err().to_string();
+        assert!(err.contains("\"float32\"") && err.contains("f32, bf16"), "{err}");
+    }
+
     use super::*;
 
     #[test]

@@ -240,6 +240,44 @@ impl ActorSection {
     }
 }
 
+impl ActorSection {
+    /// The loss keys of `actor` (and the rollout-IS key of `algorithm`) as the trainer's
+    /// [`trainer::config::PolicyLossConfig`], whose checks recipe validation runs.
+    pub fn policy_loss(&self, algorithm: &AlgorithmSection) -> trainer::config::PolicyLossConfig {
+        trainer::config::PolicyLossConfig {
+            loss_mode: self.policy_loss.loss_mode,
+            clip_ratio_low: self.clip_ratio_low,
+            clip_ratio_high: self.clip_ratio_high,
+            clip_ratio_c: self.clip_ratio_c,
+            loss_agg_mode: self.loss_agg_mode,
+            use_kl_loss: self.use_kl_loss,
+            kl_loss_coef: self.kl_loss_coef,
+            kl_loss_type: self.kl_loss_type,
+            entropy_coeff: self.entropy_coeff,
+            rollout_is_threshold: algorithm.rollout_is_threshold,
+            rollout_is_veto_threshold: None,
+        }
+    }
+
+    /// `actor.optim` and `actor.grad_clip` as the trainer's [`trainer::config::OptimConfig`],
+    /// with a learning-rate schedule `total_optimizer_steps` long.
+    pub fn optim_config(&self, total_optimizer_steps: u64) -> trainer::config::OptimConfig {
+        let o = &self.optim;
+        trainer::config::OptimConfig {
+            lr: o.lr,
+            betas: o.betas,
+            eps: o.eps,
+            weight_decay: o.weight_decay,
+            grad_clip: (self.grad_clip > 0.0).then_some(self.grad_clip),
+            lr_warmup_steps: o.lr_warmup_steps as u64,
+            warmup_style: o.lr_scheduler_type,
+            min_lr_ratio: o.min_lr_ratio,
+            num_cycles: 0.5,
+            total_training_steps: total_optimizer_steps,
+        }
+    }
+}
+
 impl Recipe {
     /// Devices the CPU client opens: `cluster.cpu_device_count`, raised to `actor.mesh` when
     /// the learner is sharded over more devices than that (`dp`, `fsdp`).

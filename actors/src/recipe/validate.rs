@@ -205,14 +205,6 @@ pub(crate) fn validate(r: &Recipe, text: &str, file: &str, overrides: &[String])
         al.kl_coef,
         "must be 0 or more",
     );
-    if let Some(t) = al.rollout_is_threshold {
-        c.check(
-            t >= 1.0,
-            "algorithm.rollout_is_threshold",
-            t,
-            "must be at least 1 (it caps a probability ratio)",
-        );
-    }
 
     let a = &r.actor;
     c.check(
@@ -255,24 +247,6 @@ pub(crate) fn validate(r: &Recipe, text: &str, file: &str, overrides: &[String])
         "actor.ppo_epochs",
         a.ppo_epochs,
         "must be at least 1",
-    );
-    c.check(
-        a.clip_ratio_low > 0.0 && a.clip_ratio_low < 1.0,
-        "actor.clip_ratio_low",
-        a.clip_ratio_low,
-        "must be in (0, 1)",
-    );
-    c.check(
-        a.clip_ratio_high > 0.0 && a.clip_ratio_high < 1.0,
-        "actor.clip_ratio_high",
-        a.clip_ratio_high,
-        "must be in (0, 1)",
-    );
-    c.check(
-        a.clip_ratio_c > 1.0,
-        "actor.clip_ratio_c",
-        a.clip_ratio_c,
-        "must be more than 1 (dual-clip lower bound)",
     );
     c.check(
         a.kl_loss_coef >= 0.0,
@@ -360,31 +334,23 @@ pub(crate) fn validate(r: &Recipe, text: &str, file: &str, overrides: &[String])
         a.use_kl_loss,
         "KL is already in the reward (algorithm.use_kl_in_reward: true); use one of the two",
     );
+    // The trainer's own range checks of its loss and optimizer configs, located here.
+    let trainer_checks = a
+        .policy_loss(al)
+        .violations()
+        .into_iter()
+        .chain(a.optim_config(1).violations());
+    for v in trainer_checks {
+        if let trainer::TrainerError::Config { key, value, message } = v {
+            c.check(false, key, value, &message);
+        }
+    }
     let o = &a.optim;
-    c.check(
-        o.lr > 0.0 && o.lr.is_finite(),
-        "actor.optim.lr",
-        o.lr,
-        "must be more than 0",
-    );
-    c.check(
-        o.betas.iter().all(|b| (0.0..1.0).contains(b)),
-        "actor.optim.betas",
-        format!("{:?}", o.betas),
-        "each must be in [0, 1)",
-    );
-    c.check(o.eps > 0.0, "actor.optim.eps", o.eps, "must be more than 0");
     c.check(
         o.weight_decay >= 0.0,
         "actor.optim.weight_decay",
         o.weight_decay,
         "must be 0 or more",
-    );
-    c.check(
-        (0.0..=1.0).contains(&o.min_lr_ratio),
-        "actor.optim.min_lr_ratio",
-        o.min_lr_ratio,
-        "must be in [0, 1]",
     );
 
     let t = &r.trainer;
@@ -1058,7 +1024,7 @@ mod tests {
         let v = violations("actor:\n  clip_ratio_low: 1.5\n");
         assert_eq!(
             v,
-            vec!["r.yaml:6:3: `actor.clip_ratio_low` = 1.5: must be in (0, 1)"]
+            vec!["r.yaml:6:3: `actor.clip_ratio_low` = 1.5: must be in [0, 1)"]
         );
         let v = violations("rollout:\n  temperature: -0.5\n");
         assert_eq!(

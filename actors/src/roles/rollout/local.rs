@@ -1,7 +1,7 @@
 //! The rollout role in this process: a [`rollout::Engine`] on its own thread, plus a thread
 //! that routes each finished sample to the call that asked for it.
 
-use super::{RolloutRole, WeightUpdate};
+use super::{RolloutRole, UpdateParams, WeightUpdate};
 use crate::roles::{BoxFuture, RoleError};
 use rollout::{Engine, EngineControl, EngineOutput, GenerationRequest, RolloutError, Sample};
 use std::collections::HashMap;
@@ -194,7 +194,13 @@ impl RolloutRole for LocalRollout {
         Box::pin(async move {
             let control = self.control.clone();
             let version = update.version;
-            let result = tokio::task::spawn_blocking(move || control.update_weights(version, update.params))
+            let UpdateParams::Device(params) = update.params else {
+                return Err(RoleError::Invalid(format!(
+                    "weight update {version}: an in-process rollout takes device buffers, not host \
+                     tensors; upload them to its devices first"
+                )));
+            };
+            let result = tokio::task::spawn_blocking(move || control.update_weights(version, params))
                 .await
                 .map_err(|e| RoleError::Invalid(format!("weight update task failed: {e}")))?;
             result.map_err(|e| RoleError::Invalid(e.to_string()))?;

@@ -19,18 +19,47 @@ pub(crate) use service::Assembly;
 
 use super::{BoxFuture, RoleError};
 use rollout::{GenerationRequest, Sample};
+use std::sync::Arc;
 use tokio::sync::mpsc::UnboundedSender;
+use trainer::checkpoint::HostTensor;
+use xla::runtime::Buffer;
 
-/// A new version of the policy's parameters, as the learner holds them on its device
-/// (in [`model::param_table`] order).
+/// A new version of the policy's parameters (in [`model::param_table`] order).
 #[derive(Clone)]
 pub struct WeightUpdate {
     /// The version: the number of optimizer steps that produced these weights.
     pub version: u64,
-    /// The parameter buffers, shared with the learner: a replica per device of the rollout
-    /// engine in this process (see [`rollout::EngineWeights`]); a remote rollout streams the
-    /// first.
-    pub params: rollout::EngineWeights,
+    pub params: UpdateParams,
+}
+
+/// Where a weight update's tensors are.
+#[derive(Clone)]
+pub enum UpdateParams {
+    /// Device buffers shared with the learner: a replica per device of the rollout engine in
+    /// this process (see [`rollout::EngineWeights`]); a remote rollout streams the first.
+    Device(rollout::EngineWeights),
+    /// Host tensors as a learner worker streamed them, in the rollout's dtype: a remote
+    /// rollout streams them on as they are (no trip through a device); an in-process engine
+    /// takes device buffers only.
+    Host(Arc<[HostTensor]>),
+}
+
+impl From<rollout::EngineWeights> for UpdateParams {
+    fn from(weights: rollout::EngineWeights) -> UpdateParams {
+        UpdateParams::Device(weights)
+    }
+}
+
+impl From<Arc<[Buffer]>> for UpdateParams {
+    fn from(params: Arc<[Buffer]>) -> UpdateParams {
+        UpdateParams::Device(params.into())
+    }
+}
+
+impl From<Vec<Buffer>> for UpdateParams {
+    fn from(params: Vec<Buffer>) -> UpdateParams {
+        UpdateParams::Device(params.into())
+    }
 }
 
 /// Generates samples. Every sample of every request is sent exactly once, tagged with the

@@ -5,7 +5,8 @@
 //! the device buffers to the host, converting and checksumming runs on a blocking thread that
 //! feeds a small bounded queue, so it overlaps with sending and with the worker's own uploads.
 //! Each tensor is read to the host once, into the host buffer of the previous push
-//! ([`HostCopies`]); chunks in the same dtype are `Bytes` slices of it, not copies.
+//! ([`HostCopies`]); chunks in the same dtype are `Bytes` slices of it, not copies. An update of
+//! host tensors (from a learner worker) is chunked from its bytes, never touching a device.
 //!
 //! It keeps the newest [`WeightUpdate`] it was given: every `generate` call tells the worker
 //! the version it needs, and a worker that is behind (a replacement started after the last
@@ -15,7 +16,7 @@
 //! The wire conversions between the rollout crate's types and the protobuf messages live here
 //! too; the server side ([`super::RolloutService`]) uses them.
 
-use super::{RolloutRole, WeightUpdate};
+use super::{RolloutRole, UpdateParams, WeightUpdate};
 use crate::auth::{Attach, Token};
 use crate::proto;
 use crate::recipe::TlsSection;
@@ -28,6 +29,7 @@ use std::time::Duration;
 use tokio::sync::mpsc::UnboundedSender;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
+use trainer::checkpoint::HostTensor;
 use xla::runtime::Buffer;
 use xla::DType;
 
@@ -156,15 +158,16 @@ impl RemoteRollout {
             self.refresh().await?;
         }
         let layout = lock(&self.layout).clone().expect("refreshed above");
-        check_layout(&layout, &update.params, update.version, &self.address)?;
+        let params = update.params.clone();
+        check_layout(&layout, &ChunkSource::of(&params), update.version, &self.address)?;
 
         let (chunks, stream) = tokio::sync::mpsc::channel(CHUNKS_IN_FLIGHT);
-        let params = update.params.clone();
         let (version, dtype) = (update.version, layout.dtype);
         let tensors = layout.tensors;
         let mut host = HostCopies::reusing(std::mem::take(&mut *spare));
         let producer = tokio::task::spawn_blocking(move || {
-            let sent = send_chunks_from(version, &params, &tensors, dtype, &mut host, |chunk| {
+            let source = ChunkSource::of(&params);
+            let sent = send_chunks_from(version, &source, &tensors, dtype, &mut host, |chunk| {
                 chunks.blocking_send(chunk).is_ok()
             });
             (sent, host)
@@ -201,7 +204,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// The buffers must match the worker's parameter table before anything is sent.
 fn check_layout(
     layout: &WorkerWeights,
-    params: &[Buffer],
+    params: &ChunkSource,
     version: u64,
     address: &str,
 ) -> Result<(), RoleError> {
@@ -213,19 +216,19 @@ fn check_layout(
             layout.tensors.len()
         )));
     }
-    for (index, (buffer, (name, dims))) in params.iter().zip(&layout.tensors).enumerate() {
-        if buffer.dims() != dims.as_slice() {
+    for (index, (name, dims)) in layout.tensors.iter().enumerate() {
+        if params.dims(index) != *dims {
             return Err(RoleError::Invalid(format!(
                 "weight update {version}: tensor {index} `{name}` has shape {:?}, the rollout \
                  worker at {address} expects {dims:?}",
-                buffer.dims()
+                params.dims(index)
             )));
         }
-        if conversion(buffer.dtype(), layout.dtype).is_none() {
+        if conversion(params.dtype(index), layout.dtype).is_none() {
             return Err(RoleError::Invalid(format!(
                 "weight update {version}: tensor {index} `{name}` is {}, which cannot be sent \
                  as the worker's {} (f32 and bf16 convert to each other)",
-                buffer.dtype(),
+                params.dtype(index),
                 layout.dtype
             )));
         }
@@ -295,7 +298,54 @@ pub(crate) fn send_chunks(
     dtype: DType,
     send: impl FnMut(proto::WeightChunk) -> bool,
 ) -> Result<(), RoleError> {
-    send_chunks_from(version, params, tensors, dtype, &mut HostCopies::default(), send)
+    let source = ChunkSource::Device(params);
+    send_chunks_from(version, &source, tensors, dtype, &mut HostCopies::default(), send)
+}
+
+/// The tensors a weight stream reads: device buffers, or host tensors already in memory.
+pub(crate) enum ChunkSource<'a> {
+    Device(&'a [Buffer]),
+    Host(&'a [HostTensor]),
+}
+
+impl<'a> ChunkSource<'a> {
+    /// The tensors of a weight update (a device update streams its first replica).
+    pub(crate) fn of(params: &'a UpdateParams) -> ChunkSource<'a> {
+        match params {
+            UpdateParams::Device(weights) => ChunkSource::Device(weights),
+            UpdateParams::Host(tensors) => ChunkSource::Host(tensors),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            ChunkSource::Device(b) => b.len(),
+            ChunkSource::Host(t) => t.len(),
+        }
+    }
+
+    fn dims(&self, index: usize) -> Vec<i64> {
+        match self {
+            ChunkSource::Device(b) => b[index].dims().to_vec(),
+            ChunkSource::Host(t) => t[index].dims.iter().map(|&d| d as i64).collect(),
+        }
+    }
+
+    fn dtype(&self, index: usize) -> DType {
+        match self {
+            ChunkSource::Device(b) => b[index].dtype(),
+            ChunkSource::Host(t) => t[index].dtype,
+        }
+    }
+
+    /// Tensor `index`'s bytes on the host: a device buffer read into `host`'s copies, or a
+    /// host tensor's own bytes.
+    fn bytes(&self, index: usize, host: &mut HostCopies) -> xla::runtime::Result<Bytes> {
+        match self {
+            ChunkSource::Device(b) => host.read(index, &b[index]),
+            ChunkSource::Host(t) => Ok(Bytes::copy_from_slice(&t[index].bytes)),
+        }
+    }
 }
 
 /// The host copies of a weight update's tensors. Reading a device buffer into memory that was
@@ -371,29 +421,30 @@ fn read_into(buffer: &Buffer, host: &mut [u8]) -> xla::runtime::Result<()> {
     Ok(())
 }
 
-/// [`send_chunks`], reading the device buffers into `host`.
+/// [`send_chunks`] from `params`, reading device buffers into `host`.
 pub(crate) fn send_chunks_from(
     version: u64,
-    params: &[Buffer],
+    params: &ChunkSource,
     tensors: &[(String, Vec<i64>)],
     dtype: DType,
     host: &mut HostCopies,
     mut send: impl FnMut(proto::WeightChunk) -> bool,
 ) -> Result<(), RoleError> {
     let per_chunk = (CHUNK_BYTES / dtype.size_bytes()).max(1);
-    for (index, (buffer, (name, dims))) in params.iter().zip(tensors).enumerate() {
-        let how = conversion(buffer.dtype(), dtype).expect("checked by check_layout");
+    for (index, (name, dims)) in tensors.iter().enumerate() {
+        let from = params.dtype(index);
+        let how = conversion(from, dtype).expect("checked by check_layout");
         // The one device-to-host copy; chunks of the same dtype are slices of it.
-        let source = host.read(index, buffer).map_err(|e| {
+        let source = params.bytes(index, host).map_err(|e| {
             RoleError::Invalid(format!(
                 "weight update {version}: cannot read tensor {index} `{name}` to the host: {e}"
             ))
         })?;
-        let elements = source.len() / buffer.dtype().size_bytes();
+        let elements = source.len() / from.size_bytes();
         let mut start = 0;
         loop {
             let end = (start + per_chunk).min(elements);
-            let data = convert_range(&source, how, buffer.dtype(), start..end);
+            let data = convert_range(&source, how, from, start..end);
             let chunk = proto::WeightChunk {
                 version,
                 tensor_count: tensors.len() as u32,
@@ -485,11 +536,9 @@ impl RolloutRole for RemoteRollout {
 
 /// "f32" / "bf16" as on the wire.
 pub(crate) fn parse_dtype(name: &str) -> Option<DType> {
-    match name {
-        "f32" => Some(DType::F32),
-        "bf16" => Some(DType::BF16),
-        _ => None,
-    }
+    name.parse()
+        .ok()
+        .filter(|d| matches!(d, DType::F32 | DType::BF16))
 }
 
 pub(crate) fn request_to_proto(r: &GenerationRequest) -> proto::GenerationRequest {
@@ -656,12 +705,19 @@ mod tests {
         let tensors = vec![("a".to_string(), vec![3000]), ("b".to_string(), vec![1000, 3])];
         let push = |host: &mut HostCopies| {
             let mut received: Vec<Vec<u8>> = vec![Vec::new(), Vec::new()];
-            send_chunks_from(3, &params, &tensors, DType::F32, host, |c| {
-                assert_eq!(c.crc32, crc32fast::hash(&c.data));
-                assert_eq!(c.offset as usize, received[c.tensor_index as usize].len());
-                received[c.tensor_index as usize].extend_from_slice(&c.data);
-                true
-            })
+            send_chunks_from(
+                3,
+                &ChunkSource::Device(&params),
+                &tensors,
+                DType::F32,
+                host,
+                |c| {
+                    assert_eq!(c.crc32, crc32fast::hash(&c.data));
+                    assert_eq!(c.offset as usize, received[c.tensor_index as usize].len());
+                    received[c.tensor_index as usize].extend_from_slice(&c.data);
+                    true
+                },
+            )
             .unwrap();
             received
         };

@@ -1,0 +1,451 @@
+//! The roles of a run, put together from the recipe: the worker processes (local launcher or
+//! Ray), the learner (in this process or a learner worker), the rollout and reward workers as
+//! one [`Fleet`], and the supervisor that replaces failed workers. The step loop sees only
+//! [`Assembly`].
+
+use super::fleet::Fleet;
+use super::{io, supervisor, RunError, RunOptions};
+use crate::auth::Token;
+use crate::launcher::ray::RaySpec;
+use crate::launcher::{LaunchSpec, Launcher, LocalLauncher, RayLauncher, WorkerInfo};
+use crate::prepare::Prepared;
+use crate::recipe::{ClusterSection, Recipe, TlsSection};
+use crate::roles::learner::{self, LearnerRole, LearnerWeights, LocalLearner, RemoteLearner};
+use crate::roles::reward::{LocalReward, RemoteReward, RewardDeadline, RewardRole};
+use crate::roles::rollout::{LocalRollout, RemoteRollout, RolloutRole, UpdateParams, WeightUpdate};
+use crate::roles::{Role, RoleError};
+use crate::setup;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use trainer::step::{LearnerState, ParamSpec};
+use trainer::update::{Row, UpdateReport};
+use xla::runtime::{Client, TransferStats};
+use xla::DType;
+
+/// How this process reaches the run's worker processes: the run's token, TLS, and the
+/// deadlines of calls.
+#[derive(Clone)]
+pub(crate) struct Dialer {
+    token: Token,
+    tls: Option<TlsSection>,
+    timeout: Duration,
+    reward_deadline: RewardDeadline,
+}
+
+impl Dialer {
+    pub fn rollout(&self, address: &str) -> Result<Arc<dyn RolloutRole>, RoleError> {
+        let r = RemoteRollout::with_timeout(address, &self.token, self.tls.as_ref(), self.timeout)?;
+        Ok(Arc::new(r))
+    }
+
+    pub fn reward(&self, address: &str) -> Result<Arc<dyn RewardRole>, RoleError> {
+        let r = RemoteReward::with_deadline(address, &self.token, self.tls.as_ref(), self.reward_deadline)?;
+        Ok(Arc::new(r))
+    }
+}
+
+/// The live roles of a run.
+pub(crate) struct Assembly {
+    pub fleet: Arc<Fleet>,
+    pub learner: LearnerHandle,
+    /// The rollout's compute type, which weight updates are sent in.
+    rollout_dtype: DType,
+    /// Who takes the weight updates: the in-process engine or rollout workers.
+    rollout_at: WeightsFor,
+    launcher: Option<Arc<Launcher>>,
+    supervisor: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// The learner role, in this process or a learner worker, whose failed calls become the run's
+/// error.
+pub(crate) struct LearnerHandle {
+    role: Arc<dyn LearnerRole>,
+    /// The learner worker process, when the learner is not in this process.
+    worker: Option<WorkerInfo>,
+}
+
+impl LearnerHandle {
+    /// A failed learner call as the run's error: for a learner worker, which worker and where
+    /// the next `grpo run` resumes (`last_checkpoint`).
+    fn failed(&self, error: RoleError, last_checkpoint: Option<&Path>) -> RunError {
+        match &self.worker {
+            Some(w) => learner_worker_failed(w, error, last_checkpoint),
+            None => RunError::Role(error),
+        }
+    }
+
+    /// One GRPO update.
+    pub async fn update(
+        &self,
+        rows: Vec<Row>,
+        last_checkpoint: Option<&Path>,
+    ) -> Result<UpdateReport, RunError> {
+        let result = self.role.update(rows).await;
+        result.map_err(|e| self.failed(e, last_checkpoint))
+    }
+
+    /// The learner's state, for a checkpoint.
+    pub async fn state(&self, last_checkpoint: Option<&Path>) -> Result<LearnerState, RunError> {
+        let result = self.role.state().await;
+        result.map_err(|e| self.failed(e, last_checkpoint))
+    }
+
+    /// Optimizer steps taken.
+    pub fn optimizer_steps(&self) -> u64 {
+        self.role.optimizer_steps()
+    }
+
+    /// The current weights, for a rollout in `dtype` (see [`rollout_weights`]).
+    async fn weights(
+        &self,
+        client: &Client,
+        version: u64,
+        dtype: DType,
+        to: WeightsFor,
+        last_checkpoint: Option<&Path>,
+    ) -> Result<UpdateParams, RunError> {
+        let current = self.role.weights(version, dtype).await;
+        let current = current.map_err(|e| self.failed(e, last_checkpoint))?;
+        rollout_weights(current, client, dtype, to)
+    }
+}
+
+impl Assembly {
+    /// Starts the worker processes the recipe asks for and builds every role; the rollout
+    /// side holds the learner's weights of `start.version` when it returns. The learner starts
+    /// from `start`'s state (or the model's weights) at its optimizer-step clock.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn start(
+        recipe: &Recipe,
+        options: &RunOptions,
+        output: &Path,
+        prepared: &mut Prepared,
+        client: &Client,
+        specs: &[ParamSpec],
+        start: &mut super::checkpoint::Start,
+        total_optimizer_steps: u64,
+    ) -> Result<Assembly, RunError> {
+        let cluster = &recipe.cluster;
+        let timeout = Duration::from_secs_f64(cluster.worker_timeout_s);
+        let pool = setup::reward_pool(recipe).map_err(|e| RunError::Other(format!("reward: {e}")))?;
+        let dialer = Dialer {
+            token: Token::generate(),
+            tls: cluster.tls.clone(),
+            timeout,
+            reward_deadline: RewardDeadline::new(timeout, &pool),
+        };
+        let launcher = start_workers(recipe, options, output, &dialer.token)
+            .await?
+            .map(Arc::new);
+        let workers = |role: Role| -> Vec<WorkerInfo> {
+            match &launcher {
+                Some(l) if worker_count(cluster, role) > 0 => l.workers(role),
+                _ => Vec::new(),
+            }
+        };
+
+        // The learner (with the reference model): in this process, or the learner worker, which
+        // is sent the checkpoint's state when the run resumes.
+        let learner_worker = match worker_count(cluster, Role::Learner) {
+            0 => None,
+            _ => Some(
+                workers(Role::Learner)
+                    .first()
+                    .cloned()
+                    .ok_or_else(|| RunError::Other("the launcher started no learner worker".into()))?,
+            ),
+        };
+        let resume = start.state.take();
+        let role: Arc<dyn LearnerRole> = match &learner_worker {
+            Some(w) => {
+                // The worker loads the model itself; this process needs no host copy of it.
+                prepared.model.weights.tensors = Vec::new();
+                let tls = cluster.tls.as_ref();
+                let remote =
+                    RemoteLearner::with_timeout(&w.address, &dialer.token, tls, timeout, specs.to_vec())?;
+                remote
+                    .start(resume, start.optimizer_steps, total_optimizer_steps)
+                    .await
+                    .map_err(|e| learner_worker_failed(w, e, start.checkpoint.as_deref()))?;
+                Arc::new(remote)
+            }
+            None => {
+                // The host copy of the weights moves into the learner (the rollout shares the
+                // learner's device buffers), so the model is held once on the host.
+                let initial = learner::initial_params(specs, &mut prepared.model.weights)?;
+                Arc::new(LocalLearner::start(
+                    client,
+                    recipe,
+                    &prepared.model.weights.config,
+                    initial,
+                    resume,
+                    start.optimizer_steps,
+                    total_optimizer_steps,
+                )?)
+            }
+        };
+        let learner = LearnerHandle {
+            role,
+            worker: learner_worker,
+        };
+
+        let rollout_dtype = setup::rollout_dtype(recipe);
+        // With one-step off-policy the in-process engine generates while the learner updates,
+        // so it needs buffers of its own.
+        let in_process = WeightsFor::Engine {
+            copy: recipe.trainer.off_policy_steps > 0,
+        };
+        let rollout_at = match worker_count(cluster, Role::Rollout) {
+            0 => in_process,
+            _ => WeightsFor::Workers,
+        };
+        let rollouts: Vec<Arc<dyn RolloutRole>> = match workers(Role::Rollout).as_slice() {
+            [] => {
+                let last = start.checkpoint.as_deref();
+                let weights = learner
+                    .weights(client, start.version, rollout_dtype, in_process, last)
+                    .await?;
+                let UpdateParams::Device(weights) = weights else {
+                    unreachable!("weights for an in-process engine are on its devices")
+                };
+                let engine = setup::build_engine(recipe, prepared, client, weights, start.version)?;
+                vec![Arc::new(LocalRollout::new(engine))]
+            }
+            remote => remote
+                .iter()
+                .map(|w| dialer.rollout(&w.address))
+                .collect::<Result<_, _>>()?,
+        };
+        let rewards: Vec<Arc<dyn RewardRole>> = match workers(Role::Reward).as_slice() {
+            [] => vec![Arc::new(LocalReward::new(
+                Arc::new(prepared.reward.clone()),
+                pool,
+            ))],
+            remote => remote
+                .iter()
+                .map(|w| dialer.reward(&w.address))
+                .collect::<Result<_, _>>()?,
+        };
+        let fleet = Arc::new(Fleet::new(
+            rollouts,
+            rewards,
+            LaunchSpec::DEFAULT_START_TIMEOUT + timeout,
+        ));
+        let mut assembly = Assembly {
+            fleet,
+            learner,
+            rollout_dtype,
+            rollout_at,
+            launcher,
+            supervisor: None,
+        };
+        if rollout_at == WeightsFor::Workers {
+            // Workers load the model themselves; from here on they take the learner's versions.
+            assembly
+                .push_weights(client, start.version, start.checkpoint.as_deref())
+                .await?;
+        }
+        // Replace workers that fail, in the background: the others carry on meanwhile.
+        assembly.supervisor = assembly
+            .launcher
+            .clone()
+            .map(|launcher| supervisor::spawn(launcher, assembly.fleet.clone(), dialer));
+        Ok(assembly)
+    }
+
+    /// Sends the learner's current weights, stamped `version`, to the rollout side (see
+    /// [`rollout_weights`]), and returns the host transfers it took on `client`.
+    pub async fn push_weights(
+        &self,
+        client: &Client,
+        version: u64,
+        last_checkpoint: Option<&Path>,
+    ) -> Result<TransferStats, RunError> {
+        // Nothing else runs on the client during the sync, so this counts its transfers.
+        let before = client.transfer_stats();
+        let params = self
+            .learner
+            .weights(
+                client,
+                version,
+                self.rollout_dtype,
+                self.rollout_at,
+                last_checkpoint,
+            )
+            .await?;
+        self.fleet
+            .update_weights(WeightUpdate { version, params })
+            .await?;
+        Ok(client.transfer_stats().since(&before))
+    }
+
+    /// Stops the supervisor and every worker process.
+    pub async fn shutdown(self) {
+        if let Some(task) = self.supervisor {
+            task.abort();
+        }
+        if let Some(l) = self.launcher {
+            l.shutdown(Duration::from_secs(2)).await;
+        }
+    }
+}
+
+/// Starts the worker processes the recipe asks for (none: every role runs in this process),
+/// after writing the token they authenticate with.
+async fn start_workers(
+    recipe: &Recipe,
+    options: &RunOptions,
+    output: &Path,
+    token: &Token,
+) -> Result<Option<Launcher>, RunError> {
+    let cluster = &recipe.cluster;
+    let roles = [Role::Rollout, Role::Reward, Role::Learner];
+    if roles.iter().all(|&role| worker_count(cluster, role) == 0) {
+        return Ok(None);
+    }
+    let token_file = output.join("worker.token");
+    token
+        .write(&token_file)
+        .map_err(|e| RunError::Other(format!("writing the workers' token: {e}")))?;
+    let program = match (
+        &options.worker_program,
+        cluster.ray.as_ref().and_then(|r| r.binary.as_ref()),
+    ) {
+        (Some(p), _) => p.clone(),
+        (None, Some(binary)) if cluster.launcher == crate::recipe::Launcher::Ray => PathBuf::from(binary),
+        (None, _) => std::env::current_exe().map_err(io("locating", Path::new("the grpo executable")))?,
+    };
+    let recipe_path = output.join("recipe.yaml");
+    let spec = LaunchSpec::from_cluster(cluster, program, recipe_path, token_file, output);
+    let counts = format!(
+        "{} rollout, {} reward and {} learner worker process(es)",
+        worker_count(cluster, Role::Rollout),
+        worker_count(cluster, Role::Reward),
+        worker_count(cluster, Role::Learner),
+    );
+    let launcher = match cluster.launcher {
+        crate::recipe::Launcher::Local => {
+            super::progress_note(
+                options,
+                &format!("starting {counts} (logs in {})", spec.log_dir.display()),
+            );
+            Launcher::Local(
+                LocalLauncher::start(spec)
+                    .await
+                    .map_err(|e| RunError::Other(e.to_string()))?,
+            )
+        }
+        crate::recipe::Launcher::Ray => {
+            // Ray runs the jobs elsewhere: every path they are given is absolute.
+            let absolute = |p: &Path| std::path::absolute(p).map_err(io("resolving", p));
+            let spec = LaunchSpec {
+                recipe: absolute(&spec.recipe)?,
+                token_file: absolute(&spec.token_file)?,
+                log_dir: absolute(&spec.log_dir)?,
+                ..spec
+            };
+            let workdir =
+                std::env::current_dir().map_err(io("reading", Path::new("the working directory")))?;
+            let ray = RaySpec::from_cluster(cluster, workdir)
+                .ok_or_else(|| RunError::Other("`cluster.launcher: ray` needs `cluster.ray`".into()))?;
+            super::progress_note(
+                options,
+                &format!(
+                    "submitting {counts} as Ray jobs to {} (logs copied to {})",
+                    ray.ray.address,
+                    spec.log_dir.display()
+                ),
+            );
+            let launcher = RayLauncher::start(spec, ray)
+                .await
+                .map_err(|e| RunError::Other(e.to_string()))?;
+            for line in launcher.placements() {
+                super::progress_note(options, &format!("  {line}"));
+            }
+            Launcher::Ray(launcher)
+        }
+    };
+    Ok(Some(launcher))
+}
+
+/// Worker processes of `role` the recipe asks for: `cluster.*_workers` with the local launcher,
+/// the pools' workers with Ray (0: the role runs in this process).
+fn worker_count(cluster: &ClusterSection, role: Role) -> usize {
+    match cluster.launcher {
+        crate::recipe::Launcher::Local => match role {
+            Role::Rollout => cluster.rollout_workers,
+            Role::Reward => cluster.reward_workers,
+            Role::Learner => cluster.learner_workers,
+        },
+        crate::recipe::Launcher::Ray => cluster.pool_worker_count(role),
+    }
+}
+
+/// The error of a failed call to the learner worker `worker`: which worker, why, and where the
+/// next `grpo run` resumes (`last_checkpoint`).
+fn learner_worker_failed(worker: &WorkerInfo, error: RoleError, last_checkpoint: Option<&Path>) -> RunError {
+    RunError::LearnerWorker {
+        worker: format!(
+            "learner worker {} (pid {}, log {})",
+            worker.index,
+            worker.pid,
+            worker.log.display()
+        ),
+        error,
+        resume: match last_checkpoint {
+            Some(dir) => format!("from its newest checkpoint, {}", dir.display()),
+            None => "from the start (no checkpoint was saved yet)".to_string(),
+        },
+    }
+}
+
+/// Who takes a run's weight updates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum WeightsFor {
+    /// The rollout engine in this process; `copy` asks for buffers of its own, not the
+    /// learner's.
+    Engine { copy: bool },
+    /// Rollout worker processes, which are streamed host bytes.
+    Workers,
+}
+
+/// Weights for the rollout side in `dtype`. From a learner in this process: its buffers turned
+/// into one replica per learner device on the devices ([`rollout::handoff`]: used in place when
+/// already replicated in `dtype` and no copy is asked for, else gathered and converted by a
+/// compiled program, never through the host); rollout workers stream the first replica. From
+/// a learner worker: the streamed host tensors, passed on as they are to rollout workers, or
+/// uploaded to this process's device 0 for its engine.
+fn rollout_weights(
+    weights: LearnerWeights,
+    client: &Client,
+    dtype: DType,
+    to: WeightsFor,
+) -> Result<UpdateParams, RunError> {
+    let rt = |e: xla::runtime::Error| RunError::Other(format!("preparing rollout weights: {e}"));
+    let copy = matches!(to, WeightsFor::Engine { copy: true });
+    match weights {
+        LearnerWeights::Shared(source) => rollout::handoff(client, &source, dtype, copy)
+            .map(UpdateParams::Device)
+            .map_err(|e| RunError::Other(format!("handing the learner's weights to the rollout: {e}"))),
+        LearnerWeights::Host(tensors) => {
+            if let Some(t) = tensors.iter().find(|t| t.dtype != dtype) {
+                return Err(RunError::Other(format!(
+                    "the learner sent tensor `{}` as {}, the rollout needs {dtype}",
+                    t.name, t.dtype
+                )));
+            }
+            if to == WeightsFor::Workers {
+                return Ok(UpdateParams::Host(tensors.into()));
+            }
+            tensors
+                .iter()
+                .map(|t| {
+                    let dims: Vec<i64> = t.dims.iter().map(|d| *d as i64).collect();
+                    client.buffer_from_bytes(&t.bytes, dtype, &dims, 0).map_err(rt)
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map(UpdateParams::from)
+        }
+    }
+}

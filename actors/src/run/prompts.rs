@@ -1,0 +1,121 @@
+//! A step's prompts as generation requests, and their samples back with scores. Every request's
+//! id and seed are functions of the run's seed, the step and the prompt's place, so a resumed
+//! run and a run whose workers live in other processes draw the same tokens.
+
+use super::fleet::{Fleet, PromptMeta, Scored};
+use super::RunError;
+use crate::prepare::Prepared;
+use crate::recipe::Recipe;
+use crate::setup;
+use rollout::GenerationRequest;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Request ids: training prompt `i` of step `s` is `s << 24 | i`.
+pub(crate) fn request_id(step: u64, i: usize) -> u64 {
+    (step << 24) | i as u64
+}
+
+/// Validation requests set bit 62: row `r` at step `s` is `VALIDATION_ID | s << 24 | r`.
+pub(crate) const VALIDATION_ID: u64 = 1 << 62;
+
+/// The seed of a request: a mix of the run's seed and the request id (SplitMix64), so every
+/// prompt's samples are reproducible wherever and whenever they are generated.
+fn request_seed(seed: u64, id: u64) -> u64 {
+    let mut z = seed ^ id.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The prompts of one step (or one validation batch), ready to send.
+pub(crate) struct StepPrompts {
+    pub requests: Vec<GenerationRequest>,
+    pub metas: HashMap<u64, PromptMeta>,
+    /// Dataset row indices, in batch order (for `prompts.jsonl`).
+    pub indices: Vec<u64>,
+    pub prompt_tokens: usize,
+}
+
+/// The requests for the rows at `positions` of `dataset`: `rollout.n` samples each with the
+/// training sampling settings, or `rollout.val_kwargs` with `validation`; request `i`'s id is
+/// `id_base(i)`.
+pub(crate) fn build_prompts(
+    recipe: &Recipe,
+    prepared: &Prepared,
+    dataset: &data::PromptDataset,
+    positions: &[u64],
+    id_base: impl Fn(usize) -> u64,
+    validation: bool,
+) -> Result<StepPrompts, RunError> {
+    let examples = dataset.read(positions)?;
+    let n = if validation {
+        recipe.rollout.val_kwargs.n
+    } else {
+        recipe.rollout.n
+    };
+    let params = setup::sampling_params(recipe, validation);
+    let mut out = StepPrompts {
+        requests: Vec::with_capacity(examples.len()),
+        metas: HashMap::new(),
+        indices: Vec::with_capacity(examples.len()),
+        prompt_tokens: 0,
+    };
+    for (i, ex) in examples.iter().enumerate() {
+        let prompt = dataset.encode_prompt(ex, &prepared.tokenizer)?;
+        let id = id_base(i);
+        out.prompt_tokens += prompt.len() * n;
+        out.requests.push(GenerationRequest {
+            id,
+            prompt,
+            n,
+            seed: request_seed(recipe.trainer.seed, id),
+            params: params.clone(),
+        });
+        out.metas.insert(
+            id,
+            PromptMeta {
+                data_source: ex.data_source.clone().unwrap_or_default(),
+                ground_truth: ex.ground_truth_text().unwrap_or_default(),
+                extra: serde_json::Value::Object(ex.columns.clone()),
+            },
+        );
+        out.indices.push(ex.index);
+    }
+    Ok(out)
+}
+
+/// A step's samples with their scores, in (request id, sample index) order.
+pub(crate) struct Generated {
+    pub scored: Vec<Scored>,
+    pub indices: Vec<u64>,
+    pub epoch: u64,
+    pub prompt_tokens: usize,
+    /// From the first request sent to the last sample received.
+    pub gen_s: f64,
+    /// Scoring time after the last sample arrived (the part not hidden behind generation).
+    pub reward_tail_s: f64,
+    pub rollout_failures: usize,
+    pub reward_failures: usize,
+    pub reissued: usize,
+}
+
+/// Generates and scores a training step's prompts over the fleet.
+pub(crate) async fn generate(
+    fleet: Arc<Fleet>,
+    prompts: StepPrompts,
+    epoch: u64,
+) -> Result<Generated, RunError> {
+    let outcome = fleet.generate_and_score(prompts.requests, prompts.metas).await?;
+    Ok(Generated {
+        scored: outcome.scored,
+        indices: prompts.indices,
+        epoch,
+        prompt_tokens: prompts.prompt_tokens,
+        gen_s: outcome.gen_s,
+        reward_tail_s: outcome.reward_tail_s,
+        rollout_failures: outcome.rollout_failures,
+        reward_failures: outcome.reward_failures,
+        reissued: outcome.reissued,
+    })
+}

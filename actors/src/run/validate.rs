@@ -1,0 +1,91 @@
+//! Validation: every validation prompt generated with `rollout.val_kwargs` and scored, the
+//! responses written to `OUTPUT/validation/step_N.jsonl`.
+
+use super::fleet::Fleet;
+use super::metrics::{mean_std, Metrics};
+use super::prompts::{build_prompts, VALIDATION_ID};
+use super::{io, RunError};
+use crate::prepare::Prepared;
+use crate::recipe::Recipe;
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+/// Generates for every validation prompt (`rollout.val_kwargs`) and scores: `val/accuracy` is
+/// the mean of the scorers' `acc` where they report one, else of the reward. Every response
+/// with its score goes to `OUTPUT/validation/step_N.jsonl`.
+pub(crate) async fn validate(
+    recipe: &Recipe,
+    prepared: &Prepared,
+    fleet: &Arc<Fleet>,
+    step: u64,
+    output: &Path,
+) -> Result<Metrics, RunError> {
+    let dataset = prepared
+        .validation
+        .as_ref()
+        .expect("validation is due only with val_files");
+    // In batches of `data.val_batch_size` prompts (the whole set by default), in the order
+    // `data.validation_shuffle` gives. A request's id, and so its seed, is its row's position,
+    // so neither changes what is sampled.
+    let mut sampler = dataset.validation_sampler(&recipe.data)?;
+    let mut scored = Vec::new();
+    let mut rows: HashMap<u64, u64> = HashMap::new();
+    for _ in 0..sampler.batches_per_epoch() {
+        let batch = sampler.next_batch();
+        let prompts = build_prompts(
+            recipe,
+            prepared,
+            dataset,
+            &batch.positions,
+            |i| VALIDATION_ID | (step << 24) | batch.positions[i],
+            true,
+        )?;
+        rows.extend(prompts.requests.iter().map(|r| r.id).zip(prompts.indices));
+        let visit: HashMap<u64, usize> = prompts
+            .requests
+            .iter()
+            .enumerate()
+            .map(|(k, r)| (r.id, k))
+            .collect();
+        let mut outcome = fleet.generate_and_score(prompts.requests, prompts.metas).await?;
+        // The file lists the rows in the order they were visited.
+        outcome
+            .scored
+            .sort_by_key(|s| (visit[&s.sample.request_id], s.sample.sample_index));
+        scored.extend(outcome.scored);
+    }
+    let acc: Vec<f64> = scored
+        .iter()
+        .map(|s| s.score.extras.get("acc").copied().unwrap_or(s.score.score))
+        .collect();
+    let rewards: Vec<f64> = scored.iter().map(|s| s.score.score).collect();
+    let lengths: Vec<f64> = scored
+        .iter()
+        .map(|s| s.sample.response_ids.len() as f64)
+        .collect();
+    let dir = output.join("validation");
+    std::fs::create_dir_all(&dir).map_err(io("creating", &dir))?;
+    let path = dir.join(format!("step_{step}.jsonl"));
+    let lines: String = scored
+        .iter()
+        .map(|s| {
+            let line = serde_json::json!({
+                "row": rows[&s.sample.request_id],
+                "sample": s.sample.sample_index,
+                "response": s.sample.text,
+                "score": s.score.score,
+                "extras": s.score.extras,
+                "error": s.score.error,
+            });
+            format!("{line}\n")
+        })
+        .collect();
+    std::fs::write(&path, lines).map_err(io("writing", &path))?;
+    let mut m = Metrics::new();
+    m.insert("val/accuracy".into(), mean_std(&acc).0);
+    m.insert("val/reward/mean".into(), mean_std(&rewards).0);
+    m.insert("val/response_length/mean".into(), mean_std(&lengths).0);
+    m.insert("val/samples".into(), acc.len() as f64);
+    Ok(m)
+}

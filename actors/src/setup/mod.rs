@@ -1,0 +1,173 @@
+//! A validated recipe turned into every crate's configuration and into live objects, in one
+//! place, shared by the orchestrator, the workers and `grpo compile` so all build exactly the
+//! same thing: the PJRT client of `cluster.device`, the rollout engine and the sampling
+//! settings of the `rollout` section, the policy and the GRPO update of the `actor` and
+//! `algorithm` sections, the reward function and its pool. [`dtype`]: the compute types.
+
+mod dtype;
+
+pub use dtype::{
+    actor_dtype, compute_dtype, learner_device, resolve_auto_dtypes, resolve_auto_dtypes_on, rollout_device,
+    rollout_dtype, DTypeChoice,
+};
+
+use crate::prepare::Prepared;
+use crate::recipe::{DeviceKind, Recipe};
+use rollout::{Engine, EngineConfig, SamplingParams};
+use std::path::Path;
+use trainer::policy::DecoderPolicy;
+use trainer::step::StepConfig;
+use trainer::update::{BatchPlan, UpdateConfig};
+use xla::runtime::{Buffer, CacheConfig, Client, ClientOptions, OptionValue};
+
+/// The client for `cluster.device` (plugin from `cluster.plugin_path` or discovered). On CPU it
+/// opens [`Recipe::cpu_devices`] devices: `cluster.cpu_device_count`, or `actor.mesh` when a
+/// `dp`/`fsdp` learner asks for more.
+pub fn open_client(recipe: &Recipe) -> xla::runtime::Result<Client> {
+    let c = &recipe.cluster;
+    let kind = c.device.plugin();
+    let create_options = match c.device {
+        DeviceKind::Cpu => vec![(
+            "cpu_device_count".to_string(),
+            OptionValue::Int(recipe.cpu_devices() as i64),
+        )],
+        _ => Vec::new(),
+    };
+    Client::new(
+        kind,
+        c.plugin_path.as_deref().map(Path::new),
+        ClientOptions {
+            create_options,
+            cache: CacheConfig::from_env(),
+        },
+    )
+}
+
+/// The engine settings of the `rollout` section: `rollout.max_num_seqs` KV slots of
+/// `max_prompt_length + max_response_length` tokens, stopping on the model's end tokens.
+pub fn engine_config(recipe: &Recipe, stop_token_ids: &[u32]) -> EngineConfig {
+    let len = recipe.data.max_prompt_length + recipe.data.max_response_length;
+    let mut settings = EngineConfig::new(recipe.rollout.max_num_seqs, len);
+    settings.eos_token_ids = stop_token_ids.to_vec();
+    settings
+}
+
+/// The rollout engine of a prepared run over `weights` (in `rollout.dtype`) at `version`.
+/// Weights with a replica on each of devices `0..N` (an in-process rollout colocated with a
+/// `dp`/`fsdp` learner over `N` devices, see [`rollout::handoff`]) make an engine split over
+/// those devices, data parallel over its slots; `rollout.max_num_seqs` must divide by `N`.
+pub fn build_engine(
+    recipe: &Recipe,
+    prepared: &Prepared,
+    client: &Client,
+    weights: impl Into<rollout::EngineWeights>,
+    version: u64,
+) -> rollout::Result<Engine> {
+    Engine::new(
+        client,
+        &prepared.model.weights.config,
+        weights,
+        version,
+        engine_config(recipe, &prepared.stop_token_ids),
+        Some(prepared.tokenizer.tokenizer.clone()),
+    )
+}
+
+/// Uploads the prepared model's weights in `rollout.dtype` for a rollout engine.
+pub fn upload_rollout_weights(
+    recipe: &Recipe,
+    prepared: &Prepared,
+    client: &Client,
+) -> rollout::Result<Vec<Buffer>> {
+    rollout::upload_weights(client, &prepared.model.weights, rollout_dtype(recipe), 0)
+}
+
+/// The sampling settings of the recipe's training (or, with `validation`, validation) requests.
+pub fn sampling_params(recipe: &Recipe, validation: bool) -> SamplingParams {
+    let r = &recipe.rollout;
+    let (temperature, top_k, top_p) = if !validation {
+        (r.temperature, r.top_k, r.top_p)
+    } else if r.val_kwargs.do_sample {
+        (r.val_kwargs.temperature, r.val_kwargs.top_k, r.val_kwargs.top_p)
+    } else {
+        (0.0, -1, 1.0)
+    };
+    SamplingParams {
+        temperature: temperature as f32,
+        top_k: if top_k <= 0 { 0 } else { top_k as usize },
+        top_p: top_p as f32,
+        max_new_tokens: recipe.data.max_response_length,
+        stop_token_ids: Vec::new(),
+        stop_strings: r.stop.clone(),
+    }
+}
+
+/// The reward function of the `reward` section, for responses of at most
+/// `data.max_response_length` tokens.
+pub fn reward_function(recipe: &Recipe) -> Result<reward::RewardFunction, reward::ConfigError> {
+    recipe.reward.build(Some(recipe.data.max_response_length))
+}
+
+/// The reward worker pool's settings (`reward.num_workers`, `reward.time_limit_s`).
+pub fn reward_pool(recipe: &Recipe) -> Result<reward::PoolOptions, reward::ConfigError> {
+    recipe.reward.pool_options()
+}
+
+/// The policy of a recipe over a model of `config`: how rows are packed (each prompt's
+/// `rollout.n` samples share it; one block of rows per learner device) and what the parameter
+/// table is (the order of every weight stream and checkpoint).
+pub fn policy(recipe: &Recipe, config: &model::ModelConfig) -> DecoderPolicy {
+    let micro_batch_size = recipe.actor.ppo_micro_batch_size;
+    DecoderPolicy {
+        config: config.clone(),
+        prompt_len: recipe.data.max_prompt_length,
+        response_len: recipe.data.max_response_length,
+        micro_batch_size,
+        temperature: recipe.rollout.temperature as f32,
+        group_size: recipe.rollout.n.max(1),
+        blocks: recipe
+            .actor
+            .parallelism(&recipe.cluster)
+            .devices(micro_batch_size as i64)
+            .unwrap_or(1),
+    }
+}
+
+/// The mini-batch arithmetic of the recipe.
+pub fn batch_plan(recipe: &Recipe) -> BatchPlan {
+    let a = &recipe.actor;
+    BatchPlan {
+        prompts_per_step: recipe.data.train_batch_size,
+        group_size: recipe.rollout.n,
+        mini_batch_prompts: a.ppo_mini_batch_size,
+        micro_batch_size: a.ppo_micro_batch_size,
+        epochs: a.ppo_epochs,
+    }
+}
+
+/// The GRPO update of the `actor` and `algorithm` sections, its learning-rate schedule
+/// `total_optimizer_steps` long.
+pub fn update_config(recipe: &Recipe, total_optimizer_steps: u64) -> UpdateConfig {
+    let (a, alg) = (&recipe.actor, &recipe.algorithm);
+    let step = StepConfig {
+        loss: a.policy_loss(alg),
+        optim: a.optim_config(total_optimizer_steps),
+        compute_dtype: actor_dtype(recipe),
+        parallel: a.parallelism(&recipe.cluster),
+        micro_batch_size: a.ppo_micro_batch_size as i64,
+        response_len: recipe.data.max_response_length as i64,
+    };
+    UpdateConfig {
+        step,
+        batches: batch_plan(recipe),
+        adv_estimator: alg.adv_estimator,
+        norm_adv_by_std_in_grpo: alg.norm_adv_by_std_in_grpo,
+        use_kl_in_reward: alg.use_kl_in_reward,
+        kl_coef: alg.kl_coef,
+        filter_groups: alg.filter_groups,
+        mask_truncated_responses: alg.mask_truncated_responses,
+        use_rollout_log_probs: a.use_rollout_log_probs,
+        length_bucket: a.length_bucket,
+        max_consecutive_nonfinite: a.max_consecutive_nonfinite as u32,
+    }
+}

@@ -1,0 +1,162 @@
+//! The engine on its own thread: commands in (requests, weight updates), finished samples
+//! out, from any thread.
+
+use super::{Engine, EngineOutput, GenerationRequest};
+use crate::error::{Result, RolloutError};
+use crate::weights::EngineWeights;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::thread::JoinHandle;
+
+impl Engine {
+    /// Moves the engine to its own thread and returns a handle that feeds it requests and
+    /// weight updates and streams back finished samples while it runs.
+    pub fn spawn(self) -> EngineHandle {
+        let (commands, command_rx) = channel::<Command>();
+        let (output_tx, outputs) = channel::<EngineOutput>();
+        let thread = std::thread::Builder::new()
+            .name("rollout-engine".into())
+            .spawn(move || serve(self, command_rx, output_tx))
+            .expect("spawning the rollout engine thread");
+        EngineHandle {
+            commands,
+            outputs,
+            thread: Some(thread),
+        }
+    }
+}
+
+enum Command {
+    Submit(GenerationRequest),
+    SubmitAll(Vec<GenerationRequest>),
+    UpdateWeights(u64, EngineWeights, Sender<Result<usize>>),
+    Shutdown,
+}
+
+/// The engine thread: applies commands between steps, steps while there is work, sends every
+/// finished sample and rejection. Returns the engine (or the error that stopped it).
+fn serve(mut engine: Engine, commands: Receiver<Command>, outputs: Sender<EngineOutput>) -> Result<Engine> {
+    loop {
+        let mut batch = Vec::new();
+        if engine.has_work() {
+            batch.extend(commands.try_iter());
+        } else {
+            match commands.recv() {
+                Ok(c) => batch.push(c),
+                Err(_) => return Ok(engine),
+            }
+            batch.extend(commands.try_iter());
+        }
+        for c in batch {
+            match c {
+                Command::Submit(r) => {
+                    if let Err(e) = engine.submit(r) {
+                        let _ = outputs.send(EngineOutput::Rejected(e));
+                    }
+                }
+                Command::SubmitAll(rs) => {
+                    for r in rs {
+                        if let Err(e) = engine.submit(r) {
+                            let _ = outputs.send(EngineOutput::Rejected(e));
+                        }
+                    }
+                }
+                Command::UpdateWeights(v, w, reply) => {
+                    let _ = reply.send(engine.update_weights(v, w));
+                }
+                Command::Shutdown => return Ok(engine),
+            }
+        }
+        if engine.has_work() {
+            for s in engine.step()? {
+                let _ = outputs.send(EngineOutput::Sample(s));
+            }
+        }
+    }
+}
+
+/// A running engine on its own thread (see [`Engine::spawn`]).
+pub struct EngineHandle {
+    commands: Sender<Command>,
+    outputs: Receiver<EngineOutput>,
+    thread: Option<JoinHandle<Result<Engine>>>,
+}
+
+/// The sending half of an [`EngineHandle`]: submits requests and weight updates from any
+/// thread while another thread reads the outputs.
+#[derive(Clone)]
+pub struct EngineControl {
+    commands: Sender<Command>,
+}
+
+impl EngineControl {
+    /// Queues a request; its samples (or its rejection) arrive on [`EngineHandle::outputs`].
+    pub fn submit(&self, request: GenerationRequest) -> Result<()> {
+        self.commands
+            .send(Command::Submit(request))
+            .map_err(|_| RolloutError::Stopped("submit after the engine stopped".into()))
+    }
+
+    /// Queues several requests at once: the engine admits them together, in this order,
+    /// before its next step, so which KV slot each sample gets (and with it the last bits of
+    /// its arithmetic) does not depend on thread timing.
+    pub fn submit_all(&self, requests: Vec<GenerationRequest>) -> Result<()> {
+        self.commands
+            .send(Command::SubmitAll(requests))
+            .map_err(|_| RolloutError::Stopped("submit after the engine stopped".into()))
+    }
+
+    /// Installs new weights between two decode steps; waits until done and returns how many
+    /// in-flight samples were restarted.
+    pub fn update_weights(&self, version: u64, weights: impl Into<EngineWeights>) -> Result<usize> {
+        let (tx, rx) = channel();
+        self.commands
+            .send(Command::UpdateWeights(version, weights.into(), tx))
+            .map_err(|_| RolloutError::Stopped("update_weights after the engine stopped".into()))?;
+        rx.recv()
+            .map_err(|_| RolloutError::Stopped("the engine stopped before applying the weights".into()))?
+    }
+}
+
+impl EngineHandle {
+    /// A sending half for another thread (the engine keeps running until
+    /// [`EngineHandle::shutdown`], even when every control is dropped).
+    pub fn control(&self) -> EngineControl {
+        EngineControl {
+            commands: self.commands.clone(),
+        }
+    }
+
+    /// Queues a request; its samples (or its rejection) arrive on [`EngineHandle::outputs`].
+    pub fn submit(&self, request: GenerationRequest) -> Result<()> {
+        self.commands
+            .send(Command::Submit(request))
+            .map_err(|_| RolloutError::Stopped("submit after the engine stopped".into()))
+    }
+
+    /// Installs new weights between two decode steps; waits until done and returns how many
+    /// in-flight samples were restarted.
+    pub fn update_weights(&self, version: u64, weights: impl Into<EngineWeights>) -> Result<usize> {
+        let weights = weights.into();
+        let (tx, rx) = channel();
+        self.commands
+            .send(Command::UpdateWeights(version, weights, tx))
+            .map_err(|_| RolloutError::Stopped("update_weights after the engine stopped".into()))?;
+        rx.recv()
+            .map_err(|_| RolloutError::Stopped("the engine stopped before applying the weights".into()))?
+    }
+
+    /// The stream of finished samples and rejections (blocks in `recv` while generating).
+    pub fn outputs(&self) -> &Receiver<EngineOutput> {
+        &self.outputs
+    }
+
+    /// Stops the thread after the current step and returns the engine, or the error that
+    /// stopped it earlier.
+    pub fn shutdown(mut self) -> Result<Engine> {
+        let _ = self.commands.send(Command::Shutdown);
+        let thread = self.thread.take().expect("joined only here");
+        thread
+            .join()
+            .map_err(|_| RolloutError::Stopped("the engine thread panicked".into()))?
+    }
+}

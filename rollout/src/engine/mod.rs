@@ -1,0 +1,594 @@
+//! The continuous-batching engine: requests (prompt ids, sampling parameters, group size `n`,
+//! seed) wait in a FIFO queue; a request is admitted when `n` KV-cache slots are free, its
+//! prompt is prefilled once (in a length bucket) and copied into its `n` slots on the device;
+//! then one compiled decode-and-sample step advances every active slot (inactive slots are
+//! masked). A finished sample frees its slot at once and the next waiting request takes it at
+//! the next step.
+//!
+//! Each group is prefilled by its own program run by default. Requests waiting at the same
+//! time with the same prefill program can be prefilled several at a time
+//! ([`EngineConfig::prefill_batch`]), which saves ~9% of prefill CPU but gives a prompt's KV
+//! entries last-bit differences that depend on its batch-mates: a sampled token near a CDF
+//! boundary can then differ from the same request run alone, so it is off by default (the
+//! same request, seed and weights give the same tokens whatever else is in the batch, and a
+//! run gives the same samples however its prompts are split over rollout workers). The KV cache can be split along positions into
+//! chunks ([`EngineConfig::kv_chunk`]); a decode step then reads only the chunks that hold
+//! the active sequences' positions (one compiled step per power-of-two chunk count), so short
+//! sequences in a long cache do not pay for the whole cache.
+//!
+//! The prefill covers the prompt without its last token; the last prompt token is the first
+//! decode input of every sample, so every token (including the first) is drawn by the same
+//! fused on-device sampler with its own Threefry key `(seed, sample index, token index)`.
+//!
+//! Weight hot-swap ([`Engine::update_weights`]) happens between steps without recompiling.
+//! Policy: samples in flight are **restarted** from their prompt on the new weights (their
+//! partial tokens are dropped, their slots re-prefilled), so every sample is produced by
+//! exactly one weight version, recorded in [`Sample::weight_version`]; [`Sample::restarts`]
+//! says how many times a sample was restarted. Samples finished before the swap keep the old
+//! version. A restarted sample draws the same keys, so it equals a fresh request on the new
+//! weights with the same seed.
+//!
+//! Several devices: weights with one replica per device ([`EngineWeights`], devices `0..N`)
+//! make an engine whose programs run SPMD over a one-axis mesh of those devices, data
+//! parallel over the slots: the KV cache and every per-slot tensor are split into `N`
+//! contiguous blocks of slots (`max_num_seqs` must divide by `N`), the parameters are
+//! replicated. Scheduling, keys and stop rules are the same as on one device, and each slot's
+//! arithmetic is the single-device program's, so the same requests give the same tokens.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Instant;
+
+use model::{ModelConfig, ModelTokenizer};
+use xla::runtime::{Buffer, Client};
+use xla::DType;
+
+use crate::error::{Result, RolloutError};
+use crate::plan::{DecodeKey, PrefillKey, ProgramPlan};
+use crate::programs::{DecodeInputs, DecodeSample, PrefillFanout};
+use crate::sampling::draw_key;
+use crate::weights::{check_replicas, EngineWeights};
+
+mod handle;
+mod request;
+
+pub use handle::{EngineControl, EngineHandle};
+pub use request::{EngineConfig, EngineOutput, EngineStats, FinishReason, GenerationRequest, Sample};
+
+struct Pending {
+    request: Arc<GenerationRequest>,
+    sample_indices: Vec<usize>,
+    restarts: u32,
+}
+
+struct Active {
+    request: Arc<GenerationRequest>,
+    sample_index: usize,
+    response: Vec<u32>,
+    logprobs: Vec<f32>,
+    next_token: u32,
+    position: usize,
+    restarts: u32,
+}
+
+/// The rollout engine (single-threaded core; see [`Engine::spawn`] for the streaming handle).
+pub struct Engine {
+    client: Client,
+    config: ModelConfig,
+    dtype: DType,
+    /// Shared with whoever else holds them (the learner, on the same devices): never copied.
+    weights: EngineWeights,
+    /// The devices the engine runs on: `[settings.device]`, or `0..N` over `N`.
+    devices: Vec<usize>,
+    version: u64,
+    settings: EngineConfig,
+    /// The cache shape and which program each request shape and cache length runs.
+    plan: ProgramPlan,
+    /// `[device][tensor]`: each device's block of slots.
+    cache: Vec<Vec<Buffer>>,
+    tokenizer: Option<ModelTokenizer>,
+    prefill: HashMap<PrefillKey, PrefillFanout>,
+    decode: HashMap<DecodeKey, DecodeSample>,
+    waiting: VecDeque<Pending>,
+    slots: Vec<Option<Active>>,
+    stats: EngineStats,
+}
+
+impl Engine {
+    /// Creates an engine over `weights` (device buffers in [`param_table`] order, used in
+    /// place) at `version`: allocates the KV cache (its size is logged) and compiles the decode
+    /// step. Prefill programs are compiled on first use per (bucket, group width). Weights
+    /// with a replica on each of devices `0..N` make an engine split over those devices
+    /// (see the module comment).
+    pub fn new(
+        client: &Client,
+        config: &ModelConfig,
+        weights: impl Into<EngineWeights>,
+        version: u64,
+        settings: EngineConfig,
+        tokenizer: Option<ModelTokenizer>,
+    ) -> Result<Engine> {
+        if settings.max_num_seqs == 0 || settings.max_model_len < 2 {
+            return Err(RolloutError::Config(format!(
+                "max_num_seqs must be >= 1 and max_model_len >= 2, got {} and {}",
+                settings.max_num_seqs, settings.max_model_len
+            )));
+        }
+        let buckets = settings.buckets();
+        if buckets.windows(2).any(|w| w[0] >= w[1])
+            || buckets.last().copied().unwrap_or(0) + 2 < settings.max_model_len
+            || buckets.last().copied().unwrap_or(0) > settings.max_model_len
+        {
+            return Err(RolloutError::Config(format!(
+                "prefill buckets {buckets:?} must be ascending, the longest between max_model_len - 2 and max_model_len ({})",
+                settings.max_model_len
+            )));
+        }
+        let weights = weights.into();
+        let devices: Vec<usize> = match weights.devices() {
+            0 => return Err(RolloutError::Config("the weights have no device replica".into())),
+            1 => vec![settings.device],
+            n => (0..n).collect(),
+        };
+        if devices.len() > client.num_devices() {
+            return Err(RolloutError::Config(format!(
+                "weights for {} devices, the client has {}",
+                devices.len(),
+                client.num_devices()
+            )));
+        }
+        let dtype = check_replicas(config, &weights, None, &devices, version)?;
+        let plan = ProgramPlan::new(config, &settings, devices.len(), dtype);
+        let cache_shape = &plan.cache;
+        cache_shape.check_devices()?;
+        tracing::info!(
+            devices = devices.len(),
+            slots = settings.max_num_seqs,
+            max_model_len = settings.max_model_len,
+            layers = config.num_hidden_layers,
+            kv_heads = config.num_key_value_heads,
+            head_dim = config.head_dim,
+            chunks = cache_shape.chunks(),
+            chunk = cache_shape.chunk,
+            "rollout KV cache: {:.1} MiB ({}), {:.1} MiB per device",
+            cache_shape.bytes() as f64 / (1024.0 * 1024.0),
+            cache_shape.dtype,
+            cache_shape.bytes_per_device() as f64 / (1024.0 * 1024.0)
+        );
+        let cache = cache_shape.allocate_on(client, &devices)?;
+        let mut engine = Engine {
+            client: client.clone(),
+            config: config.clone(),
+            dtype,
+            weights,
+            devices,
+            version,
+            slots: (0..settings.max_num_seqs).map(|_| None).collect(),
+            settings,
+            plan,
+            cache,
+            tokenizer,
+            prefill: HashMap::new(),
+            decode: HashMap::new(),
+            waiting: VecDeque::new(),
+            stats: EngineStats::default(),
+        };
+        let all = DecodeKey {
+            truncate: false,
+            chunks: engine.plan.cache.chunks(),
+        };
+        engine.ensure_decode(all)?;
+        Ok(engine)
+    }
+
+    /// The KV-cache size in bytes (all devices together).
+    pub fn kv_cache_bytes(&self) -> usize {
+        self.plan.cache.bytes()
+    }
+
+    /// Devices the engine runs on (its slots are split over them).
+    pub fn devices(&self) -> usize {
+        self.devices.len()
+    }
+
+    /// The weights the engine generates with.
+    pub fn weights(&self) -> &EngineWeights {
+        &self.weights
+    }
+
+    /// The current weight version.
+    pub fn weight_version(&self) -> u64 {
+        self.version
+    }
+
+    /// Program-run and token counters.
+    pub fn stats(&self) -> &EngineStats {
+        &self.stats
+    }
+
+    /// Whether requests are waiting or samples are being decoded.
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || self.slots.iter().any(|s| s.is_some())
+    }
+
+    /// Number of samples being decoded now.
+    pub fn active_samples(&self) -> usize {
+        self.slots.iter().filter(|s| s.is_some()).count()
+    }
+
+    /// Queues a request. A request that can never be served (empty or too long prompt, `n`
+    /// of 0 or more than `max_num_seqs`, bad sampling parameters, token ids outside the
+    /// vocabulary) is rejected here with an error naming it; the engine state is unchanged.
+    pub fn submit(&mut self, request: GenerationRequest) -> Result<()> {
+        let reject = |problem: String| RolloutError::Rejected {
+            request_id: request.id,
+            problem,
+        };
+        if request.prompt.is_empty() {
+            return Err(reject("the prompt has no tokens".into()));
+        }
+        if request.prompt.len() >= self.settings.max_model_len {
+            return Err(reject(format!(
+                "the prompt has {} tokens; the maximum model length {} leaves no room for a response (raise rollout max_model_len or shorten the prompt)",
+                request.prompt.len(),
+                self.settings.max_model_len
+            )));
+        }
+        if request.n == 0 || request.n > self.settings.max_num_seqs {
+            return Err(reject(format!(
+                "n = {} samples; must be 1 to max_num_seqs ({})",
+                request.n, self.settings.max_num_seqs
+            )));
+        }
+        if let Some(&bad) = request
+            .prompt
+            .iter()
+            .find(|&&t| t as usize >= self.config.vocab_size)
+        {
+            return Err(reject(format!(
+                "prompt token id {bad} is outside the vocabulary (size {})",
+                self.config.vocab_size
+            )));
+        }
+        request.params.validate().map_err(&reject)?;
+        if !request.params.stop_strings.is_empty() && self.tokenizer.is_none() {
+            return Err(reject(
+                "stop strings need a tokenizer; this engine has none".into(),
+            ));
+        }
+        let n = request.n;
+        self.waiting.push_back(Pending {
+            request: Arc::new(request),
+            sample_indices: (0..n).collect(),
+            restarts: 0,
+        });
+        Ok(())
+    }
+
+    /// Installs new weights (device buffers in [`param_table`] order, same dtype, shapes and
+    /// devices; used in place, not copied) as `version`, between steps and without
+    /// recompiling. Samples in flight are restarted on the new weights (see the module
+    /// comment). Returns how many samples were restarted. The old buffers are dropped.
+    pub fn update_weights(&mut self, version: u64, weights: impl Into<EngineWeights>) -> Result<usize> {
+        let weights = weights.into();
+        check_replicas(&self.config, &weights, Some(self.dtype), &self.devices, version)?;
+        self.weights = weights;
+        self.version = version;
+        // Regroup in-flight samples by request, keeping slot order, and put them first.
+        let mut groups: Vec<Pending> = Vec::new();
+        for slot in self.slots.iter_mut() {
+            if let Some(a) = slot.take() {
+                match groups.iter_mut().find(|g| Arc::ptr_eq(&g.request, &a.request)) {
+                    Some(g) => g.sample_indices.push(a.sample_index),
+                    None => groups.push(Pending {
+                        request: a.request,
+                        sample_indices: vec![a.sample_index],
+                        restarts: a.restarts + 1,
+                    }),
+                }
+            }
+        }
+        let restarted = groups.iter().map(|g| g.sample_indices.len()).sum();
+        self.stats.restarted_samples += restarted;
+        for g in groups.into_iter().rev() {
+            self.waiting.push_front(g);
+        }
+        tracing::info!(version, restarted, "rollout weights updated");
+        Ok(restarted)
+    }
+
+    fn ensure_prefill(&mut self, key: PrefillKey) -> Result<()> {
+        if !self.prefill.contains_key(&key) {
+            let started = Instant::now();
+            let p = PrefillFanout::compile_batched(
+                &self.client,
+                &self.config,
+                self.dtype,
+                &self.plan.cache,
+                key.bucket,
+                key.width,
+                key.batch,
+            )?;
+            tracing::info!(
+                bucket = key.bucket,
+                width = key.width,
+                batch = key.batch,
+                "compiled prefill in {:.2} s",
+                started.elapsed().as_secs_f64()
+            );
+            self.prefill.insert(key, p);
+        }
+        Ok(())
+    }
+
+    fn ensure_decode(&mut self, key: DecodeKey) -> Result<()> {
+        if !self.decode.contains_key(&key) {
+            let started = Instant::now();
+            let program = DecodeSample::compile_step(
+                &self.client,
+                &self.config,
+                self.dtype,
+                &self.plan.cache,
+                key,
+                self.settings.sampler,
+            )?;
+            tracing::info!(
+                truncate = key.truncate,
+                chunks = key.chunks,
+                "compiled a decode step in {:.2} s",
+                started.elapsed().as_secs_f64()
+            );
+            self.decode.insert(key, program);
+        }
+        Ok(())
+    }
+
+    /// Compiles up front what requests with prompts of `prompt_len` tokens in groups of `n`
+    /// will need ([`ProgramPlan::request_programs`]), so the first such requests do not wait
+    /// for a compile.
+    pub fn precompile(&mut self, prompt_len: usize, n: usize, truncating: bool) -> Result<()> {
+        let (prefills, decodes) = self.plan.request_programs(prompt_len, n, truncating);
+        for key in prefills {
+            self.ensure_prefill(key)?;
+        }
+        for key in decodes {
+            self.ensure_decode(key)?;
+        }
+        Ok(())
+    }
+
+    /// Admits waiting requests in FIFO order while their groups fit in the free slots. Runs
+    /// of consecutive groups with the same prefill program (bucket and fan-out width) are
+    /// prefilled [`EngineConfig::prefill_batch`] at a time; the rest one at a time.
+    fn admit(&mut self) -> Result<()> {
+        loop {
+            let free: Vec<usize> = (0..self.slots.len())
+                .filter(|&s| self.slots[s].is_none())
+                .collect();
+            let Some(front) = self.waiting.front() else {
+                return Ok(());
+            };
+            if front.sample_indices.len() > free.len() {
+                return Ok(());
+            }
+            let key = self
+                .plan
+                .prefill(front.request.prompt.len(), front.sample_indices.len(), 1);
+            let batch = self.plan.prefill_batch(key.width);
+            let mut taken: Vec<Pending> = Vec::new();
+            let mut used = 0;
+            while taken.len() < batch {
+                let Some(next) = self.waiting.front() else { break };
+                let n = next.sample_indices.len();
+                if used + n > free.len() || self.plan.prefill(next.request.prompt.len(), n, 1) != key {
+                    break;
+                }
+                used += n;
+                taken.push(self.waiting.pop_front().expect("checked non-empty"));
+            }
+            let mut offset = 0;
+            let placed: Vec<(Pending, Vec<usize>)> = taken
+                .into_iter()
+                .map(|p| {
+                    let slots = free[offset..offset + p.sample_indices.len()].to_vec();
+                    offset += slots.len();
+                    (p, slots)
+                })
+                .collect();
+            let started = Instant::now();
+            let replicas = self.weights.clone();
+            let weights: Vec<&[Buffer]> = replicas.replicas().iter().map(|r| &r[..]).collect();
+            if placed.len() == batch && batch > 1 {
+                let key = PrefillKey { batch, ..key };
+                self.ensure_prefill(key)?;
+                let prompts: Vec<(&[u32], &[usize])> = placed
+                    .iter()
+                    .map(|(p, slots)| {
+                        let prompt = &p.request.prompt;
+                        (&prompt[..prompt.len() - 1], slots.as_slice())
+                    })
+                    .collect();
+                self.prefill[&key].run_batch_on(
+                    &self.client,
+                    &self.devices,
+                    &weights,
+                    &mut self.cache,
+                    &prompts,
+                )?;
+                self.stats.prefill_batches += 1;
+            } else {
+                self.ensure_prefill(key)?;
+                for (p, slots) in &placed {
+                    let prompt = &p.request.prompt;
+                    self.prefill[&key].run_batch_on(
+                        &self.client,
+                        &self.devices,
+                        &weights,
+                        &mut self.cache,
+                        &[(&prompt[..prompt.len() - 1], slots.as_slice())],
+                    )?;
+                    self.stats.prefill_batches += 1;
+                }
+            }
+            // Runs are asynchronous: wait for the cache so the time is the prefill's own.
+            for last in self.cache.iter().filter_map(|c| c.last()) {
+                last.block_until_ready()
+                    .map_err(|e| RolloutError::runtime("waiting for a prefill", e))?;
+            }
+            self.stats.prefill_time += started.elapsed();
+            for (pending, chosen) in placed {
+                self.stats.prefill_runs += 1;
+                let prompt = &pending.request.prompt;
+                for (&slot, &sample_index) in chosen.iter().zip(&pending.sample_indices) {
+                    self.slots[slot] = Some(Active {
+                        request: pending.request.clone(),
+                        sample_index,
+                        response: Vec::new(),
+                        logprobs: Vec::new(),
+                        next_token: prompt[prompt.len() - 1],
+                        position: prompt.len() - 1,
+                        restarts: pending.restarts,
+                    });
+                }
+            }
+        }
+    }
+
+    /// One scheduling step: admits waiting requests into free slots (prefill + fan-out), runs
+    /// one decode step over all active slots, and returns the samples that finished.
+    pub fn step(&mut self) -> Result<Vec<Sample>> {
+        let started = Instant::now();
+        let result = self.step_inner();
+        self.stats.step_time += started.elapsed();
+        result
+    }
+
+    fn step_inner(&mut self) -> Result<Vec<Sample>> {
+        self.admit()?;
+        let s = self.settings.max_num_seqs;
+        if self.slots.iter().all(|a| a.is_none()) {
+            return Ok(Vec::new());
+        }
+        let mut inputs = DecodeInputs {
+            tokens: vec![0; s],
+            positions: vec![-1; s],
+            temperature: vec![0.0; s],
+            top_k: vec![0; s],
+            top_p: vec![1.0; s],
+            keys: vec![0; 2 * s],
+        };
+        let mut truncate = false;
+        let mut highest = 0;
+        for (i, a) in self.slots.iter().enumerate() {
+            if let Some(a) = a {
+                highest = highest.max(a.position);
+                let p = &a.request.params;
+                inputs.tokens[i] = a.next_token as i32;
+                inputs.positions[i] = a.position as i32;
+                inputs.temperature[i] = p.temperature;
+                inputs.top_k[i] = p.top_k.min(i32::MAX as usize) as i32;
+                inputs.top_p[i] = p.top_p;
+                let key = draw_key(a.request.seed, a.sample_index as u32, a.response.len() as u32);
+                inputs.keys[2 * i] = key[0];
+                inputs.keys[2 * i + 1] = key[1];
+                truncate |= p.needs_truncation();
+            }
+        }
+        let key = DecodeKey {
+            truncate,
+            chunks: self.plan.decode_chunks(highest),
+        };
+        self.ensure_decode(key)?;
+        let program = &self.decode[&key];
+        let started = Instant::now();
+        let weights: Vec<&[Buffer]> = self.weights.replicas().iter().map(|r| &r[..]).collect();
+        let (next, logprobs) =
+            program.run_on(&self.client, &self.devices, &weights, &mut self.cache, &inputs)?;
+        self.stats.decode_time += started.elapsed();
+        self.stats.decode_steps += 1;
+        let mut finished = Vec::new();
+        for i in 0..s {
+            let Some(a) = self.slots[i].as_mut() else { continue };
+            let token = next[i] as u32;
+            a.response.push(token);
+            a.logprobs.push(logprobs[i]);
+            self.stats.generated_tokens += 1;
+            let p = &a.request.params;
+            let mut text = None;
+            let reason = if p.stop_token_ids.contains(&token) || self.settings.eos_token_ids.contains(&token)
+            {
+                Some(FinishReason::Eos(token))
+            } else if let Some((stop, cut)) = find_stop_string(self.tokenizer.as_ref(), a) {
+                text = Some(cut);
+                Some(FinishReason::StopString(stop))
+            } else if a.response.len() >= p.max_new_tokens {
+                Some(FinishReason::MaxNewTokens)
+            } else if a.request.prompt.len() + a.response.len() >= self.settings.max_model_len {
+                Some(FinishReason::MaxModelLen)
+            } else {
+                None
+            };
+            match reason {
+                None => {
+                    a.next_token = token;
+                    a.position += 1;
+                }
+                Some(finish_reason) => {
+                    let a = self.slots[i].take().expect("slot is active");
+                    let text = match text {
+                        Some(t) => t,
+                        None => self.decode_text(&a.response),
+                    };
+                    finished.push(Sample {
+                        request_id: a.request.id,
+                        sample_index: a.sample_index,
+                        prompt_ids: a.request.prompt.clone(),
+                        response_ids: a.response,
+                        text,
+                        logprobs: a.logprobs,
+                        finish_reason,
+                        weight_version: self.version,
+                        restarts: a.restarts,
+                    });
+                }
+            }
+        }
+        Ok(finished)
+    }
+
+    fn decode_text(&self, ids: &[u32]) -> String {
+        decode_text(self.tokenizer.as_ref(), ids)
+    }
+
+    /// Steps until no request is waiting or active; returns every finished sample in order.
+    pub fn run_to_completion(&mut self) -> Result<Vec<Sample>> {
+        let mut all = Vec::new();
+        while self.has_work() {
+            all.extend(self.step()?);
+        }
+        Ok(all)
+    }
+}
+
+/// The response text of `ids` (special tokens skipped); empty without a tokenizer.
+fn decode_text(tokenizer: Option<&ModelTokenizer>, ids: &[u32]) -> String {
+    match tokenizer {
+        Some(t) => t.decode(ids, true).unwrap_or_default(),
+        None => String::new(),
+    }
+}
+
+/// The first stop string in the response text of `a` and the text before it.
+fn find_stop_string(tokenizer: Option<&ModelTokenizer>, a: &Active) -> Option<(String, String)> {
+    if a.request.params.stop_strings.is_empty() {
+        return None;
+    }
+    let text = decode_text(tokenizer, &a.response);
+    a.request
+        .params
+        .stop_strings
+        .iter()
+        .filter_map(|s| text.find(s.as_str()).map(|at| (at, s)))
+        .min_by_key(|(at, _)| *at)
+        .map(|(at, s)| (s.clone(), text[..at].to_string()))
+}

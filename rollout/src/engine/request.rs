@@ -1,0 +1,171 @@
+//! What goes into an engine and what comes out: its configuration, requests, samples,
+//! outputs and counters.
+
+use crate::error::RolloutError;
+use crate::sampling::{SamplerKind, SamplingParams};
+
+/// Static sizes of an engine.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// KV-cache slots: the most sequences decoded at once (`rollout.max_num_seqs`).
+    pub max_num_seqs: usize,
+    /// Positions per slot: the longest prompt + response.
+    pub max_model_len: usize,
+    /// Prompt length buckets for prefill (ascending; a prefill covers the prompt without its
+    /// last token); the longest must be at least `max_model_len - 2`. Empty: 16, 32, 64, ... and `max_model_len`.
+    pub prefill_buckets: Vec<usize>,
+    /// End-of-sequence ids that stop every sample (the tokenizer's / chat template's EOS).
+    pub eos_token_ids: Vec<u32>,
+    /// Device the weights and the cache live on, for weights on one device (weights with a
+    /// replica per device put the engine on devices `0..N`).
+    pub device: usize,
+    /// Positions per KV-cache chunk: a decode step reads only the chunks up to the longest
+    /// active sequence (chunk counts rounded up to powers of two, one compiled step each).
+    /// 0 = automatic: one chunk (the whole cache, one decode program) below 1024 positions,
+    /// chunks of 256 from there; `max_model_len` or more = one chunk.
+    pub kv_chunk: usize,
+    /// Most prompts (groups) prefilled in one program run (a second program shape, compiled
+    /// on first use, for batches of this size). 1, the default, prefills each group alone,
+    /// which keeps every request's tokens independent of its batch-mates (see the module
+    /// docs); more saves ~9% of prefill CPU at the cost of that reproducibility.
+    pub prefill_batch: usize,
+    /// The on-device sampler.
+    pub sampler: SamplerKind,
+}
+
+impl EngineConfig {
+    /// `max_num_seqs` slots of `max_model_len` positions, default buckets, no EOS ids, device 0.
+    pub fn new(max_num_seqs: usize, max_model_len: usize) -> EngineConfig {
+        EngineConfig {
+            max_num_seqs,
+            max_model_len,
+            prefill_buckets: Vec::new(),
+            eos_token_ids: Vec::new(),
+            device: 0,
+            kv_chunk: 0,
+            prefill_batch: 1,
+            sampler: SamplerKind::default(),
+        }
+    }
+
+    /// The chunk length the cache is split into (see [`EngineConfig::kv_chunk`]).
+    pub fn effective_kv_chunk(&self) -> usize {
+        match self.kv_chunk {
+            0 if self.max_model_len < 1024 => self.max_model_len,
+            0 => 256,
+            c => c.min(self.max_model_len),
+        }
+    }
+
+    /// The prompt-length buckets prefill compiles for: `prefill_buckets` when set, else 16, 32,
+    /// 64, ... below `max_model_len`, then `max_model_len`.
+    pub fn buckets(&self) -> Vec<usize> {
+        if !self.prefill_buckets.is_empty() {
+            return self.prefill_buckets.clone();
+        }
+        let mut b = Vec::new();
+        let mut len = 16;
+        while len < self.max_model_len {
+            b.push(len);
+            len *= 2;
+        }
+        b.push(self.max_model_len);
+        b
+    }
+}
+
+/// One generation request: `n` samples of a prompt.
+#[derive(Clone, Debug)]
+pub struct GenerationRequest {
+    /// Caller's id, echoed in every sample and rejection.
+    pub id: u64,
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Samples to draw (the GRPO group size); the prompt is prefilled once for all of them.
+    pub n: usize,
+    /// Seed: sample `i`'s token `j` is drawn with key `(seed, i, j)`.
+    pub seed: u64,
+    /// Sampling parameters and stop rules.
+    pub params: SamplingParams,
+}
+
+/// Why a sample stopped.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence or stop token id was sampled (it is the last response id).
+    Eos(u32),
+    /// A stop string appeared in the decoded text.
+    StopString(String),
+    /// `max_new_tokens` tokens were generated.
+    MaxNewTokens,
+    /// Prompt + response reached `max_model_len` tokens.
+    MaxModelLen,
+}
+
+impl std::fmt::Display for FinishReason {
+    /// vLLM's names: `stop` (EOS / stop token or stop string) or `length` (a length limit),
+    /// with the detail in parentheses.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FinishReason::Eos(id) => write!(f, "stop (token {id})"),
+            FinishReason::StopString(s) => write!(f, "stop (string {s:?})"),
+            FinishReason::MaxNewTokens => write!(f, "length (max_new_tokens)"),
+            FinishReason::MaxModelLen => write!(f, "length (max_model_len)"),
+        }
+    }
+}
+
+/// One finished sample.
+#[derive(Clone, Debug)]
+pub struct Sample {
+    /// The request's id.
+    pub request_id: u64,
+    /// Index within the request's group (`0..n`).
+    pub sample_index: usize,
+    /// The prompt ids.
+    pub prompt_ids: Vec<u32>,
+    /// Generated ids (including a final EOS / stop token).
+    pub response_ids: Vec<u32>,
+    /// Decoded response (special tokens skipped; cut before a stop string); empty when the
+    /// engine has no tokenizer.
+    pub text: String,
+    /// Log-probability of each response id under `log_softmax(logits / T)` (T = 1 when greedy).
+    pub logprobs: Vec<f32>,
+    /// Why it stopped.
+    pub finish_reason: FinishReason,
+    /// Version of the weights that produced every token of it.
+    pub weight_version: u64,
+    /// How many times a weight update restarted it.
+    pub restarts: u32,
+}
+
+/// What the engine streams back.
+#[derive(Debug)]
+pub enum EngineOutput {
+    /// A finished sample.
+    Sample(Sample),
+    /// A request that was not served (the error names it); the others go on.
+    Rejected(RolloutError),
+}
+
+/// Counters of program runs, tokens and time.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Prompts prefilled (+ fanned out): one per admitted group.
+    pub prefill_runs: usize,
+    /// Prefill program runs (each covers up to [`EngineConfig::prefill_batch`] groups).
+    pub prefill_batches: usize,
+    /// Wall time in prefill program runs (inputs uploaded, program run).
+    pub prefill_time: std::time::Duration,
+    /// Wall time in decode program runs (inputs uploaded, program run, tokens and
+    /// log-probs read back); the rest of [`Engine::step`] is host bookkeeping.
+    pub decode_time: std::time::Duration,
+    /// Wall time in [`Engine::step`] altogether.
+    pub step_time: std::time::Duration,
+    /// Decode steps run.
+    pub decode_steps: usize,
+    /// Tokens generated (all samples).
+    pub generated_tokens: usize,
+    /// Samples restarted by weight updates.
+    pub restarted_samples: usize,
+}

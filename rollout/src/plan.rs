@@ -1,0 +1,202 @@
+//! Which compiled programs an engine runs, known once: the KV-cache shape of an engine
+//! configuration, the prefill program of each request shape (prompt-length bucket, fan-out
+//! width, groups per run) and the decode step of each attended cache length. The engine
+//! compiles by it ([`crate::Engine::precompile`], and on first use) and `grpo compile` lists a
+//! run's programs from it, so both always mean the same programs.
+
+use crate::engine::EngineConfig;
+use crate::programs::CacheShape;
+use model::ModelConfig;
+use xla::DType;
+
+/// A prefill program: prompts padded to `bucket` tokens, each fanned out to `width` KV slots,
+/// `batch` prompts per run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PrefillKey {
+    pub bucket: usize,
+    pub width: usize,
+    pub batch: usize,
+}
+
+/// A decode step: reading the first `chunks` chunks of the cache, with top-k/top-p
+/// truncation (`truncate`) or without.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DecodeKey {
+    pub truncate: bool,
+    pub chunks: usize,
+}
+
+/// The programs of an engine configuration.
+#[derive(Clone, Debug)]
+pub struct ProgramPlan {
+    /// The KV cache: slots, length, chunks, devices and element type.
+    pub cache: CacheShape,
+    buckets: Vec<usize>,
+    prefill_batch: usize,
+}
+
+impl ProgramPlan {
+    /// The plan of an engine with `settings` for a model of `config` over weights of `dtype`
+    /// on `devices` devices.
+    pub fn new(config: &ModelConfig, settings: &EngineConfig, devices: usize, dtype: DType) -> ProgramPlan {
+        let cache = CacheShape::chunked(
+            config,
+            settings.max_num_seqs,
+            settings.max_model_len,
+            settings.effective_kv_chunk(),
+        )
+        .on_devices(devices)
+        .for_weights(dtype);
+        ProgramPlan {
+            cache,
+            buckets: settings.buckets(),
+            prefill_batch: settings.prefill_batch,
+        }
+    }
+
+    /// The prompt-length buckets, ascending.
+    pub fn buckets(&self) -> &[usize] {
+        &self.buckets
+    }
+
+    /// The bucket of a prompt of `prompt_len` tokens: a prefill covers the prompt without its
+    /// last token (the first decode input).
+    pub fn prefill_bucket(&self, prompt_len: usize) -> usize {
+        let head = prompt_len.saturating_sub(1).max(1);
+        self.buckets
+            .iter()
+            .copied()
+            .find(|&b| b >= head)
+            .unwrap_or_else(|| *self.buckets.last().expect("at least one bucket"))
+    }
+
+    /// The slots a group of `n` samples is fanned out to (a power of two, at most the slots).
+    pub fn fanout_width(&self, n: usize) -> usize {
+        let slots = self.cache.slots;
+        n.clamp(1, slots).next_power_of_two().min(slots)
+    }
+
+    /// Groups of fan-out `width` prefilled in one batched run (1: each alone, the default).
+    pub fn prefill_batch(&self, width: usize) -> usize {
+        self.prefill_batch.min(self.cache.slots / width.max(1)).max(1)
+    }
+
+    /// The prefill of one run for a group of `n` samples of a `prompt_len`-token prompt, `batch`
+    /// groups at a time.
+    pub fn prefill(&self, prompt_len: usize, n: usize, batch: usize) -> PrefillKey {
+        PrefillKey {
+            bucket: self.prefill_bucket(prompt_len),
+            width: self.fanout_width(n),
+            batch,
+        }
+    }
+
+    /// The chunk count of the decode step when the highest active position is `position`.
+    pub fn decode_chunks(&self, position: usize) -> usize {
+        self.cache.decode_chunks(position)
+    }
+
+    /// Every decode chunk count a sequence passes through from `position` to the end of the
+    /// cache (powers of two, then all chunks).
+    pub fn decode_chunk_counts(&self, position: usize) -> Vec<usize> {
+        let mut counts = vec![self.decode_chunks(position)];
+        while let Some(&last) = counts.last().filter(|&&c| c < self.cache.chunks()) {
+            counts.push(self.decode_chunks(last * self.cache.chunk));
+        }
+        counts
+    }
+
+    /// What requests with prompts of `prompt_len` tokens in groups of `n` need: their prefill,
+    /// alone and batched when batching applies, and the decode steps for every cache length
+    /// from the prompt's to the longest, with the top-k/top-p variants when `truncating`.
+    pub fn request_programs(
+        &self,
+        prompt_len: usize,
+        n: usize,
+        truncating: bool,
+    ) -> (Vec<PrefillKey>, Vec<DecodeKey>) {
+        let single = self.prefill(prompt_len, n, 1);
+        let mut prefills = vec![single];
+        let batch = self.prefill_batch(single.width);
+        if batch > 1 {
+            prefills.push(PrefillKey { batch, ..single });
+        }
+        let mut decodes = Vec::new();
+        for chunks in self.decode_chunk_counts(prompt_len.saturating_sub(1)) {
+            decodes.push(DecodeKey {
+                truncate: false,
+                chunks,
+            });
+            if truncating {
+                decodes.push(DecodeKey {
+                    truncate: true,
+                    chunks,
+                });
+            }
+        }
+        (prefills, decodes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(slots: usize, len: usize, kv_chunk: usize, prefill_batch: usize) -> ProgramPlan {
+        let mut settings = EngineConfig::new(slots, len);
+        settings.kv_chunk = kv_chunk;
+        settings.prefill_batch = prefill_batch;
+        ProgramPlan::new(&ModelConfig::tiny_llama(), &settings, 1, DType::F32)
+    }
+
+    #[test]
+    fn prefill_keys_pick_the_bucket_of_the_prompt_head_and_a_power_of_two_width() {
+        let p = plan(16, 100, 0, 1);
+        assert_eq!(p.buckets(), &[16, 32, 64, 100]);
+        // The prefill covers 16 of a 17-token prompt: bucket 16; 18 tokens need 32.
+        assert_eq!(
+            p.prefill(17, 3, 1),
+            PrefillKey {
+                bucket: 16,
+                width: 4,
+                batch: 1
+            }
+        );
+        assert_eq!(p.prefill_bucket(18), 32);
+        assert_eq!(p.fanout_width(40), 16);
+        assert_eq!(p.prefill_batch(4), 1);
+        assert_eq!(plan(16, 100, 0, 8).prefill_batch(4), 4);
+    }
+
+    #[test]
+    fn decode_chunk_counts_double_up_to_every_chunk() {
+        // 5 chunks of 20: 1, 2, 4, then all 5.
+        let p = plan(4, 100, 20, 1);
+        assert_eq!(p.cache.chunks(), 5);
+        assert_eq!(p.decode_chunk_counts(0), vec![1, 2, 4, 5]);
+        assert_eq!(p.decode_chunk_counts(45), vec![4, 5]);
+        assert_eq!(plan(4, 100, 0, 1).decode_chunk_counts(0), vec![1]);
+    }
+
+    #[test]
+    fn request_programs_add_batched_prefill_and_truncating_decode() {
+        let (prefills, decodes) = plan(16, 100, 50, 2).request_programs(10, 4, true);
+        assert_eq!(
+            prefills,
+            vec![
+                PrefillKey {
+                    bucket: 16,
+                    width: 4,
+                    batch: 1
+                },
+                PrefillKey {
+                    bucket: 16,
+                    width: 4,
+                    batch: 2
+                }
+            ]
+        );
+        let chunks: Vec<(bool, usize)> = decodes.iter().map(|d| (d.truncate, d.chunks)).collect();
+        assert_eq!(chunks, vec![(false, 1), (true, 1), (false, 2), (true, 2)]);
+    }
+}

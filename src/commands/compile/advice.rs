@@ -1,0 +1,303 @@
+//! Whether the run fits and what to change when it does not: per-program and per-device
+//! memory budgets turned into advice that names recipe keys.
+
+#[allow(unused_imports)]
+use super::*;
+
+/// Bytes of the learner's state on the device: f32 master parameters, both AdamW moments,
+/// the gradient sums when micro-batches accumulate, and the compute-dtype copy for bf16.
+pub(super) fn learner_state_bytes(recipe: &Recipe, num_parameters: u64, accumulating: bool) -> u64 {
+    let f32_copies = 3 + u64::from(accumulating);
+    let bf16 = if recipe.actor.param_dtype == DTypeName::Bf16 {
+        2
+    } else {
+        0
+    };
+    num_parameters * (4 * f32_copies + bf16)
+}
+
+/// The device set the advice is for: memory per device, devices, TPU generation.
+pub(super) struct Budget {
+    pub(super) memory_per_device: u64,
+    pub(super) devices: usize,
+    pub(super) generation: Option<String>,
+}
+
+impl Budget {
+    pub(super) fn of(target: &Target) -> Option<Budget> {
+        Some(Budget {
+            memory_per_device: target.memory_per_device()?,
+            devices: target.num_devices(),
+            generation: match target {
+                Target::Tpu { info, .. } => TopologyName::parse(&info.name).ok().map(|n| n.generation),
+                Target::Local { .. } => None,
+            },
+        })
+    }
+}
+
+/// Advice for the rows that do not fit, naming the recipe keys to change.
+pub(super) fn advice(
+    recipe: &Recipe,
+    plan: &Plan,
+    num_parameters: u64,
+    measured: &[(PlannedRow, Measured)],
+    budget: Option<Budget>,
+) -> Vec<String> {
+    let Some(Budget {
+        memory_per_device: budget,
+        devices,
+        generation,
+    }) = budget
+    else {
+        return Vec::new();
+    };
+    let head_room = (budget as f64 * 0.9) as u64;
+    let mut out = Vec::new();
+    let failing: Vec<&(PlannedRow, Measured)> = measured.iter().filter(|(_, m)| !m.fits).collect();
+    let worst = |role: Role| {
+        failing
+            .iter()
+            .filter(|(r, _)| r.role == role)
+            .max_by_key(|(_, m)| m.peak_bytes)
+            .map(|x| (&x.0, &x.1))
+    };
+    if let Some((row, m)) = worst(Role::Learner) {
+        let micro = recipe.actor.ppo_micro_batch_size.max(1);
+        let accumulating = plan.rows.iter().any(|r| r.label == "accumulate");
+        let state = learner_state_bytes(recipe, num_parameters, accumulating);
+        let partitions = plan.programs[row.program].num_partitions().max(1);
+        // The state each device holds once it is sharded as far as it needs to be.
+        let mut state_per_device = state / partitions as u64;
+        // Devices the rows of a micro-batch are split over (more once FSDP is advised).
+        let mut row_devices = partitions;
+        if state_per_device > head_room / 2 {
+            let needed = (state as f64 / (head_room as f64 / 2.0)).ceil() as usize;
+            // A mesh of a power of two devices (micro-batches split evenly over it).
+            let mesh = needed.next_power_of_two().max(devices);
+            let mut text = format!(
+                "the learner's state (f32 parameters, AdamW moments{}{}) is {}{}, more than the {} a device has \
+                 room for beside activations: set `actor.strategy: fsdp` and `actor.mesh: {mesh}` to shard it",
+                if accumulating { ", gradient sums" } else { "" },
+                if recipe.actor.param_dtype == DTypeName::Bf16 { ", bf16 copy" } else { "" },
+                bytes(state),
+                if partitions > 1 {
+                    format!(" ({} on each of {partitions} devices)", bytes(state_per_device))
+                } else {
+                    String::new()
+                },
+                bytes(head_room / 2),
+            );
+            if mesh <= devices {
+                let _ = write!(
+                    text,
+                    " ({} each over this topology's {devices} devices)",
+                    bytes(state / devices as u64)
+                );
+            } else {
+                let _ = write!(
+                    text,
+                    " over at least {needed} devices ({} each over {mesh}): use more chips",
+                    bytes(state / mesh as u64)
+                );
+                if let Some(t) = generation.as_deref().and_then(|g| topology_with_devices(g, mesh)) {
+                    let _ = write!(text, ", e.g. --topology {t}");
+                }
+            }
+            out.push(text);
+            row_devices = mesh;
+            state_per_device = state / row_devices as u64;
+        }
+        // Temporaries grow about linearly with the rows a device holds; the state does not.
+        let temps = m.peak_bytes.saturating_sub(m.argument_bytes);
+        let per_row = temps / micro.div_ceil(partitions) as u64;
+        let temps_at = |rows: usize| per_row * rows.div_ceil(row_devices) as u64;
+        let room = head_room.saturating_sub(state_per_device);
+        if temps_at(micro) > room {
+            let mut suggestion = micro;
+            while suggestion > 1 && temps_at(suggestion) > room {
+                suggestion /= 2;
+            }
+            if temps_at(suggestion) <= room && suggestion < micro {
+                out.push(format!(
+                    "{} needs {} of temporaries at `actor.ppo_micro_batch_size: {micro}` (about {} per row): set \
+                     `actor.ppo_micro_batch_size: {suggestion}` to leave them {} beside the learner's state",
+                    row.label,
+                    bytes(temps),
+                    bytes(per_row),
+                    bytes(room)
+                ));
+            } else {
+                out.push(format!(
+                    "{} needs {} of temporaries at `actor.ppo_micro_batch_size: {micro}` (about {} per row), more \
+                     than the {} left even with one row per device: shorten `data.max_prompt_length` / \
+                     `data.max_response_length`, or use more chips with `actor.strategy: fsdp`",
+                    row.label,
+                    bytes(temps),
+                    bytes(per_row),
+                    bytes(room)
+                ));
+            }
+        }
+        if partitions == 1 && devices > 1 && out.iter().all(|a| !a.contains("actor.strategy")) {
+            out.push(format!(
+                "the learner's programs run on 1 of the {devices} devices: `actor.strategy: fsdp` with \
+                 `actor.mesh: {devices}` would spread parameters and optimizer state over all of them"
+            ));
+        }
+    }
+    if let Some((row, m)) = worst(Role::Rollout) {
+        // Per device: a rollout split over N devices holds 1/N of the slots on each.
+        let (devices, slots) = (plan.rollout.cache.devices, plan.rollout.cache.local_slots());
+        let cache = plan.rollout.cache.bytes_per_device() as u64;
+        let per_slot = cache / slots.max(1) as u64;
+        let other = m.peak_bytes.saturating_sub(cache);
+        let fitting_slots = if other < head_room && per_slot > 0 {
+            ((head_room - other) / per_slot) as usize
+        } else {
+            0
+        };
+        let on_each = if devices > 1 {
+            format!(" on each of {devices} devices")
+        } else {
+            String::new()
+        };
+        let mut text = format!(
+            "{} peaks at {} per device (weights {}, KV cache {} for {slots} slots{on_each}), more than the {} a device has: ",
+            row.label,
+            bytes(m.peak_bytes),
+            bytes(m.param_bytes),
+            bytes(cache),
+            bytes(budget)
+        );
+        if fitting_slots >= 1 && fitting_slots < slots {
+            let _ = write!(
+                text,
+                "set `rollout.max_num_seqs: {}` (now {})",
+                (1usize << fitting_slots.ilog2()) * devices,
+                recipe.rollout.max_num_seqs
+            );
+        } else {
+            text.push_str("the weights leave no room for the KV cache: use a chip with more memory");
+        }
+        if recipe.rollout.dtype == DTypeName::F32 {
+            text.push_str(", or `rollout.dtype: bf16` (halves the weights and the KV cache)");
+        }
+        text.push_str(", or shorter `data.max_prompt_length` / `data.max_response_length`");
+        out.push(text);
+    }
+    out
+}
+
+/// The first device over a whole run when the learner and the rollout engine share it
+/// (`cluster.rollout_workers: 0`): the buffers that stay (the learner's state, the KV cache,
+/// the rollout's own weights when it cannot use the learner's) plus the largest temporaries of
+/// any one program.
+#[derive(Clone, Debug)]
+pub(super) struct DeviceTotal {
+    pub(super) learner_state: u64,
+    pub(super) kv_cache: u64,
+    pub(super) rollout_weights: u64,
+    pub(super) largest: String,
+    pub(super) largest_temporaries: u64,
+    pub(super) total: u64,
+    pub(super) memory: u64,
+}
+
+impl DeviceTotal {
+    pub(super) fn fits(&self) -> bool {
+        self.total <= self.memory
+    }
+
+    pub(super) fn describe(&self) -> String {
+        format!(
+            "device 0 over the run (learner and rollout share it): learner state {} + KV cache {}{} + the largest \
+             temporaries ({}, {}) = {} of {}: {}",
+            bytes(self.learner_state),
+            bytes(self.kv_cache),
+            if self.rollout_weights > 0 {
+                format!(" + rollout weights {}", bytes(self.rollout_weights))
+            } else {
+                String::new()
+            },
+            self.largest,
+            bytes(self.largest_temporaries),
+            bytes(self.total),
+            bytes(self.memory),
+            if self.fits() { "fits" } else { "does NOT fit" }
+        )
+    }
+}
+
+pub(super) fn device_total(
+    recipe: &Recipe,
+    plan: &Plan,
+    num_parameters: u64,
+    measured: &[(PlannedRow, Measured)],
+    memory: Option<u64>,
+) -> Option<DeviceTotal> {
+    let memory = memory?;
+    if recipe.cluster.rollout_workers > 0 || measured.iter().any(|(_, m)| m.shortfall.is_some()) {
+        return None;
+    }
+    let accumulating = plan.rows.iter().any(|r| r.label == "accumulate");
+    // The f32 masters one device holds (a shard under FSDP): from a compiled learner program,
+    // else from the learner's layout.
+    let masters = measured
+        .iter()
+        .filter(|(r, _)| r.role == Role::Learner)
+        .map(|(_, m)| m.param_bytes)
+        .max()
+        .unwrap_or(plan.master_bytes_per_device);
+    let sharded = masters < num_parameters * 4;
+    let bf16 = recipe.actor.param_dtype == DTypeName::Bf16;
+    let learner_state = masters * (3 + u64::from(accumulating)) + if bf16 { masters / 2 } else { 0 };
+    let rollout_bytes = if recipe.rollout.dtype == DTypeName::Bf16 {
+        2
+    } else {
+        4
+    };
+    let shared =
+        recipe.rollout.dtype == recipe.actor.param_dtype && recipe.trainer.off_policy_steps == 0 && !sharded;
+    let rollout_weights = if shared { 0 } else { num_parameters * rollout_bytes };
+    let (largest, largest_temporaries) = measured
+        .iter()
+        .map(|(r, m)| (r.label.clone(), m.peak_bytes.saturating_sub(m.argument_bytes)))
+        .max_by_key(|(_, t)| *t)?;
+    let kv_cache = plan.rollout.cache.bytes_per_device() as u64;
+    Some(DeviceTotal {
+        learner_state,
+        kv_cache,
+        rollout_weights,
+        largest,
+        largest_temporaries,
+        total: learner_state + kv_cache + rollout_weights + largest_temporaries,
+        memory,
+    })
+}
+
+/// Advice when the programs fit one by one but not together on the shared device.
+pub(super) fn device_total_advice(recipe: &Recipe, total: &DeviceTotal) -> String {
+    let resident = total.total - total.largest_temporaries;
+    let room = (total.memory as f64 * 0.95) as u64;
+    let micro = recipe.actor.ppo_micro_batch_size.max(1);
+    let mut text = format!("{}: ", total.describe());
+    let learner_temps = !total.largest.starts_with("rollout_");
+    if learner_temps && resident < room {
+        let per_row = total.largest_temporaries / micro as u64;
+        let mut m = micro;
+        while m > 1 && per_row * m as u64 > room - resident {
+            m /= 2;
+        }
+        if m < micro && per_row * m as u64 <= room - resident {
+            let _ = write!(text, "set `actor.ppo_micro_batch_size: {m}` (now {micro}), or ");
+        }
+    }
+    let _ = write!(
+        text,
+        "lower `rollout.max_num_seqs` (the KV cache, now {} slots), or set `actor.strategy: fsdp`, or run the \
+         rollout in worker processes on other devices (`cluster.rollout_workers`)",
+        recipe.rollout.max_num_seqs
+    );
+    text
+}

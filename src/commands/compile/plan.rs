@@ -1,0 +1,345 @@
+//! The plan: every program a recipe's run uses, traced (not compiled), with its runs per step
+//! and purpose; the rollout's from `rollout::plan::ProgramPlan`, the learner's from
+//! `trainer::update::BatchPlan`, as the run itself builds them.
+
+#[allow(unused_imports)]
+use super::*;
+
+/// One row of the report: a program (several rows may share one compiled program, as the
+/// policy's and the reference's log-probs do) and how often a training step runs it.
+#[derive(Clone, Debug)]
+pub(super) struct PlannedRow {
+    pub(super) role: Role,
+    pub(super) label: String,
+    /// Index into the list of distinct programs.
+    pub(super) program: usize,
+    /// Runs per training step (0 for programs only validation or shorter prompts use).
+    pub(super) runs_per_step: f64,
+    /// What it is for, in words.
+    pub(super) purpose: String,
+}
+
+/// Every program of the run, deduplicated by fingerprint, and the rows that use them.
+pub(super) struct Plan {
+    pub(super) programs: Vec<Arc<Program>>,
+    pub(super) rows: Vec<PlannedRow>,
+    /// Names of the model's parameters (to count parameter bytes among the arguments).
+    pub(super) param_names: HashSet<String>,
+    /// The rollout's programs and its KV-cache shape (for advice).
+    pub(super) rollout: ProgramPlan,
+    /// Bytes of f32 master weights one learner device holds (its shards under `fsdp`), from
+    /// the learner's layout: what the learner state is counted from when no compiled learner
+    /// program says (`--only` without one).
+    pub(super) master_bytes_per_device: u64,
+}
+
+impl Plan {
+    /// Every program a run of `recipe` compiles (rollout, then learner), traced, not compiled.
+    pub(super) fn for_recipe(recipe: &Recipe, config: &ModelConfig) -> Result<Plan, CompileError> {
+        let settings = engine_config(recipe, &[]);
+        let mut plan = Plan {
+            programs: Vec::new(),
+            rows: Vec::new(),
+            param_names: model::param_table(config).into_iter().map(|s| s.name).collect(),
+            rollout: ProgramPlan::new(config, &settings, recipe.rollout_devices(), rollout_dtype(recipe)),
+            master_bytes_per_device: master_bytes_per_device(recipe, config)?,
+        };
+        plan_rollout(&mut plan, recipe, config)?;
+        plan_learner(&mut plan, recipe, config)?;
+        Ok(plan)
+    }
+
+    pub(super) fn add(
+        &mut self,
+        role: Role,
+        label: String,
+        program: Program,
+        runs_per_step: f64,
+        purpose: String,
+    ) {
+        let index = match self
+            .programs
+            .iter()
+            .position(|p| p.fingerprint() == program.fingerprint())
+        {
+            Some(i) => i,
+            None => {
+                self.programs.push(Arc::new(program));
+                self.programs.len() - 1
+            }
+        };
+        // The same program for two purposes (e.g. training and validation prefill): one row,
+        // runs added up.
+        if let Some(row) = self
+            .rows
+            .iter_mut()
+            .find(|r| r.program == index && r.label == label)
+        {
+            row.runs_per_step += runs_per_step;
+            row.purpose = format!("{}; {}", row.purpose, purpose);
+            return;
+        }
+        self.rows.push(PlannedRow {
+            role,
+            label,
+            program: index,
+            runs_per_step,
+            purpose,
+        });
+    }
+}
+
+/// The rollout's programs: for the training groups (`rollout.n`) and, when the recipe has
+/// validation files, for the validation groups (`rollout.val_kwargs.n`).
+pub(super) fn plan_rollout(
+    plan: &mut Plan,
+    recipe: &Recipe,
+    config: &ModelConfig,
+) -> Result<(), CompileError> {
+    let settings = engine_config(recipe, &[]);
+    let weights = rollout_dtype(recipe);
+    let programs = plan.rollout.clone();
+    let cache = &programs.cache;
+    let slots = cache.slots;
+    let r = &recipe.rollout;
+    let err = |e: rollout::RolloutError| CompileError::Build {
+        role: "rollout",
+        message: e.to_string(),
+    };
+    let mut sets = vec![(
+        "train",
+        r.n,
+        recipe.data.train_batch_size,
+        sampling_params(recipe, false).needs_truncation(),
+    )];
+    if !recipe.data.val_files.0.is_empty() {
+        let v = &r.val_kwargs;
+        sets.push((
+            "validation",
+            v.n,
+            0,
+            sampling_params(recipe, true).needs_truncation(),
+        ));
+    }
+    let prompt = recipe.data.max_prompt_length;
+    for &(what, n, groups, truncating) in &sets {
+        // The longest prompt picks the longest bucket used, every shorter bucket may be used by
+        // shorter prompts; a step's runs are counted for the worst case (every prompt longest).
+        let longest = programs.prefill(prompt, n, 1);
+        let batch = programs.prefill_batch(longest.width);
+        for &bucket in programs.buckets().iter().filter(|&&b| b <= longest.bucket) {
+            let top = bucket == longest.bucket;
+            let mut variants = vec![(1, if batch > 1 { groups % batch } else { groups })];
+            if batch > 1 {
+                variants.push((batch, groups / batch));
+            }
+            for (batch, runs) in variants {
+                let key = PrefillKey {
+                    bucket,
+                    batch,
+                    ..longest
+                };
+                let program = PrefillFanout::build(config, weights, cache, key.bucket, key.width, key.batch)
+                    .map_err(err)?;
+                let label = program.name().to_string();
+                plan.add(
+                    Role::Rollout,
+                    label,
+                    program,
+                    if top { runs as f64 } else { 0.0 },
+                    format!(
+                        "{what} prefill: {batch} prompt(s) of <= {bucket} tokens, fan-out to {} slots",
+                        key.width
+                    ),
+                );
+            }
+        }
+        // Decode: every chunk count a sequence passes through; a step's runs are counted for
+        // the worst case (longest prompts, every response at max_response_length).
+        let waves = (groups * n).div_ceil(slots) as f64;
+        let mut runs: BTreeMap<usize, f64> = BTreeMap::new();
+        for j in 0..recipe.data.max_response_length {
+            *runs
+                .entry(programs.decode_chunks(prompt.saturating_sub(1) + j))
+                .or_default() += waves;
+        }
+        for chunks in programs.decode_chunk_counts(0) {
+            let key = DecodeKey {
+                truncate: truncating,
+                chunks,
+            };
+            let program =
+                DecodeSample::build_step(config, weights, cache, key, settings.sampler).map_err(err)?;
+            let label = program.name().to_string();
+            let attended = (chunks * cache.chunk).min(cache.max_len);
+            plan.add(
+                Role::Rollout,
+                label,
+                program,
+                runs.get(&chunks).copied().unwrap_or(0.0),
+                format!("{what} decode: {slots} slots reading <= {attended} cached positions"),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The learner's programs and their runs per step (see `actors::roles::learner`).
+pub(super) fn plan_learner(
+    plan: &mut Plan,
+    recipe: &Recipe,
+    config: &ModelConfig,
+) -> Result<(), CompileError> {
+    let policy = policy(recipe, config);
+    let batches = batch_plan(recipe);
+    let total_steps = recipe.trainer.total_training_steps.unwrap_or(1).max(1) as u64;
+    let update = update_config(recipe, batches.total_optimizer_steps(total_steps));
+    let specs = policy.param_specs();
+    let p = policy.clone();
+    let programs = build_train_programs(
+        &update.step,
+        &specs,
+        &policy.input_specs(),
+        move |params, batch| p.log_probs(params, batch),
+    )
+    .map_err(|e| CompileError::Build {
+        role: "learner",
+        message: e.to_string(),
+    })?;
+    let micro = batches.micro_batch_size.max(1);
+    let epochs = batches.epochs.max(1) as f64;
+    let mini_batches = batches.mini_batches_per_step() as f64;
+    let micro_per_mini = batches.micro_batches_per_mini_batch();
+    let accumulating = micro_per_mini > 1;
+    let micro_batches = batches.micro_batches_per_step() as f64;
+    let purpose_mb = format!(
+        "{micro} responses of {} tokens after {} prompts of {}",
+        policy.response_len,
+        policy.prompt_slots(),
+        policy.prompt_len
+    );
+    plan.add(
+        Role::Learner,
+        "train_step".into(),
+        programs.train_step,
+        if accumulating { 0.0 } else { mini_batches * epochs },
+        format!(
+            "forward, backward and AdamW on one micro-batch ({purpose_mb}) when it is the whole mini-batch"
+        ),
+    );
+    if accumulating {
+        plan.add(
+            Role::Learner,
+            "accumulate".into(),
+            programs.accumulate,
+            mini_batches * micro_per_mini as f64 * epochs,
+            format!("forward and backward of one micro-batch ({purpose_mb}) into the gradient sums"),
+        );
+        plan.add(
+            Role::Learner,
+            "apply".into(),
+            programs.apply,
+            mini_batches * epochs,
+            "clip and AdamW from the gradient sums, once per mini-batch".into(),
+        );
+    }
+    let reference = update.needs_reference();
+    if !update.use_rollout_log_probs {
+        plan.add(
+            Role::Learner,
+            "log_probs".into(),
+            programs.log_probs.clone(),
+            micro_batches,
+            format!("the policy's old log-probs ({purpose_mb})"),
+        );
+    }
+    if reference {
+        plan.add(
+            Role::Learner,
+            "log_probs (reference)".into(),
+            programs.log_probs,
+            micro_batches,
+            format!("the reference model's log-probs for the KL term ({purpose_mb})"),
+        );
+    }
+    Ok(())
+}
+
+/// Bytes of f32 master weights one learner device holds: each parameter whole, or its share
+/// where the learner's mesh splits it (`fsdp`).
+pub(super) fn master_bytes_per_device(recipe: &Recipe, config: &ModelConfig) -> Result<u64, CompileError> {
+    let a = &recipe.actor;
+    let mesh =
+        trainer::sharding::LearnerMesh::new(&a.parallelism(&recipe.cluster), a.ppo_micro_batch_size as i64)
+            .map_err(|e| CompileError::Build {
+            role: "learner",
+            message: e.to_string(),
+        })?;
+    Ok(model::param_table(config)
+        .iter()
+        .map(|spec| {
+            let dims: Vec<i64> = spec.shape.iter().map(|&d| d as i64).collect();
+            let shards = if mesh.param_sharding(&dims).is_some() {
+                mesh.devices()
+            } else {
+                1
+            };
+            4 * spec.numel() as u64 / shards as u64
+        })
+        .sum())
+}
+
+/// The model's architecture, from `--model-config`, `model.path`, or the configs folder beside
+/// the recipe.
+pub(super) fn model_config(
+    recipe: &Recipe,
+    recipe_path: &Path,
+    explicit: Option<&Path>,
+) -> Result<(ModelConfig, String), CompileError> {
+    let read = |path: &Path| -> Result<ModelConfig, CompileError> {
+        let failed = |message: String| CompileError::ModelConfig {
+            path: path.display().to_string(),
+            message,
+        };
+        if path.is_dir() {
+            return ModelConfig::from_hf_file(&path.join("config.json")).map_err(|e| failed(e.to_string()));
+        }
+        if path.extension().is_some_and(|e| e == "gguf") {
+            let gguf = GgufFile::open(path).map_err(|e| failed(e.to_string()))?;
+            return ModelConfig::from_gguf(&gguf).map_err(|e| failed(e.to_string()));
+        }
+        ModelConfig::from_hf_file(path).map_err(|e| failed(e.to_string()))
+    };
+    if let Some(path) = explicit {
+        return Ok((read(path)?, path.display().to_string()));
+    }
+    let model_path = Path::new(&recipe.model.path);
+    let mut tried = Vec::new();
+    let in_dir = model_path.join("config.json");
+    if in_dir.is_file() {
+        return Ok((read(&in_dir)?, in_dir.display().to_string()));
+    }
+    tried.push(in_dir.display().to_string());
+    if model_path.is_file() {
+        return Ok((read(model_path)?, model_path.display().to_string()));
+    }
+    let name = model_path
+        .file_name()
+        .map(|n| n.to_string_lossy().trim_end_matches(".gguf").to_string())
+        .unwrap_or_default();
+    let beside = recipe_path
+        .parent()
+        .unwrap_or(Path::new("."))
+        .join("configs")
+        .join(&name)
+        .join("config.json");
+    if beside.is_file() {
+        return Ok((read(&beside)?, beside.display().to_string()));
+    }
+    tried.push(beside.display().to_string());
+    Err(CompileError::NoModelConfig {
+        model_path: recipe.model.path.clone(),
+        tried: tried.join(", "),
+        suggested: beside.display().to_string(),
+    })
+}

@@ -1,0 +1,116 @@
+//! The printed table: one row per program with its memory, fit, cost and roofline time, and
+//! the step-time estimate.
+
+#[allow(unused_imports)]
+use super::*;
+
+/// `1.23 GiB`, `456.0 MiB`, `12.0 KiB`.
+pub(super) fn bytes(n: u64) -> String {
+    let n = n as f64;
+    const K: f64 = 1024.0;
+    if n >= K * K * K {
+        format!("{:.2} GiB", n / (K * K * K))
+    } else if n >= K * K {
+        format!("{:.1} MiB", n / (K * K))
+    } else if n >= K {
+        format!("{:.1} KiB", n / K)
+    } else {
+        format!("{n} B")
+    }
+}
+
+pub(super) fn seconds_text(s: f64) -> String {
+    if s >= 1.0 {
+        format!("{s:.2} s")
+    } else if s >= 1e-3 {
+        format!("{:.2} ms", s * 1e3)
+    } else {
+        format!("{:.1} us", s * 1e6)
+    }
+}
+
+/// Seconds of one training step by role, when every program has an estimate.
+pub(super) fn step_estimate(measured: &[(PlannedRow, Measured)]) -> Option<(f64, f64)> {
+    let mut rollout = 0.0;
+    let mut learner = 0.0;
+    for (row, m) in measured {
+        if row.runs_per_step == 0.0 {
+            continue;
+        }
+        let t = m.seconds? * row.runs_per_step;
+        match row.role {
+            Role::Rollout => rollout += t,
+            Role::Learner => learner += t,
+        }
+    }
+    Some((rollout, learner))
+}
+
+pub(super) fn table(target: &Target, measured: &[(PlannedRow, Measured)]) -> String {
+    let memory = target
+        .memory_per_device()
+        .map(bytes)
+        .unwrap_or_else(|| "?".into());
+    let header = [
+        "program",
+        "role",
+        "sharding",
+        "runs/step",
+        "params",
+        "arguments",
+        "temporaries",
+        "peak",
+        "memory/device",
+        "fits",
+        "GFLOP",
+        "est. time",
+    ];
+    let mut rows: Vec<Vec<String>> = vec![header.iter().map(|s| s.to_string()).collect()];
+    for (row, m) in measured {
+        rows.push(vec![
+            row.label.clone(),
+            row.role.name().to_string(),
+            m.sharding.clone(),
+            format!("{}", row.runs_per_step),
+            bytes(m.param_bytes),
+            bytes(m.argument_bytes),
+            m.temp_bytes.map(bytes).unwrap_or_else(|| "-".into()),
+            bytes(m.peak_bytes),
+            memory.clone(),
+            if m.fits { "yes" } else { "NO" }.to_string(),
+            m.flops
+                .map(|f| format!("{:.1}", f / 1e9))
+                .unwrap_or_else(|| "-".into()),
+            m.seconds.map(seconds_text).unwrap_or_else(|| "-".into()),
+        ]);
+    }
+    let widths: Vec<usize> = (0..header.len())
+        .map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0))
+        .collect();
+    let mut out = String::new();
+    for (i, r) in rows.iter().enumerate() {
+        let cells: Vec<String> = r
+            .iter()
+            .enumerate()
+            .map(|(c, cell)| {
+                if c == 0 || c == 1 || c == 2 {
+                    format!("{cell:<w$}", w = widths[c])
+                } else {
+                    format!("{cell:>w$}", w = widths[c])
+                }
+            })
+            .collect();
+        out.push_str(cells.join("  ").trim_end());
+        out.push('\n');
+        if i == 0 {
+            out.push_str(&"-".repeat(widths.iter().sum::<usize>() + 2 * (widths.len() - 1)));
+            out.push('\n');
+        }
+    }
+    out
+}
+
+pub(super) fn selected(row: &PlannedRow, only: &[String], step_only: bool) -> bool {
+    (!step_only || row.runs_per_step > 0.0)
+        && (only.is_empty() || only.iter().any(|o| row.label.contains(o.as_str())))
+}

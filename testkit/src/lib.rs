@@ -1,0 +1,109 @@
+//! What the integration tests of `model`, `trainer`, `rollout`, `actors` and `grpo` share: one
+//! CPU PJRT client per device count for a test binary, tiny random-weight Llama configs, and
+//! the real assets `scripts/setup.sh` and `scripts/test.sh` fetch (a missing asset fails the
+//! test, saying how to fetch it). `xla`'s own tests keep theirs: this crate depends on `xla`.
+
+use model::ModelConfig;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Mutex;
+use xla::runtime::Client;
+
+/// The CPU client with `devices` devices, shared by the tests of one binary (the CPU plugin
+/// from the checkout's `.venv`; run `scripts/setup.sh` first).
+pub fn cpu_client(devices: usize) -> &'static Client {
+    static CLIENTS: Mutex<BTreeMap<usize, &'static Client>> = Mutex::new(BTreeMap::new());
+    let mut clients = CLIENTS.lock().unwrap_or_else(|e| e.into_inner());
+    clients.entry(devices).or_insert_with(|| {
+        let client = Client::cpu(devices).unwrap_or_else(|e| {
+            panic!("cannot create a CPU PJRT client with {devices} device(s) (run scripts/setup.sh): {e}")
+        });
+        Box::leak(Box::new(client))
+    })
+}
+
+/// The one-device CPU client.
+pub fn client() -> &'static Client {
+    cpu_client(1)
+}
+
+/// A tiny Llama (tied embeddings, BOS 1, EOS 0) whose sizes a test picks; the defaults are the
+/// smallest shape the trainer's tests use.
+#[derive(Clone, Copy, Debug)]
+pub struct TinyLlama {
+    pub vocab: usize,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub max_positions: usize,
+    /// The spread of [`model::random_init`]'s weights.
+    pub initializer_range: f64,
+}
+
+impl Default for TinyLlama {
+    fn default() -> TinyLlama {
+        TinyLlama {
+            vocab: 32,
+            hidden: 16,
+            intermediate: 32,
+            layers: 1,
+            heads: 2,
+            kv_heads: 1,
+            max_positions: 16,
+            initializer_range: 0.5,
+        }
+    }
+}
+
+impl TinyLlama {
+    /// The model config, as `config.json` would give it.
+    pub fn config(&self) -> ModelConfig {
+        ModelConfig::from_hf_json(
+            &serde_json::json!({
+                "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                "vocab_size": self.vocab, "hidden_size": self.hidden,
+                "intermediate_size": self.intermediate, "num_hidden_layers": self.layers,
+                "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads,
+                "max_position_embeddings": self.max_positions, "rms_norm_eps": 1e-5,
+                "rope_theta": 10000.0, "tie_word_embeddings": true,
+                "initializer_range": self.initializer_range, "bos_token_id": 1, "eos_token_id": 0
+            }),
+            "tiny test config",
+        )
+        .expect("a valid tiny Llama config")
+    }
+}
+
+/// The repository's root.
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// A real test asset (the SmolLM2 GGUF, the Qwen3 and Llama 3 tokenizers) in
+/// `$GRPO_TEST_ASSETS` or the repository's `models/`. Fails the test, saying how to fetch it,
+/// when it is missing.
+pub fn asset(file: &str) -> PathBuf {
+    let dir = std::env::var_os("GRPO_TEST_ASSETS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_root().join("models"));
+    let path = dir.join(file);
+    assert!(
+        path.exists(),
+        "test asset {} is missing: run scripts/test.sh (or scripts/setup.sh for the SmolLM2 GGUF, \
+         model/scripts/fetch_assets.sh {} for the tokenizers), or set GRPO_TEST_ASSETS to a \
+         directory that holds SmolLM2-135M-Instruct.Q4_1.gguf, qwen3/ and llama3/",
+        path.display(),
+        dir.display()
+    );
+    path
+}
+
+/// The SmolLM2-135M-Instruct GGUF that `scripts/setup.sh` fetches.
+pub fn smollm2_gguf() -> PathBuf {
+    asset(SMOLLM2_GGUF)
+}
+
+/// The SmolLM2 GGUF's file name.
+pub const SMOLLM2_GGUF: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";

@@ -1,0 +1,544 @@
+//! One GRPO update, from a step's scored samples to the parameters moving.
+//!
+//! VeRL's order within `fit()` (`verl/trainer/ppo/ray_trainer.py`): drop groups whose rewards
+//! all agree when dynamic sampling is on, recompute the old log-probs with the current policy
+//! (unless the rollout's are trusted), the reference log-probs when a KL term needs them, the KL
+//! penalty in the reward (optional), the advantages per prompt group, then `ppo_epochs` passes
+//! over mini-batches of `ppo_mini_batch_size * rollout.n` samples, one optimizer step each,
+//! accumulating `ppo_micro_batch_size` rows at a time on the device.
+//!
+//! [`BatchPlan`] is the mini-batch arithmetic (how many optimizer steps a training step takes,
+//! how many micro-batches a mini-batch holds), computed here once for the run loop, the update
+//! and `grpo compile`. [`GrpoUpdate`] owns the device learner and runs the update.
+
+use crate::advantage::{
+    apply_kl_in_reward, broadcast_over_response, compute_advantages, filter_groups, mask_truncated,
+    outcome_token_scores, sequence_scores,
+};
+use crate::bucket::{BucketedLearner, PackedMicroBatch};
+use crate::config::{AdvantageEstimator, KlPenalty};
+use crate::optim::learning_rate;
+use crate::policy::{DecoderPolicy, PackError};
+use crate::step::{mini_batch_normalizer, LearnerState, MicroBatchHost, StepConfig};
+use crate::TrainerError;
+use std::collections::BTreeMap;
+use std::time::Instant;
+use xla::runtime::Client;
+
+/// One scored sample, as the update needs it.
+#[derive(Clone, Debug)]
+pub struct Row {
+    /// The prompt's group (its request id): advantages are normalised within a group.
+    pub group: u64,
+    pub prompt: Vec<u32>,
+    pub response: Vec<u32>,
+    /// The rollout's log-prob of each response token.
+    pub rollout_log_probs: Vec<f32>,
+    /// The outcome reward.
+    pub score: f64,
+    /// Stopped by the length limit rather than a stop token.
+    pub truncated: bool,
+}
+
+/// What one update did: metrics by name (VeRL's names) and the tokens it trained on.
+#[derive(Clone, Debug, Default)]
+pub struct UpdateReport {
+    pub metrics: BTreeMap<String, f64>,
+    /// Response tokens in the loss, times passes over them (`ppo_epochs`).
+    pub trained_tokens: usize,
+    /// Prompt + response columns through forward and backward: rows times the width of their
+    /// micro-batch's length bucket (`actor.length_bucket`), padding included.
+    pub processed_tokens: usize,
+    /// Optimizer steps taken.
+    pub optimizer_steps: u64,
+}
+
+/// Why an update failed.
+#[derive(Debug, thiserror::Error)]
+pub enum UpdateError {
+    #[error(transparent)]
+    Trainer(#[from] TrainerError),
+    #[error(transparent)]
+    Pack(#[from] PackError),
+    #[error("{0}")]
+    Batch(String),
+}
+
+type Result<T> = std::result::Result<T, UpdateError>;
+
+/// The mini-batch arithmetic of a run (`data.train_batch_size`, `rollout.n`,
+/// `actor.ppo_mini_batch_size`, `actor.ppo_micro_batch_size`, `actor.ppo_epochs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchPlan {
+    /// Prompts per training step.
+    pub prompts_per_step: usize,
+    /// Samples per prompt (the group size).
+    pub group_size: usize,
+    /// Prompts per optimizer step.
+    pub mini_batch_prompts: usize,
+    /// Samples per forward/backward pass.
+    pub micro_batch_size: usize,
+    /// Passes over each step's samples.
+    pub epochs: usize,
+}
+
+impl BatchPlan {
+    /// Samples a training step trains on (before any group filtering).
+    pub fn samples_per_step(&self) -> usize {
+        self.prompts_per_step * self.group_size
+    }
+
+    /// Samples per optimizer step.
+    pub fn mini_batch_samples(&self) -> usize {
+        (self.mini_batch_prompts * self.group_size).max(1)
+    }
+
+    /// Optimizer steps of one pass over a step's samples.
+    pub fn mini_batches_per_step(&self) -> u64 {
+        self.prompts_per_step.div_ceil(self.mini_batch_prompts.max(1)) as u64
+    }
+
+    /// Optimizer steps of one training step: every pass, every mini-batch.
+    pub fn optimizer_steps_per_step(&self) -> u64 {
+        self.mini_batches_per_step() * self.epochs.max(1) as u64
+    }
+
+    /// The learning-rate schedule's length for a run of `steps` training steps.
+    pub fn total_optimizer_steps(&self, steps: u64) -> u64 {
+        steps * self.optimizer_steps_per_step()
+    }
+
+    /// Micro-batches one mini-batch accumulates (1: the fused `train_step` alone).
+    pub fn micro_batches_per_mini_batch(&self) -> usize {
+        self.mini_batch_samples()
+            .min(self.samples_per_step())
+            .div_ceil(self.micro_batch_size.max(1))
+    }
+
+    /// Micro-batches of one pass over a step's samples (each a `log_probs` run).
+    pub fn micro_batches_per_step(&self) -> usize {
+        self.samples_per_step().div_ceil(self.micro_batch_size.max(1))
+    }
+}
+
+/// What an update does beyond one optimizer step: VeRL's `algorithm.*` keys and the actor keys
+/// that shape the batch, with the step's own configuration.
+#[derive(Clone, Debug)]
+pub struct UpdateConfig {
+    /// The loss, the optimizer and the program shapes of one optimizer step.
+    pub step: StepConfig,
+    pub batches: BatchPlan,
+    /// `algorithm.adv_estimator`.
+    pub adv_estimator: AdvantageEstimator,
+    /// `algorithm.norm_adv_by_std_in_grpo` (false: Dr. GRPO).
+    pub norm_adv_by_std_in_grpo: bool,
+    /// `algorithm.use_kl_in_reward`: subtract `kl_coef` x KL(policy || reference) (k1) from the
+    /// token rewards.
+    pub use_kl_in_reward: bool,
+    /// `algorithm.kl_coef`.
+    pub kl_coef: f64,
+    /// `algorithm.filter_groups`: drop groups whose rewards all agree (DAPO's dynamic
+    /// sampling).
+    pub filter_groups: bool,
+    /// `algorithm.mask_truncated_responses`: leave truncated responses out of the loss.
+    pub mask_truncated_responses: bool,
+    /// `actor.use_rollout_log_probs`: the rollout's log-probs are the old log-probs.
+    pub use_rollout_log_probs: bool,
+    /// `actor.length_bucket` (see [`crate::bucket`]).
+    pub length_bucket: usize,
+    /// `actor.max_consecutive_nonfinite`.
+    pub max_consecutive_nonfinite: u32,
+}
+
+impl UpdateConfig {
+    /// Whether the update needs the reference model's log-probs (a KL loss or a KL reward).
+    pub fn needs_reference(&self) -> bool {
+        self.step.loss.use_kl_loss || self.use_kl_in_reward
+    }
+}
+
+/// The learner of a run: the device programs and buffers of a [`DecoderPolicy`], and the
+/// update algorithm around them.
+pub struct GrpoUpdate {
+    learner: BucketedLearner,
+    config: UpdateConfig,
+    /// Optimizer steps so far (the learning-rate schedule's clock).
+    optimizer_steps: u64,
+    /// Entries of the learner's compile log already logged.
+    compiles_logged: usize,
+}
+
+impl GrpoUpdate {
+    /// Builds the programs and uploads the state a run starts from: `initial` (the model's
+    /// weights in the policy's parameter-table order) with zero optimizer state when `resume`
+    /// is `None`, else the checkpoint's state. `initial` is kept as the frozen reference when
+    /// [`UpdateConfig::needs_reference`]. `optimizer_steps` is the schedule's clock at the
+    /// state.
+    pub fn start(
+        client: &Client,
+        policy: DecoderPolicy,
+        config: UpdateConfig,
+        initial: Vec<Vec<f32>>,
+        resume: Option<LearnerState>,
+        optimizer_steps: u64,
+    ) -> Result<GrpoUpdate> {
+        let needs_reference = config.needs_reference();
+        let (state, reference) = match resume {
+            Some(state) => (state, needs_reference.then_some(initial)),
+            None => {
+                // Without a reference the initial weights move into the state, not copied.
+                let (params, reference) = if needs_reference {
+                    (initial.clone(), Some(initial))
+                } else {
+                    (initial, None)
+                };
+                (LearnerState::fresh(params), reference)
+            }
+        };
+        let mut learner = BucketedLearner::from_state(
+            client,
+            policy,
+            config.step.clone(),
+            &state,
+            config.length_bucket,
+            config.max_consecutive_nonfinite,
+        )?;
+        if let Some(r) = &reference {
+            learner.learner_mut().set_reference(r)?;
+        }
+        Ok(GrpoUpdate {
+            learner,
+            config,
+            optimizer_steps,
+            compiles_logged: 0,
+        })
+    }
+
+    /// The device learner (parameters, optimizer state, programs).
+    pub fn learner(&self) -> &BucketedLearner {
+        &self.learner
+    }
+
+    /// The device learner, mutably (to share its parameter buffers).
+    pub fn learner_mut(&mut self) -> &mut BucketedLearner {
+        &mut self.learner
+    }
+
+    /// Optimizer steps so far.
+    pub fn optimizer_steps(&self) -> u64 {
+        self.optimizer_steps
+    }
+
+    /// One GRPO update from the scored samples of a step.
+    pub fn update(&mut self, rows: &[Row]) -> Result<UpdateReport> {
+        let mut report = UpdateReport::default();
+        if rows.is_empty() {
+            return Err(UpdateError::Batch("no samples to train on".into()));
+        }
+        let keep = self.kept_rows(rows)?;
+        report
+            .metrics
+            .insert("batch/kept_samples".into(), keep.len() as f64);
+        if keep.is_empty() {
+            report.metrics.insert("actor/update_skipped".into(), 1.0);
+            return Ok(report);
+        }
+        let rows: Vec<&Row> = keep.iter().map(|&i| &rows[i]).collect();
+        let mb = self.learner.policy().micro_batch_size;
+
+        // Pack every row once, at its micro-batch's length bucket; micro-batch k holds rows
+        // [k*mb, (k+1)*mb). Mini-batches are whole micro-batches (mb divides the mini-batch), so
+        // the optimizer steps reuse these packings.
+        let packed = rows
+            .chunks(mb)
+            .map(|chunk| self.learner.pack(&pairs(chunk)))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let batch = self.token_arrays(&rows, &packed, &mut report)?;
+        self.optimize(&rows, &packed, &batch, &mut report)?;
+        self.log_compiles();
+        Ok(report)
+    }
+
+    /// Indices of the rows the update trains on: all, or with `filter_groups` those of groups
+    /// whose rewards differ (the others' advantages are 0).
+    fn kept_rows(&self, rows: &[Row]) -> Result<Vec<usize>> {
+        if !self.config.filter_groups {
+            return Ok((0..rows.len()).collect());
+        }
+        let groups: Vec<u64> = rows.iter().map(|x| x.group).collect();
+        let scores: Vec<f64> = rows.iter().map(|x| x.score).collect();
+        Ok(filter_groups(&scores, &groups)?)
+    }
+
+    /// Log-probs of every packed micro-batch under the policy (or the reference), the real rows
+    /// of each in order, `[rows, L]`.
+    fn log_probs(&mut self, packed: &[PackedMicroBatch], rows: usize, reference: bool) -> Result<Vec<f32>> {
+        let (l, mb) = (
+            self.learner.policy().response_len,
+            self.learner.policy().micro_batch_size,
+        );
+        let mut all = Vec::with_capacity(rows * l);
+        for (k, p) in packed.iter().enumerate() {
+            let lp = self.learner.log_probs(p, reference)?;
+            let real = (rows - k * mb).min(mb);
+            all.extend_from_slice(&lp[..real * l]);
+        }
+        Ok(all)
+    }
+
+    /// The `[rows, L]` arrays of the loss: old, reference and rollout log-probs, advantages
+    /// per token and the loss mask, from rewards through the optional KL penalty.
+    fn token_arrays(
+        &mut self,
+        rows: &[&Row],
+        packed: &[PackedMicroBatch],
+        report: &mut UpdateReport,
+    ) -> Result<TokenArrays> {
+        let l = self.learner.policy().response_len;
+        let n_rows = rows.len();
+        let m = &mut report.metrics;
+        let mut response_mask = vec![0.0f32; n_rows * l];
+        let mut rollout_lp = vec![0.0f32; n_rows * l];
+        for (i, x) in rows.iter().enumerate() {
+            response_mask[i * l..i * l + x.response.len()].fill(1.0);
+            rollout_lp[i * l..i * l + x.rollout_log_probs.len()].copy_from_slice(&x.rollout_log_probs);
+        }
+        let t = Instant::now();
+        let old_lp = if self.config.use_rollout_log_probs {
+            rollout_lp.clone()
+        } else {
+            self.log_probs(packed, n_rows, false)?
+        };
+        m.insert("timing_s/old_log_prob".into(), t.elapsed().as_secs_f64());
+        // How far the trainer's and the rollout's probabilities are apart (same weights).
+        let (mut diff, mut cnt) = (0.0f64, 0.0f64);
+        for i in 0..n_rows * l {
+            if response_mask[i] != 0.0 {
+                diff += (old_lp[i] - rollout_lp[i]).abs() as f64;
+                cnt += 1.0;
+            }
+        }
+        m.insert("rollout/log_prob_diff_mean".into(), diff / cnt.max(1.0));
+        let ref_lp = if self.config.needs_reference() {
+            let t = Instant::now();
+            let lp = self.log_probs(packed, n_rows, true)?;
+            m.insert("timing_s/ref".into(), t.elapsed().as_secs_f64());
+            Some(lp)
+        } else {
+            None
+        };
+
+        // Rewards -> (KL in reward) -> advantages.
+        let scores: Vec<f64> = rows.iter().map(|x| x.score).collect();
+        let groups: Vec<u64> = rows.iter().map(|x| x.group).collect();
+        let mut token_scores = outcome_token_scores(&scores, &response_mask, l)?;
+        if self.config.use_kl_in_reward {
+            let (rewards, kl) = apply_kl_in_reward(
+                &token_scores,
+                &old_lp,
+                ref_lp.as_ref().expect("reference log-probs"),
+                &response_mask,
+                l,
+                KlPenalty::K1,
+                self.config.kl_coef,
+            )?;
+            token_scores = rewards;
+            m.insert("actor/reward_kl_penalty".into(), kl);
+        }
+        let seq = sequence_scores(&token_scores, l);
+        let adv = compute_advantages(
+            self.config.adv_estimator,
+            &seq,
+            &groups,
+            self.config.norm_adv_by_std_in_grpo,
+        )?;
+        let mut loss_mask = response_mask;
+        if self.config.mask_truncated_responses {
+            let truncated: Vec<bool> = rows.iter().map(|x| x.truncated).collect();
+            let masked = mask_truncated(&mut loss_mask, l, &truncated)?;
+            m.insert("batch/masked_truncated".into(), masked as f64);
+        }
+        let advantages = broadcast_over_response(&adv, &loss_mask, l)?;
+        let nonzero = adv.iter().filter(|a| a.abs() > 0.0).count();
+        m.insert(
+            "critic/advantages/nonzero_frac".into(),
+            nonzero as f64 / n_rows as f64,
+        );
+        Ok(TokenArrays {
+            old_lp,
+            ref_lp,
+            rollout_lp,
+            advantages,
+            loss_mask,
+        })
+    }
+
+    /// `ppo_epochs` passes over mini-batches of the rows, one optimizer step each; the step
+    /// metrics averaged over the steps go into `report` as `actor/*`.
+    fn optimize(
+        &mut self,
+        rows: &[&Row],
+        packed: &[PackedMicroBatch],
+        batch: &TokenArrays,
+        report: &mut UpdateReport,
+    ) -> Result<()> {
+        let l = self.learner.policy().response_len;
+        let mb = self.learner.policy().micro_batch_size;
+        let n_rows = rows.len();
+        let t = Instant::now();
+        let mini = self.config.batches.mini_batch_samples();
+        let mut sums: BTreeMap<&'static str, f64> = BTreeMap::new();
+        let mut steps = 0u64;
+        let slice = |v: &[f32], rows: std::ops::Range<usize>| {
+            let mut v = v[rows.start * l..rows.end * l].to_vec();
+            v.resize(mb * l, 0.0);
+            v
+        };
+        for _epoch in 0..self.config.batches.epochs.max(1) {
+            let mut start = 0;
+            while start < n_rows {
+                let end = (start + mini).min(n_rows);
+                let norm = mini_batch_normalizer(&batch.loss_mask[start * l..end * l], l);
+                let mut micro = Vec::new();
+                let mut s = start;
+                while s < end {
+                    let e = (s + mb).min(end);
+                    // The packing of these rows from above (micro-batches align with
+                    // mini-batches), else a fresh one.
+                    let fresh;
+                    let p = match packed.get(s / mb) {
+                        Some(p) if s % mb == 0 && p.rows == e - s => p,
+                        _ => {
+                            fresh = self.learner.pack(&pairs(&rows[s..e]))?;
+                            &fresh
+                        }
+                    };
+                    let host = MicroBatchHost {
+                        old_log_probs: slice(&batch.old_lp, s..e),
+                        advantages: slice(&batch.advantages, s..e),
+                        response_mask: slice(&batch.loss_mask, s..e),
+                        ref_log_probs: batch.ref_lp.as_ref().map(|v| slice(v, s..e)),
+                        rollout_log_probs: Some(slice(&batch.rollout_lp, s..e)),
+                        norm,
+                        inputs: Vec::new(),
+                    };
+                    micro.push(self.learner.upload(micro.len(), p, &host)?);
+                    report.processed_tokens += (e - s) * p.width();
+                    s = e;
+                }
+                let lr = learning_rate(&self.config.step.optim, self.optimizer_steps);
+                let metrics = self.learner.step(&micro, lr)?;
+                self.optimizer_steps += 1;
+                steps += 1;
+                for (name, v) in &metrics.values {
+                    *sums.entry(name).or_default() += v;
+                }
+                report.trained_tokens += norm.0 as usize;
+                start = end;
+            }
+        }
+        let m = &mut report.metrics;
+        m.insert("timing_s/update_actor".into(), t.elapsed().as_secs_f64());
+        for (name, sum) in sums {
+            let v = sum / steps.max(1) as f64;
+            let key = match name {
+                "update_applied" => "actor/update_applied_frac".to_string(),
+                other => format!("actor/{other}"),
+            };
+            m.insert(key, v);
+        }
+        let kl = if self.config.step.loss.use_kl_loss {
+            m.get("actor/kl_loss").copied()
+        } else {
+            m.get("actor/ppo_kl").copied()
+        };
+        if let Some(kl) = kl {
+            m.insert("actor/kl".into(), kl);
+        }
+        report.optimizer_steps = steps;
+        Ok(())
+    }
+
+    /// Logs the learner programs loaded since the last call (one per length bucket and
+    /// program, compiled or from the executable cache) and how many there are.
+    fn log_compiles(&mut self) {
+        let learner = self.learner.learner();
+        let log = learner.compile_log();
+        if log.len() == self.compiles_logged {
+            return;
+        }
+        let shapes = self.learner.shapes();
+        let buckets = self.learner.buckets();
+        for record in &log[self.compiles_logged..] {
+            let shape = record
+                .shape
+                .and_then(|s| self.learner.shape_columns(s))
+                .map_or("any".to_string(), |(p, l)| format!("{p}+{l}"));
+            tracing::info!(
+                "learner: loaded {} for length bucket {shape} in {:.1} s",
+                record.program,
+                record.seconds
+            );
+        }
+        tracing::info!(
+            "learner: {} programs loaded for {} length buckets (at most {} with actor.length_bucket = {}): {}",
+            log.len(),
+            shapes.len(),
+            buckets.max_shapes(),
+            buckets.multiple,
+            shapes
+                .iter()
+                .map(|(p, l)| format!("{p}+{l}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        self.compiles_logged = log.len();
+    }
+}
+
+/// The `[rows, L]` host arrays of an update's loss.
+struct TokenArrays {
+    old_lp: Vec<f32>,
+    ref_lp: Option<Vec<f32>>,
+    rollout_lp: Vec<f32>,
+    advantages: Vec<f32>,
+    loss_mask: Vec<f32>,
+}
+
+fn pairs<'a>(rows: &[&'a Row]) -> Vec<(&'a [u32], &'a [u32])> {
+    rows.iter()
+        .map(|x| (x.prompt.as_slice(), x.response.as_slice()))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(prompts: usize, n: usize, mini: usize, micro: usize, epochs: usize) -> BatchPlan {
+        BatchPlan {
+            prompts_per_step: prompts,
+            group_size: n,
+            mini_batch_prompts: mini,
+            micro_batch_size: micro,
+            epochs,
+        }
+    }
+
+    #[test]
+    fn batch_plan_counts_optimizer_steps_and_micro_batches() {
+        // 8 prompts x 4 samples, mini-batches of 2 prompts (8 samples), micro-batches of 4.
+        let p = plan(8, 4, 2, 4, 3);
+        assert_eq!(p.samples_per_step(), 32);
+        assert_eq!(p.mini_batch_samples(), 8);
+        assert_eq!(p.mini_batches_per_step(), 4);
+        assert_eq!(p.optimizer_steps_per_step(), 12);
+        assert_eq!(p.total_optimizer_steps(5), 60);
+        assert_eq!(p.micro_batches_per_mini_batch(), 2);
+        assert_eq!(p.micro_batches_per_step(), 8);
+        // One mini-batch as large as the step, one micro-batch: the fused step alone.
+        let whole = plan(2, 2, 2, 4, 1);
+        assert_eq!(whole.mini_batches_per_step(), 1);
+        assert_eq!(whole.micro_batches_per_mini_batch(), 1);
+    }
+}
