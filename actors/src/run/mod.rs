@@ -211,7 +211,6 @@ async fn train_async(
         prepared: &prepared,
         output: &output,
         specs: &specs,
-        total_steps,
     };
     let result = tokio::select! {
         r = run.fit(steps, start_step, header, options) => r,
@@ -230,7 +229,6 @@ struct Run<'a> {
     prepared: &'a Prepared,
     output: &'a Path,
     specs: &'a [trainer::step::ParamSpec],
-    total_steps: u64,
 }
 
 impl Run<'_> {
@@ -246,8 +244,9 @@ impl Run<'_> {
         let mut log =
             MetricsLog::open(self.output).map_err(io("opening", &self.output.join("metrics.jsonl")))?;
         log.write_header(header).map_err(io("writing", log.path()))?;
-        let progress = Progress::new(start_step, self.total_steps, options.quiet);
-        if start_step == 0 && self.validation_due(0) {
+        let total_steps = steps.total_steps;
+        let progress = Progress::new(start_step, total_steps, options.quiet);
+        if start_step == 0 && self.validation_due(0, total_steps) {
             progress.phase("validating");
             let v = validate::validate(self.recipe, self.prepared, &steps.fleet(), 0, self.output).await?;
             progress.note(&format!(
@@ -256,11 +255,11 @@ impl Run<'_> {
             ));
             log.write(0, &v).map_err(io("writing", log.path()))?;
         }
-        for step in start_step + 1..=self.total_steps {
+        for step in start_step + 1..=total_steps {
             let started = Instant::now();
             let outcome = steps.step(step, &progress).await?;
             let mut m = metrics::step_metrics(&outcome);
-            if self.validation_due(step) {
+            if self.validation_due(step, total_steps) {
                 progress.phase("validating");
                 let t = Instant::now();
                 m.extend(
@@ -273,7 +272,7 @@ impl Run<'_> {
             // its metrics line, so a resume never leaves a hole in metrics.jsonl.
             log.write(step, &m).map_err(io("writing", log.path()))?;
             progress.step_done(step, &m);
-            if self.save_due(step) {
+            if self.save_due(step, total_steps) {
                 progress.phase("saving a checkpoint");
                 let t = Instant::now();
                 let state = steps.learner().state(steps.last_checkpoint.as_deref()).await?;
@@ -294,18 +293,18 @@ impl Run<'_> {
 
     /// Validation before training (`trainer.val_before_train`), every `trainer.test_freq`
     /// steps and after the last one; only with validation files.
-    fn validation_due(&self, step: u64) -> bool {
+    fn validation_due(&self, step: u64, total_steps: u64) -> bool {
         let t = &self.recipe.trainer;
         self.prepared.validation.is_some()
             && ((step == 0 && t.val_before_train)
                 || (t.test_freq > 0 && step.is_multiple_of(t.test_freq as u64))
-                || (step == self.total_steps && t.test_freq > 0))
+                || (step == total_steps && t.test_freq > 0))
     }
 
     /// As VeRL: every `trainer.save_freq` steps and after the last one; never when
     /// `save_freq <= 0`.
-    fn save_due(&self, step: u64) -> bool {
+    fn save_due(&self, step: u64, total_steps: u64) -> bool {
         let freq = self.recipe.trainer.save_freq;
-        freq > 0 && (step.is_multiple_of(freq as u64) || step == self.total_steps)
+        freq > 0 && (step.is_multiple_of(freq as u64) || step == total_steps)
     }
 }

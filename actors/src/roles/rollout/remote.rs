@@ -24,7 +24,7 @@ use crate::roles::{status_to_error, BoxFuture, RoleError};
 use bytes::Bytes;
 use rollout::{FinishReason, GenerationRequest, Sample, SamplingParams};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::mpsc::UnboundedSender;
 use tonic::service::interceptor::InterceptedService;
@@ -305,7 +305,16 @@ pub(crate) fn send_chunks(
 /// The tensors a weight stream reads: device buffers, or host tensors already in memory.
 pub(crate) enum ChunkSource<'a> {
     Device(&'a [Buffer]),
-    Host(&'a [HostTensor]),
+    Host(&'a Arc<[HostTensor]>),
+}
+
+/// Tensor `.1` of a host update, as the owner of the `Bytes` its chunks are sliced from.
+struct HostBytes(Arc<[HostTensor]>, usize);
+
+impl AsRef<[u8]> for HostBytes {
+    fn as_ref(&self) -> &[u8] {
+        &self.0[self.1].bytes
+    }
 }
 
 impl<'a> ChunkSource<'a> {
@@ -339,11 +348,11 @@ impl<'a> ChunkSource<'a> {
     }
 
     /// Tensor `index`'s bytes on the host: a device buffer read into `host`'s copies, or a
-    /// host tensor's own bytes.
+    /// host tensor's own bytes (shared, not copied).
     fn bytes(&self, index: usize, host: &mut HostCopies) -> xla::runtime::Result<Bytes> {
         match self {
             ChunkSource::Device(b) => host.read(index, &b[index]),
-            ChunkSource::Host(t) => Ok(Bytes::copy_from_slice(&t[index].bytes)),
+            ChunkSource::Host(t) => Ok(Bytes::from_owner(HostBytes(Arc::clone(t), index))),
         }
     }
 }
