@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use model::safetensors_io::load_hf_checkpoint;
-use trainer::checkpoint::{save_checkpoint, HostTensor, TrainerState};
+use model::HostTensor;
+use trainer::checkpoint::{save_checkpoint, TrainerState};
 
 fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("model/fixtures/tiny/llama")
@@ -50,7 +51,7 @@ fn checkpoint(run: &Path, model: &Path) -> (PathBuf, Vec<Vec<f32>>) {
         .map(|t| {
             let values: Vec<f32> = t.to_f32_vec().iter().map(|v| v * 1.5).collect();
             trained.push(values.clone());
-            HostTensor::from_f32(&t.name, &t.shape, &values)
+            HostTensor::from_f32(&t.name, t.shape.clone(), &values)
         })
         .collect();
     let state = TrainerState {

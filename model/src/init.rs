@@ -36,7 +36,7 @@ pub fn random_init(config: &ModelConfig, seed: u64) -> ModelWeights {
                 ParamKind::Bias => {}
                 ParamKind::NormScale => values.fill(1.0),
             }
-            HostTensor::from_f32(spec.name, spec.shape, values)
+            HostTensor::from_f32(spec.name, spec.shape, &values)
         })
         .collect();
     ModelWeights {

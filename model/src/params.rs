@@ -26,13 +26,23 @@ pub struct ParamSpec {
 }
 
 impl ParamSpec {
-    fn new(name: String, shape: Vec<usize>, kind: ParamKind) -> Self {
-        ParamSpec { name, shape, kind }
+    /// A parameter named `name` of this shape and kind.
+    pub fn new(name: impl Into<String>, shape: Vec<usize>, kind: ParamKind) -> Self {
+        ParamSpec {
+            name: name.into(),
+            shape,
+            kind,
+        }
     }
 
     /// Number of elements.
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
+    }
+
+    /// The shape as graph dimensions.
+    pub fn dims(&self) -> Vec<i64> {
+        self.shape.iter().map(|&d| d as i64).collect()
     }
 }
 
@@ -45,7 +55,7 @@ pub fn param_table(config: &ModelConfig) -> Vec<ParamSpec> {
     let kv_out = config.num_key_value_heads * config.head_dim;
     let ffn = config.intermediate_size;
     let mut table = vec![ParamSpec::new(
-        "model.embed_tokens.weight".into(),
+        "model.embed_tokens.weight",
         vec![config.vocab_size, h],
         Matrix,
     )];
@@ -95,10 +105,10 @@ pub fn param_table(config: &ModelConfig) -> Vec<ParamSpec> {
         table.push(ParamSpec::new(p("mlp.up_proj.weight"), vec![ffn, h], Matrix));
         table.push(ParamSpec::new(p("mlp.down_proj.weight"), vec![h, ffn], Matrix));
     }
-    table.push(ParamSpec::new("model.norm.weight".into(), vec![h], NormScale));
+    table.push(ParamSpec::new("model.norm.weight", vec![h], NormScale));
     if !config.tie_word_embeddings {
         table.push(ParamSpec::new(
-            "lm_head.weight".into(),
+            "lm_head.weight",
             vec![config.vocab_size, h],
             Matrix,
         ));

@@ -47,7 +47,7 @@ impl ModelWeights {
 
 impl View for &HostTensor {
     fn dtype(&self) -> Dtype {
-        match HostTensor::dtype(self) {
+        match self.dtype {
             DType::F32 => Dtype::F32,
             DType::BF16 => Dtype::BF16,
             DType::F16 => Dtype::F16,
@@ -58,10 +58,10 @@ impl View for &HostTensor {
         &self.shape
     }
     fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Owned(self.to_le_bytes())
+        Cow::Borrowed(&self.bytes)
     }
     fn data_len(&self) -> usize {
-        self.numel() * HostTensor::dtype(self).size_bytes()
+        self.bytes.len()
     }
 }
 
@@ -188,12 +188,13 @@ pub fn load_safetensors(path: &Path, config: &ModelConfig) -> Result<ModelWeight
                     })
                 }
             };
-            let tensor = HostTensor::from_le_bytes(name, dtype, shape, view.data()).ok_or_else(|| {
-                ModelError::CorruptSafetensors {
-                    path: file.clone(),
-                    detail: format!("tensor `{name}` has the wrong number of bytes"),
-                }
-            })?;
+            let tensor =
+                HostTensor::from_le_bytes(name, dtype, shape, view.data().to_vec()).ok_or_else(|| {
+                    ModelError::CorruptSafetensors {
+                        path: file.clone(),
+                        detail: format!("tensor `{name}` has the wrong number of bytes"),
+                    }
+                })?;
             found.insert(name.to_string(), tensor);
         }
     }
@@ -252,7 +253,7 @@ pub fn save_hf_checkpoint(dir: &Path, weights: &ModelWeights, tokenizer_files: &
         .map_err(|e| ModelError::io("writing", &weights_path, std::io::Error::other(e.to_string())))?;
     let config_path = staging.path().join("config.json");
     let mut config_json = weights.config.to_hf_json();
-    let dtype = weights.tensors.first().map(|t| t.dtype()).unwrap_or(DType::F32);
+    let dtype = weights.tensors.first().map(|t| t.dtype).unwrap_or(DType::F32);
     config_json["torch_dtype"] = Value::from(match dtype {
         DType::F32 => "float32",
         DType::BF16 => "bfloat16",
@@ -424,7 +425,7 @@ mod tests {
         extra.push(HostTensor::from_f32(
             "model.layers.0.mlp.extra.weight",
             vec![2],
-            vec![0.0, 1.0],
+            &[0.0, 1.0],
         ));
         write(&path, &extra);
         let e = load_safetensors(&path, &config).unwrap_err().to_string();
@@ -439,7 +440,7 @@ mod tests {
             .iter()
             .position(|t| t.name == "model.layers.0.mlp.up_proj.weight")
             .unwrap();
-        wrong[i] = HostTensor::from_f32("model.layers.0.mlp.up_proj.weight", vec![16, 24], vec![0.0; 384]);
+        wrong[i] = HostTensor::from_f32("model.layers.0.mlp.up_proj.weight", vec![16, 24], &[0.0; 384]);
         write(&path, &wrong);
         let e = load_safetensors(&path, &config).unwrap_err().to_string();
         assert_eq!(e, format!("tensor `model.layers.0.mlp.up_proj.weight` in {} has shape [16, 24], expected [24, 16] from the config", path.display()));
@@ -453,7 +454,7 @@ mod tests {
         let mut all: Vec<(String, safetensors::tensor::TensorView<'_>)> = map
             .iter()
             .map(|(n, t)| {
-                let bytes: &[u8] = Box::leak(t.to_le_bytes().into_boxed_slice());
+                let bytes: &[u8] = &t.bytes;
                 let dtype = View::dtype(t);
                 (
                     n.to_string(),

@@ -51,7 +51,7 @@ fn configs_parse_as_written_by_transformers() {
                 assert!(!c.tie_word_embeddings && !c.attention_bias && c.qk_norm && c.head_dim == 32)
             }
         }
-        assert!(w.tensors.iter().all(|t| t.dtype() == DType::F32));
+        assert!(w.tensors.iter().all(|t| t.dtype == DType::F32));
         assert_eq!(w.num_parameters(), c.num_parameters());
     }
 }

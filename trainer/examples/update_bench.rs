@@ -407,7 +407,7 @@ fn main() {
         let weights: Vec<xla::runtime::Buffer> = init
             .iter()
             .zip(policy.param_specs())
-            .map(|(v, s)| client.buffer_from_host(v, &s.dims, 0).unwrap())
+            .map(|(v, s)| client.buffer_from_host(v, &s.dims(), 0).unwrap())
             .collect();
         let t = Instant::now();
         let mut lp = Vec::new();

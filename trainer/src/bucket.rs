@@ -21,11 +21,12 @@
 
 use std::collections::BTreeMap;
 
+use model::ParamSpec;
 use xla::runtime::Client;
 
 use crate::policy::{DecoderPolicy, PackError, PackedRows};
 use crate::step::{
-    build_shape_programs, build_train_programs, Learner, LearnerState, MicroBatch, MicroBatchHost, ParamSpec,
+    build_shape_programs, build_train_programs, Learner, LearnerState, MicroBatch, MicroBatchHost,
     StepConfig, StepMetrics,
 };
 use crate::{Result, TrainerError};

@@ -1,4 +1,4 @@
-//! Checkpoints under `OUTPUT/checkpoints/step_N/`: named f32/bf16 tensors in safetensors files
+//! Checkpoints under `OUTPUT/checkpoints/step_N/`: named f32, bf16 or f16 tensors ([`model::HostTensor`]) in safetensors files
 //! (parameters, optimizer state), `state.json` (step, RNG state, data-sampler position, weight
 //! version and whatever else the caller passes) and `manifest.json` with the size and sha256 of
 //! every file.
@@ -14,7 +14,8 @@ use std::fs::{self, File};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::{Dtype as StDtype, TensorView};
+use model::HostTensor;
+use safetensors::tensor::Dtype as StDtype;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use xla::DType;
@@ -84,61 +85,6 @@ type Result<T> = std::result::Result<T, CheckpointError>;
 fn io(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError {
     let path = path.to_path_buf();
     move |source| CheckpointError::Io { action, path, source }
-}
-
-/// A named tensor on the host: f32 or bf16, little-endian bytes.
-#[derive(Clone, Debug, PartialEq)]
-pub struct HostTensor {
-    /// Name (unique within its file).
-    pub name: String,
-    /// F32 or BF16.
-    pub dtype: DType,
-    /// Dimensions.
-    pub dims: Vec<usize>,
-    /// `product(dims) * dtype.size_bytes()` little-endian bytes.
-    pub bytes: Vec<u8>,
-}
-
-impl HostTensor {
-    /// An f32 tensor.
-    pub fn from_f32(name: &str, dims: &[usize], values: &[f32]) -> HostTensor {
-        HostTensor {
-            name: name.to_string(),
-            dtype: DType::F32,
-            dims: dims.to_vec(),
-            bytes: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        }
-    }
-
-    /// A bf16 tensor (rounded to nearest even from f32).
-    pub fn from_f32_as_bf16(name: &str, dims: &[usize], values: &[f32]) -> HostTensor {
-        let bytes = values
-            .iter()
-            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
-            .collect();
-        HostTensor {
-            name: name.to_string(),
-            dtype: DType::BF16,
-            dims: dims.to_vec(),
-            bytes,
-        }
-    }
-
-    /// The values as f32 (bf16 widened exactly).
-    pub fn to_f32(&self) -> Vec<f32> {
-        match self.dtype {
-            DType::BF16 => self
-                .bytes
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            _ => self
-                .bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-        }
-    }
 }
 
 /// The JSON side of a checkpoint (`state.json`).
@@ -213,30 +159,26 @@ fn sync_dir(path: &Path) -> Result<()> {
         .map_err(io("syncing directory", path))
 }
 
-fn st_dtype(t: &HostTensor) -> Result<StDtype> {
-    match t.dtype {
-        DType::F32 => Ok(StDtype::F32),
-        DType::BF16 => Ok(StDtype::BF16),
-        other => Err(CheckpointError::Tensor {
-            name: t.name.clone(),
-            message: format!("dtype {other} is not stored in checkpoints (f32 or bf16)"),
-        }),
-    }
-}
-
 fn serialize_tensors(tensors: &[HostTensor]) -> Result<Vec<u8>> {
-    let mut views = Vec::with_capacity(tensors.len());
     for t in tensors {
-        let dtype = st_dtype(t)?;
-        let view = TensorView::new(dtype, t.dims.clone(), &t.bytes).map_err(|e| CheckpointError::Tensor {
-            name: t.name.clone(),
-            message: format!("{e} (dims {:?}, {} bytes)", t.dims, t.bytes.len()),
-        })?;
-        views.push((t.name.clone(), view));
+        let expected = t.shape.iter().product::<usize>() * t.dtype.size_bytes();
+        if !matches!(t.dtype, DType::F32 | DType::BF16 | DType::F16) || t.bytes.len() != expected {
+            return Err(CheckpointError::Tensor {
+                name: t.name.clone(),
+                message: format!(
+                    "{} bytes of {} for shape {:?} (checkpoints hold f32, bf16 or f16, {expected} bytes here)",
+                    t.bytes.len(),
+                    t.dtype,
+                    t.shape
+                ),
+            });
+        }
     }
-    safetensors::serialize(views, None).map_err(|e| CheckpointError::Tensor {
-        name: "(all)".to_string(),
-        message: e.to_string(),
+    safetensors::serialize(tensors.iter().map(|t| (t.name.clone(), t)), None).map_err(|e| {
+        CheckpointError::Tensor {
+            name: "(all)".to_string(),
+            message: e.to_string(),
+        }
     })
 }
 
@@ -416,19 +358,27 @@ pub fn load_checkpoint(dir: &Path) -> Result<Checkpoint> {
             let dtype = match view.dtype() {
                 StDtype::F32 => DType::F32,
                 StDtype::BF16 => DType::BF16,
+                StDtype::F16 => DType::F16,
                 other => {
                     return Err(CheckpointError::Format {
                         path: path.clone(),
-                        message: format!("tensor {tname} has dtype {other:?}; checkpoints hold f32 or bf16"),
+                        message: format!(
+                            "tensor {tname} has dtype {other:?}; checkpoints hold f32, bf16 or f16"
+                        ),
                     })
                 }
             };
-            list.push(HostTensor {
-                name: tname,
-                dtype,
-                dims: view.shape().to_vec(),
-                bytes: view.data().to_vec(),
-            });
+            let tensor =
+                HostTensor::from_le_bytes(&tname, dtype, view.shape().to_vec(), view.data().to_vec())
+                    .ok_or_else(|| CheckpointError::Format {
+                        path: path.clone(),
+                        message: format!(
+                            "tensor {tname}: {} bytes for shape {:?}",
+                            view.data().len(),
+                            view.shape()
+                        ),
+                    })?;
+            list.push(tensor);
         }
         list.sort_by(|a, b| a.name.cmp(&b.name));
         tensors.insert(stem.to_string(), list);
@@ -467,15 +417,15 @@ mod tests {
             (
                 "params",
                 vec![
-                    HostTensor::from_f32("w", &[2, 3], &[1.0 + s, 2.0, 3.0, -4.0, 5.5, 6.25]),
-                    HostTensor::from_f32_as_bf16("emb", &[2], &[0.5, -1.25]),
+                    HostTensor::from_f32("w", vec![2, 3], &[1.0 + s, 2.0, 3.0, -4.0, 5.5, 6.25]),
+                    HostTensor::from_f32_as("emb", vec![2], &[0.5, -1.25], DType::BF16),
                 ],
             ),
             (
                 "optimizer",
                 vec![
-                    HostTensor::from_f32("adam_m.w", &[2, 3], &[0.1; 6]),
-                    HostTensor::from_f32("step", &[1], &[s]),
+                    HostTensor::from_f32("adam_m.w", vec![2, 3], &[0.1; 6]),
+                    HostTensor::from_f32("step", vec![1], &[s]),
                 ],
             ),
         ]
@@ -490,15 +440,15 @@ mod tests {
         let ck = load_checkpoint(&dir).unwrap();
         assert_eq!(ck.state, state(3));
         assert_eq!(
-            ck.tensor("params", "w").unwrap().to_f32(),
+            ck.tensor("params", "w").unwrap().to_f32_vec(),
             vec![4.0, 2.0, 3.0, -4.0, 5.5, 6.25]
         );
         let emb = ck.tensor("params", "emb").unwrap();
         assert_eq!(
-            (emb.dtype, emb.dims.clone(), emb.to_f32()),
+            (emb.dtype, emb.shape.clone(), emb.to_f32_vec()),
             (DType::BF16, vec![2], vec![0.5, -1.25])
         );
-        assert_eq!(ck.tensor("optimizer", "step").unwrap().to_f32(), vec![3.0]);
+        assert_eq!(ck.tensor("optimizer", "step").unwrap().to_f32_vec(), vec![3.0]);
         let manifest: Manifest =
             serde_json::from_slice(&fs::read(dir.join("manifest.json")).unwrap()).unwrap();
         assert_eq!(
@@ -578,7 +528,7 @@ mod tests {
         // re-saving an existing step replaces it
         save_checkpoint(tmp.path(), &state(10), &tensors(11), Some(2)).unwrap();
         let ck = load_checkpoint(&root.join("step_10")).unwrap();
-        assert_eq!(ck.tensor("params", "w").unwrap().to_f32()[0], 12.0);
+        assert_eq!(ck.tensor("params", "w").unwrap().to_f32_vec()[0], 12.0);
         let err = load_checkpoint(&root.join("step_1")).unwrap_err().to_string();
         assert!(err.contains("step_1/manifest.json"), "{err}");
     }

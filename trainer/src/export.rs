@@ -12,10 +12,11 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use model::{
-    param_table, save_hf_checkpoint, GgufFile, ModelConfig, ModelError, ModelTokenizer, ModelWeights,
+    param_table, save_hf_checkpoint, GgufFile, HostTensor, ModelConfig, ModelError, ModelTokenizer,
+    ModelWeights,
 };
 
-use crate::checkpoint::{load_checkpoint, Checkpoint, CheckpointError, HostTensor};
+use crate::checkpoint::{load_checkpoint, Checkpoint, CheckpointError};
 
 /// The key of `state.json`'s `extra` object that records the model a run trained.
 pub const MODEL_PATH_KEY: &str = "model_path";
@@ -310,16 +311,16 @@ pub fn trained_weights(
                 file: file.clone(),
                 model: model.to_path_buf(),
             })?;
-        if t.dims != spec.shape {
+        if t.shape != spec.shape {
             return Err(ExportError::ShapeMismatch {
                 name: spec.name.clone(),
-                found: t.dims.clone(),
+                found: t.shape.clone(),
                 expected: spec.shape.clone(),
                 file: file.clone(),
                 model: model.to_path_buf(),
             });
         }
-        let values = t.to_f32();
+        let values = t.to_f32_vec();
         if let Some((index, &value)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
             return Err(ExportError::NonFinite {
                 name: spec.name.clone(),
@@ -328,19 +329,16 @@ pub fn trained_weights(
                 file: file.clone(),
             });
         }
-        let tensor = match t.dtype {
-            xla::DType::BF16 => {
-                model::HostTensor::from_le_bytes(&spec.name, xla::DType::BF16, t.dims.clone(), &t.bytes)
-                    .expect("checkpoint tensors have dims-consistent byte counts")
-            }
-            _ => model::HostTensor::from_f32(&spec.name, t.dims.clone(), values),
+        let tensor = HostTensor {
+            name: spec.name.clone(),
+            ..t.clone()
         };
         tensors.push(tensor);
     }
     if let Some((name, t)) = by_name.into_iter().next() {
         return Err(ExportError::UnexpectedTensor {
             name: name.to_string(),
-            found: t.dims.clone(),
+            found: t.shape.clone(),
             file,
             model: model.to_path_buf(),
         });
@@ -405,7 +403,7 @@ mod tests {
             .enumerate()
             .map(|(k, s)| {
                 let values: Vec<f32> = (0..s.numel()).map(|i| i as f32 * 0.5 + k as f32).collect();
-                HostTensor::from_f32(&s.name, &s.shape, &values)
+                HostTensor::from_f32(&s.name, s.shape.clone(), &values)
             })
             .collect();
         edit(&mut params);
@@ -440,10 +438,11 @@ mod tests {
     #[test]
     fn a_bf16_checkpoint_tensor_is_kept_bit_exact() {
         let (_tmp, ck) = checkpoint_with(|p| {
-            p[0] = HostTensor::from_f32_as_bf16(&p[0].name.clone(), &[32, 32], &vec![0.1f32; 1024]);
+            p[0] =
+                HostTensor::from_f32_as(p[0].name.clone(), vec![32, 32], &[0.1f32; 1024], xla::DType::BF16);
         });
         let w = trained_weights(&ck, &ModelConfig::tiny_llama(), Path::new("m")).unwrap();
-        assert_eq!(w.tensors[0].dtype(), xla::DType::BF16);
+        assert_eq!(w.tensors[0].dtype, xla::DType::BF16);
         assert_eq!(w.tensors[0].to_f32_vec()[0], half::bf16::from_f32(0.1).to_f32());
     }
 
@@ -464,7 +463,7 @@ mod tests {
 
         let (_tmp, ck) = checkpoint_with(|p| {
             let t = p.iter_mut().find(|t| t.name == "model.norm.weight").unwrap();
-            *t = HostTensor::from_f32("model.norm.weight", &[4], &[1.0; 4]);
+            *t = HostTensor::from_f32("model.norm.weight", vec![4], &[1.0; 4]);
         });
         let err = trained_weights(&ck, &ModelConfig::tiny_llama(), Path::new("m"))
             .unwrap_err()
@@ -475,7 +474,7 @@ mod tests {
         );
 
         let (_tmp, ck) = checkpoint_with(|p| {
-            p.push(HostTensor::from_f32("lm_head.weight", &[32, 32], &[0.0; 1024]));
+            p.push(HostTensor::from_f32("lm_head.weight", vec![32, 32], &[0.0; 1024]));
         });
         let err = trained_weights(&ck, &ModelConfig::tiny_llama(), Path::new("m"))
             .unwrap_err()
@@ -490,7 +489,7 @@ mod tests {
             let mut values = vec![0.0f32; 32];
             values[3] = f32::NAN;
             let t = p.iter_mut().find(|t| t.name == "model.norm.weight").unwrap();
-            *t = HostTensor::from_f32("model.norm.weight", &[32], &values);
+            *t = HostTensor::from_f32("model.norm.weight", vec![32], &values);
         });
         let err = trained_weights(&ck, &ModelConfig::tiny_llama(), Path::new("m"))
             .unwrap_err()

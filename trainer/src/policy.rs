@@ -22,9 +22,9 @@
 //! sampling temperature, exactly the quantity the rollout reports for the same token: the
 //! response's positions continue the prompt's real length, so left padding moves nothing.
 
-use crate::step::{HostArray, InputSpec, ParamSpec, PolicyOutput};
+use crate::step::{HostArray, InputSpec, PolicyOutput};
 use model::forward::{logprobs_graph_shared_prompts, logprobs_graph_span, DecoderParams, SharedPrompts};
-use model::{param_table, ModelConfig};
+use model::{param_table, ModelConfig, ParamSpec};
 use xla::graph::Tensor;
 use xla::DType;
 
@@ -152,12 +152,6 @@ impl DecoderPolicy {
     /// The trainable parameters, in the model's parameter-table order (Hugging Face names).
     pub fn param_specs(&self) -> Vec<ParamSpec> {
         param_table(&self.config)
-            .into_iter()
-            .map(|s| ParamSpec {
-                name: s.name,
-                dims: s.shape.iter().map(|&d| d as i64).collect(),
-            })
-            .collect()
     }
 
     /// The batch inputs (all i32): `prompts` and `prompt_mask` `[U, P]`, `responses` and

@@ -132,7 +132,7 @@ fn export_writes_the_trained_parameters_config_and_tokenizer() {
     assert_eq!(exported.tensors.len(), trained.len());
     assert_eq!(summary.parameters, trained.iter().map(Vec::len).sum::<usize>());
     for (t, want) in exported.tensors.iter().zip(&trained) {
-        assert_eq!(t.dtype(), xla::DType::F32, "{}", t.name);
+        assert_eq!(t.dtype, xla::DType::F32, "{}", t.name);
         assert_eq!(&t.to_f32_vec(), want, "{}", t.name);
     }
     let source_weights = load_hf_checkpoint(&fixture()).unwrap();
@@ -174,7 +174,7 @@ fn bf16_export_rounds_each_value_to_nearest_even() {
         serde_json::from_slice(&fs::read(out.join("config.json")).unwrap()).unwrap();
     assert_eq!(config["torch_dtype"], "bfloat16");
     for (t, want) in exported.tensors.iter().zip(&trained) {
-        assert_eq!(t.dtype(), xla::DType::BF16, "{}", t.name);
+        assert_eq!(t.dtype, xla::DType::BF16, "{}", t.name);
         let rounded: Vec<f32> = want.iter().map(|v| half::bf16::from_f32(*v).to_f32()).collect();
         assert_eq!(t.to_f32_vec(), rounded, "{}", t.name);
     }

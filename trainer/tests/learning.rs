@@ -6,12 +6,13 @@
 
 mod support;
 
+use model::{ParamKind, ParamSpec};
 use support::{client, tiny_policy, Rng};
 use trainer::advantage::{broadcast_over_response, compute_advantages, filter_groups};
 use trainer::config::{AdvantageEstimator, OptimConfig, PolicyLossConfig};
 use trainer::step::{
-    build_train_programs, mini_batch_normalizer, HostArray, InputSpec, Learner, MicroBatchHost, ParamSpec,
-    PolicyOutput, StepConfig,
+    build_train_programs, mini_batch_normalizer, HostArray, InputSpec, Learner, MicroBatchHost, PolicyOutput,
+    StepConfig,
 };
 use xla::graph::Graph;
 use xla::DType;
@@ -29,14 +30,8 @@ fn answer(c: i32) -> i32 {
 /// Mean reward of each step of a seeded run of `steps` GRPO steps.
 fn train(seed: u64, steps: usize) -> Vec<f64> {
     let specs = vec![
-        ParamSpec {
-            name: "emb".into(),
-            dims: vec![V, H],
-        },
-        ParamSpec {
-            name: "out".into(),
-            dims: vec![H, V],
-        },
+        ParamSpec::new("emb", vec![V as usize, H as usize], ParamKind::Matrix),
+        ParamSpec::new("out", vec![H as usize, V as usize], ParamKind::Matrix),
     ];
     let inputs = vec![
         InputSpec {
@@ -74,7 +69,7 @@ fn train(seed: u64, steps: usize) -> Vec<f64> {
     let init: Vec<Vec<f32>> = specs
         .iter()
         .map(|s| {
-            rng.vec(s.dims.iter().product::<i64>() as usize, -0.5, 0.5)
+            rng.vec(s.numel(), -0.5, 0.5)
                 .into_iter()
                 .map(|x| x as f32)
                 .collect()

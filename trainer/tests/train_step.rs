@@ -6,13 +6,14 @@
 
 mod support;
 
+use model::{ParamKind, ParamSpec};
 use support::{client, tiny_policy, Rng};
 use trainer::advantage::{broadcast_over_response, compute_advantages};
 use trainer::config::{AdvantageEstimator, KlPenalty, LossAggMode, OptimConfig, PolicyLossConfig};
 use trainer::loss::{actor_loss, LossInputs, Normalizer};
 use trainer::step::{
-    build_train_programs, mini_batch_normalizer, HostArray, InputSpec, Learner, MicroBatchHost, ParamSpec,
-    PolicyOutput, StepConfig,
+    build_train_programs, mini_batch_normalizer, HostArray, InputSpec, Learner, MicroBatchHost, PolicyOutput,
+    StepConfig,
 };
 use trainer::TrainerError;
 use xla::graph::{grad, Graph, Tensor};
@@ -26,14 +27,8 @@ const MINI: i64 = 8;
 
 fn param_specs() -> Vec<ParamSpec> {
     vec![
-        ParamSpec {
-            name: "emb".into(),
-            dims: vec![V, H],
-        },
-        ParamSpec {
-            name: "out".into(),
-            dims: vec![H, V],
-        },
+        ParamSpec::new("emb", vec![V as usize, H as usize], ParamKind::Matrix),
+        ParamSpec::new("out", vec![H as usize, V as usize], ParamKind::Matrix),
     ]
 }
 
@@ -528,10 +523,11 @@ fn resuming_from_a_checkpoint_continues_identically() {
     assert_eq!(b.state().unwrap(), a.state().unwrap());
 
     // a checkpoint for another model is refused by tensor name
-    let other = vec![ParamSpec {
-        name: "lm_head".into(),
-        dims: vec![H, V],
-    }];
+    let other = vec![ParamSpec::new(
+        "lm_head",
+        vec![H as usize, V as usize],
+        ParamKind::Matrix,
+    )];
     let err = LearnerState::from_checkpoint(&ck, &other)
         .unwrap_err()
         .to_string();

@@ -174,10 +174,10 @@ pub struct ActorSection {
     #[serde(default = "default_one_usize")]
     pub ppo_epochs: usize,
     /// Lower clip of the probability ratio: ratio >= 1 - clip_ratio_low.
-    #[serde(default = "default_clip")]
+    #[serde(default = "default_clip_ratio_low")]
     pub clip_ratio_low: f64,
     /// Upper clip of the probability ratio: ratio <= 1 + clip_ratio_high (DAPO's clip-higher).
-    #[serde(default = "default_clip")]
+    #[serde(default = "default_clip_ratio_high")]
     pub clip_ratio_high: f64,
     /// Dual-clip bound for negative advantages (must exceed 1).
     #[serde(default = "default_clip_ratio_c")]
@@ -191,7 +191,7 @@ pub struct ActorSection {
     #[serde(default)]
     pub use_kl_loss: bool,
     /// Weight of the KL loss.
-    #[serde(default = "default_kl_coef")]
+    #[serde(default = "default_kl_loss_coef")]
     pub kl_loss_coef: f64,
     /// Estimator of the KL loss.
     #[serde(default = "default_kl_loss_type")]
@@ -200,7 +200,7 @@ pub struct ActorSection {
     #[serde(default)]
     pub entropy_coeff: f64,
     /// Clip the global gradient norm to this value.
-    #[serde(default = "default_one")]
+    #[serde(default = "default_grad_clip")]
     pub grad_clip: f64,
     /// Element type of the parameters the forward pass reads (bf16 keeps f32 master weights).
     #[serde(default = "default_actor_dtype")]
@@ -661,17 +661,52 @@ impl DeviceKind {
 fn default_adv_estimator() -> AdvantageEstimator {
     AdvantageEstimator::Grpo
 }
+// The keys that become the trainer's loss and optimizer configs default to the trainer's own
+// defaults, so the two cannot drift apart.
+fn loss_defaults() -> trainer::config::PolicyLossConfig {
+    trainer::config::PolicyLossConfig::default()
+}
+fn optim_defaults() -> trainer::config::OptimConfig {
+    trainer::config::OptimConfig::default()
+}
 fn default_lr_schedule() -> LrSchedule {
-    LrSchedule::Constant
+    optim_defaults().warmup_style
 }
 fn default_loss_mode() -> PolicyLossMode {
-    PolicyLossMode::Vanilla
+    loss_defaults().loss_mode
 }
 fn default_loss_agg_mode() -> LossAggMode {
-    LossAggMode::TokenMean
+    loss_defaults().loss_agg_mode
 }
 fn default_kl_loss_type() -> KlPenalty {
-    KlPenalty::K3
+    loss_defaults().kl_loss_type
+}
+fn default_clip_ratio_low() -> f64 {
+    loss_defaults().clip_ratio_low
+}
+fn default_clip_ratio_high() -> f64 {
+    loss_defaults().clip_ratio_high
+}
+fn default_clip_ratio_c() -> f64 {
+    loss_defaults().clip_ratio_c
+}
+fn default_kl_loss_coef() -> f64 {
+    loss_defaults().kl_loss_coef
+}
+fn default_lr() -> f64 {
+    optim_defaults().lr
+}
+fn default_betas() -> [f64; 2] {
+    optim_defaults().betas
+}
+fn default_eps() -> f64 {
+    optim_defaults().eps
+}
+fn default_weight_decay() -> f64 {
+    optim_defaults().weight_decay
+}
+fn default_grad_clip() -> f64 {
+    optim_defaults().grad_clip.unwrap_or(0.0)
 }
 fn default_true() -> bool {
     true
@@ -705,24 +740,6 @@ fn default_ppo_mini_batch_size() -> usize {
 }
 fn default_ppo_micro_batch_size() -> usize {
     4
-}
-fn default_clip() -> f64 {
-    0.2
-}
-fn default_clip_ratio_c() -> f64 {
-    3.0
-}
-fn default_lr() -> f64 {
-    1e-6
-}
-fn default_betas() -> [f64; 2] {
-    [0.9, 0.999]
-}
-fn default_eps() -> f64 {
-    1e-8
-}
-fn default_weight_decay() -> f64 {
-    0.01
 }
 fn default_max_nonfinite() -> usize {
     3

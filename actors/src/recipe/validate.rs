@@ -686,6 +686,7 @@ fn check_cluster_launcher(c: &mut Checker<'_>, cluster: &ClusterSection) {
 #[cfg(test)]
 mod tests {
     use super::super::load::load_recipe_str;
+    use super::super::{ActorSection, AlgorithmSection};
     use super::*;
 
     fn violations(extra: &str) -> Vec<String> {
@@ -695,6 +696,17 @@ mod tests {
             .iter()
             .map(|v| v.to_string())
             .collect()
+    }
+
+    #[test]
+    fn loss_and_optimizer_keys_default_to_the_trainers_defaults() {
+        let actor = ActorSection::default();
+        assert_eq!(
+            actor.policy_loss(&AlgorithmSection::default()),
+            trainer::config::PolicyLossConfig::default()
+        );
+        let optim = trainer::config::OptimConfig::default();
+        assert_eq!(actor.optim_config(optim.total_training_steps), optim);
     }
 
     #[test]

@@ -15,10 +15,11 @@ use crate::roles::reward::{LocalReward, RemoteReward, RewardDeadline, RewardRole
 use crate::roles::rollout::{LocalRollout, RemoteRollout, RolloutRole, UpdateParams, WeightUpdate};
 use crate::roles::{Role, RoleError};
 use crate::setup;
+use model::ParamSpec;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
-use trainer::step::{LearnerState, ParamSpec};
+use trainer::step::LearnerState;
 use trainer::update::{Row, UpdateReport};
 use xla::runtime::{Client, TransferStats};
 use xla::DType;
@@ -441,7 +442,7 @@ fn rollout_weights(
             tensors
                 .iter()
                 .map(|t| {
-                    let dims: Vec<i64> = t.dims.iter().map(|d| *d as i64).collect();
+                    let dims: Vec<i64> = t.shape.iter().map(|&d| d as i64).collect();
                     client.buffer_from_bytes(&t.bytes, dtype, &dims, 0).map_err(rt)
                 })
                 .collect::<Result<Vec<_>, _>>()

@@ -4,9 +4,10 @@
 
 use super::{io, RunError};
 use crate::recipe::{Recipe, ResumeMode};
+use model::ParamSpec;
 use std::path::{Path, PathBuf};
 use trainer::checkpoint::{latest_checkpoint, load_checkpoint, save_checkpoint, TrainerState};
-use trainer::step::{LearnerState, ParamSpec};
+use trainer::step::LearnerState;
 
 /// The key under which a checkpoint records the optimizer-step clock.
 const OPTIMIZER_STEPS_KEY: &str = "optimizer_steps";

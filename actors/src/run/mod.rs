@@ -228,7 +228,7 @@ struct Run<'a> {
     recipe: &'a Recipe,
     prepared: &'a Prepared,
     output: &'a Path,
-    specs: &'a [trainer::step::ParamSpec],
+    specs: &'a [model::ParamSpec],
 }
 
 impl Run<'_> {

@@ -150,7 +150,7 @@ impl GgufFile {
                                 Ok(HostTensor::from_f32(
                                     spec.name.clone(),
                                     spec.shape.clone(),
-                                    values,
+                                    &values,
                                 ))
                             })
                             .collect()

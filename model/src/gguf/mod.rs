@@ -944,7 +944,7 @@ pub(crate) mod tests {
                 *t = HostTensor::from_f32(
                     t.name.clone(),
                     t.shape.clone(),
-                    (0..n).map(|i| 0.5 + i as f32 * 0.01).collect(),
+                    &(0..n).map(|i| 0.5 + i as f32 * 0.01).collect::<Vec<_>>(),
                 );
             }
             let path = dir.path().join(format!("{family}.gguf"));

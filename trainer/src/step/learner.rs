@@ -6,12 +6,13 @@ use xla::graph::{Program, Sharding};
 use xla::runtime::{Buffer, Client, Executable};
 use xla::{DType, NativeType};
 
-use crate::checkpoint::{Checkpoint, CheckpointError, HostTensor};
+use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::sharding::{gather_host, split_host, LearnerMesh};
 use crate::{Result, TrainerError};
+use model::{HostTensor, ParamSpec};
 
 use super::programs::{ShapePrograms, TrainPrograms};
-use super::{InputSpec, ParamSpec, StepConfig, StepLayout, METRIC_NAMES, NUM_SUMMED_METRICS};
+use super::{InputSpec, StepConfig, StepLayout, METRIC_NAMES, NUM_SUMMED_METRICS};
 
 /// A micro-batch's device buffers in layout order: the loss inputs
 /// ([`StepLayout::loss_inputs`]) then the policy's batch inputs, for each device of the
@@ -285,18 +286,29 @@ impl LearnerState {
     /// f32 `[1]` tensor, exact up to 2^24 steps). Pass them to
     /// [`crate::checkpoint::save_checkpoint`].
     pub fn to_tensor_files(&self, specs: &[ParamSpec]) -> Vec<(&'static str, Vec<HostTensor>)> {
-        let dims = |p: &ParamSpec| p.dims.iter().map(|d| *d as usize).collect::<Vec<_>>();
         let params = specs
             .iter()
             .zip(&self.params)
-            .map(|(p, v)| HostTensor::from_f32(&p.name, &dims(p), v))
+            .map(|(p, v)| HostTensor::from_f32(&p.name, p.shape.clone(), v))
             .collect();
         let mut opt: Vec<HostTensor> = Vec::new();
         for (p, (m, v)) in specs.iter().zip(self.m.iter().zip(&self.v)) {
-            opt.push(HostTensor::from_f32(&format!("adam_m.{}", p.name), &dims(p), m));
-            opt.push(HostTensor::from_f32(&format!("adam_v.{}", p.name), &dims(p), v));
+            opt.push(HostTensor::from_f32(
+                format!("adam_m.{}", p.name),
+                p.shape.clone(),
+                m,
+            ));
+            opt.push(HostTensor::from_f32(
+                format!("adam_v.{}", p.name),
+                p.shape.clone(),
+                v,
+            ));
         }
-        opt.push(HostTensor::from_f32("adam_step", &[1], &[self.adam_step as f32]));
+        opt.push(HostTensor::from_f32(
+            "adam_step",
+            vec![1],
+            &[self.adam_step as f32],
+        ));
         vec![("params", params), ("optimizer", opt)]
     }
 
@@ -306,24 +318,24 @@ impl LearnerState {
         ck: &Checkpoint,
         specs: &[ParamSpec],
     ) -> std::result::Result<LearnerState, CheckpointError> {
-        let get = |stem: &str, name: &str, dims: &[i64]| -> std::result::Result<Vec<f32>, CheckpointError> {
-            let path = ck.dir.join(format!("{stem}.safetensors"));
-            let t = ck.tensor(stem, name).ok_or_else(|| CheckpointError::Format {
-                path: path.clone(),
-                message: format!("tensor {name} is missing; the checkpoint was saved for another model"),
-            })?;
-            let want: Vec<usize> = dims.iter().map(|d| *d as usize).collect();
-            if t.dims != want {
-                return Err(CheckpointError::Format {
-                    path,
-                    message: format!(
-                        "tensor {name} has shape {:?}; this model expects {want:?}",
-                        t.dims
-                    ),
-                });
-            }
-            Ok(t.to_f32())
-        };
+        let get =
+            |stem: &str, name: &str, want: &[usize]| -> std::result::Result<Vec<f32>, CheckpointError> {
+                let path = ck.dir.join(format!("{stem}.safetensors"));
+                let t = ck.tensor(stem, name).ok_or_else(|| CheckpointError::Format {
+                    path: path.clone(),
+                    message: format!("tensor {name} is missing; the checkpoint was saved for another model"),
+                })?;
+                if t.shape != want {
+                    return Err(CheckpointError::Format {
+                        path,
+                        message: format!(
+                            "tensor {name} has shape {:?}; this model expects {want:?}",
+                            t.shape
+                        ),
+                    });
+                }
+                Ok(t.to_f32_vec())
+            };
         let mut state = LearnerState {
             params: Vec::new(),
             m: Vec::new(),
@@ -331,13 +343,13 @@ impl LearnerState {
             adam_step: 0,
         };
         for p in specs {
-            state.params.push(get("params", &p.name, &p.dims)?);
+            state.params.push(get("params", &p.name, &p.shape)?);
             state
                 .m
-                .push(get("optimizer", &format!("adam_m.{}", p.name), &p.dims)?);
+                .push(get("optimizer", &format!("adam_m.{}", p.name), &p.shape)?);
             state
                 .v
-                .push(get("optimizer", &format!("adam_v.{}", p.name), &p.dims)?);
+                .push(get("optimizer", &format!("adam_v.{}", p.name), &p.shape)?);
         }
         state.adam_step = get("optimizer", "adam_step", &[1])?[0] as i32;
         Ok(state)
@@ -383,7 +395,7 @@ impl Learner {
         }
         let param_shardings: Vec<Option<Sharding>> = params
             .iter()
-            .map(|p| programs.mesh.param_sharding(&p.dims))
+            .map(|p| programs.mesh.param_sharding(&p.dims()))
             .collect();
         let upload = |what: &str, values: &[Vec<f32>]| -> Result<Vec<Vec<Buffer>>> {
             if values.len() != params.len() {
@@ -396,7 +408,7 @@ impl Learner {
             }
             let mut per_tensor = Vec::with_capacity(params.len());
             for ((p, v), sharding) in params.iter().zip(values).zip(&param_shardings) {
-                let n = p.dims.iter().product::<i64>() as usize;
+                let n = p.numel();
                 if v.len() != n {
                     return Err(TrainerError::Length {
                         what: format!("{what} {}", p.name),
@@ -408,7 +420,7 @@ impl Learner {
                 per_tensor.push(upload_split(
                     client,
                     v,
-                    &p.dims,
+                    &p.dims(),
                     sharding.as_ref(),
                     devices,
                     &format!("{what} {}", p.name),
@@ -416,10 +428,7 @@ impl Learner {
             }
             Ok(by_device(per_tensor, devices))
         };
-        let zeros: Vec<Vec<f32>> = params
-            .iter()
-            .map(|p| vec![0.0; p.dims.iter().product::<i64>() as usize])
-            .collect();
+        let zeros: Vec<Vec<f32>> = params.iter().map(|p| vec![0.0; p.numel()]).collect();
         let replicated = |values: &[f32], dims: &[i64], what: &str| -> Result<Vec<Buffer>> {
             upload_split(client, values, dims, None, devices, what)
         };
@@ -433,7 +442,7 @@ impl Learner {
         Ok(Learner {
             client: client.clone(),
             param_shardings,
-            param_dims: params.iter().map(|p| p.dims.clone()).collect(),
+            param_dims: params.iter().map(ParamSpec::dims).collect(),
             micro_batch_size: cfg.micro_batch_size,
             shapes: vec![ShapeSlot::new(ShapePrograms {
                 train_step: programs.train_step.clone(),

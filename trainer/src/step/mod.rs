@@ -57,15 +57,6 @@ use crate::config::{OptimConfig, Parallelism, PolicyLossConfig};
 use xla::graph::Tensor;
 use xla::DType;
 
-/// A trainable parameter: name (for messages and checkpoints) and shape; stored as f32.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ParamSpec {
-    /// Name, e.g. `model.layers.0.mlp.up_proj.weight`.
-    pub name: String,
-    /// Dimensions.
-    pub dims: Vec<i64>,
-}
-
 /// A batch input of the policy function (token ids, positions, attention layout...), with the
 /// micro-batch shape.
 #[derive(Clone, Debug, PartialEq, Eq)]

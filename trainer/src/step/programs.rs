@@ -10,7 +10,8 @@ use crate::optim::{clip_by_global_norm, global_grad_norm, AdamW};
 use crate::sharding::LearnerMesh;
 use crate::{Result, TrainerError};
 
-use super::{InputSpec, ParamSpec, PolicyOutput, StepConfig, StepLayout, NUM_SUMMED_METRICS};
+use super::{InputSpec, PolicyOutput, StepConfig, StepLayout, NUM_SUMMED_METRICS};
+use model::ParamSpec;
 
 /// The learner's programs and their layout.
 #[derive(Clone, Debug)]
@@ -118,8 +119,8 @@ fn declare_params_as(
                 g,
                 &format!("{prefix}{}", p.name),
                 dtype,
-                &p.dims,
-                mesh.param_sharding(&p.dims),
+                &p.dims(),
+                mesh.param_sharding(&p.dims()),
             )
         })
         .collect()
@@ -131,7 +132,7 @@ fn param_result_shardings(specs: &[ParamSpec], first: usize, mesh: &LearnerMesh)
     specs
         .iter()
         .enumerate()
-        .filter_map(|(i, p)| mesh.param_sharding(&p.dims).map(|s| (first + i, s)))
+        .filter_map(|(i, p)| mesh.param_sharding(&p.dims()).map(|s| (first + i, s)))
         .collect()
 }
 

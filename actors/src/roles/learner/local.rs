@@ -6,9 +6,10 @@ use super::{LearnerRole, LearnerWeights};
 use crate::recipe::Recipe;
 use crate::roles::{BoxFuture, RoleError};
 use crate::setup;
+use model::ParamSpec;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use trainer::step::{LearnerState, ParamSpec};
+use trainer::step::LearnerState;
 use trainer::update::{GrpoUpdate, Row, UpdateError, UpdateReport};
 use xla::runtime::{Buffer, Client};
 
@@ -95,8 +96,12 @@ impl LocalLearner {
         Ok(rollout::SourceParams {
             mesh: mesh.mesh(),
             per_device: learner.shared_device_params(),
-            shardings: self.specs.iter().map(|p| mesh.param_sharding(&p.dims)).collect(),
-            dims: self.specs.iter().map(|p| p.dims.clone()).collect(),
+            shardings: self
+                .specs
+                .iter()
+                .map(|p| mesh.param_sharding(&p.dims()))
+                .collect(),
+            dims: self.specs.iter().map(ParamSpec::dims).collect(),
         })
     }
 

@@ -19,7 +19,7 @@ pub use remote::RemoteLearner;
 pub use service::LearnerService;
 
 use super::{BoxFuture, RoleError};
-use trainer::checkpoint::HostTensor;
+use model::HostTensor;
 use trainer::step::LearnerState;
 use trainer::update::{Row, UpdateReport};
 use xla::DType;

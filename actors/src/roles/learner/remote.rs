@@ -13,12 +13,13 @@ use crate::proto;
 use crate::recipe::TlsSection;
 use crate::roles::rollout::{Assembly, CHUNK_BYTES};
 use crate::roles::{status_to_error, BoxFuture, RoleError};
+use model::HostTensor;
+use model::ParamSpec;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
-use trainer::checkpoint::HostTensor;
-use trainer::step::{LearnerState, ParamSpec};
+use trainer::step::LearnerState;
 use trainer::update::{Row, UpdateReport};
 use xla::DType;
 
@@ -137,11 +138,11 @@ fn check_table(specs: &[ParamSpec], tensors: &[proto::TensorSpec], address: &str
         )));
     }
     for (index, (s, t)) in specs.iter().zip(tensors).enumerate() {
-        if s.name != t.name || s.dims != t.dims {
+        if s.name != t.name || s.dims() != t.dims {
             return Err(RoleError::Invalid(format!(
                 "the learner worker at {address} has parameter {index} `{}` {:?}, this run's \
                  model has `{}` {:?} (a different model?)",
-                t.name, t.dims, s.name, s.dims
+                t.name, t.dims, s.name, s.shape
             )));
         }
     }
@@ -154,8 +155,8 @@ pub(crate) fn chunk_table(specs: &[ParamSpec], dtype: DType) -> Vec<(String, Vec
     specs
         .iter()
         .map(|s| {
-            let bytes = s.dims.iter().product::<i64>() as u64 * dtype.size_bytes() as u64;
-            (s.name.clone(), s.dims.clone(), bytes)
+            let bytes = (s.numel() * dtype.size_bytes()) as u64;
+            (s.name.clone(), s.dims(), bytes)
         })
         .collect()
 }
@@ -189,7 +190,7 @@ pub(crate) fn state_chunks(
                     tensor_index: index as u32,
                     tensor_name: spec.name.clone(),
                     dtype: DType::F32.to_string(),
-                    dims: spec.dims.clone(),
+                    dims: spec.dims(),
                     offset: (start * 4) as u64,
                     crc32: crc32fast::hash(&data),
                     data: data.into(),
@@ -379,7 +380,7 @@ impl LearnerRole for RemoteLearner {
                     tensors[index] = Some(HostTensor {
                         name: spec.name.clone(),
                         dtype,
-                        dims: spec.dims.iter().map(|d| *d as usize).collect(),
+                        shape: spec.shape.clone(),
                         bytes: Vec::from(bytes),
                     });
                 }
@@ -433,21 +434,13 @@ impl LearnerRole for RemoteLearner {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use model::ParamKind;
 
     fn specs() -> Vec<ParamSpec> {
         vec![
-            ParamSpec {
-                name: "a.weight".into(),
-                dims: vec![2, 3],
-            },
-            ParamSpec {
-                name: "b.weight".into(),
-                dims: vec![0],
-            },
-            ParamSpec {
-                name: "c.weight".into(),
-                dims: vec![CHUNK_BYTES as i64 / 4 + 5],
-            },
+            ParamSpec::new("a.weight", vec![2, 3], ParamKind::Matrix),
+            ParamSpec::new("b.weight", vec![0], ParamKind::Bias),
+            ParamSpec::new("c.weight", vec![CHUNK_BYTES / 4 + 5], ParamKind::NormScale),
         ]
     }
 
@@ -456,7 +449,7 @@ mod tests {
             specs()
                 .iter()
                 .map(|s| {
-                    let n = s.dims.iter().product::<i64>() as usize;
+                    let n = s.numel();
                     (0..n).map(|i| offset + i as f32 * 0.25).collect()
                 })
                 .collect()

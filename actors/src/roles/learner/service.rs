@@ -11,10 +11,10 @@ use crate::proto;
 use crate::recipe::Recipe;
 use crate::roles::rollout::send_chunks;
 use crate::roles::RoleError;
+use model::ParamSpec;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use tonic::{Request, Response, Status};
-use trainer::step::ParamSpec;
 use xla::runtime::Client;
 use xla::DType;
 
@@ -83,7 +83,7 @@ impl LearnerService {
                 .iter()
                 .map(|s| proto::TensorSpec {
                     name: s.name.clone(),
-                    dims: s.dims.clone(),
+                    dims: s.dims(),
                 })
                 .collect(),
         }
@@ -193,11 +193,8 @@ impl proto::learner_server::Learner for Arc<LearnerService> {
                 b.dtype()
             )));
         }
-        let tensors: Vec<(String, Vec<i64>)> = self
-            .specs
-            .iter()
-            .map(|s| (s.name.clone(), s.dims.clone()))
-            .collect();
+        let tensors: Vec<(String, Vec<i64>)> =
+            self.specs.iter().map(|s| (s.name.clone(), s.dims())).collect();
         let (out, stream) = tokio::sync::mpsc::channel(MESSAGES_IN_FLIGHT);
         tokio::task::spawn_blocking(move || {
             let sent = send_chunks(request.version, &params, &tensors, dtype, |chunk| {

@@ -18,10 +18,10 @@ pub(crate) use remote::{parse_dtype, send_chunks, CHUNK_BYTES};
 pub(crate) use service::Assembly;
 
 use super::{BoxFuture, RoleError};
+use model::HostTensor;
 use rollout::{GenerationRequest, Sample};
 use std::sync::Arc;
 use tokio::sync::mpsc::UnboundedSender;
-use trainer::checkpoint::HostTensor;
 use xla::runtime::Buffer;
 
 /// A new version of the policy's parameters (in [`model::param_table`] order).

@@ -22,6 +22,7 @@ use crate::proto;
 use crate::recipe::TlsSection;
 use crate::roles::{status_to_error, BoxFuture, RoleError};
 use bytes::Bytes;
+use model::HostTensor;
 use rollout::{FinishReason, GenerationRequest, Sample, SamplingParams};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -29,7 +30,6 @@ use std::time::Duration;
 use tokio::sync::mpsc::UnboundedSender;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
-use trainer::checkpoint::HostTensor;
 use xla::runtime::Buffer;
 use xla::DType;
 
@@ -336,7 +336,7 @@ impl<'a> ChunkSource<'a> {
     fn dims(&self, index: usize) -> Vec<i64> {
         match self {
             ChunkSource::Device(b) => b[index].dims().to_vec(),
-            ChunkSource::Host(t) => t[index].dims.iter().map(|&d| d as i64).collect(),
+            ChunkSource::Host(t) => t[index].shape.iter().map(|&d| d as i64).collect(),
         }
     }
 
