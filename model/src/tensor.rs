@@ -19,12 +19,28 @@ pub struct HostTensor {
     pub bytes: Vec<u8>,
 }
 
-/// Whether a host tensor can hold this element type.
-fn is_host_float(dtype: DType) -> bool {
-    matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
-}
-
 impl HostTensor {
+    /// Why this tensor is inconsistent (its fields are public): an element type other than f32,
+    /// bf16 or f16, or a byte count that does not match the shape.
+    pub fn problem(&self) -> Option<String> {
+        let expected = self.shape.iter().product::<usize>() * self.dtype.size_bytes();
+        if !matches!(self.dtype, DType::F32 | DType::BF16 | DType::F16) {
+            Some(format!(
+                "a host tensor holds f32, bf16 or f16 values, not {}",
+                self.dtype
+            ))
+        } else if self.bytes.len() != expected {
+            Some(format!(
+                "{} bytes of {} for shape {:?}, which needs {expected}",
+                self.bytes.len(),
+                self.dtype,
+                self.shape
+            ))
+        } else {
+            None
+        }
+    }
+
     /// A tensor of f32 values; panics if `values.len()` is not the product of `shape`.
     pub fn from_f32(name: impl Into<String>, shape: Vec<usize>, values: &[f32]) -> Self {
         HostTensor::from_f32_as(name, shape, values, DType::F32)
@@ -67,16 +83,13 @@ impl HostTensor {
         shape: Vec<usize>,
         bytes: Vec<u8>,
     ) -> Option<Self> {
-        let numel: usize = shape.iter().product();
-        if !is_host_float(dtype) || bytes.len() != numel * dtype.size_bytes() {
-            return None;
-        }
-        Some(HostTensor {
+        let tensor = HostTensor {
             name: name.into(),
             dtype,
             shape,
             bytes,
-        })
+        };
+        tensor.problem().is_none().then_some(tensor)
     }
 
     /// Number of elements.

@@ -160,19 +160,11 @@ fn sync_dir(path: &Path) -> Result<()> {
 }
 
 fn serialize_tensors(tensors: &[HostTensor]) -> Result<Vec<u8>> {
-    for t in tensors {
-        let expected = t.shape.iter().product::<usize>() * t.dtype.size_bytes();
-        if !matches!(t.dtype, DType::F32 | DType::BF16 | DType::F16) || t.bytes.len() != expected {
-            return Err(CheckpointError::Tensor {
-                name: t.name.clone(),
-                message: format!(
-                    "{} bytes of {} for shape {:?} (checkpoints hold f32, bf16 or f16, {expected} bytes here)",
-                    t.bytes.len(),
-                    t.dtype,
-                    t.shape
-                ),
-            });
-        }
+    if let Some((t, message)) = tensors.iter().find_map(|t| t.problem().map(|m| (t, m))) {
+        return Err(CheckpointError::Tensor {
+            name: t.name.clone(),
+            message,
+        });
     }
     safetensors::serialize(tensors.iter().map(|t| (t.name.clone(), t)), None).map_err(|e| {
         CheckpointError::Tensor {
