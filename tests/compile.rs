@@ -8,7 +8,8 @@
 //! prefill of the 512 bucket over 2), so CI compiles one program per topology: the learner's
 //! largest (`accumulate`) on v6e:2x2, the decode step at the full cache on v5e:2x2, v5p:2x2x1 and
 //! tpu7x:2x2x1, and the oversized recipe's `accumulate` (refused quickly). BENCHMARKS.md records
-//! the full tables.
+//! the full tables. On the CPU plugin: the quickstart's `apply`, and its `train_step` with and
+//! without rematerialisation.
 //!
 //! libtpu must be installed (scripts/setup.sh does it); set GRPO_SKIP_TPU_TESTS=1 to skip the
 //! TPU tests explicitly.
@@ -223,6 +224,12 @@ fn the_decode_step_fits_v5e_v5p_and_tpu7x_with_a_time_estimate() {
             p["estimated_seconds"].as_f64().unwrap(),
         );
         assert!(t > 0.0 && t < 0.5, "{topology}: {p}");
+        // The masked cache write: 29-36 GB by libtpu's count (a row scatter, which makes the
+        // compiler relayout the cache around it, 46-54 GB).
+        assert!(
+            bytes < 40e9,
+            "{topology}: the cache write moves more than the masked rewrite: {p}"
+        );
         seconds.push((topology, t, bytes));
         assert_eq!(report["fits"], true);
         assert!(report["advice"].as_array().unwrap().is_empty());
@@ -292,6 +299,55 @@ fn cpu_device_compiles_the_quickstart_optimizer_step_with_memory_stats() {
     assert_eq!(p["fits"], true);
     // No published peak for a CPU: no time estimate.
     assert!(p["estimated_seconds"].is_null(), "{p}");
+}
+
+/// With `model.enable_gradient_checkpointing` the learner's gradient program is compiled with
+/// and without it, and the report says what remat saves.
+#[test]
+fn remat_is_compiled_beside_the_plain_program_and_saves_temporaries() {
+    let o = grpo(&[
+        "compile",
+        "recipes/quickstart.yaml",
+        "--device",
+        "cpu",
+        "--only",
+        "train_step",
+        "--json",
+        "--set",
+        "model.enable_gradient_checkpointing=true",
+    ]);
+    let (stdout, stderr) = (text(&o.stdout), text(&o.stderr));
+    assert_eq!(o.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("without rematerialisation, for comparison"),
+        "{stderr}"
+    );
+    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let remat = &report["remat"];
+    assert_eq!(remat["program"], "train_step", "{report}");
+    assert_eq!(
+        remat["temp_bytes"], report["programs"][0]["temp_bytes"],
+        "{report}"
+    );
+    let (with, without) = (
+        remat["temp_bytes"].as_u64().unwrap(),
+        remat["temp_bytes_without"].as_u64().unwrap(),
+    );
+    // SmolLM2-135M, 32 rows of 48 + 16 tokens: 1.5 GB with, 2.4 GB without (measured).
+    assert!(with * 5 < without * 4, "{report}");
+    // Without the key nothing is compiled twice.
+    let o = grpo(&[
+        "compile",
+        "recipes/quickstart.yaml",
+        "--device",
+        "cpu",
+        "--only",
+        "train_step",
+        "--json",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
+    let report: serde_json::Value = serde_json::from_str(&text(&o.stdout)).unwrap();
+    assert!(report["remat"].is_null(), "{report}");
 }
 
 #[test]

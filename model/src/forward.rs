@@ -23,10 +23,11 @@
 //!
 //! KV-cache invariant: in every slot, positions at or past the slot's current length hold
 //! zeros. A fresh cache is zeros, prefill writes the whole `max_len` row of a slot (zeros past
-//! the prompt), and decode adds each new key/value into its (zero) position with a scatter-add,
-//! which is an in-place write of one row per slot and KV head.
+//! the prompt), and decode writes each new key/value at its position with a scatter over the
+//! cache's (slot, position) axes, an in-place write of one `[kv_heads, head_dim]` row per slot.
 
 use xla::graph::{DotDims, Graph, Tensor};
+use xla::runtime::PluginKind;
 use xla::DType;
 
 use crate::config::ModelConfig;
@@ -93,6 +94,10 @@ pub struct DecoderParams {
     pub lm_head: Option<Tensor>,
     /// Every parameter in [`crate::param_table`] order (the program argument order).
     pub all: Vec<Tensor>,
+    /// Trace each decoder layer of the differentiable forwards as a rematerialised region
+    /// ([`Graph::checkpoint`]): the backward pass recomputes a layer's activations instead of
+    /// keeping them (`model.enable_gradient_checkpointing`). Off by [`DecoderParams::from_tensors`].
+    pub remat: bool,
 }
 
 impl DecoderParams {
@@ -167,12 +172,23 @@ impl DecoderParams {
             final_norm: need("model.norm.weight")?,
             lm_head: take("lm_head.weight"),
             all: tensors.to_vec(),
+            remat: false,
         })
     }
 
     /// The output projection `[vocab, hidden]` (the embedding when tied).
     pub fn head(&self) -> &Tensor {
         self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+
+    /// Runs `layer` (one decoder layer's trace) as a rematerialised region when
+    /// [`DecoderParams::remat`] is on, else as it is.
+    fn layer<R>(&self, layer: impl FnOnce() -> R) -> R {
+        if self.remat {
+            self.graph().checkpoint(layer)
+        } else {
+            layer()
+        }
     }
 
     fn graph(&self) -> &Graph {
@@ -445,9 +461,12 @@ fn trunk(p: &DecoderParams, tokens: &Tensor, mask: &Tensor) -> (Tensor, Vec<(Ten
     let mut h = embed(p, tokens);
     let mut kvs = Vec::with_capacity(p.layers.len());
     for layer in &p.layers {
-        let normed = rms_norm(&h, &layer.input_norm, config.rms_norm_eps);
-        let (attn, k, v) = self_attention(config, layer, &normed, &cos, &sin, &allowed);
-        h = finish_layer(config, layer, &h, &attn);
+        let (next, k, v) = p.layer(|| {
+            let normed = rms_norm(&h, &layer.input_norm, config.rms_norm_eps);
+            let (attn, k, v) = self_attention(config, layer, &normed, &cos, &sin, &allowed);
+            (finish_layer(config, layer, &h, &attn), k, v)
+        });
+        h = next;
         kvs.push((k, v));
     }
     (h, kvs)
@@ -723,16 +742,18 @@ pub fn logprobs_graph_shared_prompts(
     let prompts_of = |x: &Tensor| x.slice_axis(0, 0, np).reshape(&[u, pl, x.dims()[1], hd]);
     let responses_of = |x: &Tensor| x.slice_axis(0, np, np + nr).reshape(&[b, l, x.dims()[1], hd]);
     for layer in &p.layers {
-        let normed = rms_norm(&h, &layer.input_norm, eps);
-        let (q, k, v) = qkv(config, layer, &normed, &cos, &sin);
-        // Prompts over themselves; responses over their prompt's keys, then their own.
-        let k_p = prompts_of(&k).transpose(&[0, 2, 1, 3]);
-        let v_p = prompts_of(&v).transpose(&[0, 2, 1, 3]);
-        let attn_p = causal_attend(config, layer, &prompts_of(&q), &k_p, &v_p, &p_allowed);
-        let k_r = Tensor::concat(&[&per_row(&k_p), &responses_of(&k).transpose(&[0, 2, 1, 3])], 2);
-        let v_r = Tensor::concat(&[&per_row(&v_p), &responses_of(&v).transpose(&[0, 2, 1, 3])], 2);
-        let attn_r = attend(config, layer, &responses_of(&q), &k_r, &v_r, &r_allowed);
-        h = finish_layer(config, layer, &h, &both(&attn_p, &attn_r));
+        h = p.layer(|| {
+            let normed = rms_norm(&h, &layer.input_norm, eps);
+            let (q, k, v) = qkv(config, layer, &normed, &cos, &sin);
+            // Prompts over themselves; responses over their prompt's keys, then their own.
+            let k_p = prompts_of(&k).transpose(&[0, 2, 1, 3]);
+            let v_p = prompts_of(&v).transpose(&[0, 2, 1, 3]);
+            let attn_p = causal_attend(config, layer, &prompts_of(&q), &k_p, &v_p, &p_allowed);
+            let k_r = Tensor::concat(&[&per_row(&k_p), &responses_of(&k).transpose(&[0, 2, 1, 3])], 2);
+            let v_r = Tensor::concat(&[&per_row(&v_p), &responses_of(&v).transpose(&[0, 2, 1, 3])], 2);
+            let attn_r = attend(config, layer, &responses_of(&q), &k_r, &v_r, &r_allowed);
+            finish_layer(config, layer, &h, &both(&attn_p, &attn_r))
+        });
     }
     let h_p = h
         .slice_axis(0, 0, np)
@@ -850,10 +871,18 @@ pub fn prefill_kv_graph(
 /// How a decode step writes each slot's new key and value into the KV cache.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum KvWrite {
-    /// A scatter-add of one row per (slot, KV head) into its (zero) position: the
-    /// [`decode_graph`] default.
+    /// A scatter of each slot's `[kv_heads, head_dim]` row to (slot, position) of the 4-D
+    /// cache, in the cache's own layout (no reshaped view that would make the compiler
+    /// relayout the cache around the write): the [`decode_graph`] default.
     #[default]
-    ScatterAdd,
+    Scatter,
+    /// Every attended position rewritten: the new row where the position is the slot's, the
+    /// old value elsewhere (a select over the attended cache). A pass over the attended
+    /// cache per step, but in the layout attention reads it in; on TPU, which lays out a
+    /// cache whose head dimension is under 128 lanes with positions minor, a row scatter
+    /// makes the compiler relayout the whole cache around it (BENCHMARKS.md, "Where the
+    /// decode step's bytes go").
+    Masked,
     /// One `dynamic_update_slice` of `[1, kv_heads, 1, head_dim]` per slot (in place when
     /// the cache is donated). Inactive slots rewrite position 0 of their row with what it
     /// holds, so they stay unchanged.
@@ -862,6 +891,17 @@ pub enum KvWrite {
     /// positions before it plus itself. Only for measuring what the write costs; the result
     /// is not a usable cache.
     Skip,
+}
+
+impl KvWrite {
+    /// The write that suits a target: [`KvWrite::Masked`] on TPU (whose cache layout a row
+    /// scatter fights), [`KvWrite::Scatter`] elsewhere (an in-place row write).
+    pub fn for_plugin(kind: PluginKind) -> KvWrite {
+        match kind {
+            PluginKind::Tpu => KvWrite::Masked,
+            PluginKind::Cpu | PluginKind::Cuda => KvWrite::Scatter,
+        }
+    }
 }
 
 /// How a decode step computes attention scores and outputs over the cache.
@@ -945,18 +985,10 @@ pub fn decode_hidden_graph(
     let pos_clamped = positions.max(&positions.zeros_like());
     let (cos, sin) = rope_tables(config, &pos_clamped);
 
-    // Flat row index of (slot, kv head, position) in a cache viewed as [S*kvh*L, hd];
-    // inactive slots point past the end, which the scatter drops.
-    let slot_idx = g.iota(DType::I32, &[s, kvh], 0);
-    let head_idx = g.iota(DType::I32, &[s, kvh], 1);
-    let pos_b = pos_clamped.reshape(&[s, 1]).broadcast_to(&[s, kvh]);
-    let flat = &(&(&(&slot_idx * (kvh as f64)) + &head_idx) * (max_len as f64)) + &pos_b;
-    let beyond = g.full((s * kvh * max_len) as f64, DType::I32, &[s, kvh]);
-    let flat = active
-        .reshape(&[s, 1])
-        .broadcast_to(&[s, kvh])
-        .select(&flat, &beyond)
-        .reshape(&[s * kvh]);
+    // (slot, position) of each slot's new row; inactive slots point past the end, which the
+    // scatter drops.
+    let beyond = g.full(max_len as f64, DType::I32, &[s]);
+    let points = slot_points(g, s, &active.select(&pos_clamped, &beyond));
     // allowed [S, 1, 1, W]: key position <= the slot's position (< when the write is
     // skipped: the new key is then scored separately).
     let key_pos = g.iota(DType::I32, &[s, window], 1);
@@ -984,16 +1016,8 @@ pub fn decode_hidden_graph(
         let mut kv_out = Vec::with_capacity(2);
         for (which, new) in [(0usize, &k), (1usize, &v)] {
             let c = &cache[2 * l + which];
-            let dims = c.dims().to_vec();
             let updated = match options.kv_write {
-                KvWrite::ScatterAdd => c
-                    .reshape(&[s * kvh * max_len, hd])
-                    .scatter_add(
-                        &flat,
-                        &new.reshape(&[s * kvh, hd]).convert_if_needed(c.dtype()),
-                        0,
-                    )
-                    .reshape(&dims),
+                KvWrite::Scatter | KvWrite::Masked => write_rows(options.kv_write, c, &points, new),
                 KvWrite::UpdateSlice => {
                     // rows [S, kvh, 1, hd]; inactive slots keep position 0's value.
                     let rows = new.reshape(&[s, kvh, 1, hd]).convert_if_needed(c.dtype());
@@ -1076,14 +1100,55 @@ pub fn decode_hidden_graph(
     (rms_norm(&h, &p.final_norm, config.rms_norm_eps), out_cache)
 }
 
+/// `cache [S, kvh, L, hd]` with slot s's row `new [S, kvh * hd]` written at position
+/// `points[s, 1]` (`points [S, 2]` is (slot, position); a position outside `0..L` writes
+/// nothing), by [`KvWrite::Scatter`] or [`KvWrite::Masked`].
+fn write_rows(write: KvWrite, cache: &Tensor, points: &Tensor, new: &Tensor) -> Tensor {
+    let dims = cache.dims().to_vec();
+    let (s, kvh, hd) = (dims[0], dims[1], dims[3]);
+    match write {
+        KvWrite::Scatter => cache.scatter_at(
+            points,
+            &new.reshape(&[s, kvh, hd]).convert_if_needed(cache.dtype()),
+            &[0, 2],
+        ),
+        KvWrite::Masked => {
+            let at = points
+                .slice_axis(1, 1, 2)
+                .reshape(&[s, 1, 1, 1])
+                .broadcast_to(&dims);
+            let hit = cache.graph().iota(DType::I32, &dims, 2).eq(&at);
+            let rows = new
+                .reshape(&[s, kvh, 1, hd])
+                .convert_if_needed(cache.dtype())
+                .broadcast_to(&dims);
+            hit.select(&rows, cache)
+        }
+        KvWrite::UpdateSlice | KvWrite::Skip => {
+            unreachable!("{write:?} is written by decode_hidden_graph itself")
+        }
+    }
+}
+
+/// `[S, 2]` coordinates (slot, position) for a scatter over a cache's slot and position axes.
+fn slot_points(g: &Graph, s: i64, positions: &Tensor) -> Tensor {
+    let slots = g.iota(DType::I32, &[s, 1], 0);
+    Tensor::concat(&[&slots, &positions.reshape(&[s, 1])], 1)
+}
+
 /// [`decode_hidden_graph`] over a KV cache split along positions into chunks of equal
 /// length: `cache` holds, for each layer, its key chunks then its value chunks (layer 0 K
 /// chunk 0..C, layer 0 V chunk 0..C, layer 1 ...), each `[S, kv_heads, chunk, head_dim]`,
 /// chunk `c` holding positions `c * chunk ..`. Only the first `attend_chunks` chunks are read
 /// and written: every active slot's position must be below `attend_chunks * chunk`, and the
 /// later chunks come back unchanged (in place when donated), so a step costs what the
-/// filled part of the cache costs, not the whole cache. New keys and values are added into
-/// their (zero) positions with a scatter-add, as in [`decode_graph`].
+/// filled part of the cache costs, not the whole cache. New keys and values are scattered
+/// to (slot, position) of their chunk by `write` ([`KvWrite::Scatter`] or
+/// [`KvWrite::Masked`]), as in [`decode_graph`].
+///
+/// # Panics
+///
+/// On [`KvWrite::UpdateSlice`] or [`KvWrite::Skip`], which only the unchunked step has.
 ///
 /// Returns the final-normed hidden states `[S, hidden]` and the updated chunks (same order).
 pub fn decode_hidden_graph_chunked(
@@ -1092,7 +1157,12 @@ pub fn decode_hidden_graph_chunked(
     positions: &Tensor,
     cache: &[Tensor],
     attend_chunks: usize,
+    write: KvWrite,
 ) -> (Tensor, Vec<Tensor>) {
+    assert!(
+        matches!(write, KvWrite::Scatter | KvWrite::Masked),
+        "a chunked cache is written by a scatter or a masked rewrite, not {write:?}"
+    );
     let g = p.graph();
     let config = &p.config;
     let layers = p.layers.len();
@@ -1111,24 +1181,16 @@ pub fn decode_hidden_graph_chunked(
     let pos_clamped = positions.max(&positions.zeros_like());
     let (cos, sin) = rope_tables(config, &pos_clamped);
 
-    // Flat row of (slot, kv head, position within the chunk) in chunk c viewed as
-    // [S*kvh*chunk, hd]; slots that are inactive or whose position is in another chunk point
-    // past the end, which the scatter drops.
-    let slot_idx = g.iota(DType::I32, &[s, kvh], 0);
-    let head_idx = g.iota(DType::I32, &[s, kvh], 1);
-    let pos_b = pos_clamped.reshape(&[s, 1]).broadcast_to(&[s, kvh]);
-    let active_b = active.reshape(&[s, 1]).broadcast_to(&[s, kvh]);
-    let base = &(&(&slot_idx * (kvh as f64)) + &head_idx) * (chunk as f64);
-    let beyond = g.full((s * kvh * chunk) as f64, DType::I32, &[s, kvh]);
-    let flat: Vec<Tensor> = (0..attend as i64)
+    // (slot, position within the chunk) of each slot's new row, per attended chunk; slots
+    // that are inactive or whose position is in another chunk point past the chunk's end,
+    // which the scatter drops.
+    let beyond = g.full(chunk as f64, DType::I32, &[s]);
+    let points: Vec<Tensor> = (0..attend as i64)
         .map(|c| {
-            let start = c * chunk;
-            let inside = pos_b
-                .ge(&g.full(start as f64, DType::I32, &[s, kvh]))
-                .and(&pos_b.lt(&g.full((start + chunk) as f64, DType::I32, &[s, kvh])))
-                .and(&active_b);
-            let local = &pos_b - &g.full(start as f64, DType::I32, &[s, kvh]);
-            inside.select(&(&base + &local), &beyond).reshape(&[s * kvh])
+            let start = g.full((c * chunk) as f64, DType::I32, &[s]);
+            let local = &pos_clamped - &start;
+            let inside = local.ge(&local.zeros_like()).and(&local.lt(&beyond)).and(&active);
+            slot_points(g, s, &inside.select(&local, &beyond))
         })
         .collect();
     let key_pos = g.iota(DType::I32, &[s, window], 1);
@@ -1143,18 +1205,10 @@ pub fn decode_hidden_graph_chunked(
         let normed = rms_norm(&h, &layer.input_norm, config.rms_norm_eps);
         let (q, k, v) = qkv(config, layer, &normed, &cos, &sin);
         for (which, new) in [(0usize, &k), (1usize, &v)] {
-            for (c, flat) in flat.iter().enumerate() {
+            for (c, points) in points.iter().enumerate() {
                 let at = l * per_layer + which * chunks + c;
                 let old = &cache[at];
-                let dims = old.dims().to_vec();
-                out_cache[at] = old
-                    .reshape(&[s * kvh * chunk, hd])
-                    .scatter_add(
-                        flat,
-                        &new.reshape(&[s * kvh, hd]).convert_if_needed(old.dtype()),
-                        0,
-                    )
-                    .reshape(&dims);
+                out_cache[at] = write_rows(write, old, points, new);
             }
         }
         // Operands of the cache's type, f32 results (as in `decode_hidden_graph`).

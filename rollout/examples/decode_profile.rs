@@ -7,7 +7,7 @@
 //!         [--position 120] [--rounds 7] [--dtype f32|bf16] [--kv-dtype auto|f32] \
 //!         [--variants engine,argmax,skip-write,...]
 //!
-//! Variants: `engine` (the engine's decode + sampler: scatter-add write, attention over the
+//! Variants: `engine` (the engine's decode + sampler: scattered write, attention over the
 //! whole cache), `argmax` (no sampler: the head's argmax), `no-head` (no output head and no
 //! sampler), `skip-write` (no cache write), `update-slice` (the write as one
 //! dynamic_update_slice per slot), `attend-N` (attention over the first N positions), `mulred`

@@ -6,7 +6,9 @@
 
 use crate::engine::EngineConfig;
 use crate::programs::CacheShape;
+use model::forward::KvWrite;
 use model::ModelConfig;
+use xla::runtime::PluginKind;
 use xla::DType;
 
 /// A prefill program: prompts padded to `bucket` tokens, each fanned out to `width` KV slots,
@@ -37,9 +39,16 @@ pub struct ProgramPlan {
 
 impl ProgramPlan {
     /// The plan of an engine with `settings` for a model of `config` over weights of `dtype`
-    /// on `devices` devices.
-    pub fn new(config: &ModelConfig, settings: &EngineConfig, devices: usize, dtype: DType) -> ProgramPlan {
-        let cache = CacheShape::chunked(
+    /// on `devices` devices of a `plugin` (which decides the cache write unless `settings`
+    /// do).
+    pub fn new(
+        config: &ModelConfig,
+        settings: &EngineConfig,
+        devices: usize,
+        dtype: DType,
+        plugin: PluginKind,
+    ) -> ProgramPlan {
+        let mut cache = CacheShape::chunked(
             config,
             settings.max_num_seqs,
             settings.max_model_len,
@@ -47,6 +56,7 @@ impl ProgramPlan {
         )
         .on_devices(devices)
         .for_weights(dtype);
+        cache.write = settings.kv_write.unwrap_or(KvWrite::for_plugin(plugin));
         ProgramPlan {
             cache,
             buckets: settings.buckets(),
@@ -146,7 +156,13 @@ mod tests {
         let mut settings = EngineConfig::new(slots, len);
         settings.kv_chunk = kv_chunk;
         settings.prefill_batch = prefill_batch;
-        ProgramPlan::new(&ModelConfig::tiny_llama(), &settings, 1, DType::F32)
+        ProgramPlan::new(
+            &ModelConfig::tiny_llama(),
+            &settings,
+            1,
+            DType::F32,
+            PluginKind::Cpu,
+        )
     }
 
     #[test]

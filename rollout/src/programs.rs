@@ -53,6 +53,9 @@ pub struct CacheShape {
     /// choice, [`CacheShape::for_weights`]). A narrow cache is read by attention products with
     /// narrow operands and f32 results, as the trainer computes attention with narrow weights.
     pub dtype: DType,
+    /// How decode writes new keys and values: [`KvWrite::Scatter`] (the default) or
+    /// [`KvWrite::Masked`] ([`crate::plan::ProgramPlan::new`] picks by plugin).
+    pub write: KvWrite,
 }
 
 /// The name of the mesh axis an engine over several devices splits its slots along.
@@ -82,6 +85,7 @@ impl CacheShape {
             },
             devices: 1,
             dtype: DType::F32,
+            write: KvWrite::Scatter,
         }
     }
 
@@ -628,7 +632,10 @@ impl DecodeSample {
         sampler: SamplerKind,
     ) -> Result<Program> {
         if cache.chunks() == 1 {
-            let options = DecodeOptions::default();
+            let options = DecodeOptions {
+                kv_write: cache.write,
+                ..DecodeOptions::default()
+            };
             DecodeSample::build_with(config, dtype, cache, key.truncate, options, sampler)
         } else {
             DecodeSample::build_chunked(config, dtype, cache, key.truncate, key.chunks, sampler)
@@ -645,7 +652,10 @@ impl DecodeSample {
         sampler: SamplerKind,
     ) -> Result<DecodeSample> {
         if cache.chunks() == 1 {
-            let options = DecodeOptions::default();
+            let options = DecodeOptions {
+                kv_write: cache.write,
+                ..DecodeOptions::default()
+            };
             DecodeSample::compile_with(client, config, dtype, cache, key.truncate, options, sampler)
         } else {
             DecodeSample::compile_chunked(client, config, dtype, cache, key.truncate, key.chunks, sampler)
@@ -673,7 +683,7 @@ impl DecodeSample {
             .attend_len
             .map_or(String::new(), |w| format!("_attend{w}"));
         let write = match options.kv_write {
-            KvWrite::ScatterAdd => String::new(),
+            KvWrite::Scatter | KvWrite::Masked => String::new(),
             other => format!("_{other:?}"),
         };
         let attention = match options.attention {
@@ -755,7 +765,8 @@ impl DecodeSample {
             truncate,
             sampler,
             |p, tokens, positions, kv| {
-                let (h, new_cache) = decode_hidden_graph_chunked(p, tokens, positions, kv, attend_chunks);
+                let (h, new_cache) =
+                    decode_hidden_graph_chunked(p, tokens, positions, kv, attend_chunks, cache.write);
                 (linear(&h, p.head()), new_cache)
             },
         )

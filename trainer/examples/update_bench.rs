@@ -382,6 +382,7 @@ fn main() {
         temperature: 1.0,
         group_size: args.group,
         blocks: 1,
+        remat: false,
     };
     let rows_ref: Vec<(&[u32], &[u32])> = row_ids
         .iter()

@@ -44,6 +44,9 @@ pub struct DecoderPolicy {
     pub group_size: usize,
     /// Blocks the rows and prompts are cut into (the learner's devices; 1 on one device).
     pub blocks: usize,
+    /// Recompute each decoder layer's activations in the backward pass instead of keeping
+    /// them ([`DecoderParams::remat`]; `model.enable_gradient_checkpointing`).
+    pub remat: bool,
 }
 
 /// One micro-batch of rows packed for [`DecoderPolicy`].
@@ -177,8 +180,9 @@ impl DecoderPolicy {
     /// and entropies of the response columns, `[micro_batch_size, L]`.
     pub fn log_probs(&self, params: &[Tensor], batch: &[Tensor]) -> PolicyOutput {
         let g = batch[0].graph();
-        let p =
+        let mut p =
             DecoderParams::from_tensors(&self.config, params).expect("parameters follow the parameter table");
+        p.remat = self.remat;
         let temperature = g.scalar(self.temperature as f64, DType::F32);
         if !self.shares_prompts() {
             // Rows whole: prompt columns then response columns.
@@ -320,6 +324,7 @@ mod tests {
             temperature: 1.0,
             group_size: 1,
             blocks: 1,
+            remat: false,
         }
     }
 
@@ -342,6 +347,7 @@ mod tests {
             micro_batch_size: 8,
             group_size: 4,
             blocks: 2,
+            remat: false,
             ..policy()
         };
         assert_eq!(p.prompt_slots(), 2);

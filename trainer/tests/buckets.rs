@@ -47,6 +47,7 @@ fn policy() -> DecoderPolicy {
         temperature: 0.9,
         group_size: 1,
         blocks: 1,
+        remat: false,
     }
 }
 
@@ -110,6 +111,7 @@ fn learner(loss: PolicyLossConfig, parallel: Parallelism, multiple: usize) -> Bu
     let state = LearnerState::fresh(init.clone());
     let policy = DecoderPolicy {
         blocks: parallel.devices(MICRO as i64).unwrap(),
+        remat: false,
         ..policy()
     };
     let mut l =

@@ -80,6 +80,7 @@ fn train(seed: u64, steps: usize, check_alignment: bool) -> Vec<f64> {
         temperature: 1.0,
         group_size: GROUP,
         blocks: 1,
+        remat: false,
     };
     let specs = policy.param_specs();
     let cfg = StepConfig {

@@ -80,6 +80,7 @@ fn trained_checkpoint(output: &Path, model_path: &Path) -> (PathBuf, Vec<Vec<f32
         temperature: 1.0,
         group_size: 1,
         blocks: 1,
+        remat: false,
     };
     let specs = policy.param_specs();
     let params: Vec<Vec<f32>> = source

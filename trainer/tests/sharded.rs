@@ -64,6 +64,7 @@ fn policy(micro_batch_size: usize, blocks: usize) -> DecoderPolicy {
         temperature: 1.0,
         group_size: GROUP,
         blocks,
+        remat: false,
     }
 }
 

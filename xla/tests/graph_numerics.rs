@@ -317,6 +317,58 @@ fn gather_and_scatter_add_match_rust() {
     assert_close("take_along_last_axis", &read::<f64>(&got[3]), &want_along, 0.0);
 }
 
+/// The KV-cache write: a `[S, H, L, D]` cache, one `[H, D]` row per slot written at
+/// (slot, position) in the cache's own 4-D layout; a position past the end is dropped, and
+/// the same points read back with `take_at`.
+#[test]
+fn point_gather_and_scatter_over_two_axes_match_rust() {
+    let mut r = rng("points");
+    let (s, h, l, d) = (3usize, 2usize, 5usize, 4usize);
+    let cache = uniform(&mut r, s * h * l * d, -1.0, 1.0);
+    let rows = uniform(&mut r, s * h * d, -1.0, 1.0);
+    // Slot 1's position is past the end: its row is dropped by the scatters.
+    let points: Vec<i32> = vec![0, 3, 1, l as i32, 2, 0];
+    let g = Graph::new("points");
+    let tc = g.parameter("cache", DType::F64, &[s as i64, h as i64, l as i64, d as i64]);
+    let tr = g.parameter("rows", DType::F64, &[s as i64, h as i64, d as i64]);
+    let tp = g.parameter("points", DType::I32, &[s as i64, 2]);
+    let set = tc.scatter_at(&tp, &tr, &[0, 2]);
+    let added = tc.scatter_add_at(&tp, &tr, &[0, 2]);
+    let read_back = set.take_at(&tp, &[0, 2]);
+    assert_eq!(read_back.dims(), &[s as i64, h as i64, d as i64]);
+    let p = g.build(&[&set, &added, &read_back]).unwrap();
+    let got = run(
+        &p,
+        &[
+            &upload(&cache, &[s as i64, h as i64, l as i64, d as i64]),
+            &upload(&rows, &[s as i64, h as i64, d as i64]),
+            &upload(&points, &[s as i64, 2]),
+        ],
+    );
+    let at = |slot: usize, head: usize, pos: usize| ((slot * h + head) * l + pos) * d;
+    let (mut want_set, mut want_add) = (cache.clone(), cache.clone());
+    let mut want_read = vec![0.0; s * h * d];
+    for slot in 0..s {
+        let (at_slot, pos) = (points[2 * slot] as usize, points[2 * slot + 1] as usize);
+        for head in 0..h {
+            for j in 0..d {
+                let new = rows[(slot * h + head) * d + j];
+                if pos < l {
+                    want_set[at(at_slot, head, pos) + j] = new;
+                    want_add[at(at_slot, head, pos) + j] += new;
+                    want_read[(slot * h + head) * d + j] = new;
+                } else {
+                    // The gather clamps the position to the last one, which kept its value.
+                    want_read[(slot * h + head) * d + j] = cache[at(at_slot, head, l - 1) + j];
+                }
+            }
+        }
+    }
+    assert_close("scatter_at", &read::<f64>(&got[0]), &want_set, 0.0);
+    assert_close("scatter_add_at", &read::<f64>(&got[1]), &want_add, 1e-12);
+    assert_close("take_at", &read::<f64>(&got[2]), &want_read, 0.0);
+}
+
 #[test]
 fn softmax_and_other_composites_match_rust() {
     let mut r = rng("composites");
@@ -582,4 +634,55 @@ fn random_bits_match_the_reference_and_look_uniform() {
         );
     }
     assert_eq!(read::<u32>(&a1[4]), random::threefry2x32(key_a, [0, 7]).to_vec());
+}
+
+/// A rematerialised region ([`Graph::checkpoint`]) gives the gradients of the plain trace,
+/// and its program recomputes the region's forward (its products appear twice) behind an
+/// optimization barrier.
+#[test]
+fn checkpointed_layers_give_the_plain_gradients_and_recompute_their_forward() {
+    let mut r = rng("checkpoint");
+    let (n, d) = (4usize, 5usize);
+    let x = uniform(&mut r, n * d, -1.0, 1.0);
+    let w1 = uniform(&mut r, d * d, -1.0, 1.0);
+    let w2 = uniform(&mut r, d * d, -1.0, 1.0);
+    let trace = |remat: bool| {
+        let g = Graph::new(if remat { "remat" } else { "plain" });
+        let tx = g.parameter("x", DType::F64, &[n as i64, d as i64]);
+        let t1 = g.parameter("w1", DType::F64, &[d as i64, d as i64]);
+        let t2 = g.parameter("w2", DType::F64, &[d as i64, d as i64]);
+        let layer = |h: &Tensor, w: &Tensor| {
+            let f = || {
+                let a = h.matmul(w).tanh();
+                &(&a * &a).softmax(-1) + h
+            };
+            if remat {
+                g.checkpoint(f)
+            } else {
+                f()
+            }
+        };
+        let h = layer(&layer(&tx, &t1), &t2);
+        let loss = (&h * &h).sum_all();
+        let grads = xla::graph::grad(&loss, &[&tx, &t1, &t2]).unwrap();
+        let mut outs = vec![&loss];
+        outs.extend(grads.iter());
+        g.build(&outs).unwrap()
+    };
+    let (plain, remat) = (trace(false), trace(true));
+    let dots = |p: &xla::graph::Program| p.mlir().matches("dot_general").count();
+    // Two layers: one forward product each, recomputed once each in the backward pass.
+    assert_eq!(dots(&remat), dots(&plain) + 2, "{}", remat.mlir());
+    assert!(remat.mlir().contains("optimization_barrier"));
+    assert!(!plain.mlir().contains("optimization_barrier"));
+    let args = [
+        upload(&x, &[n as i64, d as i64]),
+        upload(&w1, &[d as i64, d as i64]),
+        upload(&w2, &[d as i64, d as i64]),
+    ];
+    let refs: Vec<_> = args.iter().collect();
+    let (want, got) = (run(&plain, &refs), run(&remat, &refs));
+    for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+        assert_close(&format!("output {i}"), &read::<f64>(g), &read::<f64>(w), 1e-12);
+    }
 }

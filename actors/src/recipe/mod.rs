@@ -56,6 +56,12 @@ pub struct ModelSection {
     /// `trainer.seed` (for tests and for compile-only checks of architectures not at hand).
     #[serde(default)]
     pub random_init: bool,
+    /// Recompute each decoder layer's activations in the learner's backward pass instead of
+    /// keeping them (VeRL's `actor_rollout_ref.model.enable_gradient_checkpointing`): a second
+    /// forward pass of every layer for the memory of all but one layer's activations.
+    /// `grpo compile` reports both sides.
+    #[serde(default)]
+    pub enable_gradient_checkpointing: bool,
 }
 
 /// `rollout:` how responses are generated.

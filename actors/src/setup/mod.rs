@@ -130,6 +130,7 @@ pub fn policy(recipe: &Recipe, config: &model::ModelConfig) -> DecoderPolicy {
             .parallelism(&recipe.cluster)
             .devices(micro_batch_size as i64)
             .unwrap_or(1),
+        remat: recipe.model.enable_gradient_checkpointing,
     }
 }
 

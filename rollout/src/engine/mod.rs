@@ -138,7 +138,7 @@ impl Engine {
             )));
         }
         let dtype = check_replicas(config, &weights, None, &devices, version)?;
-        let plan = ProgramPlan::new(config, &settings, devices.len(), dtype);
+        let plan = ProgramPlan::new(config, &settings, devices.len(), dtype, client.plugin().kind());
         let cache_shape = &plan.cache;
         cache_shape.check_devices()?;
         tracing::info!(

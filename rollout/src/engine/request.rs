@@ -3,6 +3,7 @@
 
 use crate::error::RolloutError;
 use crate::sampling::{SamplerKind, SamplingParams};
+use model::forward::KvWrite;
 
 /// Static sizes of an engine.
 #[derive(Clone, Debug)]
@@ -31,6 +32,9 @@ pub struct EngineConfig {
     pub prefill_batch: usize,
     /// The on-device sampler.
     pub sampler: SamplerKind,
+    /// How decode writes each new key and value into the cache; `None`: the one that suits
+    /// the engine's plugin ([`KvWrite::for_plugin`]).
+    pub kv_write: Option<KvWrite>,
 }
 
 impl EngineConfig {
@@ -45,6 +49,7 @@ impl EngineConfig {
             kv_chunk: 0,
             prefill_batch: 1,
             sampler: SamplerKind::default(),
+            kv_write: None,
         }
     }
 

@@ -31,6 +31,7 @@ use clap::{ArgGroup, Args, ValueEnum};
 use model::{GgufFile, ModelConfig};
 use rollout::plan::{DecodeKey, PrefillKey, ProgramPlan};
 use rollout::programs::{DecodeSample, PrefillFanout};
+use trainer::policy::DecoderPolicy;
 use trainer::step::build_train_programs;
 use xla::graph::Program;
 use xla::runtime::tpu::{
@@ -201,7 +202,7 @@ pub fn run(args: CompileArgs) -> Result<ExitCode> {
         config.num_parameters() as f64 / 1e6
     );
     let started = Instant::now();
-    let plan = Plan::for_recipe(&recipe, &config)?;
+    let plan = Plan::for_recipe(&recipe, &config, target_kind.plugin())?;
     eprintln!(
         "traced {} programs in {:.1} s",
         plan.programs.len(),
@@ -275,6 +276,26 @@ pub fn run(args: CompileArgs) -> Result<ExitCode> {
             (r.clone(), m)
         })
         .collect();
+    let remat = match &plan.without_remat {
+        Some((label, program)) => match measured.iter().find(|(r, _)| &r.label == label) {
+            Some((_, with)) => {
+                eprint!(
+                    "[+] compiling {} without rematerialisation, for comparison ... ",
+                    program.name()
+                );
+                let c = target.compile(program)?;
+                eprintln!("{:.1} s", c.seconds);
+                let without = measure(program, &c, &target, &plan.param_names);
+                Some(RematEffect {
+                    program: label.clone(),
+                    with: with.clone(),
+                    without,
+                })
+            }
+            None => None,
+        },
+        None => None,
+    };
     let programs_fit = measured.iter().all(|(_, m)| m.fits);
     let complete = args.only.is_empty();
     let estimate = if complete { step_estimate(&measured) } else { None };
@@ -340,6 +361,14 @@ pub fn run(args: CompileArgs) -> Result<ExitCode> {
                 "fits": t.fits(),
             })),
             "step_seconds": estimate.map(|(r, l)| serde_json::json!({"rollout": r, "learner": l, "total": r + l})),
+            "remat": remat.as_ref().map(|e| serde_json::json!({
+                "program": e.program,
+                "temp_bytes": e.with.temp_bytes,
+                "temp_bytes_without": e.without.temp_bytes,
+                "flops": e.with.flops,
+                "flops_without": e.without.flops,
+                "fits_without": e.without.fits,
+            })),
             "advice": advice,
         });
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -365,6 +394,9 @@ pub fn run(args: CompileArgs) -> Result<ExitCode> {
         }
         if let Some(t) = &total {
             println!("{}", t.describe());
+        }
+        if let Some(e) = &remat {
+            println!("{}", e.describe());
         }
         if all_fit {
             println!("everything fits");
@@ -416,7 +448,7 @@ mod tests {
     }
 
     fn plan_for(r: &Recipe) -> Plan {
-        Plan::for_recipe(r, &tiny()).unwrap()
+        Plan::for_recipe(r, &tiny(), PluginKind::Cpu).unwrap()
     }
 
     /// The labels of `plan`'s rows that start with `prefix`, in plan order.

@@ -31,18 +31,34 @@ pub(super) struct Plan {
     /// the learner's layout: what the learner state is counted from when no compiled learner
     /// program says (`--only` without one).
     pub(super) master_bytes_per_device: u64,
+    /// With `model.enable_gradient_checkpointing`: the label of the learner's gradient
+    /// program (`train_step` or `accumulate`) and that program traced without
+    /// rematerialisation, compiled beside it to report what remat saves and costs.
+    pub(super) without_remat: Option<(String, Program)>,
 }
 
 impl Plan {
-    /// Every program a run of `recipe` compiles (rollout, then learner), traced, not compiled.
-    pub(super) fn for_recipe(recipe: &Recipe, config: &ModelConfig) -> Result<Plan, CompileError> {
+    /// Every program a run of `recipe` compiles (rollout, then learner) on a `plugin`'s
+    /// devices, traced, not compiled.
+    pub(super) fn for_recipe(
+        recipe: &Recipe,
+        config: &ModelConfig,
+        plugin: PluginKind,
+    ) -> Result<Plan, CompileError> {
         let settings = engine_config(recipe, &[]);
         let mut plan = Plan {
             programs: Vec::new(),
             rows: Vec::new(),
             param_names: model::param_table(config).into_iter().map(|s| s.name).collect(),
-            rollout: ProgramPlan::new(config, &settings, recipe.rollout_devices(), rollout_dtype(recipe)),
+            rollout: ProgramPlan::new(
+                config,
+                &settings,
+                recipe.rollout_devices(),
+                rollout_dtype(recipe),
+                plugin,
+            ),
             master_bytes_per_device: master_bytes_per_device(recipe, config)?,
+            without_remat: None,
         };
         plan_rollout(&mut plan, recipe, config)?;
         plan_learner(&mut plan, recipe, config)?;
@@ -195,22 +211,36 @@ pub(super) fn plan_learner(
     let total_steps = recipe.trainer.total_training_steps.unwrap_or(1).max(1) as u64;
     let update = update_config(recipe, batches.total_optimizer_steps(total_steps));
     let specs = policy.param_specs();
-    let p = policy.clone();
-    let programs = build_train_programs(
-        &update.step,
-        &specs,
-        &policy.input_specs(),
-        move |params, batch| p.log_probs(params, batch),
-    )
-    .map_err(|e| CompileError::Build {
-        role: "learner",
-        message: e.to_string(),
-    })?;
+    let build = |policy: &DecoderPolicy| {
+        let p = policy.clone();
+        build_train_programs(
+            &update.step,
+            &specs,
+            &policy.input_specs(),
+            move |params, batch| p.log_probs(params, batch),
+        )
+        .map_err(|e| CompileError::Build {
+            role: "learner",
+            message: e.to_string(),
+        })
+    };
+    let programs = build(&policy)?;
     let micro = batches.micro_batch_size.max(1);
     let epochs = batches.epochs.max(1) as f64;
     let mini_batches = batches.mini_batches_per_step() as f64;
     let micro_per_mini = batches.micro_batches_per_mini_batch();
     let accumulating = micro_per_mini > 1;
+    if policy.remat {
+        let plain = build(&DecoderPolicy {
+            remat: false,
+            ..policy.clone()
+        })?;
+        plan.without_remat = Some(if accumulating {
+            ("accumulate".to_string(), plain.accumulate)
+        } else {
+            ("train_step".to_string(), plain.train_step)
+        });
+    }
     let micro_batches = batches.micro_batches_per_step() as f64;
     let purpose_mb = format!(
         "{micro} responses of {} tokens after {} prompts of {}",

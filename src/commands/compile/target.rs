@@ -319,3 +319,48 @@ pub(super) fn topology_with_devices(generation: &str, devices: usize) -> Option<
         .min()
         .map(|(_, t)| t)
 }
+
+/// What rematerialisation (`model.enable_gradient_checkpointing`) does to the learner's
+/// gradient program: the compiled program and the same program traced without it.
+pub(super) struct RematEffect {
+    pub(super) program: String,
+    pub(super) with: Measured,
+    pub(super) without: Measured,
+}
+
+impl RematEffect {
+    /// One line: temporaries saved and flops added.
+    pub(super) fn describe(&self) -> String {
+        let temps = match (self.with.temp_bytes, self.without.temp_bytes) {
+            (Some(w), Some(wo)) => format!(
+                "temporaries {} per device ({} without: {})",
+                bytes(w),
+                bytes(wo),
+                if wo >= w {
+                    format!("{} saved", bytes(wo - w))
+                } else {
+                    format!("{} more", bytes(w - wo))
+                }
+            ),
+            _ => "temporaries not reported".to_string(),
+        };
+        let flops = match (self.with.flops, self.without.flops) {
+            (Some(w), Some(wo)) if wo > 0.0 => format!(
+                "{:.1} GFLOP per run ({:.1} without: {:+.0}%)",
+                w / 1e9,
+                wo / 1e9,
+                100.0 * (w / wo - 1.0)
+            ),
+            _ => "flops not reported".to_string(),
+        };
+        format!(
+            "rematerialisation (model.enable_gradient_checkpointing) in {}: {temps}; {flops}{}",
+            self.program,
+            if self.without.fits {
+                ""
+            } else {
+                "; without it the program does not fit"
+            }
+        )
+    }
+}

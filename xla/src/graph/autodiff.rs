@@ -5,11 +5,18 @@
 //! operand cotangents, which are summed where a value is used more than once. Only nodes that
 //! both depend on a requested input and lead to an output are visited. Integer and boolean
 //! values carry no gradient; asking for one is an error.
+//!
+//! A rematerialised region ([`Graph::checkpoint`]) is recomputed when the walk first reaches
+//! one of its nodes: its nodes are traced again from its inputs (passed, with the cotangents
+//! held for its values at that point, through one optimization barrier), and the VJP rules of
+//! its nodes read the recomputed values. Cotangents stay keyed by the original values.
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::panic::Location;
 
-use crate::graph::builder::{Graph, Tensor, ValueRef};
+use crate::graph::builder::{Graph, Node, Tensor, ValueRef};
+use crate::graph::ops::Op;
 use crate::graph::GraphError;
 
 fn grad_error(message: String, loc: &'static Location<'static>) -> GraphError {
@@ -73,10 +80,13 @@ pub fn vjp(outputs: &[&Tensor], cotangents: &[&Tensor], wrt: &[&Tensor]) -> Resu
         }
     }
 
-    let (n, nodes) = {
+    let (n, nodes, regions) = {
         let inner = graph.inner.borrow();
-        (inner.nodes.len(), inner.nodes.clone())
+        (inner.nodes.len(), inner.nodes.clone(), inner.remat.clone())
     };
+    let region_of = |id: usize| regions.iter().position(|r| r.contains(&id));
+    // Region index -> (original value -> recomputed value), filled on first use.
+    let mut recomputed: HashMap<usize, HashMap<ValueRef, ValueRef>> = HashMap::new();
     // Which nodes depend (differentiably) on a requested input.
     let mut depends = vec![false; n];
     for w in wrt {
@@ -117,7 +127,13 @@ pub fn vjp(outputs: &[&Tensor], cotangents: &[&Tensor], wrt: &[&Tensor]) -> Resu
         if refs.iter().all(|r| !cts.contains_key(r)) {
             continue;
         }
-        let ys: Vec<Tensor> = refs.iter().map(|r| graph.tensor(*r)).collect();
+        let remap = region_of(id).map(|r| {
+            &*recomputed
+                .entry(r)
+                .or_insert_with(|| recompute(&graph, &nodes, regions[r].clone(), &cts, loc))
+        });
+        let value = |v: ValueRef| graph.tensor(remap.and_then(|m| m.get(&v)).copied().unwrap_or(v));
+        let ys: Vec<Tensor> = refs.iter().map(|r| value(*r)).collect();
         // A requested value keeps its cotangent; others hand theirs on and drop it.
         let gs: Vec<Tensor> = refs
             .iter()
@@ -131,11 +147,11 @@ pub fn vjp(outputs: &[&Tensor], cotangents: &[&Tensor], wrt: &[&Tensor]) -> Resu
                 c.unwrap_or_else(|| y.zeros_like())
             })
             .collect();
-        let xs: Vec<Tensor> = node.inputs.iter().map(|v| graph.tensor(*v)).collect();
+        let xs: Vec<Tensor> = node.inputs.iter().map(|v| value(*v)).collect();
         let contributions = node.op.vjp(&xs, &ys, &gs);
-        for (x, c) in xs.iter().zip(contributions) {
+        for ((x, original), c) in xs.iter().zip(&node.inputs).zip(contributions) {
             let Some(c) = c else { continue };
-            if !depends[x.value.node] || !x.dtype().is_float() {
+            if !depends[original.node] || !x.dtype().is_float() {
                 continue;
             }
             if c.ty() != x.ty() {
@@ -149,7 +165,7 @@ pub fn vjp(outputs: &[&Tensor], cotangents: &[&Tensor], wrt: &[&Tensor]) -> Resu
                     loc,
                 ));
             }
-            accumulate(&mut cts, x.value, c);
+            accumulate(&mut cts, *original, c);
         }
     }
     graph.check()?;
@@ -157,6 +173,63 @@ pub fn vjp(outputs: &[&Tensor], cotangents: &[&Tensor], wrt: &[&Tensor]) -> Resu
         .iter()
         .map(|w| cts.get(&w.value).cloned().unwrap_or_else(|| w.zeros_like()))
         .collect())
+}
+
+/// Traces the nodes of `region` again and returns original value -> recomputed value. The
+/// region's inputs from earlier nodes and parameters (not constants and iotas, which are
+/// reused as they are) enter through one optimization barrier together with the
+/// cotangents `cts` holds for the region's values, which orders the recomputation after the
+/// backward pass has reached the region.
+fn recompute(
+    graph: &Graph,
+    nodes: &[Node],
+    region: Range<usize>,
+    cts: &HashMap<ValueRef, Tensor>,
+    loc: &'static Location<'static>,
+) -> HashMap<ValueRef, ValueRef> {
+    let mut inputs: Vec<ValueRef> = Vec::new();
+    for node in &nodes[region.clone()] {
+        for v in &node.inputs {
+            let constant =
+                nodes[v.node].inputs.is_empty() && !matches!(nodes[v.node].op, Op::Parameter { .. });
+            if !region.contains(&v.node) && !constant && !inputs.contains(v) {
+                inputs.push(*v);
+            }
+        }
+    }
+    let mut held: Vec<&Tensor> = cts
+        .iter()
+        .filter(|(v, _)| region.contains(&v.node))
+        .map(|(_, t)| t)
+        .collect();
+    held.sort_by_key(|t| t.value);
+    let originals: Vec<Tensor> = inputs.iter().map(|v| graph.tensor(*v)).collect();
+    let mut barrier_in: Vec<&Tensor> = originals.iter().collect();
+    barrier_in.extend(held);
+    let through = graph.optimization_barrier(&barrier_in);
+    let mut map: HashMap<ValueRef, ValueRef> =
+        inputs.iter().zip(&through).map(|(v, t)| (*v, t.value)).collect();
+    for id in region {
+        let node = &nodes[id];
+        if node.inputs.is_empty() {
+            continue;
+        }
+        let args: Vec<Tensor> = node
+            .inputs
+            .iter()
+            .map(|v| graph.tensor(map.get(v).copied().unwrap_or(*v)))
+            .collect();
+        let arg_refs: Vec<&Tensor> = args.iter().collect();
+        let outs = match &node.op {
+            // Built directly (variadic), as `Graph::optimization_barrier` does.
+            Op::OptimizationBarrier => graph.optimization_barrier(&arg_refs),
+            op => graph.add(op.clone(), &arg_refs, loc),
+        };
+        for (output, t) in outs.iter().enumerate() {
+            map.insert(ValueRef { node: id, output }, t.value);
+        }
+    }
+    map
 }
 
 /// The gradient of a scalar floating-point `loss` with respect to each of `wrt`.

@@ -95,6 +95,10 @@ pub(crate) struct GraphInner {
     pub mesh: Option<Mesh>,
     /// Splat constants already recorded, so each distinct one appears once in the program.
     pub const_cache: HashMap<(DType, Vec<i64>, String), ValueRef>,
+    /// Rematerialised regions ([`Graph::checkpoint`]): node ranges, in order, disjoint.
+    pub remat: Vec<std::ops::Range<usize>>,
+    /// True while a [`Graph::checkpoint`] closure runs (an inner one joins the outer region).
+    pub in_checkpoint: bool,
 }
 
 /// A graph under construction. Cheap to clone (shared handle); used from one thread.
@@ -153,6 +157,8 @@ impl Graph {
                 error: None,
                 mesh: None,
                 const_cache: HashMap::new(),
+                remat: Vec::new(),
+                in_checkpoint: false,
             })),
         }
     }
@@ -199,6 +205,32 @@ impl Graph {
     /// Number of nodes recorded so far.
     pub fn num_nodes(&self) -> usize {
         self.inner.borrow().nodes.len()
+    }
+
+    /// Traces `f` as a rematerialised region (JAX's `jax.checkpoint`): the backward pass
+    /// ([`crate::graph::vjp`]) recomputes what `f` computes from the region's inputs instead of
+    /// keeping those values alive from the forward pass, trading a second forward of the
+    /// region for its activations' memory. The recomputation reads its inputs through an
+    /// optimization barrier that also holds the region's incoming cotangents, so XLA neither
+    /// merges it with the forward values nor hoists it before the backward pass reaches the
+    /// region. A checkpoint inside another joins the outer region.
+    pub fn checkpoint<R>(&self, f: impl FnOnce() -> R) -> R {
+        if self.inner.borrow().in_checkpoint {
+            return f();
+        }
+        let start = {
+            let mut g = self.inner.borrow_mut();
+            g.in_checkpoint = true;
+            g.nodes.len()
+        };
+        let out = f();
+        let mut g = self.inner.borrow_mut();
+        g.in_checkpoint = false;
+        let end = g.nodes.len();
+        if end > start {
+            g.remat.push(start..end);
+        }
+        out
     }
 
     /// Declares the device mesh of an SPMD program. Parameters without an explicit sharding

@@ -387,20 +387,24 @@ pub enum Op {
         kind: ReduceKind,
         dims: Vec<usize>,
     },
-    /// Rows of the operand along `axis` picked by integer indices: the result has shape
-    /// `operand[..axis] ++ indices ++ operand[axis+1..]`.
+    /// Elements of the operand picked by integer indices along `axes` (strictly increasing).
+    /// With one axis the indices' whole shape is the batch (`table.take(ids, 0)`); with k > 1
+    /// axes their last dimension (of size k) holds one coordinate per axis. The result has
+    /// shape `operand[..axes[0]] ++ batch ++ (the operand's later non-indexed dimensions)`.
+    /// Out-of-range coordinates are clamped.
     Take {
-        axis: usize,
+        axes: Vec<usize>,
     },
     /// Inputs: operand, indices, updates (shaped as `Take`'s result); adds each update into the
-    /// row of the operand its index names.
+    /// window of the operand its coordinates name. Out-of-range coordinates are dropped.
     ScatterAdd {
-        axis: usize,
+        axes: Vec<usize>,
     },
-    /// Like `ScatterAdd`, but each update replaces the row (with repeated indices, one of the
-    /// updates wins). Writing a KV-cache row per slot is a `ScatterSet` on flattened rows.
+    /// Like `ScatterAdd`, but each update replaces its window (with repeated coordinates, one
+    /// of the updates wins). Writing a KV-cache row per slot is a `ScatterSet` over the
+    /// (slot, position) axes, in the cache's own layout.
     ScatterSet {
-        axis: usize,
+        axes: Vec<usize>,
     },
     /// Inclusive running sum along `dim` (from the end when `reverse`).
     Cumsum {
@@ -503,19 +507,65 @@ fn reduce_init(kind: ReduceKind, dtype: DType) -> f64 {
     }
 }
 
-/// Result shape of `Take`: `operand[..axis] ++ indices ++ operand[axis+1..]`.
-fn take_dims(operand: &[i64], indices: &[i64], axis: usize) -> Vec<i64> {
-    let mut d = operand[..axis].to_vec();
-    d.extend_from_slice(indices);
-    d.extend_from_slice(&operand[axis + 1..]);
-    d
+/// How a `Take` or scatter indexes: the batch shape of its indices, the operand dimensions
+/// its result keeps (window dimensions) and where they sit in the result, and the index
+/// vector dimension StableHLO is told about.
+struct Indexing {
+    batch: Vec<i64>,
+    /// Kept dimensions before the batch (those before the first indexed axis).
+    before: usize,
+    kept: Vec<usize>,
+    offset: Vec<usize>,
+    index_vector_dim: usize,
 }
 
-/// Result positions of the operand's non-indexed dimensions in a `Take` result.
-fn take_offset_dims(rank: usize, index_rank: usize, axis: usize) -> Vec<usize> {
-    (0..axis)
-        .chain(axis + index_rank..rank - 1 + index_rank)
-        .collect()
+impl Indexing {
+    /// Checks `axes` against the operand and indices and lays out the result.
+    fn new(operand: &TensorType, indices: &TensorType, axes: &[usize]) -> Result<Self, String> {
+        let rank = operand.rank();
+        if axes.is_empty() || axes.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(format!("axes {axes:?} must be non-empty and strictly increasing"));
+        }
+        if let Some(&a) = axes.iter().find(|&&a| a >= rank) {
+            return Err(format!("axis {a} is out of range for rank {rank}"));
+        }
+        if !indices.dtype.is_integer() {
+            return Err(format!("indices must be integers, not {}", indices.dtype));
+        }
+        let (batch, index_vector_dim) = if axes.len() == 1 {
+            (indices.dims.clone(), indices.rank())
+        } else {
+            match indices.dims.split_last() {
+                Some((&k, batch)) if k == axes.len() as i64 => (batch.to_vec(), indices.rank() - 1),
+                _ => {
+                    return Err(format!(
+                        "indices for {} axes need a last dimension of size {}, not {:?}",
+                        axes.len(),
+                        axes.len(),
+                        indices.dims
+                    ))
+                }
+            }
+        };
+        let kept: Vec<usize> = (0..rank).filter(|d| !axes.contains(d)).collect();
+        let before = axes[0];
+        let offset = (0..kept.len())
+            .map(|i| if i < before { i } else { i + batch.len() })
+            .collect();
+        Ok(Self {
+            batch,
+            before,
+            kept,
+            offset,
+            index_vector_dim,
+        })
+    }
+
+    fn result_dims(&self, operand: &[i64]) -> Vec<i64> {
+        let mut dims: Vec<i64> = self.kept.iter().map(|&d| operand[d]).collect();
+        dims.splice(self.before..self.before, self.batch.iter().copied());
+        dims
+    }
 }
 
 impl Op {
@@ -960,27 +1010,16 @@ impl Op {
                     .collect();
                 one(TensorType::new(x.dtype, &out))
             }
-            Op::Take { axis } => {
+            Op::Take { axes } => {
                 arity(2)?;
                 let (x, idx) = (ins[0], ins[1]);
-                if *axis >= x.rank() {
-                    return Err(format!("axis {axis} is out of range for rank {}", x.rank()));
-                }
-                if !idx.dtype.is_integer() {
-                    return Err(format!("indices must be integers, not {}", idx.dtype));
-                }
-                one(TensorType::new(x.dtype, &take_dims(&x.dims, &idx.dims, *axis)))
+                let at = Indexing::new(x, idx, axes)?;
+                one(TensorType::new(x.dtype, &at.result_dims(&x.dims)))
             }
-            Op::ScatterAdd { axis } | Op::ScatterSet { axis } => {
+            Op::ScatterAdd { axes } | Op::ScatterSet { axes } => {
                 arity(3)?;
                 let (x, idx, u) = (ins[0], ins[1], ins[2]);
-                if *axis >= x.rank() {
-                    return Err(format!("axis {axis} is out of range for rank {}", x.rank()));
-                }
-                if !idx.dtype.is_integer() {
-                    return Err(format!("indices must be integers, not {}", idx.dtype));
-                }
-                let want = take_dims(&x.dims, &idx.dims, *axis);
+                let want = Indexing::new(x, idx, axes)?.result_dims(&x.dims);
                 if u.dtype != x.dtype || u.dims != want {
                     return Err(format!("updates must be {} {want:?}", x.dtype));
                 }
@@ -1172,37 +1211,43 @@ impl Op {
                     o.mlir()
                 )
             }
-            Op::Take { axis } => {
+            Op::Take { axes } => {
                 let (x, idx) = (in_tys[0], in_tys[1]);
-                let offset = take_offset_dims(x.rank(), idx.rank(), *axis);
+                let at = Indexing::new(x, idx, axes).expect("checked by infer");
                 let mut sizes = x.dims.clone();
-                sizes[*axis] = 1;
-                let offset_txt = if offset.is_empty() {
+                for &a in axes {
+                    sizes[a] = 1;
+                }
+                let offset_txt = if at.offset.is_empty() {
                     String::new()
                 } else {
-                    format!("offset_dims = [{}], ", list(&offset))
+                    format!("offset_dims = [{}], ", list(&at.offset))
                 };
                 generic(
                     "gather",
                     &format!(
-                        "dimension_numbers = #stablehlo.gather<{offset_txt}collapsed_slice_dims = [{axis}], start_index_map = [{axis}], index_vector_dim = {}>, indices_are_sorted = false, slice_sizes = {}",
-                        idx.rank(),
+                        "dimension_numbers = #stablehlo.gather<{offset_txt}collapsed_slice_dims = [{}], start_index_map = [{}], index_vector_dim = {}>, indices_are_sorted = false, slice_sizes = {}",
+                        list(axes),
+                        list(axes),
+                        at.index_vector_dim,
                         i64_array(&sizes)
                     ),
                 )
             }
-            Op::ScatterAdd { axis } | Op::ScatterSet { axis } => {
+            Op::ScatterAdd { axes } | Op::ScatterSet { axes } => {
                 let (x, idx) = (in_tys[0], in_tys[1]);
-                let window = take_offset_dims(x.rank(), idx.rank(), *axis);
-                let window_txt = if window.is_empty() {
+                let at = Indexing::new(x, idx, axes).expect("checked by infer");
+                let window_txt = if at.offset.is_empty() {
                     String::new()
                 } else {
-                    format!("update_window_dims = [{}], ", list(&window))
+                    format!("update_window_dims = [{}], ", list(&at.offset))
                 };
                 format!(
-                    "{out} = \"stablehlo.scatter\"({}) <{{indices_are_sorted = false, scatter_dimension_numbers = #stablehlo.scatter<{window_txt}inserted_window_dims = [{axis}], scatter_dims_to_operand_dims = [{axis}], index_vector_dim = {}>, unique_indices = false}}> {} : {}",
+                    "{out} = \"stablehlo.scatter\"({}) <{{indices_are_sorted = false, scatter_dimension_numbers = #stablehlo.scatter<{window_txt}inserted_window_dims = [{}], scatter_dims_to_operand_dims = [{}], index_vector_dim = {}>, unique_indices = false}}> {} : {}",
                     ins.join(", "),
-                    idx.rank(),
+                    list(axes),
+                    list(axes),
+                    at.index_vector_dim,
                     if matches!(self, Op::ScatterSet { .. }) {
                         replace_region(&base, x.dtype)
                     } else {
@@ -1397,7 +1442,7 @@ impl Op {
                 let to_bound = |mask: Tensor, bound: &Tensor| {
                     let d = mask.select(g0, &zero);
                     if bound.rank() == 0 {
-                        d.sum_all()
+                        sum_to_scalar(&d)
                     } else {
                         d
                     }
@@ -1487,11 +1532,7 @@ impl Op {
                     })
                     .collect()
             }
-            Op::Pad {
-                low,
-                high: _,
-                interior,
-            } => {
+            Op::Pad { low, high, interior } => {
                 let a = &x[0];
                 let ga = if a.num_elements() == 0 {
                     a.zeros_like()
@@ -1502,7 +1543,10 @@ impl Op {
                     let stride: Vec<i64> = interior.iter().map(|i| i + 1).collect();
                     g0.slice(low, &limit, &stride)
                 };
-                let gv = &g0.sum_all() - &ga.sum_all();
+                // Summed over the padded positions themselves (a 0/1 mask), not as the total
+                // minus the operand's part, which cancels catastrophically in bf16.
+                let padded = a.zeros_like().pad(&x[1].ones_like(), low, high, interior);
+                let gv = sum_to_scalar(&(g0 * &padded));
                 vec![Some(ga), Some(gv)]
             }
             Op::DotGeneral { dims, .. } => {
@@ -1531,12 +1575,12 @@ impl Op {
                     }
                 }
             }
-            Op::Take { axis } => vec![Some(x[0].zeros_like().scatter_add(&x[1], g0, *axis)), None],
-            Op::ScatterAdd { axis } => vec![Some(g0.clone()), None, Some(g0.take(&x[1], *axis))],
-            Op::ScatterSet { axis } => vec![
-                Some(g0.scatter(&x[1], &x[2].zeros_like(), *axis)),
+            Op::Take { axes } => vec![Some(x[0].zeros_like().scatter_add_at(&x[1], g0, axes)), None],
+            Op::ScatterAdd { axes } => vec![Some(g0.clone()), None, Some(g0.take_at(&x[1], axes))],
+            Op::ScatterSet { axes } => vec![
+                Some(g0.scatter_at(&x[1], &x[2].zeros_like(), axes)),
                 None,
-                Some(g0.take(&x[1], *axis)),
+                Some(g0.take_at(&x[1], axes)),
             ],
             Op::Cumsum { dim, reverse } => vec![Some(g0.cumsum(*dim as i64, !*reverse))],
             Op::Sort { .. } => vec![Some(scatter_last_axis(g0, &y[1]))],
@@ -1555,6 +1599,16 @@ impl Op {
 
 /// `out[..., idx[..., i]] = g[..., i]` for a permutation `idx` along the last axis (the
 /// transpose of a sort).
+/// The sum of every element of a cotangent bound for a scalar operand, accumulated in f32
+/// when the type is narrower (one term per element: a bf16 running sum loses the small ones).
+fn sum_to_scalar(t: &Tensor) -> Tensor {
+    let wide = match t.dtype() {
+        DType::BF16 | DType::F16 => DType::F32,
+        other => other,
+    };
+    t.convert_if_needed(wide).sum_all().convert_if_needed(t.dtype())
+}
+
 fn scatter_last_axis(g: &Tensor, idx: &Tensor) -> Tensor {
     let dims = g.dims().to_vec();
     let n = *dims.last().unwrap_or(&1);
@@ -1722,9 +1776,9 @@ pub fn differentiable_primitive_names() -> Vec<&'static str> {
             kind: ReduceKind::Min,
             dims: vec![],
         },
-        Op::Take { axis: 0 },
-        Op::ScatterAdd { axis: 0 },
-        Op::ScatterSet { axis: 0 },
+        Op::Take { axes: vec![0] },
+        Op::ScatterAdd { axes: vec![0] },
+        Op::ScatterSet { axes: vec![0] },
         Op::Cumsum {
             dim: 0,
             reverse: false,

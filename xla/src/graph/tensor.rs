@@ -632,16 +632,35 @@ impl Tensor {
     /// Out-of-range indices are clamped.
     #[track_caller]
     pub fn take(&self, indices: &Tensor, axis: usize) -> Tensor {
-        self.graph
-            .add1(Op::Take { axis }, &[self, indices], Location::caller())
+        self.take_at(indices, &[axis])
+    }
+
+    /// Elements picked by coordinates along several `axes` (strictly increasing): `indices`
+    /// is `[batch.., axes.len()]` (or just `[batch..]` for one axis), and the result is
+    /// `self[..axes[0]] ++ batch ++ (the later dimensions not in axes)`. For a KV cache
+    /// `[S, kv_heads, L, hd]`, `indices [S, 2]` of (slot, position) and `axes = [0, 2]` pick
+    /// `[S, kv_heads, hd]`. Out-of-range coordinates are clamped.
+    #[track_caller]
+    pub fn take_at(&self, indices: &Tensor, axes: &[usize]) -> Tensor {
+        self.graph.add1(
+            Op::Take { axes: axes.to_vec() },
+            &[self, indices],
+            Location::caller(),
+        )
     }
 
     /// Adds `updates` (shaped like `self.take(indices, axis)`) into the rows `indices` name;
     /// repeated indices accumulate, out-of-range ones are dropped.
     #[track_caller]
     pub fn scatter_add(&self, indices: &Tensor, updates: &Tensor, axis: usize) -> Tensor {
+        self.scatter_add_at(indices, updates, &[axis])
+    }
+
+    /// [`Tensor::scatter_add`] with coordinates along several axes, as in [`Tensor::take_at`].
+    #[track_caller]
+    pub fn scatter_add_at(&self, indices: &Tensor, updates: &Tensor, axes: &[usize]) -> Tensor {
         self.graph.add1(
-            Op::ScatterAdd { axis },
+            Op::ScatterAdd { axes: axes.to_vec() },
             &[self, indices, updates],
             Location::caller(),
         )
@@ -652,8 +671,16 @@ impl Tensor {
     /// out-of-range ones are dropped.
     #[track_caller]
     pub fn scatter(&self, indices: &Tensor, updates: &Tensor, axis: usize) -> Tensor {
+        self.scatter_at(indices, updates, &[axis])
+    }
+
+    /// [`Tensor::scatter`] with coordinates along several axes, as in [`Tensor::take_at`]:
+    /// writing each slot's new key `[S, kv_heads, hd]` into a cache `[S, kv_heads, L, hd]` at
+    /// (slot, position) touches only those rows, in the cache's own layout.
+    #[track_caller]
+    pub fn scatter_at(&self, indices: &Tensor, updates: &Tensor, axes: &[usize]) -> Tensor {
         self.graph.add1(
-            Op::ScatterSet { axis },
+            Op::ScatterSet { axes: axes.to_vec() },
             &[self, indices, updates],
             Location::caller(),
         )
