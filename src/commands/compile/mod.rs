@@ -57,7 +57,8 @@ use xla::runtime::{
         The model: only its architecture is read, from model.path's config.json (or a .gguf \
         file's metadata); when model.path does not exist (no checkpoint here), from \
         configs/<last part of model.path>/config.json beside the recipe (recipes/configs/ ships \
-        Qwen2.5-0.5B-Instruct), or from --model-config.\n\n\
+        Qwen2.5-0.5B-Instruct, Qwen2.5-7B-Instruct, Llama-3.1-8B-Instruct and Qwen3-8B), or from \
+        --model-config.\n\n\
         The table (stdout) gives per program: its sharding (mesh and partitions, or 1 device), \
         parameter / argument / temporary / peak bytes per device, the memory of a device (TPU HBM), \
         whether it fits, GFLOP per run, and a roofline time per run: max(flops / peak bf16 FLOP/s, \
@@ -445,6 +446,28 @@ mod tests {
             "/model/fixtures/tiny/qwen2/config.json"
         )))
         .unwrap()
+    }
+
+    /// The architectures `recipes/configs/` ships for `grpo compile` (no weights here): each
+    /// parses, with the parameter count its model card gives.
+    #[test]
+    fn the_shipped_architectures_parse_with_their_published_sizes() {
+        for (name, family, millions) in [
+            ("Qwen2.5-0.5B-Instruct", "qwen2", 494),
+            ("Qwen2.5-7B-Instruct", "qwen2", 7616),
+            ("Llama-3.1-8B-Instruct", "llama", 8030),
+            ("Qwen3-8B", "qwen3", 8191),
+        ] {
+            let path = format!(
+                "{}/recipes/configs/{name}/config.json",
+                env!("CARGO_MANIFEST_DIR")
+            );
+            let config =
+                ModelConfig::from_hf_file(Path::new(&path)).unwrap_or_else(|e| panic!("{path}: {e}"));
+            assert_eq!(config.family.to_string(), family, "{name}");
+            let got = (config.num_parameters() as f64 / 1e6).round() as u64;
+            assert_eq!(got, millions, "{name}");
+        }
     }
 
     fn plan_for(r: &Recipe) -> Plan {
