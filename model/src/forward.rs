@@ -985,10 +985,10 @@ pub fn decode_hidden_graph(
     let pos_clamped = positions.max(&positions.zeros_like());
     let (cos, sin) = rope_tables(config, &pos_clamped);
 
-    // (slot, position) of each slot's new row; inactive slots point past the end, which the
-    // scatter drops.
+    // Each slot's new row at its position; inactive slots point past the end: no write.
     let beyond = g.full(max_len as f64, DType::I32, &[s]);
-    let points = slot_points(g, s, &active.select(&pos_clamped, &beyond));
+    let rows = matches!(options.kv_write, KvWrite::Scatter | KvWrite::Masked)
+        .then(|| RowWrite::new(options.kv_write, &active.select(&pos_clamped, &beyond), max_len));
     // allowed [S, 1, 1, W]: key position <= the slot's position (< when the write is
     // skipped: the new key is then scored separately).
     let key_pos = g.iota(DType::I32, &[s, window], 1);
@@ -1017,7 +1017,9 @@ pub fn decode_hidden_graph(
         for (which, new) in [(0usize, &k), (1usize, &v)] {
             let c = &cache[2 * l + which];
             let updated = match options.kv_write {
-                KvWrite::Scatter | KvWrite::Masked => write_rows(options.kv_write, c, &points, new),
+                KvWrite::Scatter | KvWrite::Masked => {
+                    rows.as_ref().expect("built for this write").apply(c, new)
+                }
                 KvWrite::UpdateSlice => {
                     // rows [S, kvh, 1, hd]; inactive slots keep position 0's value.
                     let rows = new.reshape(&[s, kvh, 1, hd]).convert_if_needed(c.dtype());
@@ -1100,40 +1102,59 @@ pub fn decode_hidden_graph(
     (rms_norm(&h, &p.final_norm, config.rms_norm_eps), out_cache)
 }
 
-/// `cache [S, kvh, L, hd]` with slot s's row `new [S, kvh * hd]` written at position
-/// `points[s, 1]` (`points [S, 2]` is (slot, position); a position outside `0..L` writes
-/// nothing), by [`KvWrite::Scatter`] or [`KvWrite::Masked`].
-fn write_rows(write: KvWrite, cache: &Tensor, points: &Tensor, new: &Tensor) -> Tensor {
-    let dims = cache.dims().to_vec();
-    let (s, kvh, hd) = (dims[0], dims[1], dims[3]);
-    match write {
-        KvWrite::Scatter => cache.scatter_at(
-            points,
-            &new.reshape(&[s, kvh, hd]).convert_if_needed(cache.dtype()),
-            &[0, 2],
-        ),
-        KvWrite::Masked => {
-            let at = points
-                .slice_axis(1, 1, 2)
-                .reshape(&[s, 1, 1, 1])
-                .broadcast_to(&dims);
-            let hit = cache.graph().iota(DType::I32, &dims, 2).eq(&at);
-            let rows = new
-                .reshape(&[s, kvh, 1, hd])
-                .convert_if_needed(cache.dtype())
-                .broadcast_to(&dims);
-            hit.select(&rows, cache)
-        }
-        KvWrite::UpdateSlice | KvWrite::Skip => {
-            unreachable!("{write:?} is written by decode_hidden_graph itself")
-        }
-    }
+/// Where and how a decode step writes each slot's new row into one cache tensor
+/// `[S, kvh, L, hd]` ([`KvWrite::Scatter`] or [`KvWrite::Masked`]), worked out once per step
+/// (and chunk) and applied to the keys and values of every layer.
+struct RowWrite {
+    /// `[S, 2]` (slot, position) coordinates of the rows.
+    points: Tensor,
+    /// For [`KvWrite::Masked`]: `[S, 1, L, 1]`, true at each slot's position.
+    at_position: Option<Tensor>,
 }
 
-/// `[S, 2]` coordinates (slot, position) for a scatter over a cache's slot and position axes.
-fn slot_points(g: &Graph, s: i64, positions: &Tensor) -> Tensor {
-    let slots = g.iota(DType::I32, &[s, 1], 0);
-    Tensor::concat(&[&slots, &positions.reshape(&[s, 1])], 1)
+impl RowWrite {
+    /// Slot s writes at `positions[s]` of a tensor of `len` positions; a position outside
+    /// `0..len` writes nothing.
+    ///
+    /// # Panics
+    ///
+    /// On [`KvWrite::UpdateSlice`] or [`KvWrite::Skip`], which [`decode_hidden_graph`] writes
+    /// itself.
+    fn new(write: KvWrite, positions: &Tensor, len: i64) -> RowWrite {
+        let g = positions.graph();
+        let s = positions.dims()[0];
+        let column = positions.reshape(&[s, 1]);
+        let points = Tensor::concat(&[&g.iota(DType::I32, &[s, 1], 0), &column], 1);
+        let at_position = match write {
+            KvWrite::Scatter => None,
+            KvWrite::Masked => Some(
+                g.iota(DType::I32, &[s, len], 1)
+                    .eq(&column.broadcast_to(&[s, len]))
+                    .reshape(&[s, 1, len, 1]),
+            ),
+            KvWrite::UpdateSlice | KvWrite::Skip => {
+                panic!("a row write is a scatter or a masked rewrite, not {write:?}")
+            }
+        };
+        RowWrite { points, at_position }
+    }
+
+    /// `cache` with slot s's row of `new [S, kvh * hd]` written.
+    fn apply(&self, cache: &Tensor, new: &Tensor) -> Tensor {
+        let dims = cache.dims().to_vec();
+        let (s, kvh, hd) = (dims[0], dims[1], dims[3]);
+        match &self.at_position {
+            None => cache.scatter_at(
+                &self.points,
+                &new.reshape(&[s, kvh, hd]).convert_if_needed(cache.dtype()),
+                &[0, 2],
+            ),
+            Some(at) => {
+                let rows = new.reshape(&[s, kvh, 1, hd]).convert_if_needed(cache.dtype());
+                at.broadcast_to(&dims).select(&rows.broadcast_to(&dims), cache)
+            }
+        }
+    }
 }
 
 /// [`decode_hidden_graph`] over a KV cache split along positions into chunks of equal
@@ -1159,10 +1180,6 @@ pub fn decode_hidden_graph_chunked(
     attend_chunks: usize,
     write: KvWrite,
 ) -> (Tensor, Vec<Tensor>) {
-    assert!(
-        matches!(write, KvWrite::Scatter | KvWrite::Masked),
-        "a chunked cache is written by a scatter or a masked rewrite, not {write:?}"
-    );
     let g = p.graph();
     let config = &p.config;
     let layers = p.layers.len();
@@ -1181,16 +1198,15 @@ pub fn decode_hidden_graph_chunked(
     let pos_clamped = positions.max(&positions.zeros_like());
     let (cos, sin) = rope_tables(config, &pos_clamped);
 
-    // (slot, position within the chunk) of each slot's new row, per attended chunk; slots
-    // that are inactive or whose position is in another chunk point past the chunk's end,
-    // which the scatter drops.
+    // Each slot's new row at its position within its chunk, per attended chunk; slots that
+    // are inactive or whose position is in another chunk point past the chunk's end: no write.
     let beyond = g.full(chunk as f64, DType::I32, &[s]);
-    let points: Vec<Tensor> = (0..attend as i64)
+    let rows: Vec<RowWrite> = (0..attend as i64)
         .map(|c| {
             let start = g.full((c * chunk) as f64, DType::I32, &[s]);
             let local = &pos_clamped - &start;
             let inside = local.ge(&local.zeros_like()).and(&local.lt(&beyond)).and(&active);
-            slot_points(g, s, &inside.select(&local, &beyond))
+            RowWrite::new(write, &inside.select(&local, &beyond), chunk)
         })
         .collect();
     let key_pos = g.iota(DType::I32, &[s, window], 1);
@@ -1205,10 +1221,9 @@ pub fn decode_hidden_graph_chunked(
         let normed = rms_norm(&h, &layer.input_norm, config.rms_norm_eps);
         let (q, k, v) = qkv(config, layer, &normed, &cos, &sin);
         for (which, new) in [(0usize, &k), (1usize, &v)] {
-            for (c, points) in points.iter().enumerate() {
+            for (c, rows) in rows.iter().enumerate() {
                 let at = l * per_layer + which * chunks + c;
-                let old = &cache[at];
-                out_cache[at] = write_rows(write, old, points, new);
+                out_cache[at] = rows.apply(&cache[at], new);
             }
         }
         // Operands of the cache's type, f32 results (as in `decode_hidden_graph`).

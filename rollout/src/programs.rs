@@ -651,15 +651,13 @@ impl DecodeSample {
         key: DecodeKey,
         sampler: SamplerKind,
     ) -> Result<DecodeSample> {
-        if cache.chunks() == 1 {
-            let options = DecodeOptions {
-                kv_write: cache.write,
-                ..DecodeOptions::default()
-            };
-            DecodeSample::compile_with(client, config, dtype, cache, key.truncate, options, sampler)
-        } else {
-            DecodeSample::compile_chunked(client, config, dtype, cache, key.truncate, key.chunks, sampler)
-        }
+        let program = DecodeSample::build_step(config, dtype, cache, key, sampler)?;
+        Ok(DecodeSample {
+            exe: compile(client, &program)?,
+            slots: cache.slots,
+            truncate: key.truncate,
+            attend_chunks: key.chunks.clamp(1, cache.chunks()),
+        })
     }
 
     /// Traces the program of [`DecodeSample::compile_with`] without compiling it.
