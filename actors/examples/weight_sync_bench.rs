@@ -46,7 +46,14 @@ fn serve(dtype: DType, model: &Path, token_file: &Path) -> Result<(), Error> {
         EngineConfig::new(2, 32),
         None,
     )?;
-    let service = RolloutService::new(LocalRollout::new(engine), client, &host.weights.config, dtype, 0);
+    let service = RolloutService::new(
+        LocalRollout::new(engine),
+        client,
+        &host.weights.config,
+        dtype,
+        0,
+        1,
+    );
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async move {
         let worker = Worker::bind_rollout("127.0.0.1:0".parse()?, token, service).await?;

@@ -119,10 +119,7 @@ fn sources_that_use_recipes() -> String {
 }
 
 /// Keys that are read only where they are validated, with the reason.
-const READ_BY_VALIDATION_ONLY: &[(&str, &str)] = &[(
-    "rollout.tensor_parallel_size",
-    "tensor parallelism is not built yet; validation refuses any value but 1",
-)];
+const READ_BY_VALIDATION_ONLY: &[(&str, &str)] = &[];
 
 /// A recipe key that parses but that nothing reads is a key that silently does nothing. Every
 /// key's field must be read (`.name`) somewhere outside the recipe's loading and validation, or

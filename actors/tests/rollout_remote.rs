@@ -53,6 +53,7 @@ impl TestWorker {
             &weights.config,
             dtype,
             0,
+            1,
         );
         let listen: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
         // A killed worker's port frees up a moment after its runtime is told to stop.

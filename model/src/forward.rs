@@ -31,7 +31,7 @@ use xla::runtime::PluginKind;
 use xla::DType;
 
 use crate::config::ModelConfig;
-use crate::params::param_table;
+use crate::params::{param_table, ParamLayout};
 
 /// Value used for masked attention scores (finite, so a fully masked row gives a uniform
 /// distribution instead of NaN; such rows are padding and their outputs are discarded).
@@ -104,11 +104,22 @@ impl DecoderParams {
     /// Declares every parameter of `config` as a program argument of `g` (named by its Hugging
     /// Face name, in [`crate::param_table`] order) with element type `dtype`.
     pub fn declare(g: &Graph, config: &ModelConfig, dtype: DType) -> DecoderParams {
+        DecoderParams::declare_laid_out(g, config, dtype, &ParamLayout::default())
+    }
+
+    /// [`DecoderParams::declare`] with each parameter laid out over the graph's mesh by
+    /// `layout` (tensor parallelism, FSDP); whole where it splits nothing.
+    pub fn declare_laid_out(
+        g: &Graph,
+        config: &ModelConfig,
+        dtype: DType,
+        layout: &ParamLayout,
+    ) -> DecoderParams {
         let tensors: Vec<Tensor> = param_table(config)
             .iter()
-            .map(|spec| {
-                let dims: Vec<i64> = spec.shape.iter().map(|&d| d as i64).collect();
-                g.parameter(&spec.name, dtype, &dims)
+            .map(|spec| match layout.sharding(spec) {
+                Some(s) => g.parameter_sharded(&spec.name, dtype, &spec.dims(), s),
+                None => g.parameter(&spec.name, dtype, &spec.dims()),
             })
             .collect();
         DecoderParams::from_tensors(config, &tensors).expect("declared tensors follow the parameter table")

@@ -25,7 +25,7 @@ pub use config::{Family, ModelConfig, RopeScaling};
 pub use error::ModelError;
 pub use gguf::{GgmlType, GgufFile, GgufValue};
 pub use init::random_init;
-pub use params::{param_table, ParamKind, ParamSpec};
+pub use params::{param_table, ModelSplit, ParamKind, ParamLayout, ParamSpec, MODEL_AXIS};
 pub use safetensors_io::{load_safetensors, save_hf_checkpoint, ModelWeights};
 pub use tensor::HostTensor;
 pub use tokenizer::{write_gguf_tokenizer_files, ModelTokenizer};

@@ -13,7 +13,7 @@
 use std::path::{Path, PathBuf};
 
 use rand::{Rng, SeedableRng};
-use xla::graph::{BuildOptions, Graph, GraphError, Program};
+use xla::graph::{shard_host, BuildOptions, Graph, GraphError, Mesh, Program};
 use xla::runtime::{Buffer, Client, Executable};
 use xla::DType;
 
@@ -24,7 +24,7 @@ use crate::forward::{
     decode_graph, full_logits_graph, logprobs_graph_chunked, prefill_graph, DecoderParams, DEFAULT_HEAD_CHUNK,
 };
 use crate::gguf::GgufFile;
-use crate::params::param_table;
+use crate::params::{param_table, ParamLayout};
 use crate::safetensors_io::{load_hf_checkpoint, ModelWeights};
 use crate::tokenizer::ModelTokenizer;
 
@@ -106,17 +106,29 @@ fn input(program: &str, problem: String) -> ProgramError {
     }
 }
 
-/// Uploads every tensor of `weights`' parameter table ([`crate::param_table`]) to `device` of
-/// `client` as `dtype` (F32, BF16 or F16), in table order, checking each is present with its
-/// shape.
+/// Uploads `weights` (every [`param_table`] tensor) to `device` as `dtype`, in table order.
 pub fn upload_params(
     client: &Client,
     weights: &ModelWeights,
     dtype: DType,
     device: usize,
 ) -> Result<Vec<Buffer>> {
+    Ok(upload_params_on(client, weights, dtype, &[device], None, &ParamLayout::default())?.remove(0))
+}
+
+/// Uploads `weights` as `dtype` to the devices of `mesh` (`devices[i]` is the mesh's `i`-th
+/// device; one device without a mesh), each parameter laid out by `layout`: every device gets
+/// its shard ([`xla::graph::shard_host`]). Returns `[device][parameter]` in table order.
+pub fn upload_params_on(
+    client: &Client,
+    weights: &ModelWeights,
+    dtype: DType,
+    devices: &[usize],
+    mesh: Option<&Mesh>,
+    layout: &ParamLayout,
+) -> Result<Vec<Vec<Buffer>>> {
     let config = &weights.config;
-    let mut buffers = Vec::new();
+    let mut out: Vec<Vec<Buffer>> = devices.iter().map(|_| Vec::new()).collect();
     for spec in param_table(config) {
         let t = weights.get(&spec.name).ok_or_else(|| ProgramError::Weights {
             name: spec.name.clone(),
@@ -128,18 +140,35 @@ pub fn upload_params(
                 problem: format!("expected shape {:?}, found {:?}", spec.shape, t.shape),
             });
         }
-        let dims: Vec<i64> = spec.shape.iter().map(|&d| d as i64).collect();
+        let dims = spec.dims();
+        let sharding = layout.sharding(&spec);
         let values = t.to_f32_vec();
         let action = format!("uploading `{}`", spec.name);
-        let buffer = match dtype {
-            DType::F32 => client.buffer_from_host(&values, &dims, device),
+        fn put<T: xla::NativeType>(
+            client: &Client,
+            values: &[T],
+            dims: &[i64],
+            sharding: Option<&xla::graph::Sharding>,
+            mesh: Option<&Mesh>,
+            devices: &[usize],
+            out: &mut [Vec<Buffer>],
+        ) -> xla::runtime::Result<()> {
+            for (d, &device) in devices.iter().enumerate() {
+                let (part, local) = shard_host(values, dims, sharding, mesh, d);
+                out[d].push(client.buffer_from_host(&part, &local, device)?);
+            }
+            Ok(())
+        }
+        let s = sharding.as_ref();
+        match dtype {
+            DType::F32 => put(client, &values, &dims, s, mesh, devices, &mut out),
             DType::BF16 => {
                 let v: Vec<half::bf16> = values.iter().map(|&x| half::bf16::from_f32(x)).collect();
-                client.buffer_from_host(&v, &dims, device)
+                put(client, &v, &dims, s, mesh, devices, &mut out)
             }
             DType::F16 => {
                 let v: Vec<half::f16> = values.iter().map(|&x| half::f16::from_f32(x)).collect();
-                client.buffer_from_host(&v, &dims, device)
+                put(client, &v, &dims, s, mesh, devices, &mut out)
             }
             other => {
                 return Err(ProgramError::Weights {
@@ -149,9 +178,8 @@ pub fn upload_params(
             }
         }
         .map_err(runtime(action))?;
-        buffers.push(buffer);
     }
-    Ok(buffers)
+    Ok(out)
 }
 
 /// Model weights on one device, in [`crate::param_table`] order.

@@ -126,6 +126,42 @@ impl HostTensor {
         }
         HostTensor::from_f32_as(self.name.clone(), self.shape.clone(), &self.to_f32_vec(), dtype)
     }
+
+    /// Device `device`'s part of this tensor laid out by `sharding` on `mesh` (the whole tensor
+    /// when either is `None`), as a tensor of the same name and type: its bytes are those of
+    /// [`xla::graph::shard_host`]'s block.
+    pub fn shard(
+        &self,
+        sharding: Option<&xla::graph::Sharding>,
+        mesh: Option<&xla::graph::Mesh>,
+        device: usize,
+    ) -> HostTensor {
+        let dims: Vec<i64> = self.shape.iter().map(|&d| d as i64).collect();
+        fn part<const N: usize>(
+            bytes: &[u8],
+            dims: &[i64],
+            sharding: Option<&xla::graph::Sharding>,
+            mesh: Option<&xla::graph::Mesh>,
+            device: usize,
+        ) -> (Vec<u8>, Vec<i64>) {
+            let elems: Vec<[u8; N]> = bytes
+                .chunks_exact(N)
+                .map(|c| c.try_into().expect("chunks of N"))
+                .collect();
+            let (p, local) = xla::graph::shard_host(&elems, dims, sharding, mesh, device);
+            (p.concat(), local)
+        }
+        let (bytes, local) = match self.dtype.size_bytes() {
+            4 => part::<4>(&self.bytes, &dims, sharding, mesh, device),
+            _ => part::<2>(&self.bytes, &dims, sharding, mesh, device),
+        };
+        HostTensor {
+            name: self.name.clone(),
+            dtype: self.dtype,
+            shape: local.iter().map(|&d| d as usize).collect(),
+            bytes,
+        }
+    }
 }
 
 #[cfg(test)]

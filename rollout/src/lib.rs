@@ -24,4 +24,4 @@ pub use engine::{
 };
 pub use error::{Result, RolloutError};
 pub use sampling::SamplingParams;
-pub use weights::{handoff, upload_weights, EngineWeights, SourceParams};
+pub use weights::{handoff, rollout_layout, upload_weights, upload_weights_on, EngineWeights, SourceParams};

@@ -40,7 +40,7 @@ pub struct ProgramPlan {
 impl ProgramPlan {
     /// The plan of an engine with `settings` for a model of `config` over weights of `dtype`
     /// on `devices` devices of a `plugin` (which decides the cache write unless `settings`
-    /// do).
+    /// do), `settings.tensor_parallel` of them on the tensor-parallel axis.
     pub fn new(
         config: &ModelConfig,
         settings: &EngineConfig,
@@ -55,6 +55,7 @@ impl ProgramPlan {
             settings.effective_kv_chunk(),
         )
         .on_devices(devices)
+        .with_tensor_parallel(settings.tensor_parallel)
         .for_weights(dtype);
         cache.write = settings.kv_write.unwrap_or(KvWrite::for_plugin(plugin));
         ProgramPlan {

@@ -9,18 +9,24 @@
 //! Argument order: the parameters ([`model::param_table`] order), the KV cache (see
 //! [`CacheShape::declare`]; donated to the cache results), then the inputs.
 //!
-//! Sharded over slots: a cache shape on `N > 1` devices ([`CacheShape::on_devices`]) builds
-//! every program SPMD on a one-axis mesh [`SLOT_AXIS`]` = N` (devices `0..N`). The KV cache
-//! and every per-slot tensor (decode inputs, sampled tokens, log-probs) are split on their
-//! slot dimension into contiguous blocks of `slots / N` in device order; the parameters and
-//! the per-prompt prefill inputs (tokens, lengths, destination slots) are replicated. Each
-//! slot's arithmetic is the single-device program's, so the tokens are the same.
+//! Over several devices: a cache shape on `N > 1` devices ([`CacheShape::on_devices`]) with
+//! tensor-parallel size `tp` ([`CacheShape::with_tensor_parallel`]) builds every program SPMD
+//! on the mesh [`SLOT_AXIS`]` = N / tp` x [`model::MODEL_AXIS`]` = tp` (devices `0..N`,
+//! row-major; the slot axis alone when `tp` is 1, [`rollout_mesh`]). The KV cache and every
+//! per-slot tensor (decode inputs, sampled tokens, log-probs) are split on their slot
+//! dimension into contiguous blocks of `slots / (N / tp)`, one per slot group; the cache is
+//! also split by KV heads over the model axis when they divide by `tp` (else each device of a
+//! group holds all KV heads: vLLM's replication when the TP size exceeds the KV head count).
+//! The parameters are laid out by [`crate::weights::rollout_layout`] (Megatron splits over the
+//! model axis, whole over the slot groups); the per-prompt prefill inputs (tokens, lengths,
+//! destination slots) are whole on every device. XLA inserts the collectives; each slot's
+//! arithmetic is the single-device program's, so the tokens are the same.
 
 use model::forward::{
     decode_graph_with, decode_hidden_graph_chunked, linear, prefill_kv_graph, DecodeAttention, DecodeOptions,
     DecoderParams, KvWrite,
 };
-use model::ModelConfig;
+use model::{ModelConfig, MODEL_AXIS};
 use xla::graph::{BuildOptions, Graph, Mesh, Program, Sharding, Tensor};
 use xla::runtime::{Buffer, Client, Executable};
 use xla::{DType, NativeType};
@@ -47,8 +53,11 @@ pub struct CacheShape {
     pub layers: usize,
     /// Positions per cache tensor (`max_len` when unchunked).
     pub chunk: usize,
-    /// Devices the slots are split over (1: a single-device engine).
+    /// Devices the engine runs on (1: a single-device engine).
     pub devices: usize,
+    /// Devices of the tensor-parallel axis (1: none); the slots are split over the
+    /// `devices / tensor_parallel` slot groups.
+    pub tensor_parallel: usize,
     /// Element type of the keys and values: f32, or bf16 with bf16 weights (the engine's
     /// choice, [`CacheShape::for_weights`]). A narrow cache is read by attention products with
     /// narrow operands and f32 results, as the trainer computes attention with narrow weights.
@@ -60,6 +69,17 @@ pub struct CacheShape {
 
 /// The name of the mesh axis an engine over several devices splits its slots along.
 pub const SLOT_AXIS: &str = "slots";
+
+/// The mesh of an engine over `devices` devices with tensor-parallel size `tp`: `None` on one
+/// device, [`SLOT_AXIS`] alone without tensor parallelism, else slot groups x [`MODEL_AXIS`].
+pub fn rollout_mesh(devices: usize, tp: usize) -> Option<Mesh> {
+    let tp = tp.max(1);
+    match (devices, tp) {
+        (0 | 1, _) => None,
+        (n, 1) => Some(Mesh::new(&[(SLOT_AXIS, n)])),
+        (n, tp) => Some(Mesh::new(&[(SLOT_AXIS, n / tp), (MODEL_AXIS, tp)])),
+    }
+}
 
 impl CacheShape {
     /// The cache shape for `config` with `slots` x `max_len`, one tensor per layer for keys
@@ -84,6 +104,7 @@ impl CacheShape {
                 chunk
             },
             devices: 1,
+            tensor_parallel: 1,
             dtype: DType::F32,
             write: KvWrite::Scatter,
         }
@@ -101,20 +122,44 @@ impl CacheShape {
         self
     }
 
-    /// This shape split over `devices` devices along the slots (see the module comment);
-    /// `slots` must divide by `devices` ([`CacheShape::check_devices`]).
+    /// This shape split over `devices` devices (see the module comment); `slots` must divide
+    /// by the slot groups ([`CacheShape::check_devices`]).
     pub fn on_devices(mut self, devices: usize) -> CacheShape {
         self.devices = devices.max(1);
         self
     }
 
-    /// Errors unless the slots split evenly over the devices.
+    /// This shape with a tensor-parallel axis of `tp` devices (which must divide the devices).
+    pub fn with_tensor_parallel(mut self, tp: usize) -> CacheShape {
+        self.tensor_parallel = tp.max(1);
+        self
+    }
+
+    /// Errors unless the tensor-parallel size divides the devices and the slots split evenly
+    /// over the slot groups.
     pub fn check_devices(&self) -> Result<()> {
-        if self.devices > 1 && !self.slots.is_multiple_of(self.devices) {
+        let tp = self.tensor_parallel;
+        if !self.devices.is_multiple_of(tp) {
             return Err(RolloutError::Config(format!(
-                "rollout.max_num_seqs = {} must divide by the {} devices the rollout runs on \
-                 (the KV-cache slots are split evenly over them): use a multiple of {}",
-                self.slots, self.devices, self.devices
+                "rollout.tensor_model_parallel_size = {tp} must divide the {} devices the rollout \
+                 runs on",
+                self.devices
+            )));
+        }
+        let groups = self.slot_groups();
+        if groups > 1 && !self.slots.is_multiple_of(groups) {
+            let over = if tp > 1 {
+                format!(
+                    "the {groups} slot groups of the {} devices the rollout runs on ({tp} tensor-parallel devices each)",
+                    self.devices
+                )
+            } else {
+                format!("the {} devices the rollout runs on", self.devices)
+            };
+            return Err(RolloutError::Config(format!(
+                "rollout.max_num_seqs = {} must divide by {over} (the KV-cache slots are split \
+                 evenly over them): use a multiple of {groups}",
+                self.slots
             )));
         }
         Ok(())
@@ -122,18 +167,47 @@ impl CacheShape {
 
     /// The mesh of the programs (`None` on one device).
     pub fn mesh(&self) -> Option<Mesh> {
-        (self.devices > 1).then(|| Mesh::new(&[(SLOT_AXIS, self.devices)]))
+        rollout_mesh(self.devices, self.tensor_parallel)
+    }
+
+    /// The slot groups: devices that hold different slots (`devices / tensor_parallel`).
+    pub fn slot_groups(&self) -> usize {
+        (self.devices / self.tensor_parallel.max(1)).max(1)
     }
 
     /// How a per-slot tensor of rank `rank` (slots first) is laid out: split on the slots
-    /// over several devices, `None` on one.
+    /// over several slot groups, `None` when there is one.
     pub fn slot_sharding(&self, rank: usize) -> Option<Sharding> {
-        (self.devices > 1).then(|| Sharding::split(rank, 0, SLOT_AXIS))
+        (self.slot_groups() > 1).then(|| Sharding::split(rank, 0, SLOT_AXIS))
+    }
+
+    /// Whether the KV heads split over the tensor-parallel axis (they must divide by it).
+    pub fn splits_kv_heads(&self) -> bool {
+        self.tensor_parallel > 1 && self.kv_heads.is_multiple_of(self.tensor_parallel)
+    }
+
+    /// How each cache tensor `[slots, kv_heads, chunk, head_dim]` is laid out: slots over the
+    /// slot groups, KV heads over the model axis when they divide by it.
+    pub fn kv_sharding(&self) -> Option<Sharding> {
+        let mut s = self.slot_sharding(4).unwrap_or_else(|| Sharding::replicated(4));
+        if self.splits_kv_heads() {
+            s = s.and_split(1, MODEL_AXIS);
+        }
+        (!s.is_replicated()).then_some(s)
     }
 
     /// Slots each device holds.
     pub fn local_slots(&self) -> usize {
-        self.slots / self.devices.max(1)
+        self.slots / self.slot_groups()
+    }
+
+    /// KV heads each device holds.
+    pub fn local_kv_heads(&self) -> usize {
+        if self.splits_kv_heads() {
+            self.kv_heads / self.tensor_parallel
+        } else {
+            self.kv_heads
+        }
     }
 
     /// A graph named `name` on this shape's mesh (none on one device).
@@ -145,7 +219,17 @@ impl CacheShape {
         g
     }
 
-    /// A per-slot program argument (slots first), split on the slots over several devices.
+    /// The parameters, laid out for this shape's tensor-parallel size.
+    fn declare_params(&self, g: &Graph, config: &ModelConfig, dtype: DType) -> DecoderParams {
+        DecoderParams::declare_laid_out(
+            g,
+            config,
+            dtype,
+            &crate::weights::rollout_layout(self.tensor_parallel),
+        )
+    }
+
+    /// A per-slot program argument (slots first), split on the slots over several slot groups.
     fn slot_parameter(&self, g: &Graph, name: &str, dtype: DType, dims: &[i64]) -> Tensor {
         match self.slot_sharding(dims.len()) {
             Some(s) => g.parameter_sharded(name, dtype, dims, s),
@@ -154,7 +238,7 @@ impl CacheShape {
     }
 
     /// `(result index, layout)` of results `first..first + n`, all per-slot tensors of rank
-    /// `rank` (none on one device).
+    /// `rank` (none on one slot group).
     fn slot_results(&self, first: usize, ranks: &[usize]) -> Vec<(usize, Sharding)> {
         ranks
             .iter()
@@ -204,7 +288,7 @@ impl CacheShape {
 
     /// Bytes of the cache one device holds.
     pub fn bytes_per_device(&self) -> usize {
-        self.bytes() / self.devices.max(1)
+        self.bytes() / self.slot_groups() * self.local_kv_heads() / self.kv_heads.max(1)
     }
 
     /// Declares the cache tensors as arguments of `g`: for each layer its key chunks, then
@@ -225,7 +309,10 @@ impl CacheShape {
                     .into_iter()
                     .flat_map(move |which| (0..chunks).map(move |c| (l, which, c)))
             })
-            .map(|(l, which, c)| self.slot_parameter(g, &name(l, which, c), self.dtype, &dims))
+            .map(|(l, which, c)| match self.kv_sharding() {
+                Some(s) => g.parameter_sharded(&name(l, which, c), self.dtype, &dims, s),
+                None => g.parameter(&name(l, which, c), self.dtype, &dims),
+            })
             .collect()
     }
 
@@ -235,13 +322,14 @@ impl CacheShape {
     }
 
     /// A zero cache, `[device][tensor]`: each of `devices` (one per [`CacheShape::devices`])
-    /// holds its block of slots.
+    /// holds its block of slots (and of KV heads, see [`CacheShape::kv_sharding`]).
     pub fn allocate_on(&self, client: &Client, devices: &[usize]) -> Result<Vec<Vec<Buffer>>> {
-        let local = self.local_slots();
+        let (local, heads) = (self.local_slots(), self.local_kv_heads());
         // All-zero bytes are 0.0 in f32 and in bf16 alike.
-        let zeros = vec![0u8; local * self.kv_heads * self.chunk * self.head_dim * self.dtype.size_bytes()];
+        let zeros = vec![0u8; local * heads * self.chunk * self.head_dim * self.dtype.size_bytes()];
         let mut dims = self.dims();
         dims[0] = local as i64;
+        dims[1] = heads as i64;
         devices
             .iter()
             .map(|&device| {
@@ -263,21 +351,22 @@ impl CacheShape {
 }
 
 /// Uploads `values` (row-major, shape `dims`) to every device of `devices`: split on dim 0
-/// into contiguous blocks in device order when `split`, whole on each otherwise.
+/// into `groups` contiguous blocks, one per slot group (consecutive devices of a group get
+/// the same block), or whole on each when `groups` is 1.
 pub fn upload_on<T: NativeType>(
     client: &Client,
     devices: &[usize],
     values: &[T],
     dims: &[i64],
-    split: bool,
+    groups: usize,
     what: &str,
 ) -> Result<Vec<Buffer>> {
     let n = devices.len();
-    let split = split && n > 1 && !dims.is_empty();
+    let split = groups > 1 && !dims.is_empty();
     let mut local = dims.to_vec();
     let block = if split {
-        local[0] /= n as i64;
-        values.len() / n
+        local[0] /= groups as i64;
+        values.len() / groups
     } else {
         values.len()
     };
@@ -286,7 +375,8 @@ pub fn upload_on<T: NativeType>(
         .enumerate()
         .map(|(d, &device)| {
             let part = if split {
-                &values[d * block..(d + 1) * block]
+                let g = d * groups / n;
+                &values[g * block..(g + 1) * block]
             } else {
                 values
             };
@@ -297,11 +387,12 @@ pub fn upload_on<T: NativeType>(
         .collect()
 }
 
-/// Reads a per-slot result back, `parts[d]` being device `d`'s block: the blocks
-/// concatenated in device order.
-fn read_slots<T: NativeType>(parts: &[&Buffer], what: &str) -> Result<Vec<T>> {
+/// Reads a per-slot result back, `parts[d]` being device `d`'s block: the first device of
+/// each of the `groups` slot groups, concatenated in order.
+fn read_slots<T: NativeType>(parts: &[&Buffer], groups: usize, what: &str) -> Result<Vec<T>> {
+    let per_group = (parts.len() / groups.max(1)).max(1);
     let mut out = Vec::new();
-    for b in parts {
+    for b in parts.iter().step_by(per_group) {
         out.extend(
             b.to_host::<T>()
                 .map_err(|e| RolloutError::runtime(format!("reading {what}"), e))?,
@@ -316,12 +407,16 @@ fn donate_cache(first_arg: usize, first_result: usize, n: usize) -> BuildOptions
 }
 
 /// [`donate_cache`] with the layouts of results `0..first_result + n` on several devices:
-/// `slot_ranks[i]` for the results before the cache, the cache's own after them.
+/// `slot_ranks[i]` for the per-slot results before the cache, the cache's own after them.
 fn donate_cache_on(cache: &CacheShape, first_arg: usize, slot_ranks: &[usize], n: usize) -> BuildOptions {
     let mut options = donate_cache(first_arg, slot_ranks.len(), n);
-    let mut ranks = slot_ranks.to_vec();
-    ranks.extend(std::iter::repeat_n(4, n));
-    options.result_shardings = cache.slot_results(0, &ranks);
+    options.result_shardings = cache.slot_results(0, slot_ranks);
+    if let Some(kv) = cache.kv_sharding() {
+        let first = slot_ranks.len();
+        options
+            .result_shardings
+            .extend((first..first + n).map(|i| (i, kv.clone())));
+    }
     options
 }
 
@@ -446,7 +541,7 @@ impl PrefillFanout {
             spmd_suffix(cache)
         );
         let g = cache.graph(&name);
-        let p = DecoderParams::declare(&g, config, dtype);
+        let p = cache.declare_params(&g, config, dtype);
         let kv = cache.declare(&g);
         let (b, t) = (batch as i64, len as i64);
         let tokens = g.parameter("tokens", DType::I32, &[b, t]);
@@ -565,7 +660,7 @@ impl PrefillFanout {
             }
         }
         let up = |v: &[i32], dims: &[i64], n: &str| {
-            upload_on(client, devices, v, dims, false, &format!("{n} for {what}"))
+            upload_on(client, devices, v, dims, 1, &format!("{n} for {what}"))
         };
         let (b, t, w) = (self.batch as i64, self.len as i64, self.width as i64);
         let tb = up(&ids, &[b, t], "tokens")?;
@@ -598,6 +693,8 @@ pub struct DecodeInputs {
 pub struct DecodeSample {
     exe: Executable,
     slots: usize,
+    /// Slot groups of the engine's mesh (per-slot tensors are split over them).
+    groups: usize,
     /// Whether this variant applies top-k / top-p (sorts the vocabulary).
     pub truncate: bool,
     /// Cache chunks the step reads (every active position must be below
@@ -655,6 +752,7 @@ impl DecodeSample {
         Ok(DecodeSample {
             exe: compile(client, &program)?,
             slots: cache.slots,
+            groups: cache.slot_groups(),
             truncate: key.truncate,
             attend_chunks: key.chunks.clamp(1, cache.chunks()),
         })
@@ -725,6 +823,7 @@ impl DecodeSample {
         Ok(DecodeSample {
             exe: compile(client, &program)?,
             slots: cache.slots,
+            groups: cache.slot_groups(),
             truncate,
             attend_chunks: 1,
         })
@@ -786,6 +885,7 @@ impl DecodeSample {
         Ok(DecodeSample {
             exe: compile(client, &program)?,
             slots: cache.slots,
+            groups: cache.slot_groups(),
             truncate,
             attend_chunks: attend_chunks.clamp(1, cache.chunks()),
         })
@@ -822,9 +922,11 @@ impl DecodeSample {
         } else {
             "decode"
         };
-        let s = self.slots as i64;
-        let up_i = |v: &[i32], n: &str| upload_on(client, devices, v, &[s], true, &format!("{n} for {what}"));
-        let up_f = |v: &[f32], n: &str| upload_on(client, devices, v, &[s], true, &format!("{n} for {what}"));
+        let (s, groups) = (self.slots as i64, self.groups);
+        let up_i =
+            |v: &[i32], n: &str| upload_on(client, devices, v, &[s], groups, &format!("{n} for {what}"));
+        let up_f =
+            |v: &[f32], n: &str| upload_on(client, devices, v, &[s], groups, &format!("{n} for {what}"));
         let tb = up_i(&inputs.tokens, "tokens")?;
         let pb = up_i(&inputs.positions, "positions")?;
         let temp = up_f(&inputs.temperature, "temperatures")?;
@@ -835,7 +937,7 @@ impl DecodeSample {
             devices,
             &inputs.keys,
             &[s, 2],
-            true,
+            groups,
             &format!("keys for {what}"),
         )?;
         let args: Vec<Vec<&Buffer>> = (0..devices.len())
@@ -844,8 +946,8 @@ impl DecodeSample {
         let out = run_donating_on(&self.exe, weights, cache, &args, 2, what)?;
         let tokens: Vec<&Buffer> = out.iter().map(|o| &o[0]).collect();
         let logprobs: Vec<&Buffer> = out.iter().map(|o| &o[1]).collect();
-        let next = read_slots::<i32>(&tokens, &format!("{what} tokens"))?;
-        let lp = read_slots::<f32>(&logprobs, &format!("{what} log-probs"))?;
+        let next = read_slots::<i32>(&tokens, groups, &format!("{what} tokens"))?;
+        let lp = read_slots::<f32>(&logprobs, groups, &format!("{what} log-probs"))?;
         Ok((next, lp))
     }
 }
@@ -864,7 +966,7 @@ fn decode_sample_program(
     step: impl FnOnce(&DecoderParams, &Tensor, &Tensor, &[Tensor]) -> (Tensor, Vec<Tensor>),
 ) -> Result<Program> {
     let g = cache.graph(name);
-    let p = DecoderParams::declare(&g, config, dtype);
+    let p = cache.declare_params(&g, config, dtype);
     let kv = cache.declare(&g);
     let s = cache.slots as i64;
     let tokens = cache.slot_parameter(&g, "tokens", DType::I32, &[s]);
@@ -891,12 +993,13 @@ fn decode_sample_program(
     )
 }
 
-/// `_spmd4` for a program split over 4 devices, empty on one.
+/// `_spmd4` for a program split over 4 devices (`_spmd4_tp2` with tensor parallelism over 2
+/// of them), empty on one.
 fn spmd_suffix(cache: &CacheShape) -> String {
-    if cache.devices > 1 {
-        format!("_spmd{}", cache.devices)
-    } else {
-        String::new()
+    match (cache.devices, cache.tensor_parallel) {
+        (0 | 1, _) => String::new(),
+        (n, 1) => format!("_spmd{n}"),
+        (n, tp) => format!("_spmd{n}_tp{tp}"),
     }
 }
 

@@ -1,15 +1,19 @@
 //! The rollout's parameters on its devices, and the on-device handoff that turns parameters
 //! laid out by another program (the learner's, replicated or sharded, in its dtype) into them.
 //!
-//! An engine over `N` devices holds one whole replica of every parameter on each device
-//! ([`EngineWeights`]): its programs run SPMD over the slots, so every device needs all the
-//! weights. A learner in the same process lays its parameters out its own way on the same
-//! devices: whole replicas under `dp`, first-dimension shards under `fsdp`, f32 masters where
-//! the rollout may want bf16. [`handoff`] bridges the two with one compiled program per layout
-//! whose arguments carry the learner's shardings and whose results are replicated in the
-//! rollout's dtype: XLA inserts the all-gathers and converts, so the weights never pass
-//! through the host. When the layouts already agree (replicated, same dtype) the learner's
-//! buffers are used in place, with no program and no copy.
+//! An engine over `N` devices runs its programs SPMD on a mesh of `N / tp` slot groups x `tp`
+//! tensor-parallel devices ([`crate::programs::CacheShape::mesh`]); each device holds every
+//! parameter in the Megatron layout ([`model::ParamLayout`] with no FSDP axis): whole when `tp`
+//! is 1 (one replica per device), its tensor-parallel shard otherwise ([`EngineWeights`]). A
+//! learner in the same process lays its parameters out its own way on the same devices:
+//! whole replicas under `dp`, data-axis shards under `fsdp`, model-axis shards under tensor
+//! parallelism, f32 masters where the rollout may want bf16. [`handoff`] bridges the two with
+//! one compiled program per pair of layouts, built on a mesh refining both
+//! ([`xla::graph::Mesh::common_refinement`]), whose arguments carry the learner's shardings and
+//! whose results carry the rollout's, in the rollout's dtype: XLA inserts the collectives and
+//! converts, each device ends with its rollout shard, and the weights never pass through the
+//! host nor gather whole onto one device. When the layouts already agree (same splits, same
+//! dtype) the learner's buffers are used in place, with no program and no copy.
 
 use std::sync::Arc;
 
@@ -18,59 +22,78 @@ use xla::runtime::{Buffer, Client};
 use xla::DType;
 
 use crate::error::{Result, RolloutError};
-use model::{param_table, ModelConfig, ModelWeights};
+use crate::programs::rollout_mesh;
+use model::{param_table, ModelConfig, ModelWeights, ParamLayout, ParamSpec};
 
-/// The rollout's parameters: one replica of the whole parameter table per device of the
-/// engine, in device order (one entry for a single-device engine). Cheap to clone.
-///
-/// Dereferences to the first device's replica, which is all a single-device consumer (a
-/// weight stream to a rollout worker) needs.
+/// The rollout's parameters: each device's buffers of the whole parameter table, in device
+/// order (one entry for a single-device engine), laid out by the rollout's tensor-parallel
+/// size. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct EngineWeights {
-    replicas: Vec<Arc<[Buffer]>>,
+    per_device: Vec<Arc<[Buffer]>>,
+    tensor_parallel: usize,
 }
 
 impl EngineWeights {
-    /// Replicas of the same parameters, `replicas[d]` on the engine's `d`-th device.
+    /// Replicas of the same whole parameters, `replicas[d]` on the engine's `d`-th device.
     pub fn replicated(replicas: Vec<Arc<[Buffer]>>) -> EngineWeights {
-        EngineWeights { replicas }
+        EngineWeights::laid_out(replicas, 1)
+    }
+
+    /// Device `d`'s buffers `per_device[d]`, split over a tensor-parallel axis of
+    /// `tensor_parallel` devices by [`rollout_layout`] (1: whole replicas).
+    pub fn laid_out(per_device: Vec<Arc<[Buffer]>>, tensor_parallel: usize) -> EngineWeights {
+        EngineWeights {
+            per_device,
+            tensor_parallel: tensor_parallel.max(1),
+        }
     }
 
     /// Devices the weights are on.
     pub fn devices(&self) -> usize {
-        self.replicas.len()
+        self.per_device.len()
     }
 
-    /// The replica on the engine's `d`-th device.
-    pub fn replica(&self, d: usize) -> &Arc<[Buffer]> {
-        &self.replicas[d]
+    /// The tensor-parallel size of the layout (1: every device holds every parameter whole).
+    pub fn tensor_parallel(&self) -> usize {
+        self.tensor_parallel
     }
 
-    /// Every replica, in device order.
-    pub fn replicas(&self) -> &[Arc<[Buffer]>] {
-        &self.replicas
+    /// The buffers on the engine's `d`-th device.
+    pub fn device(&self, d: usize) -> &Arc<[Buffer]> {
+        &self.per_device[d]
     }
-}
 
-impl std::ops::Deref for EngineWeights {
-    type Target = [Buffer];
+    /// Every device's buffers, in device order.
+    pub fn per_device(&self) -> &[Arc<[Buffer]>] {
+        &self.per_device
+    }
 
-    fn deref(&self) -> &[Buffer] {
-        self.replicas.first().map(|r| &r[..]).unwrap_or(&[])
+    /// The whole parameters on the first device, when the layout splits nothing (what a
+    /// weight stream to a rollout worker reads); `None` under tensor parallelism.
+    pub fn whole(&self) -> Option<&[Buffer]> {
+        (self.tensor_parallel == 1).then(|| self.per_device.first().map(|r| &r[..]).unwrap_or(&[]))
     }
 }
 
 impl From<Arc<[Buffer]>> for EngineWeights {
     fn from(params: Arc<[Buffer]>) -> EngineWeights {
-        EngineWeights {
-            replicas: vec![params],
-        }
+        EngineWeights::replicated(vec![params])
     }
 }
 
 impl From<Vec<Buffer>> for EngineWeights {
     fn from(params: Vec<Buffer>) -> EngineWeights {
         EngineWeights::from(Arc::<[Buffer]>::from(params))
+    }
+}
+
+/// The rollout's parameter layout on a tensor-parallel axis of `tensor_parallel` devices:
+/// Megatron splits over [`model::MODEL_AXIS`], whole over the slot groups.
+pub fn rollout_layout(tensor_parallel: usize) -> ParamLayout<'static> {
+    ParamLayout {
+        fsdp: None,
+        tensor_parallel,
     }
 }
 
@@ -86,33 +109,25 @@ pub struct SourceParams {
     pub per_device: Vec<Arc<[Buffer]>>,
     /// `shardings[i]`: how parameter `i` is split (`None` = whole on every device).
     pub shardings: Vec<Option<Sharding>>,
-    /// Global shapes, per parameter.
-    pub dims: Vec<Vec<i64>>,
+    /// The parameter table the buffers follow (global shapes, tensor-parallel splits).
+    pub specs: Vec<ParamSpec>,
 }
 
 impl SourceParams {
-    /// Whole parameters on one device (the shapes are the buffers' own).
-    pub fn single(params: Arc<[Buffer]>) -> SourceParams {
-        let dims = params.iter().map(|b| b.dims().to_vec()).collect();
+    /// Whole parameters on one device, following `specs`.
+    pub fn single(params: Arc<[Buffer]>, specs: Vec<ParamSpec>) -> SourceParams {
         let shardings = params.iter().map(|_| None).collect();
         SourceParams {
             mesh: None,
             per_device: vec![params],
             shardings,
-            dims,
+            specs,
         }
     }
 
     /// Devices the parameters are on.
     pub fn devices(&self) -> usize {
         self.per_device.len()
-    }
-
-    /// Whether every device holds every parameter whole.
-    pub fn is_replicated(&self) -> bool {
-        self.shardings
-            .iter()
-            .all(|s| s.as_ref().is_none_or(Sharding::is_replicated))
     }
 
     fn check(&self) -> Result<()> {
@@ -127,7 +142,7 @@ impl SourceParams {
                 self.mesh
             ));
         }
-        let count = self.dims.len();
+        let count = self.specs.len();
         if self.shardings.len() != count {
             return bad(format!(
                 "{} shardings for {count} parameters",
@@ -154,22 +169,37 @@ impl SourceParams {
     }
 }
 
-/// The rollout's weights in `dtype`, replicated on every device of `source`, from parameters
-/// laid out as `source` describes, without passing through the host:
+/// The rollout's weights in `dtype` on every device of `source`, laid out for a rollout with
+/// tensor-parallel size `tensor_parallel` over those devices ([`rollout_layout`]), from
+/// parameters laid out as `source` describes (`specs`: the parameter table they follow),
+/// without passing through the host:
 ///
-/// - replicated and already in `dtype`, with `fresh` off: `source`'s own buffers, shared;
-/// - otherwise: one compiled program (SPMD over the source's mesh) whose arguments carry the
-///   source's shardings and whose results are replicated in `dtype`; XLA gathers the shards
-///   and converts on the devices. Its results are new buffers, so `fresh` (used when the
-///   source's owner will donate or overwrite its buffers while the rollout still reads
-///   them) costs one device copy of the weights.
-pub fn handoff(client: &Client, source: &SourceParams, dtype: DType, fresh: bool) -> Result<EngineWeights> {
+/// - the same layout and already in `dtype`, with `fresh` off: `source`'s own buffers, shared;
+/// - otherwise: one compiled program (SPMD over a mesh refining the source's and the
+///   rollout's) whose arguments carry the source's shardings and whose results carry the
+///   rollout's, in `dtype`; XLA gathers, slices and converts on the devices. Its results are
+///   new buffers, so `fresh` (used when the source's owner will donate or overwrite its
+///   buffers while the rollout still reads them) costs one device copy of the weights.
+///
+/// Refuses a tensor-parallel size that does not divide the devices, or whose mesh does not
+/// nest with the source's (e.g. 6 devices as data 2 x model 3 to model 2).
+pub fn handoff(
+    client: &Client,
+    source: &SourceParams,
+    dtype: DType,
+    tensor_parallel: usize,
+    fresh: bool,
+) -> Result<EngineWeights> {
     source.check()?;
+    let plan = HandoffPlan::new(source, tensor_parallel)?;
     let same_dtype = source.per_device[0].iter().all(|b| b.dtype() == dtype);
-    if source.is_replicated() && same_dtype && !fresh {
-        return Ok(EngineWeights::replicated(source.per_device.clone()));
+    if plan.in_place && same_dtype && !fresh {
+        return Ok(EngineWeights::laid_out(
+            source.per_device.clone(),
+            tensor_parallel,
+        ));
     }
-    let program = handoff_program(source, dtype)?;
+    let program = plan.program(source, dtype)?;
     let exe = program
         .compile(client)
         .map_err(|e| RolloutError::runtime(format!("compiling {}", program.name()), e))?;
@@ -182,48 +212,118 @@ pub fn handoff(client: &Client, source: &SourceParams, dtype: DType, fresh: bool
         exe.execute_spmd(&args)
             .map_err(|e| RolloutError::runtime(what, e))?
     };
-    Ok(EngineWeights::replicated(
+    Ok(EngineWeights::laid_out(
         outputs.into_iter().map(Arc::from).collect(),
+        tensor_parallel,
     ))
 }
 
-/// The handoff program: arguments with the source's dtypes, global shapes and shardings;
-/// results the same tensors, whole, in `dtype` (replicated: the default on a mesh).
-fn handoff_program(source: &SourceParams, dtype: DType) -> Result<xla::graph::Program> {
-    let n = source.devices();
-    let gathered = source.shardings.iter().filter(|s| s.is_some()).count();
-    let name = format!(
-        "rollout_weight_handoff_{}params_{}split_to_{}_on{n}",
-        source.dims.len(),
-        gathered,
-        dtype.mlir()
-    );
-    let g = Graph::new(&name);
-    if let Some(mesh) = &source.mesh {
-        if n > 1 {
+/// The handoff of one pair of layouts: the mesh its program runs on and both layouts on it.
+struct HandoffPlan {
+    mesh: Option<Mesh>,
+    from: Vec<Option<Sharding>>,
+    to: Vec<Option<Sharding>>,
+    /// The source already holds exactly the rollout's layout.
+    in_place: bool,
+}
+
+impl HandoffPlan {
+    fn new(source: &SourceParams, tensor_parallel: usize) -> Result<HandoffPlan> {
+        let n = source.devices();
+        let tp = tensor_parallel.max(1);
+        let specs = &source.specs;
+        if !n.is_multiple_of(tp) {
+            return Err(RolloutError::Config(format!(
+                "rollout.tensor_model_parallel_size = {tp} must divide the {n} devices the \
+                 in-process rollout shares with the learner"
+            )));
+        }
+        let target_mesh = rollout_mesh(n, tp);
+        let layout = rollout_layout(tp);
+        let target: Vec<Option<Sharding>> = specs.iter().map(|s| layout.sharding(s)).collect();
+        let (mesh, from, to) = match (&source.mesh, &target_mesh) {
+            (_, None) => (source.mesh.clone(), source.shardings.clone(), target),
+            (None, Some(_)) => unreachable!("one source device means no rollout mesh"),
+            (Some(src), Some(dst)) => {
+                let r = src.common_refinement(dst).ok_or_else(|| {
+                    RolloutError::Config(format!(
+                        "weight handoff: the learner's mesh {:?} and the rollout's {:?} over the \
+                         same {n} devices do not nest (their axes cut the devices at places that \
+                         are not multiples of each other): pick rollout.tensor_model_parallel_size \
+                         a divisor or a multiple of actor.tensor_model_parallel_size",
+                        src.axes(),
+                        dst.axes()
+                    ))
+                })?;
+                let from = source
+                    .shardings
+                    .iter()
+                    .map(|s| s.as_ref().map(|s| r.first(s)))
+                    .collect();
+                let to = target.iter().map(|s| s.as_ref().map(|s| r.second(s))).collect();
+                (Some(r.mesh), from, to)
+            }
+        };
+        let whole = |s: &Option<Sharding>| s.as_ref().is_none_or(Sharding::is_replicated);
+        let in_place = from
+            .iter()
+            .zip(&to)
+            .all(|(a, b)| a == b || (whole(a) && whole(b)));
+        Ok(HandoffPlan {
+            mesh,
+            from,
+            to,
+            in_place,
+        })
+    }
+
+    /// The program: arguments with the source's dtypes, global shapes and shardings; results
+    /// the same tensors in `dtype` with the rollout's shardings.
+    fn program(&self, source: &SourceParams, dtype: DType) -> Result<xla::graph::Program> {
+        let n = source.devices();
+        let split = |v: &[Option<Sharding>]| v.iter().filter(|s| s.is_some()).count();
+        let name = format!(
+            "rollout_weight_handoff_{}params_{}split_to_{}split_{}_on{n}",
+            source.specs.len(),
+            split(&self.from),
+            split(&self.to),
+            dtype.mlir()
+        );
+        let g = Graph::new(&name);
+        if let Some(mesh) = self.mesh.as_ref().filter(|_| n > 1) {
             g.set_mesh(mesh.clone());
         }
+        let outs: Vec<Tensor> = source.per_device[0]
+            .iter()
+            .zip(&source.specs)
+            .zip(&self.from)
+            .enumerate()
+            .map(|(i, ((b, spec), sharding))| {
+                let name = format!("param.{i}");
+                let t = match sharding {
+                    Some(s) if n > 1 => g.parameter_sharded(&name, b.dtype(), &spec.dims(), s.clone()),
+                    _ => g.parameter(&name, b.dtype(), &spec.dims()),
+                };
+                // Results are new buffers even where nothing changes: arguments are not donated.
+                t.convert_if_needed(dtype)
+            })
+            .collect();
+        let refs: Vec<&Tensor> = outs.iter().collect();
+        let options = xla::graph::BuildOptions {
+            donate: Vec::new(),
+            result_shardings: self
+                .to
+                .iter()
+                .enumerate()
+                .filter_map(|(i, s)| s.clone().filter(|_| n > 1).map(|s| (i, s)))
+                .collect(),
+        };
+        g.build_with(&refs, &options)
+            .map_err(|source| RolloutError::Graph {
+                program: name.clone(),
+                source,
+            })
     }
-    let outs: Vec<Tensor> = source.per_device[0]
-        .iter()
-        .zip(&source.dims)
-        .zip(&source.shardings)
-        .enumerate()
-        .map(|(i, ((b, dims), sharding))| {
-            let name = format!("param.{i}");
-            let t = match sharding {
-                Some(s) if n > 1 => g.parameter_sharded(&name, b.dtype(), dims, s.clone()),
-                _ => g.parameter(&name, b.dtype(), dims),
-            };
-            // Results are new buffers even where nothing changes: arguments are not donated.
-            t.convert_if_needed(dtype)
-        })
-        .collect();
-    let refs: Vec<&Tensor> = outs.iter().collect();
-    g.build(&refs).map_err(|source| RolloutError::Graph {
-        program: name.clone(),
-        source,
-    })
 }
 
 /// Uploads `weights` (every [`param_table`] tensor) to `device` as `dtype` (F32 or BF16).
@@ -233,6 +333,33 @@ pub fn upload_weights(
     dtype: DType,
     device: usize,
 ) -> Result<Vec<Buffer>> {
+    Ok(upload_laid_out(client, weights, dtype, &[device], 1)?.swap_remove(0))
+}
+
+/// Uploads `weights` as `dtype` (F32 or BF16) for an engine on `devices` (one, or devices
+/// `0..N` of the client) with tensor-parallel size `tensor_parallel`: each device gets its
+/// part of [`rollout_layout`].
+pub fn upload_weights_on(
+    client: &Client,
+    weights: &ModelWeights,
+    dtype: DType,
+    devices: &[usize],
+    tensor_parallel: usize,
+) -> Result<EngineWeights> {
+    let per_device = upload_laid_out(client, weights, dtype, devices, tensor_parallel)?;
+    Ok(EngineWeights::laid_out(
+        per_device.into_iter().map(Arc::from).collect(),
+        tensor_parallel,
+    ))
+}
+
+fn upload_laid_out(
+    client: &Client,
+    weights: &ModelWeights,
+    dtype: DType,
+    devices: &[usize],
+    tensor_parallel: usize,
+) -> Result<Vec<Vec<Buffer>>> {
     let table = param_table(&weights.config);
     let bad = |name: &str, problem: String| RolloutError::Weights {
         version: 0,
@@ -247,52 +374,89 @@ pub fn upload_weights(
             format!("weights can be f32 or bf16 on the device, not {dtype}"),
         ));
     }
-    model::programs::upload_params(client, weights, dtype, device).map_err(|e| match e {
+    let tp = tensor_parallel.max(1);
+    if !devices.len().is_multiple_of(tp) {
+        return Err(RolloutError::Config(format!(
+            "rollout.tensor_model_parallel_size = {tp} must divide the {} devices of the engine",
+            devices.len()
+        )));
+    }
+    let mesh = rollout_mesh(devices.len(), tp);
+    model::programs::upload_params_on(
+        client,
+        weights,
+        dtype,
+        devices,
+        mesh.as_ref(),
+        &rollout_layout(tp),
+    )
+    .map_err(|e| match e {
         model::programs::ProgramError::Weights { name, problem } => bad(&name, problem),
         model::programs::ProgramError::Runtime { action, source } => RolloutError::runtime(action, source),
         other => RolloutError::Config(other.to_string()),
     })
 }
 
-/// Checks every replica of `weights` against the parameter table and its device in
-/// `devices`; returns the weights' dtype.
-pub(crate) fn check_replicas(
+/// Checks every device's buffers of `weights` against the parameter table, the rollout's
+/// layout ([`rollout_layout`] on [`rollout_mesh`]) and its device in `devices`; returns the
+/// weights' dtype.
+pub(crate) fn check_layout(
     config: &ModelConfig,
     weights: &EngineWeights,
     dtype: Option<DType>,
     devices: &[usize],
     version: u64,
 ) -> Result<DType> {
+    let table = param_table(config);
+    let first = table.first().map(|s| s.name.clone()).unwrap_or_default();
     if weights.devices() != devices.len() {
         return Err(RolloutError::Weights {
             version,
             index: 0,
-            name: param_table(config)
-                .first()
-                .map(|s| s.name.clone())
-                .unwrap_or_default(),
+            name: first,
             problem: format!(
-                "replicas for {} device(s) were given; the engine runs on {} ({devices:?})",
+                "weights for {} device(s) were given; the engine runs on {} ({devices:?})",
                 weights.devices(),
                 devices.len()
             ),
         });
     }
+    let tp = weights.tensor_parallel();
+    if !devices.len().is_multiple_of(tp) {
+        return Err(RolloutError::Weights {
+            version,
+            index: 0,
+            name: first,
+            problem: format!(
+                "laid out for a tensor-parallel size of {tp}, which does not divide the engine's {} devices",
+                devices.len()
+            ),
+        });
+    }
+    let mesh = rollout_mesh(devices.len(), tp);
+    let layout = rollout_layout(tp);
+    let local: Vec<Vec<i64>> = table
+        .iter()
+        .map(|spec| match (layout.sharding(spec), &mesh) {
+            (Some(s), Some(m)) => s.local_dims(&spec.dims(), m),
+            _ => spec.dims(),
+        })
+        .collect();
     let mut want = dtype;
-    for (replica, &device) in weights.replicas().iter().zip(devices) {
-        want = Some(check_weights(config, replica, want, device, version)?);
+    for (buffers, &device) in weights.per_device().iter().zip(devices) {
+        want = Some(check_weights(&table, &local, buffers, want, device, version)?);
     }
     Ok(want.unwrap_or(DType::F32))
 }
 
 fn check_weights(
-    config: &ModelConfig,
+    table: &[ParamSpec],
+    local: &[Vec<i64>],
     weights: &[Buffer],
     dtype: Option<DType>,
     device: usize,
     version: u64,
 ) -> Result<DType> {
-    let table = param_table(config);
     if weights.len() != table.len() {
         return Err(RolloutError::Weights {
             version,
@@ -309,10 +473,14 @@ fn check_weights(
         });
     }
     let want = dtype.unwrap_or_else(|| weights.first().map(|b| b.dtype()).unwrap_or(DType::F32));
-    for (index, (spec, b)) in table.iter().zip(weights).enumerate() {
-        let dims: Vec<i64> = spec.shape.iter().map(|&d| d as i64).collect();
+    for (index, ((spec, dims), b)) in table.iter().zip(local).zip(weights).enumerate() {
         let problem = if b.dims() != dims.as_slice() {
-            Some(format!("expected shape {:?}, found {:?}", dims, b.dims()))
+            let whole = if *dims == spec.dims() {
+                String::new()
+            } else {
+                format!(" (this device's tensor-parallel part of {:?})", spec.dims())
+            };
+            Some(format!("expected shape {dims:?}{whole}, found {:?}", b.dims()))
         } else if b.dtype() != want {
             Some(format!(
                 "expected {want} (the compiled programs' weight type; a different type needs a new engine), found {}",

@@ -16,12 +16,13 @@ use common::{generate, request, sampled};
 
 use std::sync::Arc;
 
-use model::{param_table, random_init, ModelConfig, ModelWeights};
+use model::ParamLayout;
+use model::{param_table, random_init, ModelConfig, ModelWeights, MODEL_AXIS};
 use rollout::{
-    handoff, upload_weights, Engine, EngineConfig, EngineWeights, GenerationRequest, Sample, SamplingParams,
-    SourceParams,
+    handoff, upload_weights, upload_weights_on, Engine, EngineConfig, EngineWeights, GenerationRequest,
+    Sample, SamplingParams, SourceParams,
 };
-use xla::graph::{Mesh, Sharding};
+use xla::graph::{shard_host, Mesh, Sharding};
 use xla::runtime::{Buffer, Client};
 
 fn client() -> &'static Client {
@@ -161,7 +162,7 @@ fn hot_swap_on_several_devices_follows_the_new_weights() {
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("replicas for 1 device(s) were given; the engine runs on 2 ([0, 1])"),
+        err.contains("weights for 1 device(s) were given; the engine runs on 2 ([0, 1])"),
         "{err}"
     );
 }
@@ -187,58 +188,40 @@ fn slots_that_do_not_split_over_the_devices_are_refused() {
     assert!(err.contains("use a multiple of 4"), "{err}");
 }
 
-/// The learner's `fsdp` rule: split each tensor on its first dimension that divides by the
-/// mesh, whole when none does.
-fn fsdp_sharding(dims: &[i64], devices: usize) -> Option<Sharding> {
-    dims.iter()
-        .position(|d| d % devices as i64 == 0)
-        .map(|dim| Sharding::split(dims.len(), dim, "data"))
-}
-
-/// Device `d`'s block of `values` (shape `dims`) split as `sharding` says over `devices`.
-fn shard(
-    values: &[f32],
-    dims: &[i64],
-    sharding: Option<&Sharding>,
-    devices: usize,
-    d: usize,
-) -> (Vec<f32>, Vec<i64>) {
-    let Some(dim) = sharding.and_then(|s| s.dims().iter().position(|a| !a.is_empty())) else {
-        return (values.to_vec(), dims.to_vec());
-    };
-    let outer: i64 = dims[..dim].iter().product();
-    let inner: i64 = dims[dim + 1..].iter().product();
-    let chunk = dims[dim] as usize / devices;
-    let mut local = dims.to_vec();
-    local[dim] /= devices as i64;
-    let mut out = Vec::new();
-    for o in 0..outer as usize {
-        let start = (o * dims[dim] as usize + d * chunk) * inner as usize;
-        out.extend_from_slice(&values[start..start + chunk * inner as usize]);
-    }
-    (out, local)
-}
-
 /// f32 parameters laid out over `devices` as a `dp` (`split` off) or `fsdp` learner would.
 fn learner_layout(client: &Client, weights: &ModelWeights, devices: usize, split: bool) -> SourceParams {
+    let fsdp = split.then_some(("data", devices));
+    let mesh = (devices > 1).then(|| Mesh::new(&[("data", devices)]));
+    laid_out(
+        client,
+        weights,
+        mesh,
+        ParamLayout {
+            fsdp,
+            tensor_parallel: 1,
+        },
+    )
+}
+
+/// f32 parameters on the devices of `mesh` (one device without), laid out by `layout`.
+fn laid_out(
+    client: &Client,
+    weights: &ModelWeights,
+    mesh: Option<Mesh>,
+    layout: ParamLayout,
+) -> SourceParams {
     let table = param_table(&weights.config);
-    let dims: Vec<Vec<i64>> = table
-        .iter()
-        .map(|s| s.shape.iter().map(|&d| d as i64).collect())
-        .collect();
-    let shardings: Vec<Option<Sharding>> = dims
-        .iter()
-        .map(|d| if split { fsdp_sharding(d, devices) } else { None })
-        .collect();
+    let shardings: Vec<Option<Sharding>> = table.iter().map(|s| layout.sharding(s)).collect();
+    let devices = mesh.as_ref().map_or(1, Mesh::num_devices);
     let per_device = (0..devices)
         .map(|d| {
             let buffers: Vec<Buffer> = table
                 .iter()
-                .zip(&dims)
                 .zip(&shardings)
-                .map(|((spec, dims), sharding)| {
+                .map(|(spec, sharding)| {
                     let values = weights.get(&spec.name).unwrap().to_f32_vec();
-                    let (part, local) = shard(&values, dims, sharding.as_ref(), devices, d);
+                    let (part, local) =
+                        shard_host(&values, &spec.dims(), sharding.as_ref(), mesh.as_ref(), d);
                     client.buffer_from_host(&part, &local, d).unwrap()
                 })
                 .collect();
@@ -246,10 +229,10 @@ fn learner_layout(client: &Client, weights: &ModelWeights, devices: usize, split
         })
         .collect();
     SourceParams {
-        mesh: (devices > 1).then(|| Mesh::new(&[("data", devices)])),
+        mesh,
         per_device,
         shardings,
-        dims,
+        specs: table,
     }
 }
 
@@ -269,7 +252,7 @@ fn the_handoff_gathers_and_converts_on_the_devices() {
     let fsdp = learner_layout(client, &weights, 4, true);
     assert!(fsdp.shardings.iter().all(|s| s.is_some()));
     let before = client.transfer_stats();
-    let bf16 = handoff(client, &fsdp, DType::BF16, false).unwrap();
+    let bf16 = handoff(client, &fsdp, DType::BF16, 1, false).unwrap();
     let moved = client.transfer_stats().since(&before);
     assert_eq!(
         (moved.host_transfers(), moved.host_bytes(), moved.device_to_device),
@@ -278,18 +261,18 @@ fn the_handoff_gathers_and_converts_on_the_devices() {
     );
     assert_eq!(bf16.devices(), 4);
     for d in 0..4 {
-        for (i, (b, values)) in bf16.replica(d).iter().zip(&host).enumerate() {
+        for (i, (b, values)) in bf16.device(d).iter().zip(&host).enumerate() {
             assert_eq!(b.device(), d);
-            assert_eq!(b.dims(), fsdp.dims[i].as_slice());
+            assert_eq!(b.dims(), fsdp.specs[i].dims().as_slice());
             let got = b.to_host::<half::bf16>().unwrap();
             let want: Vec<half::bf16> = values.iter().map(|&v| half::bf16::from_f32(v)).collect();
             assert_eq!(got, want, "device {d} parameter {} ({})", i, table[i].name);
         }
     }
     // fsdp -> f32: the gathered masters, bit for bit.
-    let f32s = handoff(client, &fsdp, DType::F32, false).unwrap();
+    let f32s = handoff(client, &fsdp, DType::F32, 1, false).unwrap();
     for d in [0, 3] {
-        for (b, values) in f32s.replica(d).iter().zip(&host) {
+        for (b, values) in f32s.device(d).iter().zip(&host) {
             assert_eq!(&b.to_host::<f32>().unwrap(), values);
         }
     }
@@ -297,8 +280,8 @@ fn the_handoff_gathers_and_converts_on_the_devices() {
     // dp, same dtype: shared in place, no program, no copy; `fresh` makes new buffers.
     let dp = learner_layout(client, &weights, 2, false);
     let before = client.transfer_stats();
-    let shared = handoff(client, &dp, DType::F32, false).unwrap();
-    let copied = handoff(client, &dp, DType::F32, true).unwrap();
+    let shared = handoff(client, &dp, DType::F32, 1, false).unwrap();
+    let copied = handoff(client, &dp, DType::F32, 1, true).unwrap();
     let moved = client.transfer_stats().since(&before);
     assert_eq!(
         (moved.host_transfers(), moved.device_to_device),
@@ -306,20 +289,21 @@ fn the_handoff_gathers_and_converts_on_the_devices() {
         "{moved:?}"
     );
     for d in 0..2 {
-        assert!(Arc::ptr_eq(shared.replica(d), &dp.per_device[d]));
-        assert!(!Arc::ptr_eq(copied.replica(d), &dp.per_device[d]));
-        assert_eq!(copied.replica(d)[0].to_host::<f32>().unwrap(), host[0]);
+        assert!(Arc::ptr_eq(shared.device(d), &dp.per_device[d]));
+        assert!(!Arc::ptr_eq(copied.device(d), &dp.per_device[d]));
+        assert_eq!(copied.device(d)[0].to_host::<f32>().unwrap(), host[0]);
     }
 
     // One device, f32 -> bf16: a single-device convert.
-    let single = SourceParams::single(Arc::from(
-        upload_weights(client, &weights, DType::F32, 0).unwrap(),
-    ));
+    let single = SourceParams::single(
+        Arc::from(upload_weights(client, &weights, DType::F32, 0).unwrap()),
+        table.clone(),
+    );
     let before = client.transfer_stats();
-    let one = handoff(client, &single, DType::BF16, false).unwrap();
+    let one = handoff(client, &single, DType::BF16, 1, false).unwrap();
     assert_eq!(client.transfer_stats().since(&before).host_transfers(), 0);
     assert_eq!(one.devices(), 1);
-    assert_eq!(one[0].dtype(), DType::BF16);
+    assert_eq!(one.device(0)[0].dtype(), DType::BF16);
 
     // An engine over the gathered bf16 replicas generates what a single-device engine on
     // bf16 weights uploaded from the host generates.
@@ -346,11 +330,162 @@ fn a_layout_that_does_not_fit_its_mesh_is_refused() {
     let weights = random_init(&ModelConfig::tiny_llama(), 3);
     let mut layout = learner_layout(client(), &weights, 2, true);
     layout.mesh = Some(Mesh::new(&[("data", 4)]));
-    let err = handoff(client(), &layout, DType::F32, false)
+    let err = handoff(client(), &layout, DType::F32, 1, false)
         .unwrap_err()
         .to_string();
     assert!(
         err.contains("2 devices of parameters need a mesh of 2 devices"),
         "{err}"
     );
+}
+
+/// Models whose 4 query heads and 2 KV heads split 2 ways and (query heads only) 4 ways: a
+/// tiny Llama, and the Qwen2 (q/k/v biases) and Qwen3 (q/k norms, untied head) fixtures.
+fn tensor_parallel_configs() -> Vec<ModelConfig> {
+    let fixture = |family: &str| {
+        let path = format!(
+            "{}/../model/fixtures/tiny/{family}/config.json",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        ModelConfig::from_hf_file(std::path::Path::new(&path)).unwrap()
+    };
+    let llama = testkit::TinyLlama {
+        vocab: 64,
+        hidden: 32,
+        intermediate: 48,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        max_positions: 64,
+        initializer_range: 0.2,
+    }
+    .config();
+    vec![llama, fixture("qwen2"), fixture("qwen3")]
+}
+
+/// Weights of `weights` in `dtype` for an engine on devices `0..devices` with tensor-parallel
+/// size `tp`.
+fn tensor_parallel(weights: &ModelWeights, dtype: DType, devices: usize, tp: usize) -> EngineWeights {
+    let on: Vec<usize> = (0..devices).collect();
+    upload_weights_on(client(), weights, dtype, &on, tp).unwrap()
+}
+
+#[test]
+fn tensor_parallel_engines_give_the_single_device_tokens_for_llama_qwen2_and_qwen3() {
+    for config in tensor_parallel_configs() {
+        let weights = random_init(&config, 21);
+        for (kv_chunk, prefill_batch) in [(0, 1), (8, 2)] {
+            let make = |devices: usize, tp: usize| {
+                let mut settings = EngineConfig::new(8, 32);
+                settings.kv_chunk = kv_chunk;
+                settings.prefill_batch = prefill_batch;
+                settings.tensor_parallel = tp;
+                Engine::new(
+                    client(),
+                    &config,
+                    tensor_parallel(&weights, DType::F32, devices, tp),
+                    3,
+                    settings,
+                    None,
+                )
+                .unwrap()
+            };
+            let mut one = make(1, 1);
+            let expected = generate(&mut one, &requests());
+            assert!(expected.iter().any(|s| s.response_ids.len() > 8));
+            // TP=2, TP=4 (KV heads replicated: 2 of them), 2 slot groups x TP=2.
+            for (devices, tp) in [(2, 2), (4, 4), (4, 2)] {
+                let what = format!(
+                    "{} on {devices} devices, tensor parallel {tp}, kv_chunk {kv_chunk}, prefill_batch {prefill_batch}",
+                    config.family
+                );
+                let mut engine = make(devices, tp);
+                assert_eq!(engine.devices(), devices, "{what}");
+                let got = generate(&mut engine, &requests());
+                assert_same_samples(&got, &expected, &what);
+            }
+        }
+    }
+}
+
+#[test]
+fn the_handoff_reshards_a_tensor_parallel_learner_into_the_rollouts_layout_on_the_devices() {
+    let own = Client::cpu(4).unwrap();
+    let client = &own;
+    let config = tensor_parallel_configs().remove(1);
+    let weights = random_init(&config, 43);
+    let expected = |tp| upload_weights_on(client, &weights, DType::BF16, &[0, 1, 2, 3], tp).unwrap();
+    let data_model = Mesh::new(&[("data", 2), (MODEL_AXIS, 2)]);
+    let cases = [
+        // FSDP=2 x TP=2 -> TP=2: gather over data, keep the model split.
+        ("fsdp 2 x tp 2", Some(data_model.clone()), Some(("data", 2)), 2, 2),
+        // FSDP=4 -> TP=2 (VeRL's common pairing): the meshes refine to 2 x 2.
+        ("fsdp 4", Some(Mesh::new(&[("data", 4)])), Some(("data", 4)), 1, 2),
+        // TP=2 -> TP=4 and back to whole replicas.
+        ("dp 2 x tp 2", Some(data_model.clone()), None, 2, 4),
+        ("dp 2 x tp 2", Some(data_model), None, 2, 1),
+    ];
+    for (what, mesh, fsdp, learner_tp, rollout_tp) in cases {
+        let source = laid_out(
+            client,
+            &weights,
+            mesh,
+            ParamLayout {
+                fsdp,
+                tensor_parallel: learner_tp,
+            },
+        );
+        let before = client.transfer_stats();
+        let got = handoff(client, &source, DType::BF16, rollout_tp, false).unwrap();
+        let moved = client.transfer_stats().since(&before);
+        assert_eq!(
+            (moved.host_transfers(), moved.host_bytes()),
+            (0, 0),
+            "{what} -> tp {rollout_tp}: {moved:?}"
+        );
+        assert_eq!(got.tensor_parallel(), rollout_tp);
+        let want = expected(rollout_tp);
+        for d in 0..4 {
+            for (i, (g, w)) in got.device(d).iter().zip(want.device(d).iter()).enumerate() {
+                assert_eq!(
+                    (g.device(), g.dims()),
+                    (d, w.dims()),
+                    "{what}: device {d} parameter {i}"
+                );
+                assert_eq!(
+                    g.to_host::<half::bf16>().unwrap(),
+                    w.to_host::<half::bf16>().unwrap(),
+                    "{what} -> tp {rollout_tp}: device {d} parameter {i}"
+                );
+            }
+        }
+    }
+    // The same layout in the same dtype is used in place.
+    let mesh = Mesh::new(&[("data", 2), (MODEL_AXIS, 2)]);
+    let source = laid_out(
+        client,
+        &weights,
+        Some(mesh),
+        ParamLayout {
+            fsdp: None,
+            tensor_parallel: 2,
+        },
+    );
+    let shared = handoff(client, &source, DType::F32, 2, false).unwrap();
+    assert!((0..4).all(|d| Arc::ptr_eq(shared.device(d), &source.per_device[d])));
+    // Meshes that do not nest are refused by name.
+    let six = Client::cpu(6).unwrap();
+    let source = laid_out(
+        &six,
+        &weights,
+        Some(Mesh::new(&[("data", 3), (MODEL_AXIS, 2)])),
+        ParamLayout {
+            fsdp: None,
+            tensor_parallel: 2,
+        },
+    );
+    let err = handoff(&six, &source, DType::F32, 3, false)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("do not nest"), "{err}");
 }

@@ -225,6 +225,7 @@ fn rollout_service(
         &prepared.model.weights.config,
         setup::rollout_dtype(recipe),
         0,
+        recipe.rollout.tensor_model_parallel_size,
     ))
 }
 

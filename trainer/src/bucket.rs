@@ -134,14 +134,14 @@ impl BucketedLearner {
                 ),
             });
         }
-        let devices = cfg.parallel.devices(cfg.micro_batch_size)?;
+        let devices = cfg.parallel.data_devices(cfg.micro_batch_size)?;
         if policy.blocks.max(1) != devices {
             return Err(TrainerError::Config {
                 key: "actor.mesh",
                 value: devices.to_string(),
                 message: format!(
                     "the policy packs its rows in {} blocks but the learner splits them over {devices} \
-                     devices; build the policy with one block per device",
+                     devices of its data axis; build the policy with one block per data device",
                     policy.blocks
                 ),
             });

@@ -323,8 +323,9 @@ impl Strategy {
     }
 }
 
-/// `actor.strategy` and `actor.mesh`: the learner's device layout.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+/// `actor.strategy`, `actor.mesh` and `actor.tensor_model_parallel_size`: the learner's
+/// device layout, a mesh of `data` x `model` devices (`model` = the tensor-parallel size).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Parallelism {
     /// How parameters and rows are laid out over the devices.
@@ -333,14 +334,37 @@ pub struct Parallelism {
     /// means all devices of the client; resolve it with [`Parallelism::resolved`] before
     /// building programs. Ignored by `single`.
     pub mesh: Option<usize>,
+    /// Devices of the tensor-parallel axis (VeRL's `tensor_model_parallel_size`): every
+    /// parameter split by the Megatron layout ([`model::ModelSplit`]) over this many devices,
+    /// the rows over the remaining `mesh / tensor_parallel` (the `data` axis). 1: none.
+    pub tensor_parallel: usize,
+}
+
+impl Default for Parallelism {
+    fn default() -> Parallelism {
+        Parallelism {
+            strategy: Strategy::Single,
+            mesh: None,
+            tensor_parallel: 1,
+        }
+    }
 }
 
 impl Parallelism {
-    /// `strategy` over `mesh` devices.
+    /// `strategy` over `mesh` devices, no tensor parallelism.
     pub fn new(strategy: Strategy, mesh: usize) -> Parallelism {
         Parallelism {
             strategy,
             mesh: Some(mesh),
+            tensor_parallel: 1,
+        }
+    }
+
+    /// This layout with a tensor-parallel axis of `tp` devices.
+    pub fn with_tensor_parallel(self, tp: usize) -> Parallelism {
+        Parallelism {
+            tensor_parallel: tp,
+            ..self
         }
     }
 
@@ -353,10 +377,20 @@ impl Parallelism {
     }
 
     /// The number of devices the learner's programs span: 1 for `single`, the mesh size
-    /// otherwise. Refuses an unresolved or empty mesh, and a micro-batch whose rows do not
-    /// split evenly over the mesh.
+    /// otherwise. Refuses an unresolved or empty mesh, a mesh the tensor-parallel size does
+    /// not divide, and a micro-batch whose rows do not split evenly over the `data` axis.
     pub fn devices(&self, micro_batch_size: i64) -> Result<usize> {
+        let tp = self.tensor_parallel.max(1);
         if self.strategy == Strategy::Single {
+            if tp > 1 {
+                return Err(TrainerError::Config {
+                    key: "actor.tensor_model_parallel_size",
+                    value: tp.to_string(),
+                    message: format!(
+                        "tensor parallelism spans several devices; actor.strategy single uses                          one: set actor.strategy dp (parameters whole over the data axis) or                          fsdp (also split over it) with actor.mesh a multiple of {tp}"
+                    ),
+                });
+            }
             return Ok(1);
         }
         let n = self.mesh.ok_or_else(|| TrainerError::Config {
@@ -375,19 +409,46 @@ impl Parallelism {
                 message: "the mesh needs at least 1 device".to_string(),
             });
         }
-        if micro_batch_size % n as i64 != 0 {
+        if !n.is_multiple_of(tp) {
+            return Err(TrainerError::Config {
+                key: "actor.mesh",
+                value: n.to_string(),
+                message: format!(
+                    "must be a multiple of actor.tensor_model_parallel_size ({tp}): the mesh is \
+                     data x model devices, {tp} on the model axis"
+                ),
+            });
+        }
+        let data = n / tp;
+        if micro_batch_size % data as i64 != 0 {
+            let (divisor, over) = if tp > 1 {
+                (
+                    format!(
+                        "{data}, the data axis of actor.mesh ({n}) / actor.tensor_model_parallel_size ({tp})"
+                    ),
+                    format!("the {data} devices of the data axis"),
+                )
+            } else {
+                (format!("actor.mesh ({n})"), "the devices".to_string())
+            };
             return Err(TrainerError::Config {
                 key: "actor.ppo_micro_batch_size",
                 value: micro_batch_size.to_string(),
                 message: format!(
-                    "must divide by actor.mesh ({n}): actor.strategy {} splits each micro-batch's \
-                     rows evenly over the devices; pick a micro-batch size that is a multiple of \
-                     {n} or a mesh that divides {micro_batch_size}",
+                    "must divide by {divisor}: actor.strategy {} splits each micro-batch's \
+                     rows evenly over {over}; pick a micro-batch size that is a multiple of \
+                     {data} or a mesh that divides {micro_batch_size}",
                     self.strategy.name()
                 ),
             });
         }
         Ok(n)
+    }
+
+    /// The devices of the `data` axis (the row blocks of a micro-batch): [`Parallelism::devices`]
+    /// divided by the tensor-parallel size.
+    pub fn data_devices(&self, micro_batch_size: i64) -> Result<usize> {
+        Ok(self.devices(micro_batch_size)? / self.tensor_parallel.max(1))
     }
 }
 
@@ -480,5 +541,35 @@ mod tests {
         );
         assert!(Parallelism::new(Strategy::Dp, 0).devices(6).is_err());
         assert!(serde_json::from_str::<Parallelism>(r#"{"strategy": "tp"}"#).is_err());
+    }
+
+    #[test]
+    fn tensor_parallelism_splits_the_mesh_into_data_and_model_axes() {
+        let p = Parallelism::new(Strategy::Fsdp, 4).with_tensor_parallel(2);
+        assert_eq!((p.devices(2).unwrap(), p.data_devices(2).unwrap()), (4, 2));
+        let err = p.devices(3).unwrap_err().to_string();
+        assert!(
+            err.contains(
+                "must divide by 2, the data axis of actor.mesh (4) / actor.tensor_model_parallel_size (2)"
+            ),
+            "{err}"
+        );
+        let err = Parallelism::new(Strategy::Dp, 6)
+            .with_tensor_parallel(4)
+            .devices(8)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("actor.mesh = 6: must be a multiple of actor.tensor_model_parallel_size (4)"),
+            "{err}"
+        );
+        let err = Parallelism::default()
+            .with_tensor_parallel(2)
+            .devices(2)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("set actor.strategy dp"), "{err}");
+        let json: Parallelism = serde_json::from_str(r#"{"strategy": "dp", "mesh": 4}"#).unwrap();
+        assert_eq!(json.tensor_parallel, 1);
     }
 }

@@ -241,7 +241,7 @@ fn main() {
         let r =
             compile_for_topology_with(&tpu, &mlir, &topology, &TopologyOptions::default(), &opts).unwrap();
         match r.outcome {
-            TpuCompileOutcome::Fits { memory, cost } => println!(
+            TpuCompileOutcome::Fits { memory, cost, .. } => println!(
                 "{variant:14} bytes {:.2} GB = {:.2}x cache  temp {:.2} GB  {:.1}s",
                 cost.bytes_accessed.unwrap_or(0.0) / 1e9,
                 cost.bytes_accessed.unwrap_or(0.0) / cache_bytes,

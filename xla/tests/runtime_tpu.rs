@@ -83,9 +83,25 @@ fn training_step_compiles_for_v5e_v6e_v5p_with_memory_and_flops() {
         assert_eq!(report.topology.num_devices, 4, "{topology}");
         assert_eq!(report.topology.device_kind, kind);
         assert_eq!(report.topology.hbm_bytes_per_chip, Some(hbm_gib << 30));
-        let TpuCompileOutcome::Fits { memory, cost } = &report.outcome else {
+        let TpuCompileOutcome::Fits {
+            memory,
+            cost,
+            collectives,
+        } = &report.outcome
+        else {
             panic!("{topology}: {:?}", report.outcome)
         };
+        // Data parallel: the gradient of w is summed over the devices, in f32 (it may be
+        // split into pieces); nothing is gathered.
+        let reduced = &collectives["all-reduce"];
+        assert!(
+            reduced.count >= 1 && reduced.bytes >= (din * dout * 4) as u64,
+            "{topology}: {collectives:?}"
+        );
+        assert!(
+            !collectives.contains_key("all-gather"),
+            "{topology}: {collectives:?}"
+        );
         // Per device: w (replicated) + a quarter of x and y.
         let per_device_args = (din * dout + (batch / 4) * (din + dout)) * 4;
         assert_eq!(

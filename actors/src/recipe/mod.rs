@@ -89,9 +89,12 @@ pub struct RolloutSection {
     /// Element type of the rollout's weights and KV cache.
     #[serde(default = "default_rollout_dtype")]
     pub dtype: DTypeName,
-    /// Devices one rollout engine splits the model over.
+    /// Devices one rollout engine splits the model over (VeRL's
+    /// `rollout.tensor_model_parallel_size`): weights in the Megatron layout and the KV cache
+    /// by KV heads over this many devices; an engine's devices form `devices / this` slot
+    /// groups.
     #[serde(default = "default_one_usize")]
-    pub tensor_parallel_size: usize,
+    pub tensor_model_parallel_size: usize,
     /// Sampling for validation.
     #[serde(default)]
     pub val_kwargs: ValKwargs,
@@ -168,6 +171,11 @@ pub struct ActorSection {
     /// client); empty means all devices of its client (see [`ActorSection::parallelism`]).
     #[serde(default)]
     pub mesh: Option<usize>,
+    /// Devices of the learner mesh's tensor-parallel axis (VeRL's
+    /// `tensor_model_parallel_size`): the mesh is `mesh / this` data devices x this many model
+    /// devices, parameters split over the model axis in the Megatron layout.
+    #[serde(default = "default_one_usize")]
+    pub tensor_model_parallel_size: usize,
     #[serde(default)]
     pub optim: OptimSection,
     /// Prompts per optimizer step (times `rollout.n` sequences).
@@ -242,6 +250,7 @@ impl ActorSection {
         trainer::config::Parallelism {
             strategy: self.strategy,
             mesh,
+            tensor_parallel: self.tensor_model_parallel_size,
         }
     }
 }
@@ -286,22 +295,33 @@ impl ActorSection {
 
 impl Recipe {
     /// Devices the CPU client opens: `cluster.cpu_device_count`, raised to `actor.mesh` when
-    /// the learner is sharded over more devices than that (`dp`, `fsdp`).
+    /// the learner is sharded over more devices than that (`dp`, `fsdp`) and to
+    /// `rollout.tensor_model_parallel_size` when one engine needs more.
     pub fn cpu_devices(&self) -> usize {
-        match (self.actor.strategy, self.actor.mesh) {
-            (Strategy::Dp | Strategy::Fsdp, Some(mesh)) => self.cluster.cpu_device_count.max(mesh),
-            _ => self.cluster.cpu_device_count,
-        }
+        let learner = match (self.actor.strategy, self.actor.mesh) {
+            (Strategy::Dp | Strategy::Fsdp, Some(mesh)) => mesh,
+            _ => 1,
+        };
+        self.cluster
+            .cpu_device_count
+            .max(learner)
+            .max(self.rollout.tensor_model_parallel_size)
     }
 
-    /// Devices the in-process rollout runs on: the learner's mesh when rollout and learner
-    /// both run in the orchestrator's process and the learner is split over several devices
-    /// (`dp`, `fsdp`; the engine splits its KV-cache slots over them), 1 otherwise.
+    /// Whether the rollout engine runs in the orchestrator's process on the learner's devices
+    /// (no rollout or learner workers), sharing its parameter buffers.
+    pub fn rollout_colocated(&self) -> bool {
+        self.cluster.rollout_workers == 0 && self.cluster.learner_workers == 0
+    }
+
+    /// Devices one rollout engine runs on: the learner's mesh when the rollout is colocated
+    /// with a learner split over several devices (`dp`, `fsdp`; the engine splits its
+    /// KV-cache slots over the slot groups and the model over the tensor-parallel devices),
+    /// else `rollout.tensor_model_parallel_size` (1 without tensor parallelism).
     pub fn rollout_devices(&self) -> usize {
-        let colocated = self.cluster.rollout_workers == 0 && self.cluster.learner_workers == 0;
         match self.actor.parallelism(&self.cluster).mesh {
-            Some(m) if m > 1 && colocated => m,
-            _ => 1,
+            Some(m) if m > 1 && self.rollout_colocated() => m,
+            _ => self.rollout.tensor_model_parallel_size.max(1),
         }
     }
 }

@@ -156,12 +156,10 @@ pub(crate) fn validate(r: &Recipe, text: &str, file: &str, overrides: &[String])
         "must be at least 1",
     );
     c.check(
-        ro.tensor_parallel_size == 1,
-        "rollout.tensor_parallel_size",
-        ro.tensor_parallel_size,
-        "must be 1: the rollout has no tensor parallelism yet; a rollout in the orchestrator \
-         already runs data parallel over the learner's devices (`actor.strategy: dp` or `fsdp` \
-         with `actor.mesh`), and `cluster.rollout_workers` adds engines",
+        ro.tensor_model_parallel_size >= 1,
+        "rollout.tensor_model_parallel_size",
+        ro.tensor_model_parallel_size,
+        "must be at least 1 device",
     );
     let vk = &ro.val_kwargs;
     c.check(vk.n >= 1, "rollout.val_kwargs.n", vk.n, "must be at least 1");
@@ -297,7 +295,7 @@ pub(crate) fn validate(r: &Recipe, text: &str, file: &str, overrides: &[String])
                     r.cluster.device.name()
                 ),
             ),
-            Some(m) if m >= 1 && a.ppo_micro_batch_size >= 1 => c.check(
+            Some(m) if m >= 1 && a.ppo_micro_batch_size >= 1 && a.tensor_model_parallel_size <= 1 => c.check(
                 a.ppo_micro_batch_size.is_multiple_of(m),
                 "actor.ppo_micro_batch_size",
                 a.ppo_micro_batch_size,
@@ -312,22 +310,28 @@ pub(crate) fn validate(r: &Recipe, text: &str, file: &str, overrides: &[String])
                     a.strategy.name()
                 ),
             ),
+            Some(m)
+                if m >= 1
+                    && a.ppo_micro_batch_size >= 1
+                    && m.is_multiple_of(a.tensor_model_parallel_size) =>
+            {
+                let (tp, data) = (a.tensor_model_parallel_size, m / a.tensor_model_parallel_size);
+                c.check(
+                    a.ppo_micro_batch_size.is_multiple_of(data),
+                    "actor.ppo_micro_batch_size",
+                    a.ppo_micro_batch_size,
+                    &format!(
+                        "must divide by {data}, the data axis of actor.mesh ({m}) / \
+                         actor.tensor_model_parallel_size ({tp}): actor.strategy {} splits each \
+                         micro-batch's rows evenly over the data axis",
+                        a.strategy.name()
+                    ),
+                )
+            }
             Some(_) => {}
         }
-        // The in-process rollout runs on the learner's devices with its slots split over them.
-        let m = r.rollout_devices();
-        if m > 1 {
-            c.check(
-                r.rollout.max_num_seqs.is_multiple_of(m),
-                "rollout.max_num_seqs",
-                r.rollout.max_num_seqs,
-                &format!(
-                    "must divide by actor.mesh ({m}): the in-process rollout runs on the learner's {m} \
-                     devices and splits its KV-cache slots evenly over them"
-                ),
-            );
-        }
     }
+    check_tensor_parallel(&mut c, r);
     c.check(
         !(a.use_kl_loss && al.use_kl_in_reward),
         "actor.use_kl_loss",
@@ -459,6 +463,116 @@ pub(crate) fn validate(r: &Recipe, text: &str, file: &str, overrides: &[String])
 
 /// `cluster.launcher` with `cluster.ray` and `cluster.pools`: which keys go with which launcher,
 /// and the rules of each pool.
+/// Tensor parallelism: the learner's model axis divides its mesh; the rollout's divides the
+/// devices an engine runs on, its slot groups divide the slots, and a colocated rollout's mesh
+/// nests with the learner's so the weight handoff can reshard on the devices.
+fn check_tensor_parallel(c: &mut Checker<'_>, r: &Recipe) {
+    let a = &r.actor;
+    let tp = a.tensor_model_parallel_size;
+    c.check(
+        tp >= 1,
+        "actor.tensor_model_parallel_size",
+        tp,
+        "must be at least 1 device",
+    );
+    if tp > 1 && a.strategy == Strategy::Single {
+        c.check(
+            false,
+            "actor.tensor_model_parallel_size",
+            tp,
+            &format!(
+                "tensor parallelism spans several devices; actor.strategy single uses one: set \
+                 actor.strategy dp (parameters whole over the data axis) or fsdp (also split over \
+                 it) with actor.mesh a multiple of {tp}"
+            ),
+        );
+    }
+    let mesh = a
+        .parallelism(&r.cluster)
+        .mesh
+        .filter(|_| a.strategy != Strategy::Single);
+    if let Some(m) = mesh.filter(|&m| m >= 1 && tp >= 1) {
+        c.check(
+            m.is_multiple_of(tp),
+            "actor.mesh",
+            m,
+            &format!(
+                "must be a multiple of actor.tensor_model_parallel_size ({tp}): the learner's mesh is \
+                 data x model devices, {tp} on the model axis"
+            ),
+        );
+    }
+    let rtp = r.rollout.tensor_model_parallel_size;
+    if rtp < 1 {
+        return;
+    }
+    let devices = r.rollout_devices();
+    let colocated = r.rollout_colocated();
+    if colocated && rtp > 1 && mesh.unwrap_or(1) == 1 {
+        c.check(
+            false,
+            "rollout.tensor_model_parallel_size",
+            rtp,
+            &format!(
+                "an in-process rollout runs on the learner's devices and takes its weights from \
+                 them on the devices, but the learner uses one: set actor.strategy dp or fsdp with \
+                 actor.mesh a multiple of {rtp}, or run rollout workers (cluster.rollout_workers)"
+            ),
+        );
+        return;
+    }
+    if !devices.is_multiple_of(rtp) {
+        c.check(
+            false,
+            "rollout.tensor_model_parallel_size",
+            rtp,
+            &format!(
+                "must divide the {devices} devices the in-process rollout shares with the learner \
+                 (actor.mesh)"
+            ),
+        );
+        return;
+    }
+    let groups = devices / rtp;
+    if groups > 1 {
+        let rule = if rtp > 1 {
+            format!(
+                "must divide by the {groups} slot groups of the rollout's {devices} devices ({rtp} \
+                 tensor-parallel devices each): the rollout splits its KV-cache slots evenly over them"
+            )
+        } else {
+            format!(
+                "must divide by actor.mesh ({devices}): the in-process rollout runs on the learner's \
+                 {devices} devices and splits its KV-cache slots evenly over them"
+            )
+        };
+        c.check(
+            r.rollout.max_num_seqs.is_multiple_of(groups),
+            "rollout.max_num_seqs",
+            r.rollout.max_num_seqs,
+            &rule,
+        );
+    }
+    if colocated
+        && devices > 1
+        && tp >= 1
+        && devices.is_multiple_of(tp)
+        && !(tp.is_multiple_of(rtp) || rtp.is_multiple_of(tp))
+    {
+        c.check(
+            false,
+            "rollout.tensor_model_parallel_size",
+            rtp,
+            &format!(
+                "must divide or be a multiple of actor.tensor_model_parallel_size ({tp}): the \
+                 colocated weight handoff reshards the learner's data x model mesh into the \
+                 rollout's slot-group x model mesh on the same {devices} devices, which needs the \
+                 two to nest"
+            ),
+        );
+    }
+}
+
 fn check_cluster_launcher(c: &mut Checker<'_>, cluster: &ClusterSection) {
     match cluster.launcher {
         Launcher::Local => {
@@ -1056,6 +1170,54 @@ mod tests {
                 "r.yaml:6:3: `cluster.learner_workers` = 2: must be 0 (the learner in the \
                  orchestrator's process) or 1 (one learner worker process)"
             ]
+        );
+    }
+
+    #[test]
+    fn tensor_parallel_keys() {
+        let tp = "actor:\n  strategy: fsdp\n  mesh: 4\n  tensor_model_parallel_size: 2\n  ppo_micro_batch_size: 2\nrollout:\n  tensor_model_parallel_size: 2\n";
+        assert!(violations(tp).is_empty(), "{:?}", violations(tp));
+        assert_eq!(
+            violations("actor:\n  strategy: fsdp\n  mesh: 4\n  tensor_model_parallel_size: 3\n"),
+            vec![
+                "r.yaml:7:3: `actor.mesh` = 4: must be a multiple of actor.tensor_model_parallel_size (3): \
+                 the learner's mesh is data x model devices, 3 on the model axis"
+            ]
+        );
+        assert_eq!(
+            violations("actor:\n  strategy: dp\n  mesh: 4\n  tensor_model_parallel_size: 2\n  ppo_micro_batch_size: 1\n"),
+            vec![
+                "r.yaml:9:3: `actor.ppo_micro_batch_size` = 1: must divide by 2, the data axis of \
+                 actor.mesh (4) / actor.tensor_model_parallel_size (2): actor.strategy dp splits each \
+                 micro-batch's rows evenly over the data axis"
+            ]
+        );
+        let single = violations("actor:\n  tensor_model_parallel_size: 2\n");
+        assert!(single[0].contains("actor.strategy single uses one"), "{single:?}");
+        let one_device = violations("rollout:\n  tensor_model_parallel_size: 2\n");
+        assert!(
+            one_device[0].contains("but the learner uses one"),
+            "{one_device:?}"
+        );
+        // Rollout workers run their engines on their own 2 devices.
+        assert!(
+            violations("rollout:\n  tensor_model_parallel_size: 2\ncluster:\n  rollout_workers: 1\n")
+                .is_empty()
+        );
+        let groups = violations(
+            "actor:\n  strategy: dp\n  mesh: 4\nrollout:\n  tensor_model_parallel_size: 2\n  max_num_seqs: 3\n",
+        );
+        assert!(
+            groups[0].contains("must divide by the 2 slot groups of the rollout's 4 devices (2 tensor-parallel devices each)"),
+            "{groups:?}"
+        );
+        let nest = violations(
+            "actor:\n  strategy: fsdp\n  mesh: 6\n  tensor_model_parallel_size: 2\n  ppo_micro_batch_size: 3\nrollout:\n  n: 3\n  tensor_model_parallel_size: 3\n  max_num_seqs: 6\n",
+        );
+        assert_eq!(nest.len(), 1, "{nest:?}");
+        assert!(
+            nest[0].contains("must divide or be a multiple of actor.tensor_model_parallel_size (2)"),
+            "{nest:?}"
         );
     }
 

@@ -64,6 +64,8 @@ pub(crate) struct LearnerHandle {
     role: Arc<dyn LearnerRole>,
     /// The learner worker process, when the learner is not in this process.
     worker: Option<WorkerInfo>,
+    /// The parameter table the learner's weights follow.
+    specs: Arc<[ParamSpec]>,
 }
 
 impl LearnerHandle {
@@ -108,7 +110,7 @@ impl LearnerHandle {
     ) -> Result<UpdateParams, RunError> {
         let current = self.role.weights(version, dtype).await;
         let current = current.map_err(|e| self.failed(e, last_checkpoint))?;
-        rollout_weights(current, client, dtype, to)
+        rollout_weights(current, &self.specs, client, dtype, to)
     }
 }
 
@@ -189,6 +191,7 @@ impl Assembly {
         let learner = LearnerHandle {
             role,
             worker: learner_worker,
+            specs: specs.into(),
         };
 
         let rollout_dtype = setup::rollout_dtype(recipe);
@@ -196,6 +199,7 @@ impl Assembly {
         // so it needs buffers of its own.
         let in_process = WeightsFor::Engine {
             copy: recipe.trainer.off_policy_steps > 0,
+            tensor_parallel: recipe.rollout.tensor_model_parallel_size,
         };
         let rollout_at = match worker_count(cluster, Role::Rollout) {
             0 => in_process,
@@ -404,9 +408,9 @@ fn learner_worker_failed(worker: &WorkerInfo, error: RoleError, last_checkpoint:
 /// Who takes a run's weight updates.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum WeightsFor {
-    /// The rollout engine in this process; `copy` asks for buffers of its own, not the
-    /// learner's.
-    Engine { copy: bool },
+    /// The rollout engine in this process, laid out for its `tensor_parallel` size; `copy`
+    /// asks for buffers of its own, not the learner's.
+    Engine { copy: bool, tensor_parallel: usize },
     /// Rollout worker processes, which are streamed host bytes.
     Workers,
 }
@@ -416,17 +420,26 @@ enum WeightsFor {
 /// already replicated in `dtype` and no copy is asked for, else gathered and converted by a
 /// compiled program, never through the host); rollout workers stream the first replica. From
 /// a learner worker: the streamed host tensors, passed on as they are to rollout workers, or
-/// uploaded to this process's device 0 for its engine.
+/// uploaded to this process's devices for its engine (each device its part under tensor
+/// parallelism).
 fn rollout_weights(
     weights: LearnerWeights,
+    specs: &[ParamSpec],
     client: &Client,
     dtype: DType,
     to: WeightsFor,
 ) -> Result<UpdateParams, RunError> {
     let rt = |e: xla::runtime::Error| RunError::Other(format!("preparing rollout weights: {e}"));
-    let copy = matches!(to, WeightsFor::Engine { copy: true });
+    let (copy, tensor_parallel) = match to {
+        WeightsFor::Engine {
+            copy,
+            tensor_parallel,
+        } => (copy, tensor_parallel),
+        // Workers are streamed whole tensors from this process's first device.
+        WeightsFor::Workers => (false, 1),
+    };
     match weights {
-        LearnerWeights::Shared(source) => rollout::handoff(client, &source, dtype, copy)
+        LearnerWeights::Shared(source) => rollout::handoff(client, &source, dtype, tensor_parallel, copy)
             .map(UpdateParams::Device)
             .map_err(|e| RunError::Other(format!("handing the learner's weights to the rollout: {e}"))),
         LearnerWeights::Host(tensors) => {
@@ -439,14 +452,26 @@ fn rollout_weights(
             if to == WeightsFor::Workers {
                 return Ok(UpdateParams::Host(tensors.into()));
             }
-            tensors
-                .iter()
-                .map(|t| {
-                    let dims: Vec<i64> = t.shape.iter().map(|&d| d as i64).collect();
-                    client.buffer_from_bytes(&t.bytes, dtype, &dims, 0).map_err(rt)
+            let tp = tensor_parallel.max(1);
+            let mesh = rollout::programs::rollout_mesh(tp, tp);
+            let layout = rollout::rollout_layout(tp);
+            let per_device = (0..tp)
+                .map(|d| {
+                    tensors
+                        .iter()
+                        .zip(specs)
+                        .map(|(t, spec)| {
+                            let part = t.shard(layout.sharding(spec).as_ref(), mesh.as_ref(), d);
+                            let dims: Vec<i64> = part.shape.iter().map(|&n| n as i64).collect();
+                            client.buffer_from_bytes(&part.bytes, dtype, &dims, d).map_err(rt)
+                        })
+                        .collect::<Result<Vec<_>, _>>()
+                        .map(Arc::from)
                 })
-                .collect::<Result<Vec<_>, _>>()
-                .map(UpdateParams::from)
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(UpdateParams::Device(rollout::EngineWeights::laid_out(
+                per_device, tp,
+            )))
         }
     }
 }

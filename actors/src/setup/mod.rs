@@ -18,7 +18,7 @@ use std::path::Path;
 use trainer::policy::DecoderPolicy;
 use trainer::step::StepConfig;
 use trainer::update::{BatchPlan, UpdateConfig};
-use xla::runtime::{Buffer, CacheConfig, Client, ClientOptions, OptionValue};
+use xla::runtime::{CacheConfig, Client, ClientOptions, OptionValue};
 
 /// The client for `cluster.device` (plugin from `cluster.plugin_path` or discovered). On CPU it
 /// opens [`Recipe::cpu_devices`] devices: `cluster.cpu_device_count`, or `actor.mesh` when a
@@ -49,13 +49,15 @@ pub fn engine_config(recipe: &Recipe, stop_token_ids: &[u32]) -> EngineConfig {
     let len = recipe.data.max_prompt_length + recipe.data.max_response_length;
     let mut settings = EngineConfig::new(recipe.rollout.max_num_seqs, len);
     settings.eos_token_ids = stop_token_ids.to_vec();
+    settings.tensor_parallel = recipe.rollout.tensor_model_parallel_size.max(1);
     settings
 }
 
 /// The rollout engine of a prepared run over `weights` (in `rollout.dtype`) at `version`.
-/// Weights with a replica on each of devices `0..N` (an in-process rollout colocated with a
-/// `dp`/`fsdp` learner over `N` devices, see [`rollout::handoff`]) make an engine split over
-/// those devices, data parallel over its slots; `rollout.max_num_seqs` must divide by `N`.
+/// Weights on each of devices `0..N` (an in-process rollout colocated with a `dp`/`fsdp`
+/// learner over `N` devices, see [`rollout::handoff`], or a tensor-parallel engine) make an
+/// engine split over those devices: `N / rollout.tensor_model_parallel_size` slot groups
+/// (which must divide `rollout.max_num_seqs`) of that many tensor-parallel devices.
 pub fn build_engine(
     recipe: &Recipe,
     prepared: &Prepared,
@@ -73,13 +75,22 @@ pub fn build_engine(
     )
 }
 
-/// Uploads the prepared model's weights in `rollout.dtype` for a rollout engine.
+/// Uploads the prepared model's weights in `rollout.dtype` for a rollout engine of its own
+/// (a rollout worker): on device 0, or split over devices `0..tp` with tensor parallelism.
 pub fn upload_rollout_weights(
     recipe: &Recipe,
     prepared: &Prepared,
     client: &Client,
-) -> rollout::Result<Vec<Buffer>> {
-    rollout::upload_weights(client, &prepared.model.weights, rollout_dtype(recipe), 0)
+) -> rollout::Result<rollout::EngineWeights> {
+    let tp = recipe.rollout.tensor_model_parallel_size.max(1);
+    let devices: Vec<usize> = (0..tp).collect();
+    rollout::upload_weights_on(
+        client,
+        &prepared.model.weights,
+        rollout_dtype(recipe),
+        &devices,
+        tp,
+    )
 }
 
 /// The sampling settings of the recipe's training (or, with `validation`, validation) requests.
@@ -128,7 +139,7 @@ pub fn policy(recipe: &Recipe, config: &model::ModelConfig) -> DecoderPolicy {
         blocks: recipe
             .actor
             .parallelism(&recipe.cluster)
-            .devices(micro_batch_size as i64)
+            .data_devices(micro_batch_size as i64)
             .unwrap_or(1),
         remat: recipe.model.enable_gradient_checkpointing,
     }

@@ -28,11 +28,12 @@
 //! version. A restarted sample draws the same keys, so it equals a fresh request on the new
 //! weights with the same seed.
 //!
-//! Several devices: weights with one replica per device ([`EngineWeights`], devices `0..N`)
-//! make an engine whose programs run SPMD over a one-axis mesh of those devices, data
-//! parallel over the slots: the KV cache and every per-slot tensor are split into `N`
-//! contiguous blocks of slots (`max_num_seqs` must divide by `N`), the parameters are
-//! replicated. Scheduling, keys and stop rules are the same as on one device, and each slot's
+//! Several devices: weights on devices `0..N` ([`EngineWeights`]) make an engine whose
+//! programs run SPMD over a mesh of those devices: data parallel over the slots, which are
+//! split into `N / tp` contiguous blocks (`max_num_seqs` must divide by that), and tensor
+//! parallel over `tp` devices per block ([`EngineConfig::tensor_parallel`]: weights in the
+//! Megatron layout, the KV cache split by KV heads; `tp` = 1, the default, replicates the
+//! weights). Scheduling, keys and stop rules are the same as on one device, and each slot's
 //! arithmetic is the single-device program's, so the same requests give the same tokens.
 
 use std::collections::{HashMap, VecDeque};
@@ -47,7 +48,7 @@ use crate::error::{Result, RolloutError};
 use crate::plan::{DecodeKey, PrefillKey, ProgramPlan};
 use crate::programs::{DecodeInputs, DecodeSample, PrefillFanout};
 use crate::sampling::draw_key;
-use crate::weights::{check_replicas, EngineWeights};
+use crate::weights::{check_layout, EngineWeights};
 
 mod handle;
 mod request;
@@ -137,12 +138,21 @@ impl Engine {
                 client.num_devices()
             )));
         }
-        let dtype = check_replicas(config, &weights, None, &devices, version)?;
+        if weights.tensor_parallel() != settings.tensor_parallel.max(1) {
+            return Err(RolloutError::Config(format!(
+                "the weights are laid out for a tensor-parallel size of {}, the engine is configured \
+                 for {} (rollout.tensor_model_parallel_size)",
+                weights.tensor_parallel(),
+                settings.tensor_parallel.max(1)
+            )));
+        }
+        let dtype = check_layout(config, &weights, None, &devices, version)?;
         let plan = ProgramPlan::new(config, &settings, devices.len(), dtype, client.plugin().kind());
         let cache_shape = &plan.cache;
         cache_shape.check_devices()?;
         tracing::info!(
             devices = devices.len(),
+            tensor_parallel = cache_shape.tensor_parallel,
             slots = settings.max_num_seqs,
             max_model_len = settings.max_model_len,
             layers = config.num_hidden_layers,
@@ -271,7 +281,14 @@ impl Engine {
     /// comment). Returns how many samples were restarted. The old buffers are dropped.
     pub fn update_weights(&mut self, version: u64, weights: impl Into<EngineWeights>) -> Result<usize> {
         let weights = weights.into();
-        check_replicas(&self.config, &weights, Some(self.dtype), &self.devices, version)?;
+        if weights.tensor_parallel() != self.plan.cache.tensor_parallel {
+            return Err(RolloutError::Config(format!(
+                "weight update {version}: laid out for a tensor-parallel size of {}, the engine runs {}",
+                weights.tensor_parallel(),
+                self.plan.cache.tensor_parallel
+            )));
+        }
+        check_layout(&self.config, &weights, Some(self.dtype), &self.devices, version)?;
         self.weights = weights;
         self.version = version;
         // Regroup in-flight samples by request, keeping slot order, and put them first.
@@ -396,8 +413,8 @@ impl Engine {
                 })
                 .collect();
             let started = Instant::now();
-            let replicas = self.weights.clone();
-            let weights: Vec<&[Buffer]> = replicas.replicas().iter().map(|r| &r[..]).collect();
+            let held = self.weights.clone();
+            let weights: Vec<&[Buffer]> = held.per_device().iter().map(|r| &r[..]).collect();
             if placed.len() == batch && batch > 1 {
                 let key = PrefillKey { batch, ..key };
                 self.ensure_prefill(key)?;
@@ -501,7 +518,7 @@ impl Engine {
         self.ensure_decode(key)?;
         let program = &self.decode[&key];
         let started = Instant::now();
-        let weights: Vec<&[Buffer]> = self.weights.replicas().iter().map(|r| &r[..]).collect();
+        let weights: Vec<&[Buffer]> = self.weights.per_device().iter().map(|r| &r[..]).collect();
         let (next, logprobs) =
             program.run_on(&self.client, &self.devices, &weights, &mut self.cache, &inputs)?;
         self.stats.decode_time += started.elapsed();

@@ -35,6 +35,11 @@ pub struct EngineConfig {
     /// How decode writes each new key and value into the cache; `None`: the one that suits
     /// the engine's plugin ([`KvWrite::for_plugin`]).
     pub kv_write: Option<KvWrite>,
+    /// Devices of the tensor-parallel axis (`rollout.tensor_model_parallel_size`): the weights
+    /// are split over them in the Megatron layout and the KV cache by KV heads; the engine's
+    /// devices form `devices / tensor_parallel` slot groups. The weights must be laid out for
+    /// it ([`crate::EngineWeights::tensor_parallel`]).
+    pub tensor_parallel: usize,
 }
 
 impl EngineConfig {
@@ -50,6 +55,7 @@ impl EngineConfig {
             prefill_batch: 1,
             sampler: SamplerKind::default(),
             kv_write: None,
+            tensor_parallel: 1,
         }
     }
 

@@ -170,6 +170,23 @@ pub(super) fn advice(
             bytes(cache),
             bytes(budget)
         );
+        // A larger tensor-parallel split shrinks the weights on each device (the KV cache a
+        // device holds stays: fewer slot groups, each slot split over more devices).
+        let share_now = plan.rollout_weight_share;
+        let now = recipe.rollout.tensor_model_parallel_size.max(1);
+        let split = (now + 1..=recipe.rollout_devices().max(plan.rollout.cache.devices))
+            .filter(|&tp| plan.rollout.cache.devices % tp == 0)
+            .filter(|&tp| recipe.rollout.max_num_seqs % (plan.rollout.cache.devices / tp) == 0)
+            .find(|&tp| {
+                let weights = m.param_bytes as f64 * rollout_weight_share(&plan.config, tp) / share_now;
+                other as f64 - m.param_bytes as f64 + weights + cache as f64 <= head_room as f64
+            });
+        if let Some(tp) = split {
+            let _ = write!(
+                text,
+                "set `rollout.tensor_model_parallel_size: {tp}` (now {now}: the weights split over {tp} devices), or "
+            );
+        }
         if fitting_slots >= 1 && fitting_slots < slots {
             let _ = write!(
                 text,
@@ -189,13 +206,17 @@ pub(super) fn advice(
     out
 }
 
-/// The first device over a whole run when the learner and the rollout engine share it
-/// (`cluster.rollout_workers: 0`): the buffers that stay (the learner's state, the KV cache,
-/// the rollout's own weights when it cannot use the learner's) plus the largest temporaries of
-/// any one program.
+/// One device over a whole run when the learner and the rollout engine share the learner's
+/// devices (`cluster.rollout_workers: 0`): the buffers that stay (the learner's parameters and
+/// optimizer state, the KV cache, the rollout's own weights when it cannot use the learner's)
+/// plus the largest temporaries (activations) of any one program. Every device of the mesh
+/// holds the same share.
 #[derive(Clone, Debug)]
 pub(super) struct DeviceTotal {
-    pub(super) learner_state: u64,
+    /// f32 master parameters and, for a bf16 learner, their bf16 copy.
+    pub(super) learner_params: u64,
+    /// AdamW's two moments and the gradient sums when micro-batches accumulate.
+    pub(super) optimizer: u64,
     pub(super) kv_cache: u64,
     pub(super) rollout_weights: u64,
     pub(super) largest: String,
@@ -209,11 +230,16 @@ impl DeviceTotal {
         self.total <= self.memory
     }
 
+    pub(super) fn learner_state(&self) -> u64 {
+        self.learner_params + self.optimizer
+    }
+
     pub(super) fn describe(&self) -> String {
         format!(
-            "device 0 over the run (learner and rollout share it): learner state {} + KV cache {}{} + the largest \
-             temporaries ({}, {}) = {} of {}: {}",
-            bytes(self.learner_state),
+            "each device over the run (learner and rollout share it): parameters {} + optimizer state {} + KV cache \
+             {}{} + the largest temporaries ({}, {}) = {} of {}: {}",
+            bytes(self.learner_params),
+            bytes(self.optimizer),
             bytes(self.kv_cache),
             if self.rollout_weights > 0 {
                 format!(" + rollout weights {}", bytes(self.rollout_weights))
@@ -249,35 +275,100 @@ pub(super) fn device_total(
         .map(|(_, m)| m.param_bytes)
         .max()
         .unwrap_or(plan.master_bytes_per_device);
-    let sharded = masters < num_parameters * 4;
     let bf16 = recipe.actor.param_dtype == DTypeName::Bf16;
-    let learner_state = masters * (3 + u64::from(accumulating)) + if bf16 { masters / 2 } else { 0 };
-    let rollout_bytes = if recipe.rollout.dtype == DTypeName::Bf16 {
-        2
+    let learner_params = masters + if bf16 { masters / 2 } else { 0 };
+    let optimizer = masters * (2 + u64::from(accumulating));
+    let rollout_weights = if rollout_shares_learner_buffers(recipe) {
+        0
     } else {
-        4
+        rollout_weight_bytes(recipe, num_parameters, plan.rollout_weight_share)
     };
-    let shared =
-        recipe.rollout.dtype == recipe.actor.param_dtype && recipe.trainer.off_policy_steps == 0 && !sharded;
-    let rollout_weights = if shared { 0 } else { num_parameters * rollout_bytes };
     let (largest, largest_temporaries) = measured
         .iter()
         .map(|(r, m)| (r.label.clone(), m.peak_bytes.saturating_sub(m.argument_bytes)))
         .max_by_key(|(_, t)| *t)?;
     let kv_cache = plan.rollout.cache.bytes_per_device() as u64;
     Some(DeviceTotal {
-        learner_state,
+        learner_params,
+        optimizer,
         kv_cache,
         rollout_weights,
         largest,
         largest_temporaries,
-        total: learner_state + kv_cache + rollout_weights + largest_temporaries,
+        total: learner_params + optimizer + kv_cache + rollout_weights + largest_temporaries,
         memory,
     })
 }
 
+/// Whether the in-process rollout decodes from the learner's own compute-dtype buffers (the
+/// handoff uses them in place): same element type, no off-policy copy, and the same layout on
+/// the devices (replicas or tensor-parallel splits, not FSDP shards).
+pub(super) fn rollout_shares_learner_buffers(recipe: &Recipe) -> bool {
+    let parallel = recipe.actor.parallelism(&recipe.cluster);
+    let fsdp = parallel.strategy == Strategy::Fsdp && parallel.mesh.unwrap_or(1) > 1;
+    recipe.rollout.dtype == recipe.actor.param_dtype
+        && recipe.trainer.off_policy_steps == 0
+        && !fsdp
+        && parallel.tensor_parallel.max(1) == recipe.rollout.tensor_model_parallel_size.max(1)
+}
+
+/// Bytes of the rollout's weights on one device: the model in `rollout.dtype`, times the share
+/// of its elements one device holds under the rollout's tensor parallelism.
+pub(super) fn rollout_weight_bytes(recipe: &Recipe, num_parameters: u64, share: f64) -> u64 {
+    let element = if recipe.rollout.dtype == DTypeName::Bf16 {
+        2
+    } else {
+        4
+    };
+    (num_parameters as f64 * element as f64 * share) as u64
+}
+
+/// The share of a model's elements one device holds when the rollout splits it over `tp`
+/// devices in the Megatron layout (parts whose heads do not divide stay whole).
+pub(super) fn rollout_weight_share(config: &ModelConfig, tp: usize) -> f64 {
+    let table = model::param_table(config);
+    let total: usize = table.iter().map(|p| p.numel()).sum();
+    let local: usize = table
+        .iter()
+        .map(|p| match p.tensor_parallel_dim(tp) {
+            Some(_) => p.numel() / tp,
+            None => p.numel(),
+        })
+        .sum();
+    local as f64 / total.max(1) as f64
+}
+
+/// The smallest rollout tensor-parallel size, of those the recipe's layout allows, with which
+/// one device's total fits: the rollout's weights shrink by the split; the KV cache a device
+/// holds does not change (fewer slot groups, each holding more slots, each slot split over
+/// the model axis), nor does the learner's state.
+pub(super) fn fitting_rollout_tensor_parallel(
+    recipe: &Recipe,
+    config: &ModelConfig,
+    num_parameters: u64,
+    total: &DeviceTotal,
+) -> Option<usize> {
+    let devices = recipe.rollout_devices();
+    let now = recipe.rollout.tensor_model_parallel_size.max(1);
+    let others = total.total - total.rollout_weights;
+    let learner_tp = recipe.actor.tensor_model_parallel_size.max(1);
+    (1..=devices)
+        .filter(|&tp| tp > now && devices % tp == 0 && (tp % learner_tp == 0 || learner_tp % tp == 0))
+        .filter(|&tp| recipe.rollout.max_num_seqs % (devices / tp) == 0)
+        .find(|&tp| {
+            let weights = rollout_weight_bytes(recipe, num_parameters, rollout_weight_share(config, tp));
+            others + weights <= (total.memory as f64 * 0.95) as u64
+        })
+}
+
 /// Advice when the programs fit one by one but not together on the shared device.
-pub(super) fn device_total_advice(recipe: &Recipe, total: &DeviceTotal) -> String {
+pub(super) fn device_total_advice(
+    recipe: &Recipe,
+    config: &ModelConfig,
+    num_parameters: u64,
+    total: &DeviceTotal,
+) -> String {
+    let tensor_parallel = fitting_rollout_tensor_parallel(recipe, config, num_parameters, total);
     let resident = total.total - total.largest_temporaries;
     let room = (total.memory as f64 * 0.95) as u64;
     let micro = recipe.actor.ppo_micro_batch_size.max(1);
@@ -292,6 +383,16 @@ pub(super) fn device_total_advice(recipe: &Recipe, total: &DeviceTotal) -> Strin
         if m < micro && per_row * m as u64 <= room - resident {
             let _ = write!(text, "set `actor.ppo_micro_batch_size: {m}` (now {micro}), or ");
         }
+    }
+    if let Some(tp) = tensor_parallel {
+        let _ = write!(
+            text,
+            "set `rollout.tensor_model_parallel_size: {tp}` (now {}; the rollout's weights {} a device instead of \
+             {}), or ",
+            recipe.rollout.tensor_model_parallel_size,
+            bytes(rollout_weight_bytes(recipe, num_parameters, rollout_weight_share(config, tp))),
+            bytes(total.rollout_weights)
+        );
     }
     let _ = write!(
         text,

@@ -22,7 +22,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
-use actors::recipe::{load_recipe, DTypeName, DeviceKind, Recipe};
+use actors::recipe::{load_recipe, DTypeName, DeviceKind, Recipe, Strategy};
 use actors::setup::{
     batch_plan, engine_config, policy, resolve_auto_dtypes_on, rollout_dtype, sampling_params, update_config,
 };
@@ -39,7 +39,8 @@ use xla::runtime::tpu::{
     TpuCompileOutcome, TpuGeneration, KNOWN_TOPOLOGIES,
 };
 use xla::runtime::{
-    CacheConfig, Client, ClientOptions, CostAnalysis, MemoryStats, OptionValue, Plugin, PluginKind,
+    CacheConfig, Client, ClientOptions, CollectiveCount, CostAnalysis, MemoryStats, OptionValue, Plugin,
+    PluginKind,
 };
 
 #[derive(Args)]
@@ -168,7 +169,7 @@ pub enum CompileError {
 }
 
 /// Which half of a step a program belongs to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Role {
     Rollout,
     Learner,
@@ -316,9 +317,17 @@ pub fn run(args: CompileArgs) -> Result<ExitCode> {
     );
     let together = total.as_ref().is_none_or(DeviceTotal::fits);
     if programs_fit && !together {
-        advice.push(device_total_advice(&recipe, total.as_ref().expect("a total")));
+        advice.push(device_total_advice(
+            &recipe,
+            &config,
+            config.num_parameters() as u64,
+            total.as_ref().expect("a total"),
+        ));
     }
     let all_fit = programs_fit && together;
+    let collectives = step_collectives(&measured);
+    let mfu = estimate
+        .and_then(|(_, learner)| learner_mfu(&target, &plan, &measured, config.num_parameters(), learner));
     if args.json {
         let rows_json: Vec<serde_json::Value> = measured
             .iter()
@@ -352,7 +361,9 @@ pub fn run(args: CompileArgs) -> Result<ExitCode> {
             "programs": rows_json,
             "fits": all_fit,
             "device_total": total.as_ref().map(|t| serde_json::json!({
-                "learner_state_bytes": t.learner_state,
+                "learner_state_bytes": t.learner_state(),
+                "learner_param_bytes": t.learner_params,
+                "optimizer_bytes": t.optimizer,
                 "kv_cache_bytes": t.kv_cache,
                 "rollout_weight_bytes": t.rollout_weights,
                 "largest_temporaries_program": t.largest,
@@ -362,6 +373,11 @@ pub fn run(args: CompileArgs) -> Result<ExitCode> {
                 "fits": t.fits(),
             })),
             "step_seconds": estimate.map(|(r, l)| serde_json::json!({"rollout": r, "learner": l, "total": r + l})),
+            "layout": layout_text(&recipe),
+            "collectives_per_step": collectives.iter().map(|((role, kind), c)| serde_json::json!({
+                "role": role.name(), "kind": kind, "count": c.count, "bytes_per_device": c.bytes,
+            })).collect::<Vec<_>>(),
+            "learner_mfu_estimate": mfu,
             "remat": remat.as_ref().map(|e| serde_json::json!({
                 "program": e.program,
                 "temp_bytes": e.with.temp_bytes,
@@ -392,6 +408,28 @@ pub fn run(args: CompileArgs) -> Result<ExitCode> {
             None if !complete => println!("estimated step time: needs every program (drop --only)"),
             None if !all_fit => println!("estimated step time: not available, some programs do not fit"),
             None => println!("estimated step time: not available (no published peak rates for this device)"),
+        }
+        if let Some(m) = mfu {
+            println!(
+                "learner model-FLOPs utilisation (estimate from the cost model): {:.1}% (6 x {:.2}B parameters x {:.0} \
+                 tokens a step over the learner's roofline time on {} chips at their peak bf16 FLOP/s)",
+                100.0 * m,
+                config.num_parameters() as f64 / 1e9,
+                plan.trained_tokens_per_step,
+                learner_chips(&target, &plan, &measured)
+            );
+        }
+        println!("layout: {}", layout_text(&recipe));
+        if !collectives.is_empty() {
+            println!(
+                "{}{}",
+                collectives_text(&collectives),
+                if complete {
+                    ""
+                } else {
+                    " (the selected programs only)"
+                }
+            );
         }
         if let Some(t) = &total {
             println!("{}", t.describe());
@@ -635,6 +673,7 @@ mod tests {
                 seconds: None,
                 compile_seconds: 1.0,
                 shortfall: None,
+                collectives: BTreeMap::new(),
             },
         )
     }
@@ -725,7 +764,7 @@ mod tests {
             let t = device_total(&r, &plan, whole / 4, &[row], Some(16 * GIB)).unwrap();
             // Masters, 2 moments, gradient sums when micro-batches accumulate, the bf16 copy.
             let sums = u64::from(plan.rows.iter().any(|x| x.label == "accumulate"));
-            assert_eq!(t.learner_state, masters * (3 + sums) + masters / 2, "{actor}");
+            assert_eq!(t.learner_state(), masters * (3 + sums) + masters / 2, "{actor}");
         }
     }
 
@@ -750,7 +789,7 @@ mod tests {
         let params = GIB / 4;
         let t = device_total(&r, &plan, params, &measured, Some(16 * GIB)).unwrap();
         // Masters, 2 moments, gradient sums and the bf16 copy the rollout shares.
-        assert_eq!(t.learner_state, 4 * GIB + GIB / 2);
+        assert_eq!(t.learner_state(), 4 * GIB + GIB / 2);
         assert_eq!(t.rollout_weights, 0);
         assert_eq!(t.kv_cache, plan.rollout.cache.bytes_per_device() as u64);
         assert_eq!(t.largest_temporaries, 10 * GIB);
@@ -764,7 +803,7 @@ mod tests {
             t.describe()
         );
         // 2.5 GiB a row; 13.3 GiB - 4.5 GiB resident leaves room for 2 rows.
-        let advice = device_total_advice(&r, &t);
+        let advice = device_total_advice(&r, &plan.config, params, &t);
         assert!(
             advice.contains("set `actor.ppo_micro_batch_size: 2` (now 4)"),
             "{advice}"

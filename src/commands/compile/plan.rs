@@ -35,6 +35,14 @@ pub(super) struct Plan {
     /// program (`train_step` or `accumulate`) and that program traced without
     /// rematerialisation, compiled beside it to report what remat saves and costs.
     pub(super) without_remat: Option<(String, Program)>,
+    /// The model's architecture.
+    pub(super) config: ModelConfig,
+    /// The share of the model's elements one rollout device holds (1 without tensor
+    /// parallelism; see [`rollout_weight_share`]).
+    pub(super) rollout_weight_share: f64,
+    /// Tokens the learner's forward and backward passes process per step (prompts once per
+    /// micro-batch, every response), for the model-FLOPs utilisation estimate.
+    pub(super) trained_tokens_per_step: f64,
 }
 
 impl Plan {
@@ -59,6 +67,12 @@ impl Plan {
             ),
             master_bytes_per_device: master_bytes_per_device(recipe, config)?,
             without_remat: None,
+            config: config.clone(),
+            rollout_weight_share: rollout_weight_share(
+                config,
+                recipe.rollout.tensor_model_parallel_size.max(1),
+            ),
+            trained_tokens_per_step: 0.0,
         };
         plan_rollout(&mut plan, recipe, config)?;
         plan_learner(&mut plan, recipe, config)?;
@@ -242,6 +256,10 @@ pub(super) fn plan_learner(
         });
     }
     let micro_batches = batches.micro_batches_per_step() as f64;
+    plan.trained_tokens_per_step = mini_batches
+        * micro_per_mini as f64
+        * epochs
+        * (policy.prompt_slots() * policy.prompt_len + micro * policy.response_len) as f64;
     let purpose_mb = format!(
         "{micro} responses of {} tokens after {} prompts of {}",
         policy.response_len,
@@ -296,7 +314,7 @@ pub(super) fn plan_learner(
 }
 
 /// Bytes of f32 master weights one learner device holds: each parameter whole, or its share
-/// where the learner's mesh splits it (`fsdp`).
+/// where the learner's mesh splits it (`fsdp`, tensor parallelism).
 pub(super) fn master_bytes_per_device(recipe: &Recipe, config: &ModelConfig) -> Result<u64, CompileError> {
     let a = &recipe.actor;
     let mesh =
@@ -305,16 +323,16 @@ pub(super) fn master_bytes_per_device(recipe: &Recipe, config: &ModelConfig) -> 
             role: "learner",
             message: e.to_string(),
         })?;
+    let m = mesh.mesh();
     Ok(model::param_table(config)
         .iter()
         .map(|spec| {
-            let dims: Vec<i64> = spec.shape.iter().map(|&d| d as i64).collect();
-            let shards = if mesh.param_sharding(&dims).is_some() {
-                mesh.devices()
-            } else {
-                1
+            let dims = spec.dims();
+            let local: i64 = match (mesh.param_sharding(spec), &m) {
+                (Some(s), Some(m)) => s.local_dims(&dims, m).iter().product(),
+                _ => dims.iter().product(),
             };
-            4 * spec.numel() as u64 / shards as u64
+            4 * local as u64
         })
         .sum())
 }

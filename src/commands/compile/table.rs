@@ -114,3 +114,100 @@ pub(super) fn selected(row: &PlannedRow, only: &[String], step_only: bool) -> bo
     (!step_only || row.runs_per_step > 0.0)
         && (only.is_empty() || only.iter().any(|o| row.label.contains(o.as_str())))
 }
+
+/// Collectives a training step runs on each device, by role and kind: each program's count and
+/// result bytes times its runs per step.
+pub(super) fn step_collectives(
+    measured: &[(PlannedRow, Measured)],
+) -> BTreeMap<(Role, &'static str), CollectiveCount> {
+    let mut out: BTreeMap<(Role, &'static str), CollectiveCount> = BTreeMap::new();
+    for (row, m) in measured {
+        for (kind, c) in &m.collectives {
+            let e = out.entry((row.role, kind)).or_default();
+            e.count += (c.count as f64 * row.runs_per_step).round() as u64;
+            e.bytes += (c.bytes as f64 * row.runs_per_step).round() as u64;
+        }
+    }
+    out
+}
+
+pub(super) fn collectives_text(collectives: &BTreeMap<(Role, &'static str), CollectiveCount>) -> String {
+    let mut text =
+        String::from("collectives per step on each device (from the optimized HLO; result bytes):");
+    for role in [Role::Rollout, Role::Learner] {
+        let parts: Vec<String> = collectives
+            .iter()
+            .filter(|((r, _), _)| *r == role)
+            .map(|((_, kind), c)| format!("{kind} {} ({})", c.count, bytes(c.bytes)))
+            .collect();
+        if !parts.is_empty() {
+            let _ = write!(text, " {}: {};", role.name(), parts.join(", "));
+        }
+    }
+    text.pop();
+    text
+}
+
+/// Chips the learner's programs run on.
+pub(super) fn learner_chips(target: &Target, plan: &Plan, measured: &[(PlannedRow, Measured)]) -> usize {
+    let partitions = measured
+        .iter()
+        .filter(|(r, _)| r.role == Role::Learner)
+        .map(|(r, _)| plan.programs[r.program].num_partitions())
+        .max()
+        .unwrap_or(1);
+    partitions.div_ceil(target.devices_per_chip().max(1))
+}
+
+/// The learner's model-FLOPs utilisation, an estimate from the cost model: 6 x parameters x
+/// tokens trained per step / (the learner's roofline seconds per step x chips x peak bf16
+/// FLOP/s per chip). `None` off TPU (no published peak) or without learner time.
+pub(super) fn learner_mfu(
+    target: &Target,
+    plan: &Plan,
+    measured: &[(PlannedRow, Measured)],
+    parameters: usize,
+    learner_seconds: f64,
+) -> Option<f64> {
+    let Target::Tpu {
+        generation: Some(g), ..
+    } = target
+    else {
+        return None;
+    };
+    if learner_seconds <= 0.0 {
+        return None;
+    }
+    let chips = learner_chips(target, plan, measured) as f64;
+    Some(
+        6.0 * parameters as f64 * plan.trained_tokens_per_step
+            / (learner_seconds * chips * g.peak_bf16_flops_per_chip),
+    )
+}
+
+/// The learner's and the rollout's meshes, by axis.
+pub(super) fn layout_text(recipe: &Recipe) -> String {
+    let parallel = recipe.actor.parallelism(&recipe.cluster);
+    let mesh = parallel.mesh.unwrap_or(1).max(1);
+    let tp = parallel.tensor_parallel.max(1);
+    let learner = match parallel.strategy {
+        Strategy::Single => "learner on 1 device".to_string(),
+        s => format!(
+            "learner {} over {mesh} devices: data {} x model {tp}",
+            if s == Strategy::Fsdp { "fsdp" } else { "dp" },
+            mesh / tp
+        ),
+    };
+    let devices = recipe.rollout_devices();
+    let rtp = recipe.rollout.tensor_model_parallel_size.max(1);
+    format!(
+        "{learner}; rollout {} on {devices} device(s): {} slot group(s) x model {rtp}, {} slots each",
+        if recipe.rollout_colocated() {
+            "in process"
+        } else {
+            "per worker"
+        },
+        devices / rtp,
+        recipe.rollout.max_num_seqs / (devices / rtp).max(1)
+    )
+}

@@ -28,6 +28,8 @@ pub(super) struct Compiled {
     /// Bytes needed and available when the compiler refused for lack of memory.
     pub(super) shortfall: Option<(u64, u64, String)>,
     pub(super) seconds: f64,
+    /// The partitioned program's collectives by kind (TPU targets; empty elsewhere).
+    pub(super) collectives: BTreeMap<&'static str, CollectiveCount>,
 }
 
 impl Target {
@@ -92,17 +94,23 @@ impl Target {
                     message: e.to_string(),
                 })?;
                 Ok(match report.outcome {
-                    TpuCompileOutcome::Fits { memory, cost } => Compiled {
+                    TpuCompileOutcome::Fits {
+                        memory,
+                        cost,
+                        collectives,
+                    } => Compiled {
                         memory: Some(memory),
                         cost: Some(cost),
                         shortfall: None,
                         seconds: report.compile_seconds,
+                        collectives,
                     },
                     TpuCompileOutcome::DoesNotFit(s) => Compiled {
                         memory: None,
                         cost: None,
                         shortfall: Some((s.required_bytes, s.available_bytes, s.what)),
                         seconds: report.compile_seconds,
+                        collectives: BTreeMap::new(),
                     },
                 })
             }
@@ -118,6 +126,7 @@ impl Target {
                     cost: exe.cost_analysis().ok(),
                     shortfall: None,
                     seconds: started.elapsed().as_secs_f64(),
+                    collectives: BTreeMap::new(),
                 })
             }
         }
@@ -216,6 +225,8 @@ pub(super) struct Measured {
     pub(super) compile_seconds: f64,
     /// The compiler's own out-of-memory report.
     pub(super) shortfall: Option<String>,
+    /// Collectives per run, by kind (see [`Compiled::collectives`]).
+    pub(super) collectives: BTreeMap<&'static str, CollectiveCount>,
 }
 
 pub(super) fn sharding_of(program: &Program) -> String {
@@ -270,6 +281,7 @@ pub(super) fn measure(
             bytes_accessed: None,
             seconds: None,
             compile_seconds: compiled.seconds,
+            collectives: BTreeMap::new(),
             shortfall: Some(format!(
                 "the compiler reports {} needed for {what}, {} available",
                 bytes(*required),
@@ -297,6 +309,7 @@ pub(super) fn measure(
                 seconds: cost.and_then(|c| target.estimate_seconds(c)),
                 compile_seconds: compiled.seconds,
                 shortfall: None,
+                collectives: compiled.collectives.clone(),
             }
         }
     }

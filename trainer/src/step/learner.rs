@@ -2,12 +2,12 @@
 //! accumulator buffers on its devices, uploads micro-batches and runs the programs.
 
 use std::sync::Arc;
-use xla::graph::{Program, Sharding};
+use xla::graph::{assemble_host, shard_host, Mesh, Program, Sharding};
 use xla::runtime::{Buffer, Client, Executable};
 use xla::{DType, NativeType};
 
 use crate::checkpoint::{Checkpoint, CheckpointError};
-use crate::sharding::{gather_host, split_host, LearnerMesh};
+use crate::sharding::LearnerMesh;
 use crate::{Result, TrainerError};
 use model::{HostTensor, ParamSpec};
 
@@ -150,6 +150,8 @@ fn rt(what: impl Into<String>) -> impl FnOnce(xla::runtime::Error) -> TrainerErr
 pub struct Learner {
     client: Client,
     programs: TrainPrograms,
+    /// The mesh of the programs (`None` on one device).
+    mesh: Option<Mesh>,
     /// The layout of each parameter (also of its moments and accumulator).
     param_shardings: Vec<Option<Sharding>>,
     param_dims: Vec<Vec<i64>>,
@@ -211,19 +213,19 @@ pub struct CompileRecord {
     pub seconds: f64,
 }
 
-/// Uploads a whole host array as one buffer per device: device `d`'s shard under `sharding`
-/// (the whole array when replicated).
+/// Uploads a whole host array as one buffer per device of `mesh` (one device without): device
+/// `d`'s shard under `sharding` (the whole array when replicated).
 fn upload_split<T: NativeType>(
     client: &Client,
     values: &[T],
     dims: &[i64],
     sharding: Option<&Sharding>,
-    devices: usize,
+    mesh: Option<&Mesh>,
     what: &str,
 ) -> Result<Vec<Buffer>> {
-    (0..devices)
+    (0..mesh.map_or(1, Mesh::num_devices))
         .map(|d| {
-            let (shard, local) = split_host(values, dims, sharding, devices, d);
+            let (shard, local) = shard_host(values, dims, sharding, mesh, d);
             client
                 .buffer_from_host(&shard, &local, d)
                 .map_err(rt(format!("uploading {what} to device {d}")))
@@ -393,10 +395,9 @@ impl Learner {
                 ),
             });
         }
-        let param_shardings: Vec<Option<Sharding>> = params
-            .iter()
-            .map(|p| programs.mesh.param_sharding(&p.dims()))
-            .collect();
+        let mesh = programs.mesh.mesh();
+        let param_shardings: Vec<Option<Sharding>> =
+            params.iter().map(|p| programs.mesh.param_sharding(p)).collect();
         let upload = |what: &str, values: &[Vec<f32>]| -> Result<Vec<Vec<Buffer>>> {
             if values.len() != params.len() {
                 return Err(TrainerError::Length {
@@ -422,7 +423,7 @@ impl Learner {
                     v,
                     &p.dims(),
                     sharding.as_ref(),
-                    devices,
+                    mesh.as_ref(),
                     &format!("{what} {}", p.name),
                 )?);
             }
@@ -430,7 +431,7 @@ impl Learner {
         };
         let zeros: Vec<Vec<f32>> = params.iter().map(|p| vec![0.0; p.numel()]).collect();
         let replicated = |values: &[f32], dims: &[i64], what: &str| -> Result<Vec<Buffer>> {
-            upload_split(client, values, dims, None, devices, what)
+            upload_split(client, values, dims, None, mesh.as_ref(), what)
         };
         let uploaded_params: Vec<Arc<[Buffer]>> = upload("parameter", &state.params)?
             .into_iter()
@@ -439,8 +440,22 @@ impl Learner {
         let m = upload("adam_m", &state.m)?;
         let v = upload("adam_v", &state.v)?;
         let grad_acc = upload("grad_acc", &zeros)?;
+        let step = upload_split(
+            client,
+            &[state.adam_step],
+            &[],
+            None,
+            mesh.as_ref(),
+            "the step count",
+        )?;
+        let metric_acc = replicated(
+            &[0.0f32; NUM_SUMMED_METRICS],
+            &[NUM_SUMMED_METRICS as i64],
+            "the metric accumulator",
+        )?;
         Ok(Learner {
             client: client.clone(),
+            mesh,
             param_shardings,
             param_dims: params.iter().map(ParamSpec::dims).collect(),
             micro_batch_size: cfg.micro_batch_size,
@@ -460,13 +475,9 @@ impl Learner {
             params: uploaded_params,
             m,
             v,
-            step: upload_split(client, &[state.adam_step], &[], None, devices, "the step count")?,
+            step,
             grad_acc,
-            metric_acc: replicated(
-                &[0.0f32; NUM_SUMMED_METRICS],
-                &[NUM_SUMMED_METRICS as i64],
-                "the metric accumulator",
-            )?,
+            metric_acc,
             compute_params: None,
             gathered: None,
             guard: NonFiniteGuard::new(max_consecutive_nonfinite),
@@ -603,7 +614,7 @@ impl Learner {
                 v,
                 dims,
                 self.param_shardings[i].as_ref(),
-                devices,
+                self.mesh.as_ref(),
                 "the reference parameters",
             )?);
         }
@@ -618,16 +629,27 @@ impl Learner {
         arr: &HostArray,
     ) -> std::result::Result<Vec<Buffer>, Option<TrainerError>> {
         let n = spec.dims.iter().product::<i64>() as usize;
-        let devices = self.devices();
         let sharding = self.programs.mesh.batch_sharding(spec.dims.len());
         let what = format!("input {}", spec.name);
         match (spec.dtype, arr) {
-            (DType::F32, HostArray::F32(v)) if v.len() == n => {
-                upload_split(&self.client, v, &spec.dims, sharding.as_ref(), devices, &what).map_err(Some)
-            }
-            (DType::I32, HostArray::I32(v)) if v.len() == n => {
-                upload_split(&self.client, v, &spec.dims, sharding.as_ref(), devices, &what).map_err(Some)
-            }
+            (DType::F32, HostArray::F32(v)) if v.len() == n => upload_split(
+                &self.client,
+                v,
+                &spec.dims,
+                sharding.as_ref(),
+                self.mesh.as_ref(),
+                &what,
+            )
+            .map_err(Some),
+            (DType::I32, HostArray::I32(v)) if v.len() == n => upload_split(
+                &self.client,
+                v,
+                &spec.dims,
+                sharding.as_ref(),
+                self.mesh.as_ref(),
+                &what,
+            )
+            .map_err(Some),
             _ => Err(None),
         }
     }
@@ -729,7 +751,14 @@ impl Learner {
                     bl[1]
                 )));
             }
-            out.push(upload_split(&self.client, v, &bl, rows.as_ref(), devices, name)?);
+            out.push(upload_split(
+                &self.client,
+                v,
+                &bl,
+                rows.as_ref(),
+                self.mesh.as_ref(),
+                name,
+            )?);
             Ok(())
         };
         for name in &self.programs.layout.loss_inputs {
@@ -744,7 +773,7 @@ impl Learner {
                     &[mb.norm.0],
                     &[],
                     None,
-                    devices,
+                    self.mesh.as_ref(),
                     name,
                 )?),
                 _ => per_tensor.push(upload_split(
@@ -752,7 +781,7 @@ impl Learner {
                     &[mb.norm.1],
                     &[],
                     None,
-                    devices,
+                    self.mesh.as_ref(),
                     name,
                 )?),
             }
@@ -940,7 +969,7 @@ impl Learner {
             &[lr as f32],
             &[],
             None,
-            devices,
+            self.mesh.as_ref(),
             "the learning rate",
         )?;
         let outputs: Vec<Vec<Buffer>> = match micro_batches {
@@ -1081,13 +1110,16 @@ impl Learner {
         let read = |what: &str, per_device: Vec<&[Buffer]>| -> Result<Vec<Vec<f32>>> {
             (0..self.param_dims.len())
                 .map(|i| {
-                    let sharding = self.param_shardings[i].as_ref();
-                    let holders = if sharding.is_some() { per_device.len() } else { 1 };
-                    let shards = per_device[..holders]
-                        .iter()
-                        .map(|bufs| bufs[i].to_host::<f32>().map_err(rt(format!("reading {what}"))))
-                        .collect::<Result<Vec<_>>>()?;
-                    Ok(gather_host(shards, &self.param_dims[i], sharding))
+                    assemble_host(
+                        &self.param_dims[i],
+                        self.param_shardings[i].as_ref(),
+                        self.mesh.as_ref(),
+                        |d| {
+                            per_device[d][i]
+                                .to_host::<f32>()
+                                .map_err(rt(format!("reading {what}")))
+                        },
+                    )
                 })
                 .collect()
         };

@@ -4,7 +4,7 @@
 use xla::graph::{grad, BuildOptions, Graph, Program, Sharding, Tensor};
 use xla::DType;
 
-use crate::config::{PolicyLossConfig, Strategy};
+use crate::config::PolicyLossConfig;
 use crate::loss::{actor_loss, ActorLoss, LossInputs, Normalizer};
 use crate::optim::{clip_by_global_norm, global_grad_norm, AdamW};
 use crate::sharding::LearnerMesh;
@@ -25,8 +25,8 @@ pub struct TrainPrograms {
     /// Forward only: the policy's per-token log-probs of one micro-batch (the old log-probs
     /// before an update, and the reference model's with frozen parameters).
     pub log_probs: Program,
-    /// `fsdp` over several devices only: programs that all-gather the sharded parameters into
-    /// whole ones on every device (one per dtype the learner hands out: f32, and the compute
+    /// Split parameters only (`fsdp` or tensor parallelism over several devices): programs that
+    /// all-gather the sharded parameters into whole ones on every device (one per dtype the learner hands out: f32, and the compute
     /// dtype when it differs), for [`Learner::shared_params`].
     pub gather_params: Vec<Program>,
     /// The mesh and tensor layouts the programs were built with (every program's
@@ -120,7 +120,7 @@ fn declare_params_as(
                 &format!("{prefix}{}", p.name),
                 dtype,
                 &p.dims(),
-                mesh.param_sharding(&p.dims()),
+                mesh.param_sharding(p),
             )
         })
         .collect()
@@ -132,7 +132,7 @@ fn param_result_shardings(specs: &[ParamSpec], first: usize, mesh: &LearnerMesh)
     specs
         .iter()
         .enumerate()
-        .filter_map(|(i, p)| mesh.param_sharding(&p.dims()).map(|s| (first + i, s)))
+        .filter_map(|(i, p)| mesh.param_sharding(p).map(|s| (first + i, s)))
         .collect()
 }
 
@@ -293,7 +293,7 @@ fn check_step_config(cfg: &StepConfig, params: &[ParamSpec], inputs: &[InputSpec
         });
     }
     let mesh = LearnerMesh::new(&cfg.parallel, cfg.micro_batch_size)?;
-    let devices = mesh.devices() as i64;
+    let devices = mesh.data_devices() as i64;
     for input in inputs {
         if devices > 1 && input.dims.first().is_none_or(|&rows| rows % devices != 0) {
             return Err(TrainerError::Config {
@@ -301,7 +301,7 @@ fn check_step_config(cfg: &StepConfig, params: &[ParamSpec], inputs: &[InputSpec
                 value: cfg.parallel.strategy.name().to_string(),
                 message: format!(
                     "the policy input {} has shape {:?}; splitting rows over the mesh needs every \
-                     input's first dimension to divide by the {devices} devices",
+                     input's first dimension to divide by the {devices} devices of its data axis",
                     input.name, input.dims
                 ),
             });
@@ -471,9 +471,9 @@ where
         .build_with(&refs, &build_options(&donate, shardings))
         .map_err(graph_err("apply"))?;
 
-    // ---- gather_params (fsdp over several devices) ----
+    // ---- gather_params (parameters split by fsdp or tensor parallelism) ----
     let mut gather_params = Vec::new();
-    if mesh.strategy() == Strategy::Fsdp && mesh.devices() > 1 {
+    if mesh.splits_params() {
         let mut dtypes = vec![DType::F32];
         if bf16 {
             dtypes.push(cfg.compute_dtype);

@@ -46,7 +46,7 @@ pub use autodiff::{grad, value_and_grad, vjp};
 pub use builder::{Graph, Tensor, TensorType};
 pub use emit::{BuildOptions, Program};
 pub use ops::{BinaryOp, Comparison, DotDims, ReduceKind, UnaryOp};
-pub use sharding::{Mesh, Sharding};
+pub use sharding::{assemble_host, holders, shard_host, Mesh, Refinement, Sharding};
 
 /// What went wrong while tracing, differentiating or emitting a graph.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

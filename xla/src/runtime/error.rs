@@ -205,6 +205,10 @@ pub enum Error {
         message: String,
         hint: String,
     },
+
+    /// A compiled program's optimized HLO could not be read.
+    #[error("cannot read the optimized HLO of program `{program}`: {message}")]
+    OptimizedHlo { program: String, message: String },
 }
 
 /// PJRT error codes (absl status codes), as returned by `PJRT_Error_GetCode`.

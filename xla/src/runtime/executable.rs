@@ -224,6 +224,31 @@ pub(crate) fn cost_analysis_of(plugin: &Plugin, exe: *mut PJRT_Executable) -> Re
     Ok(analysis)
 }
 
+/// The optimized HLO module of an unloaded executable and its format (`hlo`: a serialized
+/// `xla.HloModuleProto`; `hlo_with_config`: one inside an `xla.HloModuleProtoWithConfig`),
+/// read in the two calls PJRT asks for: the size, then the bytes.
+pub(crate) fn optimized_program_of(plugin: &Plugin, exe: *mut PJRT_Executable) -> Result<(String, Vec<u8>)> {
+    let mut program = PJRT_Program {
+        struct_size: PJRT_Program_STRUCT_SIZE as usize,
+        ..Default::default()
+    };
+    let mut o = args!(
+        PJRT_Executable_OptimizedProgram_Args,
+        PJRT_Executable_OptimizedProgram_Args_STRUCT_SIZE
+    );
+    o.executable = exe;
+    o.program = &mut program;
+    pjrt_call!(plugin, PJRT_Executable_OptimizedProgram, &mut o)?;
+    let mut code = vec![0u8; program.code_size];
+    program.code = code.as_mut_ptr() as *mut std::os::raw::c_char;
+    o.program = &mut program;
+    pjrt_call!(plugin, PJRT_Executable_OptimizedProgram, &mut o)?;
+    code.truncate(program.code_size);
+    // SAFETY: format_size bytes owned by the plugin.
+    let format = unsafe { std::slice::from_raw_parts(program.format as *const u8, program.format_size) };
+    Ok((String::from_utf8_lossy(format).into_owned(), code))
+}
+
 pub(crate) fn destroy_unloaded(plugin: &Plugin, exe: *mut PJRT_Executable) {
     let mut d = args!(
         PJRT_Executable_Destroy_Args,

@@ -23,6 +23,7 @@ mod client;
 mod cuda;
 mod error;
 mod executable;
+mod hlo;
 pub mod host_blocks;
 mod host_cpu;
 pub mod inventory;
@@ -40,6 +41,7 @@ pub use client::{
 pub use cuda::{cuda_libraries_in, CUDA_LIBRARY_ORDER};
 pub use error::{Error, PjrtErrorCode, Result};
 pub use executable::{parse_main_params, program_name, CostAnalysis, Executable, MemoryStats, ParamType};
+pub use hlo::{collectives, CollectiveCount};
 pub use host_cpu::HostCpu;
 pub use plugin::{
     check_api_version, find_in_site_dirs, locate_plugin, locate_plugin_with, plugin_site_dirs,

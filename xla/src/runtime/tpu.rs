@@ -2,6 +2,7 @@
 //! (`v5e:2x2`, `v6e:2x4`, `v5p:2x2x1`, `tpu7x:2x2x1`, ...) on a machine with no TPU, and reports
 //! the compiled memory use and cost, or that the program does not fit in HBM (with the sizes).
 
+use std::collections::BTreeMap;
 use std::ffi::c_char;
 use std::path::Path;
 use std::sync::Arc;
@@ -10,8 +11,10 @@ use std::time::Instant;
 use super::client::{compile_options_proto, CompileOptions};
 use super::error::{Error, Result};
 use super::executable::{
-    cost_analysis_of, destroy_unloaded, memory_stats_of, program_name, CostAnalysis, MemoryStats,
+    cost_analysis_of, destroy_unloaded, memory_stats_of, optimized_program_of, program_name, CostAnalysis,
+    MemoryStats,
 };
+use super::hlo::{collectives, CollectiveCount};
 use super::plugin::{args, pjrt_call, string_from, NamedValues, OptionValue, Plugin, PluginKind};
 use super::sys::*;
 
@@ -273,6 +276,8 @@ pub enum TpuCompileOutcome {
         memory: MemoryStats,
         /// Cost analysis (flops, bytes accessed).
         cost: CostAnalysis,
+        /// The collectives the partitioned program runs, by kind, from its optimized HLO.
+        collectives: BTreeMap<&'static str, CollectiveCount>,
     },
     /// It does not fit in HBM.
     DoesNotFit(HbmShortfall),
@@ -510,10 +515,15 @@ pub fn compile_for_topology_with(
             let exe = compile.executable;
             let stats = memory_stats_of(plugin, exe);
             let cost = cost_analysis_of(plugin, exe);
+            let hlo = optimized_program_of(plugin, exe);
             destroy_unloaded(plugin, exe);
             TpuCompileOutcome::Fits {
                 memory: stats?,
                 cost: cost?,
+                collectives: {
+                    let (format, module) = hlo?;
+                    collectives(&program_name, &format, &module)?
+                },
             }
         }
     };

@@ -91,17 +91,16 @@ impl LocalLearner {
         let learner = update.learner_mut().learner_mut();
         let mesh = learner.mesh();
         if learner.devices() <= 1 {
-            return Ok(rollout::SourceParams::single(learner.shared_params()?));
+            return Ok(rollout::SourceParams::single(
+                learner.shared_params()?,
+                self.specs.clone(),
+            ));
         }
         Ok(rollout::SourceParams {
             mesh: mesh.mesh(),
             per_device: learner.shared_device_params(),
-            shardings: self
-                .specs
-                .iter()
-                .map(|p| mesh.param_sharding(&p.dims()))
-                .collect(),
-            dims: self.specs.iter().map(ParamSpec::dims).collect(),
+            shardings: self.specs.iter().map(|p| mesh.param_sharding(p)).collect(),
+            specs: self.specs.clone(),
         })
     }
 

@@ -159,14 +159,21 @@ impl RemoteRollout {
         }
         let layout = lock(&self.layout).clone().expect("refreshed above");
         let params = update.params.clone();
-        check_layout(&layout, &ChunkSource::of(&params), update.version, &self.address)?;
+        let source = ChunkSource::of(&params).ok_or_else(|| {
+            RoleError::Invalid(format!(
+                "weight update {}: the weights are split for tensor parallelism on this process's \
+                 devices; a rollout worker is streamed whole tensors (hand it replicated weights)",
+                update.version
+            ))
+        })?;
+        check_layout(&layout, &source, update.version, &self.address)?;
 
         let (chunks, stream) = tokio::sync::mpsc::channel(CHUNKS_IN_FLIGHT);
         let (version, dtype) = (update.version, layout.dtype);
         let tensors = layout.tensors;
         let mut host = HostCopies::reusing(std::mem::take(&mut *spare));
         let producer = tokio::task::spawn_blocking(move || {
-            let source = ChunkSource::of(&params);
+            let source = ChunkSource::of(&params).expect("whole tensors, checked before the stream");
             let sent = send_chunks_from(version, &source, &tensors, dtype, &mut host, |chunk| {
                 chunks.blocking_send(chunk).is_ok()
             });
@@ -318,11 +325,12 @@ impl AsRef<[u8]> for HostBytes {
 }
 
 impl<'a> ChunkSource<'a> {
-    /// The tensors of a weight update (a device update streams its first replica).
-    pub(crate) fn of(params: &'a UpdateParams) -> ChunkSource<'a> {
+    /// The tensors of a weight update (a device update streams its first replica); `None`
+    /// for device weights laid out for tensor parallelism, whose devices hold only parts.
+    pub(crate) fn of(params: &'a UpdateParams) -> Option<ChunkSource<'a>> {
         match params {
-            UpdateParams::Device(weights) => ChunkSource::Device(weights),
-            UpdateParams::Host(tensors) => ChunkSource::Host(tensors),
+            UpdateParams::Device(weights) => weights.whole().map(ChunkSource::Device),
+            UpdateParams::Host(tensors) => Some(ChunkSource::Host(tensors)),
         }
     }
 

@@ -274,6 +274,11 @@ pub struct RolloutService {
     local: Arc<LocalRollout>,
     client: Client,
     device: usize,
+    /// The engine's tensor-parallel size: each tensor is uploaded to devices `0..tp` as its
+    /// parts (1: whole, to `device`).
+    tensor_parallel: usize,
+    /// The parameter table (the tensor-parallel layout of each tensor).
+    specs: Vec<model::ParamSpec>,
     dtype: DType,
     /// (name, dims, bytes) of every parameter, in parameter-table order.
     table: Vec<(String, Vec<i64>, u64)>,
@@ -295,26 +300,30 @@ impl RolloutService {
     pub const MAX_FRAME_BYTES: u32 = remote::MAX_FRAME_BYTES;
 
     /// Serves `local`, an engine over a `config` model with weights of `dtype` on `device` of
-    /// `client`; weight updates are uploaded there.
+    /// `client` (on devices `0..tensor_parallel` when its tensor-parallel size is more than 1);
+    /// weight updates are uploaded there, each device its part.
     pub fn new(
         local: LocalRollout,
         client: Client,
         config: &ModelConfig,
         dtype: DType,
         device: usize,
+        tensor_parallel: usize,
     ) -> RolloutService {
-        let table = param_table(config)
-            .into_iter()
+        let specs = param_table(config);
+        let table = specs
+            .iter()
             .map(|spec| {
-                let dims: Vec<i64> = spec.shape.iter().map(|&d| d as i64).collect();
-                let bytes = spec.shape.iter().product::<usize>() * dtype.size_bytes();
-                (spec.name, dims, bytes as u64)
+                let bytes = spec.numel() * dtype.size_bytes();
+                (spec.name.clone(), spec.dims(), bytes as u64)
             })
             .collect();
         RolloutService {
             local: Arc::new(local),
             client,
             device,
+            tensor_parallel: tensor_parallel.max(1),
+            specs,
             dtype,
             table,
             updating: tokio::sync::Mutex::new(Vec::new()),
@@ -350,23 +359,46 @@ impl RolloutService {
         while let Some(chunk) = stream.message().await? {
             let completed = assembly.add(chunk).map_err(|e| refuse(e, assembly.version))?;
             if let Some((index, bytes)) = completed {
-                let (client, dtype, device) = (self.client.clone(), self.dtype, self.device);
+                let (client, dtype, device, tp) =
+                    (self.client.clone(), self.dtype, self.device, self.tensor_parallel);
                 let (name, dims, _) = self.table[index].clone();
+                let sharding = rollout::rollout_layout(tp).sharding(&self.specs[index]);
                 uploads.push((
                     index,
                     tokio::task::spawn_blocking(move || {
-                        let buffer = client
-                            .buffer_from_bytes(&bytes, dtype, &dims, device)
-                            .map_err(|e| format!("uploading tensor {index} `{name}`: {e}"))?;
+                        let failed =
+                            |e: xla::runtime::Error| format!("uploading tensor {index} `{name}`: {e}");
+                        let buffers = if tp == 1 {
+                            vec![client
+                                .buffer_from_bytes(&bytes, dtype, &dims, device)
+                                .map_err(failed)?]
+                        } else {
+                            let whole = model::HostTensor {
+                                name: name.clone(),
+                                dtype,
+                                shape: dims.iter().map(|&d| d as usize).collect(),
+                                bytes: bytes.to_vec(),
+                            };
+                            let mesh = rollout::programs::rollout_mesh(tp, tp);
+                            (0..tp)
+                                .map(|d| {
+                                    let part = whole.shard(sharding.as_ref(), mesh.as_ref(), d);
+                                    let local: Vec<i64> = part.shape.iter().map(|&n| n as i64).collect();
+                                    client
+                                        .buffer_from_bytes(&part.bytes, dtype, &local, d)
+                                        .map_err(failed)
+                                })
+                                .collect::<Result<Vec<_>, _>>()?
+                        };
                         // A tensor assembled from several chunks is this worker's own buffer:
                         // keep it for the next update (one sent whole is the message's).
-                        Ok::<_, String>((buffer, bytes.try_into_mut().ok().map(Vec::from)))
+                        Ok::<_, String>((buffers, bytes.try_into_mut().ok().map(Vec::from)))
                     }),
                 ));
             }
         }
         let version = assembly.finish().map_err(|e| refuse(e, assembly.version))?;
-        let mut buffers: Vec<Option<Buffer>> = (0..self.table.len()).map(|_| None).collect();
+        let mut buffers: Vec<Option<Vec<Buffer>>> = (0..self.table.len()).map(|_| None).collect();
         let mut reusable: Vec<Option<Vec<u8>>> = (0..self.table.len()).map(|_| None).collect();
         for (index, upload) in uploads {
             let (buffer, host) = upload
@@ -381,10 +413,20 @@ impl RolloutService {
             reusable[index] = host;
         }
         *spare = reusable;
-        let params: Arc<[Buffer]> = buffers
-            .into_iter()
-            .map(|b| b.expect("finish() checked every tensor"))
-            .collect();
+        let mut per_device: Vec<Vec<Buffer>> = (0..self.tensor_parallel).map(|_| Vec::new()).collect();
+        for parts in buffers {
+            for (d, b) in parts
+                .expect("finish() checked every tensor")
+                .into_iter()
+                .enumerate()
+            {
+                per_device[d].push(b);
+            }
+        }
+        let params = rollout::EngineWeights::laid_out(
+            per_device.into_iter().map(Arc::from).collect(),
+            self.tensor_parallel,
+        );
         self.local
             .update_weights(WeightUpdate {
                 version,
