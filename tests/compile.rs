@@ -7,7 +7,8 @@
 //! learner's `train_step` and `accumulate` take several minutes each, the batched fan-out
 //! prefill of the 512 bucket over 2), so CI compiles one program per topology: the learner's
 //! largest (`accumulate`) on v6e:2x2, the decode step at the full cache on v5e:2x2, v5p:2x2x1 and
-//! tpu7x:2x2x1, and the oversized recipe's `accumulate` (refused quickly). BENCHMARKS.md records
+//! tpu7x:2x2x1, the Llama-3.1-8B recipe's tensor-parallel decode step on 8 devices of each chip
+//! kind, and the oversized recipe's `accumulate` (refused quickly). BENCHMARKS.md records
 //! the full tables. On the CPU plugin: the quickstart's `apply`, and its `train_step` with and
 //! without rematerialisation.
 //!
@@ -236,6 +237,66 @@ fn the_decode_step_fits_v5e_v5p_and_tpu7x_with_a_time_estimate() {
     }
     // v5e (819 GB/s) is slower than v5p (2765 GB/s) on the same program.
     assert!(seconds[0].1 > seconds[1].1, "{seconds:?}");
+}
+
+const LLAMA_8B_RECIPE: &str = "recipes/gsm8k-llama3.1-8b-tpu-v6e-8.yaml";
+
+/// An 8B program on every chip kind: the Llama-3.1-8B recipe's decode step, 2 slot groups x 4
+/// tensor-parallel devices, compiled for 8 devices of v6e, v5e, v5p and tpu7x (the 32 layers
+/// unrolled compile in about 20 s each here). The partitioned program sums the row-parallel
+/// projections with all-reduces, and the weights it takes are a quarter of the model's.
+#[test]
+fn an_8b_decode_step_compiles_tensor_parallel_on_every_chip_kind() {
+    if !libtpu("an_8b_decode_step_compiles_tensor_parallel_on_every_chip_kind") {
+        return;
+    }
+    for topology in ["v6e:2x4", "v5e:2x4", "v5p:2x2x2", "tpu7x:2x2x1"] {
+        let o = grpo(&["compile", LLAMA_8B_RECIPE, "--topology", topology, "--only", "rollout_decode", "--json"]);
+        let (stdout, stderr) = (text(&o.stdout), text(&o.stderr));
+        let report: serde_json::Value =
+            serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{topology}: {e}
+{stdout}
+{stderr}"));
+        let p = &report["programs"][0];
+        assert_eq!(p["program"], "rollout_decode_plain_cache128x768_spmd8_tp4", "{topology}: {p}");
+        assert_eq!(p["sharding"], "mesh slots=2,model=4 (8 partitions)", "{topology}: {p}");
+        assert_eq!(p["fits"], true, "{topology}: {p}");
+        // 8.03B parameters in bf16 over 4 devices: about 3.7 GiB each (the 8 KV heads split too).
+        let params = p["param_bytes"].as_f64().unwrap() / (1u64 << 30) as f64;
+        assert!(params > 3.6 && params < 4.0, "{topology}: {p}");
+        let collectives = report["collectives_per_step"].as_array().unwrap();
+        let all_reduce = collectives
+            .iter()
+            .find(|c| c["kind"] == "all-reduce")
+            .unwrap_or_else(|| panic!("{topology}: no all-reduce in {collectives:?}"));
+        // At least the attention output and the MLP output of each of the 32 layers, per step.
+        let runs = p["runs_per_step"].as_f64().unwrap();
+        assert!(all_reduce["count"].as_f64().unwrap() >= 64.0 * runs, "{topology}: {all_reduce}");
+        assert!(
+            report["layout"].as_str().unwrap().contains("2 slot group(s) x model 4"),
+            "{topology}: {report}"
+        );
+    }
+    // v6e: the whole run fits each chip beside the learner's FSDP shard.
+    let o = grpo(&["compile", LLAMA_8B_RECIPE, "--topology", "v6e:2x4", "--only", "rollout_decode"]);
+    assert_eq!(o.status.code(), Some(0), "{}\n{}", text(&o.stdout), text(&o.stderr));
+    // Without the rollout's tensor parallelism the whole bf16 model (15 GiB) beside the
+    // learner's shard does not fit a v6e chip: the advice names the key and the size.
+    let o = grpo(&[
+        "compile",
+        LLAMA_8B_RECIPE,
+        "--topology",
+        "v6e:2x4",
+        "--only",
+        "rollout_decode",
+        "--set",
+        "rollout.tensor_model_parallel_size=1",
+    ]);
+    let (stdout, stderr) = (text(&o.stdout), text(&o.stderr));
+    assert_eq!(o.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(stdout.contains("rollout weights 14.96 GiB"), "{stdout}");
+    assert!(stdout.contains("set `rollout.tensor_model_parallel_size: 2` (now 1"), "{stdout}");
+    assert!(stderr.contains("every program fits alone, not all together"), "{stderr}");
 }
 
 #[test]
