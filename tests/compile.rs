@@ -251,15 +251,32 @@ fn an_8b_decode_step_compiles_tensor_parallel_on_every_chip_kind() {
         return;
     }
     for topology in ["v6e:2x4", "v5e:2x4", "v5p:2x2x2", "tpu7x:2x2x1"] {
-        let o = grpo(&["compile", LLAMA_8B_RECIPE, "--topology", topology, "--only", "rollout_decode", "--json"]);
+        let o = grpo(&[
+            "compile",
+            LLAMA_8B_RECIPE,
+            "--topology",
+            topology,
+            "--only",
+            "rollout_decode",
+            "--json",
+        ]);
         let (stdout, stderr) = (text(&o.stdout), text(&o.stderr));
-        let report: serde_json::Value =
-            serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{topology}: {e}
+        let report: serde_json::Value = serde_json::from_str(&stdout).unwrap_or_else(|e| {
+            panic!(
+                "{topology}: {e}
 {stdout}
-{stderr}"));
+{stderr}"
+            )
+        });
         let p = &report["programs"][0];
-        assert_eq!(p["program"], "rollout_decode_plain_cache128x768_spmd8_tp4", "{topology}: {p}");
-        assert_eq!(p["sharding"], "mesh slots=2,model=4 (8 partitions)", "{topology}: {p}");
+        assert_eq!(
+            p["program"], "rollout_decode_plain_cache128x768_spmd8_tp4",
+            "{topology}: {p}"
+        );
+        assert_eq!(
+            p["sharding"], "mesh slots=2,model=4 (8 partitions)",
+            "{topology}: {p}"
+        );
         assert_eq!(p["fits"], true, "{topology}: {p}");
         // 8.03B parameters in bf16 over 4 devices: about 3.7 GiB each (the 8 KV heads split too).
         let params = p["param_bytes"].as_f64().unwrap() / (1u64 << 30) as f64;
@@ -271,15 +288,34 @@ fn an_8b_decode_step_compiles_tensor_parallel_on_every_chip_kind() {
             .unwrap_or_else(|| panic!("{topology}: no all-reduce in {collectives:?}"));
         // At least the attention output and the MLP output of each of the 32 layers, per step.
         let runs = p["runs_per_step"].as_f64().unwrap();
-        assert!(all_reduce["count"].as_f64().unwrap() >= 64.0 * runs, "{topology}: {all_reduce}");
         assert!(
-            report["layout"].as_str().unwrap().contains("2 slot group(s) x model 4"),
+            all_reduce["count"].as_f64().unwrap() >= 64.0 * runs,
+            "{topology}: {all_reduce}"
+        );
+        assert!(
+            report["layout"]
+                .as_str()
+                .unwrap()
+                .contains("2 slot group(s) x model 4"),
             "{topology}: {report}"
         );
     }
     // v6e: the whole run fits each chip beside the learner's FSDP shard.
-    let o = grpo(&["compile", LLAMA_8B_RECIPE, "--topology", "v6e:2x4", "--only", "rollout_decode"]);
-    assert_eq!(o.status.code(), Some(0), "{}\n{}", text(&o.stdout), text(&o.stderr));
+    let o = grpo(&[
+        "compile",
+        LLAMA_8B_RECIPE,
+        "--topology",
+        "v6e:2x4",
+        "--only",
+        "rollout_decode",
+    ]);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}\n{}",
+        text(&o.stdout),
+        text(&o.stderr)
+    );
     // Without the rollout's tensor parallelism the whole bf16 model (15 GiB) beside the
     // learner's shard does not fit a v6e chip: the advice names the key and the size.
     let o = grpo(&[
@@ -295,8 +331,14 @@ fn an_8b_decode_step_compiles_tensor_parallel_on_every_chip_kind() {
     let (stdout, stderr) = (text(&o.stdout), text(&o.stderr));
     assert_eq!(o.status.code(), Some(1), "{stdout}\n{stderr}");
     assert!(stdout.contains("rollout weights 14.96 GiB"), "{stdout}");
-    assert!(stdout.contains("set `rollout.tensor_model_parallel_size: 2` (now 1"), "{stdout}");
-    assert!(stderr.contains("every program fits alone, not all together"), "{stderr}");
+    assert!(
+        stdout.contains("set `rollout.tensor_model_parallel_size: 2` (now 1"),
+        "{stdout}"
+    );
+    assert!(
+        stderr.contains("every program fits alone, not all together"),
+        "{stderr}"
+    );
 }
 
 #[test]

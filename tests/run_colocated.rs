@@ -1,7 +1,8 @@
 //! Colocated learner and rollout on one device set: `grpo run` of the tiny model with
 //! `cluster.cpu_device_count: 4` and `actor.strategy: dp` or `fsdp` (the learner's mesh over
 //! the 4 devices; the in-process rollout engine split over the same 4 devices, data parallel
-//! over its slots) trains like the single-device run of the same seed, and its weight syncs
+//! over its slots), and `fsdp` 2 x tensor parallel 2 with the rollout as 2 slot groups x
+//! tensor parallel 2, trains like the single-device run of the same seed, and its weight syncs
 //! copy nothing through the host.
 //!
 //! Step 1 starts from the same weights, and the engine's tokens do not depend on how its slots
@@ -150,12 +151,25 @@ fn dp_and_fsdp_on_four_devices_train_like_one_device_without_host_weight_copies(
             "{key}: {series:?}"
         );
     }
-    for strategy in ["dp", "fsdp"] {
-        let (r, out) = recipe(strategy);
+    // dp and fsdp over 4 devices; fsdp 2 x tensor parallel 2 for the learner with the rollout
+    // as 2 slot groups of 2 tensor-parallel devices (the handoff keeps the model split and
+    // gathers the data split, on the devices).
+    let tensor_parallel = [
+        "actor.tensor_model_parallel_size=2",
+        "rollout.tensor_model_parallel_size=2",
+    ];
+    for (name, strategy, extra) in [
+        ("dp", "dp", &[][..]),
+        ("fsdp", "fsdp", &[][..]),
+        ("fsdp_tp", "fsdp", &tensor_parallel[..]),
+    ] {
+        let (r, out) = recipe(name);
         let strategy_set = format!("actor.strategy={strategy}");
-        let stderr = run(&r, &["cluster.cpu_device_count=4", &strategy_set]);
+        let mut sets = vec!["cluster.cpu_device_count=4", strategy_set.as_str()];
+        sets.extend_from_slice(extra);
+        let stderr = run(&r, &sets);
         // The one in-process engine runs on the learner's 4 devices.
         assert_eq!(engine_devices(&stderr), ["devices=4"], "{stderr}");
-        assert_trains_like(&single_out, &out, &format!("{strategy} on 4 devices:\n{stderr}"));
+        assert_trains_like(&single_out, &out, &format!("{name} on 4 devices:\n{stderr}"));
     }
 }

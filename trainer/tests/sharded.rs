@@ -226,7 +226,10 @@ fn learner_of(
 
 /// `STEPS` steps of `micro_batches` micro-batches each over batches 0, 1, 2; returns the final
 /// state and every step's metrics.
-fn train(l: &mut Learner, micro_batches: usize) -> (LearnerState, Vec<Vec<(&'static str, f64)>>) {
+/// Each step's metrics, by name.
+type StepMetrics = Vec<Vec<(&'static str, f64)>>;
+
+fn train(l: &mut Learner, micro_batches: usize) -> (LearnerState, StepMetrics) {
     let rows = ROWS / micro_batches;
     let mut metrics = Vec::new();
     for step in 0..STEPS {
@@ -549,7 +552,7 @@ const TP_LR: f64 = 1e-5;
 /// GRPO run (the probability ratios start at 1, so the gradients are those of a real update,
 /// not of the saturated clipping the synthetic batches above exercise). Returns the batches
 /// (for another learner to replay), the final state and the metrics.
-fn train_on_policy(l: &mut Learner) -> (Vec<Batch>, LearnerState, Vec<Vec<(&'static str, f64)>>) {
+fn train_on_policy(l: &mut Learner) -> (Vec<Batch>, LearnerState, StepMetrics) {
     let mut batches = Vec::new();
     let mut metrics = Vec::new();
     for step in 0..STEPS {
@@ -565,7 +568,7 @@ fn train_on_policy(l: &mut Learner) -> (Vec<Batch>, LearnerState, Vec<Vec<(&'sta
 }
 
 /// [`train_on_policy`]'s batches replayed by another learner.
-fn replay(l: &mut Learner, batches: &[Batch]) -> (LearnerState, Vec<Vec<(&'static str, f64)>>) {
+fn replay(l: &mut Learner, batches: &[Batch]) -> (LearnerState, StepMetrics) {
     let blocks = l.mesh().data_devices();
     let metrics = batches
         .iter()

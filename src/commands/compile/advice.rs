@@ -174,9 +174,9 @@ pub(super) fn advice(
         // device holds stays: fewer slot groups, each slot split over more devices).
         let share_now = plan.rollout_weight_share;
         let now = recipe.rollout.tensor_model_parallel_size.max(1);
-        let split = (now + 1..=recipe.rollout_devices().max(plan.rollout.cache.devices))
-            .filter(|&tp| plan.rollout.cache.devices % tp == 0)
-            .filter(|&tp| recipe.rollout.max_num_seqs % (plan.rollout.cache.devices / tp) == 0)
+        let split = (now + 1..=devices)
+            .filter(|&tp| devices.is_multiple_of(tp))
+            .filter(|&tp| recipe.rollout.max_num_seqs.is_multiple_of(devices / tp))
             .find(|&tp| {
                 let weights = m.param_bytes as f64 * rollout_weight_share(&plan.config, tp) / share_now;
                 other as f64 - m.param_bytes as f64 + weights + cache as f64 <= head_room as f64
@@ -353,8 +353,10 @@ pub(super) fn fitting_rollout_tensor_parallel(
     let others = total.total - total.rollout_weights;
     let learner_tp = recipe.actor.tensor_model_parallel_size.max(1);
     (1..=devices)
-        .filter(|&tp| tp > now && devices % tp == 0 && (tp % learner_tp == 0 || learner_tp % tp == 0))
-        .filter(|&tp| recipe.rollout.max_num_seqs % (devices / tp) == 0)
+        .filter(|&tp| {
+            tp > now && devices.is_multiple_of(tp) && (tp.is_multiple_of(learner_tp) || learner_tp.is_multiple_of(tp))
+        })
+        .filter(|&tp| recipe.rollout.max_num_seqs.is_multiple_of(devices / tp))
         .find(|&tp| {
             let weights = rollout_weight_bytes(recipe, num_parameters, rollout_weight_share(config, tp));
             others + weights <= (total.memory as f64 * 0.95) as u64
