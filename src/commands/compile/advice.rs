@@ -354,7 +354,9 @@ pub(super) fn fitting_rollout_tensor_parallel(
     let learner_tp = recipe.actor.tensor_model_parallel_size.max(1);
     (1..=devices)
         .filter(|&tp| {
-            tp > now && devices.is_multiple_of(tp) && (tp.is_multiple_of(learner_tp) || learner_tp.is_multiple_of(tp))
+            tp > now
+                && devices.is_multiple_of(tp)
+                && (tp.is_multiple_of(learner_tp) || learner_tp.is_multiple_of(tp))
         })
         .filter(|&tp| recipe.rollout.max_num_seqs.is_multiple_of(devices / tp))
         .find(|&tp| {
