@@ -43,6 +43,7 @@ fn main() -> std::process::ExitCode {
     // grpo carries on. `GLIBC_TUNABLES=glibc.malloc.hugetlb=0` opts out.
     let _ = trainer::memory::reexec_with_huge_page_malloc();
     let cli = Cli::parse();
+    quiet_plugins(cli.verbose);
     init_logging(cli.verbose);
     let result = match cli.command {
         Command::Run(args) => commands::run::run(args),
@@ -60,6 +61,16 @@ fn main() -> std::process::ExitCode {
             eprintln!("error: {}", error_text(&err));
             std::process::ExitCode::from(2)
         }
+    }
+}
+
+/// The PJRT plugins log through absl, and their warnings say nothing a user can act on (Shardy
+/// notes on every multi-device compile that the module carries sdy shardings). Quiet by default
+/// like the rest of `grpo`, errors still shown; `-v`, or TF_CPP_MIN_LOG_LEVEL set by hand, shows
+/// them. Set before any plugin loads or thread starts; worker processes inherit it.
+fn quiet_plugins(verbose: u8) {
+    if verbose == 0 && std::env::var_os("TF_CPP_MIN_LOG_LEVEL").is_none() {
+        std::env::set_var("TF_CPP_MIN_LOG_LEVEL", "2");
     }
 }
 
