@@ -324,6 +324,34 @@ impl Recipe {
             _ => self.rollout.tensor_model_parallel_size.max(1),
         }
     }
+
+    /// The learner's and the rollout's meshes by axis, in words, for the run's first lines
+    /// and `grpo compile`: `learner fsdp over 4 devices: data 2 x model 2; rollout in process
+    /// on 4 device(s): 2 slot group(s) x model 2, 16 slots each`.
+    pub fn layout_text(&self) -> String {
+        let parallel = self.actor.parallelism(&self.cluster);
+        let tp = parallel.tensor_parallel.max(1);
+        let learner = match (parallel.strategy, parallel.mesh) {
+            (Strategy::Single, _) => "learner on 1 device".to_string(),
+            (s, Some(mesh)) => format!(
+                "learner {} over {mesh} devices: data {} x model {tp}",
+                if s == Strategy::Fsdp { "fsdp" } else { "dp" },
+                mesh / tp
+            ),
+            (s, None) => format!(
+                "learner {} over all devices of its client: data x model {tp}",
+                if s == Strategy::Fsdp { "fsdp" } else { "dp" }
+            ),
+        };
+        let devices = self.rollout_devices();
+        let rtp = self.rollout.tensor_model_parallel_size.max(1);
+        let groups = (devices / rtp).max(1);
+        format!(
+            "{learner}; rollout {} on {devices} device(s): {groups} slot group(s) x model {rtp}, {} slots each",
+            if self.rollout_colocated() { "in process" } else { "per worker" },
+            self.rollout.max_num_seqs / groups
+        )
+    }
 }
 
 /// `actor.optim`: AdamW and its schedule.

@@ -1177,6 +1177,23 @@ mod tests {
     fn tensor_parallel_keys() {
         let tp = "actor:\n  strategy: fsdp\n  mesh: 4\n  tensor_model_parallel_size: 2\n  ppo_micro_batch_size: 2\nrollout:\n  tensor_model_parallel_size: 2\n";
         assert!(violations(tp).is_empty(), "{:?}", violations(tp));
+        let layout = |extra: &str| {
+            load_recipe_str(
+                &format!("model:\n  path: m\ndata:\n  train_files: t.parquet\n{extra}"),
+                "r.yaml",
+            )
+            .unwrap()
+            .layout_text()
+        };
+        assert_eq!(
+            layout(tp),
+            "learner fsdp over 4 devices: data 2 x model 2; rollout in process on 4 device(s): 2 slot group(s) \
+             x model 2, 32 slots each"
+        );
+        assert_eq!(
+            layout("rollout:\n  tensor_model_parallel_size: 2\ncluster:\n  rollout_workers: 1\n"),
+            "learner on 1 device; rollout per worker on 2 device(s): 1 slot group(s) x model 2, 64 slots each"
+        );
         assert_eq!(
             violations("actor:\n  strategy: fsdp\n  mesh: 4\n  tensor_model_parallel_size: 3\n"),
             vec![

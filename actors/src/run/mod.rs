@@ -115,6 +115,9 @@ pub fn train(recipe: &Recipe, options: &RunOptions) -> Result<RunSummary, RunErr
     for line in setup::DTypeChoice::lines(&dtype_choices) {
         eprintln!("{line}");
     }
+    if recipe.rollout_devices() > 1 || recipe.actor.parallelism(&recipe.cluster).mesh.unwrap_or(1) > 1 {
+        eprintln!("layout: {}", recipe.layout_text());
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .worker_threads(2)
@@ -136,6 +139,7 @@ fn run_header(recipe: &Recipe, dtype_choices: &[setup::DTypeChoice], start_step:
         "actor_param_dtype": name(setup::actor_dtype(recipe)),
         "dtype_auto": setup::DTypeChoice::lines(dtype_choices),
         "host_cpu": xla::runtime::HostCpu::get().name,
+        "layout": recipe.layout_text(),
     })
 }
 

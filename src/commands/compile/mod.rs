@@ -373,7 +373,7 @@ pub fn run(args: CompileArgs) -> Result<ExitCode> {
                 "fits": t.fits(),
             })),
             "step_seconds": estimate.map(|(r, l)| serde_json::json!({"rollout": r, "learner": l, "total": r + l})),
-            "layout": layout_text(&recipe),
+            "layout": recipe.layout_text(),
             "collectives_per_step": collectives.iter().map(|((role, kind), c)| serde_json::json!({
                 "role": role.name(), "kind": kind, "count": c.count, "bytes_per_device": c.bytes,
             })).collect::<Vec<_>>(),
@@ -419,7 +419,7 @@ pub fn run(args: CompileArgs) -> Result<ExitCode> {
                 learner_chips(&target, &plan, &measured)
             );
         }
-        println!("layout: {}", layout_text(&recipe));
+        println!("layout: {}", recipe.layout_text());
         if !collectives.is_empty() {
             println!(
                 "{}{}",

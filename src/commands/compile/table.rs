@@ -184,30 +184,3 @@ pub(super) fn learner_mfu(
             / (learner_seconds * chips * g.peak_bf16_flops_per_chip),
     )
 }
-
-/// The learner's and the rollout's meshes, by axis.
-pub(super) fn layout_text(recipe: &Recipe) -> String {
-    let parallel = recipe.actor.parallelism(&recipe.cluster);
-    let mesh = parallel.mesh.unwrap_or(1).max(1);
-    let tp = parallel.tensor_parallel.max(1);
-    let learner = match parallel.strategy {
-        Strategy::Single => "learner on 1 device".to_string(),
-        s => format!(
-            "learner {} over {mesh} devices: data {} x model {tp}",
-            if s == Strategy::Fsdp { "fsdp" } else { "dp" },
-            mesh / tp
-        ),
-    };
-    let devices = recipe.rollout_devices();
-    let rtp = recipe.rollout.tensor_model_parallel_size.max(1);
-    format!(
-        "{learner}; rollout {} on {devices} device(s): {} slot group(s) x model {rtp}, {} slots each",
-        if recipe.rollout_colocated() {
-            "in process"
-        } else {
-            "per worker"
-        },
-        devices / rtp,
-        recipe.rollout.max_num_seqs / (devices / rtp).max(1)
-    )
-}
