@@ -163,10 +163,14 @@ fn the_learners_largest_program_fits_v6e_2x2() {
     let flops = cells[9].parse::<f64>().unwrap() * 1e9;
     assert!(flops > 0.75e13 && flops < 3e13, "accumulate flops {flops:e}");
     assert!(cells[10].ends_with(" ms"), "{cells:?}");
-    // With the learner's state (f32 masters, 2 moments, gradient sums, bf16 copy: 8.28 GiB) and
-    // the KV cache (bf16 with the recipe's bf16 rollout: 3 GiB) resident on the same chip.
+    // With the learner's state (f32 masters and bf16 copy 2.76 GiB; 2 moments and gradient
+    // sums 5.52 GiB) and the KV cache (bf16 with the recipe's bf16 rollout: 3 GiB) resident on
+    // the same chip.
     assert!(
-        stdout.contains("device 0 over the run (learner and rollout share it): learner state 8.28 GiB + KV cache 3.00 GiB"),
+        stdout.contains(
+            "each device over the run (learner and rollout share it): parameters 2.76 GiB + optimizer state \
+             5.52 GiB + KV cache 3.00 GiB"
+        ),
         "{stdout}"
     );
     assert!(stdout.contains("everything fits"), "{stdout}");
