@@ -152,8 +152,11 @@ impl HostTensor {
             (p.concat(), local)
         }
         let (bytes, local) = match self.dtype.size_bytes() {
+            1 => part::<1>(&self.bytes, &dims, sharding, mesh, device),
+            2 => part::<2>(&self.bytes, &dims, sharding, mesh, device),
             4 => part::<4>(&self.bytes, &dims, sharding, mesh, device),
-            _ => part::<2>(&self.bytes, &dims, sharding, mesh, device),
+            8 => part::<8>(&self.bytes, &dims, sharding, mesh, device),
+            n => unreachable!("no element type of {n} bytes"),
         };
         HostTensor {
             name: self.name.clone(),

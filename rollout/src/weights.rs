@@ -353,6 +353,40 @@ pub fn upload_weights_on(
     ))
 }
 
+/// Uploads one whole parameter, `bytes` of `dtype` in `spec`'s shape, to an engine's
+/// `devices` (one per tensor-parallel device) in the rollout's layout: each device its part
+/// ([`rollout_layout`] on [`rollout_mesh`]); on one device the bytes as they are. For weights
+/// that arrive as host tensors (a learner worker's, a weight stream's chunks).
+pub fn upload_parameter(
+    client: &Client,
+    spec: &ParamSpec,
+    dtype: DType,
+    bytes: &[u8],
+    devices: &[usize],
+) -> xla::runtime::Result<Vec<Buffer>> {
+    let dims = spec.dims();
+    if let [device] = devices {
+        return Ok(vec![client.buffer_from_bytes(bytes, dtype, &dims, *device)?]);
+    }
+    let tp = devices.len();
+    let whole = model::HostTensor {
+        name: spec.name.clone(),
+        dtype,
+        shape: spec.shape.clone(),
+        bytes: bytes.to_vec(),
+    };
+    let (mesh, sharding) = (rollout_mesh(tp, tp), rollout_layout(tp).sharding(spec));
+    devices
+        .iter()
+        .enumerate()
+        .map(|(d, &device)| {
+            let part = whole.shard(sharding.as_ref(), mesh.as_ref(), d);
+            let local: Vec<i64> = part.shape.iter().map(|&n| n as i64).collect();
+            client.buffer_from_bytes(&part.bytes, dtype, &local, device)
+        })
+        .collect()
+}
+
 fn upload_laid_out(
     client: &Client,
     weights: &ModelWeights,

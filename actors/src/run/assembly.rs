@@ -453,22 +453,16 @@ fn rollout_weights(
                 return Ok(UpdateParams::Host(tensors.into()));
             }
             let tp = tensor_parallel.max(1);
-            let mesh = rollout::programs::rollout_mesh(tp, tp);
-            let layout = rollout::rollout_layout(tp);
-            let per_device = (0..tp)
-                .map(|d| {
-                    tensors
-                        .iter()
-                        .zip(specs)
-                        .map(|(t, spec)| {
-                            let part = t.shard(layout.sharding(spec).as_ref(), mesh.as_ref(), d);
-                            let dims: Vec<i64> = part.shape.iter().map(|&n| n as i64).collect();
-                            client.buffer_from_bytes(&part.bytes, dtype, &dims, d).map_err(rt)
-                        })
-                        .collect::<Result<Vec<_>, _>>()
-                        .map(Arc::from)
-                })
-                .collect::<Result<Vec<_>, _>>()?;
+            let devices: Vec<usize> = (0..tp).collect();
+            let mut per_device: Vec<Vec<xla::runtime::Buffer>> = devices.iter().map(|_| Vec::new()).collect();
+            for (t, spec) in tensors.iter().zip(specs) {
+                let parts = rollout::upload_parameter(client, spec, dtype, &t.bytes, &devices).map_err(rt)?;
+                for (d, part) in parts.into_iter().enumerate() {
+                    per_device[d].push(part);
+                }
+            }
+            let per_device: Vec<Arc<[xla::runtime::Buffer]>> =
+                per_device.into_iter().map(Arc::from).collect();
             Ok(UpdateParams::Device(rollout::EngineWeights::laid_out(
                 per_device, tp,
             )))

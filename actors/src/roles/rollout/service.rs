@@ -359,37 +359,17 @@ impl RolloutService {
         while let Some(chunk) = stream.message().await? {
             let completed = assembly.add(chunk).map_err(|e| refuse(e, assembly.version))?;
             if let Some((index, bytes)) = completed {
-                let (client, dtype, device, tp) =
-                    (self.client.clone(), self.dtype, self.device, self.tensor_parallel);
-                let (name, dims, _) = self.table[index].clone();
-                let sharding = rollout::rollout_layout(tp).sharding(&self.specs[index]);
+                let (client, dtype) = (self.client.clone(), self.dtype);
+                let devices: Vec<usize> = match self.tensor_parallel {
+                    1 => vec![self.device],
+                    tp => (0..tp).collect(),
+                };
+                let spec = self.specs[index].clone();
                 uploads.push((
                     index,
                     tokio::task::spawn_blocking(move || {
-                        let failed =
-                            |e: xla::runtime::Error| format!("uploading tensor {index} `{name}`: {e}");
-                        let buffers = if tp == 1 {
-                            vec![client
-                                .buffer_from_bytes(&bytes, dtype, &dims, device)
-                                .map_err(failed)?]
-                        } else {
-                            let whole = model::HostTensor {
-                                name: name.clone(),
-                                dtype,
-                                shape: dims.iter().map(|&d| d as usize).collect(),
-                                bytes: bytes.to_vec(),
-                            };
-                            let mesh = rollout::programs::rollout_mesh(tp, tp);
-                            (0..tp)
-                                .map(|d| {
-                                    let part = whole.shard(sharding.as_ref(), mesh.as_ref(), d);
-                                    let local: Vec<i64> = part.shape.iter().map(|&n| n as i64).collect();
-                                    client
-                                        .buffer_from_bytes(&part.bytes, dtype, &local, d)
-                                        .map_err(failed)
-                                })
-                                .collect::<Result<Vec<_>, _>>()?
-                        };
+                        let buffers = rollout::upload_parameter(&client, &spec, dtype, &bytes, &devices)
+                            .map_err(|e| format!("uploading tensor {index} `{}`: {e}", spec.name))?;
                         // A tensor assembled from several chunks is this worker's own buffer:
                         // keep it for the next update (one sent whole is the message's).
                         Ok::<_, String>((buffers, bytes.try_into_mut().ok().map(Vec::from)))
