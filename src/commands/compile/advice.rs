@@ -172,8 +172,8 @@ pub(super) fn advice(
         );
         // A larger tensor-parallel split shrinks the weights on each device (the KV cache a
         // device holds stays: fewer slot groups, each slot split over more devices).
-        let share_now = plan.rollout_weight_share;
         let now = recipe.rollout.tensor_model_parallel_size.max(1);
+        let share_now = rollout_weight_share(&plan.config, now);
         let split = (now + 1..=devices)
             .filter(|&tp| devices.is_multiple_of(tp))
             .filter(|&tp| recipe.rollout.max_num_seqs.is_multiple_of(devices / tp))
@@ -281,7 +281,12 @@ pub(super) fn device_total(
     let rollout_weights = if rollout_shares_learner_buffers(recipe) {
         0
     } else {
-        rollout_weight_bytes(recipe, num_parameters, plan.rollout_weight_share)
+        rollout_weight_bytes(
+            recipe,
+            &plan.config,
+            num_parameters,
+            recipe.rollout.tensor_model_parallel_size,
+        )
     };
     let (largest, largest_temporaries) = measured
         .iter()
@@ -313,14 +318,19 @@ pub(super) fn rollout_shares_learner_buffers(recipe: &Recipe) -> bool {
 }
 
 /// Bytes of the rollout's weights on one device: the model in `rollout.dtype`, times the share
-/// of its elements one device holds under the rollout's tensor parallelism.
-pub(super) fn rollout_weight_bytes(recipe: &Recipe, num_parameters: u64, share: f64) -> u64 {
+/// of its elements one device holds when the rollout splits it over `tp` devices.
+pub(super) fn rollout_weight_bytes(
+    recipe: &Recipe,
+    config: &ModelConfig,
+    num_parameters: u64,
+    tp: usize,
+) -> u64 {
     let element = if recipe.rollout.dtype == DTypeName::Bf16 {
         2
     } else {
         4
     };
-    (num_parameters as f64 * element as f64 * share) as u64
+    (num_parameters as f64 * element as f64 * rollout_weight_share(config, tp.max(1))) as u64
 }
 
 /// The share of a model's elements one device holds when the rollout splits it over `tp`
@@ -360,7 +370,7 @@ pub(super) fn fitting_rollout_tensor_parallel(
         })
         .filter(|&tp| recipe.rollout.max_num_seqs.is_multiple_of(devices / tp))
         .find(|&tp| {
-            let weights = rollout_weight_bytes(recipe, num_parameters, rollout_weight_share(config, tp));
+            let weights = rollout_weight_bytes(recipe, config, num_parameters, tp);
             others + weights <= (total.memory as f64 * 0.95) as u64
         })
 }
@@ -394,7 +404,7 @@ pub(super) fn device_total_advice(
             "set `rollout.tensor_model_parallel_size: {tp}` (now {}; the rollout's weights {} a device instead of \
              {}), or ",
             recipe.rollout.tensor_model_parallel_size,
-            bytes(rollout_weight_bytes(recipe, num_parameters, rollout_weight_share(config, tp))),
+            bytes(rollout_weight_bytes(recipe, config, num_parameters, tp)),
             bytes(total.rollout_weights)
         );
     }

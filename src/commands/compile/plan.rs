@@ -37,9 +37,6 @@ pub(super) struct Plan {
     pub(super) without_remat: Option<(String, Program)>,
     /// The model's architecture.
     pub(super) config: ModelConfig,
-    /// The share of the model's elements one rollout device holds (1 without tensor
-    /// parallelism; see [`rollout_weight_share`]).
-    pub(super) rollout_weight_share: f64,
     /// Tokens the learner's forward and backward passes process per step (prompts once per
     /// micro-batch, every response), for the model-FLOPs utilisation estimate.
     pub(super) trained_tokens_per_step: f64,
@@ -68,10 +65,6 @@ impl Plan {
             master_bytes_per_device: master_bytes_per_device(recipe, config)?,
             without_remat: None,
             config: config.clone(),
-            rollout_weight_share: rollout_weight_share(
-                config,
-                recipe.rollout.tensor_model_parallel_size.max(1),
-            ),
             trained_tokens_per_step: 0.0,
         };
         plan_rollout(&mut plan, recipe, config)?;
