@@ -930,6 +930,35 @@ pub enum DecodeAttention {
     KeysLeft,
 }
 
+/// A decode step over part of the cache's slots (a slot bucket): the cache's slots are
+/// `groups` blocks of `local` (the engine's slot groups, one per device group), and the step
+/// runs the first `rows` of each, its slot j being block `j / rows`, row `j % rows`. New keys
+/// and values are scattered into the whole cache in place and attention reads those rows,
+/// so the step costs what its rows cost.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlotBucket {
+    pub groups: usize,
+    pub local: usize,
+    pub rows: usize,
+}
+
+impl SlotBucket {
+    /// `[groups, local, ...]`: cache tensor `t` with its slots split by block.
+    fn view(&self, t: &Tensor) -> Tensor {
+        let mut dims = vec![self.groups as i64, self.local as i64];
+        dims.extend_from_slice(&t.dims()[1..]);
+        t.reshape(&dims)
+    }
+
+    /// The step's rows of cache tensor `t`, `[groups * rows, ...]`.
+    pub fn read(&self, t: &Tensor) -> Tensor {
+        let mut dims = t.dims().to_vec();
+        dims[0] = (self.groups * self.rows) as i64;
+        let rows = self.view(t).slice_axis(1, 0, self.rows as i64).reshape(&dims);
+        t.graph().optimization_barrier(&[&rows]).remove(0)
+    }
+}
+
 /// Variants of [`decode_graph`] ([`decode_graph_with`], [`decode_hidden_graph`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DecodeOptions {
@@ -942,6 +971,9 @@ pub struct DecodeOptions {
     pub kv_write: KvWrite,
     /// How attention is computed.
     pub attention: DecodeAttention,
+    /// Run the step on a slot bucket of the cache (with [`KvWrite::Scatter`] only); `None`:
+    /// on every slot.
+    pub bucket: Option<SlotBucket>,
 }
 
 /// Decode: one token for every slot of the cache. `tokens [S]` and `positions [S]` (S = the
@@ -982,6 +1014,11 @@ pub fn decode_hidden_graph(
     cache: &[Tensor],
     options: DecodeOptions,
 ) -> (Tensor, Vec<Tensor>) {
+    assert!(
+        options.bucket.is_none() || options.kv_write == KvWrite::Scatter,
+        "a slot bucket is written by a scatter, not {:?}",
+        options.kv_write
+    );
     let g = p.graph();
     let config = &p.config;
     let s = tokens.dims()[0];
@@ -998,8 +1035,14 @@ pub fn decode_hidden_graph(
 
     // Each slot's new row at its position; inactive slots point past the end: no write.
     let beyond = g.full(max_len as f64, DType::I32, &[s]);
-    let rows = matches!(options.kv_write, KvWrite::Scatter | KvWrite::Masked)
-        .then(|| RowWrite::new(options.kv_write, &active.select(&pos_clamped, &beyond), max_len));
+    let rows = matches!(options.kv_write, KvWrite::Scatter | KvWrite::Masked).then(|| {
+        RowWrite::new(
+            options.kv_write,
+            &active.select(&pos_clamped, &beyond),
+            max_len,
+            options.bucket,
+        )
+    });
     // allowed [S, 1, 1, W]: key position <= the slot's position (< when the write is
     // skipped: the new key is then scored separately).
     let key_pos = g.iota(DType::I32, &[s, window], 1);
@@ -1048,6 +1091,10 @@ pub fn decode_hidden_graph(
             kv_out.push(updated);
         }
         let windowed = |c: &Tensor| {
+            let c = &match options.bucket {
+                Some(b) => b.read(c),
+                None => c.clone(),
+            };
             if window < max_len {
                 c.slice_axis(2, 0, window)
             } else {
@@ -1117,50 +1164,82 @@ pub fn decode_hidden_graph(
 /// `[S, kvh, L, hd]` ([`KvWrite::Scatter`] or [`KvWrite::Masked`]), worked out once per step
 /// (and chunk) and applied to the keys and values of every layer.
 struct RowWrite {
-    /// `[S, 2]` (slot, position) coordinates of the rows.
+    /// The (slot, position) coordinates of the rows: `[S, 2]`, or `[groups, rows, 3]` of
+    /// (block, row, position) into the `[groups, local, ...]` view of a slot bucket.
     points: Tensor,
     /// For [`KvWrite::Masked`]: `[S, 1, L, 1]`, true at each slot's position.
     at_position: Option<Tensor>,
+    bucket: Option<SlotBucket>,
 }
 
 impl RowWrite {
     /// Slot s writes at `positions[s]` of a tensor of `len` positions; a position outside
-    /// `0..len` writes nothing.
+    /// `0..len` writes nothing. With a `bucket`, slot s is that bucket's slot s of the cache.
     ///
     /// # Panics
     ///
     /// On [`KvWrite::UpdateSlice`] or [`KvWrite::Skip`], which [`decode_hidden_graph`] writes
-    /// itself.
-    fn new(write: KvWrite, positions: &Tensor, len: i64) -> RowWrite {
+    /// itself, and on a bucket with [`KvWrite::Masked`].
+    fn new(write: KvWrite, positions: &Tensor, len: i64, bucket: Option<SlotBucket>) -> RowWrite {
         let g = positions.graph();
         let s = positions.dims()[0];
         let column = positions.reshape(&[s, 1]);
-        let points = Tensor::concat(&[&g.iota(DType::I32, &[s, 1], 0), &column], 1);
+        let points = match bucket {
+            None => Tensor::concat(&[&g.iota(DType::I32, &[s, 1], 0), &column], 1),
+            // Iotas along the block and row dimensions: the partitioner reads them as each
+            // device's own rows.
+            Some(b) => {
+                let dims = [b.groups as i64, b.rows as i64, 1];
+                Tensor::concat(
+                    &[
+                        &g.iota(DType::I32, &dims, 0),
+                        &g.iota(DType::I32, &dims, 1),
+                        &column.reshape(&dims),
+                    ],
+                    2,
+                )
+            }
+        };
         let at_position = match write {
             KvWrite::Scatter => None,
-            KvWrite::Masked => Some(
+            KvWrite::Masked if bucket.is_none() => Some(
                 g.iota(DType::I32, &[s, len], 1)
                     .eq(&column.broadcast_to(&[s, len]))
                     .reshape(&[s, 1, len, 1]),
             ),
-            KvWrite::UpdateSlice | KvWrite::Skip => {
-                panic!("a row write is a scatter or a masked rewrite, not {write:?}")
+            _ => {
+                panic!(
+                    "a row write is a scatter or a masked rewrite of every slot, not {write:?} on {bucket:?}"
+                )
             }
         };
-        RowWrite { points, at_position }
+        RowWrite {
+            points,
+            at_position,
+            bucket,
+        }
     }
 
     /// `cache` with slot s's row of `new [S, kvh * hd]` written.
     fn apply(&self, cache: &Tensor, new: &Tensor) -> Tensor {
         let dims = cache.dims().to_vec();
-        let (s, kvh, hd) = (dims[0], dims[1], dims[3]);
-        match &self.at_position {
-            None => cache.scatter_at(
+        let (kvh, hd) = (dims[1], dims[3]);
+        let s = new.dims()[0];
+        match (&self.at_position, self.bucket) {
+            (None, None) => cache.scatter_at(
                 &self.points,
                 &new.reshape(&[s, kvh, hd]).convert_if_needed(cache.dtype()),
                 &[0, 2],
             ),
-            Some(at) => {
+            (None, Some(b)) => {
+                let rows = new
+                    .reshape(&[b.groups as i64, b.rows as i64, kvh, hd])
+                    .convert_if_needed(cache.dtype());
+                b.view(cache)
+                    .scatter_at(&self.points, &rows, &[0, 1, 3])
+                    .reshape(&dims)
+            }
+            (Some(at), _) => {
                 let rows = new.reshape(&[s, kvh, 1, hd]).convert_if_needed(cache.dtype());
                 at.broadcast_to(&dims).select(&rows.broadcast_to(&dims), cache)
             }
@@ -1176,11 +1255,13 @@ impl RowWrite {
 /// later chunks come back unchanged (in place when donated), so a step costs what the
 /// filled part of the cache costs, not the whole cache. New keys and values are scattered
 /// to (slot, position) of their chunk by `write` ([`KvWrite::Scatter`] or
-/// [`KvWrite::Masked`]), as in [`decode_graph`].
+/// [`KvWrite::Masked`]), as in [`decode_graph`]. With a `bucket` the step runs that slot
+/// bucket of the cache ([`SlotBucket`]).
 ///
 /// # Panics
 ///
-/// On [`KvWrite::UpdateSlice`] or [`KvWrite::Skip`], which only the unchunked step has.
+/// On [`KvWrite::UpdateSlice`] or [`KvWrite::Skip`], which only the unchunked step has, and
+/// on a bucket with [`KvWrite::Masked`].
 ///
 /// Returns the final-normed hidden states `[S, hidden]` and the updated chunks (same order).
 pub fn decode_hidden_graph_chunked(
@@ -1190,6 +1271,7 @@ pub fn decode_hidden_graph_chunked(
     cache: &[Tensor],
     attend_chunks: usize,
     write: KvWrite,
+    bucket: Option<SlotBucket>,
 ) -> (Tensor, Vec<Tensor>) {
     let g = p.graph();
     let config = &p.config;
@@ -1217,7 +1299,7 @@ pub fn decode_hidden_graph_chunked(
             let start = g.full((c * chunk) as f64, DType::I32, &[s]);
             let local = &pos_clamped - &start;
             let inside = local.ge(&local.zeros_like()).and(&local.lt(&beyond)).and(&active);
-            RowWrite::new(write, &inside.select(&local, &beyond), chunk)
+            RowWrite::new(write, &inside.select(&local, &beyond), chunk, bucket)
         })
         .collect();
     let key_pos = g.iota(DType::I32, &[s, window], 1);
@@ -1239,11 +1321,15 @@ pub fn decode_hidden_graph_chunked(
         }
         // Operands of the cache's type, f32 results (as in `decode_hidden_graph`).
         let operand = cache[0].dtype();
-        let keys = |c: usize| &out_cache[l * per_layer + c];
-        let values = |c: usize| &out_cache[l * per_layer + chunks + c];
+        let read = |t: &Tensor| match bucket {
+            Some(b) => b.read(t),
+            None => t.clone(),
+        };
+        let keys = |c: usize| read(&out_cache[l * per_layer + c]);
+        let values = |c: usize| read(&out_cache[l * per_layer + chunks + c]);
         let q = q.reshape(&[s, kvh, groups, hd]).convert_if_needed(operand);
         // [S, kvh, G, hd] x [S, kvh, chunk, hd] -> [S, kvh, G, chunk], per chunk.
-        let scores: Vec<Tensor> = (0..attend).map(|c| grouped_scores(&q, keys(c))).collect();
+        let scores: Vec<Tensor> = (0..attend).map(|c| grouped_scores(&q, &keys(c))).collect();
         let scores = if attend == 1 {
             scores[0].clone()
         } else {
@@ -1259,7 +1345,7 @@ pub fn decode_hidden_graph_chunked(
             } else {
                 probs.slice_axis(3, c as i64 * chunk, (c as i64 + 1) * chunk)
             };
-            let part = grouped_values(&pc, values(c));
+            let part = grouped_values(&pc, &values(c));
             attn = Some(match attn {
                 Some(a) => &a + &part,
                 None => part,

@@ -9,7 +9,7 @@ else f32. bf16 loads the model with `dtype=torch.bfloat16` (weights, activations
 bf16, as a transformers user asking for bf16 gets).
 ROLLOUT_PEER_GROUP=N (default 1) asks `generate` for N samples of each prompt
 (`num_return_sequences=N`), as `rollout_bench --group N` does of the engine.
-prints `peer_tokens_per_s X` and details."""
+prints `peer_tokens_per_s X`, `peer_seconds S` (the timed `generate`) and details."""
 import json
 import os
 import sys
@@ -60,3 +60,4 @@ print(f"peer: {generated} tokens in {elapsed:.1f} s; CPU time of generate {cpu:.
       f"{generated / cpu:.1f} tokens per CPU-second (OpenMP threads that spin while waiting "
       f"count as busy)")
 print(f"peer_tokens_per_s {generated / elapsed:.2f}")
+print(f"peer_seconds {elapsed:.3f}")

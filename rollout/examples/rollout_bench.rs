@@ -3,7 +3,8 @@
 //!
 //!     cargo run --release -p rollout --example rollout_bench -- \
 //!         [--model models/SmolLM2-135M-Instruct.Q4_1.gguf] [--seqs 64] [--prompt-len 128] \
-//!         [--new-tokens 256] [--dtype f32|bf16] [--group N] [--no-peer] [--baseline] [--kv-chunk N]
+//!         [--new-tokens 256] [--dtype f32|bf16] [--group N] [--no-peer] [--baseline] [--kv-chunk N] \
+//!         [--spread] [--slots N]
 //!
 //! `--group N` (default 1) shapes the work as GRPO does: `seqs / N` distinct prompts with N
 //! samples each. The engine prefills each prompt once and copies its KV entries into the N slots
@@ -14,8 +15,19 @@
 //! every step, one prefill per prompt, Gumbel-max sampler) in the same run; `--kv-chunk`
 //! sets the engine's KV-cache chunk (0 = automatic).
 //!
-//! All sequences sample at temperature 1 with no top-k/top-p and ignore EOS, so both sides
-//! generate exactly `seqs * new_tokens` tokens. The decode step time is compared with the
+//! `--spread` gives the groups GSM8K-like response lengths instead of all `new_tokens`: group
+//! i stops at `new_tokens` times the i-th of ten quantiles (0.12 to 1.0, a long tail), and the
+//! engine also runs with every slot decoded every step (`compact_slots: false`, the engine
+//! before slot buckets) in the same run. transformers cannot end a row early without EOS, so
+//! (as TRL's `GRPOTrainer` does with real EOS) it runs the batch to the longest group's
+//! length; its rate counts only the tokens the groups asked for.
+//!
+//! `--slots N` gives the engine N KV-cache slots (`max_num_seqs`, default `--seqs`): a recipe's
+//! `max_num_seqs` is often far above the sequences of a step (`recipes/gsm8k-smollm2.yaml`:
+//! 128 slots for 2 prompts x 4 samples).
+//!
+//! Without `--spread` all sequences sample at temperature 1 with no top-k/top-p and ignore
+//! EOS, so both sides generate exactly `seqs * new_tokens` tokens. The decode step time is compared with the
 //! memory-bandwidth bound: (weight bytes + KV-cache bytes) / bandwidth, the bandwidth measured
 //! with a reduction over a 512 MiB buffer through the same plugin.
 
@@ -138,6 +150,8 @@ fn main() {
         "--group must divide --seqs ({seqs})"
     );
 
+    let spread = args.iter().any(|a| a == "--spread");
+    let slots: usize = arg(&args, "--slots", &seqs.to_string()).parse().unwrap();
     let host = HostModel::load(&model_path).expect("loading the model");
     let config = host.weights.config.clone();
     // Prompts: a fixed text, tokenized and cut/rotated to exactly `prompt_len` tokens each.
@@ -166,9 +180,25 @@ fn main() {
     // The engine as configured by default, then (with --baseline) the engine as it was before
     // the speed work: the whole cache read every step, one prefill per prompt, the Gumbel-max
     // sampler. Same weights, prompts and seeds.
-    let mut configs = vec![("engine", EngineConfig::new(seqs, max_len))];
+    const QUANTILES: [f64; 10] = [0.12, 0.18, 0.22, 0.27, 0.32, 0.38, 0.45, 0.55, 0.7, 1.0];
+    let lengths: Vec<usize> = (0..prompts.len())
+        .map(|i| {
+            if spread {
+                ((new_tokens as f64 * QUANTILES[i % QUANTILES.len()]).round() as usize).max(1)
+            } else {
+                new_tokens
+            }
+        })
+        .collect();
+    let asked: usize = lengths.iter().map(|l| l * group).sum();
+    let mut configs = vec![("engine", EngineConfig::new(slots, max_len))];
+    if spread {
+        let mut every_slot = EngineConfig::new(slots, max_len);
+        every_slot.compact_slots = false;
+        configs.push(("every-slot", every_slot));
+    }
     if args.iter().any(|a| a == "--baseline") {
-        let mut old = EngineConfig::new(seqs, max_len);
+        let mut old = EngineConfig::new(slots, max_len);
         old.kv_chunk = max_len;
         old.prefill_batch = 1;
         old.sampler = SamplerKind::GumbelMax;
@@ -193,7 +223,10 @@ fn main() {
                     prompt: p.clone(),
                     n: group,
                     seed: i as u64,
-                    params: params.clone(),
+                    params: SamplingParams {
+                        max_new_tokens: lengths[i],
+                        ..params.clone()
+                    },
                 })
                 .unwrap();
         }
@@ -203,10 +236,17 @@ fn main() {
         let cpu_start = cpu_seconds();
         let mut step_times = Vec::new();
         let mut samples: Vec<Sample> = Vec::new();
+        // Decode step times by the slot rows the step ran (its bucket).
+        let mut by_rows: std::collections::BTreeMap<usize, Vec<f64>> = Default::default();
         while engine.has_work() {
             let t = Instant::now();
+            let rows = engine.stats().decode_rows;
             samples.extend(engine.step().unwrap());
             step_times.push(t.elapsed().as_secs_f64());
+            by_rows
+                .entry(engine.stats().decode_rows - rows)
+                .or_default()
+                .push(t.elapsed().as_secs_f64());
         }
         let total = start.elapsed().as_secs_f64();
         let cpu = cpu_seconds() - cpu_start;
@@ -220,14 +260,30 @@ fn main() {
         let bound = (weight_bytes + cache_bytes) as f64 / bandwidth;
         let stats = engine.stats().clone();
         let n_prompts = prompts.len();
-        println!("{label}: {seqs} sequences ({n_prompts} prompts x {group} samples) x {prompt_len} prompt tokens, {new_tokens} new tokens, temperature 1, {dtype:?} weights");
+        println!("{label}: {seqs} sequences ({n_prompts} prompts x {group} samples) x {prompt_len} prompt tokens, {new_tokens} new tokens, temperature 1, {dtype:?} weights, {slots} slots");
         println!("{label}: compile decode {compile_decode:.1} s, prefill + other decode steps {compile_prefill:.1} s (not timed); first step ({n_prompts} prefills + 1 decode) {first_step:.1} s");
         println!("{label}: {generated} tokens in {total:.1} s wall (prefill + decode) = {:.1} tok/s; decode-only {:.1} tok/s; CPU time {cpu:.1} s = {:.1} tokens per CPU-second", generated as f64 / total, (generated - seqs) as f64 / decode_total, generated as f64 / cpu);
         println!(
-            "{label}: decode step median {:.1} ms over {} steps",
+            "{label}: decode step median {:.1} ms over {} steps; {} slot rows run for {} tokens ({:.0}% of the rows made a token), {} cache rows moved",
             median_step * 1e3,
-            decode.len()
+            decode.len(),
+            stats.decode_rows,
+            stats.generated_tokens,
+            100.0 * stats.generated_tokens as f64 / stats.decode_rows.max(1) as f64,
+            stats.moved_rows
         );
+        let buckets: Vec<String> = by_rows
+            .iter_mut()
+            .map(|(rows, times)| {
+                times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+                format!(
+                    "{rows} rows: {} steps, median {:.1} ms",
+                    times.len(),
+                    times[times.len() / 2] * 1e3
+                )
+            })
+            .collect();
+        println!("{label}: steps by slot rows run: {}", buckets.join("; "));
         println!(
             "{label}: time in prefill programs {:.1} s ({} runs for {} prompts), in decode programs {:.1} s, host bookkeeping {:.3} s ({:.2} ms per step)",
             stats.prefill_time.as_secs_f64(),
@@ -258,8 +314,9 @@ fn main() {
     }
     if rates.len() == 2 {
         println!(
-            "ratio: engine {:.1} tok/s / baseline engine {:.1} tok/s = {:.2}x",
+            "ratio: engine {:.1} tok/s / {} engine {:.1} tok/s = {:.2}x",
             rates[0].1,
+            rates[1].0,
             rates[1].1,
             rates[0].1 / rates[1].1
         );
@@ -279,7 +336,7 @@ fn main() {
             .arg(&script)
             .arg(dir.join("model"))
             .arg(&prompts_file)
-            .arg(new_tokens.to_string())
+            .arg(lengths.iter().max().copied().unwrap_or(new_tokens).to_string())
             .env("ROLLOUT_PEER_GROUP", group.to_string())
             .output()
             .expect("running python3");
@@ -290,15 +347,24 @@ fn main() {
         let stdout = String::from_utf8_lossy(&out.stdout);
         print!("{stdout}");
         eprint!("{}", String::from_utf8_lossy(&out.stderr));
-        if let Some(line) = stdout.lines().find(|l| l.starts_with("peer_tokens_per_s")) {
-            let peer: f64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+        let value = |name: &str| {
+            let line = stdout.lines().find(|l| l.starts_with(name))?;
+            line.split_whitespace().nth(1)?.parse::<f64>().ok()
+        };
+        if let (Some(peer), Some(seconds)) = (value("peer_tokens_per_s"), value("peer_seconds")) {
+            // With --spread the peer generated every row to the longest length; count only
+            // the tokens the groups asked for.
+            let peer = if spread { asked as f64 / seconds } else { peer };
+            if spread {
+                println!("peer: {asked} of its tokens asked for in {seconds:.1} s = {peer:.1} tok/s");
+            }
             println!(
                 "ratio: engine {engine_tps:.1} tok/s / transformers {peer:.1} tok/s = {:.2}x",
                 engine_tps / peer
             );
-            if let Some((_, base)) = rates.get(1) {
+            if let Some((label, base)) = rates.get(1) {
                 println!(
-                    "ratio: baseline engine {base:.1} tok/s / transformers {peer:.1} tok/s = {:.2}x",
+                    "ratio: {label} engine {base:.1} tok/s / transformers {peer:.1} tok/s = {:.2}x",
                     base / peer
                 );
             }

@@ -1,6 +1,7 @@
 //! Which compiled programs an engine runs, known once: the KV-cache shape of an engine
 //! configuration, the prefill program of each request shape (prompt-length bucket, fan-out
-//! width, groups per run) and the decode step of each attended cache length. The engine
+//! width, groups per run) and the decode step of each attended cache length and slot bucket
+//! (the rows of each slot group it runs on). The engine
 //! compiles by it ([`crate::Engine::precompile`], and on first use) and `grpo compile` lists a
 //! run's programs from it, so both always mean the same programs.
 
@@ -21,12 +22,21 @@ pub struct PrefillKey {
 }
 
 /// A decode step: reading the first `chunks` chunks of the cache, with top-k/top-p
-/// truncation (`truncate`) or without.
+/// truncation (`truncate`) or without, for the first `rows` slots of each slot group (a slot
+/// bucket, [`ProgramPlan::slot_buckets`]; all of them in the engine's largest step).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct DecodeKey {
     pub truncate: bool,
     pub chunks: usize,
+    pub rows: usize,
 }
+
+/// The fewest rows a slot bucket runs. Matrix products of few rows may take other kernels
+/// whose last bits differ (on the CPU plugin: below 8 rows for SmolLM2's sizes, below 16 for
+/// a 64-wide test model); the engine keeps only the buckets whose step gives the bits of
+/// the full step ([`crate::Engine::new`] checks each), so that a sample's tokens never depend
+/// on how many others are still generating.
+pub const MIN_SLOT_BUCKET: usize = 8;
 
 /// The programs of an engine configuration.
 #[derive(Clone, Debug)]
@@ -35,6 +45,7 @@ pub struct ProgramPlan {
     pub cache: CacheShape,
     buckets: Vec<usize>,
     prefill_batch: usize,
+    slot_buckets: Vec<usize>,
 }
 
 impl ProgramPlan {
@@ -58,11 +69,45 @@ impl ProgramPlan {
         .with_tensor_parallel(settings.tensor_parallel)
         .for_weights(dtype);
         cache.write = settings.kv_write.unwrap_or(KvWrite::for_plugin(plugin));
+        let local = cache.local_slots();
+        let mut slot_buckets = Vec::new();
+        if settings.compact_slots {
+            let mut rows = MIN_SLOT_BUCKET;
+            while rows < local {
+                slot_buckets.push(rows);
+                rows *= 2;
+            }
+        }
+        slot_buckets.push(local);
         ProgramPlan {
             cache,
             buckets: settings.buckets(),
             prefill_batch: settings.prefill_batch,
+            slot_buckets,
         }
+    }
+
+    /// The rows per slot group decode steps are compiled for, ascending: powers of two from
+    /// [`MIN_SLOT_BUCKET`], then every slot of a group (only that without
+    /// [`EngineConfig::compact_slots`]).
+    pub fn slot_buckets(&self) -> &[usize] {
+        &self.slot_buckets
+    }
+
+    /// Drops the slot bucket of `rows` rows (never the largest, all of a group's slots).
+    pub fn drop_slot_bucket(&mut self, rows: usize) {
+        let all = *self.slot_buckets.last().expect("at least one slot bucket");
+        self.slot_buckets.retain(|&b| b != rows || b == all);
+    }
+
+    /// The smallest slot bucket holding `rows` rows per slot group.
+    pub fn slot_bucket(&self, rows: usize) -> usize {
+        let all = *self.slot_buckets.last().expect("at least one slot bucket");
+        self.slot_buckets
+            .iter()
+            .copied()
+            .find(|&b| b >= rows)
+            .unwrap_or(all)
     }
 
     /// The prompt-length buckets, ascending.
@@ -119,7 +164,8 @@ impl ProgramPlan {
 
     /// What requests with prompts of `prompt_len` tokens in groups of `n` need: their prefill,
     /// alone and batched when batching applies, and the decode steps for every cache length
-    /// from the prompt's to the longest, with the top-k/top-p variants when `truncating`.
+    /// from the prompt's to the longest and every slot bucket, with the top-k/top-p variants
+    /// when `truncating`.
     pub fn request_programs(
         &self,
         prompt_len: usize,
@@ -134,15 +180,16 @@ impl ProgramPlan {
         }
         let mut decodes = Vec::new();
         for chunks in self.decode_chunk_counts(prompt_len.saturating_sub(1)) {
-            decodes.push(DecodeKey {
-                truncate: false,
-                chunks,
-            });
-            if truncating {
-                decodes.push(DecodeKey {
-                    truncate: true,
-                    chunks,
-                });
+            for &rows in &self.slot_buckets {
+                for truncate in [false, true] {
+                    if truncating || !truncate {
+                        decodes.push(DecodeKey {
+                            truncate,
+                            chunks,
+                            rows,
+                        });
+                    }
+                }
             }
         }
         (prefills, decodes)
@@ -157,6 +204,7 @@ mod tests {
         let mut settings = EngineConfig::new(slots, len);
         settings.kv_chunk = kv_chunk;
         settings.prefill_batch = prefill_batch;
+        settings.compact_slots = false;
         ProgramPlan::new(
             &ModelConfig::tiny_llama(),
             &settings,
@@ -215,5 +263,34 @@ mod tests {
         );
         let chunks: Vec<(bool, usize)> = decodes.iter().map(|d| (d.truncate, d.chunks)).collect();
         assert_eq!(chunks, vec![(false, 1), (true, 1), (false, 2), (true, 2)]);
+        assert!(decodes.iter().all(|d| d.rows == 16));
+    }
+
+    #[test]
+    fn slot_buckets_double_from_eight_rows_to_each_groups_slots() {
+        let compacting = |slots: usize, devices: usize| {
+            let mut settings = EngineConfig::new(slots, 64);
+            settings.compact_slots = true;
+            ProgramPlan::new(
+                &ModelConfig::tiny_llama(),
+                &settings,
+                devices,
+                DType::F32,
+                PluginKind::Cpu,
+            )
+        };
+        let p = compacting(100, 1);
+        assert_eq!(p.slot_buckets(), &[8, 16, 32, 64, 100]);
+        assert_eq!(
+            [1, 8, 9, 64, 65, 100].map(|r| p.slot_bucket(r)),
+            [8, 8, 16, 64, 100, 100]
+        );
+        // Over 4 slot groups each holds 32 slots; a small engine has one bucket.
+        assert_eq!(compacting(128, 4).slot_buckets(), &[8, 16, 32]);
+        assert_eq!(compacting(6, 1).slot_buckets(), &[6]);
+        assert_eq!(plan(100, 64, 0, 1).slot_buckets(), &[100]);
+        let (_, decodes) = compacting(16, 1).request_programs(10, 4, false);
+        let rows: Vec<usize> = decodes.iter().map(|d| d.rows).collect();
+        assert_eq!(rows, vec![8, 16]);
     }
 }

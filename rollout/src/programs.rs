@@ -24,7 +24,7 @@
 
 use model::forward::{
     decode_graph_with, decode_hidden_graph_chunked, linear, prefill_kv_graph, DecodeAttention, DecodeOptions,
-    DecoderParams, KvWrite,
+    DecoderParams, KvWrite, SlotBucket,
 };
 use model::{ModelConfig, MODEL_AXIS};
 use xla::graph::{BuildOptions, Graph, Mesh, Program, Sharding, Tensor};
@@ -245,6 +245,37 @@ impl CacheShape {
             .enumerate()
             .filter_map(|(i, &rank)| self.slot_sharding(rank).map(|s| (first + i, s)))
             .collect()
+    }
+
+    /// The first `rows` slots of each slot group of cache tensor `t` (`[slots, ...]`), as
+    /// `[groups * rows, ...]`: a slice of the `[groups, local slots, ...]` view, so that each
+    /// device keeps its own rows and no rows cross devices (for a step whose cache write
+    /// cannot run on a [`SlotBucket`] in place).
+    fn take_rows(&self, t: &Tensor, rows: usize) -> Tensor {
+        let (groups, view) = self.group_view(t);
+        let mut dims = t.dims().to_vec();
+        dims[0] = (groups * rows) as i64;
+        view.slice_axis(1, 0, rows as i64).reshape(&dims)
+    }
+
+    /// Cache tensor `t` with the first rows of each slot group replaced by `rows`
+    /// (`[groups * r, ...]`, as [`CacheShape::take_rows`] gives them).
+    fn put_rows(&self, t: &Tensor, rows: &Tensor) -> Tensor {
+        let (groups, view) = self.group_view(t);
+        let mut dims = view.dims().to_vec();
+        dims[1] = rows.dims()[0] / groups as i64;
+        let zero = t.graph().scalar(0.0, DType::I32);
+        let at: Vec<&Tensor> = dims.iter().map(|_| &zero).collect();
+        view.dynamic_update_slice(&rows.reshape(&dims), &at)
+            .reshape(t.dims())
+    }
+
+    /// `[groups, local slots, ...]`: cache tensor `t` with its slots split by slot group.
+    fn group_view(&self, t: &Tensor) -> (usize, Tensor) {
+        let groups = self.slot_groups();
+        let mut dims = vec![groups as i64, self.local_slots() as i64];
+        dims.extend_from_slice(&t.dims()[1..]);
+        (groups, t.reshape(&dims))
     }
 
     /// Number of chunks per slot.
@@ -715,12 +746,14 @@ impl DecodeSample {
         let key = DecodeKey {
             truncate,
             chunks: cache.chunks(),
+            rows: cache.local_slots(),
         };
         DecodeSample::compile_step(client, config, dtype, cache, key, SamplerKind::default())
     }
 
     /// The decode step of `key` ([`crate::plan`]): over the whole cache in one tensor, or
-    /// reading `key.chunks` of its chunks. Traced, not compiled.
+    /// reading `key.chunks` of its chunks, for the first `key.rows` slots of each slot group.
+    /// Traced, not compiled.
     pub fn build_step(
         config: &ModelConfig,
         dtype: DType,
@@ -728,14 +761,15 @@ impl DecodeSample {
         key: DecodeKey,
         sampler: SamplerKind,
     ) -> Result<Program> {
+        let rows = key.rows.clamp(1, cache.local_slots());
         if cache.chunks() == 1 {
             let options = DecodeOptions {
                 kv_write: cache.write,
                 ..DecodeOptions::default()
             };
-            DecodeSample::build_with(config, dtype, cache, key.truncate, options, sampler)
+            DecodeSample::build_rows(config, dtype, cache, key.truncate, options, sampler, rows)
         } else {
-            DecodeSample::build_chunked(config, dtype, cache, key.truncate, key.chunks, sampler)
+            DecodeSample::build_chunked_rows(config, dtype, cache, key.truncate, key.chunks, sampler, rows)
         }
     }
 
@@ -751,7 +785,7 @@ impl DecodeSample {
         let program = DecodeSample::build_step(config, dtype, cache, key, sampler)?;
         Ok(DecodeSample {
             exe: compile(client, &program)?,
-            slots: cache.slots,
+            slots: cache.slot_groups() * key.rows.clamp(1, cache.local_slots()),
             groups: cache.slot_groups(),
             truncate: key.truncate,
             attend_chunks: key.chunks.clamp(1, cache.chunks()),
@@ -766,6 +800,27 @@ impl DecodeSample {
         truncate: bool,
         options: DecodeOptions,
         sampler: SamplerKind,
+    ) -> Result<Program> {
+        DecodeSample::build_rows(
+            config,
+            dtype,
+            cache,
+            truncate,
+            options,
+            sampler,
+            cache.local_slots(),
+        )
+    }
+
+    /// [`DecodeSample::build_with`] for the first `rows` slots of each slot group.
+    fn build_rows(
+        config: &ModelConfig,
+        dtype: DType,
+        cache: &CacheShape,
+        truncate: bool,
+        options: DecodeOptions,
+        sampler: SamplerKind,
+        rows: usize,
     ) -> Result<Program> {
         if cache.chunks() != 1 {
             return Err(RolloutError::Config(format!(
@@ -792,9 +847,10 @@ impl DecodeSample {
             ""
         };
         let name = format!(
-            "rollout_decode_{kind}_cache{}x{}{window}{write}{attention}{gumbel}{}",
+            "rollout_decode_{kind}_cache{}x{}{window}{write}{attention}{gumbel}{}{}",
             cache.slots,
             cache.max_len,
+            rows_suffix(cache, rows),
             spmd_suffix(cache)
         );
         decode_sample_program(
@@ -802,9 +858,11 @@ impl DecodeSample {
             config,
             dtype,
             cache,
-            truncate,
-            sampler,
-            |p, tokens, positions, kv| decode_graph_with(p, tokens, positions, kv, options),
+            (truncate, sampler),
+            (rows, options.kv_write, |_| true),
+            |p, tokens, positions, kv, bucket| {
+                decode_graph_with(p, tokens, positions, kv, DecodeOptions { bucket, ..options })
+            },
         )
     }
 
@@ -840,6 +898,20 @@ impl DecodeSample {
         attend_chunks: usize,
         sampler: SamplerKind,
     ) -> Result<Program> {
+        let rows = cache.local_slots();
+        DecodeSample::build_chunked_rows(config, dtype, cache, truncate, attend_chunks, sampler, rows)
+    }
+
+    /// [`DecodeSample::build_chunked`] for the first `rows` slots of each slot group.
+    fn build_chunked_rows(
+        config: &ModelConfig,
+        dtype: DType,
+        cache: &CacheShape,
+        truncate: bool,
+        attend_chunks: usize,
+        sampler: SamplerKind,
+        rows: usize,
+    ) -> Result<Program> {
         let attend_chunks = attend_chunks.clamp(1, cache.chunks());
         let kind = if truncate { "topk_topp" } else { "plain" };
         let gumbel = if sampler == SamplerKind::GumbelMax {
@@ -848,22 +920,25 @@ impl DecodeSample {
             ""
         };
         let name = format!(
-            "rollout_decode_{kind}_cache{}x{}x{}_attend{attend_chunks}{gumbel}{}",
+            "rollout_decode_{kind}_cache{}x{}x{}_attend{attend_chunks}{gumbel}{}{}",
             cache.slots,
             cache.chunks(),
             cache.chunk,
+            rows_suffix(cache, rows),
             spmd_suffix(cache)
         );
+        // Tensor i of the cache is chunk (i mod chunks) of its layer's keys or values.
+        let chunks = cache.chunks();
         decode_sample_program(
             &name,
             config,
             dtype,
             cache,
-            truncate,
-            sampler,
-            |p, tokens, positions, kv| {
+            (truncate, sampler),
+            (rows, cache.write, move |i: usize| i % chunks < attend_chunks),
+            |p, tokens, positions, kv, bucket| {
                 let (h, new_cache) =
-                    decode_hidden_graph_chunked(p, tokens, positions, kv, attend_chunks, cache.write);
+                    decode_hidden_graph_chunked(p, tokens, positions, kv, attend_chunks, cache.write, bucket);
                 (linear(&h, p.head()), new_cache)
             },
         )
@@ -955,27 +1030,67 @@ impl DecodeSample {
 /// The program of one decode-and-sample step named `name`: parameters, the cache, the slots'
 /// tokens, positions and sampling settings declared in the order [`DecodeSample::run`] passes
 /// them; `step(params, tokens, positions, cache)` gives the logits and the new cache; the
-/// sampler picks each slot's token and its log-probability; the cache is donated.
+/// sampler (`truncate`, `sampler`) picks each slot's token and its log-probability; the cache
+/// is donated.
+///
+/// `(rows, write, attended)`: the step runs on the first `rows` slots of each slot group,
+/// writing the cache by `write`. A scatter write on one slot group runs on the cache as a
+/// [`SlotBucket`] (written in place, the rows read). Otherwise, with fewer rows than a group
+/// holds, the cache tensors the step reads and writes (`attended(i)` for tensor i) are sliced
+/// to those rows before it and written back after it, the others passing through untouched.
 fn decode_sample_program(
     name: &str,
     config: &ModelConfig,
     dtype: DType,
     cache: &CacheShape,
-    truncate: bool,
-    sampler: SamplerKind,
-    step: impl FnOnce(&DecoderParams, &Tensor, &Tensor, &[Tensor]) -> (Tensor, Vec<Tensor>),
+    (truncate, sampler): (bool, SamplerKind),
+    (rows, write, attended): (usize, KvWrite, impl Fn(usize) -> bool),
+    step: impl FnOnce(&DecoderParams, &Tensor, &Tensor, &[Tensor], Option<SlotBucket>) -> (Tensor, Vec<Tensor>),
 ) -> Result<Program> {
     let g = cache.graph(name);
     let p = cache.declare_params(&g, config, dtype);
     let kv = cache.declare(&g);
-    let s = cache.slots as i64;
+    let s = (cache.slot_groups() * rows) as i64;
     let tokens = cache.slot_parameter(&g, "tokens", DType::I32, &[s]);
     let positions = cache.slot_parameter(&g, "positions", DType::I32, &[s]);
     let temperature = cache.slot_parameter(&g, "temperature", DType::F32, &[s]);
     let top_k = cache.slot_parameter(&g, "top_k", DType::I32, &[s]);
     let top_p = cache.slot_parameter(&g, "top_p", DType::F32, &[s]);
     let keys = cache.slot_parameter(&g, "keys", DType::U32, &[s, 2]);
-    let (logits, new_cache) = step(&p, &tokens, &positions, &kv);
+    let bucketed = rows < cache.local_slots();
+    // In place on one slot group, every bucket alike (the full one too: its products then
+    // take the bucket's code path, which keeps their bits equal). Over several groups the
+    // partitioner gathers a bucket's scatter coordinates across devices, so there the rows
+    // are sliced out and written back instead.
+    let bucket = (write == KvWrite::Scatter && cache.slot_groups() == 1).then_some(SlotBucket {
+        groups: cache.slot_groups(),
+        local: cache.local_slots(),
+        rows,
+    });
+    let slice = |i: usize| bucketed && bucket.is_none() && attended(i);
+    let sliced: Vec<Tensor> = kv
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            if slice(i) {
+                cache.take_rows(t, rows)
+            } else {
+                t.clone()
+            }
+        })
+        .collect();
+    let (logits, stepped) = step(&p, &tokens, &positions, &sliced, bucket);
+    let new_cache: Vec<Tensor> = stepped
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            if slice(i) {
+                cache.put_rows(&kv[i], t)
+            } else {
+                t.clone()
+            }
+        })
+        .collect();
     let inputs = SamplerInputs {
         temperature: &temperature,
         top_k: &top_k,
@@ -991,6 +1106,108 @@ fn decode_sample_program(
         &donate_cache_on(cache, p.all.len(), &[1, 1], kv.len()),
         name,
     )
+}
+
+/// Row pairs the engine's [`SlotMoves`] program moves per slot group per run (more take
+/// several runs).
+pub const MOVES_PER_RUN: usize = 8;
+
+/// Moves cache rows within slot groups, on the devices: up to `moves` (source, destination)
+/// pairs of local rows per slot group per run, each copying the source slot's keys and values
+/// of every layer and chunk over the destination's. The engine compacts live samples into
+/// the lowest rows with it, so that a smaller slot bucket holds them.
+pub struct SlotMoves {
+    exe: Executable,
+    /// Pairs per slot group per run.
+    pub moves: usize,
+    groups: usize,
+}
+
+impl SlotMoves {
+    /// Traces the program for `moves` pairs per slot group without compiling it.
+    pub fn build(cache: &CacheShape, moves: usize) -> Result<Program> {
+        let name = format!(
+            "rollout_move_slots_{moves}_cache{}x{}x{}{}",
+            cache.slots,
+            cache.chunks(),
+            cache.chunk,
+            spmd_suffix(cache)
+        );
+        let g = cache.graph(&name);
+        let kv = cache.declare(&g);
+        let groups = cache.slot_groups();
+        let m = (groups * moves) as i64;
+        let src = cache.slot_parameter(&g, "src", DType::I32, &[m]);
+        let dst = cache.slot_parameter(&g, "dst", DType::I32, &[m]);
+        // (group, local row) coordinates into the [groups, local slots, ...] view; the group
+        // coordinate is an iota, which the partitioner reads as each device's own rows.
+        let (gs, ms) = (groups as i64, moves as i64);
+        let group = g.iota(DType::I32, &[gs, ms, 1], 0);
+        let at = |rows: &Tensor| Tensor::concat(&[&group, &rows.reshape(&[gs, ms, 1])], 2);
+        let (from, to) = (at(&src), at(&dst));
+        let out: Vec<Tensor> = kv
+            .iter()
+            .map(|t| {
+                let (_, view) = cache.group_view(t);
+                let moved = view.take_at(&from, &[0, 1]);
+                view.scatter_at(&to, &moved, &[0, 1]).reshape(t.dims())
+            })
+            .collect();
+        let outs: Vec<&Tensor> = out.iter().collect();
+        build(&g, &outs, &donate_cache_on(cache, 0, &[], kv.len()), &name)
+    }
+
+    /// [`SlotMoves::build`], compiled.
+    pub fn compile(client: &Client, cache: &CacheShape, moves: usize) -> Result<SlotMoves> {
+        let program = SlotMoves::build(cache, moves)?;
+        Ok(SlotMoves {
+            exe: compile(client, &program)?,
+            moves,
+            groups: cache.slot_groups(),
+        })
+    }
+
+    /// Applies `moves[g]`, slot group g's (source, destination) local rows (at most
+    /// [`SlotMoves::moves`] each; destinations distinct and not sources), on `devices`
+    /// with `cache[d]` device d's. A group's unused pairs move its first source (or row 0)
+    /// onto itself.
+    pub fn run_on(
+        &self,
+        client: &Client,
+        devices: &[usize],
+        cache: &mut Vec<Vec<Buffer>>,
+        moves: &[Vec<(usize, usize)>],
+    ) -> Result<()> {
+        assert_eq!(moves.len(), self.groups);
+        let mut src = Vec::with_capacity(self.groups * self.moves);
+        let mut dst = Vec::with_capacity(self.groups * self.moves);
+        for pairs in moves {
+            assert!(pairs.len() <= self.moves);
+            let idle = pairs.first().map_or(0, |&(from, _)| from);
+            for k in 0..self.moves {
+                let (from, to) = pairs.get(k).copied().unwrap_or((idle, idle));
+                src.push(from as i32);
+                dst.push(to as i32);
+            }
+        }
+        let what = "slot moves";
+        let m = [(self.groups * self.moves) as i64];
+        let sb = upload_on(client, devices, &src, &m, self.groups, what)?;
+        let db = upload_on(client, devices, &dst, &m, self.groups, what)?;
+        let inputs: Vec<Vec<&Buffer>> = (0..devices.len()).map(|d| vec![&sb[d], &db[d]]).collect();
+        let weights: Vec<&[Buffer]> = vec![&[]; devices.len()];
+        run_donating_on(&self.exe, &weights, cache, &inputs, 0, what)?;
+        Ok(())
+    }
+}
+
+/// `_rows8` for a decode step over the first 8 slots of each slot group, empty over all.
+fn rows_suffix(cache: &CacheShape, rows: usize) -> String {
+    if rows < cache.local_slots() {
+        format!("_rows{rows}")
+    } else {
+        String::new()
+    }
 }
 
 /// `_spmd4` for a program split over 4 devices (`_spmd4_tp2` with tensor parallelism over 2

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{generate, of_request, request, sampled};
+use common::{assert_identical, generate, of_request, request, sampled};
 use testkit::client;
 
 use model::forward::KvWrite;
@@ -608,4 +608,82 @@ fn smollm2_greedy_matches_step_by_step_generation() {
         host.tokenizer.decode(&greedy.response_ids, true).unwrap()
     );
     assert!(!greedy.text.is_empty());
+}
+
+/// Requests whose samples finish at different steps (3 to 30 new tokens) and outnumber the
+/// slots, so holes open below long-lived samples and waiting requests take them.
+fn staggered_requests() -> Vec<GenerationRequest> {
+    [3usize, 30, 5, 8, 13, 21, 4, 27, 9, 6]
+        .iter()
+        .cycle()
+        .take(20)
+        .enumerate()
+        .map(|(i, &len)| {
+            let id = i as u64 + 1;
+            let prompt: Vec<u32> = (0..2 + i % 5).map(|t| (7 * id as u32 + t as u32) % 32).collect();
+            request(id, &prompt, 4, 100 + id, sampled(1.0, 0, 1.0, len))
+        })
+        .collect()
+}
+
+#[test]
+fn compacting_live_samples_into_slot_buckets_keeps_every_token_and_log_prob() {
+    let weights = random_init(&ModelConfig::tiny_llama(), 9);
+    let requests = staggered_requests();
+    for dtype in [DType::F32, DType::BF16] {
+        let run = |compact: bool| {
+            let mut settings = EngineConfig::new(64, 64);
+            settings.compact_slots = compact;
+            let mut engine = engine_of(&weights, dtype, settings, None);
+            let samples = generate(&mut engine, &requests);
+            (samples, engine.stats().clone())
+        };
+        let (every_slot, full) = run(false);
+        let (bucketed, compacted) = run(true);
+        assert_identical(&bucketed, &every_slot, &format!("{dtype:?}"));
+        assert_eq!(full.moved_rows, 0);
+        assert_eq!(full.decode_rows, 64 * full.decode_steps);
+        assert_eq!(compacted.decode_steps, full.decode_steps);
+        assert_eq!(compacted.generated_tokens, full.generated_tokens);
+        assert!(compacted.moved_rows > 0, "{dtype:?}: {compacted:?}");
+        // Each step runs at most twice its live samples (or the smallest bucket kept, 16
+        // rows for this 64-wide model), not all 64 slots.
+        assert!(
+            compacted.decode_rows <= 2 * compacted.generated_tokens + 16 * compacted.decode_steps
+                && 3 * compacted.decode_rows < 2 * full.decode_rows,
+            "{dtype:?}: {compacted:?} against {full:?}",
+        );
+    }
+}
+
+/// SmolLM2 in bf16 (the quickstart's model and type): a GSM8K-like spread of response
+/// lengths gives bit-identical samples with and without slot buckets, and the buckets run
+/// fewer rows.
+#[test]
+fn smollm2_slot_buckets_keep_every_token_and_log_prob_bit() {
+    let host = model::programs::HostModel::load(&testkit::smollm2_gguf()).unwrap();
+    let prompt = host
+        .tokenizer
+        .encode("Natalia sold clips to 48 of her friends", false)
+        .unwrap();
+    let requests: Vec<GenerationRequest> = [4usize, 20, 7, 12]
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| request(i as u64 + 1, &prompt, 4, 40 + i as u64, sampled(1.0, 0, 1.0, len)))
+        .collect();
+    let run = |compact: bool| {
+        let mut settings = EngineConfig::new(32, 64);
+        settings.compact_slots = compact;
+        let mut engine = engine_of(&host.weights, DType::BF16, settings, None);
+        let samples = generate(&mut engine, &requests);
+        (samples, engine.stats().clone())
+    };
+    let (every_slot, full) = run(false);
+    let (bucketed, compacted) = run(true);
+    assert_identical(&bucketed, &every_slot, "SmolLM2 bf16");
+    assert!(compacted.moved_rows > 0, "{compacted:?}");
+    assert!(
+        2 * compacted.decode_rows < full.decode_rows,
+        "{compacted:?} against {full:?}"
+    );
 }

@@ -28,6 +28,17 @@
 //! version. A restarted sample draws the same keys, so it equals a fresh request on the new
 //! weights with the same seed.
 //!
+//! Slot buckets ([`EngineConfig::compact_slots`], on by default): decode steps are compiled
+//! for the first 8, 16, 32, ... slots of each slot group as well as for all of them, and each
+//! step runs the smallest that holds the live samples. Admission fills the lowest free slots
+//! (spreading a group's samples over the slot groups), and when finished samples leave holes
+//! that keep the live ones in a larger bucket than their count needs, the live samples above
+//! the smaller bucket are moved down into the holes: their cache rows are copied on the
+//! device ([`SlotMoves`]). A sample's keys name its request, sample and token, never its
+//! slot, and a row's arithmetic is the same in every bucket from 8 rows up, so a sample's
+//! tokens and log-probs do not depend on the bucket it ran in; a step's cost follows the
+//! samples still generating instead of `max_num_seqs`.
+//!
 //! Several devices: weights on devices `0..N` ([`EngineWeights`]) make an engine whose
 //! programs run SPMD over a mesh of those devices: data parallel over the slots, which are
 //! split into `N / tp` contiguous blocks (`max_num_seqs` must divide by that), and tensor
@@ -46,7 +57,7 @@ use xla::DType;
 
 use crate::error::{Result, RolloutError};
 use crate::plan::{DecodeKey, PrefillKey, ProgramPlan};
-use crate::programs::{DecodeInputs, DecodeSample, PrefillFanout};
+use crate::programs::{DecodeInputs, DecodeSample, PrefillFanout, SlotMoves, MOVES_PER_RUN};
 use crate::sampling::draw_key;
 use crate::weights::{check_layout, EngineWeights};
 
@@ -55,6 +66,9 @@ mod request;
 
 pub use handle::{EngineControl, EngineHandle};
 pub use request::{EngineConfig, EngineOutput, EngineStats, FinishReason, GenerationRequest, Sample};
+
+/// Decode steps of the probe that checks each slot bucket against the full step.
+const PROBE_STEPS: usize = 4;
 
 struct Pending {
     request: Arc<GenerationRequest>,
@@ -90,6 +104,8 @@ pub struct Engine {
     tokenizer: Option<ModelTokenizer>,
     prefill: HashMap<PrefillKey, PrefillFanout>,
     decode: HashMap<DecodeKey, DecodeSample>,
+    /// Compiled by [`Engine::precompile`] or on the first compaction.
+    moves: Option<SlotMoves>,
     waiting: VecDeque<Pending>,
     slots: Vec<Option<Active>>,
     stats: EngineStats,
@@ -180,15 +196,94 @@ impl Engine {
             tokenizer,
             prefill: HashMap::new(),
             decode: HashMap::new(),
+            moves: None,
             waiting: VecDeque::new(),
             stats: EngineStats::default(),
         };
         let all = DecodeKey {
             truncate: false,
             chunks: engine.plan.cache.chunks(),
+            rows: engine.plan.cache.local_slots(),
         };
         engine.ensure_decode(all)?;
+        engine.check_slot_buckets()?;
         Ok(engine)
+    }
+
+    /// Keeps the slot buckets whose decode step gives, row for row, the tokens and log-prob
+    /// bits of the step over every slot, and drops the others (see
+    /// [`crate::plan::MIN_SLOT_BUCKET`]). Each runs a probe of [`PROBE_STEPS`] steps: every
+    /// row a different token at positions 0, 1, ..., sampled at temperature 1 with its own
+    /// keys, attending to the keys and values its own earlier steps wrote. Only before the
+    /// first request: the probe writes the first positions of the rows it runs, which every
+    /// prefill rewrites.
+    fn check_slot_buckets(&mut self) -> Result<()> {
+        let full = self.plan.cache.local_slots();
+        let buckets: Vec<usize> = self
+            .plan
+            .slot_buckets()
+            .iter()
+            .copied()
+            .filter(|&b| b < full)
+            .collect();
+        if buckets.is_empty() {
+            return Ok(());
+        }
+        let groups = self.plan.cache.slot_groups();
+        let reference = self.probe(full)?;
+        for rows in buckets {
+            let got = self.probe(rows)?;
+            let same = got.iter().zip(&reference).all(|(got, reference)| {
+                (0..groups).all(|g| got[g * rows..(g + 1) * rows] == reference[g * full..g * full + rows])
+            });
+            if !same {
+                tracing::debug!(
+                    rows,
+                    "slot bucket dropped: its step's last bits differ from the full step's"
+                );
+                self.plan.drop_slot_bucket(rows);
+                self.decode.retain(|k, _| k.rows != rows);
+            }
+        }
+        Ok(())
+    }
+
+    /// The (token, log-prob bits) of every row of each step of [`Engine::check_slot_buckets`]'s
+    /// probe in the slot bucket of `rows` rows.
+    fn probe(&mut self, rows: usize) -> Result<Vec<Vec<(i32, u32)>>> {
+        let s = self.plan.cache.slot_groups() * rows;
+        let key = DecodeKey {
+            truncate: false,
+            chunks: self.plan.decode_chunks(PROBE_STEPS),
+            rows,
+        };
+        self.ensure_decode(key)?;
+        let vocab = self.config.vocab_size;
+        let mut tokens: Vec<i32> = (0..s).map(|i| ((i % rows * 7919 + 13) % vocab) as i32).collect();
+        let mut steps = Vec::new();
+        for step in 0..PROBE_STEPS {
+            let inputs = DecodeInputs {
+                tokens: tokens.clone(),
+                positions: vec![step as i32; s],
+                temperature: vec![1.0; s],
+                top_k: vec![0; s],
+                top_p: vec![1.0; s],
+                keys: (0..s)
+                    .flat_map(|i| draw_key(0x5eed, (i % rows) as u32, step as u32))
+                    .collect(),
+            };
+            let weights: Vec<&[Buffer]> = self.weights.per_device().iter().map(|r| &r[..]).collect();
+            let (next, logprobs) =
+                self.decode[&key].run_on(&self.client, &self.devices, &weights, &mut self.cache, &inputs)?;
+            steps.push(
+                next.iter()
+                    .copied()
+                    .zip(logprobs.iter().map(|l| l.to_bits()))
+                    .collect(),
+            );
+            tokens = next;
+        }
+        Ok(steps)
     }
 
     /// The KV-cache size in bytes (all devices together).
@@ -352,6 +447,7 @@ impl Engine {
             tracing::info!(
                 truncate = key.truncate,
                 chunks = key.chunks,
+                rows = key.rows,
                 "compiled a decode step in {:.2} s",
                 started.elapsed().as_secs_f64()
             );
@@ -371,6 +467,19 @@ impl Engine {
         for key in decodes {
             self.ensure_decode(key)?;
         }
+        self.ensure_moves()
+    }
+
+    /// Compiles the slot moves when the engine has more than one slot bucket.
+    fn ensure_moves(&mut self) -> Result<()> {
+        if self.moves.is_none() && self.plan.slot_buckets().len() > 1 {
+            let started = Instant::now();
+            self.moves = Some(SlotMoves::compile(&self.client, &self.plan.cache, MOVES_PER_RUN)?);
+            tracing::info!(
+                "compiled the slot moves in {:.2} s",
+                started.elapsed().as_secs_f64()
+            );
+        }
         Ok(())
     }
 
@@ -379,9 +488,7 @@ impl Engine {
     /// prefilled [`EngineConfig::prefill_batch`] at a time; the rest one at a time.
     fn admit(&mut self) -> Result<()> {
         loop {
-            let free: Vec<usize> = (0..self.slots.len())
-                .filter(|&s| self.slots[s].is_none())
-                .collect();
+            let free = self.free_slots();
             let Some(front) = self.waiting.front() else {
                 return Ok(());
             };
@@ -471,8 +578,88 @@ impl Engine {
         }
     }
 
+    /// The free slots in the order admission takes them: each next one the lowest free row of
+    /// the slot group with the fewest samples (live or taken before it), so samples spread
+    /// over the groups and stay in the lowest rows (the smallest slot buckets).
+    fn free_slots(&self) -> Vec<usize> {
+        let local = self.plan.cache.local_slots();
+        let groups = self.plan.cache.slot_groups();
+        let mut free: Vec<VecDeque<usize>> = (0..groups)
+            .map(|g| {
+                (g * local..(g + 1) * local)
+                    .filter(|&s| self.slots[s].is_none())
+                    .collect()
+            })
+            .collect();
+        let mut load: Vec<usize> = free.iter().map(|f| local - f.len()).collect();
+        let mut order = Vec::new();
+        while let Some(g) = (0..groups)
+            .filter(|&g| !free[g].is_empty())
+            .min_by_key(|&g| load[g])
+        {
+            order.push(free[g].pop_front().expect("checked non-empty"));
+            load[g] += 1;
+        }
+        order
+    }
+
+    /// Moves live samples down into free lower rows when that lets a smaller slot bucket hold
+    /// them (see the module comment); returns the bucket the next decode step runs.
+    fn compact(&mut self) -> Result<usize> {
+        let local = self.plan.cache.local_slots();
+        let groups = self.plan.cache.slot_groups();
+        let live = |g: usize| (g * local..(g + 1) * local).filter(|&s| self.slots[s].is_some());
+        let highest = (0..groups)
+            .filter_map(|g| live(g).next_back().map(|s| s - g * local + 1))
+            .max()
+            .unwrap_or(1);
+        let needed = self.plan.slot_bucket(highest);
+        let most = (0..groups).map(|g| live(g).count()).max().unwrap_or(1);
+        let target = self.plan.slot_bucket(most);
+        if target >= needed {
+            return Ok(needed);
+        }
+        // Per group: live rows at or above the target into free rows below it, lowest first.
+        let moves: Vec<Vec<(usize, usize)>> = (0..groups)
+            .map(|g| {
+                let row = |s: usize| s - g * local;
+                let movers = live(g).map(row).filter(|&r| r >= target);
+                let holes = (0..target).filter(|&r| self.slots[g * local + r].is_none());
+                movers.zip(holes).collect()
+            })
+            .collect();
+        self.ensure_moves()?;
+        let program = self.moves.as_ref().expect("compiled above");
+        let rounds = moves
+            .iter()
+            .map(Vec::len)
+            .max()
+            .unwrap_or(0)
+            .div_ceil(MOVES_PER_RUN);
+        for round in 0..rounds {
+            let part: Vec<Vec<(usize, usize)>> = moves
+                .iter()
+                .map(|m| {
+                    m.iter()
+                        .skip(round * MOVES_PER_RUN)
+                        .take(MOVES_PER_RUN)
+                        .copied()
+                        .collect()
+                })
+                .collect();
+            program.run_on(&self.client, &self.devices, &mut self.cache, &part)?;
+        }
+        for (g, pairs) in moves.iter().enumerate() {
+            for &(from, to) in pairs {
+                self.slots[g * local + to] = self.slots[g * local + from].take();
+                self.stats.moved_rows += 1;
+            }
+        }
+        Ok(target)
+    }
+
     /// One scheduling step: admits waiting requests into free slots (prefill + fan-out), runs
-    /// one decode step over all active slots, and returns the samples that finished.
+    /// one decode step over the active slots' bucket, and returns the samples that finished.
     pub fn step(&mut self) -> Result<Vec<Sample>> {
         let started = Instant::now();
         let result = self.step_inner();
@@ -482,10 +669,16 @@ impl Engine {
 
     fn step_inner(&mut self) -> Result<Vec<Sample>> {
         self.admit()?;
-        let s = self.settings.max_num_seqs;
         if self.slots.iter().all(|a| a.is_none()) {
             return Ok(Vec::new());
         }
+        let rows = self.compact()?;
+        // Row j of the step is row j % rows of slot group j / rows.
+        let local = self.plan.cache.local_slots();
+        let order: Vec<usize> = (0..self.plan.cache.slot_groups())
+            .flat_map(|g| g * local..g * local + rows)
+            .collect();
+        let s = order.len();
         let mut inputs = DecodeInputs {
             tokens: vec![0; s],
             positions: vec![-1; s],
@@ -496,8 +689,8 @@ impl Engine {
         };
         let mut truncate = false;
         let mut highest = 0;
-        for (i, a) in self.slots.iter().enumerate() {
-            if let Some(a) = a {
+        for (i, &slot) in order.iter().enumerate() {
+            if let Some(a) = &self.slots[slot] {
                 highest = highest.max(a.position);
                 let p = &a.request.params;
                 inputs.tokens[i] = a.next_token as i32;
@@ -514,6 +707,7 @@ impl Engine {
         let key = DecodeKey {
             truncate,
             chunks: self.plan.decode_chunks(highest),
+            rows,
         };
         self.ensure_decode(key)?;
         let program = &self.decode[&key];
@@ -523,12 +717,13 @@ impl Engine {
             program.run_on(&self.client, &self.devices, &weights, &mut self.cache, &inputs)?;
         self.stats.decode_time += started.elapsed();
         self.stats.decode_steps += 1;
+        self.stats.decode_rows += s;
         let mut finished = Vec::new();
-        for i in 0..s {
+        for (j, &i) in order.iter().enumerate() {
             let Some(a) = self.slots[i].as_mut() else { continue };
-            let token = next[i] as u32;
+            let token = next[j] as u32;
             a.response.push(token);
-            a.logprobs.push(logprobs[i]);
+            a.logprobs.push(logprobs[j]);
             self.stats.generated_tokens += 1;
             let p = &a.request.params;
             let mut text = None;

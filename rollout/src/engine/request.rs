@@ -40,6 +40,12 @@ pub struct EngineConfig {
     /// devices form `devices / tensor_parallel` slot groups. The weights must be laid out for
     /// it ([`crate::EngineWeights::tensor_parallel`]).
     pub tensor_parallel: usize,
+    /// Decode only the slots that hold live samples: the engine compacts them into the
+    /// lowest rows of each slot group (moving cache rows on the device) and runs the decode
+    /// step compiled for the smallest slot bucket holding them
+    /// ([`crate::plan::ProgramPlan::slot_buckets`]), so a step costs what the live samples
+    /// cost. A sample's tokens do not depend on the bucket. Off: every step runs every slot.
+    pub compact_slots: bool,
 }
 
 impl EngineConfig {
@@ -56,6 +62,7 @@ impl EngineConfig {
             sampler: SamplerKind::default(),
             kv_write: None,
             tensor_parallel: 1,
+            compact_slots: true,
         }
     }
 
@@ -179,4 +186,9 @@ pub struct EngineStats {
     pub generated_tokens: usize,
     /// Samples restarted by weight updates.
     pub restarted_samples: usize,
+    /// Slot rows the decode steps ran, padding rows included: `generated_tokens /
+    /// decode_rows` is the share of decode work that produced tokens.
+    pub decode_rows: usize,
+    /// Cache rows moved to compact live samples into a smaller slot bucket.
+    pub moved_rows: usize,
 }

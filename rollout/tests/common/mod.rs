@@ -42,3 +42,15 @@ pub fn generate(engine: &mut Engine, requests: &[GenerationRequest]) -> Vec<Samp
     all.sort_by_key(|s| (s.request_id, s.sample_index));
     all
 }
+
+/// Bit-for-bit equal tokens, finish reasons and log-probs, sample by sample.
+pub fn assert_identical(got: &[Sample], expected: &[Sample], what: &str) {
+    assert_eq!(got.len(), expected.len(), "{what}: sample count");
+    for (g, e) in got.iter().zip(expected) {
+        let at = format!("{what}: request {} sample {}", e.request_id, e.sample_index);
+        assert_eq!(g.response_ids, e.response_ids, "{at}: tokens");
+        assert_eq!(g.finish_reason, e.finish_reason, "{at}");
+        let bits = |s: &Sample| s.logprobs.iter().map(|l| l.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(g), bits(e), "{at}: log-prob bits");
+    }
+}

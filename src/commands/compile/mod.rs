@@ -30,7 +30,7 @@ use anyhow::Result;
 use clap::{ArgGroup, Args, ValueEnum};
 use model::{GgufFile, ModelConfig};
 use rollout::plan::{DecodeKey, PrefillKey, ProgramPlan};
-use rollout::programs::{DecodeSample, PrefillFanout};
+use rollout::programs::{DecodeSample, PrefillFanout, SlotMoves, MOVES_PER_RUN};
 use trainer::policy::DecoderPolicy;
 use trainer::step::build_train_programs;
 use xla::graph::Program;
@@ -96,10 +96,12 @@ pub struct CompileArgs {
     #[arg(long, value_name = "PATH")]
     pub model_config: Option<PathBuf>,
 
-    /// Compile only the programs whose name contains this text (repeatable), e.g.
-    /// `--only train_step`. The step-time estimate needs every program, so it is left out.
-    #[arg(long, value_name = "TEXT")]
-    pub only: Vec<String>,
+    /// Compile only the programs whose name matches this regular expression somewhere
+    /// (repeatable), e.g. `--only train_step`, or `--only 'attend4$'` for the decode step
+    /// without its slot buckets (`_rows8`, ...). The step-time estimate needs every program,
+    /// so it is left out.
+    #[arg(long, value_name = "REGEX", value_parser = parse_only)]
+    pub only: Vec<regex::Regex>,
 
     /// Compile only the programs one training step runs (worst case: the longest prompts,
     /// every response at data.max_response_length): leaves out shorter prefill buckets,
@@ -168,6 +170,11 @@ pub enum CompileError {
     Compile { program: String, message: String },
 }
 
+/// An `--only` pattern.
+fn parse_only(pattern: &str) -> Result<regex::Regex, String> {
+    regex::Regex::new(pattern).map_err(|e| format!("not a regular expression: {e}"))
+}
+
 /// Which half of a step a program belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Role {
@@ -218,7 +225,7 @@ pub fn run(args: CompileArgs) -> Result<ExitCode> {
         .collect();
     if rows.is_empty() {
         return Err(CompileError::NothingSelected {
-            filters: args.only.clone(),
+            filters: args.only.iter().map(|r| r.as_str().to_string()).collect(),
             names: plan
                 .rows
                 .iter()

@@ -177,32 +177,62 @@ pub(super) fn plan_rollout(
                 );
             }
         }
-        // Decode: every chunk count a sequence passes through; a step's runs are counted for
-        // the worst case (longest prompts, every response at max_response_length).
-        let waves = (groups * n).div_ceil(slots) as f64;
+        // Decode: every chunk count a sequence passes through, in the slot bucket that holds a
+        // wave of the step's samples; a step's runs are counted for the worst case (longest
+        // prompts, every response at max_response_length). The other buckets are listed at
+        // the largest chunk count, for their bytes (the tail of a step, when few samples are
+        // still generating, runs them).
+        let samples = groups * n;
+        let waves = samples.div_ceil(slots) as f64;
+        let step_rows = programs.slot_bucket(samples.clamp(1, slots).div_ceil(cache.slot_groups()));
         let mut runs: BTreeMap<usize, f64> = BTreeMap::new();
         for j in 0..recipe.data.max_response_length {
             *runs
                 .entry(programs.decode_chunks(prompt.saturating_sub(1) + j))
                 .or_default() += waves;
         }
-        for chunks in programs.decode_chunk_counts(0) {
-            let key = DecodeKey {
-                truncate: truncating,
-                chunks,
-            };
-            let program =
-                DecodeSample::build_step(config, weights, cache, key, settings.sampler).map_err(err)?;
-            let label = program.name().to_string();
-            let attended = (chunks * cache.chunk).min(cache.max_len);
-            plan.add(
-                Role::Rollout,
-                label,
-                program,
-                runs.get(&chunks).copied().unwrap_or(0.0),
-                format!("{what} decode: {slots} slots reading <= {attended} cached positions"),
-            );
+        let counts = programs.decode_chunk_counts(0);
+        let most = counts.last().copied().unwrap_or(1);
+        for &chunks in &counts {
+            for &rows in programs.slot_buckets() {
+                if rows != step_rows && chunks != most {
+                    continue;
+                }
+                let key = DecodeKey {
+                    truncate: truncating,
+                    chunks,
+                    rows,
+                };
+                let program =
+                    DecodeSample::build_step(config, weights, cache, key, settings.sampler).map_err(err)?;
+                let label = program.name().to_string();
+                let attended = (chunks * cache.chunk).min(cache.max_len);
+                let run_slots = rows * cache.slot_groups();
+                let (runs, bucket) = if rows == step_rows {
+                    (runs.get(&chunks).copied().unwrap_or(0.0), String::new())
+                } else {
+                    (0.0, " (slot bucket for a step's tail)".to_string())
+                };
+                plan.add(
+                    Role::Rollout,
+                    label,
+                    program,
+                    runs,
+                    format!("{what} decode: {run_slots} of {slots} slots reading <= {attended} cached positions{bucket}"),
+                );
+            }
         }
+    }
+    if programs.slot_buckets().len() > 1 {
+        let program = SlotMoves::build(cache, MOVES_PER_RUN).map_err(err)?;
+        let label = program.name().to_string();
+        plan.add(
+            Role::Rollout,
+            label,
+            program,
+            0.0,
+            format!("moves up to {MOVES_PER_RUN} live samples per slot group into a smaller slot bucket"),
+        );
     }
     Ok(())
 }

@@ -110,9 +110,9 @@ pub(super) fn table(target: &Target, measured: &[(PlannedRow, Measured)]) -> Str
     out
 }
 
-pub(super) fn selected(row: &PlannedRow, only: &[String], step_only: bool) -> bool {
+pub(super) fn selected(row: &PlannedRow, only: &[regex::Regex], step_only: bool) -> bool {
     (!step_only || row.runs_per_step > 0.0)
-        && (only.is_empty() || only.iter().any(|o| row.label.contains(o.as_str())))
+        && (only.is_empty() || only.iter().any(|o| o.is_match(&row.label)))
 }
 
 /// Collectives a training step runs on each device, by role and kind: each program's count and
