@@ -70,10 +70,16 @@ impl ProgramPlan {
         .for_weights(dtype);
         cache.write = settings.kv_write.unwrap_or(KvWrite::for_plugin(plugin));
         let local = cache.local_slots();
+        // A step that slices its rows out of the cache and writes them back (any write but a
+        // scatter on one slot group, `programs::decode_sample_program`) pays for that copy:
+        // measured on the CPU plugin and by libtpu's cost model, a bucket of half the slots
+        // is then slower than the full step, a quarter faster.
+        let in_place = cache.write == KvWrite::Scatter && cache.slot_groups() == 1;
+        let largest = if in_place { local - 1 } else { local / 4 };
         let mut slot_buckets = Vec::new();
         if settings.compact_slots {
             let mut rows = MIN_SLOT_BUCKET;
-            while rows < local {
+            while rows <= largest {
                 slot_buckets.push(rows);
                 rows *= 2;
             }
@@ -88,7 +94,8 @@ impl ProgramPlan {
     }
 
     /// The rows per slot group decode steps are compiled for, ascending: powers of two from
-    /// [`MIN_SLOT_BUCKET`], then every slot of a group (only that without
+    /// [`MIN_SLOT_BUCKET`] (up to a quarter of a group's slots when the step slices its rows
+    /// out of the cache), then every slot of a group (only that without
     /// [`EngineConfig::compact_slots`]).
     pub fn slot_buckets(&self) -> &[usize] {
         &self.slot_buckets
@@ -285,8 +292,10 @@ mod tests {
             [1, 8, 9, 64, 65, 100].map(|r| p.slot_bucket(r)),
             [8, 8, 16, 64, 100, 100]
         );
-        // Over 4 slot groups each holds 32 slots; a small engine has one bucket.
-        assert_eq!(compacting(128, 4).slot_buckets(), &[8, 16, 32]);
+        // Over 4 slot groups each holds 32 slots, and buckets that are sliced out of the
+        // cache stop at a quarter of them; a small engine has one bucket.
+        assert_eq!(compacting(128, 4).slot_buckets(), &[8, 32]);
+        assert_eq!(compacting(512, 4).slot_buckets(), &[8, 16, 32, 128]);
         assert_eq!(compacting(6, 1).slot_buckets(), &[6]);
         assert_eq!(plan(100, 64, 0, 1).slot_buckets(), &[100]);
         let (_, decodes) = compacting(16, 1).request_programs(10, 4, false);

@@ -379,8 +379,8 @@ fn tensor_parallel_configs() -> Vec<ModelConfig> {
 
 /// Weights of `weights` in `dtype` for an engine on devices `0..devices` with tensor-parallel
 /// size `tp`.
-/// Samples that finish at 3 to 30 new tokens, 80 of them for 64 slots: holes open under
-/// long-lived samples in every slot group.
+/// Samples that finish at 3 to 30 new tokens: holes open under long-lived samples in every
+/// slot group.
 fn staggered_requests() -> Vec<GenerationRequest> {
     [3usize, 30, 5, 8, 13, 21, 4, 27, 9, 6]
         .iter()
@@ -399,7 +399,7 @@ fn staggered_requests() -> Vec<GenerationRequest> {
 fn slot_buckets_compact_within_each_slot_group_and_keep_every_bit() {
     let weights = random_init(&ModelConfig::tiny_llama(), 23);
     let make = |devices: usize, tp: usize, compact: bool| {
-        let mut settings = EngineConfig::new(64, 64);
+        let mut settings = EngineConfig::new(128, 64);
         settings.tensor_parallel = tp;
         settings.compact_slots = compact;
         Engine::new(
@@ -413,7 +413,7 @@ fn slot_buckets_compact_within_each_slot_group_and_keep_every_bit() {
         .unwrap()
     };
     let requests = staggered_requests();
-    // 2 slot groups of 32 slots; 2 groups x tensor parallel 2. Split over 2 devices this
+    // 2 slot groups of 64 slots; 2 groups x tensor parallel 2. Split over 2 devices this
     // 64-wide model's products are 32 wide, where the CPU plugin's kernels for 8 and 16 rows
     // differ in the last bits from those for 32: the engine keeps no smaller bucket there
     // (`Engine::check_slot_buckets`) and must still give the same samples.
