@@ -944,17 +944,36 @@ pub struct SlotBucket {
 
 impl SlotBucket {
     /// `[groups, local, ...]`: cache tensor `t` with its slots split by block.
-    fn view(&self, t: &Tensor) -> Tensor {
+    pub fn view(&self, t: &Tensor) -> Tensor {
         let mut dims = vec![self.groups as i64, self.local as i64];
         dims.extend_from_slice(&t.dims()[1..]);
         t.reshape(&dims)
     }
 
-    /// The step's rows of cache tensor `t`, `[groups * rows, ...]`.
-    pub fn read(&self, t: &Tensor) -> Tensor {
+    /// The bucket's rows of cache tensor `t`, `[groups * rows, ...]`.
+    pub fn slice(&self, t: &Tensor) -> Tensor {
         let mut dims = t.dims().to_vec();
         dims[0] = (self.groups * self.rows) as i64;
-        let rows = self.view(t).slice_axis(1, 0, self.rows as i64).reshape(&dims);
+        self.view(t).slice_axis(1, 0, self.rows as i64).reshape(&dims)
+    }
+
+    /// Cache tensor `t` with the bucket's rows replaced by `rows` (shaped as
+    /// [`SlotBucket::slice`] gives them).
+    pub fn write_back(&self, t: &Tensor, rows: &Tensor) -> Tensor {
+        let view = self.view(t);
+        let mut dims = view.dims().to_vec();
+        dims[1] = self.rows as i64;
+        let zero = t.graph().scalar(0.0, DType::I32);
+        let at: Vec<&Tensor> = dims.iter().map(|_| &zero).collect();
+        view.dynamic_update_slice(&rows.reshape(&dims), &at)
+            .reshape(t.dims())
+    }
+
+    /// [`SlotBucket::slice`] as the step's attention reads it: behind an optimization barrier,
+    /// so the products read the rows as they read a whole cache, whatever the bucket, and
+    /// give each row the same bits.
+    fn read(&self, t: &Tensor) -> Tensor {
+        let rows = self.slice(t);
         t.graph().optimization_barrier(&[&rows]).remove(0)
     }
 }

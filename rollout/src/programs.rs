@@ -247,35 +247,13 @@ impl CacheShape {
             .collect()
     }
 
-    /// The first `rows` slots of each slot group of cache tensor `t` (`[slots, ...]`), as
-    /// `[groups * rows, ...]`: a slice of the `[groups, local slots, ...]` view, so that each
-    /// device keeps its own rows and no rows cross devices (for a step whose cache write
-    /// cannot run on a [`SlotBucket`] in place).
-    fn take_rows(&self, t: &Tensor, rows: usize) -> Tensor {
-        let (groups, view) = self.group_view(t);
-        let mut dims = t.dims().to_vec();
-        dims[0] = (groups * rows) as i64;
-        view.slice_axis(1, 0, rows as i64).reshape(&dims)
-    }
-
-    /// Cache tensor `t` with the first rows of each slot group replaced by `rows`
-    /// (`[groups * r, ...]`, as [`CacheShape::take_rows`] gives them).
-    fn put_rows(&self, t: &Tensor, rows: &Tensor) -> Tensor {
-        let (groups, view) = self.group_view(t);
-        let mut dims = view.dims().to_vec();
-        dims[1] = rows.dims()[0] / groups as i64;
-        let zero = t.graph().scalar(0.0, DType::I32);
-        let at: Vec<&Tensor> = dims.iter().map(|_| &zero).collect();
-        view.dynamic_update_slice(&rows.reshape(&dims), &at)
-            .reshape(t.dims())
-    }
-
-    /// `[groups, local slots, ...]`: cache tensor `t` with its slots split by slot group.
-    fn group_view(&self, t: &Tensor) -> (usize, Tensor) {
-        let groups = self.slot_groups();
-        let mut dims = vec![groups as i64, self.local_slots() as i64];
-        dims.extend_from_slice(&t.dims()[1..]);
-        (groups, t.reshape(&dims))
+    /// The first `rows` slots of each slot group, as a [`SlotBucket`] of this cache.
+    fn bucket(&self, rows: usize) -> SlotBucket {
+        SlotBucket {
+            groups: self.slot_groups(),
+            local: self.local_slots(),
+            rows,
+        }
     }
 
     /// Number of chunks per slot.
@@ -767,9 +745,9 @@ impl DecodeSample {
                 kv_write: cache.write,
                 ..DecodeOptions::default()
             };
-            DecodeSample::build_rows(config, dtype, cache, key.truncate, options, sampler, rows)
+            DecodeSample::build_with(config, dtype, cache, key.truncate, options, sampler, rows)
         } else {
-            DecodeSample::build_chunked_rows(config, dtype, cache, key.truncate, key.chunks, sampler, rows)
+            DecodeSample::build_chunked(config, dtype, cache, key.truncate, key.chunks, sampler, rows)
         }
     }
 
@@ -792,28 +770,9 @@ impl DecodeSample {
         })
     }
 
-    /// Traces the program of [`DecodeSample::compile_with`] without compiling it.
+    /// Traces the program of [`DecodeSample::compile_with`] for the first `rows` slots of each
+    /// slot group (all of them in [`DecodeSample::compile_with`]) without compiling it.
     pub fn build_with(
-        config: &ModelConfig,
-        dtype: DType,
-        cache: &CacheShape,
-        truncate: bool,
-        options: DecodeOptions,
-        sampler: SamplerKind,
-    ) -> Result<Program> {
-        DecodeSample::build_rows(
-            config,
-            dtype,
-            cache,
-            truncate,
-            options,
-            sampler,
-            cache.local_slots(),
-        )
-    }
-
-    /// [`DecodeSample::build_with`] for the first `rows` slots of each slot group.
-    fn build_rows(
         config: &ModelConfig,
         dtype: DType,
         cache: &CacheShape,
@@ -877,7 +836,8 @@ impl DecodeSample {
         options: DecodeOptions,
         sampler: SamplerKind,
     ) -> Result<DecodeSample> {
-        let program = DecodeSample::build_with(config, dtype, cache, truncate, options, sampler)?;
+        let rows = cache.local_slots();
+        let program = DecodeSample::build_with(config, dtype, cache, truncate, options, sampler, rows)?;
         Ok(DecodeSample {
             exe: compile(client, &program)?,
             slots: cache.slots,
@@ -889,21 +849,9 @@ impl DecodeSample {
 
     /// The step over a chunked cache reading and writing only its first `attend_chunks`
     /// chunks (see [`model::forward::decode_hidden_graph_chunked`]); the later chunks pass
-    /// through unchanged. Traces the program without compiling it.
+    /// through unchanged, for the first `rows` slots of each slot group. Traces the program
+    /// without compiling it.
     pub fn build_chunked(
-        config: &ModelConfig,
-        dtype: DType,
-        cache: &CacheShape,
-        truncate: bool,
-        attend_chunks: usize,
-        sampler: SamplerKind,
-    ) -> Result<Program> {
-        let rows = cache.local_slots();
-        DecodeSample::build_chunked_rows(config, dtype, cache, truncate, attend_chunks, sampler, rows)
-    }
-
-    /// [`DecodeSample::build_chunked`] for the first `rows` slots of each slot group.
-    fn build_chunked_rows(
         config: &ModelConfig,
         dtype: DType,
         cache: &CacheShape,
@@ -956,7 +904,9 @@ impl DecodeSample {
         attend_chunks: usize,
         sampler: SamplerKind,
     ) -> Result<DecodeSample> {
-        let program = DecodeSample::build_chunked(config, dtype, cache, truncate, attend_chunks, sampler)?;
+        let rows = cache.local_slots();
+        let program =
+            DecodeSample::build_chunked(config, dtype, cache, truncate, attend_chunks, sampler, rows)?;
         Ok(DecodeSample {
             exe: compile(client, &program)?,
             slots: cache.slots,
@@ -1062,18 +1012,14 @@ fn decode_sample_program(
     // take the bucket's code path, which keeps their bits equal). Over several groups the
     // partitioner gathers a bucket's scatter coordinates across devices, so there the rows
     // are sliced out and written back instead.
-    let bucket = (write == KvWrite::Scatter && cache.slot_groups() == 1).then_some(SlotBucket {
-        groups: cache.slot_groups(),
-        local: cache.local_slots(),
-        rows,
-    });
+    let bucket = (write == KvWrite::Scatter && cache.slot_groups() == 1).then(|| cache.bucket(rows));
     let slice = |i: usize| bucketed && bucket.is_none() && attended(i);
     let sliced: Vec<Tensor> = kv
         .iter()
         .enumerate()
         .map(|(i, t)| {
             if slice(i) {
-                cache.take_rows(t, rows)
+                cache.bucket(rows).slice(t)
             } else {
                 t.clone()
             }
@@ -1085,7 +1031,7 @@ fn decode_sample_program(
         .enumerate()
         .map(|(i, t)| {
             if slice(i) {
-                cache.put_rows(&kv[i], t)
+                cache.bucket(rows).write_back(&kv[i], t)
             } else {
                 t.clone()
             }
@@ -1148,7 +1094,7 @@ impl SlotMoves {
         let out: Vec<Tensor> = kv
             .iter()
             .map(|t| {
-                let (_, view) = cache.group_view(t);
+                let view = cache.bucket(cache.local_slots()).view(t);
                 let moved = view.take_at(&from, &[0, 1]);
                 view.scatter_at(&to, &moved, &[0, 1]).reshape(t.dims())
             })
@@ -1280,7 +1226,8 @@ mod tests {
         assert_eq!(prefill.arg_types()[params + 12].dims, vec![2, 8]);
         assert_eq!(prefill.donated_args(), (params..params + 12).collect::<Vec<_>>());
         let decode =
-            DecodeSample::build_chunked(&c, DType::BF16, &cache, false, 9, SamplerKind::default()).unwrap();
+            DecodeSample::build_chunked(&c, DType::BF16, &cache, false, 9, SamplerKind::default(), 4)
+                .unwrap();
         // 9 attended chunks clamp to the 3 there are.
         assert_eq!(decode.name(), "rollout_decode_plain_cache4x3x8_attend3");
         assert_eq!(decode.result_types().len(), 2 + 12);
@@ -1293,6 +1240,7 @@ mod tests {
             true,
             DecodeOptions::default(),
             SamplerKind::default(),
+            4,
         )
         .unwrap();
         assert_eq!(top.name(), "rollout_decode_topk_topp_cache4x20");
@@ -1303,6 +1251,7 @@ mod tests {
             false,
             DecodeOptions::default(),
             SamplerKind::default(),
+            4,
         )
         .err()
         .unwrap()

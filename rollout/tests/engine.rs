@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{assert_identical, generate, of_request, request, sampled};
+use common::{assert_identical, generate, of_request, request, sampled, staggered_requests};
 use testkit::client;
 
 use model::forward::KvWrite;
@@ -608,22 +608,6 @@ fn smollm2_greedy_matches_step_by_step_generation() {
         host.tokenizer.decode(&greedy.response_ids, true).unwrap()
     );
     assert!(!greedy.text.is_empty());
-}
-
-/// Requests whose samples finish at different steps (3 to 30 new tokens) and outnumber the
-/// slots, so holes open below long-lived samples and waiting requests take them.
-fn staggered_requests() -> Vec<GenerationRequest> {
-    [3usize, 30, 5, 8, 13, 21, 4, 27, 9, 6]
-        .iter()
-        .cycle()
-        .take(20)
-        .enumerate()
-        .map(|(i, &len)| {
-            let id = i as u64 + 1;
-            let prompt: Vec<u32> = (0..2 + i % 5).map(|t| (7 * id as u32 + t as u32) % 32).collect();
-            request(id, &prompt, 4, 100 + id, sampled(1.0, 0, 1.0, len))
-        })
-        .collect()
 }
 
 #[test]

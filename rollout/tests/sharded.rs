@@ -12,7 +12,7 @@
 
 mod common;
 
-use common::{assert_identical, generate, request, sampled};
+use common::{assert_identical, generate, request, sampled, staggered_requests};
 
 use std::sync::Arc;
 
@@ -377,24 +377,6 @@ fn tensor_parallel_configs() -> Vec<ModelConfig> {
     vec![llama, fixture("qwen2"), fixture("qwen3"), odd_heads]
 }
 
-/// Weights of `weights` in `dtype` for an engine on devices `0..devices` with tensor-parallel
-/// size `tp`.
-/// Samples that finish at 3 to 30 new tokens: holes open under long-lived samples in every
-/// slot group.
-fn staggered_requests() -> Vec<GenerationRequest> {
-    [3usize, 30, 5, 8, 13, 21, 4, 27, 9, 6]
-        .iter()
-        .cycle()
-        .take(20)
-        .enumerate()
-        .map(|(i, &len)| {
-            let id = i as u64 + 1;
-            let prompt: Vec<u32> = (0..2 + i % 5).map(|t| (7 * id as u32 + t as u32) % 32).collect();
-            request(id, &prompt, 4, 100 + id, sampled(1.0, 0, 1.0, len))
-        })
-        .collect()
-}
-
 #[test]
 fn slot_buckets_compact_within_each_slot_group_and_keep_every_bit() {
     let weights = random_init(&ModelConfig::tiny_llama(), 23);
@@ -434,6 +416,8 @@ fn slot_buckets_compact_within_each_slot_group_and_keep_every_bit() {
     }
 }
 
+/// Weights of `weights` in `dtype` for an engine on devices `0..devices` with tensor-parallel
+/// size `tp`.
 fn tensor_parallel(weights: &ModelWeights, dtype: DType, devices: usize, tp: usize) -> EngineWeights {
     let on: Vec<usize> = (0..devices).collect();
     upload_weights_on(client(), weights, dtype, &on, tp).unwrap()

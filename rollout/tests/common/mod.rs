@@ -54,3 +54,20 @@ pub fn assert_identical(got: &[Sample], expected: &[Sample], what: &str) {
         assert_eq!(bits(g), bits(e), "{at}: log-prob bits");
     }
 }
+
+/// 20 requests of 4 samples whose samples finish at different steps (3 to 30 new tokens, tiny
+/// vocabulary of 32), so holes open below long-lived samples in every slot group and waiting
+/// requests take them.
+pub fn staggered_requests() -> Vec<GenerationRequest> {
+    [3usize, 30, 5, 8, 13, 21, 4, 27, 9, 6]
+        .iter()
+        .cycle()
+        .take(20)
+        .enumerate()
+        .map(|(i, &len)| {
+            let id = i as u64 + 1;
+            let prompt: Vec<u32> = (0..2 + i % 5).map(|t| (7 * id as u32 + t as u32) % 32).collect();
+            request(id, &prompt, 4, 100 + id, sampled(1.0, 0, 1.0, len))
+        })
+        .collect()
+}
