@@ -64,20 +64,59 @@ fn read_pid(path: &Path, within: Duration) -> u32 {
     }
 }
 
-/// Whether something listens on TCP `port` (from /proc/net/tcp and tcp6).
+/// The socket inodes listening on TCP `port` (from /proc/net/tcp and tcp6).
+fn listeners(port: u16) -> Vec<String> {
+    let hex = format!(":{port:04X}");
+    ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .flat_map(|file| {
+            let table = std::fs::read_to_string(file).unwrap_or_default();
+            table
+                .lines()
+                .skip(1)
+                .filter_map(|line| {
+                    let fields: Vec<&str> = line.split_whitespace().collect();
+                    // local_address is field 1, state field 3 (0A = LISTEN), inode field 9.
+                    (fields.len() > 9 && fields[1].ends_with(&hex) && fields[3] == "0A")
+                        .then(|| fields[9].to_string())
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
 fn listening(port: u16) -> bool {
-    let hex = format!(":{port:04X} ");
-    ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|file| {
-        std::fs::read_to_string(file)
-            .unwrap_or_default()
-            .lines()
-            .skip(1)
-            .any(|line| {
-                let fields: Vec<&str> = line.split_whitespace().collect();
-                // local_address is field 1, state field 3 (0A = LISTEN).
-                fields.len() > 3 && format!("{} ", fields[1]).ends_with(&hex) && fields[3] == "0A"
+    !listeners(port).is_empty()
+}
+
+/// Every process id this user can see now.
+fn all_processes() -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse().ok())
+        .collect()
+}
+
+/// The processes holding a listener on `port` that already existed in `earlier`. A port the
+/// head freed may be taken at once by any other process on the machine (another test's
+/// ephemeral port); only a holder that lived while the head ran is a leak.
+fn old_holders(port: u16, earlier: &[u32]) -> Vec<u32> {
+    let sockets: Vec<String> = listeners(port).iter().map(|inode| format!("socket:[{inode}]")).collect();
+    if sockets.is_empty() {
+        return Vec::new();
+    }
+    earlier
+        .iter()
+        .copied()
+        .filter(|pid| {
+            std::fs::read_dir(format!("/proc/{pid}/fd")).is_ok_and(|fds| {
+                fds.filter_map(Result::ok).any(|fd| {
+                    std::fs::read_link(fd.path())
+                        .is_ok_and(|target| sockets.iter().any(|s| target.as_os_str() == s.as_str()))
+                })
             })
-    })
+        })
+        .collect()
 }
 
 #[test]
@@ -262,6 +301,11 @@ fn ray_jobs_run_stop_pend_and_leave_nothing_behind() {
 
     // Dropped during a panic: everything goes.
     eprintln!("(the panic below is deliberate: the head must go with a failing test)");
+    let alive_with_head = all_processes();
+    for port in [dashboard_port, gcs_port] {
+        // The holder lookup below sees the head's own listeners.
+        assert!(!old_holders(port, &alive_with_head).is_empty(), "no holder found for {port}");
+    }
     let started = Instant::now();
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
         let _head = head;
@@ -288,8 +332,10 @@ fn ray_jobs_run_stop_pend_and_leave_nothing_behind() {
         !common::process_alive(running_pid),
         "the running job's process survived"
     );
-    assert!(!listening(dashboard_port), "the dashboard port is still open");
-    assert!(!listening(gcs_port), "the GCS port is still open");
+    for (port, what) in [(dashboard_port, "dashboard"), (gcs_port, "GCS")] {
+        let holders = old_holders(port, &alive_with_head);
+        assert!(holders.is_empty(), "the {what} port {port} is still held by {holders:?}");
+    }
     assert!(!Path::new(&temp_dir).exists(), "the head's temp dir is left");
     let error = runtime.block_on(client.version()).unwrap_err();
     assert!(error.is_unreachable(), "{error}");
