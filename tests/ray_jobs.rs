@@ -101,7 +101,10 @@ fn all_processes() -> Vec<u32> {
 /// head freed may be taken at once by any other process on the machine (another test's
 /// ephemeral port); only a holder that lived while the head ran is a leak.
 fn old_holders(port: u16, earlier: &[u32]) -> Vec<u32> {
-    let sockets: Vec<String> = listeners(port).iter().map(|inode| format!("socket:[{inode}]")).collect();
+    let sockets: Vec<String> = listeners(port)
+        .iter()
+        .map(|inode| format!("socket:[{inode}]"))
+        .collect();
     if sockets.is_empty() {
         return Vec::new();
     }
@@ -304,7 +307,10 @@ fn ray_jobs_run_stop_pend_and_leave_nothing_behind() {
     let alive_with_head = all_processes();
     for port in [dashboard_port, gcs_port] {
         // The holder lookup below sees the head's own listeners.
-        assert!(!old_holders(port, &alive_with_head).is_empty(), "no holder found for {port}");
+        assert!(
+            !old_holders(port, &alive_with_head).is_empty(),
+            "no holder found for {port}"
+        );
     }
     let started = Instant::now();
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
@@ -334,7 +340,10 @@ fn ray_jobs_run_stop_pend_and_leave_nothing_behind() {
     );
     for (port, what) in [(dashboard_port, "dashboard"), (gcs_port, "GCS")] {
         let holders = old_holders(port, &alive_with_head);
-        assert!(holders.is_empty(), "the {what} port {port} is still held by {holders:?}");
+        assert!(
+            holders.is_empty(),
+            "the {what} port {port} is still held by {holders:?}"
+        );
     }
     assert!(!Path::new(&temp_dir).exists(), "the head's temp dir is left");
     let error = runtime.block_on(client.version()).unwrap_err();

@@ -26,8 +26,8 @@ fn a_tiny_run_trains_validates_checkpoints_and_resumes() {
         "{stderr}"
     );
     for key in [
-        "reward/mean",
-        "reward/std",
+        "critic/score/mean",
+        "critic/score/std",
         "response_length/mean",
         "actor/pg_loss",
         "actor/kl",
@@ -37,8 +37,19 @@ fn a_tiny_run_trains_validates_checkpoints_and_resumes() {
         "timing_s/gen",
         "timing_s/reward",
         "timing_s/update",
-        "timing_s/sync",
+        "timing_s/update_weights",
         "timing_s/step",
+        "timing_per_token_ms/gen",
+        "critic/score/max",
+        "critic/rewards/mean",
+        "critic/advantages/mean",
+        "critic/returns/min",
+        "prompt_length/clip_ratio",
+        "response_length/clip_ratio",
+        "perf/throughput",
+        "perf/total_num_tokens",
+        "training/global_step",
+        "training/epoch",
         "perf/gen_tokens_per_s",
         "perf/train_tokens_per_s",
         "weights/version_lag",
@@ -50,7 +61,8 @@ fn a_tiny_run_trains_validates_checkpoints_and_resumes() {
             m[&3]
         );
     }
-    assert!(m[&0]["val/accuracy"].is_number() && m[&2]["val/accuracy"].is_number());
+    assert!(m[&0][VAL_CORE].is_number() && m[&2][VAL_CORE].is_number());
+    assert_eq!(m[&3]["training/global_step"], 3.0);
     assert_eq!(m[&3]["weights/version"], 3.0);
     assert_eq!(m[&3]["weights/version_lag"], 0.0);
     assert!(out.join("checkpoints/step_2/manifest.json").is_file());
@@ -125,7 +137,7 @@ fn validation_in_shuffled_batches_scores_the_same_rows_alike() {
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let text = std::fs::read_to_string(out.join("validation/step_0.jsonl")).unwrap();
         let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-        (metrics(&out)[&0]["val/accuracy"].clone(), lines)
+        (metrics(&out)[&0][VAL_CORE].clone(), lines)
     };
     let (whole_accuracy, whole) = validation("whole", &[]);
     let (batched_accuracy, batched) = validation(
@@ -204,7 +216,7 @@ fn kill_9_then_run_again_resumes_with_the_same_prompts_and_metrics() {
     let (a, b) = (metrics(&whole), metrics(&broken));
     assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
     for key in [
-        "reward/mean",
+        "critic/score/mean",
         "response_length/mean",
         "actor/pg_loss",
         "actor/grad_norm",
@@ -344,4 +356,66 @@ fn rollout_and_reward_in_worker_processes_give_the_same_metrics_and_survive_kill
     for out in [&remote, &killed] {
         assert!(run_worker_pids(out, "rollout").is_empty() && run_worker_pids(out, "reward").is_empty());
     }
+}
+
+#[test]
+fn a_reward_file_written_for_verl_scores_the_run_and_its_extras_become_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, train, val) = tiny_inputs(dir.path(), 8, 4);
+    let reward_file = dir.path().join("my_reward.py");
+    std::fs::write(
+        &reward_file,
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):\n\
+         \x20   word = solution_str[:1].isalnum()\n\
+         \x20   assert data_source == 'grpo/arithmetic' and 'split' in extra_info\n\
+         \x20   return {'score': float(word) + bonus, 'acc': word, 'pred': solution_str[:1]}\n",
+    )
+    .unwrap();
+    let out = dir.path().join("out");
+    let recipe = tiny_recipe(dir.path(), "custom.yaml", &model, &train, &val, &out, 2, "");
+    let custom = format!(
+        "reward.custom_reward_function={{path: {}, reward_kwargs: {{bonus: 0.25}}, workers: 2}}",
+        reward_file.display()
+    );
+    let o = run_grpo(&[
+        "run",
+        recipe.to_str().unwrap(),
+        "--set",
+        "reward.data_sources={}",
+        "--set",
+        &custom,
+    ]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    let m = metrics(&out);
+    for step in [1, 2] {
+        assert_eq!(m[&step]["reward/errors"], 0.0, "{}", m[&step]);
+        let acc = m[&step]["reward/extra/acc"].as_f64().unwrap();
+        let score = m[&step]["critic/score/mean"].as_f64().unwrap();
+        assert!(
+            (score - (acc + 0.25)).abs() < 1e-12,
+            "score {score} = acc {acc} + bonus"
+        );
+    }
+    // Validation: the function's `acc` is the core variable, its predictions give maj@N only
+    // with N > 1 responses (one here).
+    let core = "val-core/grpo/arithmetic/acc/mean@1";
+    assert!(m[&0][core].is_number() && m[&2][core].is_number(), "{}", m[&0]);
+    assert!(m[&0]["val-aux/grpo/arithmetic/reward/mean@1"].is_number());
+
+    // A file that does not load stops the run before any work, naming the key.
+    let o = run_grpo(&[
+        "run",
+        recipe.to_str().unwrap(),
+        "--set",
+        "reward.data_sources={}",
+        "--set",
+        "reward.custom_reward_function={path: /nonexistent/reward.py}",
+    ]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        stderr.contains("reward.custom_reward_function.path") && stderr.contains("no such file"),
+        "{stderr}"
+    );
 }

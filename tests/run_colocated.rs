@@ -74,7 +74,7 @@ fn assert_trains_like(single: &Path, sharded: &Path, what: &str) {
         "{what}: steps"
     );
     let first = |m: &std::collections::BTreeMap<u64, serde_json::Value>, key: &str| metric_series(m, key)[0];
-    for key in ["reward/mean", "reward/std", "response_length/mean"] {
+    for key in ["critic/score/mean", "critic/score/std", "response_length/mean"] {
         assert_eq!(first(&ms, key), first(&mp, key), "{what}: step 1 {key}");
     }
     assert_eq!(
@@ -82,10 +82,7 @@ fn assert_trains_like(single: &Path, sharded: &Path, what: &str) {
         metric_series(&mp, "batch/samples"),
         "{what}: samples per step"
     );
-    assert_eq!(
-        ms[&0]["val/accuracy"], mp[&0]["val/accuracy"],
-        "{what}: val/accuracy"
-    );
+    assert_eq!(ms[&0][VAL_CORE], mp[&0][VAL_CORE], "{what}: {VAL_CORE}");
     for key in [
         "actor/pg_loss",
         "actor/grad_norm",

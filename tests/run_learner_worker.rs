@@ -49,8 +49,8 @@ fn lines(output: &Path, steps: &[u64]) -> Vec<String> {
 }
 
 const KEYS: [&str; 9] = [
-    "reward/mean",
-    "reward/std",
+    "critic/score/mean",
+    "critic/score/std",
     "response_length/mean",
     "actor/pg_loss",
     "actor/grad_norm",
@@ -86,14 +86,14 @@ fn a_learner_worker_trains_checkpoints_and_resumes_like_the_in_process_learner()
     let (a, b) = (metrics(&local), metrics(&remote));
     assert_eq!(a.keys().collect::<Vec<_>>(), vec![&0, &1, &2, &3]);
     let (rewards, pg_loss) = (
-        metric_series(&a, "reward/std"),
+        metric_series(&a, "critic/score/std"),
         metric_series(&a, "actor/pg_loss"),
     );
     assert!(
         rewards.iter().all(|s| *s > 0.0) && pg_loss.iter().all(|l| *l != 0.0),
         "the rewards should vary within a step and drive the update: {rewards:?} {pg_loss:?} {:?}; \
          responses: {}",
-        metric_series(&a, "reward/mean"),
+        metric_series(&a, "critic/score/mean"),
         std::fs::read_to_string(local.join("validation/step_0.jsonl")).unwrap_or_default()
     );
     assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
@@ -105,7 +105,7 @@ fn a_learner_worker_trains_checkpoints_and_resumes_like_the_in_process_learner()
         );
     }
     for step in [0, 2, 3] {
-        assert_eq!(a[&step]["val/accuracy"], b[&step]["val/accuracy"], "step {step}");
+        assert_eq!(a[&step][VAL_CORE], b[&step][VAL_CORE], "step {step}");
     }
     assert_eq!(prompts_seen(&local), prompts_seen(&remote));
     // The learner worker's weights stream on to the rollout worker from host memory: the
@@ -143,7 +143,7 @@ fn a_learner_worker_trains_checkpoints_and_resumes_like_the_in_process_learner()
             "{key}: in process vs resumed learner worker"
         );
     }
-    assert_eq!(a[&3]["val/accuracy"], c[&3]["val/accuracy"]);
+    assert_eq!(a[&3][VAL_CORE], c[&3][VAL_CORE]);
     assert!(step_3.is_dir(), "the resumed run saves step 3 again");
     for role in ["learner", "rollout", "reward"] {
         assert!(

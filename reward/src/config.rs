@@ -12,6 +12,8 @@
 //!       parts: [{scorer: gsm8k, weight: 0.9}, {scorer: think_format, weight: 0.1}]
 //!     judge: {kind: http, url: "http://127.0.0.1:8000/score", timeout_s: 10, max_in_flight: 8}
 //!   overlong_buffer: {enable: true, len: 512, penalty_factor: 1.0, log: true}
+//!   # or, instead of data_sources and default, a reward file written for VeRL:
+//!   # custom_reward_function: {path: my_reward.py, name: compute_score, reward_kwargs: {}}
 //!   num_workers: 8
 //!   time_limit_s: 30
 //! ```
@@ -29,6 +31,7 @@ use crate::arithmetic::ArithmeticScorer;
 use crate::combine::{WeightedPart, WeightedScorer};
 use crate::external::command::CommandScorer;
 use crate::external::http::HttpScorer;
+use crate::external::verl_function::{RewardManager, VerlFunctionScorer};
 use crate::format::{RegexFormatScorer, TagFormatScorer};
 use crate::gsm8k::{Gsm8kMethod, Gsm8kScorer};
 use crate::math::MathScorer;
@@ -96,6 +99,37 @@ pub struct RewardConfig {
     /// How many scoring errors are logged in full (all are counted).
     #[serde(default = "default_log_first_errors")]
     pub log_first_errors: usize,
+    /// VeRL's `custom_reward_function`: a Python file's function scores every sample.
+    #[serde(default)]
+    pub custom_reward_function: Option<CustomRewardFunction>,
+}
+
+/// `reward.custom_reward_function`: a reward file written for VeRL, run unchanged.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CustomRewardFunction {
+    /// The Python file (or `pkg://dotted.module`).
+    pub path: String,
+    /// The function in it.
+    #[serde(default = "default_function_name")]
+    pub name: String,
+    /// Keyword arguments passed to every call.
+    #[serde(default)]
+    pub reward_kwargs: BTreeMap<String, serde_json::Value>,
+    /// How it is called: `naive` (one response a call) or `batch` (lists), as VeRL's
+    /// `reward_model.reward_manager`.
+    #[serde(default)]
+    pub reward_manager: RewardManager,
+    /// Python processes calling it in parallel.
+    #[serde(default = "default_num_workers")]
+    pub workers: usize,
+    /// Time limit per call, seconds; a process over it is killed and replaced.
+    #[serde(default = "default_timeout_s")]
+    pub timeout_s: f64,
+}
+
+fn default_function_name() -> String {
+    "compute_score".into()
 }
 
 impl Default for RewardConfig {
@@ -108,6 +142,7 @@ impl Default for RewardConfig {
             num_workers: default_num_workers(),
             time_limit_s: default_time_limit_s(),
             log_first_errors: default_log_first_errors(),
+            custom_reward_function: None,
         }
     }
 }
@@ -277,8 +312,9 @@ impl RewardConfig {
         })
     }
 
-    /// Builds the reward function: VeRL's data-source table, then `data_sources`, `default` and
-    /// the overlong penalty. `max_response_length` is the run's `data.max_response_length`, used
+    /// Builds the reward function: VeRL's data-source table, then `data_sources`, `default`
+    /// (or instead of those three `custom_reward_function`, for every data source) and the
+    /// overlong penalty. `max_response_length` is the run's `data.max_response_length`, used
     /// by the penalty unless `overlong_buffer.max_response_length` is set. Each scorer is built
     /// once and shared (one child process per `command` scorer however many sources use it).
     pub fn build(&self, max_response_length: Option<usize>) -> Result<RewardFunction, ConfigError> {
@@ -287,29 +323,10 @@ impl RewardConfig {
             built: HashMap::new(),
             in_progress: Vec::new(),
         };
-        let mut reward = RewardFunction::new();
-        let mut data_sources: BTreeMap<String, (String, String)> = BTreeMap::new();
-        for (data_source, name) in VERL_DATA_SOURCES {
-            data_sources.insert(
-                data_source.to_string(),
-                (name.to_string(), "reward (built-in VeRL table)".to_string()),
-            );
-        }
-        for (data_source, name) in &self.data_sources {
-            data_sources.insert(
-                data_source.clone(),
-                (name.clone(), format!("reward.data_sources.{data_source}")),
-            );
-        }
-        for (data_source, (name, key)) in &data_sources {
-            reward = reward.with_data_source(data_source, builder.scorer(name, key)?);
-        }
-        for (prefix, name) in VERL_DATA_SOURCE_PREFIXES {
-            reward = reward.with_prefix(prefix, builder.scorer(name, "reward (built-in VeRL table)")?);
-        }
-        if let Some(name) = &self.default {
-            reward = reward.with_default(builder.scorer(name, "reward.default")?);
-        }
+        let mut reward = match &self.custom_reward_function {
+            Some(custom) => RewardFunction::new().with_default(self.custom_function(custom)?),
+            None => self.by_data_source(&mut builder)?,
+        };
         // Scorers defined but not referenced are still checked.
         for name in self.scorers.keys() {
             builder.scorer(name, &format!("reward.scorers.{name}"))?;
@@ -353,6 +370,64 @@ impl RewardConfig {
             reward = reward.with_overlong_penalty(penalty, overlong.log);
         }
         Ok(reward)
+    }
+
+    /// The scorers by data source: VeRL's table, then `data_sources`, then `default`.
+    fn by_data_source(&self, builder: &mut Builder<'_>) -> Result<RewardFunction, ConfigError> {
+        let mut reward = RewardFunction::new();
+        let mut data_sources: BTreeMap<String, (String, String)> = BTreeMap::new();
+        for (data_source, name) in VERL_DATA_SOURCES {
+            data_sources.insert(
+                data_source.to_string(),
+                (name.to_string(), "reward (built-in VeRL table)".to_string()),
+            );
+        }
+        for (data_source, name) in &self.data_sources {
+            data_sources.insert(
+                data_source.clone(),
+                (name.clone(), format!("reward.data_sources.{data_source}")),
+            );
+        }
+        for (data_source, (name, key)) in &data_sources {
+            reward = reward.with_data_source(data_source, builder.scorer(name, key)?);
+        }
+        for (prefix, name) in VERL_DATA_SOURCE_PREFIXES {
+            reward = reward.with_prefix(prefix, builder.scorer(name, "reward (built-in VeRL table)")?);
+        }
+        if let Some(name) = &self.default {
+            reward = reward.with_default(builder.scorer(name, "reward.default")?);
+        }
+        Ok(reward)
+    }
+
+    /// `custom_reward_function`, loaded once here to report a missing file, an import error or a
+    /// missing function before the run starts. It scores every data source, as in VeRL.
+    fn custom_function(&self, custom: &CustomRewardFunction) -> Result<Arc<dyn Scorer>, ConfigError> {
+        let key = |field: &str| format!("reward.custom_reward_function.{field}");
+        if !self.data_sources.is_empty() || self.default.is_some() {
+            return Err(invalid(
+                "reward.custom_reward_function",
+                "scores every data source (as VeRL's does), so `reward.data_sources` and \
+                 `reward.default` must stay empty with it; dispatch on `data_source` inside the \
+                 function instead",
+            ));
+        }
+        if custom.workers == 0 {
+            return Err(invalid(&key("workers"), "must be at least 1"));
+        }
+        let timeout = seconds(&key("timeout_s"), custom.timeout_s)?;
+        VerlFunctionScorer::check(&custom.path, &custom.name, custom.reward_manager)
+            .map_err(|message| invalid(&key("path"), &message))?;
+        let kwargs = serde_json::Value::Object(custom.reward_kwargs.clone().into_iter().collect());
+        Ok(Arc::new(VerlFunctionScorer::new(
+            "custom_reward_function",
+            &custom.path,
+            &custom.name,
+            &kwargs,
+            custom.reward_manager,
+            custom.workers,
+            timeout,
+        )))
     }
 }
 

@@ -170,8 +170,12 @@ impl Scorer for MathDapoScorer {
     }
 
     fn score(&self, sample: &Sample) -> Result<Score, ScoreError> {
-        let (value, _) = compute_score(&sample.response, &sample.ground_truth);
-        Ok(Score::new(value).with_extra("acc", if value > 0.0 { 1.0 } else { 0.0 }))
+        // VeRL's math_dapo reports its score, accuracy and prediction.
+        let (value, pred) = compute_score(&sample.response, &sample.ground_truth);
+        Ok(Score::new(value)
+            .with_extra("score", value)
+            .with_extra("acc", if value > 0.0 { 1.0 } else { 0.0 })
+            .with_pred(pred))
     }
 }
 

@@ -57,6 +57,8 @@ pub struct ScoredSample {
     pub score: f64,
     /// The scorer's named extras (empty when `error` is set).
     pub extras: BTreeMap<String, f64>,
+    /// The answer the scorer extracted, if it reports one.
+    pub pred: Option<String>,
     /// What went wrong, if anything.
     pub error: Option<String>,
 }
@@ -128,6 +130,7 @@ impl Shared {
                     id: sample_id,
                     score: score.value,
                     extras: score.extras,
+                    pred: score.pred,
                     error: None,
                 }
             }
@@ -155,6 +158,7 @@ impl Shared {
                     id: sample_id,
                     score: 0.0,
                     extras: BTreeMap::new(),
+                    pred: None,
                     error: Some(error.to_string()),
                 }
             }

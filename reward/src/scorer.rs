@@ -34,6 +34,9 @@ pub struct Score {
     /// Named extra values, averaged per name in the run's metrics.
     #[serde(default)]
     pub extras: BTreeMap<String, f64>,
+    /// The answer the scorer extracted (VeRL's `pred`), for validation's majority votes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pred: Option<String>,
 }
 
 impl Score {
@@ -42,7 +45,14 @@ impl Score {
         Self {
             value,
             extras: BTreeMap::new(),
+            pred: None,
         }
+    }
+
+    /// Sets the extracted answer (builder style).
+    pub fn with_pred(mut self, pred: impl Into<String>) -> Self {
+        self.pred = Some(pred.into());
+        self
     }
 
     /// Adds a named extra value (builder style).

@@ -24,7 +24,7 @@ def ours(path):
         "update": median([r["timing_s/update"] for r in later]),
         "other": median([r["timing_s/step"] - r["timing_s/gen"] - r["timing_s/reward"]
                          - r["timing_s/update"] for r in later]),
-        "reward_mean": statistics.mean(r["reward/mean"] for r in rows),
+        "reward_mean": statistics.mean(r.get("critic/score/mean", r.get("reward/mean")) for r in rows),
         "steps": len(rows),
     }
 

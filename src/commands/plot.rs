@@ -133,12 +133,12 @@ impl MetricsLog {
             .collect()
     }
 
-    /// The steps that carry training metrics (any key outside `val/`), in step order; a line
+    /// The steps that carry training metrics (any key outside validation's), in step order; a line
     /// holding only validation (such as the step-0 validation before training) is not one.
     pub fn training_steps(&self) -> Vec<u64> {
         self.steps
             .iter()
-            .filter(|s| s.values.keys().any(|k| !k.starts_with("val/")))
+            .filter(|s| s.values.keys().any(|k| !is_validation_key(k)))
             .map(|s| s.step)
             .collect()
     }
@@ -149,11 +149,22 @@ fn step_coordinate(step: u64) -> i64 {
     i64::try_from(step).unwrap_or(i64::MAX)
 }
 
+/// Metric names of files written before grpo took VeRL's names, and the names they read as.
+const RENAMED: &[(&str, &str)] = &[
+    ("reward/mean", "critic/score/mean"),
+    ("reward/std", "critic/score/std"),
+    ("reward/max", "critic/score/max"),
+    ("reward/min", "critic/score/min"),
+    ("timing_s/sync", "timing_s/update_weights"),
+    ("timing_s/validation", "timing_s/testing"),
+];
+
 /// Metric keys that the charts draw: a non-numeric value for one of these is a malformed line
-/// (other keys may hold anything and are ignored).
+/// (other keys may hold anything and are ignored). Validation's `val-core/.../mean@N` keys are
+/// charted too.
 const CHARTED_KEYS: &[&str] = &[
-    "reward/mean",
-    "reward/std",
+    "critic/score/mean",
+    "critic/score/std",
     "val/accuracy",
     "actor/kl",
     "actor/entropy",
@@ -233,13 +244,21 @@ pub fn parse_metrics(text: &str, path: &Path) -> Result<MetricsLog, PlotError> {
             if key == "step" {
                 continue;
             }
+            // Stored under today's name; errors name the key as the file has it.
+            let (written, key) = (
+                key,
+                &RENAMED
+                    .iter()
+                    .find(|(old, _)| old == key)
+                    .map_or_else(|| key.clone(), |(_, new)| new.to_string()),
+            );
             let number = match value {
                 serde_json::Value::Number(number) => number.as_f64().filter(|v| v.is_finite()),
                 serde_json::Value::Null => None,
                 serde_json::Value::String(text) if is_non_finite_word(text) => None,
-                other if CHARTED_KEYS.contains(&key.as_str()) => {
+                other if CHARTED_KEYS.contains(&key.as_str()) || is_validation_mean(key) => {
                     return Err(malformed(format!(
-                        "`{key}` must be a number or null, found {other}"
+                        "`{written}` must be a number or null, found {other}"
                     )))
                 }
                 _ => continue,
@@ -332,13 +351,31 @@ fn replace_bare_non_finite(line: &str) -> Option<String> {
     replaced.then_some(out)
 }
 
+/// Whether `key` is a validation metric (`val/`, VeRL's `val-core/` and `val-aux/`).
+fn is_validation_key(key: &str) -> bool {
+    ["val/", "val-core/", "val-aux/"]
+        .iter()
+        .any(|p| key.starts_with(p))
+}
+
+/// Whether `key` is a validation core mean (`val-core/{data_source}/{var}/mean@N`).
+fn is_validation_mean(key: &str) -> bool {
+    key.strip_prefix("val-core/")
+        .and_then(|rest| rest.rsplit_once('/'))
+        .is_some_and(|(_, metric)| {
+            metric
+                .strip_prefix("mean@")
+                .is_some_and(|n| n.parse::<u32>().is_ok())
+        })
+}
+
 /// One line of a chart.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct ChartLine {
     /// The metric key in metrics.jsonl.
-    pub key: &'static str,
+    pub key: String,
     /// The legend label.
-    pub label: &'static str,
+    pub label: String,
     /// The line colour.
     pub color: RGBColor,
 }
@@ -367,23 +404,65 @@ const RED_LINE: RGBColor = RGBColor(214, 39, 40);
 const PURPLE_LINE: RGBColor = RGBColor(148, 103, 189);
 const BROWN_LINE: RGBColor = RGBColor(140, 86, 75);
 
-/// The six charts `grpo plot` draws, in overview order.
-pub fn chart_specs() -> Vec<ChartSpec> {
-    let single = |key, label, color| ChartLine { key, label, color };
+/// The six charts `grpo plot` draws for `log`, in overview order. Validation has a line per
+/// data source's core mean (`val-core/{data_source}/{var}/mean@N`), or `val/accuracy` in
+/// files from before VeRL's names.
+pub fn chart_specs(log: &MetricsLog) -> Vec<ChartSpec> {
+    let single = |key: &str, label: &str, color| ChartLine {
+        key: key.to_string(),
+        label: label.to_string(),
+        color,
+    };
+    let palette = [
+        GREEN_LINE,
+        BLUE_LINE,
+        ORANGE_LINE,
+        RED_LINE,
+        PURPLE_LINE,
+        BROWN_LINE,
+    ];
+    let mut validation: Vec<String> = log
+        .steps
+        .iter()
+        .flat_map(|s| s.values.keys())
+        .filter(|k| is_validation_mean(k))
+        .cloned()
+        .collect();
+    validation.sort();
+    validation.dedup();
+    let mut validation_lines: Vec<ChartLine> = validation
+        .iter()
+        .zip(palette.iter().cycle())
+        .map(|(key, &color)| {
+            // `{data_source}/{var}/{metric}`: the data source may hold slashes, the rest not.
+            let mut parts = key.trim_start_matches("val-core/").rsplitn(3, '/');
+            let (metric, var, source) = (parts.next(), parts.next(), parts.next());
+            let label = format!(
+                "{} {} {}",
+                source.unwrap_or(""),
+                var.unwrap_or(""),
+                metric.unwrap_or("")
+            );
+            single(key, &label, color)
+        })
+        .collect();
+    if validation_lines.is_empty() {
+        validation_lines.push(single("val/accuracy", "accuracy", GREEN_LINE));
+    }
     vec![
         ChartSpec {
             file_name: "reward.png",
             title: "Reward (mean ± std over samples)",
             y_label: "reward",
-            lines: vec![single("reward/mean", "mean", BLUE_LINE)],
-            band: Some(("reward/mean", "reward/std")),
+            lines: vec![single("critic/score/mean", "mean", BLUE_LINE)],
+            band: Some(("critic/score/mean", "critic/score/std")),
             unit_interval: false,
         },
         ChartSpec {
             file_name: "val_accuracy.png",
             title: "Validation accuracy",
             y_label: "accuracy",
-            lines: vec![single("val/accuracy", "accuracy", GREEN_LINE)],
+            lines: validation_lines,
             band: None,
             unit_interval: true,
         },
@@ -520,7 +599,7 @@ fn draw_chart(
     steps: (i64, i64),
 ) -> Result<(), String> {
     let fonts = FontSizes::for_height(area.dim_in_pixel().1);
-    let series: Vec<Vec<(i64, f64)>> = spec.lines.iter().map(|l| log.series(l.key)).collect();
+    let series: Vec<Vec<(i64, f64)>> = spec.lines.iter().map(|l| log.series(&l.key)).collect();
     let band: Vec<(i64, f64, f64)> = match spec.band {
         Some((mean_key, std_key)) => {
             let stds: BTreeMap<i64, f64> = log.series(std_key).into_iter().collect();
@@ -626,7 +705,7 @@ fn draw_chart(
         chart
             .draw_series(LineSeries::new(points.iter().copied(), color.stroke_width(2)))
             .map_err(|e| e.to_string())?
-            .label(line.label)
+            .label(line.label.as_str())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 22, y)], color.stroke_width(2)));
         if points.len() <= 40 {
             chart
@@ -773,7 +852,7 @@ pub fn write_plots(log: &MetricsLog, directory: &Path, title: &str) -> Result<Ve
         path: directory.to_path_buf(),
         cause,
     })?;
-    let specs = chart_specs();
+    let specs = chart_specs(log);
     let mut written = Vec::with_capacity(specs.len() + 1);
     for spec in &specs {
         let path = directory.join(spec.file_name);
@@ -792,7 +871,7 @@ fn mean_of(values: &[f64]) -> Option<f64> {
 }
 
 /// The one-line summary: training steps, mean reward of the first and last 5 steps with reward,
-/// and the first and last validation accuracy when there is any.
+/// and the first and last value of each validation line when there is any.
 pub fn summary_line(log: &MetricsLog) -> String {
     let steps = log.training_steps();
     let mut text = match (steps.first(), steps.last()) {
@@ -803,7 +882,7 @@ pub fn summary_line(log: &MetricsLog) -> String {
         ),
         _ => "0 training steps".to_string(),
     };
-    let rewards: Vec<f64> = log.series("reward/mean").into_iter().map(|p| p.1).collect();
+    let rewards: Vec<f64> = log.series("critic/score/mean").into_iter().map(|p| p.1).collect();
     let window = rewards.len().min(5);
     match (
         mean_of(&rewards[..window]),
@@ -813,14 +892,21 @@ pub fn summary_line(log: &MetricsLog) -> String {
             "; mean reward first {window}: {first:.3}, last {window}: {last:.3} ({:+.3})",
             last - first
         )),
-        _ => text.push_str("; no reward/mean values yet"),
+        _ => text.push_str("; no critic/score/mean values yet"),
     }
-    let accuracy = log.series("val/accuracy");
-    if let (Some(first), Some(last)) = (accuracy.first(), accuracy.last()) {
-        text.push_str(&format!(
-            "; validation accuracy {:.3} (step {}) -> {:.3} (step {})",
-            first.1, first.0, last.1, last.0
-        ));
+    for line in &chart_specs(log)[1].lines {
+        let points = log.series(&line.key);
+        if let (Some(first), Some(last)) = (points.first(), points.last()) {
+            let what = if line.key == "val/accuracy" {
+                "accuracy"
+            } else {
+                &line.label
+            };
+            text.push_str(&format!(
+                "; validation {what} {:.3} (step {}) -> {:.3} (step {})",
+                first.1, first.0, last.1, last.0
+            ));
+        }
     }
     text
 }
@@ -949,7 +1035,7 @@ mod tests {
         .expect("valid metrics");
         assert!(!log.partial_last_line);
         assert_eq!(log.steps.iter().map(|s| s.step).collect::<Vec<_>>(), [0, 1, 2, 3]);
-        assert_eq!(log.series("reward/mean"), [(1, 0.5), (3, 0.75)]);
+        assert_eq!(log.series("critic/score/mean"), [(1, 0.5), (3, 0.75)]);
         assert_eq!(log.series("actor/kl"), [(2, 0.01)]);
         assert_eq!(log.series("val/accuracy"), [(0, 0.25)]);
         assert!(log.series("actor/lr").is_empty());
@@ -972,7 +1058,7 @@ mod tests {
         )
         .expect("valid metrics");
         // The resumed run went back to step 2 twice: only its lines count from there on.
-        assert_eq!(log.series("reward/mean"), [(1, 0.1), (2, 0.22)]);
+        assert_eq!(log.series("critic/score/mean"), [(1, 0.1), (2, 0.22)]);
         assert_eq!(log.series("val/accuracy"), [(2, 0.5)]);
         assert!(log.series("actor/kl").is_empty());
 
@@ -982,7 +1068,7 @@ mod tests {
         )
         .expect("valid metrics");
         assert_eq!(merged.steps.len(), 1);
-        assert_eq!(merged.series("reward/mean"), [(5, 0.5)]);
+        assert_eq!(merged.series("critic/score/mean"), [(5, 0.5)]);
         assert_eq!(merged.series("actor/kl"), [(5, 0.2)]);
         assert_eq!(merged.series("val/accuracy"), [(5, 0.9)]);
     }
@@ -992,7 +1078,7 @@ mod tests {
         let log = parse("{\"step\": 1, \"reward/mean\": 0.5}\n{\"step\": 2, \"rew")
             .expect("partial last line is tolerated");
         assert!(log.partial_last_line);
-        assert_eq!(log.series("reward/mean"), [(1, 0.5)]);
+        assert_eq!(log.series("critic/score/mean"), [(1, 0.5)]);
 
         let error =
             parse("{\"step\": 1, \"reward/mean\": 0.5}\n{\"step\": 2, \"rew{\"step\": 2}\n{\"step\": 3}\n")
@@ -1099,7 +1185,7 @@ mod tests {
     #[test]
     fn renders_a_reward_chart_with_text_band_and_line() {
         let log = rising_log(12);
-        let spec = &chart_specs()[0];
+        let spec = &chart_specs(&log)[0];
         let (width, height, pixels) =
             decode(&render_chart_png(spec, &log, CHART_SIZE).expect("chart renders"));
         assert_eq!((width, height), CHART_SIZE);
@@ -1132,7 +1218,7 @@ mod tests {
     #[test]
     fn a_chart_without_values_says_so_instead_of_failing() {
         let log = parse("{\"step\": 1, \"reward/mean\": 0.5}\n").unwrap();
-        let spec = &chart_specs()[1];
+        let spec = &chart_specs(&log)[1];
         let (width, height, pixels) =
             decode(&render_chart_png(spec, &log, (400, 300)).expect("chart renders"));
         assert_eq!((width, height), (400, 300));
@@ -1145,7 +1231,7 @@ mod tests {
     #[test]
     fn renders_the_overview_with_every_panel() {
         let log = rising_log(8);
-        let specs = chart_specs();
+        let specs = chart_specs(&log);
         let (width, height, pixels) = decode(
             &render_overview_png(&specs, &log, "grpo run test: 8 training steps", (900, 540))
                 .expect("overview renders"),
@@ -1197,5 +1283,46 @@ mod tests {
             "12 training steps (steps 1..12); mean reward first 5: 0.250, last 5: 0.600 \
              (+0.350); validation accuracy 0.200 (step 0) -> 0.500 (step 12)"
         );
+    }
+
+    #[test]
+    fn verl_named_files_chart_each_data_sources_validation_and_old_files_read_as_new() {
+        let log = parse(
+            "{\"step\": 0, \"val-core/openai/gsm8k/acc/mean@4\": 0.25, \"val-aux/openai/gsm8k/acc/std@4\": 0.1, \
+             \"val-core/lighteval/MATH/reward/mean@4\": 0.5}\n\
+             {\"step\": 1, \"critic/score/mean\": 0.4, \"critic/score/std\": 0.1, \"timing_s/update_weights\": 2}\n\
+             {\"step\": 2, \"reward/mean\": 0.6, \"reward/std\": 0.1, \"timing_s/sync\": 3, \
+             \"val-core/openai/gsm8k/acc/mean@4\": 0.75, \"val-core/lighteval/MATH/reward/mean@4\": 0.625}\n",
+        )
+        .unwrap();
+        assert_eq!(log.training_steps(), [1, 2]);
+        assert_eq!(log.series("critic/score/mean"), [(1, 0.4), (2, 0.6)]);
+        assert_eq!(log.series("timing_s/update_weights"), [(1, 2.0), (2, 3.0)]);
+        let specs = chart_specs(&log);
+        let lines: Vec<(&str, &str)> = specs[1]
+            .lines
+            .iter()
+            .map(|l| (l.key.as_str(), l.label.as_str()))
+            .collect();
+        assert_eq!(
+            lines,
+            [
+                (
+                    "val-core/lighteval/MATH/reward/mean@4",
+                    "lighteval/MATH reward mean@4"
+                ),
+                ("val-core/openai/gsm8k/acc/mean@4", "openai/gsm8k acc mean@4"),
+            ]
+        );
+        assert_eq!(
+            summary_line(&log),
+            "2 training steps (steps 1..2); mean reward first 2: 0.500, last 2: 0.500 (+0.000); \
+             validation lighteval/MATH reward mean@4 0.500 (step 0) -> 0.625 (step 2); \
+             validation openai/gsm8k acc mean@4 0.250 (step 0) -> 0.750 (step 2)"
+        );
+        let (width, height, pixels) =
+            decode(&render_chart_png(&specs[1], &log, CHART_SIZE).expect("chart renders"));
+        assert_eq!((width, height), CHART_SIZE);
+        assert!(count_color(&pixels, GREEN_LINE) > 50 && count_color(&pixels, BLUE_LINE) > 50);
     }
 }

@@ -3,6 +3,8 @@
 //! the real assets `scripts/setup.sh` and `scripts/test.sh` fetch (a missing asset fails the
 //! test, saying how to fetch it). `xla`'s own tests keep theirs: this crate depends on `xla`.
 
+pub mod trackers;
+
 use model::ModelConfig;
 use std::collections::BTreeMap;
 use std::path::PathBuf;

@@ -352,6 +352,7 @@ impl GrpoUpdate {
             &groups,
             self.config.norm_adv_by_std_in_grpo,
         )?;
+        add_critic_metrics(m, &seq, &adv, rows);
         let mut loss_mask = response_mask;
         if self.config.mask_truncated_responses {
             let truncated: Vec<bool> = rows.iter().map(|x| x.truncated).collect();
@@ -509,6 +510,38 @@ fn pairs<'a>(rows: &[&'a Row]) -> Vec<(&'a [u32], &'a [u32])> {
     rows.iter()
         .map(|x| (x.prompt.as_slice(), x.response.as_slice()))
         .collect()
+}
+
+/// VeRL's `critic/*` metrics of a batch: each sequence's reward (its score, less the KL
+/// penalty when that is in the reward) and the advantages over the response tokens. With these
+/// outcome estimators VeRL's returns are the advantages, and it logs both.
+fn add_critic_metrics(m: &mut BTreeMap<String, f64>, rewards: &[f64], advantages: &[f64], rows: &[&Row]) {
+    let mut put = |name: &str, values: &mut dyn Iterator<Item = (f64, f64)>| {
+        let (mut sum, mut weight) = (0.0, 0.0);
+        let (mut max, mut min) = (f64::NEG_INFINITY, f64::INFINITY);
+        for (v, w) in values {
+            sum += v * w;
+            weight += w;
+            max = max.max(v);
+            min = min.min(v);
+        }
+        if weight > 0.0 {
+            m.insert(format!("critic/{name}/mean"), sum / weight);
+            m.insert(format!("critic/{name}/max"), max);
+            m.insert(format!("critic/{name}/min"), min);
+        }
+    };
+    put("rewards", &mut rewards.iter().map(|&r| (r, 1.0)));
+    // Each response token carries its row's advantage.
+    let per_token = || {
+        advantages
+            .iter()
+            .zip(rows)
+            .filter(|(_, x)| !x.response.is_empty())
+            .map(|(&a, x)| (a, x.response.len() as f64))
+    };
+    put("advantages", &mut per_token());
+    put("returns", &mut per_token());
 }
 
 #[cfg(test)]

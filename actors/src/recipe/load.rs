@@ -565,6 +565,32 @@ mod tests {
     }
 
     #[test]
+    fn trainer_logger_takes_a_name_or_a_list_as_verl_does() {
+        use tracking::Logger;
+        let r = load_recipe_str(MINIMAL, "r.yaml").unwrap();
+        assert_eq!(r.trainer.logger, [Logger::Console, Logger::File]);
+        let r = load_recipe_str(&format!("{MINIMAL}trainer:\n  logger: wandb\n"), "r.yaml").unwrap();
+        assert_eq!(r.trainer.logger, [Logger::Wandb]);
+        let r = load_recipe_str(
+            &format!("{MINIMAL}trainer:\n  logger: [console, tensorboard, mlflow]\n"),
+            "r.yaml",
+        )
+        .unwrap();
+        assert_eq!(
+            r.trainer.logger,
+            [Logger::Console, Logger::Tensorboard, Logger::Mlflow]
+        );
+        let m = err(&format!("{MINIMAL}trainer:\n  logger: [console, wandbb]\n"));
+        assert!(
+            m.starts_with("r.yaml:6:")
+                && m.contains(
+                    "unknown logger `wandbb`; the loggers are console, file, tensorboard, mlflow and wandb"
+                ),
+            "{m}"
+        );
+    }
+
+    #[test]
     fn unknown_section_is_named() {
         let m = err(&format!("{MINIMAL}rolout:\n  n: 8\n"));
         assert_eq!(m, "r.yaml:5:1: unknown key `rolout`; did you mean `rollout`?");

@@ -314,6 +314,18 @@ impl Recipe {
         self.cluster.rollout_workers == 0 && self.cluster.learner_workers == 0
     }
 
+    /// The devices a run computes on (VeRL's `n_gpus` in `perf/throughput`): the learner's
+    /// (its mesh, or 1), and the rollout workers' beside them when the rollout does not share the
+    /// learner's devices.
+    pub fn devices_in_use(&self) -> usize {
+        let learner = self.actor.parallelism(&self.cluster).mesh.unwrap_or(1).max(1);
+        if self.rollout_colocated() {
+            learner
+        } else {
+            learner + self.cluster.rollout_workers * self.rollout_devices()
+        }
+    }
+
     /// Devices one rollout engine runs on: the learner's mesh when the rollout is colocated
     /// with a learner split over several devices (`dp`, `fsdp`; the engine splits its
     /// KV-cache slots over the slot groups and the model over the tensor-parallel devices),
@@ -425,6 +437,50 @@ pub struct TrainerSection {
     /// Seed of sampling, initialisation and everything else random.
     #[serde(default)]
     pub seed: u64,
+    /// Where each step's metrics go (VeRL's names): `console`, `file`, `tensorboard`, `mlflow`,
+    /// `wandb`; one name or a list.
+    #[serde(default = "default_loggers", deserialize_with = "one_or_more_loggers")]
+    pub logger: Vec<tracking::Logger>,
+    /// The project in the trackers (MLflow's experiment, wandb's project).
+    #[serde(default = "default_project_name")]
+    pub project_name: String,
+    /// The run's name in the trackers; null: the output directory's name.
+    #[serde(default)]
+    pub experiment_name: Option<String>,
+}
+
+fn default_loggers() -> Vec<tracking::Logger> {
+    vec![tracking::Logger::Console, tracking::Logger::File]
+}
+
+fn default_project_name() -> String {
+    "grpo".into()
+}
+
+/// `trainer.logger: console` or `trainer.logger: [console, wandb]`, as VeRL takes both.
+fn one_or_more_loggers<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<tracking::Logger>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMore {
+        One(String),
+        More(Vec<String>),
+    }
+    let names = match OneOrMore::deserialize(d)
+        .map_err(|_| serde::de::Error::custom("expected a logger name or a list of them"))?
+    {
+        OneOrMore::One(name) => vec![name],
+        OneOrMore::More(names) => names,
+    };
+    names
+        .iter()
+        .map(|name| {
+            serde_yaml::from_value(serde_yaml::Value::String(name.clone())).map_err(|_| {
+                serde::de::Error::custom(format!(
+                    "unknown logger `{name}`; the loggers are console, file, tensorboard, mlflow and wandb"
+                ))
+            })
+        })
+        .collect()
 }
 
 /// `trainer.resume_mode`.
@@ -845,7 +901,8 @@ impl Recipe {
         // Optional sections are filled in so that their keys are listed too.
         let example = load_recipe_str(
             "model: {path: m}\ndata: {train_files: t.parquet}\ncluster: {tls: {cert: c, key: k, ca: a}, \
-             ray: {address: a}, pools: [{name: p, roles: [rollout]}]}\n",
+             ray: {address: a}, pools: [{name: p, roles: [rollout]}]}\n\
+             reward: {custom_reward_function: {path: r.py}}\n",
             "<keys>",
         )
         .expect("a minimal recipe loads");

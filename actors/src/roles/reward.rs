@@ -278,6 +278,7 @@ fn from_proto(s: proto::ScoredSample) -> ScoredSample {
         score: s.score,
         extras: s.extras.into_iter().collect(),
         error: (!s.error.is_empty()).then_some(s.error),
+        pred: (!s.pred.is_empty()).then_some(s.pred),
     }
 }
 
@@ -310,6 +311,7 @@ impl proto::reward_server::Reward for RewardService {
                 score: r.score,
                 extras: r.extras.into_iter().collect(),
                 error: r.error.unwrap_or_default(),
+                pred: r.pred.unwrap_or_default(),
             })
             .collect();
         Ok(tonic::Response::new(proto::ScoreReply { results }))

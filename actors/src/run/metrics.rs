@@ -14,25 +14,42 @@ use std::path::{Path, PathBuf};
 /// One step's metrics, by name.
 pub type Metrics = BTreeMap<String, f64>;
 
-/// A training step's metrics (VeRL's names where VeRL has one): rewards, lengths, the
-/// learner's report, timings and throughput, weight sync, worker health.
-pub(crate) fn step_metrics(o: &StepOutcome) -> Metrics {
+/// What a step's metrics are measured against: the recipe's prompt length limit and the devices the
+/// run computes on (VeRL's `n_gpus` in `perf/throughput`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct MetricLimits {
+    pub max_prompt_length: usize,
+    pub devices: usize,
+}
+
+/// Inserts `{prefix}/mean`, `/max` and `/min` of `values` (nothing when empty).
+fn mean_max_min(m: &mut Metrics, prefix: &str, values: &[f64]) {
+    if values.is_empty() {
+        return;
+    }
+    m.insert(format!("{prefix}/mean"), mean_std(values).0);
+    m.insert(
+        format!("{prefix}/max"),
+        values.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+    );
+    m.insert(
+        format!("{prefix}/min"),
+        values.iter().copied().fold(f64::INFINITY, f64::min),
+    );
+}
+
+/// A training step's metrics under VeRL's names (`critic/score/*`, `response_length/*`,
+/// `prompt_length/*`, `timing_s/*`, `timing_per_token_ms/*`, `perf/*`, `training/*`, and the
+/// learner's `actor/*` and `critic/rewards|advantages|returns/*`), with grpo's own beside them
+/// (`critic/score/std`, `reward/errors`, `reward/extra/*`, `weights/*`, `workers/*`, ...).
+pub(crate) fn step_metrics(o: &StepOutcome, step: u64, limits: MetricLimits) -> Metrics {
     let g = &o.generated;
     let mut m = Metrics::new();
     let scores: Vec<f64> = g.scored.iter().map(|s| s.score.score).collect();
     let samples = scores.len().max(1) as f64;
-    let (mean, std) = mean_std(&scores);
     m.insert("batch/samples".into(), scores.len() as f64);
-    m.insert("reward/mean".into(), mean);
-    m.insert("reward/std".into(), std);
-    m.insert(
-        "reward/max".into(),
-        scores.iter().cloned().fold(f64::NAN, f64::max),
-    );
-    m.insert(
-        "reward/min".into(),
-        scores.iter().cloned().fold(f64::NAN, f64::min),
-    );
+    mean_max_min(&mut m, "critic/score", &scores);
+    m.insert("critic/score/std".into(), mean_std(&scores).1);
     let errors = g.scored.iter().filter(|s| s.score.error.is_some()).count();
     m.insert("reward/errors".into(), errors as f64);
     let mut extras: HashMap<&str, Vec<f64>> = HashMap::new();
@@ -49,11 +66,8 @@ pub(crate) fn step_metrics(o: &StepOutcome) -> Metrics {
         .iter()
         .map(|s| s.sample.response_ids.len() as f64)
         .collect();
-    m.insert("response_length/mean".into(), mean_std(&lengths).0);
-    m.insert(
-        "response_length/max".into(),
-        lengths.iter().cloned().fold(0.0, f64::max),
-    );
+    mean_max_min(&mut m, "response_length", &lengths);
+    // A response cut by the length limit (VeRL counts length == max_response_length).
     let clipped = g
         .scored
         .iter()
@@ -65,18 +79,50 @@ pub(crate) fn step_metrics(o: &StepOutcome) -> Metrics {
         })
         .count();
     m.insert("response_length/clip_ratio".into(), clipped as f64 / samples);
-    m.insert("prompt_length/mean".into(), g.prompt_tokens as f64 / samples);
+    let prompt_lengths: Vec<f64> = g
+        .scored
+        .iter()
+        .map(|s| s.sample.prompt_ids.len() as f64)
+        .collect();
+    mean_max_min(&mut m, "prompt_length", &prompt_lengths);
+    let at_limit = prompt_lengths
+        .iter()
+        .filter(|&&l| l as usize >= limits.max_prompt_length)
+        .count();
+    m.insert("prompt_length/clip_ratio".into(), at_limit as f64 / samples);
     m.extend(o.report.metrics.clone());
+
     m.insert("timing_s/gen".into(), g.gen_s);
     m.insert("timing_s/reward".into(), g.reward_tail_s);
     m.insert("timing_s/update".into(), o.update_s);
-    m.insert("timing_s/sync".into(), o.sync_s);
-    let gen_tokens: f64 = lengths.iter().sum();
-    m.insert("perf/gen_tokens_per_s".into(), gen_tokens / g.gen_s.max(1e-9));
+    m.insert("timing_s/update_weights".into(), o.sync_s);
+    let response_tokens: f64 = lengths.iter().sum();
+    let all_tokens = response_tokens + prompt_lengths.iter().sum::<f64>();
+    // VeRL's per-token times: generation per response token, the learner's passes per token
+    // of prompt and response.
+    let per_token = |seconds: f64, tokens: f64| seconds * 1000.0 / tokens.max(1.0);
+    m.insert(
+        "timing_per_token_ms/gen".into(),
+        per_token(g.gen_s, response_tokens),
+    );
+    for name in ["ref", "update_actor"] {
+        if let Some(&seconds) = m.get(&format!("timing_s/{name}")) {
+            m.insert(
+                format!("timing_per_token_ms/{name}"),
+                per_token(seconds, all_tokens),
+            );
+        }
+    }
+    m.insert("perf/total_num_tokens".into(), all_tokens);
+    m.insert(
+        "perf/gen_tokens_per_s".into(),
+        response_tokens / g.gen_s.max(1e-9),
+    );
     m.insert(
         "perf/train_tokens_per_s".into(),
         o.report.processed_tokens as f64 / o.update_s.max(1e-9),
     );
+    m.insert("perf/devices".into(), limits.devices as f64);
     m.insert("weights/version".into(), o.version as f64);
     m.insert("weights/version_lag".into(), mean_std(&o.version_lag).0);
     m.insert(
@@ -92,20 +138,27 @@ pub(crate) fn step_metrics(o: &StepOutcome) -> Metrics {
     m.insert("workers/reissued_requests".into(), g.reissued as f64);
     m.insert("workers/failures_total".into(), o.failures_total as f64);
     m.insert("workers/replaced_total".into(), o.replaced_total as f64);
-    m.insert("data/epoch".into(), g.epoch as f64);
+    m.insert("training/global_step".into(), step as f64);
+    m.insert("training/epoch".into(), g.epoch as f64);
     m
 }
 
-/// Adds the step's wall time and the share of it the controller itself spent (the step minus
-/// the generation, scoring, update, sync and validation it waited for).
+/// Adds the step's wall time (`timing_s/step`, VeRL's `perf/time_per_step` and
+/// `perf/throughput`: every prompt and response token of the step per second per device) and
+/// the share of it the controller itself spent (the step minus the generation, scoring,
+/// update, sync and validation it waited for).
 pub(crate) fn add_step_time(m: &mut Metrics, step_s: f64) {
     m.insert("timing_s/step".into(), step_s);
+    m.insert("perf/time_per_step".into(), step_s);
+    if let (Some(&tokens), Some(&devices)) = (m.get("perf/total_num_tokens"), m.get("perf/devices")) {
+        m.insert("perf/throughput".into(), tokens / (step_s * devices.max(1.0)));
+    }
     let work: f64 = [
         "timing_s/gen",
         "timing_s/reward",
         "timing_s/update",
-        "timing_s/sync",
-        "timing_s/validation",
+        "timing_s/update_weights",
+        "timing_s/testing",
     ]
     .iter()
     .filter_map(|k| m.get(*k))
@@ -164,11 +217,14 @@ impl MetricsLog {
 pub struct Progress {
     bar: Option<ProgressBar>,
     total: u64,
+    /// A line per step (`trainer.logger` lists `console`).
+    step_lines: bool,
 }
 
 impl Progress {
-    /// A bar when stderr is a terminal (and `quiet` is off), plain lines otherwise.
-    pub fn new(start: u64, total: u64, quiet: bool) -> Progress {
+    /// A bar when stderr is a terminal (and `quiet` is off), plain lines otherwise; a line per
+    /// step only with `step_lines`.
+    pub fn new(start: u64, total: u64, quiet: bool, step_lines: bool) -> Progress {
         let bar = (!quiet && std::io::stderr().is_terminal()).then(|| {
             let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
             bar.set_style(
@@ -182,7 +238,11 @@ impl Progress {
             bar.enable_steady_tick(std::time::Duration::from_millis(250));
             bar
         });
-        Progress { bar, total }
+        Progress {
+            bar,
+            total,
+            step_lines,
+        }
     }
 
     /// Shows what the run is doing now (generating, updating, validating...).
@@ -194,24 +254,32 @@ impl Progress {
 
     /// Reports a finished step.
     pub fn step_done(&self, step: u64, m: &Metrics) {
+        if let (Some(bar), false) = (&self.bar, self.step_lines) {
+            bar.set_position(step);
+        }
+        if !self.step_lines {
+            return;
+        }
         let get = |k: &str| m.get(k).copied().unwrap_or(f64::NAN);
         let summary = format!(
             "reward {:.3} ± {:.3}, length {:.0}, {:.0} gen tok/s, {:.0} train tok/s, step {:.1}s",
-            get("reward/mean"),
-            get("reward/std"),
+            get("critic/score/mean"),
+            get("critic/score/std"),
             get("response_length/mean"),
             get("perf/gen_tokens_per_s"),
             get("perf/train_tokens_per_s"),
             get("timing_s/step"),
         );
-        let val = m
-            .get("val/accuracy")
-            .map(|a| format!(", val accuracy {a:.3}"))
-            .unwrap_or_default();
+        let core = super::val_metrics::core_means(m);
+        let val = if core.is_empty() {
+            core
+        } else {
+            format!(", validation {core}")
+        };
         match &self.bar {
             Some(bar) => {
                 bar.set_position(step);
-                bar.set_message(format!("reward {:.3}", get("reward/mean")));
+                bar.set_message(format!("reward {:.3}", get("critic/score/mean")));
                 bar.println(format!("step {step}/{}: {summary}{val}", self.total));
             }
             None => eprintln!("step {step}/{}: {summary}{val}", self.total),

@@ -22,6 +22,7 @@ pub mod metrics;
 mod prompts;
 mod step;
 mod supervisor;
+mod val_metrics;
 mod validate;
 
 use crate::prepare::{prepare, PrepareError, Prepared};
@@ -30,7 +31,11 @@ use crate::roles::RoleError;
 use crate::setup;
 use assembly::Assembly;
 use checkpoint::Clocks;
-use metrics::{MetricsLog, Progress};
+use metrics::{Metrics, MetricsLog, Progress};
+use tracking::{Logger, Tracker};
+
+/// How long the trackers may take to send their last steps and close their runs.
+const TRACKERS_FINISH_WITHIN: std::time::Duration = std::time::Duration::from_secs(120);
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use step::StepRunner;
@@ -153,6 +158,9 @@ async fn train_async(
     let recipe_path = output.join("recipe.yaml");
     std::fs::write(&recipe_path, recipe.to_yaml()).map_err(io("writing", &recipe_path))?;
     crate::launcher::check_device_plugins(&recipe.cluster).map_err(|e| RunError::Other(e.to_string()))?;
+    setup::tracking(recipe, &output, 0)
+        .check()
+        .map_err(|e| RunError::Other(format!("trainer.logger: {e}")))?;
 
     let started = Instant::now();
     let mut prepared = prepare(recipe)?;
@@ -245,36 +253,57 @@ impl Run<'_> {
         header: serde_json::Value,
         options: &RunOptions,
     ) -> Result<Option<PathBuf>, RunError> {
-        let mut log =
-            MetricsLog::open(self.output).map_err(io("opening", &self.output.join("metrics.jsonl")))?;
-        log.write_header(header).map_err(io("writing", log.path()))?;
+        let loggers = &self.recipe.trainer.logger;
+        let mut log = match loggers.contains(&Logger::File) {
+            true => Some(
+                MetricsLog::open(self.output).map_err(io("opening", &self.output.join("metrics.jsonl")))?,
+            ),
+            false => None,
+        };
+        let mut write = |step: Option<u64>, m: &Metrics| -> Result<(), RunError> {
+            let Some(log) = log.as_mut() else { return Ok(()) };
+            match step {
+                Some(step) => log.write(step, m),
+                None => log.write_header(header.clone()),
+            }
+            .map_err(io("writing", log.path()))
+        };
+        write(None, &Metrics::new())?;
+        let tracker = Tracker::start(setup::tracking(self.recipe, self.output, start_step));
+        let limits = metrics::MetricLimits {
+            max_prompt_length: self.recipe.data.max_prompt_length,
+            devices: self.recipe.devices_in_use(),
+        };
         let total_steps = steps.total_steps;
-        let progress = Progress::new(start_step, total_steps, options.quiet);
+        let console = loggers.contains(&Logger::Console);
+        let progress = Progress::new(start_step, total_steps, options.quiet, console);
         if start_step == 0 && self.validation_due(0, total_steps) {
             progress.phase("validating");
             let v = validate::validate(self.recipe, self.prepared, &steps.fleet(), 0, self.output).await?;
             progress.note(&format!(
-                "validation before training: accuracy {:.3}",
-                v["val/accuracy"]
+                "validation before training: {}",
+                val_metrics::core_means(&v)
             ));
-            log.write(0, &v).map_err(io("writing", log.path()))?;
+            write(Some(0), &v)?;
+            tracker.log(0, &v);
         }
         for step in start_step + 1..=total_steps {
             let started = Instant::now();
             let outcome = steps.step(step, &progress).await?;
-            let mut m = metrics::step_metrics(&outcome);
+            let mut m = metrics::step_metrics(&outcome, step, limits);
             if self.validation_due(step, total_steps) {
                 progress.phase("validating");
                 let t = Instant::now();
                 m.extend(
                     validate::validate(self.recipe, self.prepared, &steps.fleet(), step, self.output).await?,
                 );
-                m.insert("timing_s/validation".into(), t.elapsed().as_secs_f64());
+                m.insert("timing_s/testing".into(), t.elapsed().as_secs_f64());
             }
             metrics::add_step_time(&mut m, started.elapsed().as_secs_f64());
             // The step's line goes out before its checkpoint: a checkpoint on disk always has
             // its metrics line, so a resume never leaves a hole in metrics.jsonl.
-            log.write(step, &m).map_err(io("writing", log.path()))?;
+            write(Some(step), &m)?;
+            tracker.log(step, &m);
             progress.step_done(step, &m);
             if self.save_due(step, total_steps) {
                 progress.phase("saving a checkpoint");
@@ -292,6 +321,9 @@ impl Run<'_> {
             }
         }
         progress.finish();
+        for problem in tracker.finish(true, TRACKERS_FINISH_WITHIN).problems() {
+            eprintln!("trainer.logger: {problem}");
+        }
         Ok(steps.last_checkpoint)
     }
 

@@ -34,7 +34,6 @@ pub(crate) struct StepPrompts {
     pub metas: HashMap<u64, PromptMeta>,
     /// Dataset row indices, in batch order (for `prompts.jsonl`).
     pub indices: Vec<u64>,
-    pub prompt_tokens: usize,
 }
 
 /// The requests for the rows at `positions` of `dataset`: `rollout.n` samples each with the
@@ -59,12 +58,10 @@ pub(crate) fn build_prompts(
         requests: Vec::with_capacity(examples.len()),
         metas: HashMap::new(),
         indices: Vec::with_capacity(examples.len()),
-        prompt_tokens: 0,
     };
     for (i, ex) in examples.iter().enumerate() {
         let prompt = dataset.encode_prompt(ex, &prepared.tokenizer)?;
         let id = id_base(i);
-        out.prompt_tokens += prompt.len() * n;
         out.requests.push(GenerationRequest {
             id,
             prompt,
@@ -90,7 +87,6 @@ pub(crate) struct Generated {
     pub scored: Vec<Scored>,
     pub indices: Vec<u64>,
     pub epoch: u64,
-    pub prompt_tokens: usize,
     /// From the first request sent to the last sample received.
     pub gen_s: f64,
     /// Scoring time after the last sample arrived (the part not hidden behind generation).
@@ -111,7 +107,6 @@ pub(crate) async fn generate(
         scored: outcome.scored,
         indices: prompts.indices,
         epoch,
-        prompt_tokens: prompts.prompt_tokens,
         gen_s: outcome.gen_s,
         reward_tail_s: outcome.reward_tail_s,
         rollout_failures: outcome.rollout_failures,

@@ -4,6 +4,7 @@
 use super::fleet::Fleet;
 use super::metrics::{mean_std, Metrics};
 use super::prompts::{build_prompts, VALIDATION_ID};
+use super::val_metrics::{validation_metrics, ValSample};
 use super::{io, RunError};
 use crate::prepare::Prepared;
 use crate::recipe::Recipe;
@@ -11,9 +12,10 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
-/// Generates for every validation prompt (`rollout.val_kwargs`) and scores: `val/accuracy` is
-/// the mean of the scorers' `acc` where they report one, else of the reward. Every response
-/// with its score goes to `OUTPUT/validation/step_N.jsonl`.
+/// Generates for every validation prompt (`rollout.val_kwargs`) and scores: VeRL's validation
+/// metrics per data source ([`validation_metrics`]), and grpo's `val/response_length/mean`,
+/// `val/samples` and `val/reward_errors`. Every response with its score goes to
+/// `OUTPUT/validation/step_N.jsonl`.
 pub(crate) async fn validate(
     recipe: &Recipe,
     prepared: &Prepared,
@@ -31,6 +33,7 @@ pub(crate) async fn validate(
     let mut sampler = dataset.validation_sampler(&recipe.data)?;
     let mut scored = Vec::new();
     let mut rows: HashMap<u64, u64> = HashMap::new();
+    let mut sources: HashMap<u64, String> = HashMap::new();
     for _ in 0..sampler.batches_per_epoch() {
         let batch = sampler.next_batch();
         let prompts = build_prompts(
@@ -42,6 +45,12 @@ pub(crate) async fn validate(
             true,
         )?;
         rows.extend(prompts.requests.iter().map(|r| r.id).zip(prompts.indices));
+        sources.extend(
+            prompts
+                .metas
+                .iter()
+                .map(|(id, meta)| (*id, meta.data_source.clone())),
+        );
         let visit: HashMap<u64, usize> = prompts
             .requests
             .iter()
@@ -55,11 +64,6 @@ pub(crate) async fn validate(
             .sort_by_key(|s| (visit[&s.sample.request_id], s.sample.sample_index));
         scored.extend(outcome.scored);
     }
-    let acc: Vec<f64> = scored
-        .iter()
-        .map(|s| s.score.extras.get("acc").copied().unwrap_or(s.score.score))
-        .collect();
-    let rewards: Vec<f64> = scored.iter().map(|s| s.score.score).collect();
     let lengths: Vec<f64> = scored
         .iter()
         .map(|s| s.sample.response_ids.len() as f64)
@@ -82,10 +86,29 @@ pub(crate) async fn validate(
         })
         .collect();
     std::fs::write(&path, lines).map_err(io("writing", &path))?;
-    let mut m = Metrics::new();
-    m.insert("val/accuracy".into(), mean_std(&acc).0);
-    m.insert("val/reward/mean".into(), mean_std(&rewards).0);
+    let samples: Vec<ValSample> = scored
+        .iter()
+        .map(|s| {
+            let mut vars = s.score.extras.clone();
+            vars.insert("reward".into(), s.score.score);
+            let source = &sources[&s.sample.request_id];
+            ValSample {
+                // VeRL's name for rows without one.
+                data_source: if source.is_empty() {
+                    "unknown".into()
+                } else {
+                    source.clone()
+                },
+                uid: rows[&s.sample.request_id],
+                vars,
+                pred: s.score.pred.clone(),
+            }
+        })
+        .collect();
+    let mut m = validation_metrics(&samples);
     m.insert("val/response_length/mean".into(), mean_std(&lengths).0);
-    m.insert("val/samples".into(), acc.len() as f64);
+    m.insert("val/samples".into(), samples.len() as f64);
+    let errors = scored.iter().filter(|s| s.score.error.is_some()).count();
+    m.insert("val/reward_errors".into(), errors as f64);
     Ok(m)
 }

@@ -124,6 +124,30 @@ pub fn reward_pool(recipe: &Recipe) -> Result<reward::PoolOptions, reward::Confi
     recipe.reward.pool_options()
 }
 
+/// The trackers of a run writing to `output` and starting after `start_step`
+/// (`trainer.logger`, `project_name`, `experiment_name`); the recipe is their parameters, the
+/// process environment their settings.
+pub fn tracking(recipe: &Recipe, output: &std::path::Path, start_step: u64) -> tracking::TrackingConfig {
+    let trainer = &recipe.trainer;
+    let experiment = trainer.experiment_name.clone().unwrap_or_else(|| {
+        let absolute = std::path::absolute(output).unwrap_or_else(|_| output.to_path_buf());
+        absolute
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "grpo".into())
+    });
+    tracking::TrackingConfig {
+        loggers: trainer.logger.clone(),
+        project: trainer.project_name.clone(),
+        experiment,
+        output: output.to_path_buf(),
+        resume: start_step > 0,
+        start_step,
+        params: serde_json::to_value(recipe).expect("recipes serialize"),
+        env: std::env::vars().collect(),
+    }
+}
+
 /// The policy of a recipe over a model of `config`: how rows are packed (each prompt's
 /// `rollout.n` samples share it; one block of rows per learner device) and what the parameter
 /// table is (the order of every weight stream and checkpoint).

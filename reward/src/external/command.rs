@@ -166,6 +166,8 @@ fn keep_stderr_tail(mut stderr: impl Read, tail: Arc<Mutex<Vec<u8>>>, done: mpsc
 /// A scorer backed by a long-lived child process (see the module documentation).
 pub struct CommandScorer {
     name: String,
+    /// The recipe key that sets the command, for errors.
+    key: String,
     program: Vec<String>,
     timeout: Duration,
     limit: InFlightLimit,
@@ -180,6 +182,7 @@ impl CommandScorer {
     pub fn new(name: &str, program: Vec<String>, timeout: Duration, max_in_flight: usize) -> Self {
         Self {
             name: name.to_string(),
+            key: format!("reward.scorers.{name}.command"),
             program,
             timeout,
             limit: InFlightLimit::new(max_in_flight),
@@ -187,6 +190,12 @@ impl CommandScorer {
             next_request_id: AtomicU64::new(0),
             starts: AtomicU64::new(0),
         }
+    }
+
+    /// Names `key` as the recipe key to check when the command cannot start.
+    pub fn with_key(mut self, key: &str) -> Self {
+        self.key = key.to_string();
+        self
     }
 
     /// How many processes have been started so far (1 + restarts, once running).
@@ -207,8 +216,8 @@ impl CommandScorer {
             .spawn()
             .map_err(|error| {
                 format!(
-                    "could not start {:?}: {error}; check `reward.scorers.{}.command`",
-                    self.program, self.name
+                    "could not start {:?}: {error}; check `{}`",
+                    self.program, self.key
                 )
             })?;
         let stdin = child.stdin.take();

@@ -7,8 +7,9 @@
 //!  "ground_truth": "72", "extra": {"split": "train"}, "response_length": 143, "truncated": false}
 //! ```
 //!
-//! A response: `{"id": 7, "score": 1.0, "extras": {"acc": 1.0}}` (`extras` optional, values
-//! numbers or booleans), or `{"id": 7, "error": "why"}` to report a failure. `id` is required on
+//! A response: `{"id": 7, "score": 1.0, "extras": {"acc": 1.0}, "pred": "72"}` (`extras`
+//! optional, values numbers or booleans; `pred` optional, the extracted answer that
+//! validation's majority votes count), or `{"id": 7, "error": "why"}` to report a failure. `id` is required on
 //! the child-process protocol (answers may come back in any order) and ignored over HTTP, where a
 //! bare number is also accepted as the score.
 //!
@@ -17,6 +18,7 @@
 
 pub mod command;
 pub mod http;
+pub mod verl_function;
 
 use std::sync::{Condvar, Mutex};
 use std::time::Instant;
@@ -112,6 +114,16 @@ pub fn parse_answer(answer: &serde_json::Value) -> Result<Score, String> {
         Some(other) => {
             return Err(format!(
                 "`extras` must be an object, got {}",
+                truncate(&other.to_string())
+            ))
+        }
+    }
+    match object.get("pred") {
+        None | Some(serde_json::Value::Null) => {}
+        Some(serde_json::Value::String(pred)) => score.pred = Some(pred.clone()),
+        Some(other) => {
+            return Err(format!(
+                "`pred` must be a string, got {}",
                 truncate(&other.to_string())
             ))
         }
