@@ -419,3 +419,85 @@ fn a_reward_file_written_for_verl_scores_the_run_and_its_extras_become_metrics()
         "{stderr}"
     );
 }
+
+#[test]
+fn val_only_and_resume_path_work_as_in_verl() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, train, val) = tiny_inputs(dir.path(), 16, 4);
+    let first = dir.path().join("first");
+    let recipe = tiny_recipe(dir.path(), "r.yaml", &model, &train, &val, &first, 2, "");
+    let run = |out: &Path, set: &[&str]| {
+        let mut args = vec!["run", recipe.to_str().unwrap(), "--output", out.to_str().unwrap()];
+        for s in set {
+            args.extend(["--set", s]);
+        }
+        let o = run_grpo(&args);
+        let stderr = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(o.status.success(), "{stderr}");
+        stderr
+    };
+    run(&first, &[]);
+    let checkpoint = first.join("checkpoints/step_2");
+    let from = format!("trainer.resume_from_path={}", checkpoint.display());
+
+    // val_only on a checkpoint of another run: one validation at its step, no training.
+    let validated = dir.path().join("validated");
+    let stderr = run(
+        &validated,
+        &["trainer.val_only=true", "trainer.resume_mode=resume_path", &from],
+    );
+    assert!(
+        stderr.contains("validation at step 2 (trainer.val_only)"),
+        "{stderr}"
+    );
+    let m = metrics(&validated);
+    assert_eq!(m.keys().copied().collect::<Vec<_>>(), [2]);
+    assert_eq!(m[&2][VAL_CORE], metrics(&first)[&2][VAL_CORE]);
+    assert!(!validated.join("checkpoints").exists());
+
+    // resume_path continues another run's checkpoint exactly as that run resumes it.
+    let continued = dir.path().join("continued");
+    run(
+        &continued,
+        &[
+            "trainer.total_training_steps=3",
+            "trainer.resume_mode=resume_path",
+            &from,
+        ],
+    );
+    run(&first, &["trainer.total_training_steps=3"]);
+    let (a, b) = (metrics(&first), metrics(&continued));
+    assert_eq!(b.keys().copied().collect::<Vec<_>>(), [3]);
+    for key in [
+        "critic/score/mean",
+        "actor/pg_loss",
+        "actor/grad_norm",
+        "response_length/mean",
+    ] {
+        assert_eq!(a[&3][key], b[&3][key], "{key}");
+    }
+
+    // Settings that cannot mean what they say are refused before any work.
+    for (set, says) in [
+        (
+            vec!["trainer.val_only=true", "trainer.val_before_train=false"],
+            "needs trainer.val_before_train: true",
+        ),
+        (
+            vec![from.as_str()],
+            "is read only with trainer.resume_mode: resume_path",
+        ),
+        (
+            vec!["trainer.resume_mode=resume_path"],
+            "needs trainer.resume_from_path",
+        ),
+    ] {
+        let mut args = vec!["run", recipe.to_str().unwrap()];
+        for s in &set {
+            args.extend(["--set", s]);
+        }
+        let o = run_grpo(&args);
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && stderr.contains(says), "{set:?}: {stderr}");
+    }
+}

@@ -62,7 +62,8 @@ fn every_tracker_gets_the_runs_verl_named_metrics_and_a_resume_continues_them() 
         &val,
         &out,
         3,
-        "  logger: [console, file, tensorboard, mlflow, wandb]\n  project_name: grpo-e2e\n  experiment_name: tiny\n",
+        "  logger: [console, file, tensorboard, mlflow, wandb]\n  project_name: grpo-e2e\n  experiment_name: tiny\n  \
+         log_val_generations: 2\n",
     );
     let stderr = run_with_trackers(&recipe, dir.path(), &server.uri, &[]);
     assert!(!stderr.contains("logger"), "a tracker complained: {stderr}");
@@ -100,6 +101,24 @@ fn every_tracker_gets_the_runs_verl_named_metrics_and_a_resume_continues_them() 
         .map(|p| p[0].as_u64().unwrap())
         .collect();
     assert_eq!(val_steps, [0, 2, 3]);
+    // Two validation generations at each validation, real responses with their scores.
+    let validation = |step: u64| -> Vec<serde_json::Value> {
+        std::fs::read_to_string(out.join(format!("validation/step_{step}.jsonl")))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let texts = tb["text"]["val/generations"].as_array().unwrap();
+    assert_eq!(
+        texts.iter().map(|t| t[0].as_u64().unwrap()).collect::<Vec<_>>(),
+        [0, 2, 3]
+    );
+    let markdown = texts[1][1].as_str().unwrap();
+    assert_eq!(markdown.matches("### Sample").count(), 2, "{markdown}");
+    assert!(validation(2)
+        .iter()
+        .any(|v| markdown.contains(&format!("**Output:** {}\n", v["response"].as_str().unwrap()))));
 
     // MLflow: the run of this output directory, every metric at every step, the recipe as
     // parameters, finished.
@@ -120,6 +139,34 @@ fn every_tracker_gets_the_runs_verl_named_metrics_and_a_resume_continues_them() 
     }
     let val = server.history(&run_id, &VAL_CORE.replace('@', "_at_"));
     assert_eq!(val.iter().map(|p| p.0).collect::<Vec<_>>(), [0, 2, 3]);
+    let artifacts = server.get("artifacts/list", &[("run_id", &run_id)]);
+    let names: Vec<&str> = artifacts["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["path"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["val_step0.json", "val_step2.json", "val_step3.json"]);
+    let stored: Vec<serde_json::Value> = serde_json::from_slice(
+        &std::fs::read(
+            dir.path()
+                .join("artifacts")
+                .join(run["info"]["experiment_id"].as_str().unwrap())
+                .join(&run_id)
+                .join("artifacts/val_step2.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(stored.len(), 2);
+    for g in &stored {
+        assert!(
+            validation(2)
+                .iter()
+                .any(|v| v["response"] == g["output"] && v["score"] == g["score"]),
+            "{g} is not a validation response of step 2"
+        );
+    }
 
     // wandb: the offline run holds every step.
     let wandb_id = ids["wandb_run_id"].as_str().unwrap().to_string();
@@ -137,6 +184,8 @@ fn every_tracker_gets_the_runs_verl_named_metrics_and_a_resume_continues_them() 
         let step = row["_step"].as_u64().unwrap();
         assert_eq!(row["critic/score/mean"], m[&step]["critic/score/mean"]);
     }
+    assert_eq!(rows[2]["val/generations/_type"], "table-file");
+    assert_eq!(rows[2]["val/generations/nrows"], 2, "a row per validation so far");
 
     // Resumed from the checkpoint of step 3 for one more step: the same MLflow and wandb runs.
     run_with_trackers(

@@ -47,8 +47,9 @@ pub fn read_wandb(file: &Path) -> serde_json::Value {
     read("read_wandb.py", file)
 }
 
-/// A local `mlflow server` (SQLite store) on a free port, in its own process group, which is
-/// killed on drop (the server's workers with it).
+/// A local `mlflow server` (SQLite store, artifacts served through it under `dir/artifacts`)
+/// on a free port, in its own process group, which is killed on drop (the server's workers
+/// with it).
 pub struct MlflowServer {
     child: Child,
     pub uri: String,
@@ -66,7 +67,8 @@ impl MlflowServer {
             .args(["--port", &port.to_string()])
             .arg("--backend-store-uri")
             .arg(format!("sqlite:///{}", dir.join("mlflow.db").display()))
-            .arg("--default-artifact-root")
+            // Artifacts through the server's proxy, as a remote server serves them.
+            .arg("--artifacts-destination")
             .arg(dir.join("artifacts"))
             .stdout(Stdio::null())
             .stderr(Stdio::null())

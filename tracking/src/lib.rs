@@ -98,17 +98,29 @@ impl TrackingConfig {
     }
 }
 
+/// One validation response shown in the trackers (`trainer.log_val_generations`).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Generation {
+    pub input: String,
+    pub output: String,
+    pub score: f64,
+}
+
 /// A tracker's side of logging.
 pub trait Sink: Send {
     fn logger(&self) -> Logger;
     /// Logs one step's metrics.
     fn log(&mut self, step: u64, metrics: &Metrics) -> Result<(), String>;
+    /// Logs validation generations at `step`, as VeRL's `ValidationGenerationsLogger` shows
+    /// them in this tracker.
+    fn log_generations(&mut self, step: u64, generations: &[Generation]) -> Result<(), String>;
     /// Ends the tracker's run (`ok`: the run succeeded).
     fn finish(&mut self, ok: bool) -> Result<(), String>;
 }
 
 enum Message {
     Log(u64, Metrics),
+    Generations(u64, Vec<Generation>),
     Finish(bool),
 }
 
@@ -175,6 +187,13 @@ impl Tracker {
     pub fn log(&self, step: u64, metrics: &Metrics) {
         if let Some(sender) = &self.sender {
             let _ = sender.send(Message::Log(step, metrics.clone()));
+        }
+    }
+
+    /// Queues validation generations for every tracker.
+    pub fn log_generations(&self, step: u64, generations: Vec<Generation>) {
+        if let Some(sender) = &self.sender {
+            let _ = sender.send(Message::Generations(step, generations));
         }
     }
 
@@ -272,6 +291,16 @@ fn serve(config: TrackingConfig, receiver: mpsc::Receiver<Message>) -> TrackingR
                 for slot in &mut slots {
                     let result = slot.sink.log(step, &metrics);
                     slot.record(result);
+                }
+            }
+            Message::Generations(step, generations) => {
+                for slot in &mut slots {
+                    if let Err(error) = slot.sink.log_generations(step, &generations) {
+                        tracing::warn!(
+                            "{} logger: validation generations: {error}",
+                            slot.sink.logger().name()
+                        );
+                    }
                 }
             }
             Message::Finish(success) => {

@@ -9,7 +9,7 @@
 //! Metric names keep MLflow's character set as VeRL's adapter keeps it: `@` becomes `_at_`,
 //! repeated slashes one, anything else outside `[/\w.\- :]` an underscore.
 
-use crate::{flatten, Logger, Metrics, RunIds, Sink, TrackingConfig};
+use crate::{flatten, Generation, Logger, Metrics, RunIds, Sink, TrackingConfig};
 use serde_json::{json, Value};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -82,6 +82,8 @@ pub struct Mlflow {
     auth: Option<String>,
     agent: ureq::Agent,
     run_id: String,
+    /// Where the run's artifacts go (`mlflow-artifacts:/...` through the server, or a path).
+    artifact_uri: String,
 }
 
 impl Mlflow {
@@ -112,6 +114,7 @@ impl Mlflow {
             auth,
             agent,
             run_id: String::new(),
+            artifact_uri: String::new(),
         };
         let attach = config
             .var("MLFLOW_RUN_ID")
@@ -119,8 +122,12 @@ impl Mlflow {
             .or_else(|| ids.mlflow_run_id.clone().filter(|_| config.resume));
         let resumed = match attach {
             Some(run_id) => match mlflow.get("runs/get", &[("run_id", &run_id)])? {
-                Some(_) => {
+                Some(found) => {
                     mlflow.run_id = run_id;
+                    mlflow.artifact_uri = found["run"]["info"]["artifact_uri"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .into();
                     mlflow.post(
                         "runs/update",
                         json!({"run_id": mlflow.run_id, "status": "RUNNING"}),
@@ -152,6 +159,10 @@ impl Mlflow {
                 .as_str()
                 .ok_or_else(|| format!("runs/create answered without a run id: {answer}"))?
                 .to_string();
+            mlflow.artifact_uri = answer["run"]["info"]["artifact_uri"]
+                .as_str()
+                .unwrap_or_default()
+                .into();
             mlflow.log_params(&config.params)?;
         }
         ids.mlflow_run_id = Some(mlflow.run_id.clone());
@@ -220,6 +231,37 @@ impl Mlflow {
         self.answer(method, response)
     }
 
+    /// Stores `bytes` as the run's artifact `name`: through the server's artifact proxy
+    /// (`mlflow-artifacts:` URIs), or into the artifact directory when the store is a path on
+    /// this machine, as MLflow's client does.
+    fn put_artifact(&self, name: &str, bytes: &[u8]) -> Result<(), String> {
+        let uri = &self.artifact_uri;
+        if let Some(rest) = uri.strip_prefix("mlflow-artifacts:") {
+            // `mlflow-artifacts:/path` or `mlflow-artifacts://host:port/path`.
+            let path = match rest.strip_prefix("//") {
+                Some(authority) => authority.split_once('/').map_or("", |(_, p)| p),
+                None => rest.trim_start_matches('/'),
+            };
+            let url = format!("{}/api/2.0/mlflow-artifacts/artifacts/{path}/{name}", self.uri);
+            let mut request = self.agent.put(&url);
+            if let Some(auth) = &self.auth {
+                request = request.header("authorization", auth);
+            }
+            let response = request.send(bytes).map_err(|e| format!("PUT {url}: {e}"))?;
+            return self.answer("mlflow-artifacts", response).map(|_| ());
+        }
+        let dir = uri.strip_prefix("file://").unwrap_or(uri);
+        if !dir.starts_with('/') {
+            return Err(format!(
+                "the run's artifacts go to {uri}, which only MLflow's own client writes; serve them \
+                 through the tracking server (`mlflow server --artifacts-destination {uri}`)"
+            ));
+        }
+        std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {dir}: {e}"))?;
+        let path = std::path::Path::new(dir).join(name);
+        std::fs::write(&path, bytes).map_err(|e| format!("cannot write {}: {e}", path.display()))
+    }
+
     fn post(&self, method: &str, body: Value) -> Result<Value, String> {
         let mut request = self
             .agent
@@ -277,6 +319,12 @@ impl Sink for Mlflow {
             )?;
         }
         Ok(())
+    }
+
+    /// VeRL's artifact `val_step{step}.json`: `[{"input", "output", "score"}, ...]`.
+    fn log_generations(&mut self, step: u64, generations: &[Generation]) -> Result<(), String> {
+        let json = serde_json::to_vec(generations).expect("serialisable");
+        self.put_artifact(&format!("val_step{step}.json"), &json)
     }
 
     fn finish(&mut self, ok: bool) -> Result<(), String> {

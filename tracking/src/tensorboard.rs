@@ -8,7 +8,7 @@
 //! TensorBoard to drop the older file's events from that step on (they were not kept by the
 //! resume), so the curves show each step once.
 
-use crate::{Logger, Metrics, Sink, TrackingConfig};
+use crate::{Generation, Logger, Metrics, Sink, TrackingConfig};
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -41,13 +41,45 @@ pub struct Summary {
     pub value: Vec<SummaryValue>,
 }
 
-/// `tensorflow.Summary.Value`, a scalar.
+/// `tensorflow.Summary.Value`: a scalar, or a tensor with the plugin that shows it (text).
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct SummaryValue {
     #[prost(string, tag = "1")]
     pub tag: String,
     #[prost(float, optional, tag = "2")]
     pub simple_value: Option<f32>,
+    #[prost(message, optional, tag = "8")]
+    pub tensor: Option<TensorProto>,
+    #[prost(message, optional, tag = "9")]
+    pub metadata: Option<SummaryMetadata>,
+}
+
+/// `tensorflow.TensorProto`, here a scalar string (`DT_STRING` is 7).
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct TensorProto {
+    #[prost(int32, tag = "1")]
+    pub dtype: i32,
+    #[prost(message, optional, tag = "2")]
+    pub tensor_shape: Option<TensorShape>,
+    #[prost(bytes = "vec", repeated, tag = "8")]
+    pub string_val: Vec<Vec<u8>>,
+}
+
+/// `tensorflow.TensorShapeProto` with no dimensions: a scalar.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct TensorShape {}
+
+/// `tensorflow.SummaryMetadata`: which plugin shows the value.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct SummaryMetadata {
+    #[prost(message, optional, tag = "1")]
+    pub plugin_data: Option<PluginData>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct PluginData {
+    #[prost(string, tag = "1")]
+    pub plugin_name: String,
 }
 
 /// `tensorflow.SessionLog`; status 1 is START.
@@ -157,12 +189,46 @@ impl Sink for TensorBoard {
             .map(|(tag, v)| SummaryValue {
                 tag: tag.clone(),
                 simple_value: Some(*v as f32),
+                ..Default::default()
             })
             .collect();
         self.write(&Event {
             wall_time: now(),
             step: step as i64,
             what: Some(What::Summary(Summary { value })),
+        })
+    }
+
+    /// A text summary `val/generations` in VeRL's markdown (TensorBoard's Text tab).
+    fn log_generations(&mut self, step: u64, generations: &[Generation]) -> Result<(), String> {
+        let mut text = format!("**Generation Results - Step {step}**\n\n");
+        for (i, g) in generations.iter().enumerate() {
+            text.push_str(&format!(
+                "### Sample {}\n**Input:** {}\n\n**Output:** {}\n\n**Score:** {}\n\n---\n\n",
+                i + 1,
+                g.input,
+                g.output,
+                g.score
+            ));
+        }
+        let value = SummaryValue {
+            tag: "val/generations".into(),
+            tensor: Some(TensorProto {
+                dtype: 7,
+                tensor_shape: Some(TensorShape {}),
+                string_val: vec![text.into_bytes()],
+            }),
+            metadata: Some(SummaryMetadata {
+                plugin_data: Some(PluginData {
+                    plugin_name: "text".into(),
+                }),
+            }),
+            ..Default::default()
+        };
+        self.write(&Event {
+            wall_time: now(),
+            step: step as i64,
+            what: Some(What::Summary(Summary { value: vec![value] })),
         })
     }
 

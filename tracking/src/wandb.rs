@@ -10,7 +10,7 @@
 //! wandb's own messages are off unless `WANDB_SILENT` is set otherwise; what the child prints
 //! goes to stderr.
 
-use crate::{Logger, Metrics, RunIds, Sink, TrackingConfig};
+use crate::{Generation, Logger, Metrics, RunIds, Sink, TrackingConfig};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -151,6 +151,12 @@ impl Sink for Wandb {
             })
             .collect();
         self.send(&json!({"log": {"step": step, "metrics": metrics}}))
+    }
+
+    /// VeRL's `val/generations` table: a row per validation (`step`, then `input_i`,
+    /// `output_i`, `score_i` for each sample), the earlier rows kept.
+    fn log_generations(&mut self, step: u64, generations: &[Generation]) -> Result<(), String> {
+        self.send(&json!({"generations": {"step": step, "samples": generations}}))
     }
 
     fn finish(&mut self, ok: bool) -> Result<(), String> {

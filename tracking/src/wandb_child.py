@@ -3,6 +3,7 @@
 Reads one JSON object per line on stdin and answers one line per request on stdout:
   {"init": {"project", "name", "id", "resume", "dir", "config"}} -> {"ok": true, "id": ..., "dir": ...}
   {"log": {"step": N, "metrics": {...}}}                         -> nothing (fire and forget)
+  {"generations": {"step": N, "samples": [{"input", "output", "score"}, ...]}} -> nothing
   {"finish": {"exit_code": 0}}                                   -> {"ok": true}, then exits
 Errors go to stdout as {"error": "..."} for init and finish; a failed log is reported once.
 """
@@ -30,6 +31,7 @@ def main():
         return
     run = None
     log_failed = False
+    table_rows = []
     for line in sys.stdin:
         message = json.loads(line)
         if "init" in message:
@@ -57,6 +59,19 @@ def main():
                 if not log_failed:
                     sys.stderr.write(f"wandb: log failed: {type(e).__name__}: {e}\n")
                     log_failed = True
+        elif "generations" in message:
+            a = message["generations"]
+            samples = a["samples"]
+            columns = ["step"] + [f"{kind}_{i + 1}" for i in range(len(samples)) for kind in ("input", "output", "score")]
+            row = [a["step"]] + [v for s in samples for v in (s["input"], s["output"], s["score"])]
+            # As VeRL: a new table holding the earlier rows and this one.
+            if table_rows and len(table_rows[0]) != len(row):
+                table_rows.clear()
+            table_rows.append(row)
+            try:
+                run.log({"val/generations": wandb.Table(columns=columns, data=list(table_rows))}, step=a["step"])
+            except Exception as e:
+                sys.stderr.write(f"wandb: logging val/generations failed: {type(e).__name__}: {e}\n")
         elif "finish" in message:
             try:
                 run.finish(exit_code=message["finish"].get("exit_code", 0))

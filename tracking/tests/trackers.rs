@@ -6,7 +6,22 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 use testkit::trackers::{python, read_tensorboard, read_wandb, MlflowServer};
-use tracking::{Logger, Metrics, Tracker, TrackingConfig};
+use tracking::{Generation, Logger, Metrics, Tracker, TrackingConfig};
+
+fn generations() -> Vec<Generation> {
+    vec![
+        Generation {
+            input: "What is 2+3?".into(),
+            output: "5".into(),
+            score: 1.0,
+        },
+        Generation {
+            input: "What is 7-9?".into(),
+            output: "-1".into(),
+            score: 0.0,
+        },
+    ]
+}
 
 fn config(loggers: &[Logger], output: &Path, env: &[(&str, &str)]) -> TrackingConfig {
     TrackingConfig {
@@ -37,6 +52,9 @@ fn tensorboard_reads_back_every_step_once_across_a_resume() {
     let env = [("TENSORBOARD_DIR", tb.to_str().unwrap())];
     let first = Tracker::start(config(&[Logger::Console, Logger::Tensorboard], dir.path(), &env));
     for step in 1..=3 {
+        if step == 2 {
+            first.log_generations(step, generations());
+        }
         first.log(step, &step_metrics(step));
     }
     let report = first.finish(true, Duration::from_secs(30));
@@ -73,6 +91,15 @@ fn tensorboard_reads_back_every_step_once_across_a_resume() {
     );
     assert_eq!(series("actor/pg_loss")[0], (1, -0.375));
     assert!(scalars["actor/kl"][0][1].is_null() || scalars["actor/kl"][0][1].as_f64().is_none());
+    // The generations as VeRL's markdown in TensorBoard's text tab.
+    let text = &scalars["text"]["val/generations"];
+    assert_eq!(text[0][0], 2);
+    let markdown = text[0][1].as_str().unwrap();
+    assert!(
+        markdown.starts_with("**Generation Results - Step 2**")
+            && markdown.contains("### Sample 2\n**Input:** What is 7-9?\n\n**Output:** -1\n\n**Score:** 0"),
+        "{markdown}"
+    );
 }
 
 fn run_ids(output: &Path) -> serde_json::Value {
@@ -91,6 +118,7 @@ fn an_mlflow_server_receives_every_metric_and_a_resume_continues_its_run() {
     for step in 1..=2 {
         tracker.log(step, &step_metrics(step));
     }
+    tracker.log_generations(2, generations());
     assert_eq!(
         tracker.finish(true, Duration::from_secs(60)).trackers,
         vec![(Logger::Mlflow, 2, 0, None)]
@@ -123,6 +151,17 @@ fn an_mlflow_server_receives_every_metric_and_a_resume_continues_its_run() {
     assert_eq!(score, vec![(1, 0.25.into()), (2, 0.5.into())]);
     assert_eq!(server.history(&run_id, "val-core/gsm8k/acc/mean_at_4").len(), 2);
     assert_eq!(server.history(&run_id, "actor/kl")[0].1, "NaN");
+    // The generations as VeRL's artifact, through the server's artifact proxy.
+    let listed = server.get("artifacts/list", &[("run_id", &run_id)]);
+    assert_eq!(listed["files"][0]["path"], "val_step2.json", "{listed}");
+    let stored = dir
+        .path()
+        .join("artifacts")
+        .join(run["info"]["experiment_id"].as_str().unwrap())
+        .join(&run_id)
+        .join("artifacts/val_step2.json");
+    let stored: serde_json::Value = serde_json::from_slice(&std::fs::read(stored).unwrap()).unwrap();
+    assert_eq!(stored, serde_json::to_value(generations()).unwrap());
 
     // A resume logs into the same run, which runs again and finishes again.
     let mut resumed = config(&[Logger::Mlflow], &output, &env);
@@ -180,6 +219,9 @@ fn wandb_offline_runs_hold_every_step_and_wandb_sync_accepts_them() {
     ];
     let tracker = Tracker::start(config(&[Logger::File, Logger::Wandb], dir.path(), &env));
     for step in 1..=3 {
+        if step == 2 {
+            tracker.log_generations(step, generations());
+        }
         tracker.log(step, &step_metrics(step));
     }
     assert_eq!(
@@ -212,6 +254,20 @@ fn wandb_offline_runs_hold_every_step_and_wandb_sync_accepts_them() {
         assert_eq!(row["critic/score/mean"], 0.25 * step as f64);
         assert_eq!(row["val-core/gsm8k/acc/mean@4"], 0.125);
     }
+    // VeRL's `val/generations` table at step 2: step, then input, output and score per sample.
+    // (wandb stores a logged table's fields under the table's key: `val/generations/_type`, ...)
+    assert_eq!(rows[1]["val/generations/_type"], "table-file", "{}", rows[1]);
+    let path = rows[1]["val/generations/path"].as_str().unwrap();
+    let table: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(runs[0].join("files").join(path)).unwrap()).unwrap();
+    assert_eq!(
+        table["columns"],
+        serde_json::json!(["step", "input_1", "output_1", "score_1", "input_2", "output_2", "score_2"])
+    );
+    assert_eq!(
+        table["data"],
+        serde_json::json!([[2, "What is 2+3?", "5", 1.0, "What is 7-9?", "-1", 0.0]])
+    );
 
     // wandb's own command accepts the run for syncing.
     let sync = Command::new(python.with_file_name("wandb"))

@@ -425,9 +425,20 @@ pub struct TrainerSection {
     /// Checkpoints kept on disk (oldest removed first); empty keeps all.
     #[serde(default)]
     pub max_checkpoints_to_keep: Option<usize>,
-    /// `auto` continues from the newest complete checkpoint in the output directory.
+    /// `auto` continues from the newest complete checkpoint in the output directory,
+    /// `resume_path` from `resume_from_path`, `disable` starts afresh.
     #[serde(default)]
     pub resume_mode: ResumeMode,
+    /// The checkpoint directory (`OUTPUT/checkpoints/step_N`) `resume_mode: resume_path`
+    /// continues from; it may belong to another run's output.
+    #[serde(default)]
+    pub resume_from_path: Option<String>,
+    /// Validate once (before training, or at the resumed checkpoint) and stop.
+    #[serde(default)]
+    pub val_only: bool,
+    /// Validation generations shown in the trackers at each validation (VeRL's choice of them).
+    #[serde(default)]
+    pub log_val_generations: usize,
     /// 1 overlaps generation of step k+1 with the update of step k.
     #[serde(default)]
     pub off_policy_steps: usize,
@@ -490,6 +501,7 @@ pub enum ResumeMode {
     #[default]
     Auto,
     Disable,
+    ResumePath,
 }
 
 /// `cluster:` where the roles run.

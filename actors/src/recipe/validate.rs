@@ -1,7 +1,7 @@
 //! Range and cross-key checks, run before any work starts. Each rule is stated in its message.
 
 use super::load::locate_key;
-use super::{ClusterSection, Launcher, Recipe, Strategy};
+use super::{ClusterSection, Launcher, Recipe, ResumeMode, Strategy};
 use crate::roles::Role;
 use std::fmt;
 
@@ -372,6 +372,30 @@ pub(crate) fn validate(r: &Recipe, text: &str, file: &str, overrides: &[String])
             "must be at least 1 (or left out to run total_epochs)",
         );
     }
+    c.check(
+        !t.val_only || t.val_before_train,
+        "trainer.val_only",
+        t.val_only,
+        "validates before training and stops, so it needs trainer.val_before_train: true",
+    );
+    c.check(
+        !t.val_only || !r.data.val_files.0.is_empty(),
+        "trainer.val_only",
+        t.val_only,
+        "needs data.val_files to validate on",
+    );
+    c.check(
+        t.resume_mode != ResumeMode::ResumePath || t.resume_from_path.is_some(),
+        "trainer.resume_mode",
+        "resume_path",
+        "needs trainer.resume_from_path, a checkpoint directory (OUTPUT/checkpoints/step_N)",
+    );
+    c.check(
+        t.resume_from_path.is_none() || t.resume_mode == ResumeMode::ResumePath,
+        "trainer.resume_from_path",
+        t.resume_from_path.as_deref().unwrap_or_default(),
+        "is read only with trainer.resume_mode: resume_path; set that too, or remove this key",
+    );
     c.check(
         t.save_freq == -1 || t.save_freq >= 1,
         "trainer.save_freq",

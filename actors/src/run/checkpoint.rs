@@ -38,6 +38,7 @@ pub(crate) fn resume(
     let checkpoint = match recipe.trainer.resume_mode {
         ResumeMode::Auto => latest_checkpoint(output)?,
         ResumeMode::Disable => None,
+        ResumeMode::ResumePath => recipe.trainer.resume_from_path.as_ref().map(PathBuf::from),
     };
     let start = match checkpoint {
         Some(dir) => {

@@ -36,6 +36,13 @@ use tracking::{Logger, Tracker};
 
 /// How long the trackers may take to send their last steps and close their runs.
 const TRACKERS_FINISH_WITHIN: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// Ends the trackers' runs as finished and says which lost steps.
+fn finish_trackers(tracker: Tracker) {
+    for problem in tracker.finish(true, TRACKERS_FINISH_WITHIN).problems() {
+        eprintln!("trainer.logger: {problem}");
+    }
+}
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use step::StepRunner;
@@ -188,7 +195,7 @@ async fn train_async(
         steps: total_steps.max(resumed_from),
         last_checkpoint,
     };
-    if start.step >= total_steps {
+    if start.step >= total_steps && !recipe.trainer.val_only {
         return Ok(summary(start.checkpoint.clone()));
     }
     let total_optimizer_steps = setup::batch_plan(recipe).total_optimizer_steps(total_steps);
@@ -277,9 +284,23 @@ impl Run<'_> {
         let total_steps = steps.total_steps;
         let console = loggers.contains(&Logger::Console);
         let progress = Progress::new(start_step, total_steps, options.quiet, console);
+        if self.recipe.trainer.val_only {
+            // VeRL's `val_only`: the policy as it starts (fresh, or the resumed checkpoint's).
+            progress.phase("validating");
+            let v = self.validate(&steps, start_step, &tracker).await?;
+            progress.note(&format!(
+                "validation at step {start_step} (trainer.val_only): {}",
+                val_metrics::core_means(&v)
+            ));
+            write(Some(start_step), &v)?;
+            tracker.log(start_step, &v);
+            progress.finish();
+            finish_trackers(tracker);
+            return Ok(steps.last_checkpoint);
+        }
         if start_step == 0 && self.validation_due(0, total_steps) {
             progress.phase("validating");
-            let v = validate::validate(self.recipe, self.prepared, &steps.fleet(), 0, self.output).await?;
+            let v = self.validate(&steps, 0, &tracker).await?;
             progress.note(&format!(
                 "validation before training: {}",
                 val_metrics::core_means(&v)
@@ -294,9 +315,7 @@ impl Run<'_> {
             if self.validation_due(step, total_steps) {
                 progress.phase("validating");
                 let t = Instant::now();
-                m.extend(
-                    validate::validate(self.recipe, self.prepared, &steps.fleet(), step, self.output).await?,
-                );
+                m.extend(self.validate(&steps, step, &tracker).await?);
                 m.insert("timing_s/testing".into(), t.elapsed().as_secs_f64());
             }
             metrics::add_step_time(&mut m, started.elapsed().as_secs_f64());
@@ -321,10 +340,23 @@ impl Run<'_> {
             }
         }
         progress.finish();
-        for problem in tracker.finish(true, TRACKERS_FINISH_WITHIN).problems() {
-            eprintln!("trainer.logger: {problem}");
-        }
+        finish_trackers(tracker);
         Ok(steps.last_checkpoint)
+    }
+
+    /// Validates at `step`; the generations `trainer.log_val_generations` asks for go to the
+    /// trackers, the metrics are returned.
+    async fn validate(
+        &self,
+        steps: &StepRunner<'_>,
+        step: u64,
+        tracker: &Tracker,
+    ) -> Result<Metrics, RunError> {
+        let v = validate::validate(self.recipe, self.prepared, &steps.fleet(), step, self.output).await?;
+        if !v.generations.is_empty() {
+            tracker.log_generations(step, v.generations);
+        }
+        Ok(v.metrics)
     }
 
     /// Validation before training (`trainer.val_before_train`), every `trainer.test_freq`

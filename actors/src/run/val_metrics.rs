@@ -178,6 +178,28 @@ fn majority_value(draw: &[usize], values: &[f64], preds: &[&str]) -> f64 {
         .unwrap_or(f64::NAN)
 }
 
+/// The validation generations VeRL logs (`_maybe_log_val_generations`): `(input, output,
+/// score)` of every response sorted by input, shuffled as `np.random.RandomState(42).shuffle`
+/// shuffles a list, the first `count` of them.
+pub(crate) fn generations_to_log<T: Clone>(mut samples: Vec<(String, T)>, count: usize) -> Vec<(String, T)> {
+    samples.sort_by(|a, b| a.0.cmp(&b.0));
+    // numpy's legacy shuffle: for i from n-1 down to 1, swap i with an index in 0..=i drawn by
+    // masked rejection from MT19937's 32-bit outputs.
+    let mut mt = Mt::new(SEED);
+    for i in (1..samples.len()).rev() {
+        let mask = u32::MAX >> (i as u32).leading_zeros();
+        let j = loop {
+            let v = mt.next_u32() & mask;
+            if v as usize <= i {
+                break v as usize;
+            }
+        };
+        samples.swap(i, j);
+    }
+    samples.truncate(count);
+    samples
+}
+
 /// numpy's `np.random.seed(42); np.random.choice(n, size=(1000, k), replace=True)`, flattened
 /// row by row: legacy `randint` draws each index from MT19937's 32-bit outputs, masked to the
 /// smallest all-ones mask covering `n - 1` and redrawn while above it.
@@ -265,6 +287,22 @@ mod tests {
         // (numpy 2.x, legacy RandomState).
         assert_eq!(&bootstrap_indices(5, 3)[..6], &[3, 4, 2, 4, 4, 1]);
         assert_eq!(bootstrap_indices(1, 2), vec![0; 2000]);
+    }
+
+    #[test]
+    fn logged_generations_are_the_ones_verl_picks() {
+        // np.random.RandomState(42).shuffle(list(range(n))) for n = 10, 3, 7 (numpy 2.x).
+        for (n, want) in [
+            (10, vec![8, 1, 5, 0, 7, 2, 9, 4, 3, 6]),
+            (3, vec![0, 1, 2]),
+            (7, vec![0, 1, 5, 2, 4, 3, 6]),
+        ] {
+            let samples: Vec<(String, usize)> = (0..n).map(|i| (format!("{i:02}"), i)).collect();
+            let picked: Vec<usize> = generations_to_log(samples, n).into_iter().map(|s| s.1).collect();
+            assert_eq!(picked, want);
+        }
+        let samples = vec![("b".to_string(), 0), ("a".to_string(), 1), ("c".to_string(), 2)];
+        assert_eq!(generations_to_log(samples, 2).len(), 2);
     }
 
     #[test]

@@ -4,13 +4,21 @@
 use super::fleet::Fleet;
 use super::metrics::{mean_std, Metrics};
 use super::prompts::{build_prompts, VALIDATION_ID};
-use super::val_metrics::{validation_metrics, ValSample};
+use super::val_metrics::{generations_to_log, validation_metrics, ValSample};
 use super::{io, RunError};
 use crate::prepare::Prepared;
 use crate::recipe::Recipe;
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
+use tracking::Generation;
+
+/// A validation's metrics, and the generations `trainer.log_val_generations` shows in the
+/// trackers.
+pub(crate) struct Validation {
+    pub metrics: Metrics,
+    pub generations: Vec<Generation>,
+}
 
 /// Generates for every validation prompt (`rollout.val_kwargs`) and scores: VeRL's validation
 /// metrics per data source ([`validation_metrics`]), and grpo's `val/response_length/mean`,
@@ -22,7 +30,7 @@ pub(crate) async fn validate(
     fleet: &Arc<Fleet>,
     step: u64,
     output: &Path,
-) -> Result<Metrics, RunError> {
+) -> Result<Validation, RunError> {
     let dataset = prepared
         .validation
         .as_ref()
@@ -110,5 +118,26 @@ pub(crate) async fn validate(
     m.insert("val/samples".into(), samples.len() as f64);
     let errors = scored.iter().filter(|s| s.score.error.is_some()).count();
     m.insert("val/reward_errors".into(), errors as f64);
-    Ok(m)
+    let count = recipe.trainer.log_val_generations;
+    let generations = if count == 0 {
+        Vec::new()
+    } else {
+        // VeRL's inputs: the prompts as the model saw them, special tokens left out.
+        let inputs = scored
+            .iter()
+            .map(|s| {
+                let input = prepared.tokenizer.tokenizer.decode(&s.sample.prompt_ids, true)?;
+                Ok((input, (s.sample.text.clone(), s.score.score)))
+            })
+            .collect::<Result<Vec<_>, model::ModelError>>()
+            .map_err(|e| RunError::Other(format!("decoding validation prompts: {e}")))?;
+        generations_to_log(inputs, count)
+            .into_iter()
+            .map(|(input, (output, score))| Generation { input, output, score })
+            .collect()
+    };
+    Ok(Validation {
+        metrics: m,
+        generations,
+    })
 }
