@@ -6,7 +6,9 @@
 //! `simple_value`s, tagged with the metric's name; the file is flushed after every step. A
 //! resumed run first writes a `SessionLog` START at the step after its checkpoint, which tells
 //! TensorBoard to drop the older file's events from that step on (they were not kept by the
-//! resume), so the curves show each step once.
+//! resume), so the curves show each step once; a new run in its own output directory writes
+//! one at step 0, so a previous run's curves there go as its `metrics.jsonl` does. (In a
+//! `$TENSORBOARD_DIR` the user chose, which other runs may share, a new run drops nothing.)
 
 use crate::{Generation, Logger, Metrics, Sink, TrackingConfig};
 use std::fs::File;
@@ -116,16 +118,24 @@ pub struct TensorBoard {
 
 impl TensorBoard {
     pub fn start(config: &TrackingConfig) -> Result<TensorBoard, String> {
-        let dir = config
-            .var("TENSORBOARD_DIR")
-            .map(PathBuf::from)
+        let shared = config.var("TENSORBOARD_DIR").map(PathBuf::from);
+        let dir = shared
+            .clone()
             .unwrap_or_else(|| config.output.join("tensorboard"));
         let mut writer = TensorBoard::create(&dir)?;
-        if config.resume {
+        // TensorBoard drops the earlier files' events at the restart's step and after: those of
+        // the steps a resume does again, or, in the run's own directory, a previous run's.
+        let restart = if config.resume {
+            Some(config.start_step as i64 + 1)
+        } else if shared.is_none() {
+            Some(0)
+        } else {
+            None
+        };
+        if let Some(step) = restart {
             writer.write(&Event {
                 wall_time: now(),
-                // TensorBoard drops the events at this step and after.
-                step: config.start_step as i64 + 1,
+                step,
                 what: Some(What::SessionLog(SessionLog { status: 1 })),
             })?;
         }

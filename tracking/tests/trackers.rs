@@ -192,6 +192,24 @@ fn an_mlflow_server_receives_every_metric_and_a_resume_continues_its_run() {
 }
 
 #[test]
+fn a_new_run_in_its_own_output_directory_replaces_the_previous_curves() {
+    let dir = tempfile::tempdir().unwrap();
+    let old = Tracker::start(config(&[Logger::Tensorboard], dir.path(), &[]));
+    for step in 1..=3 {
+        old.log(step, &step_metrics(step));
+    }
+    old.finish(true, Duration::from_secs(30));
+    std::thread::sleep(Duration::from_millis(1100));
+    let new = Tracker::start(config(&[Logger::Tensorboard], dir.path(), &[]));
+    let mut m = step_metrics(1);
+    m.insert("critic/score/mean".into(), 7.0);
+    new.log(1, &m);
+    new.finish(true, Duration::from_secs(30));
+    let scalars = read_tensorboard(&dir.path().join("tensorboard"));
+    assert_eq!(scalars["critic/score/mean"], serde_json::json!([[1, 7.0]]));
+}
+
+#[test]
 fn mlflow_needs_an_http_tracking_uri_and_says_so() {
     let dir = tempfile::tempdir().unwrap();
     let unset = config(&[Logger::Mlflow], dir.path(), &[]);
