@@ -166,7 +166,7 @@ fn a_verl_reward_file_scores_as_it_does_in_python() {
 
 #[test]
 fn raising_hanging_crashing_and_garbage_cost_only_their_own_samples() {
-    let pool = pool(&config("name: misbehaving, workers: 3, timeout_s: 4"));
+    let pool = pool(&config("name: misbehaving, workers: 3, timeout_s: 5"));
     let responses = [
         "fine",
         "raise",
@@ -212,7 +212,7 @@ fn raising_hanging_crashing_and_garbage_cost_only_their_own_samples() {
     assert!(error("nan").contains("not finite"), "{}", error("nan"));
     assert!(error("crash").contains("exited"), "{}", error("crash"));
     assert!(
-        error("hang").contains("did not finish sample 6 within 4s"),
+        error("hang").contains("did not finish sample 6 within 5s"),
         "{}",
         error("hang")
     );

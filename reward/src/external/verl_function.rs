@@ -1,15 +1,15 @@
 //! VeRL's `custom_reward_function`: the user's Python reward file, unchanged, in a pool of
 //! Python processes (`verl_function.py`, run by `$GRPO_PYTHON`, else `python3`) that call it
 //! with VeRL's signature and speak the JSON-lines protocol of [`super::command`], so each
-//! process has its time limit, crash restart and error counting. Each request goes to the
-//! process with the fewest requests in hand, so a process that hangs holds up only its own
-//! request until it is killed and replaced, and one that crashes fails only its own (a `naive`
-//! process takes one request at a time; a `batch` one takes every request waiting, and shares
-//! its fate with them).
+//! process has its time limit, crash restart and error counting. A `naive` process takes one
+//! request at a time: a request goes to a free process (waiting, within the time limit, while
+//! none is), so a process that hangs holds up only its own request until it is killed and
+//! replaced, and one that crashes fails only its own. A `batch` process takes every request
+//! waiting and shares its fate with them; requests go to the least busy one.
 
 use std::process::Command;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -52,8 +52,12 @@ pub fn python() -> String {
 /// A VeRL reward function served by `workers` Python processes.
 pub struct VerlFunctionScorer {
     name: String,
-    /// The processes, each with the number of requests it has in hand.
-    members: Vec<(CommandScorer, AtomicUsize)>,
+    processes: Vec<CommandScorer>,
+    /// Requests each process has in hand, at most `per_process`; `freed` wakes a waiting one.
+    loads: Mutex<Vec<usize>>,
+    freed: Condvar,
+    per_process: usize,
+    timeout: Duration,
 }
 
 impl VerlFunctionScorer {
@@ -112,21 +116,53 @@ impl VerlFunctionScorer {
         timeout: Duration,
     ) -> Self {
         let command = Self::command(path, function, kwargs, manager);
-        let in_flight = match manager {
+        let per_process = match manager {
             RewardManager::Naive => 1,
             RewardManager::Batch => 256,
         };
-        let members = (0..workers.max(1))
+        let workers = workers.max(1);
+        let processes = (0..workers)
             .map(|_| {
-                let process = CommandScorer::new(name, command.clone(), timeout, in_flight)
-                    .with_key("reward.custom_reward_function (the Python is $GRPO_PYTHON, else python3)");
-                (process, AtomicUsize::new(0))
+                CommandScorer::new(name, command.clone(), timeout, per_process)
+                    .with_key("reward.custom_reward_function (the Python is $GRPO_PYTHON, else python3)")
             })
             .collect();
         Self {
             name: name.to_string(),
-            members,
+            processes,
+            loads: Mutex::new(vec![0; workers]),
+            freed: Condvar::new(),
+            per_process,
+            timeout,
         }
+    }
+
+    /// The least busy process with room for a request, waiting until `deadline` for one.
+    fn acquire(&self, deadline: Instant) -> Option<usize> {
+        let mut loads = self.loads.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            let free = (0..loads.len())
+                .filter(|&i| loads[i] < self.per_process)
+                .min_by_key(|&i| loads[i]);
+            if let Some(i) = free {
+                loads[i] += 1;
+                return Some(i);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            loads = self
+                .freed
+                .wait_timeout(loads, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    fn release(&self, process: usize) {
+        self.loads.lock().unwrap_or_else(|p| p.into_inner())[process] -= 1;
+        self.freed.notify_one();
     }
 }
 
@@ -136,14 +172,21 @@ impl Scorer for VerlFunctionScorer {
     }
 
     fn score(&self, sample: &Sample) -> Result<Score, ScoreError> {
-        let (process, load) = self
-            .members
-            .iter()
-            .min_by_key(|(_, load)| load.load(Ordering::Relaxed))
-            .expect("at least one process");
-        load.fetch_add(1, Ordering::Relaxed);
-        let result = process.score(sample);
-        load.fetch_sub(1, Ordering::Relaxed);
-        result
+        let process = self
+            .acquire(Instant::now() + self.timeout)
+            .ok_or_else(|| ScoreError::TimedOut {
+                scorer: self.name.clone(),
+                sample_id: sample.id,
+                limit: self.timeout,
+            })?;
+        // Released however the call ends.
+        struct Held<'a>(&'a VerlFunctionScorer, usize);
+        impl Drop for Held<'_> {
+            fn drop(&mut self) {
+                self.0.release(self.1);
+            }
+        }
+        let _held = Held(self, process);
+        self.processes[process].score(sample)
     }
 }
