@@ -34,6 +34,7 @@ enum Command {
     Export(commands::export::ExportArgs),
     Plot(commands::plot::PlotArgs),
     Compile(commands::compile::CompileArgs),
+    Verl(commands::verl::VerlArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -54,6 +55,7 @@ fn main() -> std::process::ExitCode {
         Command::Export(args) => commands::export::run(args),
         Command::Plot(args) => commands::plot::run(args),
         Command::Compile(args) => commands::compile::run(args),
+        Command::Verl(args) => commands::verl::run(args),
     };
     match result {
         Ok(code) => code,

@@ -10,4 +10,5 @@ pub mod roles;
 pub mod run;
 pub mod setup;
 pub mod transport;
+pub mod verl;
 pub mod worker;

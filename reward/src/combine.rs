@@ -83,7 +83,7 @@ mod tests {
             (
                 both.extras["gsm8k"],
                 both.extras["tags"],
-                both.extras["gsm8k/acc"]
+                both.extras["gsm8k/correct"]
             ),
             (1.0, 1.0, 1.0)
         );

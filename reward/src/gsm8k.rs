@@ -92,7 +92,9 @@ pub fn compute_score(
     }
 }
 
-/// The GSM8K scorer. Extras: `acc` (1 when correct) and `format` (1 when an answer was found).
+/// The GSM8K scorer. Extras: `correct` (1 when correct) and `format` (1 when an answer was found);
+/// not `acc`, which VeRL's gsm8k scorer does not report: with it the validation's core metric
+/// would be `val-core/openai/gsm8k/acc/...` instead of VeRL's `.../reward/...`.
 #[derive(Debug, Clone)]
 pub struct Gsm8kScorer {
     name: String,
@@ -130,7 +132,7 @@ impl Scorer for Gsm8kScorer {
             (Some(_), false) => self.format_score,
         };
         Ok(Score::new(value)
-            .with_extra("acc", if correct { 1.0 } else { 0.0 })
+            .with_extra("correct", if correct { 1.0 } else { 0.0 })
             .with_extra("format", if answer.is_some() { 1.0 } else { 0.0 }))
     }
 }
@@ -175,12 +177,12 @@ mod tests {
         scorer.format_score = 0.1;
         let right = scorer.score(&sample("so #### 18", "18")).unwrap();
         assert_eq!(
-            (right.value, right.extras["acc"], right.extras["format"]),
+            (right.value, right.extras["correct"], right.extras["format"]),
             (1.0, 1.0, 1.0)
         );
         let wrong = scorer.score(&sample("so #### 17", "18")).unwrap();
         assert_eq!(
-            (wrong.value, wrong.extras["acc"], wrong.extras["format"]),
+            (wrong.value, wrong.extras["correct"], wrong.extras["format"]),
             (0.1, 0.0, 1.0)
         );
         let none = scorer.score(&sample("so 18", "18")).unwrap();

@@ -209,7 +209,8 @@ impl crate::Scorer for MathScorer {
 
     fn score(&self, sample: &crate::Sample) -> Result<crate::Score, crate::ScoreError> {
         let value = compute_score(&sample.response, &sample.ground_truth);
-        Ok(crate::Score::new(value).with_extra("acc", value))
+        // VeRL's math scorer returns the bare score (so the core metric is `reward`, not `acc`).
+        Ok(crate::Score::new(value))
     }
 }
 

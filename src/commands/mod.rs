@@ -7,4 +7,5 @@ pub mod generate;
 pub mod plot;
 pub mod preprocess;
 pub mod run;
+pub mod verl;
 pub mod worker;

@@ -59,7 +59,12 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
         quiet: args.quiet,
         worker_program: None,
     };
-    let summary = actors::run::train(&recipe, &options)?;
+    train(&recipe, &options)
+}
+
+/// Trains and says where the results went (shared with `grpo verl`).
+pub fn train(recipe: &actors::recipe::Recipe, options: &actors::run::RunOptions) -> Result<ExitCode> {
+    let summary = actors::run::train(recipe, options)?;
     let output = summary.output.display();
     if summary.resumed_from >= summary.steps {
         eprintln!(

@@ -186,7 +186,11 @@ pub fn apply_overrides(recipe: &Recipe, overrides: &[String], file: &str) -> Res
     Ok(serde_yaml::from_value(tree).expect("checked above"))
 }
 
-fn set_path(tree: &mut serde_yaml::Value, key: &str, value: serde_yaml::Value) -> Result<(), String> {
+pub(crate) fn set_path(
+    tree: &mut serde_yaml::Value,
+    key: &str,
+    value: serde_yaml::Value,
+) -> Result<(), String> {
     let parts: Vec<&str> = key.split('.').collect();
     let mut node = tree;
     for (i, part) in parts.iter().enumerate() {
@@ -214,7 +218,7 @@ fn set_path(tree: &mut serde_yaml::Value, key: &str, value: serde_yaml::Value) -
 }
 
 /// serde_yaml appends " at line L column C" and may prefix "path: "; keep only the message.
-fn bare_message(msg: &str) -> String {
+pub(crate) fn bare_message(msg: &str) -> String {
     let msg = match msg.rfind(" at line ") {
         Some(i) => &msg[..i],
         None => msg,

@@ -12,6 +12,8 @@ mod load;
 mod validate;
 
 pub use load::{apply_overrides, load_recipe, load_recipe_str, RecipeError};
+pub(crate) use load::{bare_message, set_path};
+pub(crate) use validate::validate;
 pub use validate::Violation;
 
 use serde::{Deserialize, Serialize};

@@ -365,7 +365,7 @@ impl Run<'_> {
         let t = &self.recipe.trainer;
         self.prepared.validation.is_some()
             && ((step == 0 && t.val_before_train)
-                || (t.test_freq > 0 && step.is_multiple_of(t.test_freq as u64))
+                || (step > 0 && t.test_freq > 0 && step.is_multiple_of(t.test_freq as u64))
                 || (step == total_steps && t.test_freq > 0))
     }
 

@@ -1,0 +1,642 @@
+//! `grpo verl`: a VeRL command line (`python3 -m verl.trainer.main_ppo KEY=VALUE...`) made into a
+//! grpo recipe.
+//!
+//! The config is built as VeRL builds it ([`hydra`]: VeRL's defaults at the commit below, a
+//! `--config-name` file, Hydra overrides), then every leaf is looked up in one [`table`]: mapped
+//! keys go to their recipe keys (VeRL's defaults included, so an unset key means what it means
+//! in VeRL), rules turn VeRL's per-GPU sizes into grpo's devices and micro-batches, keys with no
+//! effect here give a note when set away from VeRL's default, and unsupported ones an error. The
+//! recipe is then checked as any recipe is, and an error names the VeRL key behind it.
+//!
+//! The size rule is [`SIZE_RULE`].
+
+mod hydra;
+pub mod table;
+
+pub use hydra::{Op, Override};
+
+use crate::recipe::{bare_message, set_path, validate, Recipe};
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use table::How;
+
+/// The VeRL commit whose config `grpo verl` reads (`verl_defaults.tsv`).
+pub const VERL_COMMIT: &str = "b178a3cd56f58b2d502255daba591e92833930a7";
+
+/// How VeRL's per-GPU sizes become grpo's devices and micro-batches (printed by `--keys`).
+pub const SIZE_RULE: &str = "VeRL's devices are `trainer.nnodes` x `trainer.n_gpus_per_node` \
+(one host: `nnodes` must be 1) of kind `trainer.device` (cuda, cpu or tpu). More than one device \
+shards the learner over them (`actor.strategy: fsdp`, `actor.mesh`); on cpu the CPU client opens \
+that many devices (`cluster.cpu_device_count`). grpo's `actor.ppo_micro_batch_size` counts the \
+sequences of one pass over all devices, so it is VeRL's `ppo_micro_batch_size_per_gpu` x \
+devices, lowered to the largest per-device count that divides each device's share of the \
+mini-batch (`ppo_mini_batch_size` x `rollout.n` / devices; a note says so). With \
+`use_dynamic_bsz`, the per-device count is `ppo_max_token_len_per_gpu` / (`max_prompt_length` + \
+`max_response_length`), the most whole sequences that token budget holds (grpo pads each \
+micro-batch to length buckets instead of packing). `rollout.max_num_seqs` is capped at one \
+step's sequences (`train_batch_size` x `rollout.n`).";
+
+/// What `grpo verl` was given.
+#[derive(Debug, Default, Clone)]
+pub struct VerlInput {
+    /// Hydra overrides, in order.
+    pub overrides: Vec<String>,
+    /// `--config-path`: the directory of `--config-name`.
+    pub config_path: Option<PathBuf>,
+    /// `--config-name`: a YAML file (without `.yaml`) composed over VeRL's defaults.
+    pub config_name: Option<String>,
+}
+
+/// The recipe a VeRL command line makes, and the notes about keys that change nothing here.
+#[derive(Debug)]
+pub struct Translation {
+    pub recipe: Recipe,
+    pub notes: Vec<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum VerlError {
+    #[error("{raw}: {message}")]
+    BadOverride { raw: String, message: String },
+    #[error(
+        "{raw}: `{key}` is not a key of VeRL's config (VeRL's Hydra would refuse it too: \
+         Key '{key}' is not in struct){}; a key VeRL reads without listing it is added with \
+         `+{key}=...`",
+        suggestion.as_ref().map(|s| format!("; did you mean `{s}`?")).unwrap_or_default()
+    )]
+    UnknownKey {
+        raw: String,
+        key: String,
+        suggestion: Option<String>,
+    },
+    #[error("{file}: {message}")]
+    ConfigFile { file: String, message: String },
+    #[error("`{key}` = {value}: {message}")]
+    Interpolation {
+        key: String,
+        value: String,
+        message: String,
+    },
+    #[error("{}", render_unsupported(.0))]
+    Unsupported(Vec<(String, String)>),
+    #[error("{origin}: {message}")]
+    Value { origin: String, message: String },
+    #[error("the recipe made from these VeRL keys breaks a rule:\n{}", .0.join("\n"))]
+    Rules(Vec<String>),
+}
+
+fn render_unsupported(items: &[(String, String)]) -> String {
+    let mut out = format!(
+        "{} VeRL setting{} grpo cannot honour:",
+        items.len(),
+        if items.len() == 1 { "" } else { "s" }
+    );
+    for (what, why) in items {
+        out.push_str(&format!("\n  {what}: not supported: {why}"));
+    }
+    out
+}
+
+/// The recipe key a mapped VeRL key goes to, and the VeRL keys behind each recipe key (for
+/// errors).
+struct Builder {
+    tree: serde_yaml::Value,
+    origin: BTreeMap<String, String>,
+}
+
+impl Builder {
+    fn set(&mut self, recipe_key: &str, value: Value, origin: String) -> Result<(), VerlError> {
+        let yaml = serde_yaml::to_value(&value).expect("json values are yaml values");
+        set_path(&mut self.tree, recipe_key, yaml).map_err(|message| VerlError::Value {
+            origin: origin.clone(),
+            message,
+        })?;
+        self.origin.insert(recipe_key.to_string(), origin);
+        Ok(())
+    }
+
+    fn origin_of(&self, recipe_key: &str) -> String {
+        let mut key = recipe_key;
+        loop {
+            if let Some(o) = self.origin.get(key) {
+                return format!("{o} (recipe key `{recipe_key}`)");
+            }
+            match key.rfind(['.', '[']) {
+                Some(cut) => key = &key[..cut],
+                None => return format!("recipe key `{recipe_key}`"),
+            }
+        }
+    }
+}
+
+/// Builds the config as VeRL would and makes it a recipe.
+pub fn translate(input: &VerlInput) -> Result<Translation, VerlError> {
+    let mut config = hydra::Config::new();
+    if let Some(name) = &input.config_name {
+        let dir = input.config_path.clone().unwrap_or_else(|| PathBuf::from("."));
+        let file = if name.ends_with(".yaml") {
+            name.clone()
+        } else {
+            format!("{name}.yaml")
+        };
+        config.merge_file(&dir.join(file))?;
+    } else if let Some(dir) = &input.config_path {
+        return Err(VerlError::ConfigFile {
+            file: dir.display().to_string(),
+            message: "--config-path names the directory of --config-name; give --config-name too".into(),
+        });
+    }
+    for raw in &input.overrides {
+        config.apply(&Override::parse(raw)?)?;
+    }
+    let mut t = Translator {
+        config,
+        notes: Vec::new(),
+        unsupported: Vec::new(),
+        b: Builder {
+            tree: serde_yaml::Value::Mapping(Default::default()),
+            origin: BTreeMap::new(),
+        },
+    };
+    t.classify()?;
+    t.map_keys()?;
+    // Every unsupported setting is reported at once, before a rule's error about sizes.
+    let rules = t.rules();
+    if !t.unsupported.is_empty() {
+        return Err(VerlError::Unsupported(t.unsupported));
+    }
+    rules?;
+    let recipe: Recipe = serde_path_to_error::deserialize(t.b.tree.clone()).map_err(|e| {
+        let path = e.path().to_string();
+        VerlError::Value {
+            origin: t.b.origin_of(&path),
+            message: bare_message(&e.into_inner().to_string()),
+        }
+    })?;
+    let violations = validate(&recipe, "", "grpo verl", &[]);
+    if !violations.is_empty() {
+        return Err(VerlError::Rules(
+            violations
+                .iter()
+                .map(|v| {
+                    format!(
+                        "  {}: `{}` = {}: {}",
+                        t.b.origin_of(&v.key),
+                        v.key,
+                        v.value,
+                        v.rule
+                    )
+                })
+                .collect(),
+        ));
+    }
+    Ok(Translation {
+        recipe,
+        notes: t.notes,
+    })
+}
+
+struct Translator {
+    config: hydra::Config,
+    notes: Vec<String>,
+    unsupported: Vec<(String, String)>,
+    b: Builder,
+}
+
+impl Translator {
+    /// Where a key's value came from, for messages: the override or file entry, or VeRL's
+    /// default.
+    fn origin(&self, key: &str) -> String {
+        match self.config.origin.get(key) {
+            Some(o)
+                if o.starts_with(key)
+                    || o.starts_with(&format!("+{key}"))
+                    || o.starts_with(&format!("++{key}")) =>
+            {
+                format!("`{o}`")
+            }
+            Some(o) => format!("`{key}` (from {o})"),
+            None => format!("`{key}` (VeRL's default)"),
+        }
+    }
+
+    fn get(&self, key: &str) -> Result<Value, VerlError> {
+        Ok(self.config.get(key)?.unwrap_or(Value::Null))
+    }
+
+    /// Notes for keys with no effect, errors for unsupported ones, each when set away from
+    /// VeRL's default.
+    fn classify(&mut self) -> Result<(), VerlError> {
+        for (key, value) in &self.config.values {
+            let Some(entry) = table::entry(key) else {
+                return Err(VerlError::Value {
+                    origin: format!(
+                        "`{}`",
+                        self.config.origin.get(key).cloned().unwrap_or(key.clone())
+                    ),
+                    message: format!(
+                        "`{key}` is not a key grpo verl knows VeRL to read, so it cannot say what \
+                         it would do; `grpo verl --keys` lists them"
+                    ),
+                });
+            };
+            let changed = self.config.defaults.get(key) != Some(value);
+            if !changed {
+                continue;
+            }
+            let shown = format!("{key}={}", compact(value));
+            match entry.how {
+                How::NoEffect(why) => self.notes.push(format!("{shown} has no effect in grpo: {why}")),
+                How::Unsupported(why) => self.unsupported.push((shown, why.to_string())),
+                How::Map(_) | How::Rule(_) => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Every `Map` key, VeRL's default or the user's value, to its recipe key.
+    fn map_keys(&mut self) -> Result<(), VerlError> {
+        for entry in table::TABLE {
+            let How::Map(to) = entry.how else { continue };
+            let mut value = self.get(entry.key)?;
+            if PATH_KEYS.contains(&entry.key) {
+                value = expand_home(value);
+            }
+            if entry.key == "algorithm.adv_estimator"
+                && value == json!("gae")
+                && !self.config.origin.contains_key(entry.key)
+            {
+                self.unsupported.push((
+                    "algorithm.adv_estimator=gae (VeRL's default)".into(),
+                    "grpo's estimators are grpo and rloo: set algorithm.adv_estimator=grpo, as \
+                     VeRL's GRPO scripts do"
+                        .into(),
+                ));
+                continue;
+            }
+            let origin = self.origin(entry.key);
+            self.b.set(to, value, origin)?;
+        }
+        Ok(())
+    }
+
+    fn rules(&mut self) -> Result<(), VerlError> {
+        self.optimizer()?;
+        self.dtypes()?;
+        self.sizes()?;
+        self.sampling()?;
+        self.reward()?;
+        self.trainer()?;
+        Ok(())
+    }
+
+    fn optimizer(&mut self) -> Result<(), VerlError> {
+        let a = "actor_rollout_ref.actor";
+        let steps = self
+            .get(&format!("{a}.optim.lr_warmup_steps"))?
+            .as_i64()
+            .unwrap_or(-1);
+        let ratio = self
+            .get(&format!("{a}.optim.lr_warmup_steps_ratio"))?
+            .as_f64()
+            .unwrap_or(0.0);
+        if steps >= 0 {
+            let o = self.origin(&format!("{a}.optim.lr_warmup_steps"));
+            self.b.set("actor.optim.lr_warmup_steps", json!(steps), o)?;
+        } else if ratio > 0.0 {
+            let total = self.get("trainer.total_training_steps")?.as_u64();
+            let batch = self.get("data.train_batch_size")?.as_u64().unwrap_or(1);
+            let mini = self
+                .get(&format!("{a}.ppo_mini_batch_size"))?
+                .as_u64()
+                .unwrap_or(1)
+                .max(1);
+            let epochs = self.get(&format!("{a}.ppo_epochs"))?.as_u64().unwrap_or(1);
+            let Some(total) = total else {
+                return Err(VerlError::Value {
+                    origin: self.origin(&format!("{a}.optim.lr_warmup_steps_ratio")),
+                    message: "a warmup ratio needs the run's length before the data is read: set \
+                              trainer.total_training_steps, or actor_rollout_ref.actor.optim.lr_warmup_steps"
+                        .into(),
+                });
+            };
+            let optimizer_steps = total * batch.div_ceil(mini) * epochs;
+            let warmup = (ratio * optimizer_steps as f64) as u64;
+            let o = self.origin(&format!("{a}.optim.lr_warmup_steps_ratio"));
+            self.b.set("actor.optim.lr_warmup_steps", json!(warmup), o)?;
+        }
+        // VeRL reads `optim.clip_grad` in its newer engine and `actor.grad_clip` in the older;
+        // a value set away from the shared default 1.0 in either is the one meant.
+        let clip_grad = self.get(&format!("{a}.optim.clip_grad"))?;
+        let grad_clip = self.get(&format!("{a}.grad_clip"))?;
+        let (value, key) = match (clip_grad.as_f64(), grad_clip.as_f64()) {
+            (Some(c), Some(g)) if c != 1.0 && g != 1.0 && c != g => {
+                return Err(VerlError::Value {
+                    origin: self.origin(&format!("{a}.optim.clip_grad")),
+                    message: format!("it and `{a}.grad_clip` = {g} disagree; set one of them"),
+                })
+            }
+            (Some(c), _) if c != 1.0 => (c, format!("{a}.optim.clip_grad")),
+            (_, Some(g)) => (g, format!("{a}.grad_clip")),
+            _ => (1.0, format!("{a}.grad_clip")),
+        };
+        let o = self.origin(&key);
+        self.b.set("actor.grad_clip", json!(value), o)?;
+        let style = self.get(&format!("{a}.optim.warmup_style"))?;
+        if !style.is_null() {
+            let o = self.origin(&format!("{a}.optim.warmup_style"));
+            self.b.set("actor.optim.lr_scheduler_type", style, o)?;
+        }
+        // VeRL's `clip_ratio` fills in a null `clip_ratio_low` / `clip_ratio_high`.
+        let clip = self.get(&format!("{a}.clip_ratio"))?;
+        for side in ["low", "high"] {
+            if self.get(&format!("{a}.clip_ratio_{side}"))?.is_null() {
+                let o = self.origin(&format!("{a}.clip_ratio"));
+                self.b.set(&format!("actor.clip_ratio_{side}"), clip.clone(), o)?;
+            }
+        }
+        let strategy = self.get(&format!("{a}.strategy"))?;
+        if !matches!(strategy.as_str(), Some("fsdp" | "fsdp2")) {
+            self.unsupported.push((
+                format!("{a}.strategy={}", compact(&strategy)),
+                "grpo's learner shards like FSDP (fsdp, fsdp2); for Megatron's tensor parallelism \
+                 set actor.tensor_model_parallel_size in a recipe"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn dtypes(&mut self) -> Result<(), VerlError> {
+        for (verl, recipe) in [
+            ("actor_rollout_ref.actor.fsdp_config.dtype", "actor.param_dtype"),
+            ("actor_rollout_ref.rollout.dtype", "rollout.dtype"),
+        ] {
+            let value = self.get(verl)?;
+            let ours = match value.as_str() {
+                Some("bfloat16" | "bf16") => "auto",
+                Some("float32" | "fp32") => "f32",
+                _ => {
+                    self.unsupported.push((
+                        format!("{verl}={}", compact(&value)),
+                        "grpo computes in bf16 or f32 (bfloat16, float32)".into(),
+                    ));
+                    continue;
+                }
+            };
+            let o = self.origin(verl);
+            self.b.set(recipe, json!(ours), o)?;
+        }
+        Ok(())
+    }
+
+    fn sizes(&mut self) -> Result<(), VerlError> {
+        let a = "actor_rollout_ref.actor";
+        let nnodes = self.get("trainer.nnodes")?.as_u64().unwrap_or(1);
+        if nnodes != 1 {
+            self.unsupported.push((
+                format!("trainer.nnodes={nnodes}"),
+                "grpo verl runs on one host; for several, write a recipe with \
+                 `cluster.launcher: ray` and `cluster.pools` (recipes/README.md)"
+                    .into(),
+            ));
+            return Ok(());
+        }
+        let devices = self.get("trainer.n_gpus_per_node")?.as_u64().unwrap_or(1).max(1);
+        let device = self.get("trainer.device")?;
+        let kind = match device.as_str() {
+            Some("cuda" | "gpu") => "cuda",
+            Some("cpu") => "cpu",
+            Some("tpu") => "tpu",
+            _ => {
+                self.unsupported.push((
+                    format!("trainer.device={}", compact(&device)),
+                    "grpo runs on cuda, tpu and cpu".into(),
+                ));
+                return Ok(());
+            }
+        };
+        let device_origin = self.origin("trainer.device");
+        let gpus_origin = self.origin("trainer.n_gpus_per_node");
+        self.b.set("cluster.device", json!(kind), device_origin)?;
+        if kind == "cpu" {
+            self.b
+                .set("cluster.cpu_device_count", json!(devices), gpus_origin.clone())?;
+        }
+        if devices > 1 {
+            self.b.set("actor.strategy", json!("fsdp"), gpus_origin.clone())?;
+            self.b.set("actor.mesh", json!(devices), gpus_origin.clone())?;
+        }
+        let tp = self
+            .get("actor_rollout_ref.rollout.tensor_model_parallel_size")?
+            .as_u64()
+            .unwrap_or(1);
+        if tp > devices {
+            return Err(VerlError::Value {
+                origin: self.origin("actor_rollout_ref.rollout.tensor_model_parallel_size"),
+                message: format!(
+                    "{tp} devices per rollout engine, but the run has {devices} \
+                     (trainer.n_gpus_per_node x trainer.nnodes); VeRL refuses this too"
+                ),
+            });
+        }
+        let n = self
+            .get("actor_rollout_ref.rollout.n")?
+            .as_u64()
+            .unwrap_or(1)
+            .max(1);
+        let mini = self
+            .get(&format!("{a}.ppo_mini_batch_size"))?
+            .as_u64()
+            .unwrap_or(1);
+        let seqs = mini * n;
+        if !seqs.is_multiple_of(devices) {
+            return Err(VerlError::Value {
+                origin: self.origin(&format!("{a}.ppo_mini_batch_size")),
+                message: format!(
+                    "a mini-batch of {mini} prompts x {n} responses = {seqs} sequences does not \
+                     split evenly over {devices} devices (trainer.n_gpus_per_node); VeRL refuses \
+                     this too"
+                ),
+            });
+        }
+        let share = seqs / devices;
+        let dynamic = self
+            .get(&format!("{a}.use_dynamic_bsz"))?
+            .as_bool()
+            .unwrap_or(false);
+        let (per_device, from) = if dynamic {
+            let tokens = self
+                .get(&format!("{a}.ppo_max_token_len_per_gpu"))?
+                .as_u64()
+                .unwrap_or(16384);
+            let len = self.get("data.max_prompt_length")?.as_u64().unwrap_or(512)
+                + self.get("data.max_response_length")?.as_u64().unwrap_or(512);
+            (
+                (tokens / len.max(1)).max(1),
+                format!("{a}.ppo_max_token_len_per_gpu"),
+            )
+        } else if let Some(m) = self.get(&format!("{a}.ppo_micro_batch_size_per_gpu"))?.as_u64() {
+            (m.max(1), format!("{a}.ppo_micro_batch_size_per_gpu"))
+        } else if let Some(m) = self.get(&format!("{a}.ppo_micro_batch_size"))?.as_u64() {
+            ((m / devices).max(1), format!("{a}.ppo_micro_batch_size"))
+        } else {
+            return Err(VerlError::Value {
+                origin: format!("`{a}.ppo_micro_batch_size_per_gpu`"),
+                message: "unset: set it (or use_dynamic_bsz=True with ppo_max_token_len_per_gpu); \
+                          VeRL requires it too"
+                    .into(),
+            });
+        };
+        let fitted = (1..=per_device.min(share))
+            .rev()
+            .find(|d| share.is_multiple_of(*d))
+            .unwrap_or(1);
+        if fitted != per_device {
+            self.notes.push(format!(
+                "size rule: {per_device} sequences per device per pass (from {from}) made {fitted}, \
+                 the most that divides each device's {share} sequences of a mini-batch"
+            ));
+        }
+        let o = self.origin(&from);
+        self.b
+            .set("actor.ppo_micro_batch_size", json!(fitted * devices), o)?;
+        Ok(())
+    }
+
+    fn sampling(&mut self) -> Result<(), VerlError> {
+        let r = "actor_rollout_ref.rollout";
+        if self.get(&format!("{r}.do_sample"))? == json!(false) {
+            let o = self.origin(&format!("{r}.do_sample"));
+            self.b.set("rollout.temperature", json!(0.0), o)?;
+        }
+        let step = self.get("data.train_batch_size")?.as_u64().unwrap_or(1)
+            * self.get(&format!("{r}.n"))?.as_u64().unwrap_or(1);
+        let max = self.get(&format!("{r}.max_num_seqs"))?.as_u64().unwrap_or(256);
+        let o = self.origin(&format!("{r}.max_num_seqs"));
+        self.b
+            .set("rollout.max_num_seqs", json!(max.min(step).max(1)), o)?;
+        let rc = "algorithm.rollout_correction";
+        let is = self.get(&format!("{rc}.rollout_is"))?;
+        match is.as_str() {
+            None if is.is_null() => {}
+            Some("token") => {
+                let threshold = self.get(&format!("{rc}.rollout_is_threshold"))?;
+                let o = self.origin(&format!("{rc}.rollout_is_threshold"));
+                self.b.set("algorithm.rollout_is_threshold", threshold, o)?;
+            }
+            _ => self.unsupported.push((
+                format!("{rc}.rollout_is={}", compact(&is)),
+                "grpo's importance-sampling correction is per token (`rollout_is: token`)".into(),
+            )),
+        }
+        Ok(())
+    }
+
+    fn reward(&mut self) -> Result<(), VerlError> {
+        let manager = self.get("reward_manager.name")?;
+        let manager_origin = self.origin("reward_manager.name");
+        if !matches!(manager.as_str(), Some("naive" | "batch")) {
+            self.unsupported.push((
+                format!("reward_manager.name={}", compact(&manager)),
+                "grpo's reward managers are naive and batch (VeRL's dapo, prime and others are \
+                 not in grpo; overlong penalties are `reward.overlong_buffer` in a recipe)"
+                    .into(),
+            ));
+        }
+        let path = expand_home(self.get("custom_reward_function.path")?);
+        if path.is_null() {
+            if manager != json!("naive")
+                && self.config.values.get("reward_manager.name")
+                    != self.config.defaults.get("reward_manager.name")
+            {
+                self.notes.push(format!(
+                    "reward_manager.name={} has no effect without custom_reward_function.path: \
+                     grpo's built-in scorers serve VeRL's data sources",
+                    compact(&manager)
+                ));
+            }
+            return Ok(());
+        }
+        let name = self.get("custom_reward_function.name")?;
+        let mut kwargs = serde_json::Map::new();
+        let prefix = "custom_reward_function.reward_kwargs.";
+        for key in self.config.values.keys().filter(|k| k.starts_with(prefix)) {
+            kwargs.insert(key[prefix.len()..].to_string(), self.get(key)?);
+        }
+        let origin = format!("{} with {manager_origin}", self.origin("custom_reward_function.path"));
+        self.b.set(
+            "reward.custom_reward_function",
+            json!({ "path": path, "name": name, "reward_kwargs": kwargs, "reward_manager": manager }),
+            origin,
+        )?;
+        Ok(())
+    }
+
+    fn trainer(&mut self) -> Result<(), VerlError> {
+        let logger = self.get("trainer.logger")?;
+        let mut names: Vec<Value> = match logger {
+            Value::Array(list) => list,
+            Value::Null => Vec::new(),
+            one => vec![one],
+        };
+        if !names.contains(&json!("file")) {
+            names.push(json!("file"));
+        }
+        let o = self.origin("trainer.logger");
+        self.b.set("trainer.logger", Value::Array(names), o)?;
+        let seed = self.get("data.seed")?;
+        if !seed.is_null() {
+            let o = self.origin("data.seed");
+            self.b.set("data.seed", seed, o)?;
+        }
+        let tokenizer = self.get("data.tokenizer")?;
+        if !tokenizer.is_null() && self.get("actor_rollout_ref.model.tokenizer_path")?.is_null() {
+            let o = self.origin("data.tokenizer");
+            self.b.set("model.tokenizer", expand_home(tokenizer), o)?;
+        }
+        Ok(())
+    }
+}
+
+/// VeRL keys holding paths, where `~/` means the home directory as in VeRL.
+const PATH_KEYS: &[&str] = &[
+    "actor_rollout_ref.model.path",
+    "actor_rollout_ref.model.tokenizer_path",
+    "data.train_files",
+    "data.val_files",
+    "trainer.default_local_dir",
+    "trainer.resume_from_path",
+];
+
+fn expand_home(value: Value) -> Value {
+    let home = std::env::var("HOME").unwrap_or_default();
+    let one = |s: &str| match s.strip_prefix("~/") {
+        Some(rest) if !home.is_empty() => format!("{home}/{rest}"),
+        _ => s.to_string(),
+    };
+    match value {
+        Value::String(s) => Value::String(one(&s)),
+        Value::Array(list) => Value::Array(
+            list.into_iter()
+                .map(|v| match v {
+                    Value::String(s) => Value::String(one(&s)),
+                    other => other,
+                })
+                .collect(),
+        ),
+        other => other,
+    }
+}
+
+/// A value as a user would write it on the command line.
+fn compact(value: &Value) -> String {
+    match value {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,348 @@
+//! What `grpo verl` does with each key of VeRL's trainer config: one table, one entry per key or
+//! per section (`critic.*`), the most specific entry deciding. `grpo verl --keys` prints it, and
+//! a test checks it against `verl_defaults.tsv` (every VeRL key covered, no entry for a key VeRL
+//! does not have, every mapped key reaching the recipe).
+
+/// What becomes of one VeRL key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum How {
+    /// The value goes to this recipe key as it is (grpo's enums keep VeRL's names).
+    Map(&'static str),
+    /// Read by a rule of `translate` (sizes, devices, loggers, ...), described here.
+    Rule(&'static str),
+    /// Accepted; when its value differs from VeRL's default, a note says why it changes nothing
+    /// here.
+    NoEffect(&'static str),
+    /// A value other than VeRL's default is an error with this reason and the nearest thing
+    /// grpo has.
+    Unsupported(&'static str),
+}
+
+/// One row: a dotted VeRL key, or a section ending in `.*`.
+#[derive(Clone, Copy, Debug)]
+pub struct Entry {
+    pub key: &'static str,
+    pub how: How,
+}
+
+/// Keys VeRL reads that its config does not list: users add them with Hydra's `+key=value`.
+pub const ADDED_KEYS: &[&str] = &["custom_reward_function.reward_kwargs.*"];
+
+const PROFILER: How = How::NoEffect(
+    "PyTorch / Nsight / NPU profiling; grpo reports each phase's time as `timing_s/*` metrics, and \
+     `grpo compile` the cost of its programs",
+);
+const FSDP: How = How::NoEffect(
+    "PyTorch FSDP wrapping, offload and compile settings; grpo's learner is sharded by XLA over \
+     the devices of the size rule (`actor.strategy: fsdp`), keeping f32 master weights",
+);
+const REF: How = How::NoEffect(
+    "the reference policy lives in the learner's process with the learner's layout, and its \
+     log-probs are computed in the learner's micro-batches (`actor.ppo_micro_batch_size`)",
+);
+const CRITIC: How = How::NoEffect(
+    "GRPO takes its baseline from the group's rewards and has no critic (VeRL builds one only \
+     for `algorithm.adv_estimator: gae`, which grpo does not have)",
+);
+const LOG_PROB_BATCH: How = How::NoEffect(
+    "log-probs are computed in the learner's micro-batches (`actor.ppo_micro_batch_size`, from \
+     `ppo_micro_batch_size_per_gpu` by the size rule)",
+);
+const VLLM: How = How::NoEffect(
+    "a setting of vLLM / SGLang; grpo generates with its own engine (continuous batching on the \
+     same compiled programs as the learner), sized by `rollout.max_num_seqs`",
+);
+const MTP: How = How::Unsupported("multi-token prediction is not in grpo");
+const LORA: How =
+    How::Unsupported("LoRA is not in this grpo build yet (issue 25); grpo trains every weight of the model");
+const MULTI_TURN: How = How::Unsupported(
+    "multi-turn rollouts with tools are not in this grpo build yet (issue 24); grpo's rollouts \
+     are single-turn",
+);
+const ULYSSES: How = How::Unsupported(
+    "Ulysses sequence parallelism is not in grpo; a long sequence is split over devices by \
+     tensor parallelism instead (`rollout.tensor_model_parallel_size`, \
+     `actor.tensor_model_parallel_size` in a recipe)",
+);
+const TEXT_ONLY: How = How::NoEffect("grpo trains text-only models; image and video columns are not read");
+const ENTROPY: How = How::NoEffect(
+    "grpo computes the entropy from the logits it already holds, without chunking or recomputing",
+);
+
+#[rustfmt::skip]
+pub const TABLE: &[Entry] = &[
+    // actor_rollout_ref.actor.optim
+    Entry { key: "actor_rollout_ref.actor.optim.optimizer", how: How::Unsupported("grpo's optimizer is AdamW") },
+    Entry { key: "actor_rollout_ref.actor.optim.optimizer_impl", how: How::NoEffect("grpo's AdamW is its own, compiled into the update program") },
+    Entry { key: "actor_rollout_ref.actor.optim.lr", how: How::Map("actor.optim.lr") },
+    Entry { key: "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio", how: How::Rule("with `lr_warmup_steps: -1`, warmup = ratio x optimizer steps of the run (needs `trainer.total_training_steps`) -> actor.optim.lr_warmup_steps") },
+    Entry { key: "actor_rollout_ref.actor.optim.total_training_steps", how: How::NoEffect("VeRL fills it in from the run's length; so does grpo") },
+    Entry { key: "actor_rollout_ref.actor.optim.weight_decay", how: How::Map("actor.optim.weight_decay") },
+    Entry { key: "actor_rollout_ref.actor.optim.lr_warmup_steps", how: How::Rule("-1 -> from `lr_warmup_steps_ratio`; else -> actor.optim.lr_warmup_steps") },
+    Entry { key: "actor_rollout_ref.actor.optim.betas", how: How::Map("actor.optim.betas") },
+    Entry { key: "actor_rollout_ref.actor.optim.clip_grad", how: How::Rule("-> actor.grad_clip (with `actor.grad_clip`, whichever is not VeRL's default 1.0)") },
+    Entry { key: "actor_rollout_ref.actor.optim.min_lr_ratio", how: How::Map("actor.optim.min_lr_ratio") },
+    Entry { key: "actor_rollout_ref.actor.optim.num_cycles", how: How::Unsupported("grpo's cosine schedule runs half a cycle (VeRL's default 0.5)") },
+    Entry { key: "actor_rollout_ref.actor.optim.lr_scheduler_type", how: How::Map("actor.optim.lr_scheduler_type") },
+    Entry { key: "actor_rollout_ref.actor.optim.warmup_style", how: How::Rule("VeRL's older name of `lr_scheduler_type`; when set, -> actor.optim.lr_scheduler_type") },
+    Entry { key: "actor_rollout_ref.actor.optim.override_optimizer_config", how: How::Unsupported("grpo's AdamW takes lr, betas, weight_decay and eps (`actor.optim` in a recipe)") },
+    // actor_rollout_ref.actor
+    Entry { key: "actor_rollout_ref.actor.fsdp_config.*", how: FSDP },
+    Entry { key: "actor_rollout_ref.actor.fsdp_config.dtype", how: How::Rule("bfloat16 (VeRL's default) -> actor.param_dtype: auto (bf16 where the device computes bf16 natively, f32 elsewhere: an AVX2 CPU emulates bf16, slower than f32); float32/fp32 -> f32") },
+    Entry { key: "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size", how: ULYSSES },
+    Entry { key: "actor_rollout_ref.actor.rollout_n", how: How::NoEffect("VeRL copies it from `rollout.n`, which grpo reads") },
+    Entry { key: "actor_rollout_ref.actor.strategy", how: How::Rule("fsdp / fsdp2 -> the learner is sharded over the devices of the size rule; megatron is refused") },
+    Entry { key: "actor_rollout_ref.actor.ppo_mini_batch_size", how: How::Map("actor.ppo_mini_batch_size") },
+    Entry { key: "actor_rollout_ref.actor.ppo_micro_batch_size", how: How::Rule("size rule: global sequences per pass (VeRL's older form of `ppo_micro_batch_size_per_gpu`)") },
+    Entry { key: "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", how: How::Rule("size rule: x devices -> actor.ppo_micro_batch_size") },
+    Entry { key: "actor_rollout_ref.actor.use_dynamic_bsz", how: How::Rule("size rule: micro-batches from `ppo_max_token_len_per_gpu`") },
+    Entry { key: "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", how: How::Rule("size rule: with `use_dynamic_bsz`, tokens per device per pass / (max prompt + response length) sequences") },
+    Entry { key: "actor_rollout_ref.actor.clip_ratio", how: How::Rule("-> actor.clip_ratio_low / clip_ratio_high where those are null (as in VeRL)") },
+    Entry { key: "actor_rollout_ref.actor.clip_ratio_low", how: How::Map("actor.clip_ratio_low") },
+    Entry { key: "actor_rollout_ref.actor.clip_ratio_high", how: How::Map("actor.clip_ratio_high") },
+    Entry { key: "actor_rollout_ref.actor.tau_pos", how: How::NoEffect("read only by VeRL's `sapo` loss, which grpo does not have") },
+    Entry { key: "actor_rollout_ref.actor.tau_neg", how: How::NoEffect("read only by VeRL's `sapo` loss, which grpo does not have") },
+    Entry { key: "actor_rollout_ref.actor.freeze_vision_tower", how: TEXT_ONLY },
+    Entry { key: "actor_rollout_ref.actor.policy_loss.loss_mode", how: How::Map("actor.policy_loss.loss_mode") },
+    Entry { key: "actor_rollout_ref.actor.policy_loss.*", how: How::NoEffect("read only by VeRL's clip-cov / kl-cov losses, which grpo does not have (`loss_mode` vanilla or gspo)") },
+    Entry { key: "actor_rollout_ref.actor.clip_ratio_c", how: How::Map("actor.clip_ratio_c") },
+    Entry { key: "actor_rollout_ref.actor.loss_agg_mode", how: How::Map("actor.loss_agg_mode") },
+    Entry { key: "actor_rollout_ref.actor.loss_scale_factor", how: How::Unsupported("grpo scales the loss by `loss_agg_mode` alone") },
+    Entry { key: "actor_rollout_ref.actor.entropy_coeff", how: How::Map("actor.entropy_coeff") },
+    Entry { key: "actor_rollout_ref.actor.calculate_entropy", how: How::NoEffect("grpo always reports `actor/entropy`") },
+    Entry { key: "actor_rollout_ref.actor.use_kl_loss", how: How::Map("actor.use_kl_loss") },
+    Entry { key: "actor_rollout_ref.actor.use_prefix_grouper", how: How::NoEffect("grpo already runs each prompt once for its whole group (shared-prompt packing)") },
+    Entry { key: "actor_rollout_ref.actor.use_torch_compile", how: How::NoEffect("grpo's programs are compiled by XLA") },
+    Entry { key: "actor_rollout_ref.actor.kl_loss_coef", how: How::Map("actor.kl_loss_coef") },
+    Entry { key: "actor_rollout_ref.actor.kl_loss_type", how: How::Map("actor.kl_loss_type") },
+    Entry { key: "actor_rollout_ref.actor.ppo_epochs", how: How::Map("actor.ppo_epochs") },
+    Entry { key: "actor_rollout_ref.actor.shuffle", how: How::Unsupported("grpo's mini-batches keep the rollout's order") },
+    Entry { key: "actor_rollout_ref.actor.data_loader_seed", how: How::NoEffect("read only with `actor.shuffle`") },
+    Entry { key: "actor_rollout_ref.actor.checkpoint.*", how: How::NoEffect("a grpo checkpoint always holds the weights, the optimizer state and the data position, written atomically") },
+    Entry { key: "actor_rollout_ref.actor.use_fused_kernels", how: How::NoEffect("XLA fuses grpo's programs") },
+    Entry { key: "actor_rollout_ref.actor.profiler.*", how: PROFILER },
+    Entry { key: "actor_rollout_ref.actor.router_replay.*", how: How::Unsupported("router replay is for mixture-of-experts models, which grpo does not train") },
+    Entry { key: "actor_rollout_ref.actor.grad_clip", how: How::Rule("-> actor.grad_clip (with `optim.clip_grad`, whichever is not VeRL's default 1.0)") },
+    Entry { key: "actor_rollout_ref.actor.ulysses_sequence_parallel_size", how: ULYSSES },
+    Entry { key: "actor_rollout_ref.actor.entropy_from_logits_with_chunking", how: ENTROPY },
+    Entry { key: "actor_rollout_ref.actor.entropy_checkpointing", how: ENTROPY },
+    Entry { key: "actor_rollout_ref.actor.use_remove_padding", how: How::NoEffect("grpo packs each group's prompt once and pads only to length buckets (`actor.length_bucket`)") },
+    Entry { key: "actor_rollout_ref.actor.calculate_sum_pi_squared", how: How::NoEffect("a statistic for VeRL's optimal-baseline estimators, which grpo does not have") },
+    Entry { key: "actor_rollout_ref.actor.sum_pi_squared_checkpointing", how: How::NoEffect("a statistic for VeRL's optimal-baseline estimators, which grpo does not have") },
+    // actor_rollout_ref.ref
+    Entry { key: "actor_rollout_ref.ref.*", how: REF },
+    Entry { key: "actor_rollout_ref.ref.log_prob_micro_batch_size", how: LOG_PROB_BATCH },
+    Entry { key: "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", how: LOG_PROB_BATCH },
+    Entry { key: "actor_rollout_ref.ref.profiler.*", how: PROFILER },
+    Entry { key: "actor_rollout_ref.ref.fsdp_config.*", how: FSDP },
+    // actor_rollout_ref.rollout
+    Entry { key: "actor_rollout_ref.rollout.name", how: How::NoEffect("grpo generates with its own engine (continuous batching on the same compiled programs as the learner), not vLLM or SGLang") },
+    Entry { key: "actor_rollout_ref.rollout.mode", how: How::NoEffect("grpo's engine batches continuously in either mode") },
+    Entry { key: "actor_rollout_ref.rollout.temperature", how: How::Map("rollout.temperature") },
+    Entry { key: "actor_rollout_ref.rollout.top_k", how: How::Map("rollout.top_k") },
+    Entry { key: "actor_rollout_ref.rollout.top_p", how: How::Map("rollout.top_p") },
+    Entry { key: "actor_rollout_ref.rollout.prompt_length", how: How::NoEffect("VeRL copies it from `data.max_prompt_length`, which grpo reads") },
+    Entry { key: "actor_rollout_ref.rollout.response_length", how: How::NoEffect("VeRL copies it from `data.max_response_length`, which grpo reads") },
+    Entry { key: "actor_rollout_ref.rollout.dtype", how: How::Rule("bfloat16 (VeRL's default) -> rollout.dtype: auto (bf16 where the device computes bf16 natively, f32 elsewhere); float32/fp32 -> f32") },
+    Entry { key: "actor_rollout_ref.rollout.gpu_memory_utilization", how: How::NoEffect("it sizes vLLM's KV cache; grpo's is sized by `rollout.max_num_seqs` x (prompt + response length)") },
+    Entry { key: "actor_rollout_ref.rollout.ignore_eos", how: How::Unsupported("grpo's responses end at the model's EOS tokens and `rollout.stop` strings") },
+    Entry { key: "actor_rollout_ref.rollout.enforce_eager", how: VLLM },
+    Entry { key: "actor_rollout_ref.rollout.cudagraph_capture_sizes", how: VLLM },
+    Entry { key: "actor_rollout_ref.rollout.free_cache_engine", how: VLLM },
+    Entry { key: "actor_rollout_ref.rollout.tensor_model_parallel_size", how: How::Map("rollout.tensor_model_parallel_size") },
+    Entry { key: "actor_rollout_ref.rollout.data_parallel_size", how: How::Unsupported("a grpo rollout engine spreads its sequences over all the devices it is given (slot groups); no separate data-parallel size") },
+    Entry { key: "actor_rollout_ref.rollout.expert_parallel_size", how: How::Unsupported("expert parallelism is for mixture-of-experts models, which grpo does not train") },
+    Entry { key: "actor_rollout_ref.rollout.pipeline_model_parallel_size", how: How::Unsupported("pipeline parallelism is not in grpo; use `rollout.tensor_model_parallel_size`") },
+    Entry { key: "actor_rollout_ref.rollout.max_num_batched_tokens", how: VLLM },
+    Entry { key: "actor_rollout_ref.rollout.max_model_len", how: VLLM },
+    Entry { key: "actor_rollout_ref.rollout.max_num_seqs", how: How::Rule("-> rollout.max_num_seqs, capped at the sequences of one step (train_batch_size x n): vLLM never holds more than it is given, and grpo allocates KV cache for every slot") },
+    Entry { key: "actor_rollout_ref.rollout.enable_chunked_prefill", how: VLLM },
+    Entry { key: "actor_rollout_ref.rollout.enable_prefix_caching", how: How::NoEffect("grpo prefills each prompt once for its whole group") },
+    Entry { key: "actor_rollout_ref.rollout.logprobs_mode", how: VLLM },
+    Entry { key: "actor_rollout_ref.rollout.scheduling_policy", how: VLLM },
+    Entry { key: "actor_rollout_ref.rollout.load_format", how: How::NoEffect("grpo's engine takes the learner's weights on the devices; nothing is loaded from disk") },
+    Entry { key: "actor_rollout_ref.rollout.log_prob_micro_batch_size", how: LOG_PROB_BATCH },
+    Entry { key: "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", how: LOG_PROB_BATCH },
+    Entry { key: "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", how: LOG_PROB_BATCH },
+    Entry { key: "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", how: LOG_PROB_BATCH },
+    Entry { key: "actor_rollout_ref.rollout.disable_log_stats", how: VLLM },
+    Entry { key: "actor_rollout_ref.rollout.do_sample", how: How::Rule("false -> rollout.temperature: 0 (greedy)") },
+    Entry { key: "actor_rollout_ref.rollout.n", how: How::Map("rollout.n") },
+    Entry { key: "actor_rollout_ref.rollout.over_sample_rate", how: How::Unsupported("grpo waits for every response of a step") },
+    Entry { key: "actor_rollout_ref.rollout.multi_stage_wake_up", how: VLLM },
+    Entry { key: "actor_rollout_ref.rollout.engine_kwargs.*", how: VLLM },
+    Entry { key: "actor_rollout_ref.rollout.val_kwargs.top_k", how: How::Map("rollout.val_kwargs.top_k") },
+    Entry { key: "actor_rollout_ref.rollout.val_kwargs.top_p", how: How::Map("rollout.val_kwargs.top_p") },
+    Entry { key: "actor_rollout_ref.rollout.val_kwargs.temperature", how: How::Map("rollout.val_kwargs.temperature") },
+    Entry { key: "actor_rollout_ref.rollout.val_kwargs.n", how: How::Map("rollout.val_kwargs.n") },
+    Entry { key: "actor_rollout_ref.rollout.val_kwargs.do_sample", how: How::Map("rollout.val_kwargs.do_sample") },
+    Entry { key: "actor_rollout_ref.rollout.multi_turn.*", how: MULTI_TURN },
+    Entry { key: "actor_rollout_ref.rollout.calculate_log_probs", how: How::NoEffect("grpo's engine always returns the log-probs of what it sampled") },
+    Entry { key: "actor_rollout_ref.rollout.agent.*", how: MULTI_TURN },
+    Entry { key: "actor_rollout_ref.rollout.agent.num_workers", how: How::NoEffect("grpo's engine runs in the orchestrator's process (or in `cluster.rollout_workers`)") },
+    Entry { key: "actor_rollout_ref.rollout.checkpoint_engine.*", how: How::NoEffect("grpo passes the learner's weights to its engine on the devices, in one step") },
+    Entry { key: "actor_rollout_ref.rollout.trace.*", how: How::NoEffect("grpo writes each validation's answers to its output directory, and `trainer.log_val_generations` to the trackers") },
+    Entry { key: "actor_rollout_ref.rollout.skip_rollout", how: How::Unsupported("grpo generates every step's rollouts") },
+    Entry { key: "actor_rollout_ref.rollout.skip_dump_dir", how: How::NoEffect("read only with `skip_rollout`") },
+    Entry { key: "actor_rollout_ref.rollout.skip_tokenizer_init", how: VLLM },
+    Entry { key: "actor_rollout_ref.rollout.enable_rollout_routing_replay", how: How::Unsupported("router replay is for mixture-of-experts models, which grpo does not train") },
+    Entry { key: "actor_rollout_ref.rollout.profiler.*", how: PROFILER },
+    Entry { key: "actor_rollout_ref.rollout.prometheus.*", how: How::NoEffect("grpo's engine reports to the run's metrics, not Prometheus") },
+    Entry { key: "actor_rollout_ref.rollout.quantization", how: How::Unsupported("quantized rollouts are not in grpo; the engine computes in `rollout.dtype` (bf16 or f32)") },
+    Entry { key: "actor_rollout_ref.rollout.quantization_config_file", how: How::Unsupported("quantized rollouts are not in grpo; the engine computes in `rollout.dtype` (bf16 or f32)") },
+    Entry { key: "actor_rollout_ref.rollout.mtp", how: MTP },
+    Entry { key: "actor_rollout_ref.rollout.layered_summon", how: How::NoEffect("grpo passes the learner's weights to its engine on the devices, in one step") },
+    // actor_rollout_ref.model
+    Entry { key: "actor_rollout_ref.model.path", how: How::Map("model.path") },
+    Entry { key: "actor_rollout_ref.model.hf_config_path", how: How::Unsupported("grpo reads config.json beside the weights (or the GGUF's own metadata)") },
+    Entry { key: "actor_rollout_ref.model.tokenizer_path", how: How::Map("model.tokenizer") },
+    Entry { key: "actor_rollout_ref.model.use_shm", how: How::NoEffect("grpo reads the model from its path directly") },
+    Entry { key: "actor_rollout_ref.model.trust_remote_code", how: How::NoEffect("grpo runs no Python code from a checkpoint; its architectures are built in") },
+    Entry { key: "actor_rollout_ref.model.custom_chat_template", how: How::Unsupported("grpo reads a chat template from a file: write it to one and set `model.chat_template` in a recipe (`--print-recipe` gives one)") },
+    Entry { key: "actor_rollout_ref.model.external_lib", how: How::Unsupported("grpo runs no Python model code; its architectures are built in (Llama, Qwen2, Qwen3, ...)") },
+    Entry { key: "actor_rollout_ref.model.override_config.*", how: How::Unsupported("grpo builds the model from its config.json as it is") },
+    Entry { key: "actor_rollout_ref.model.enable_gradient_checkpointing", how: How::Map("model.enable_gradient_checkpointing") },
+    Entry { key: "actor_rollout_ref.model.enable_activation_offload", how: How::NoEffect("grpo keeps activations on the device; `enable_gradient_checkpointing` is how it saves their memory") },
+    Entry { key: "actor_rollout_ref.model.use_remove_padding", how: How::NoEffect("grpo packs each group's prompt once and pads only to length buckets (`actor.length_bucket`)") },
+    Entry { key: "actor_rollout_ref.model.lora_rank", how: LORA },
+    Entry { key: "actor_rollout_ref.model.lora_alpha", how: LORA },
+    Entry { key: "actor_rollout_ref.model.target_modules", how: LORA },
+    Entry { key: "actor_rollout_ref.model.exclude_modules", how: LORA },
+    Entry { key: "actor_rollout_ref.model.lora_adapter_path", how: LORA },
+    Entry { key: "actor_rollout_ref.model.use_liger", how: How::NoEffect("XLA fuses grpo's programs") },
+    Entry { key: "actor_rollout_ref.model.use_fused_kernels", how: How::NoEffect("XLA fuses grpo's programs") },
+    Entry { key: "actor_rollout_ref.model.fused_kernel_options.*", how: How::NoEffect("XLA fuses grpo's programs") },
+    Entry { key: "actor_rollout_ref.model.tiled_mlp.*", how: How::NoEffect("XLA schedules the MLP's memory; `enable_gradient_checkpointing` is how grpo saves activation memory") },
+    Entry { key: "actor_rollout_ref.model.mtp.*", how: MTP },
+    Entry { key: "actor_rollout_ref.hybrid_engine", how: How::NoEffect("grpo's rollout shares the learner's devices unless a recipe gives it `cluster.rollout_workers`") },
+    Entry { key: "actor_rollout_ref.nccl_timeout", how: How::NoEffect("grpo's collectives are XLA's, inside its programs") },
+    // data
+    Entry { key: "data.tokenizer", how: How::Rule("-> model.tokenizer when `actor_rollout_ref.model.tokenizer_path` is null") },
+    Entry { key: "data.use_shm", how: How::NoEffect("grpo reads the Parquet files from their paths directly") },
+    Entry { key: "data.train_files", how: How::Map("data.train_files") },
+    Entry { key: "data.val_files", how: How::Map("data.val_files") },
+    Entry { key: "data.train_max_samples", how: How::Map("data.train_max_samples") },
+    Entry { key: "data.val_max_samples", how: How::Map("data.val_max_samples") },
+    Entry { key: "data.prompt_key", how: How::Map("data.prompt_key") },
+    Entry { key: "data.reward_fn_key", how: How::Map("data.reward_fn_key") },
+    Entry { key: "data.max_prompt_length", how: How::Map("data.max_prompt_length") },
+    Entry { key: "data.max_response_length", how: How::Map("data.max_response_length") },
+    Entry { key: "data.train_batch_size", how: How::Map("data.train_batch_size") },
+    Entry { key: "data.val_batch_size", how: How::Map("data.val_batch_size") },
+    Entry { key: "data.tool_config_path", how: MULTI_TURN },
+    Entry { key: "data.return_raw_input_ids", how: How::NoEffect("grpo tokenizes prompts once, with the policy's tokenizer") },
+    Entry { key: "data.return_raw_chat", how: How::NoEffect("grpo applies the chat template itself, once per prompt") },
+    Entry { key: "data.return_full_prompt", how: How::NoEffect("grpo applies the chat template itself, once per prompt") },
+    Entry { key: "data.shuffle", how: How::Map("data.shuffle") },
+    Entry { key: "data.seed", how: How::Rule("-> data.seed (null: 1, as VeRL falls back to)") },
+    Entry { key: "data.dataloader_num_workers", how: How::NoEffect("grpo reads and tokenizes the dataset once, when the run starts") },
+    Entry { key: "data.image_patch_size", how: TEXT_ONLY },
+    Entry { key: "data.validation_shuffle", how: How::Map("data.validation_shuffle") },
+    Entry { key: "data.filter_overlong_prompts", how: How::Map("data.filter_overlong_prompts") },
+    Entry { key: "data.filter_overlong_prompts_workers", how: How::NoEffect("grpo filters while it tokenizes, once") },
+    Entry { key: "data.truncation", how: How::Map("data.truncation") },
+    Entry { key: "data.image_key", how: TEXT_ONLY },
+    Entry { key: "data.video_key", how: TEXT_ONLY },
+    Entry { key: "data.trust_remote_code", how: How::NoEffect("grpo runs no Python code from a checkpoint") },
+    Entry { key: "data.custom_cls.*", how: How::Unsupported("grpo reads VeRL's Parquet schema (or TRL's prompt-only one) itself; `grpo preprocess` converts other data") },
+    Entry { key: "data.return_multi_modal_inputs", how: TEXT_ONLY },
+    Entry { key: "data.sampler.*", how: How::Unsupported("grpo draws batches in order or shuffled (`data.shuffle`); curriculum samplers are not in grpo") },
+    Entry { key: "data.datagen.*", how: How::Unsupported("grpo trains on the Parquet files it is given; generated datasets are not in grpo") },
+    Entry { key: "data.apply_chat_template_kwargs.*", how: How::Unsupported("grpo renders the chat template with the prompt's messages and `add_generation_prompt` only; a template that needs other variables needs a file of its own (`model.chat_template`)") },
+    // reward
+    Entry { key: "reward_manager.source", how: How::Unsupported("grpo's reward managers are VeRL's registered `naive` and `batch`") },
+    Entry { key: "reward_manager.name", how: How::Rule("naive / batch -> reward.custom_reward_function.reward_manager; others are refused") },
+    Entry { key: "reward_manager.module.*", how: How::Unsupported("custom reward-manager classes are not in grpo; a `custom_reward_function` file is") },
+    Entry { key: "custom_reward_function.path", how: How::Rule("-> reward.custom_reward_function.path (null: grpo's built-in scorers for VeRL's data sources)") },
+    Entry { key: "custom_reward_function.name", how: How::Rule("-> reward.custom_reward_function.name") },
+    Entry { key: "custom_reward_function.reward_kwargs.*", how: How::Rule("-> reward.custom_reward_function.reward_kwargs") },
+    Entry { key: "reward_model.*", how: How::NoEffect("read by VeRL only with `reward_model.enable`, which grpo refuses") },
+    Entry { key: "reward_model.enable", how: How::Unsupported("model-based rewards are not in grpo; score with a `custom_reward_function` file or grpo's scorers (recipes/README.md, `reward`)") },
+    Entry { key: "reward_model.reward_manager", how: How::Rule("VeRL's older home of `reward_manager.name`, which reads it by default") },
+    Entry { key: "reward_model.sandbox_fusion.*", how: How::Unsupported("code execution in a Sandbox Fusion server is not in grpo; a `custom_reward_function` file can run the code itself") },
+    Entry { key: "reward_model.profiler.*", how: PROFILER },
+    // critic
+    Entry { key: "critic.*", how: CRITIC },
+    // algorithm
+    Entry { key: "algorithm.rollout_correction.rollout_is", how: How::Rule("token -> algorithm.rollout_is_threshold (truncated importance sampling per token); null -> none; sequence is refused") },
+    Entry { key: "algorithm.rollout_correction.rollout_is_threshold", how: How::Rule("-> algorithm.rollout_is_threshold when `rollout_is: token`") },
+    Entry { key: "algorithm.rollout_correction.rollout_rs", how: How::Unsupported("rejection sampling of off-policy rollouts is not in grpo; `algorithm.rollout_is_threshold` (`rollout_is: token`) is") },
+    Entry { key: "algorithm.rollout_correction.rollout_rs_threshold", how: How::Unsupported("rejection sampling of off-policy rollouts is not in grpo; `algorithm.rollout_is_threshold` (`rollout_is: token`) is") },
+    Entry { key: "algorithm.rollout_correction.bypass_mode", how: How::Map("actor.use_rollout_log_probs") },
+    Entry { key: "algorithm.rollout_correction.loss_type", how: How::Unsupported("grpo's policy loss is chosen by `actor.policy_loss.loss_mode`") },
+    Entry { key: "algorithm.rollout_correction.rollout_is_batch_normalize", how: How::Unsupported("grpo does not renormalize importance weights over the batch") },
+    Entry { key: "algorithm.gamma", how: How::NoEffect("read only by GAE; GRPO's advantage is the group-normalized outcome reward") },
+    Entry { key: "algorithm.lam", how: How::NoEffect("read only by GAE; GRPO's advantage is the group-normalized outcome reward") },
+    Entry { key: "algorithm.adv_estimator", how: How::Map("algorithm.adv_estimator") },
+    Entry { key: "algorithm.norm_adv_by_std_in_grpo", how: How::Map("algorithm.norm_adv_by_std_in_grpo") },
+    Entry { key: "algorithm.use_kl_in_reward", how: How::Map("algorithm.use_kl_in_reward") },
+    Entry { key: "algorithm.kl_penalty", how: How::Unsupported("grpo's in-reward KL penalty is the `kl` (k1) estimator") },
+    Entry { key: "algorithm.kl_ctrl.type", how: How::Unsupported("grpo's in-reward KL coefficient is fixed; the adaptive controller is not in this build (issue 26)") },
+    Entry { key: "algorithm.kl_ctrl.kl_coef", how: How::Map("algorithm.kl_coef") },
+    Entry { key: "algorithm.kl_ctrl.horizon", how: How::NoEffect("read only by the adaptive KL controller") },
+    Entry { key: "algorithm.kl_ctrl.target_kl", how: How::NoEffect("read only by the adaptive KL controller") },
+    Entry { key: "algorithm.use_pf_ppo", how: How::Unsupported("preference-feedback PPO reweighting is not in grpo") },
+    Entry { key: "algorithm.pf_ppo.*", how: How::NoEffect("read only with `algorithm.use_pf_ppo`") },
+    // trainer
+    Entry { key: "trainer.balance_batch", how: How::NoEffect("grpo's micro-batches are padded to length buckets, not balanced over ranks") },
+    Entry { key: "trainer.total_epochs", how: How::Map("trainer.total_epochs") },
+    Entry { key: "trainer.total_training_steps", how: How::Map("trainer.total_training_steps") },
+    Entry { key: "trainer.project_name", how: How::Map("trainer.project_name") },
+    Entry { key: "trainer.experiment_name", how: How::Map("trainer.experiment_name") },
+    Entry { key: "trainer.logger", how: How::Rule("-> trainer.logger, with `file` added (OUTPUT/metrics.jsonl, which `grpo plot` reads)") },
+    Entry { key: "trainer.log_val_generations", how: How::Map("trainer.log_val_generations") },
+    Entry { key: "trainer.rollout_data_dir", how: How::Unsupported("grpo does not dump training rollouts; each validation's answers go to its output directory") },
+    Entry { key: "trainer.validation_data_dir", how: How::NoEffect("grpo writes each validation's answers to its output directory") },
+    Entry { key: "trainer.nnodes", how: How::Rule("size rule: 1 (one host; a Ray cluster is a recipe's `cluster` section)") },
+    Entry { key: "trainer.n_gpus_per_node", how: How::Rule("size rule: the devices of the run -> actor.strategy / actor.mesh (and cluster.cpu_device_count on CPU)") },
+    Entry { key: "trainer.save_freq", how: How::Map("trainer.save_freq") },
+    Entry { key: "trainer.esi_redundant_time", how: How::NoEffect("for VeRL's elastic-instance shutdown; grpo saves on `save_freq` and resumes from the newest checkpoint") },
+    Entry { key: "trainer.resume_mode", how: How::Map("trainer.resume_mode") },
+    Entry { key: "trainer.resume_from_path", how: How::Map("trainer.resume_from_path") },
+    Entry { key: "trainer.val_before_train", how: How::Map("trainer.val_before_train") },
+    Entry { key: "trainer.val_only", how: How::Map("trainer.val_only") },
+    Entry { key: "trainer.test_freq", how: How::Map("trainer.test_freq") },
+    Entry { key: "trainer.critic_warmup", how: How::NoEffect("GRPO has no critic to warm up") },
+    Entry { key: "trainer.default_hdfs_dir", how: How::Unsupported("grpo saves to local paths (`default_local_dir`); copy them to HDFS yourself") },
+    Entry { key: "trainer.del_local_ckpt_after_load", how: How::NoEffect("grpo keeps checkpoints by `max_actor_ckpt_to_keep`") },
+    Entry { key: "trainer.default_local_dir", how: How::Map("trainer.output_dir") },
+    Entry { key: "trainer.max_actor_ckpt_to_keep", how: How::Map("trainer.max_checkpoints_to_keep") },
+    Entry { key: "trainer.max_critic_ckpt_to_keep", how: CRITIC },
+    Entry { key: "trainer.ray_wait_register_center_timeout", how: How::NoEffect("grpo verl starts no Ray workers") },
+    Entry { key: "trainer.device", how: How::Rule("cuda / cpu / tpu -> cluster.device (npu is refused)") },
+    Entry { key: "trainer.use_legacy_worker_impl", how: How::NoEffect("grpo has one learner") },
+    Entry { key: "global_profiler.*", how: PROFILER },
+    Entry { key: "transfer_queue.enable", how: How::Unsupported("grpo passes batches between its roles itself (in process, or over gRPC to workers)") },
+    Entry { key: "ray_kwargs.*", how: How::NoEffect("grpo verl runs on this host without Ray; a Ray cluster is a recipe's `cluster.launcher: ray`") },
+];
+
+/// The entry deciding `key`: the exact one, else the longest section (`a.b.*`) holding it.
+pub fn entry(key: &str) -> Option<&'static Entry> {
+    TABLE.iter().find(|e| e.key == key).or_else(|| {
+        TABLE
+            .iter()
+            .filter(|e| e.key.strip_suffix(".*").is_some_and(|s| within(key, s)))
+            .max_by_key(|e| e.key.len())
+    })
+}
+
+/// Whether `key` is `section` or lies under it.
+pub fn within(key: &str, section: &str) -> bool {
+    key.strip_prefix(section)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+}
+
+/// The table as Markdown (`grpo verl --keys`, docs/verl-keys.md).
+pub fn markdown() -> String {
+    let mut out = String::from("| VeRL key | what grpo does |\n|---|---|\n");
+    for e in TABLE {
+        let what = match e.how {
+            How::Map(to) => format!("mapped to `{to}`"),
+            How::Rule(rule) => format!("mapped by rule: {rule}"),
+            How::NoEffect(why) => format!("accepted, no effect here: {why}"),
+            How::Unsupported(why) => format!("unsupported unless left at VeRL's default: {why}"),
+        };
+        out.push_str(&format!("| `{}` | {} |\n", e.key, what.replace('|', "\\|")));
+    }
+    out
+}

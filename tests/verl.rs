@@ -1,0 +1,193 @@
+//! `grpo verl`: three of VeRL's own GRPO example scripts (tests/fixtures/verl/, changed only in
+//! the command's name and the model and data paths) run and train, with sizes cut for this
+//! machine by overrides appended at the end; bad command lines fail with messages that teach.
+
+mod common;
+
+use common::*;
+use std::path::Path;
+use testkit::trackers::python;
+
+/// Overrides appended to every script (its trailing `$@`): one CPU device, the tiny model's
+/// sizes, two steps into `output`.
+fn cut_sizes(output: &Path) -> Vec<String> {
+    [
+        "trainer.device=cpu",
+        "trainer.n_gpus_per_node=1",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "data.train_batch_size=4",
+        "data.max_prompt_length=96",
+        "data.max_response_length=12",
+        "data.val_max_samples=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=2",
+        "trainer.save_freq=2",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain([format!("trainer.default_local_dir={}", output.display())])
+    .collect()
+}
+
+fn run_script(script: &str, dir: &Path, model: &Path, output: &Path) -> String {
+    let out = std::process::Command::new("bash")
+        .arg(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/fixtures/verl")
+                .join(script),
+        )
+        .args(cut_sizes(output))
+        .current_dir(dir)
+        .env("GRPO", env!("CARGO_BIN_EXE_grpo"))
+        .env("GRPO_VERL_DATA", dir.join("data"))
+        .env("GRPO_VERL_MODEL", model)
+        .env("GRPO_PYTHON", python())
+        .env("WANDB_MODE", "offline")
+        .env("HOME", dir)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(out.status.success(), "{script}:\n{stderr}");
+    stderr
+}
+
+#[test]
+fn verls_own_grpo_scripts_run_and_train() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_chat_model(dir.path());
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    arithmetic(&data, "train", 1, 32);
+    arithmetic(&data, "test", 2, 8);
+    for script in [
+        "run_qwen2-7b.sh",
+        "run_deepseek7b_llm.sh",
+        "run_qwen2-7b_seq_balance.sh",
+    ] {
+        let output = dir.path().join(script.trim_end_matches(".sh"));
+        let stderr = run_script(script, dir.path(), &model, &output);
+        // Their keys that change nothing here are named once each.
+        for note in [
+            "note: actor_rollout_ref.rollout.name=",
+            "note: actor_rollout_ref.rollout.gpu_memory_utilization=0.6 has no effect in grpo: it sizes vLLM's KV cache",
+            "note: actor_rollout_ref.ref.fsdp_config.param_offload=true has no effect in grpo",
+        ] {
+            assert_eq!(stderr.matches(note).count(), 1, "{script}: {note}\n{stderr}");
+        }
+        let m = metrics(&output);
+        assert_eq!(
+            m.keys().copied().filter(|s| *s > 0).collect::<Vec<_>>(),
+            [1, 2],
+            "{script}"
+        );
+        for step in [1, 2] {
+            let s = &m[&step];
+            for key in [
+                "critic/score/mean",
+                "actor/pg_loss",
+                "actor/kl_loss",
+                "response_length/mean",
+                "timing_s/gen",
+            ] {
+                assert!(
+                    s[key].as_f64().is_some_and(f64::is_finite),
+                    "{script} step {step}: {key} in {s}"
+                );
+            }
+            // The policy moved: VeRL's scripts use the KL loss, and the update had a gradient.
+            assert!(s["actor/grad_norm"].as_f64().unwrap() > 0.0, "{script}: {s}");
+        }
+        // Validation ran at step 2 (VeRL's core metric of the data source), and before
+        // training unless the script says otherwise (seq_balance sets val_before_train=False).
+        assert!(
+            m[&2].get("val-core/grpo/arithmetic/acc/mean@1").is_some() || m[&2].get(VAL_CORE).is_some(),
+            "{script}: {}",
+            m[&2]
+        );
+        assert_eq!(
+            m.contains_key(&0),
+            script != "run_qwen2-7b_seq_balance.sh",
+            "{script}: {:?}",
+            m.get(&0)
+        );
+        assert!(output.join("checkpoints/step_2").is_dir(), "{script}");
+        // The logger list the script gave: wandb (offline here) or console only.
+        assert_eq!(
+            output.join("wandb").is_dir(),
+            script != "run_deepseek7b_llm.sh",
+            "{script}"
+        );
+    }
+    // The same command line with --print-recipe gives a recipe `grpo run` takes.
+    let seq = dir.path().join("seq_balance_recipe");
+    let out = std::process::Command::new("bash")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/verl/run_qwen2-7b_seq_balance.sh"))
+        .args(cut_sizes(&seq))
+        .arg("--print-recipe")
+        .current_dir(dir.path())
+        .env("GRPO", env!("CARGO_BIN_EXE_grpo"))
+        .env("GRPO_VERL_DATA", dir.path().join("data"))
+        .env("GRPO_VERL_MODEL", &model)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let recipe = dir.path().join("seq.yaml");
+    std::fs::write(&recipe, &out.stdout).unwrap();
+    let printed = run_grpo(&["run", recipe.to_str().unwrap(), "--print-config"]);
+    assert!(
+        printed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&printed.stderr)
+    );
+    let text = String::from_utf8_lossy(&printed.stdout);
+    // use_dynamic_bsz with 24000 tokens per GPU: every sequence of a device's share of the
+    // mini-batch (2 prompts x 5) in one pass.
+    assert!(text.contains("ppo_micro_batch_size: 10"), "{text}");
+    assert!(text.contains("kl_loss_type: low_var_kl"), "{text}");
+}
+
+#[test]
+fn bad_command_lines_say_what_and_how_to_fix_it() {
+    let fail = |args: &[&str]| {
+        let mut all = vec![
+            "verl",
+            "algorithm.adv_estimator=grpo",
+            "trainer.n_gpus_per_node=1",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        ];
+        all.extend_from_slice(args);
+        let out = run_grpo(&all);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        String::from_utf8_lossy(&out.stderr).to_string()
+    };
+    let unknown = fail(&["trainer.total_epoch=3"]);
+    assert!(
+        unknown.contains("error: trainer.total_epoch=3: `trainer.total_epoch` is not a key of VeRL's config")
+            && unknown.contains("did you mean `trainer.total_epochs`?"),
+        "{unknown}"
+    );
+    let unsupported = fail(&["actor_rollout_ref.rollout.multi_turn.enable=True"]);
+    assert!(
+        unsupported.contains(
+            "actor_rollout_ref.rollout.multi_turn.enable=true: not supported: multi-turn rollouts with tools"
+        ),
+        "{unsupported}"
+    );
+    let malformed = fail(&["data.train_batch_size"]);
+    assert!(
+        malformed.contains("error: data.train_batch_size: expected key=value (Hydra's override syntax)"),
+        "{malformed}"
+    );
+    let keys = run_grpo(&["verl", "--keys"]);
+    assert!(keys.status.success());
+    let doc =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/verl-keys.md")).unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&keys.stdout),
+        doc,
+        "docs/verl-keys.md is `grpo verl --keys`"
+    );
+}
