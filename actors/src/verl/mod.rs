@@ -565,7 +565,10 @@ impl Translator {
         for key in self.config.values.keys().filter(|k| k.starts_with(prefix)) {
             kwargs.insert(key[prefix.len()..].to_string(), self.get(key)?);
         }
-        let origin = format!("{} with {manager_origin}", self.origin("custom_reward_function.path"));
+        let origin = format!(
+            "{} with {manager_origin}",
+            self.origin("custom_reward_function.path")
+        );
         self.b.set(
             "reward.custom_reward_function",
             json!({ "path": path, "name": name, "reward_kwargs": kwargs, "reward_manager": manager }),
