@@ -501,3 +501,64 @@ fn val_only_and_resume_path_work_as_in_verl() {
         assert!(!o.status.success() && stderr.contains(says), "{set:?}: {stderr}");
     }
 }
+
+#[test]
+fn an_adaptive_kl_in_the_reward_moves_its_coefficient_and_a_resume_keeps_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, train, val) = tiny_inputs(dir.path(), 64, 4);
+    let kl = [
+        "--set",
+        "actor.use_kl_loss=false",
+        "--set",
+        "algorithm.use_kl_in_reward=true",
+        "--set",
+        "algorithm.kl_penalty=low_var_kl",
+        "--set",
+        "algorithm.kl_coef=0.01",
+        "--set",
+        "algorithm.kl_ctrl={type: adaptive, target_kl: 1.0e-5, horizon: 16}",
+    ];
+    let run = |out: &Path, steps: u64, extra: &[&str]| {
+        let r = tiny_recipe(dir.path(), "kl.yaml", &model, &train, &val, out, 4, "");
+        let total = format!("trainer.total_training_steps={steps}");
+        let mut args = vec!["run", r.to_str().unwrap(), "--quiet", "--set", &total];
+        args.extend_from_slice(&kl);
+        args.extend_from_slice(extra);
+        let o = run_grpo(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    };
+    let whole = dir.path().join("whole");
+    run(&whole, 4, &[]);
+    let m = metrics(&whole);
+    let coef = metric_series(&m, "actor/reward_kl_penalty_coeff");
+    let seen = metric_series(&m, "actor/reward_kl_penalty");
+    assert_eq!(coef[0], 0.01);
+    // VeRL's controller after each step: 16 sequences over a horizon of 16.
+    for k in 0..3 {
+        let e = (seen[k] / 1.0e-5 - 1.0).clamp(-0.2, 0.2);
+        let want = coef[k] * (1.0 + e * 16.0 / 16.0);
+        assert!(
+            (coef[k + 1] - want).abs() <= 1e-12 * want,
+            "step {}: {} vs {want}",
+            k + 2,
+            coef[k + 1]
+        );
+    }
+    assert!(coef.windows(2).all(|w| w[0] != w[1]), "{coef:?}");
+    // Stopped after step 2 (a checkpoint) and run again to step 4: the same coefficients.
+    let resumed = dir.path().join("resumed");
+    run(&resumed, 2, &[]);
+    run(&resumed, 4, &[]);
+    let r = metrics(&resumed);
+    assert_eq!(metric_series(&r, "actor/reward_kl_penalty_coeff"), coef);
+    assert_same_training(&whole, &resumed, "stopped at step 2 and resumed");
+    // The same with the learner in a worker process: the coefficient crosses gRPC both ways
+    // (its updates, the checkpoint's state stream, the resumed worker's start).
+    let worker = dir.path().join("worker");
+    let in_worker = ["--set", "cluster.learner_workers=1"];
+    run(&worker, 2, &in_worker);
+    run(&worker, 4, &in_worker);
+    let w = metrics(&worker);
+    assert_eq!(metric_series(&w, "actor/reward_kl_penalty_coeff"), coef);
+    assert_same_training(&whole, &worker, "a learner worker, stopped and resumed");
+}

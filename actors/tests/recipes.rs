@@ -118,8 +118,22 @@ fn sources_that_use_recipes() -> String {
     text
 }
 
-/// Keys that are read only where they are validated, with the reason.
-const READ_BY_VALIDATION_ONLY: &[(&str, &str)] = &[];
+/// Keys that are read only where they are validated, or read by matching an enum's variants
+/// rather than as a field, with the reason.
+const READ_BY_VALIDATION_ONLY: &[(&str, &str)] = &[
+    (
+        "algorithm.kl_ctrl.type",
+        "the tag of trainer::config::KlControl: KlController::update matches it",
+    ),
+    (
+        "algorithm.kl_ctrl.target_kl",
+        "a field of KlControl::Adaptive, bound by KlController::update's match",
+    ),
+    (
+        "algorithm.kl_ctrl.horizon",
+        "a field of KlControl::Adaptive, bound by KlController::update's match",
+    ),
+];
 
 /// A recipe key that parses but that nothing reads is a key that silently does nothing. Every
 /// key's field must be read (`.name`) somewhere outside the recipe's loading and validation, or

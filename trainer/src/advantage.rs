@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::hash::Hash;
 
-use crate::config::{AdvantageEstimator, KlPenalty};
+use crate::config::{AdvantageEstimator, KlControl, KlPenalty};
 use crate::{Result, TrainerError};
 
 /// VeRL's `epsilon` in the GRPO denominator.
@@ -227,6 +227,28 @@ pub fn apply_kl_in_reward(
     Ok((rewards, current_kl))
 }
 
+/// The in-reward KL coefficient over a run (`algorithm.kl_ctrl`, VeRL's `FixedKLController` /
+/// `AdaptiveKLController`); its value is part of a checkpoint, so a resumed run goes on as one
+/// that never stopped.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KlController {
+    pub control: KlControl,
+    /// The coefficient the next step's penalty uses.
+    pub value: f64,
+}
+
+impl KlController {
+    /// After a step whose mean KL was `current_kl` over `n_steps` sequences (VeRL passes the
+    /// batch size): `e = clip(current_kl / target_kl - 1, -0.2, 0.2)`,
+    /// `value <- value * (1 + e * n_steps / horizon)`; a fixed controller keeps its value.
+    pub fn update(&mut self, current_kl: f64, n_steps: usize) {
+        if let KlControl::Adaptive { target_kl, horizon } = self.control {
+            let error = (current_kl / target_kl - 1.0).clamp(-0.2, 0.2);
+            self.value *= 1.0 + error * n_steps as f64 / horizon;
+        }
+    }
+}
+
 /// Dynamic sampling (`algorithm.filter_groups`, DAPO; VeRL `ray_trainer.py` /
 /// `recipe/dapo`): the indices of the samples to keep, dropping every group whose metric
 /// (usually the outcome reward) has zero variance, since all its advantages are 0. A group of
@@ -275,6 +297,39 @@ mod tests {
         for (i, (a, b)) in got.iter().zip(want).enumerate() {
             assert!((a - b).abs() <= tol, "element {i}: got {a}, want {b}");
         }
+    }
+
+    /// VeRL's `AdaptiveKLController` itself, run on fixed inputs by
+    /// `tests/fixtures/make_verl_kl_controller.py` (VeRL commit in the fixture).
+    #[test]
+    fn adaptive_kl_controller_matches_verls() {
+        let fixture: serde_json::Value =
+            serde_json::from_str(include_str!("../tests/fixtures/verl_kl_controller.json")).unwrap();
+        assert_eq!(fixture["verl_commit"], "b178a3cd56f58b2d502255daba591e92833930a7");
+        let num = |v: &serde_json::Value| v.as_f64().unwrap();
+        for case in fixture["cases"].as_array().unwrap() {
+            let mut c = KlController {
+                control: KlControl::Adaptive {
+                    target_kl: num(&case["target_kl"]),
+                    horizon: num(&case["horizon"]),
+                },
+                value: num(&case["init_kl_coef"]),
+            };
+            let n = case["n_steps"].as_u64().unwrap() as usize;
+            let mut got = Vec::new();
+            for kl in case["current_kl"].as_array().unwrap() {
+                c.update(num(kl), n);
+                got.push(c.value);
+            }
+            let want: Vec<f64> = case["values_after"].as_array().unwrap().iter().map(num).collect();
+            close(&got, &want, 1e-15);
+        }
+        let mut fixed = KlController {
+            control: KlControl::Fixed,
+            value: 0.3,
+        };
+        fixed.update(5.0, 100);
+        assert_eq!(fixed.value, 0.3);
     }
 
     #[test]

@@ -64,6 +64,31 @@ pub enum KlPenalty {
     K3,
 }
 
+/// `algorithm.kl_ctrl`: how the in-reward KL coefficient moves (VeRL `get_kl_controller`).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum KlControl {
+    /// The coefficient stays at `algorithm.kl_coef`.
+    Fixed,
+    /// Ziegler et al. (2019)'s proportional controller, VeRL's `AdaptiveKLController`: after
+    /// each step `e = clip(KL / target_kl - 1, -0.2, 0.2)` and
+    /// `kl_coef <- kl_coef * (1 + e * n / horizon)`, `n` the step's sequences.
+    Adaptive {
+        #[serde(default = "default_target_kl")]
+        target_kl: f64,
+        #[serde(default = "default_horizon")]
+        horizon: f64,
+    },
+}
+
+fn default_target_kl() -> f64 {
+    0.1
+}
+
+fn default_horizon() -> f64 {
+    10000.0
+}
+
 /// `actor.policy_loss.loss_mode`: which surrogate (VeRL's policy-loss registry names).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum PolicyLossMode {

@@ -13,10 +13,10 @@
 
 use crate::advantage::{
     apply_kl_in_reward, broadcast_over_response, compute_advantages, filter_groups, mask_truncated,
-    outcome_token_scores, sequence_scores,
+    outcome_token_scores, sequence_scores, KlController,
 };
 use crate::bucket::{BucketedLearner, PackedMicroBatch};
-use crate::config::{AdvantageEstimator, KlPenalty};
+use crate::config::{AdvantageEstimator, KlControl, KlPenalty};
 use crate::optim::learning_rate;
 use crate::policy::{DecoderPolicy, PackError};
 use crate::step::{mini_batch_normalizer, LearnerState, MicroBatchHost, StepConfig};
@@ -121,6 +121,15 @@ impl BatchPlan {
     }
 }
 
+/// What a learner's state does not hold but a resumed run needs: the learning-rate schedule's
+/// clock and the in-reward KL coefficient (None without a KL penalty in the reward: the
+/// recipe's `algorithm.kl_coef` then).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct UpdateClocks {
+    pub optimizer_steps: u64,
+    pub kl_coef: Option<f64>,
+}
+
 /// What an update does beyond one optimizer step: VeRL's `algorithm.*` keys and the actor keys
 /// that shape the batch, with the step's own configuration.
 #[derive(Clone, Debug)]
@@ -132,11 +141,15 @@ pub struct UpdateConfig {
     pub adv_estimator: AdvantageEstimator,
     /// `algorithm.norm_adv_by_std_in_grpo` (false: Dr. GRPO).
     pub norm_adv_by_std_in_grpo: bool,
-    /// `algorithm.use_kl_in_reward`: subtract `kl_coef` x KL(policy || reference) (k1) from the
+    /// `algorithm.use_kl_in_reward`: subtract `kl_coef` x KL(policy || reference) from the
     /// token rewards.
     pub use_kl_in_reward: bool,
-    /// `algorithm.kl_coef`.
+    /// `algorithm.kl_coef`: the in-reward coefficient a run starts with.
     pub kl_coef: f64,
+    /// `algorithm.kl_penalty`: the in-reward KL estimator.
+    pub kl_penalty: KlPenalty,
+    /// `algorithm.kl_ctrl`: fixed or adaptive coefficient.
+    pub kl_ctrl: KlControl,
     /// `algorithm.filter_groups`: drop groups whose rewards all agree (DAPO's dynamic
     /// sampling).
     pub filter_groups: bool,
@@ -164,6 +177,8 @@ pub struct GrpoUpdate {
     config: UpdateConfig,
     /// Optimizer steps so far (the learning-rate schedule's clock).
     optimizer_steps: u64,
+    /// The in-reward KL coefficient.
+    kl_ctrl: KlController,
     /// Entries of the learner's compile log already logged.
     compiles_logged: usize,
 }
@@ -172,15 +187,15 @@ impl GrpoUpdate {
     /// Builds the programs and uploads the state a run starts from: `initial` (the model's
     /// weights in the policy's parameter-table order) with zero optimizer state when `resume`
     /// is `None`, else the checkpoint's state. `initial` is kept as the frozen reference when
-    /// [`UpdateConfig::needs_reference`]. `optimizer_steps` is the schedule's clock at the
-    /// state.
+    /// [`UpdateConfig::needs_reference`]. `clocks` are the schedule's clock and the in-reward
+    /// KL coefficient at the state.
     pub fn start(
         client: &Client,
         policy: DecoderPolicy,
         config: UpdateConfig,
         initial: Vec<Vec<f32>>,
         resume: Option<LearnerState>,
-        optimizer_steps: u64,
+        clocks: UpdateClocks,
     ) -> Result<GrpoUpdate> {
         let needs_reference = config.needs_reference();
         let (state, reference) = match resume {
@@ -206,10 +221,15 @@ impl GrpoUpdate {
         if let Some(r) = &reference {
             learner.learner_mut().set_reference(r)?;
         }
+        let kl_ctrl = KlController {
+            control: config.kl_ctrl,
+            value: clocks.kl_coef.unwrap_or(config.kl_coef),
+        };
         Ok(GrpoUpdate {
             learner,
             config,
-            optimizer_steps,
+            optimizer_steps: clocks.optimizer_steps,
+            kl_ctrl,
             compiles_logged: 0,
         })
     }
@@ -227,6 +247,15 @@ impl GrpoUpdate {
     /// Optimizer steps so far.
     pub fn optimizer_steps(&self) -> u64 {
         self.optimizer_steps
+    }
+
+    /// The clocks a checkpoint keeps: optimizer steps so far and, with a KL penalty in the
+    /// reward, its coefficient for the next step.
+    pub fn clocks(&self) -> UpdateClocks {
+        UpdateClocks {
+            optimizer_steps: self.optimizer_steps,
+            kl_coef: self.config.use_kl_in_reward.then_some(self.kl_ctrl.value),
+        }
     }
 
     /// One GRPO update from the scored samples of a step.
@@ -339,11 +368,13 @@ impl GrpoUpdate {
                 ref_lp.as_ref().expect("reference log-probs"),
                 &response_mask,
                 l,
-                KlPenalty::K1,
-                self.config.kl_coef,
+                self.config.kl_penalty,
+                self.kl_ctrl.value,
             )?;
             token_scores = rewards;
             m.insert("actor/reward_kl_penalty".into(), kl);
+            m.insert("actor/reward_kl_penalty_coeff".into(), self.kl_ctrl.value);
+            self.kl_ctrl.update(kl, n_rows);
         }
         let seq = sequence_scores(&token_scores, l);
         let adv = compute_advantages(

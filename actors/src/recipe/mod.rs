@@ -18,7 +18,9 @@ pub use validate::Violation;
 
 use serde::{Deserialize, Serialize};
 // The algorithm choices are the trainer's own enums, with VeRL's names.
-pub use trainer::config::{AdvantageEstimator, KlPenalty, LossAggMode, LrSchedule, PolicyLossMode};
+pub use trainer::config::{
+    AdvantageEstimator, KlControl, KlPenalty, LossAggMode, LrSchedule, PolicyLossMode,
+};
 
 /// A whole recipe, as read from YAML with defaults filled in.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -150,6 +152,13 @@ pub struct AlgorithmSection {
     /// Weight of the in-reward KL penalty.
     #[serde(default = "default_kl_coef")]
     pub kl_coef: f64,
+    /// Estimator of the in-reward KL penalty.
+    #[serde(default = "default_kl_penalty")]
+    pub kl_penalty: KlPenalty,
+    /// How the in-reward coefficient moves: `{type: fixed}` or
+    /// `{type: adaptive, target_kl, horizon}`.
+    #[serde(default = "default_kl_ctrl")]
+    pub kl_ctrl: KlControl,
     /// Drop groups whose rewards are all equal (DAPO's dynamic sampling).
     #[serde(default)]
     pub filter_groups: bool,
@@ -856,6 +865,14 @@ fn default_rollout_dtype() -> DTypeName {
 fn default_actor_dtype() -> DTypeName {
     DTypeName::F32
 }
+fn default_kl_penalty() -> KlPenalty {
+    KlPenalty::K1
+}
+
+fn default_kl_ctrl() -> KlControl {
+    KlControl::Fixed
+}
+
 fn default_kl_coef() -> f64 {
     0.001
 }
@@ -916,7 +933,7 @@ impl Recipe {
         let example = load_recipe_str(
             "model: {path: m}\ndata: {train_files: t.parquet}\ncluster: {tls: {cert: c, key: k, ca: a}, \
              ray: {address: a}, pools: [{name: p, roles: [rollout]}]}\n\
-             reward: {custom_reward_function: {path: r.py}}\n",
+             reward: {custom_reward_function: {path: r.py}}\nalgorithm: {kl_ctrl: {type: adaptive}}\n",
             "<keys>",
         )
         .expect("a minimal recipe loads");

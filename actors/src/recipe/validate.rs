@@ -1,7 +1,7 @@
 //! Range and cross-key checks, run before any work starts. Each rule is stated in its message.
 
 use super::load::locate_key;
-use super::{ClusterSection, Launcher, Recipe, ResumeMode, Strategy};
+use super::{ClusterSection, KlControl, KlPenalty, Launcher, Recipe, ResumeMode, Strategy};
 use crate::roles::Role;
 use std::fmt;
 
@@ -332,6 +332,38 @@ pub(crate) fn validate(r: &Recipe, text: &str, file: &str, overrides: &[String])
         }
     }
     check_tensor_parallel(&mut c, r);
+    if !al.use_kl_in_reward {
+        c.check(
+            al.kl_penalty == KlPenalty::K1,
+            "algorithm.kl_penalty",
+            serde_json::to_value(al.kl_penalty)
+                .expect("names serialize")
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+            "is read only with algorithm.use_kl_in_reward: true",
+        );
+        c.check(
+            al.kl_ctrl == KlControl::Fixed,
+            "algorithm.kl_ctrl",
+            "adaptive",
+            "is read only with algorithm.use_kl_in_reward: true",
+        );
+    }
+    if let KlControl::Adaptive { target_kl, horizon } = al.kl_ctrl {
+        c.check(
+            target_kl > 0.0,
+            "algorithm.kl_ctrl.target_kl",
+            target_kl,
+            "must be above 0",
+        );
+        c.check(
+            horizon > 0.0,
+            "algorithm.kl_ctrl.horizon",
+            horizon,
+            "must be above 0",
+        );
+    }
     c.check(
         !(a.use_kl_loss && al.use_kl_in_reward),
         "actor.use_kl_loss",
@@ -834,6 +866,22 @@ mod tests {
             .iter()
             .map(|v| v.to_string())
             .collect()
+    }
+
+    #[test]
+    fn kl_in_reward_keys_need_the_kl_in_the_reward() {
+        assert_eq!(
+            violations("algorithm:\n  kl_penalty: low_var_kl\n  kl_ctrl: {type: adaptive, horizon: 0}\n"),
+            [
+                "r.yaml:6:3: `algorithm.kl_penalty` = low_var_kl: is read only with algorithm.use_kl_in_reward: true",
+                "r.yaml:7:3: `algorithm.kl_ctrl` = adaptive: is read only with algorithm.use_kl_in_reward: true",
+                "`algorithm.kl_ctrl.horizon` = 0: must be above 0",
+            ]
+        );
+        assert!(violations(
+            "algorithm:\n  use_kl_in_reward: true\n  kl_penalty: k3\n  kl_ctrl: {type: adaptive}\n"
+        )
+        .is_empty());
     }
 
     #[test]

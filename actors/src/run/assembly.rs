@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 use trainer::step::LearnerState;
-use trainer::update::{Row, UpdateReport};
+use trainer::update::{Row, UpdateClocks, UpdateReport};
 use xla::runtime::{Client, TransferStats};
 use xla::DType;
 
@@ -94,9 +94,9 @@ impl LearnerHandle {
         result.map_err(|e| self.failed(e, last_checkpoint))
     }
 
-    /// Optimizer steps taken.
-    pub fn optimizer_steps(&self) -> u64 {
-        self.role.optimizer_steps()
+    /// Optimizer steps taken and the in-reward KL coefficient.
+    pub fn clocks(&self) -> UpdateClocks {
+        self.role.clocks()
     }
 
     /// The current weights, for a rollout in `dtype` (see [`rollout_weights`]).
@@ -168,7 +168,7 @@ impl Assembly {
                 let remote =
                     RemoteLearner::with_timeout(&w.address, &dialer.token, tls, timeout, specs.to_vec())?;
                 remote
-                    .start(resume, start.optimizer_steps, total_optimizer_steps)
+                    .start(resume, start.clocks, total_optimizer_steps)
                     .await
                     .map_err(|e| learner_worker_failed(w, e, start.checkpoint.as_deref()))?;
                 Arc::new(remote)
@@ -183,7 +183,7 @@ impl Assembly {
                     &prepared.model.weights.config,
                     initial,
                     resume,
-                    start.optimizer_steps,
+                    start.clocks,
                     total_optimizer_steps,
                 )?)
             }

@@ -8,9 +8,12 @@ use model::ParamSpec;
 use std::path::{Path, PathBuf};
 use trainer::checkpoint::{latest_checkpoint, load_checkpoint, save_checkpoint, TrainerState};
 use trainer::step::LearnerState;
+use trainer::update::UpdateClocks;
 
-/// The key under which a checkpoint records the optimizer-step clock.
+/// The keys under which a checkpoint records the optimizer-step clock and the in-reward KL
+/// coefficient.
 const OPTIMIZER_STEPS_KEY: &str = "optimizer_steps";
+const KL_COEF_KEY: &str = "kl_coef";
 
 /// The point a run starts from.
 pub(crate) struct Start {
@@ -22,8 +25,8 @@ pub(crate) struct Start {
     pub step: u64,
     /// The weight version at that step.
     pub version: u64,
-    /// Optimizer steps taken (the learning-rate schedule's clock).
-    pub optimizer_steps: u64,
+    /// Optimizer steps taken (the learning-rate schedule's clock) and the KL coefficient.
+    pub clocks: UpdateClocks,
 }
 
 /// Finds where the run in `output` starts (`trainer.resume_mode`), restores `sampler` to the
@@ -47,19 +50,22 @@ pub(crate) fn resume(
             let position: data::SamplerState = serde_json::from_value(ck.state.sampler_position.clone())
                 .map_err(|e| RunError::Other(format!("{}: bad sampler position: {e}", dir.display())))?;
             sampler.restore(position)?;
-            let optimizer_steps = ck
-                .state
-                .extra
-                .get(OPTIMIZER_STEPS_KEY)
-                .and_then(|v| v.as_u64())
-                .unwrap_or(0);
+            let clocks = UpdateClocks {
+                optimizer_steps: ck
+                    .state
+                    .extra
+                    .get(OPTIMIZER_STEPS_KEY)
+                    .and_then(|v| v.as_u64())
+                    .unwrap_or(0),
+                kl_coef: ck.state.extra.get(KL_COEF_KEY).and_then(|v| v.as_f64()),
+            };
             tracing::info!("resuming from {} (step {})", dir.display(), ck.state.step);
             Start {
                 checkpoint: Some(dir),
                 state: Some(state),
                 step: ck.state.step,
                 version: ck.state.weight_version,
-                optimizer_steps,
+                clocks,
             }
         }
         None => Start {
@@ -67,7 +73,7 @@ pub(crate) fn resume(
             state: None,
             step: 0,
             version: 0,
-            optimizer_steps: 0,
+            clocks: UpdateClocks::default(),
         },
     };
     for name in ["metrics.jsonl", "prompts.jsonl"] {
@@ -106,7 +112,7 @@ fn truncate_jsonl(path: &Path, last_step: u64) -> Result<(), RunError> {
 pub(crate) struct Clocks {
     pub step: u64,
     pub weight_version: u64,
-    pub optimizer_steps: u64,
+    pub update: UpdateClocks,
     /// The sampler's position for the next step's batch.
     pub sampler: data::SamplerState,
 }
@@ -127,7 +133,8 @@ pub(crate) fn save(
         sampler_position: serde_json::to_value(clocks.sampler).map_err(|e| RunError::Other(e.to_string()))?,
         extra: serde_json::json!({
             trainer::export::MODEL_PATH_KEY: recipe.model.path,
-            OPTIMIZER_STEPS_KEY: clocks.optimizer_steps,
+            OPTIMIZER_STEPS_KEY: clocks.update.optimizer_steps,
+            KL_COEF_KEY: clocks.update.kl_coef,
         }),
     };
     let files = learner.to_tensor_files(specs);

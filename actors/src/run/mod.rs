@@ -331,7 +331,7 @@ impl Run<'_> {
                 let clocks = Clocks {
                     step,
                     weight_version: outcome.version,
-                    optimizer_steps: steps.learner().optimizer_steps(),
+                    update: steps.learner().clocks(),
                     sampler: outcome.sampler,
                 };
                 let dir = checkpoint::save(self.recipe, self.output, self.specs, state, clocks)?;

@@ -287,8 +287,63 @@ impl Translator {
         self.sizes()?;
         self.sampling()?;
         self.reward()?;
+        self.kl_in_reward()?;
         self.trainer()?;
         Ok(())
+    }
+
+    /// `algorithm.kl_penalty` and `algorithm.kl_ctrl`, which VeRL reads only with
+    /// `use_kl_in_reward` (and grpo's recipe refuses without it).
+    fn kl_in_reward(&mut self) -> Result<(), VerlError> {
+        let keys = [
+            "algorithm.kl_penalty",
+            "algorithm.kl_ctrl.type",
+            "algorithm.kl_ctrl.target_kl",
+            "algorithm.kl_ctrl.horizon",
+        ];
+        if self.get("algorithm.use_kl_in_reward")? != json!(true) {
+            for key in keys {
+                let value = &self.config.values[key];
+                if self.config.defaults.get(key) != Some(value) {
+                    self.notes.push(format!(
+                        "{key}={} has no effect: VeRL reads it only with algorithm.use_kl_in_reward=True",
+                        compact(value)
+                    ));
+                }
+            }
+            return Ok(());
+        }
+        let penalty = self.get("algorithm.kl_penalty")?;
+        match penalty.as_str().map(|p| p.trim_end_matches('+')) {
+            Some(p @ ("kl" | "k1" | "abs" | "mse" | "k2" | "low_var_kl" | "k3")) => {
+                let o = self.origin("algorithm.kl_penalty");
+                self.b.set("algorithm.kl_penalty", json!(p), o)?;
+            }
+            _ => self.unsupported.push((
+                format!("algorithm.kl_penalty={}", compact(&penalty)),
+                "grpo's KL estimators are kl (k1), abs, mse (k2) and low_var_kl (k3); `full` needs \
+                 the whole vocabulary's log-probs, which grpo does not keep"
+                    .into(),
+            )),
+        }
+        let kind = self.get("algorithm.kl_ctrl.type")?;
+        let ctrl = match kind.as_str() {
+            Some("fixed") => json!({ "type": "fixed" }),
+            Some("adaptive") => json!({
+                "type": "adaptive",
+                "target_kl": self.get("algorithm.kl_ctrl.target_kl")?,
+                "horizon": self.get("algorithm.kl_ctrl.horizon")?,
+            }),
+            _ => {
+                self.unsupported.push((
+                    format!("algorithm.kl_ctrl.type={}", compact(&kind)),
+                    "VeRL's KL controllers are fixed and adaptive".into(),
+                ));
+                return Ok(());
+            }
+        };
+        let o = self.origin("algorithm.kl_ctrl.type");
+        self.b.set("algorithm.kl_ctrl", ctrl, o)
     }
 
     fn optimizer(&mut self) -> Result<(), VerlError> {

@@ -256,3 +256,39 @@ fn the_markdown_table_is_the_shipped_doc() {
         "docs/verl-keys.md is out of date: regenerate it with `grpo verl --keys`"
     );
 }
+
+#[test]
+fn kl_in_the_reward() {
+    let r = translate_with(&[
+        "algorithm.use_kl_in_reward=True",
+        "algorithm.kl_penalty=k3+",
+        "algorithm.kl_ctrl.type=adaptive",
+        "algorithm.kl_ctrl.horizon=500",
+    ])
+    .unwrap()
+    .recipe;
+    assert_eq!(r.algorithm.kl_penalty, crate::recipe::KlPenalty::K3);
+    assert_eq!(
+        r.algorithm.kl_ctrl,
+        crate::recipe::KlControl::Adaptive {
+            target_kl: 0.1,
+            horizon: 500.0
+        }
+    );
+    // Without the KL in the reward VeRL reads neither; grpo says so.
+    let t = translate_with(&["algorithm.kl_ctrl.type=adaptive"]).unwrap();
+    assert_eq!(t.recipe.algorithm.kl_ctrl, crate::recipe::KlControl::Fixed);
+    assert!(
+        t.notes
+            .iter()
+            .any(|n| n.starts_with("algorithm.kl_ctrl.type=adaptive has no effect")),
+        "{:?}",
+        t.notes
+    );
+    let err = translate_with(&["algorithm.use_kl_in_reward=True", "algorithm.kl_penalty=full"]).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("algorithm.kl_penalty=full: not supported"),
+        "{err}"
+    );
+}

@@ -7,10 +7,9 @@ use crate::recipe::Recipe;
 use crate::roles::{BoxFuture, RoleError};
 use crate::setup;
 use model::ParamSpec;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use trainer::step::LearnerState;
-use trainer::update::{GrpoUpdate, Row, UpdateError, UpdateReport};
+use trainer::update::{GrpoUpdate, Row, UpdateClocks, UpdateError, UpdateReport};
 use xla::runtime::{Buffer, Client};
 
 /// Takes the model's tensors out of `weights` (they are not needed twice on the host) and returns
@@ -42,23 +41,23 @@ pub fn initial_params(
 /// rollout engine (no copy); updates run on a blocking thread, one at a time.
 pub struct LocalLearner {
     update: Arc<Mutex<GrpoUpdate>>,
-    /// Optimizer steps so far, readable while an update runs.
-    optimizer_steps: Arc<AtomicU64>,
+    /// The update's clocks, readable while an update runs.
+    clocks: Arc<Mutex<UpdateClocks>>,
     specs: Vec<ParamSpec>,
 }
 
 impl LocalLearner {
     /// The learner of a run as the orchestrator and a learner worker both build it (see
     /// [`GrpoUpdate::start`]): from `initial` (the model's weights in parameter-table order, see
-    /// [`initial_params`]) or the checkpoint state `resume`, `optimizer_steps` into a schedule
-    /// of `total_optimizer_steps`.
+    /// [`initial_params`]) or the checkpoint state `resume` with its `clocks`, in a schedule of
+    /// `total_optimizer_steps`.
     pub fn start(
         client: &Client,
         recipe: &Recipe,
         config: &model::ModelConfig,
         initial: Vec<Vec<f32>>,
         resume: Option<LearnerState>,
-        optimizer_steps: u64,
+        clocks: UpdateClocks,
         total_optimizer_steps: u64,
     ) -> Result<LocalLearner, UpdateError> {
         let policy = setup::policy(recipe, config);
@@ -69,12 +68,12 @@ impl LocalLearner {
             setup::update_config(recipe, total_optimizer_steps),
             initial,
             resume,
-            optimizer_steps,
+            clocks,
         )?;
         Ok(LocalLearner {
             specs,
+            clocks: Arc::new(Mutex::new(update.clocks())),
             update: Arc::new(Mutex::new(update)),
-            optimizer_steps: Arc::new(AtomicU64::new(optimizer_steps)),
         })
     }
 
@@ -121,12 +120,12 @@ pub(crate) fn role_error(e: UpdateError) -> RoleError {
 
 impl LearnerRole for LocalLearner {
     fn update(&self, rows: Vec<Row>) -> BoxFuture<'_, Result<UpdateReport, RoleError>> {
-        let (update, steps) = (self.update.clone(), self.optimizer_steps.clone());
+        let (update, clocks) = (self.update.clone(), self.clocks.clone());
         Box::pin(async move {
             tokio::task::spawn_blocking(move || {
                 let mut update = lock(&update);
                 let report = update.update(&rows);
-                steps.store(update.optimizer_steps(), Ordering::SeqCst);
+                *lock(&clocks) = update.clocks();
                 report
             })
             .await
@@ -149,8 +148,8 @@ impl LearnerRole for LocalLearner {
         })
     }
 
-    fn optimizer_steps(&self) -> u64 {
-        self.optimizer_steps.load(Ordering::SeqCst)
+    fn clocks(&self) -> UpdateClocks {
+        *lock(&self.clocks)
     }
 
     fn location(&self) -> String {

@@ -21,7 +21,7 @@ pub use service::LearnerService;
 use super::{BoxFuture, RoleError};
 use model::HostTensor;
 use trainer::step::LearnerState;
-use trainer::update::{Row, UpdateReport};
+use trainer::update::{Row, UpdateClocks, UpdateReport};
 use xla::DType;
 
 /// The learner's current parameters, as the rollout side gets them.
@@ -49,8 +49,9 @@ pub trait LearnerRole: Send + Sync {
     /// The state a checkpoint holds: f32 parameters, AdamW moments and step count.
     fn state(&self) -> BoxFuture<'_, Result<LearnerState, RoleError>>;
 
-    /// Optimizer steps so far (the learning-rate schedule's clock).
-    fn optimizer_steps(&self) -> u64;
+    /// Optimizer steps so far (the learning-rate schedule's clock) and the in-reward KL
+    /// coefficient: what a checkpoint keeps besides the state.
+    fn clocks(&self) -> UpdateClocks;
 
     /// Where it runs, for logs and errors ("in-process" or an address).
     fn location(&self) -> String;

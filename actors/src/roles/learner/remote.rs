@@ -15,12 +15,12 @@ use crate::roles::rollout::{Assembly, CHUNK_BYTES};
 use crate::roles::{status_to_error, BoxFuture, RoleError};
 use model::HostTensor;
 use model::ParamSpec;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 use std::time::Duration;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 use trainer::step::LearnerState;
-use trainer::update::{Row, UpdateReport};
+use trainer::update::{Row, UpdateClocks, UpdateReport};
 use xla::DType;
 
 /// The largest message either side accepts (a step's scored rows, or a chunk).
@@ -35,7 +35,7 @@ pub struct RemoteLearner {
     address: String,
     client: LearnerClient,
     specs: Vec<ParamSpec>,
-    optimizer_steps: AtomicU64,
+    clocks: Mutex<UpdateClocks>,
 }
 
 impl RemoteLearner {
@@ -65,7 +65,7 @@ impl RemoteLearner {
             address: crate::transport::worker_uri(address, tls),
             client,
             specs,
-            optimizer_steps: AtomicU64::new(0),
+            clocks: Mutex::new(UpdateClocks::default()),
         })
     }
 
@@ -82,18 +82,21 @@ impl RemoteLearner {
 
     /// Builds the learner in the worker: from the recipe's model with zero optimizer state
     /// (`resume` is `None`), or from a checkpoint's state, which is streamed to it.
-    /// `optimizer_steps` is the schedule's clock at that state, `total_optimizer_steps` its
-    /// length. Resolves once the worker has compiled its programs and holds the state.
+    /// `clocks` are the schedule's clock and the KL coefficient at that state,
+    /// `total_optimizer_steps` the schedule's length. Resolves once the worker has compiled its
+    /// programs and holds the state.
     pub async fn start(
         &self,
         resume: Option<LearnerState>,
-        optimizer_steps: u64,
+        clocks: UpdateClocks,
         total_optimizer_steps: u64,
     ) -> Result<(), RoleError> {
+        let optimizer_steps = clocks.optimizer_steps;
         let counters = proto::LearnerCounters {
             adam_step: resume.as_ref().map_or(0, |s| s.adam_step),
             optimizer_steps,
             total_optimizer_steps,
+            kl_coef: clocks.kl_coef,
         };
         let (messages, stream) = tokio::sync::mpsc::channel(CHUNKS_IN_FLIGHT);
         let specs = self.specs.clone();
@@ -121,9 +124,15 @@ impl RemoteLearner {
             .map_err(|e| RoleError::Invalid(format!("the learner state sender failed: {e}")))?;
         let status = reply.map_err(|s| self.error(s))?.into_inner();
         check_table(&self.specs, &status.tensors, &self.address)?;
-        self.optimizer_steps
-            .store(status.optimizer_steps, Ordering::SeqCst);
+        *self.lock_clocks() = UpdateClocks {
+            optimizer_steps: status.optimizer_steps,
+            kl_coef: clocks.kl_coef,
+        };
         Ok(())
+    }
+
+    fn lock_clocks(&self) -> std::sync::MutexGuard<'_, UpdateClocks> {
+        self.clocks.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -319,13 +328,14 @@ pub(crate) fn row_from_proto(r: proto::LearnerRow) -> Row {
     }
 }
 
-pub(crate) fn report_to_proto(r: UpdateReport, total_optimizer_steps: u64) -> proto::LearnerUpdateReply {
+pub(crate) fn report_to_proto(r: UpdateReport, clocks: UpdateClocks) -> proto::LearnerUpdateReply {
     proto::LearnerUpdateReply {
         metrics: r.metrics.into_iter().collect(),
         trained_tokens: r.trained_tokens as u64,
         processed_tokens: r.processed_tokens as u64,
         optimizer_steps: r.optimizer_steps,
-        total_optimizer_steps,
+        total_optimizer_steps: clocks.optimizer_steps,
+        kl_coef: clocks.kl_coef,
     }
 }
 
@@ -352,8 +362,10 @@ impl LearnerRole for RemoteLearner {
                 .await
                 .map_err(|s| self.error(s))?
                 .into_inner();
-            self.optimizer_steps
-                .store(reply.total_optimizer_steps, Ordering::SeqCst);
+            *self.lock_clocks() = UpdateClocks {
+                optimizer_steps: reply.total_optimizer_steps,
+                kl_coef: reply.kl_coef,
+            };
             Ok(report_from_proto(reply))
         })
     }
@@ -416,14 +428,16 @@ impl LearnerRole for RemoteLearner {
                 receiver.add(message).map_err(|e| self.bad_stream("state", e))?;
             }
             let (counters, state) = receiver.finish().map_err(|e| self.bad_stream("state", e))?;
-            self.optimizer_steps
-                .store(counters.optimizer_steps, Ordering::SeqCst);
+            *self.lock_clocks() = UpdateClocks {
+                optimizer_steps: counters.optimizer_steps,
+                kl_coef: counters.kl_coef,
+            };
             state.ok_or_else(|| self.bad_stream("state", "the stream held no tensors"))
         })
     }
 
-    fn optimizer_steps(&self) -> u64 {
-        self.optimizer_steps.load(Ordering::SeqCst)
+    fn clocks(&self) -> UpdateClocks {
+        *self.lock_clocks()
     }
 
     fn location(&self) -> String {
@@ -468,6 +482,7 @@ mod tests {
                 adam_step: 17,
                 optimizer_steps: 9,
                 total_optimizer_steps: 40,
+                kl_coef: Some(0.0123),
             }),
             ..Default::default()
         }
@@ -490,8 +505,12 @@ mod tests {
         }
         let (counters, back) = receiver.finish().unwrap();
         assert_eq!(
-            (counters.optimizer_steps, counters.total_optimizer_steps),
-            (9, 40)
+            (
+                counters.optimizer_steps,
+                counters.total_optimizer_steps,
+                counters.kl_coef
+            ),
+            (9, 40, Some(0.0123))
         );
         let (back, want) = (back.unwrap(), state());
         assert_eq!(back.params, want.params);
@@ -591,8 +610,12 @@ mod tests {
         report.trained_tokens = 31;
         report.processed_tokens = 400;
         report.optimizer_steps = 2;
-        let reply = report_to_proto(report.clone(), 12);
-        assert_eq!(reply.total_optimizer_steps, 12);
+        let clocks = UpdateClocks {
+            optimizer_steps: 12,
+            kl_coef: Some(0.0123),
+        };
+        let reply = report_to_proto(report.clone(), clocks);
+        assert_eq!((reply.total_optimizer_steps, reply.kl_coef), (12, Some(0.0123)));
         let back = report_from_proto(reply);
         assert_eq!(back.metrics, report.metrics);
         assert_eq!(

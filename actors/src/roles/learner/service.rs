@@ -15,6 +15,7 @@ use model::ParamSpec;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use tonic::{Request, Response, Status};
+use trainer::update::UpdateClocks;
 use xla::runtime::Client;
 use xla::DType;
 
@@ -135,14 +136,17 @@ impl proto::learner_server::Learner for Arc<LearnerService> {
                 &service.config,
                 service.initial.clone(),
                 resume,
-                counters.optimizer_steps,
+                UpdateClocks {
+                    optimizer_steps: counters.optimizer_steps,
+                    kl_coef: counters.kl_coef,
+                },
                 counters.total_optimizer_steps,
             )
         })
         .await
         .map_err(|e| Status::internal(format!("the learner build thread failed: {e}")))?
         .map_err(|e| Status::failed_precondition(format!("building the learner: {e}")))?;
-        let steps = learner.optimizer_steps();
+        let steps = learner.clocks().optimizer_steps;
         *self.learner.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(learner));
         tracing::info!(optimizer_steps = steps, "learner started");
         Ok(Response::new(self.status(steps)))
@@ -162,7 +166,7 @@ impl proto::learner_server::Learner for Arc<LearnerService> {
             .map(row_from_proto)
             .collect();
         let report = learner.update(rows).await.map_err(to_status)?;
-        Ok(Response::new(report_to_proto(report, learner.optimizer_steps())))
+        Ok(Response::new(report_to_proto(report, learner.clocks())))
     }
 
     type WeightsStream = ChunkStream;
@@ -222,12 +226,14 @@ impl proto::learner_server::Learner for Arc<LearnerService> {
                     return;
                 }
             };
-            let steps = learner.optimizer_steps();
+            let clocks = learner.clocks();
+            let steps = clocks.optimizer_steps;
             let first = proto::LearnerStateMessage {
                 counters: Some(proto::LearnerCounters {
                     adam_step: state.adam_step,
                     optimizer_steps: steps,
                     total_optimizer_steps: 0,
+                    kl_coef: clocks.kl_coef,
                 }),
                 ..Default::default()
             };
