@@ -562,3 +562,50 @@ fn an_adaptive_kl_in_the_reward_moves_its_coefficient_and_a_resume_keeps_it() {
     assert_eq!(metric_series(&w, "actor/reward_kl_penalty_coeff"), coef);
     assert_same_training(&whole, &worker, "a learner worker, stopped and resumed");
 }
+
+/// VeRL #7401: a run resumed from a checkpoint taken exactly at an epoch's end ran no steps and
+/// exited 0. Here it runs the next epoch, over the same prompts in the next epoch's order.
+#[test]
+fn a_resume_from_an_epoch_boundary_runs_the_next_epoch() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, train, val) = tiny_inputs(dir.path(), 8, 4);
+    let out = dir.path().join("out");
+    let r = tiny_recipe(dir.path(), "epochs.yaml", &model, &train, &val, &out, 4, "");
+    let run = |epochs: &str| {
+        let o = run_grpo(&[
+            "run",
+            r.to_str().unwrap(),
+            "--quiet",
+            "--set",
+            "trainer.total_training_steps=",
+            "--set",
+            epochs,
+        ]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stderr).to_string()
+    };
+    // 8 prompts, 4 a step: an epoch is 2 steps, and step 2's checkpoint is its end.
+    run("trainer.total_epochs=1");
+    assert!(out.join("checkpoints/step_2").is_dir());
+    let stderr = run("trainer.total_epochs=2");
+    assert!(stderr.contains("trained to step 4"), "{stderr}");
+    let seen = prompts_seen(&out);
+    assert_eq!(seen.keys().copied().collect::<Vec<_>>(), [1, 2, 3, 4]);
+    let epoch = |steps: [u64; 2]| {
+        let mut rows: Vec<u64> = steps.iter().flat_map(|s| seen[s].clone()).collect();
+        rows.sort();
+        rows
+    };
+    assert_eq!(
+        epoch([1, 2]),
+        (0..8).collect::<Vec<u64>>(),
+        "epoch 1 saw every prompt once"
+    );
+    assert_eq!(
+        epoch([3, 4]),
+        (0..8).collect::<Vec<u64>>(),
+        "epoch 2 saw every prompt once"
+    );
+    let m = metrics(&out);
+    assert_eq!(m[&3]["training/epoch"], 1.0, "{}", m[&3]);
+}

@@ -121,6 +121,26 @@ impl BatchPlan {
     }
 }
 
+/// The rows whose reward and rollout log-probs are all finite. A NaN or infinity there (a
+/// sampler that overflowed, a scorer that slipped through) would make the whole update's loss
+/// non-finite, so such a row is left out of the update (counted in `batch/nonfinite_samples`)
+/// before any of its numbers reach advantages or the loss.
+fn finite_rows(rows: &[Row]) -> Vec<usize> {
+    let keep: Vec<usize> = rows
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| r.score.is_finite() && r.rollout_log_probs.iter().all(|v| v.is_finite()))
+        .map(|(i, _)| i)
+        .collect();
+    if keep.len() < rows.len() {
+        tracing::warn!(
+            left_out = rows.len() - keep.len(),
+            "samples with a non-finite reward or rollout log-prob left out of the update"
+        );
+    }
+    keep
+}
+
 /// What a learner's state does not hold but a resumed run needs: the learning-rate schedule's
 /// clock and the in-reward KL coefficient (None without a KL penalty in the reward: the
 /// recipe's `algorithm.kl_coef` then).
@@ -264,7 +284,12 @@ impl GrpoUpdate {
         if rows.is_empty() {
             return Err(UpdateError::Batch("no samples to train on".into()));
         }
-        let keep = self.kept_rows(rows)?;
+        let finite = finite_rows(rows);
+        report.metrics.insert(
+            "batch/nonfinite_samples".into(),
+            (rows.len() - finite.len()) as f64,
+        );
+        let keep = self.kept_rows(rows, finite)?;
         report
             .metrics
             .insert("batch/kept_samples".into(), keep.len() as f64);
@@ -288,15 +313,18 @@ impl GrpoUpdate {
         Ok(report)
     }
 
-    /// Indices of the rows the update trains on: all, or with `filter_groups` those of groups
-    /// whose rewards differ (the others' advantages are 0).
-    fn kept_rows(&self, rows: &[Row]) -> Result<Vec<usize>> {
+    /// Indices of the rows the update trains on: the `finite` ones, and with `filter_groups`
+    /// only those of groups whose rewards differ (the others' advantages are 0).
+    fn kept_rows(&self, rows: &[Row], finite: Vec<usize>) -> Result<Vec<usize>> {
         if !self.config.filter_groups {
-            return Ok((0..rows.len()).collect());
+            return Ok(finite);
         }
-        let groups: Vec<u64> = rows.iter().map(|x| x.group).collect();
-        let scores: Vec<f64> = rows.iter().map(|x| x.score).collect();
-        Ok(filter_groups(&scores, &groups)?)
+        let groups: Vec<u64> = finite.iter().map(|&i| rows[i].group).collect();
+        let scores: Vec<f64> = finite.iter().map(|&i| rows[i].score).collect();
+        Ok(filter_groups(&scores, &groups)?
+            .into_iter()
+            .map(|k| finite[k])
+            .collect())
     }
 
     /// Log-probs of every packed micro-batch under the policy (or the reference), the real rows
@@ -578,6 +606,26 @@ fn add_critic_metrics(m: &mut BTreeMap<String, f64>, rewards: &[f64], advantages
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rows_with_a_non_finite_reward_or_log_prob_are_left_out() {
+        let row = |score: f64, lp: f32| Row {
+            group: 1,
+            prompt: vec![1],
+            response: vec![2, 3],
+            rollout_log_probs: vec![-0.5, lp],
+            score,
+            truncated: false,
+        };
+        let rows = [
+            row(1.0, -0.1),
+            row(f64::NAN, -0.1),
+            row(0.0, f32::NEG_INFINITY),
+            row(0.5, f32::NAN),
+            row(0.0, -2.0),
+        ];
+        assert_eq!(finite_rows(&rows), [0, 4]);
+    }
 
     fn plan(prompts: usize, n: usize, mini: usize, micro: usize, epochs: usize) -> BatchPlan {
         BatchPlan {
