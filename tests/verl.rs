@@ -31,25 +31,32 @@ fn cut_sizes(output: &Path) -> Vec<String> {
     .collect()
 }
 
-fn run_script(script: &str, dir: &Path, model: &Path, output: &Path) -> String {
-    let out = std::process::Command::new("bash")
-        .arg(
-            Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("tests/fixtures/verl")
-                .join(script),
-        )
-        .args(cut_sizes(output))
-        .current_dir(dir)
-        .env("GRPO", env!("CARGO_BIN_EXE_grpo"))
-        .env("GRPO_VERL_DATA", dir.join("data"))
-        .env("GRPO_VERL_MODEL", model)
+/// `bash tests/fixtures/verl/SCRIPT` with the size cuts into `output` appended, in `dir`, with
+/// the model and data paths the scripts read.
+fn script(script: &str, dir: &Path, model: &Path, output: &Path) -> std::process::Command {
+    let mut c = std::process::Command::new("bash");
+    c.arg(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/verl")
+            .join(script),
+    )
+    .args(cut_sizes(output))
+    .current_dir(dir)
+    .env("GRPO", env!("CARGO_BIN_EXE_grpo"))
+    .env("GRPO_VERL_DATA", dir.join("data"))
+    .env("GRPO_VERL_MODEL", model);
+    c
+}
+
+fn run_script(name: &str, dir: &Path, model: &Path, output: &Path) -> String {
+    let out = script(name, dir, model, output)
         .env("GRPO_PYTHON", python())
         .env("WANDB_MODE", "offline")
         .env("HOME", dir)
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(out.status.success(), "{script}:\n{stderr}");
+    assert!(out.status.success(), "{name}:\n{stderr}");
     stderr
 }
 
@@ -122,14 +129,8 @@ fn verls_own_grpo_scripts_run_and_train() {
     }
     // The same command line with --print-recipe gives a recipe `grpo run` takes.
     let seq = dir.path().join("seq_balance_recipe");
-    let out = std::process::Command::new("bash")
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/verl/run_qwen2-7b_seq_balance.sh"))
-        .args(cut_sizes(&seq))
+    let out = script("run_qwen2-7b_seq_balance.sh", dir.path(), &model, &seq)
         .arg("--print-recipe")
-        .current_dir(dir.path())
-        .env("GRPO", env!("CARGO_BIN_EXE_grpo"))
-        .env("GRPO_VERL_DATA", dir.path().join("data"))
-        .env("GRPO_VERL_MODEL", &model)
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));

@@ -380,7 +380,8 @@ fn describe_expected(expected: &str) -> String {
     format!("{word} ({e})")
 }
 
-fn closest<'a>(word: &str, candidates: impl Iterator<Item = &'a str>) -> Option<String> {
+/// The candidate nearest to a misspelt `word`, if any is near (recipe keys, VeRL keys).
+pub(crate) fn closest<'a>(word: &str, candidates: impl Iterator<Item = &'a str>) -> Option<String> {
     candidates
         .map(|c| {
             (

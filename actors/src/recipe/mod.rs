@@ -12,7 +12,7 @@ mod load;
 mod validate;
 
 pub use load::{apply_overrides, load_recipe, load_recipe_str, RecipeError};
-pub(crate) use load::{bare_message, set_path};
+pub(crate) use load::{bare_message, closest, set_path};
 pub(crate) use validate::validate;
 pub use validate::Violation;
 

@@ -4,6 +4,7 @@
 //! interpolations resolved when a value is read. The config is held flat, one entry per leaf.
 
 use super::VerlError;
+use crate::recipe::closest;
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -364,15 +365,6 @@ fn relative_to(key: &str, target: &str) -> String {
     } else {
         format!("{}.{name}", parts.join("."))
     }
-}
-
-/// The known key nearest to a misspelt one, if any is near.
-pub fn closest<'a>(word: &str, candidates: impl Iterator<Item = &'a str>) -> Option<String> {
-    candidates
-        .map(|c| (strsim::jaro_winkler(word, c), c))
-        .filter(|(score, _)| *score > 0.9)
-        .max_by(|a, b| a.0.total_cmp(&b.0))
-        .map(|(_, c)| c.to_string())
 }
 
 #[cfg(test)]
