@@ -53,9 +53,9 @@ use std::time::Instant;
 
 use model::forward::DecoderParams;
 use model::programs::HostModel;
-use trainer::advantage::{broadcast_over_response, compute_advantages};
+use trainer::advantage::{broadcast_over_response, grpo_outcome_advantage, GRPO_EPSILON};
 use trainer::bucket::BucketedLearner;
-use trainer::config::{AdvantageEstimator, OptimConfig, PolicyLossConfig};
+use trainer::config::{OptimConfig, PolicyLossConfig};
 use trainer::policy::DecoderPolicy;
 use trainer::step::{mini_batch_normalizer, LearnerState, MicroBatchHost, StepConfig};
 use xla::graph::Graph;
@@ -433,7 +433,7 @@ fn main() {
     // GRPO advantages over one group of `rows` with a fixed reward pattern.
     let rewards: Vec<f64> = (0..rows).map(|r| ((r * 5 + 3) % 3 == 0) as u8 as f64).collect();
     let groups = vec![0usize; rows];
-    let adv = compute_advantages(AdvantageEstimator::Grpo, &rewards, &groups, true).unwrap();
+    let adv = grpo_outcome_advantage(&rewards, &groups, GRPO_EPSILON, true).unwrap();
     let advantages = broadcast_over_response(&adv, &response_mask, r_len).unwrap();
     let norm = mini_batch_normalizer(&response_mask, r_len);
 

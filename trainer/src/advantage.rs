@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::hash::Hash;
 
-use crate::config::{AdvantageEstimator, KlControl, KlPenalty};
+use crate::config::{AdvantageConfig, AdvantageEstimator, KlControl, KlPenalty};
 use crate::{Result, TrainerError};
 
 /// VeRL's `epsilon` in the GRPO denominator.
@@ -104,20 +104,267 @@ pub fn rloo_outcome_advantage<K: Eq + Hash>(scores: &[f64], group_ids: &[K]) -> 
     Ok(adv)
 }
 
-/// Per-sample advantages for the configured estimator (one `match`). `scores` are the
-/// sequence scores (VeRL: `token_level_rewards.sum(-1)`; see [`sequence_scores`]).
-pub fn compute_advantages<K: Eq + Hash>(
-    estimator: AdvantageEstimator,
+/// OPO's length-weighted baseline, VeRL `compute_opo_outcome_advantage` (core_algos.py;
+/// arXiv:2505.23585): for a group of `n > 1`,
+///
+/// `A_i = r_i - sum_j(|o_j| r_j) / sum_j(|o_j|)`, `|o_j|` the response's token count;
+///
+/// a group of one keeps its raw score (baseline 0, as VeRL). A group whose responses are all
+/// empty has baseline 0/0: VeRL's NaN is replaced by the plain group mean here.
+pub fn opo_outcome_advantage<K: Eq + Hash>(
+    scores: &[f64],
+    lengths: &[f64],
+    group_ids: &[K],
+) -> Result<Vec<f64>> {
+    check_len("group ids", scores.len(), group_ids.len(), "sample")?;
+    check_len("response lengths", scores.len(), lengths.len(), "sample")?;
+    let mut adv = scores.to_vec();
+    for members in groups_of(group_ids) {
+        if members.len() > 1 {
+            let total: f64 = members.iter().map(|&i| lengths[i]).sum();
+            let baseline = if total > 0.0 {
+                members.iter().map(|&i| lengths[i] * scores[i]).sum::<f64>() / total
+            } else {
+                mean(&members.iter().map(|&i| scores[i]).collect::<Vec<_>>())
+            };
+            for &i in &members {
+                adv[i] = scores[i] - baseline;
+            }
+        }
+    }
+    Ok(adv)
+}
+
+/// GPG's advantage, VeRL `compute_gpg_outcome_advantage` (core_algos.py; arXiv:2504.02546):
+///
+/// `A_i = alpha (r_i - mean_g) / f_norm` with `alpha = B / max(#{i : r_i != 0}, 1)` over the
+/// whole batch of `B` samples and `f_norm = 1`; a group of one has mean 0.
+pub fn gpg_outcome_advantage<K: Eq + Hash>(scores: &[f64], group_ids: &[K]) -> Result<Vec<f64>> {
+    check_len("group ids", scores.len(), group_ids.len(), "sample")?;
+    let nonzero = scores.iter().filter(|r| **r != 0.0).count().max(1);
+    let alpha = scores.len() as f64 / nonzero as f64;
+    let f_norm = 1.0;
+    let mut adv = vec![0.0; scores.len()];
+    for members in groups_of(group_ids) {
+        let m = if members.len() == 1 {
+            0.0
+        } else {
+            mean(&members.iter().map(|&i| scores[i]).collect::<Vec<_>>())
+        };
+        for &i in &members {
+            adv[i] = alpha * (scores[i] - m) / f_norm;
+        }
+    }
+    Ok(adv)
+}
+
+/// Pass@k training's advantage, VeRL `compute_grpo_passk_outcome_advantage` (core_algos.py;
+/// arXiv:2503.19595): in each group only the best response gets a non-zero advantage,
+///
+/// `A_best = (r_max - r_second) / (std_g + epsilon)` (or `r_max - r_second` without
+/// `norm_adv_by_std_in_grpo`), `std_g` the unbiased standard deviation; ties go to the first.
+///
+/// VeRL raises on a group of one; `rollout.n >= 2` is checked when the recipe is loaded, and a
+/// group left with one sample (its others dropped as non-finite) gets 0 here.
+pub fn grpo_passk_outcome_advantage<K: Eq + Hash>(
     scores: &[f64],
     group_ids: &[K],
+    epsilon: f64,
     norm_adv_by_std_in_grpo: bool,
 ) -> Result<Vec<f64>> {
-    match estimator {
-        AdvantageEstimator::Grpo => {
-            grpo_outcome_advantage(scores, group_ids, GRPO_EPSILON, norm_adv_by_std_in_grpo)
+    check_len("group ids", scores.len(), group_ids.len(), "sample")?;
+    let mut adv = vec![0.0; scores.len()];
+    for members in groups_of(group_ids) {
+        if members.len() < 2 {
+            continue;
         }
-        AdvantageEstimator::Rloo => rloo_outcome_advantage(scores, group_ids),
+        let mut order = members.clone();
+        // Stable: among equal scores the first keeps its place.
+        order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]));
+        let margin = scores[order[0]] - scores[order[1]];
+        adv[order[0]] = if norm_adv_by_std_in_grpo {
+            let s: Vec<f64> = members.iter().map(|&i| scores[i]).collect();
+            margin / (unbiased_std(&s) + epsilon)
+        } else {
+            margin
+        };
     }
+    Ok(adv)
+}
+
+/// VeRL `masked_whiten` (verl/utils/torch_functional.py) in place: with
+/// `mu = sum(x m) / (sum(m) + 1e-8)` and the unbiased `var = sum((x - mu)^2 m) / (sum(m) +
+/// 1e-8) * n / (n - 1)`, `x <- (x - mu) / sqrt(var + 1e-8)` on every entry (the caller masks
+/// afterwards). VeRL raises when fewer than two entries are unmasked; here the values become
+/// 0, as no baseline can be formed.
+fn masked_whiten(values: &mut [f64], mask: &[f32]) {
+    let n: f64 = mask.iter().map(|m| *m as f64).sum();
+    if n < 2.0 {
+        values.iter_mut().for_each(|v| *v = 0.0);
+        return;
+    }
+    let masked_mean = |v: &dyn Fn(usize) -> f64| {
+        (0..values.len())
+            .filter(|&t| mask[t] != 0.0)
+            .map(|t| v(t) * mask[t] as f64)
+            .sum::<f64>()
+            / (n + 1e-8)
+    };
+    let mu = masked_mean(&|t| values[t]);
+    let var = masked_mean(&|t| (values[t] - mu) * (values[t] - mu)) * n / (n - 1.0);
+    let scale = 1.0 / (var + 1e-8).sqrt();
+    values.iter_mut().for_each(|v| *v = (*v - mu) * scale);
+}
+
+/// REINFORCE++'s advantage, VeRL `compute_reinforce_plus_plus_outcome_advantage`
+/// (core_algos.py; arXiv:2501.03262): discounted returns that restart after the response,
+///
+/// `G_t = r_t + gamma G_{t+1} m_t` (from the last position back), then
+/// `A = masked_whiten(G, m) * m` over every token of the batch.
+///
+/// Returns `(advantages, returns)`, row-major `[batch, response_len]`.
+pub fn reinforce_plus_plus_advantage(
+    token_level_rewards: &[f32],
+    response_mask: &[f32],
+    response_len: usize,
+    gamma: f64,
+) -> Result<(Vec<f64>, Vec<f64>)> {
+    check_len(
+        "response mask",
+        token_level_rewards.len(),
+        response_mask.len(),
+        "token",
+    )?;
+    let l = response_len.max(1);
+    let mut returns = vec![0.0f64; token_level_rewards.len()];
+    for (b, row) in token_level_rewards.chunks(l).enumerate() {
+        let mut running = 0.0f64;
+        for t in (0..row.len()).rev() {
+            running = row[t] as f64 + gamma * running;
+            returns[b * l + t] = running;
+            running *= response_mask[b * l + t] as f64;
+        }
+    }
+    let mut adv = returns.clone();
+    masked_whiten(&mut adv, response_mask);
+    for (a, m) in adv.iter_mut().zip(response_mask) {
+        *a *= *m as f64;
+    }
+    Ok((adv, returns))
+}
+
+/// REINFORCE++ with a group baseline, VeRL
+/// `compute_reinforce_plus_plus_baseline_outcome_advantage` (core_algos.py;
+/// arXiv:2501.03262):
+///
+/// `a_i = r_i - mean_g` (mean 0 for a group of one), broadcast over the response, then
+/// `A = masked_whiten(a m, m) * m` over every token of the batch.
+pub fn reinforce_plus_plus_baseline_advantage<K: Eq + Hash>(
+    scores: &[f64],
+    group_ids: &[K],
+    response_mask: &[f32],
+    response_len: usize,
+) -> Result<Vec<f64>> {
+    check_len("group ids", scores.len(), group_ids.len(), "sample")?;
+    check_len(
+        "response mask",
+        scores.len() * response_len,
+        response_mask.len(),
+        "token",
+    )?;
+    let mut centred = scores.to_vec();
+    for members in groups_of(group_ids) {
+        if members.len() > 1 {
+            let m = mean(&members.iter().map(|&i| scores[i]).collect::<Vec<_>>());
+            for &i in &members {
+                centred[i] = scores[i] - m;
+            }
+        }
+    }
+    let mut adv: Vec<f64> = response_mask
+        .iter()
+        .enumerate()
+        .map(|(t, m)| centred[t / response_len] * *m as f64)
+        .collect();
+    masked_whiten(&mut adv, response_mask);
+    for (a, m) in adv.iter_mut().zip(response_mask) {
+        *a *= *m as f64;
+    }
+    Ok(adv)
+}
+
+/// A batch's advantages and returns, row-major `[batch, response_len]`, 0 on padding.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Advantages {
+    pub advantages: Vec<f64>,
+    /// What VeRL reports as `critic/returns/*`: the advantages themselves for the outcome
+    /// estimators, the discounted returns for `reinforce_plus_plus`.
+    pub returns: Vec<f64>,
+}
+
+/// The advantages of the configured estimator (one `match`), as VeRL's `compute_advantage`
+/// (ray_trainer.py) calls it: from the token-level rewards (the outcome reward on each
+/// response's last token, less any in-reward KL), the response mask and each sample's group
+/// (the prompt it answers).
+pub fn compute_advantages<K: Eq + Hash>(
+    cfg: &AdvantageConfig,
+    token_level_rewards: &[f32],
+    response_mask: &[f32],
+    response_len: usize,
+    group_ids: &[K],
+) -> Result<Advantages> {
+    check_len(
+        "response mask",
+        group_ids.len() * response_len,
+        response_mask.len(),
+        "token",
+    )?;
+    check_len(
+        "token-level rewards",
+        response_mask.len(),
+        token_level_rewards.len(),
+        "token",
+    )?;
+    let scores = sequence_scores(token_level_rewards, response_len);
+    let per_sample = match cfg.estimator {
+        AdvantageEstimator::Grpo => {
+            grpo_outcome_advantage(&scores, group_ids, GRPO_EPSILON, cfg.norm_adv_by_std_in_grpo)?
+        }
+        AdvantageEstimator::Rloo => rloo_outcome_advantage(&scores, group_ids)?,
+        AdvantageEstimator::Opo => {
+            let lengths: Vec<f64> = response_mask
+                .chunks(response_len.max(1))
+                .map(|row| row.iter().map(|m| *m as f64).sum())
+                .collect();
+            opo_outcome_advantage(&scores, &lengths, group_ids)?
+        }
+        AdvantageEstimator::Gpg => gpg_outcome_advantage(&scores, group_ids)?,
+        AdvantageEstimator::GrpoPassk => {
+            grpo_passk_outcome_advantage(&scores, group_ids, GRPO_EPSILON, cfg.norm_adv_by_std_in_grpo)?
+        }
+        AdvantageEstimator::ReinforcePlusPlus => {
+            let (advantages, returns) =
+                reinforce_plus_plus_advantage(token_level_rewards, response_mask, response_len, cfg.gamma)?;
+            return Ok(Advantages { advantages, returns });
+        }
+        AdvantageEstimator::ReinforcePlusPlusBaseline => {
+            let advantages =
+                reinforce_plus_plus_baseline_advantage(&scores, group_ids, response_mask, response_len)?;
+            return Ok(Advantages {
+                returns: advantages.clone(),
+                advantages,
+            });
+        }
+    };
+    let advantages: Vec<f64> = response_mask
+        .iter()
+        .enumerate()
+        .map(|(t, m)| per_sample[t / response_len] * *m as f64)
+        .collect();
+    Ok(Advantages {
+        returns: advantages.clone(),
+        advantages,
+    })
 }
 
 /// `A.unsqueeze(-1) * response_mask`: each sample's advantage on each of its response tokens,
@@ -346,8 +593,7 @@ mod tests {
         let adv = grpo_outcome_advantage(&scores, &ids, 1e-6, false).unwrap();
         close(&adv, &[0.5, -0.5, 0.0, 0.5, 3.0, -0.5, 0.0], 1e-12);
         // Integer group ids work the same.
-        let adv =
-            compute_advantages(AdvantageEstimator::Grpo, &[0.0, 3.0, 6.0], &[7u64, 7, 7], true).unwrap();
+        let adv = grpo_outcome_advantage(&[0.0, 3.0, 6.0], &[7u64, 7, 7], 1e-6, true).unwrap();
         // mean 3, std 3 -> [-1, 0, 1] / (1 + 1e-6 / 3)
         close(&adv, &[-3.0 / 3.000001, 0.0, 3.0 / 3.000001], 1e-12);
     }
@@ -356,16 +602,51 @@ mod tests {
     fn rloo_matches_a_hand_computation() {
         // group "a": [1, 0, 2] -> A_i = r_i - mean of the others: [1 - 1, 0 - 1.5, 2 - 0.5]
         // group "b": [5] -> unchanged.
-        let adv = compute_advantages(
-            AdvantageEstimator::Rloo,
-            &[1.0, 0.0, 5.0, 2.0],
-            &["a", "a", "b", "a"],
-            true,
-        )
-        .unwrap();
-        close(&adv, &[0.0, -1.5, 5.0, 1.5], 1e-12);
+        // Through compute_advantages, on one-token responses.
+        let cfg = AdvantageConfig {
+            estimator: AdvantageEstimator::Rloo,
+            ..Default::default()
+        };
+        let adv =
+            compute_advantages(&cfg, &[1.0, 0.0, 5.0, 2.0], &[1.0; 4], 1, &["a", "a", "b", "a"]).unwrap();
+        close(&adv.advantages, &[0.0, -1.5, 5.0, 1.5], 1e-12);
+        assert_eq!(adv.returns, adv.advantages);
         let adv = rloo_outcome_advantage(&[4.0, 4.0], &[1, 1]).unwrap();
         close(&adv, &[0.0, 0.0], 1e-12);
+    }
+
+    /// The cases VeRL raises on or divides 0 by 0 in, which a run must survive.
+    #[test]
+    fn degenerate_groups_get_zero_not_nan() {
+        // pass@k: a group of one (its others dropped) gets 0; VeRL raises.
+        let adv = grpo_passk_outcome_advantage(&[1.0, 0.0, 3.0], &[1, 1, 2], 1e-6, true).unwrap();
+        close(&adv, &[1.0 / (0.5f64.sqrt() + 1e-6), 0.0, 0.0], 1e-12);
+        // OPO: a group of empty responses uses the plain mean.
+        let adv = opo_outcome_advantage(&[1.0, 0.0], &[0.0, 0.0], &[1, 1]).unwrap();
+        close(&adv, &[0.5, -0.5], 1e-12);
+        // Whitening over fewer than two tokens: 0.
+        let cfg = AdvantageConfig {
+            estimator: AdvantageEstimator::ReinforcePlusPlus,
+            ..Default::default()
+        };
+        let adv = compute_advantages(&cfg, &[2.0, 0.0], &[1.0, 0.0], 2, &[1]).unwrap();
+        assert_eq!(adv.advantages, vec![0.0, 0.0]);
+        assert_eq!(adv.returns, vec![2.0, 0.0]);
+        // GPG: all rewards zero leaves alpha = B / 1.
+        let adv = gpg_outcome_advantage(&[0.0, 0.0, 0.0], &[1, 1, 2]).unwrap();
+        close(&adv, &[0.0, 0.0, 0.0], 1e-12);
+    }
+
+    /// REINFORCE++'s returns restart after each response and are discounted by gamma.
+    #[test]
+    fn reinforce_plus_plus_returns_are_discounted_within_a_response() {
+        // two rows of length 3: [1, 0, 2 | pad] lengths 2 and 3
+        let rewards = [1.0, 0.5, 9.0, 0.0, 0.0, 2.0];
+        let mask = [1.0, 1.0, 0.0, 1.0, 1.0, 1.0];
+        let (_, returns) = reinforce_plus_plus_advantage(&rewards, &mask, 3, 0.5).unwrap();
+        // row 0: G_2 = 9 (padding), G_1 = 0.5 + 0.5 * 9 * 0 (reset after the mask ends) = 0.5,
+        //        G_0 = 1 + 0.5 * 0.5 = 1.25; row 1: [0.5, 1, 2]
+        close(&returns, &[1.25, 0.5, 9.0, 0.5, 1.0, 2.0], 1e-12);
     }
 
     #[test]

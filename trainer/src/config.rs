@@ -26,6 +26,47 @@ pub enum AdvantageEstimator {
     /// Leave-one-out baseline (VeRL `compute_rloo_outcome_advantage`).
     #[serde(rename = "rloo")]
     Rloo,
+    /// Length-weighted group baseline (VeRL `compute_opo_outcome_advantage`).
+    #[serde(rename = "opo")]
+    Opo,
+    /// Group mean baseline scaled by the batch's share of non-zero rewards (VeRL
+    /// `compute_gpg_outcome_advantage`).
+    #[serde(rename = "gpg")]
+    Gpg,
+    /// Only each group's best response is pushed, by its margin over the runner-up (VeRL
+    /// `compute_grpo_passk_outcome_advantage`).
+    #[serde(rename = "grpo_passk")]
+    GrpoPassk,
+    /// Discounted token returns whitened over the batch (VeRL
+    /// `compute_reinforce_plus_plus_outcome_advantage`).
+    #[serde(rename = "reinforce_plus_plus")]
+    ReinforcePlusPlus,
+    /// Group mean baseline, then whitened over the batch's tokens (VeRL
+    /// `compute_reinforce_plus_plus_baseline_outcome_advantage`).
+    #[serde(rename = "reinforce_plus_plus_baseline")]
+    ReinforcePlusPlusBaseline,
+}
+
+/// The advantage side of VeRL's `algorithm.*` keys.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdvantageConfig {
+    /// `algorithm.adv_estimator`.
+    pub estimator: AdvantageEstimator,
+    /// `algorithm.norm_adv_by_std_in_grpo`: divide by the group's standard deviation (`grpo`,
+    /// `grpo_passk`; false is Dr. GRPO).
+    pub norm_adv_by_std_in_grpo: bool,
+    /// `algorithm.gamma`: the discount of `reinforce_plus_plus`'s token returns.
+    pub gamma: f64,
+}
+
+impl Default for AdvantageConfig {
+    fn default() -> Self {
+        AdvantageConfig {
+            estimator: AdvantageEstimator::Grpo,
+            norm_adv_by_std_in_grpo: true,
+            gamma: 1.0,
+        }
+    }
 }
 
 /// `actor.loss_agg_mode`: how a `[batch, response_len]` loss matrix becomes a scalar (VeRL
@@ -98,6 +139,27 @@ pub enum PolicyLossMode {
     /// GSPO's sequence-level ratio (VeRL `compute_policy_loss_gspo`).
     #[serde(rename = "gspo")]
     Gspo,
+    /// SAPO's smooth sigmoid gate in place of the clip (VeRL `compute_policy_loss_sapo`).
+    #[serde(rename = "sapo")]
+    Sapo,
+    /// Plain policy gradient `-A log p` (VeRL `compute_policy_loss_gpg`).
+    #[serde(rename = "gpg")]
+    Gpg,
+    /// PPO clip that also drops the gradient of a few high-covariance tokens (VeRL
+    /// `compute_policy_loss_clip_cov`).
+    #[serde(rename = "clip_cov")]
+    ClipCov,
+    /// Unclipped ratio with a KL penalty on the highest-covariance tokens (VeRL
+    /// `compute_policy_loss_kl_cov`).
+    #[serde(rename = "kl_cov")]
+    KlCov,
+    /// GMPO's geometric mean of the token ratios (VeRL `compute_policy_loss_geo_mean`).
+    #[serde(rename = "geo_mean")]
+    GeoMean,
+    /// CISPO's clipped, gradient-stopped importance weight on `A log p` (VeRL
+    /// `compute_policy_loss_cispo`).
+    #[serde(rename = "cispo")]
+    Cispo,
 }
 
 /// The loss side of the actor config (VeRL's `actor.*` and the rollout-IS keys of
@@ -130,6 +192,23 @@ pub struct PolicyLossConfig {
     /// `algorithm.rollout_is_veto_threshold`: when set (with `rollout_is_threshold`), a
     /// sequence with any token ratio below it gets weight 0.
     pub rollout_is_veto_threshold: Option<f64>,
+    /// `actor.tau_pos`: SAPO's gate temperature for tokens with a positive advantage.
+    pub tau_pos: f64,
+    /// `actor.tau_neg`: SAPO's gate temperature for the other tokens.
+    pub tau_neg: f64,
+    /// `actor.policy_loss.clip_cov_ratio`: the share of a micro-batch's tokens whose gradient
+    /// `clip_cov` drops.
+    pub clip_cov_ratio: f64,
+    /// `actor.policy_loss.clip_cov_lb`: `clip_cov` only drops tokens whose covariance exceeds
+    /// this.
+    pub clip_cov_lb: f64,
+    /// `actor.policy_loss.clip_cov_ub`: ... and is below this.
+    pub clip_cov_ub: f64,
+    /// `actor.policy_loss.kl_cov_ratio`: the share of a micro-batch's tokens `kl_cov`
+    /// penalises.
+    pub kl_cov_ratio: f64,
+    /// `actor.policy_loss.ppo_kl_coef`: `kl_cov`'s penalty weight.
+    pub ppo_kl_coef: f64,
 }
 
 impl Default for PolicyLossConfig {
@@ -146,6 +225,13 @@ impl Default for PolicyLossConfig {
             entropy_coeff: 0.0,
             rollout_is_threshold: None,
             rollout_is_veto_threshold: None,
+            tau_pos: 1.0,
+            tau_neg: 1.05,
+            clip_cov_ratio: 0.0002,
+            clip_cov_lb: 1.0,
+            clip_cov_ub: 5.0,
+            kl_cov_ratio: 0.0002,
+            ppo_kl_coef: 0.1,
         }
     }
 }
@@ -194,6 +280,26 @@ impl PolicyLossConfig {
                     "must be at least 1, since it caps a probability ratio (or null to disable)",
                 ));
             }
+        }
+        for (key, tau) in [("actor.tau_pos", self.tau_pos), ("actor.tau_neg", self.tau_neg)] {
+            if !above(tau, 0.0) {
+                out.push(bad(key, tau, "SAPO's gate temperature must be > 0"));
+            }
+        }
+        for (key, ratio) in [
+            ("actor.policy_loss.clip_cov_ratio", self.clip_cov_ratio),
+            ("actor.policy_loss.kl_cov_ratio", self.kl_cov_ratio),
+        ] {
+            if !(above(ratio, 0.0) && ratio <= 1.0) {
+                out.push(bad(key, ratio, "a share of the tokens: must be in (0, 1]"));
+            }
+        }
+        if !above(self.clip_cov_ub, self.clip_cov_lb) {
+            out.push(bad(
+                "actor.policy_loss.clip_cov_ub",
+                self.clip_cov_ub,
+                &format!("must be greater than clip_cov_lb ({})", self.clip_cov_lb),
+            ));
         }
         if let Some(t) = self.rollout_is_veto_threshold {
             if !above(t, 0.0) {

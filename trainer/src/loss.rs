@@ -8,7 +8,8 @@
 //! scalars, and summing the micro-batch losses gives the mini-batch loss (see
 //! [`agg_loss`]). Every metric is aggregated the same way, so metrics add up too.
 
-use xla::graph::Tensor;
+use xla::graph::{random, Tensor};
+use xla::DType;
 
 use crate::config::{KlPenalty, LossAggMode, PolicyLossConfig, PolicyLossMode};
 
@@ -243,6 +244,297 @@ pub fn policy_loss_gspo(
     }
 }
 
+/// The policy loss when the surrogate reports no clipping: fractions 0, `ppo_kl` as given.
+fn unclipped(pg_loss: Tensor, ppo_kl: Tensor, mask: &Tensor) -> PolicyLoss {
+    let zero = mask.graph().scalar(0.0, mask.dtype());
+    PolicyLoss {
+        pg_loss,
+        pg_clipfrac: zero.clone(),
+        pg_clipfrac_lower: zero,
+        ppo_kl,
+    }
+}
+
+/// `pg_losses * w` when rollout importance weights are given.
+fn weighted(pg_losses: Tensor, is_weights: Option<&Tensor>) -> Tensor {
+    match is_weights {
+        Some(w) => pg_losses * w,
+        None => pg_losses,
+    }
+}
+
+/// SAPO's soft gate, VeRL `compute_policy_loss_sapo` (core_algos.py; arXiv:2511.20347):
+///
+/// ```text
+/// nkl  = clamp(lp - old_lp, -20, 20);  r = exp(nkl)
+/// tau  = tau_pos where A > 0 else tau_neg
+/// f(r) = sigmoid(tau (r - 1)) * 4 / tau              (slope 1 at r = 1, flat far from it)
+/// pg   = -f(r) A [* IS weights];  pg_loss = agg_loss(pg, "seq-mean-token-mean")  (always)
+/// ```
+/// No clip fractions (0); `ppo_kl = masked_mean(-nkl)`.
+pub fn policy_loss_sapo(
+    old_log_prob: &Tensor,
+    log_prob: &Tensor,
+    advantages: &Tensor,
+    mask: &Tensor,
+    cfg: &PolicyLossConfig,
+    norm: &Normalizer,
+    is_weights: Option<&Tensor>,
+) -> PolicyLoss {
+    let nkl = (log_prob - old_log_prob).clamp_scalar(-20.0, 20.0);
+    let ratio = nkl.exp();
+    let positive = advantages.gt(&advantages.zeros_like());
+    let tau = positive.select(
+        &advantages.full_like(cfg.tau_pos),
+        &advantages.full_like(cfg.tau_neg),
+    );
+    let gate = (&tau * &(&ratio - 1.0)).logistic() * 4.0 / &tau;
+    let pg_losses = weighted((&gate * advantages).neg(), is_weights);
+    let pg_loss = agg_loss(&pg_losses, mask, LossAggMode::SeqMeanTokenMean, norm);
+    unclipped(pg_loss, masked_token_mean(&nkl.neg(), mask, norm), mask)
+}
+
+/// GPG's plain policy gradient, VeRL `compute_policy_loss_gpg` (core_algos.py;
+/// arXiv:2504.02546): `pg = -lp A [* IS weights]`, `pg_loss = agg_loss(pg)`. VeRL reports no
+/// metrics for it; here the clip fractions are 0 and `ppo_kl = masked_mean(old_lp - lp)`.
+pub fn policy_loss_gpg(
+    old_log_prob: &Tensor,
+    log_prob: &Tensor,
+    advantages: &Tensor,
+    mask: &Tensor,
+    cfg: &PolicyLossConfig,
+    norm: &Normalizer,
+    is_weights: Option<&Tensor>,
+) -> PolicyLoss {
+    let pg_losses = weighted((log_prob * advantages).neg(), is_weights);
+    let pg_loss = agg_loss(&pg_losses, mask, cfg.loss_agg_mode, norm);
+    unclipped(
+        pg_loss,
+        masked_token_mean(&(old_log_prob - log_prob), mask, norm),
+        mask,
+    )
+}
+
+/// CISPO, VeRL `compute_policy_loss_cispo` (core_algos.py; arXiv:2506.13585): the clipped
+/// ratio is a gradient-stopped weight on REINFORCE's `A lp`, so no token loses its gradient:
+///
+/// ```text
+/// nkl = clamp(lp - old_lp, -20, 20);  r = exp(nkl);  r_c = clamp(r, 1 - clip_ratio_low, 1 + clip_ratio_high)
+/// pg  = -sg(r_c) A lp [* IS weights];  pg_loss = agg_loss(pg)
+/// ```
+/// `pg_clipfrac = masked_mean(r != r_c)`, `pg_clipfrac_lower = 0`, `ppo_kl = masked_mean(-nkl)`.
+pub fn policy_loss_cispo(
+    old_log_prob: &Tensor,
+    log_prob: &Tensor,
+    advantages: &Tensor,
+    mask: &Tensor,
+    cfg: &PolicyLossConfig,
+    norm: &Normalizer,
+    is_weights: Option<&Tensor>,
+) -> PolicyLoss {
+    let nkl = (log_prob - old_log_prob).clamp_scalar(-20.0, 20.0);
+    let ratio = nkl.exp();
+    let clipped = ratio.clamp_scalar(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high);
+    let pg_losses = weighted(
+        (clipped.stop_gradient() * advantages * log_prob).neg(),
+        is_weights,
+    );
+    let pg_loss = agg_loss(&pg_losses, mask, cfg.loss_agg_mode, norm);
+    let mut out = unclipped(pg_loss, masked_token_mean(&nkl.neg(), mask, norm), mask);
+    out.pg_clipfrac = masked_token_mean(&ratio.ne(&clipped).convert(mask.dtype()), mask, norm);
+    out
+}
+
+/// GMPO's geometric-mean ratio, VeRL `compute_policy_loss_geo_mean` (core_algos.py;
+/// arXiv:2507.20673), per sequence `i` with `n_i = sum_t(m)`:
+///
+/// ```text
+/// nkl   = lp - old_lp;  s = sign(A);  c = clamp(nkl, -clip_ratio_low, clip_ratio_high)
+/// nkl'  = s * min(s nkl, s c)                                 (clip on the side A pushes)
+/// r_i   = exp(sum_t(nkl' m) / (n_i + 1e-8));  A_i = sum_t(A m) / (n_i + 1e-8)
+/// pg_i  = -A_i r_i [* exp(sum_t(log(w + 1e-10) m) / (n_i + 1e-8))]
+/// pg_loss = mean_i(pg_i)          (over the mini-batch's sequences; loss_agg_mode unused)
+/// ```
+/// `pg_clipfrac = masked_mean((nkl != c) & A > 0)`, `pg_clipfrac_lower` the same for `A < 0`,
+/// `ppo_kl = masked_mean(-nkl)`.
+pub fn policy_loss_geo_mean(
+    old_log_prob: &Tensor,
+    log_prob: &Tensor,
+    advantages: &Tensor,
+    mask: &Tensor,
+    cfg: &PolicyLossConfig,
+    norm: &Normalizer,
+    is_weights: Option<&Tensor>,
+) -> PolicyLoss {
+    let nkl = log_prob - old_log_prob;
+    let sign = advantages.sign();
+    let nkl_clamp = nkl.clamp_scalar(-cfg.clip_ratio_low, cfg.clip_ratio_high);
+    let nkl_min = &sign * &(&sign * &nkl).min(&(&sign * &nkl_clamp));
+    let n = mask.sum_axis(-1, false) + 1e-8;
+    let ratio = (masked(&nkl_min, mask).sum_axis(-1, false) / &n).exp();
+    let advantage = masked(advantages, mask).sum_axis(-1, false) / &n;
+    let mut pg_losses = (advantage * ratio).neg();
+    if let Some(w) = is_weights {
+        let log_w = (w + 1e-10).log();
+        pg_losses = pg_losses * (masked(&log_w, mask).sum_axis(-1, false) / &n).exp();
+    }
+    let pg_loss = pg_losses.sum_all() / &norm.seqs;
+    let dtype = mask.dtype();
+    let clipped = nkl.ne(&nkl_clamp);
+    let zero = advantages.zeros_like();
+    let frac = |side: Tensor| masked_token_mean(&clipped.and(&side).convert(dtype), mask, norm);
+    PolicyLoss {
+        pg_loss,
+        pg_clipfrac: frac(advantages.gt(&zero)),
+        pg_clipfrac_lower: frac(advantages.lt(&zero)),
+        ppo_kl: masked_token_mean(&nkl.neg(), mask, norm),
+    }
+}
+
+/// The `k` highest `score`s among the `eligible` entries of a `[batch, response_len]` tensor,
+/// as a boolean mask; `k` is a run-time scalar of `score`'s dtype (fewer are chosen when fewer
+/// are eligible). Ties go to the earlier position (a stable sort), so exactly
+/// `min(k, #eligible)` entries are chosen.
+fn top_k_mask(score: &Tensor, eligible: &Tensor, k: &Tensor) -> Tensor {
+    let dims = score.dims().to_vec();
+    let n: i64 = dims.iter().product();
+    let g = score.graph();
+    let lowest = score.full_like(f64::NEG_INFINITY);
+    let flat = eligible.select(score, &lowest).stop_gradient().reshape(&[n]);
+    let (_, order) = flat.sort(true);
+    let position = g.iota(score.dtype(), &[n], 0);
+    let rank = flat.zeros_like().scatter(&order, &position, 0).reshape(&dims);
+    rank.lt(k).and(eligible)
+}
+
+/// The mean of `x` over the entries `mask` marks (plain, as VeRL's `.mean()` of the selected
+/// values), 0 when none is marked.
+fn mean_where(x: &Tensor, mask: &Tensor) -> Tensor {
+    masked(x, mask).sum_all() / mask.sum_all().max(&mask.scalar_like(1.0))
+}
+
+/// KL-Cov, VeRL `compute_policy_loss_kl_cov` (core_algos.py; arXiv:2505.22617): the
+/// unclipped ratio, with a KL penalty on the tokens whose advantage and log-prob covary most:
+///
+/// ```text
+/// nkl  = lp - old_lp;  r = exp(nkl)
+/// cov  = (A - mean(A)) (sg(lp) - mean(sg(lp)))           (means over the micro-batch's tokens)
+/// K    = the max(1, floor(kl_cov_ratio * #tokens)) tokens of highest cov
+/// pg   = -A r + [t in K] ppo_kl_coef |nkl|   [* IS weights];   pg_loss = agg_loss(pg)
+/// ```
+/// `ppo_kl = masked_mean(|nkl|)` (as VeRL reports it); no clip fractions (0).
+pub fn policy_loss_kl_cov(
+    old_log_prob: &Tensor,
+    log_prob: &Tensor,
+    advantages: &Tensor,
+    mask: &Tensor,
+    cfg: &PolicyLossConfig,
+    norm: &Normalizer,
+    is_weights: Option<&Tensor>,
+) -> PolicyLoss {
+    let nkl = log_prob - old_log_prob;
+    let abs_kl = nkl.abs();
+    let pg_losses1 = (advantages * &nkl.exp()).neg();
+    let valid = mask.ne(&mask.zeros_like());
+    let lp = log_prob.stop_gradient();
+    let cov = (advantages - &mean_where(advantages, mask)) * (&lp - &mean_where(&lp, mask));
+    let tokens = mask.sum_all();
+    let k = (&tokens * cfg.kl_cov_ratio).floor().max(&tokens.scalar_like(1.0));
+    let penalised = top_k_mask(&cov, &valid, &k);
+    let pg_losses = penalised.select(&(&pg_losses1 + &(&abs_kl * cfg.ppo_kl_coef)), &pg_losses1);
+    let pg_losses = weighted(pg_losses, is_weights);
+    let pg_loss = agg_loss(&pg_losses, mask, cfg.loss_agg_mode, norm);
+    unclipped(pg_loss, masked_token_mean(&abs_kl, mask, norm), mask)
+}
+
+/// Clip-Cov, VeRL `compute_policy_loss_clip_cov` (core_algos.py; arXiv:2505.22617): PPO's clip
+/// (no dual clip, no ratio clamp), and a few tokens whose covariance lies in `(lb, ub)` lose
+/// their gradient entirely:
+///
+/// ```text
+/// r    = exp(lp - old_lp);  l1 = -A r;  l2 = -A clamp(r, 1 - clip_ratio_low, 1 + clip_ratio_high)
+/// cov  = (A - masked_mean(A)) (lp - masked_mean(sg(lp)))
+/// C    = tokens with clip_cov_lb < cov < clip_cov_ub that the clip has not already clipped
+/// D    = min(|C|, max(1, floor(clip_cov_ratio * #tokens))) tokens of C drawn at random
+/// pg   = max(l1, l2) * [t not in D]  [* IS weights];   pg_loss = agg_loss(pg)
+/// ```
+/// `pg_clipfrac = masked_mean(t in D)`, `ppo_kl = masked_mean(old_lp - lp)`. VeRL draws `D`
+/// with `torch.randperm`; here the draw is a Threefry stream keyed by the micro-batch's old
+/// log-probs, so it is as random but a rerun (or a resumed run) draws the same tokens.
+pub fn policy_loss_clip_cov(
+    old_log_prob: &Tensor,
+    log_prob: &Tensor,
+    advantages: &Tensor,
+    mask: &Tensor,
+    cfg: &PolicyLossConfig,
+    norm: &Normalizer,
+    is_weights: Option<&Tensor>,
+) -> PolicyLoss {
+    let nkl = log_prob - old_log_prob;
+    let ratio = nkl.exp();
+    let pg_losses1 = (advantages * &ratio).neg();
+    let pg_losses2 =
+        (advantages * &ratio.clamp_scalar(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)).neg();
+    let valid = mask.ne(&mask.zeros_like());
+    let clip_by_origin = pg_losses2.gt(&pg_losses1).and(&valid);
+    let lp = log_prob.stop_gradient();
+    let cov = (advantages - &masked_token_mean_local(advantages, mask))
+        * (&lp - &masked_token_mean_local(&lp, mask));
+    let candidate = cov
+        .gt(&cov.scalar_like(cfg.clip_cov_lb))
+        .and(&cov.lt(&cov.scalar_like(cfg.clip_cov_ub)))
+        .and(&valid)
+        .and(&clip_by_origin.not());
+    let tokens = mask.sum_all();
+    let clip_num = (&tokens * cfg.clip_cov_ratio)
+        .floor()
+        .max(&tokens.scalar_like(1.0));
+    let draw = clip_cov_draw(old_log_prob, mask);
+    let dropped = top_k_mask(&draw, &candidate, &clip_num);
+    let dtype = mask.dtype();
+    let corr = dropped.not().convert(dtype);
+    let pg_losses = weighted(pg_losses1.max(&pg_losses2) * &corr, is_weights);
+    let pg_loss = agg_loss(&pg_losses, mask, cfg.loss_agg_mode, norm);
+    unclipped(pg_loss, masked_token_mean(&nkl.neg(), mask, norm), mask).with_clipfrac(masked_token_mean(
+        &dropped.convert(dtype),
+        mask,
+        norm,
+    ))
+}
+
+/// VeRL's `masked_mean(x, mask)` over this micro-batch alone: `sum(x m) / (sum(m) + 1e-8)`.
+fn masked_token_mean_local(x: &Tensor, mask: &Tensor) -> Tensor {
+    masked(x, mask).sum_all() / (mask.sum_all() + MASKED_MEAN_EPS)
+}
+
+/// Uniform `[0, 1)` numbers, one per token, from a Threefry key folded with the wrapping sum
+/// of the micro-batch's old log-probs' f32 bits: fresh for every micro-batch, the same on a
+/// rerun, and the same however the rows are split over devices (an integer sum is exact in
+/// any order, where a float sum is not).
+fn clip_cov_draw(old_log_prob: &Tensor, mask: &Tensor) -> Tensor {
+    let g = mask.graph();
+    let bits = old_log_prob
+        .stop_gradient()
+        .convert(DType::F32)
+        .bitcast(DType::U32);
+    let data = mask
+        .ne(&mask.zeros_like())
+        .select(&bits, &bits.zeros_like())
+        .sum_all();
+    let key = random::fold_in(&random::key_from_seed(g, CLIP_COV_SEED), &data);
+    random::uniform(&key, mask.dims(), mask.dtype())
+}
+
+/// The seed of clip-cov's draws (any constant: the randomness comes from the data folded in).
+const CLIP_COV_SEED: u32 = 0x05ee_dc0f;
+
+impl PolicyLoss {
+    fn with_clipfrac(mut self, pg_clipfrac: Tensor) -> PolicyLoss {
+        self.pg_clipfrac = pg_clipfrac;
+        self
+    }
+}
+
 /// The per-micro-batch inputs of the loss, all `[batch, response_len]` of the loss dtype
 /// except the normaliser scalars.
 #[derive(Clone, Debug)]
@@ -279,6 +571,30 @@ pub struct ActorLoss {
     pub entropy: Tensor,
 }
 
+/// The configured surrogate (one `match` on `actor.policy_loss.loss_mode`, VeRL's
+/// `get_policy_loss_fn`), with optional rollout importance weights on its token losses.
+pub fn policy_loss(
+    cfg: &PolicyLossConfig,
+    old_log_prob: &Tensor,
+    log_prob: &Tensor,
+    advantages: &Tensor,
+    mask: &Tensor,
+    norm: &Normalizer,
+    is_weights: Option<&Tensor>,
+) -> PolicyLoss {
+    let surrogate = match cfg.loss_mode {
+        PolicyLossMode::Vanilla => policy_loss_vanilla,
+        PolicyLossMode::Gspo => policy_loss_gspo,
+        PolicyLossMode::Sapo => policy_loss_sapo,
+        PolicyLossMode::Gpg => policy_loss_gpg,
+        PolicyLossMode::ClipCov => policy_loss_clip_cov,
+        PolicyLossMode::KlCov => policy_loss_kl_cov,
+        PolicyLossMode::GeoMean => policy_loss_geo_mean,
+        PolicyLossMode::Cispo => policy_loss_cispo,
+    };
+    surrogate(old_log_prob, log_prob, advantages, mask, cfg, norm, is_weights)
+}
+
 /// The actor loss as VeRL's `dp_actor.update_policy` assembles it: the configured policy loss
 /// (one `match` on `loss_mode`), minus `entropy_coeff` times the aggregated entropy, plus
 /// `kl_loss_coef` times the aggregated KL to the reference policy when `use_kl_loss`. Missing
@@ -303,26 +619,15 @@ pub fn actor_loss(cfg: &PolicyLossConfig, inputs: &LossInputs) -> ActorLoss {
         )),
         _ => None,
     };
-    let policy = match cfg.loss_mode {
-        PolicyLossMode::Vanilla => policy_loss_vanilla(
-            old_log_probs,
-            log_probs,
-            advantages,
-            mask,
-            cfg,
-            norm,
-            is_weights.as_ref(),
-        ),
-        PolicyLossMode::Gspo => policy_loss_gspo(
-            old_log_probs,
-            log_probs,
-            advantages,
-            mask,
-            cfg,
-            norm,
-            is_weights.as_ref(),
-        ),
-    };
+    let policy = policy_loss(
+        cfg,
+        old_log_probs,
+        log_probs,
+        advantages,
+        mask,
+        norm,
+        is_weights.as_ref(),
+    );
     let zero = mask.graph().scalar(0.0, mask.dtype());
     let mut loss = policy.pg_loss.clone();
     let entropy = match &inputs.entropy {

@@ -12,11 +12,11 @@
 //! and `grpo compile`. [`GrpoUpdate`] owns the device learner and runs the update.
 
 use crate::advantage::{
-    apply_kl_in_reward, broadcast_over_response, compute_advantages, filter_groups, mask_truncated,
-    outcome_token_scores, sequence_scores, KlController,
+    apply_kl_in_reward, compute_advantages, filter_groups, mask_truncated, outcome_token_scores,
+    sequence_scores, Advantages, KlController,
 };
 use crate::bucket::{BucketedLearner, PackedMicroBatch};
-use crate::config::{AdvantageEstimator, KlControl, KlPenalty};
+use crate::config::{AdvantageConfig, KlControl, KlPenalty};
 use crate::optim::learning_rate;
 use crate::policy::{DecoderPolicy, PackError};
 use crate::step::{mini_batch_normalizer, LearnerState, MicroBatchHost, StepConfig};
@@ -157,10 +157,8 @@ pub struct UpdateConfig {
     /// The loss, the optimizer and the program shapes of one optimizer step.
     pub step: StepConfig,
     pub batches: BatchPlan,
-    /// `algorithm.adv_estimator`.
-    pub adv_estimator: AdvantageEstimator,
-    /// `algorithm.norm_adv_by_std_in_grpo` (false: Dr. GRPO).
-    pub norm_adv_by_std_in_grpo: bool,
+    /// `algorithm.adv_estimator` and its knobs.
+    pub advantage: AdvantageConfig,
     /// `algorithm.use_kl_in_reward`: subtract `kl_coef` x KL(policy || reference) from the
     /// token rewards.
     pub use_kl_in_reward: bool,
@@ -404,22 +402,25 @@ impl GrpoUpdate {
             m.insert("actor/reward_kl_penalty_coeff".into(), self.kl_ctrl.value);
             self.kl_ctrl.update(kl, n_rows);
         }
-        let seq = sequence_scores(&token_scores, l);
-        let adv = compute_advantages(
-            self.config.adv_estimator,
-            &seq,
-            &groups,
-            self.config.norm_adv_by_std_in_grpo,
-        )?;
-        add_critic_metrics(m, &seq, &adv, rows);
+        let adv = compute_advantages(&self.config.advantage, &token_scores, &response_mask, l, &groups)?;
+        add_critic_metrics(m, &sequence_scores(&token_scores, l), &adv, &response_mask);
         let mut loss_mask = response_mask;
         if self.config.mask_truncated_responses {
             let truncated: Vec<bool> = rows.iter().map(|x| x.truncated).collect();
             let masked = mask_truncated(&mut loss_mask, l, &truncated)?;
             m.insert("batch/masked_truncated".into(), masked as f64);
         }
-        let advantages = broadcast_over_response(&adv, &loss_mask, l)?;
-        let nonzero = adv.iter().filter(|a| a.abs() > 0.0).count();
+        let advantages: Vec<f32> = adv
+            .advantages
+            .iter()
+            .zip(&loss_mask)
+            .map(|(a, m)| (a * *m as f64) as f32)
+            .collect();
+        let nonzero = adv
+            .advantages
+            .chunks(l.max(1))
+            .filter(|row| row.iter().any(|a| *a != 0.0))
+            .count();
         m.insert(
             "critic/advantages/nonzero_frac".into(),
             nonzero as f64 / n_rows as f64,
@@ -574,33 +575,38 @@ fn pairs<'a>(rows: &[&'a Row]) -> Vec<(&'a [u32], &'a [u32])> {
 /// VeRL's `critic/*` metrics of a batch: each sequence's reward (its score, less the KL
 /// penalty when that is in the reward) and the advantages over the response tokens. With these
 /// outcome estimators VeRL's returns are the advantages, and it logs both.
-fn add_critic_metrics(m: &mut BTreeMap<String, f64>, rewards: &[f64], advantages: &[f64], rows: &[&Row]) {
-    let mut put = |name: &str, values: &mut dyn Iterator<Item = (f64, f64)>| {
-        let (mut sum, mut weight) = (0.0, 0.0);
+fn add_critic_metrics(
+    m: &mut BTreeMap<String, f64>,
+    rewards: &[f64],
+    adv: &Advantages,
+    response_mask: &[f32],
+) {
+    let mut put = |name: &str, values: &mut dyn Iterator<Item = f64>| {
+        let (mut sum, mut n) = (0.0, 0.0);
         let (mut max, mut min) = (f64::NEG_INFINITY, f64::INFINITY);
-        for (v, w) in values {
-            sum += v * w;
-            weight += w;
+        for v in values {
+            sum += v;
+            n += 1.0;
             max = max.max(v);
             min = min.min(v);
         }
-        if weight > 0.0 {
-            m.insert(format!("critic/{name}/mean"), sum / weight);
+        if n > 0.0 {
+            m.insert(format!("critic/{name}/mean"), sum / n);
             m.insert(format!("critic/{name}/max"), max);
             m.insert(format!("critic/{name}/min"), min);
         }
     };
-    put("rewards", &mut rewards.iter().map(|&r| (r, 1.0)));
-    // Each response token carries its row's advantage.
-    let per_token = || {
-        advantages
-            .iter()
-            .zip(rows)
-            .filter(|(_, x)| !x.response.is_empty())
-            .map(|(&a, x)| (a, x.response.len() as f64))
+    put("rewards", &mut rewards.iter().copied());
+    // VeRL's `torch.masked_select(values, response_mask)`: every response token.
+    let on_tokens = |v: &[f64]| {
+        v.iter()
+            .zip(response_mask)
+            .filter(|(_, m)| **m != 0.0)
+            .map(|(a, _)| *a)
+            .collect::<Vec<f64>>()
     };
-    put("advantages", &mut per_token());
-    put("returns", &mut per_token());
+    put("advantages", &mut on_tokens(&adv.advantages).into_iter());
+    put("returns", &mut on_tokens(&adv.returns).into_iter());
 }
 
 #[cfg(test)]

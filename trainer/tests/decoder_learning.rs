@@ -11,8 +11,8 @@ use model::forward::{full_logits_graph, DecoderParams};
 use model::{random_init, ModelConfig};
 use support::{client, Rng};
 use testkit::TinyLlama;
-use trainer::advantage::{broadcast_over_response, compute_advantages};
-use trainer::config::{AdvantageEstimator, OptimConfig, PolicyLossConfig};
+use trainer::advantage::{broadcast_over_response, grpo_outcome_advantage, GRPO_EPSILON};
+use trainer::config::{OptimConfig, PolicyLossConfig};
 use trainer::policy::DecoderPolicy;
 use trainer::step::{build_train_programs, mini_batch_normalizer, Learner, MicroBatchHost, StepConfig};
 use xla::graph::Graph;
@@ -167,7 +167,7 @@ fn train(seed: u64, steps: usize, check_alignment: bool) -> Vec<f64> {
             }
         }
         let groups: Vec<usize> = (0..ROWS).map(|i| i / GROUP).collect();
-        let adv = compute_advantages(AdvantageEstimator::Grpo, &rewards, &groups, true).unwrap();
+        let adv = grpo_outcome_advantage(&rewards, &groups, GRPO_EPSILON, true).unwrap();
         let adv = broadcast_over_response(&adv, &packed.response_mask, 1).unwrap();
         let mb = MicroBatchHost {
             old_log_probs: old,

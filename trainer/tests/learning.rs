@@ -8,8 +8,8 @@ mod support;
 
 use model::{ParamKind, ParamSpec};
 use support::{client, tiny_policy, Rng};
-use trainer::advantage::{broadcast_over_response, compute_advantages, filter_groups};
-use trainer::config::{AdvantageEstimator, OptimConfig, PolicyLossConfig};
+use trainer::advantage::{broadcast_over_response, filter_groups, grpo_outcome_advantage, GRPO_EPSILON};
+use trainer::config::{OptimConfig, PolicyLossConfig};
 use trainer::step::{
     build_train_programs, mini_batch_normalizer, HostArray, InputSpec, Learner, MicroBatchHost, PolicyOutput,
     StepConfig,
@@ -120,7 +120,7 @@ fn train(seed: u64, steps: usize) -> Vec<f64> {
         let mask: Vec<f32> = (0..ROWS as usize)
             .map(|i| if kept.contains(&i) { 1.0 } else { 0.0 })
             .collect();
-        let adv = compute_advantages(AdvantageEstimator::Grpo, &rewards, &groups, true).unwrap();
+        let adv = grpo_outcome_advantage(&rewards, &groups, GRPO_EPSILON, true).unwrap();
         let adv = broadcast_over_response(&adv, &mask, 1).unwrap();
         let mb = MicroBatchHost {
             old_log_probs: old,

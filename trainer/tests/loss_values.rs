@@ -8,9 +8,10 @@ mod support;
 use support::{assert_close, eval, In};
 use trainer::config::{KlPenalty, LossAggMode, PolicyLossConfig, PolicyLossMode};
 use trainer::loss::{
-    actor_loss, agg_loss, kl_penalty, policy_loss_gspo, policy_loss_vanilla, rollout_is_weights, LossInputs,
-    Normalizer,
+    actor_loss, agg_loss, kl_penalty, policy_loss, policy_loss_gspo, policy_loss_vanilla, rollout_is_weights,
+    LossInputs, Normalizer,
 };
+use xla::graph::grad;
 
 const B: i64 = 3;
 const L: i64 = 4;
@@ -167,6 +168,47 @@ fn gspo_uses_the_sequence_level_ratio() {
     let pg = (-s0 + 2.0 * s1 + 0.0) / 3.0;
     let ppo_kl = -(1.5f64 * 0.5 * 5.0 * 0.5).ln() / (TOKENS + 1e-8);
     assert_close("gspo", &out.concat(), &[pg, 0.0, 0.0, ppo_kl], 1e-12);
+}
+
+/// GSPO's and CISPO's gradients are not the derivative of their values (each holds a
+/// stop-gradient), so they are checked against their closed forms w.r.t. the log-probs.
+#[test]
+fn gspo_and_cispo_gradients_follow_their_closed_forms() {
+    let (old, lp, adv, mask) = batch();
+    let grads = |mode: PolicyLossMode| {
+        eval(
+            &[
+                In::F64(&old, &DIMS),
+                In::F64(&lp, &DIMS),
+                In::F64(&adv, &DIMS),
+                In::F64(&mask, &DIMS),
+            ],
+            |_, x| {
+                let c = PolicyLossConfig {
+                    loss_mode: mode,
+                    ..cfg(LossAggMode::TokenMean)
+                };
+                let p = policy_loss(&c, &x[0], &x[1], &x[2], &x[3], &Normalizer::local(&x[3]), None);
+                grad(&p.pg_loss, &[&x[1]]).unwrap()
+            },
+        )
+        .remove(0)
+    };
+    // GSPO, seq-mean-token-mean over 3 sequences: d/dlp_t = -A_i s_i m_t / (n_i 3) where the
+    // sequence ratio is unclipped (rows 0 and 1 above), 0 elsewhere.
+    let s0 = 0.75f64.powf(1.0 / 3.0);
+    let s1 = 2.5f64.sqrt();
+    let (r0, r1) = (-s0 / (3.0 * 3.0), 2.0 * s1 / (2.0 * 3.0));
+    let want = [r0, r0, r0, 0.0, r1, r1, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0];
+    assert_close("gspo gradient", &grads(PolicyLossMode::Gspo), &want, 1e-12);
+    // CISPO, token-mean: d/dlp_t = -clamp(r_t, 0.8, 1.28) A_t m_t / (tokens + 1e-8).
+    let d = TOKENS + 1e-8;
+    let ratios = [1.28, 0.8, 1.0, 0.0, 1.28, 0.8];
+    let mut want = vec![0.0; 12];
+    for (t, r) in ratios.iter().enumerate() {
+        want[t] = -r * adv[t] * mask[t] / d;
+    }
+    assert_close("cispo gradient", &grads(PolicyLossMode::Cispo), &want, 1e-12);
 }
 
 #[test]
@@ -332,4 +374,53 @@ fn actor_loss_adds_kl_and_subtracts_entropy() {
         &[pg - 0.01 * entropy + 0.5 * kl, kl, entropy],
         1e-12,
     );
+}
+
+/// With more candidate tokens than its share, clip-cov drops exactly
+/// `max(1, floor(clip_cov_ratio * tokens))` of them, and the same ones on a rerun.
+#[test]
+fn clip_cov_drops_exactly_its_share_and_draws_reproducibly() {
+    let (b, l) = (4i64, 50i64);
+    let n = (b * l) as usize;
+    let mut rng = support::Rng::new(3);
+    let old = rng.vec(n, -3.0, -0.5);
+    // ratios within [0.9, 1.1]: the clip leaves every token alone, so all are candidates
+    let lp: Vec<f64> = old.iter().map(|o| o + rng.uniform(-0.1, 0.1)).collect();
+    let adv = rng.vec(n, -1.0, 1.0);
+    let mask: Vec<f64> = (0..n)
+        .map(|t| if t % l as usize >= 45 { 0.0 } else { 1.0 })
+        .collect();
+    let dims = [b, l];
+    let run = || {
+        eval(
+            &[
+                In::F64(&old, &dims),
+                In::F64(&lp, &dims),
+                In::F64(&adv, &dims),
+                In::F64(&mask, &dims),
+            ],
+            |_, x| {
+                let c = PolicyLossConfig {
+                    loss_mode: PolicyLossMode::ClipCov,
+                    clip_ratio_low: 0.2,
+                    clip_ratio_high: 0.2,
+                    clip_cov_ratio: 0.1,
+                    clip_cov_lb: -100.0,
+                    clip_cov_ub: 100.0,
+                    ..Default::default()
+                };
+                let p = policy_loss(&c, &x[0], &x[1], &x[2], &x[3], &Normalizer::local(&x[3]), None);
+                vec![p.pg_loss, p.pg_clipfrac]
+            },
+        )
+        .concat()
+    };
+    let first = run();
+    let tokens = 4.0 * 45.0;
+    let dropped = first[1] * (tokens + 1e-8);
+    assert!(
+        (dropped - 18.0).abs() < 1e-6,
+        "dropped {dropped} tokens, want floor(0.1 * 180) = 18"
+    );
+    assert_eq!(run(), first, "a rerun draws other tokens");
 }

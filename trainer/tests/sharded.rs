@@ -22,7 +22,7 @@
 
 use model::{random_init, ModelConfig};
 use testkit::TinyLlama;
-use trainer::config::{OptimConfig, Parallelism, PolicyLossConfig, Strategy};
+use trainer::config::{OptimConfig, Parallelism, PolicyLossConfig, PolicyLossMode, Strategy};
 use trainer::policy::DecoderPolicy;
 use trainer::step::{
     build_train_programs, mini_batch_normalizer, Learner, LearnerState, MicroBatchHost, StepConfig,
@@ -209,13 +209,19 @@ fn learner_of(
     compute_dtype: DType,
     remat: bool,
 ) -> Learner {
+    let cfg = step_cfg_as(micro_batch_size, parallel, compute_dtype);
+    learner_with(config, cfg, remat)
+}
+
+/// A learner of a `config` model with the step configuration `cfg`.
+fn learner_with(config: &ModelConfig, cfg: StepConfig, remat: bool) -> Learner {
+    let (micro_batch_size, parallel) = (cfg.micro_batch_size as usize, cfg.parallel);
     let mut p = policy_of(
         config,
         micro_batch_size,
         parallel.data_devices(micro_batch_size as i64).unwrap(),
     );
     p.remat = remat;
-    let cfg = step_cfg_as(micro_batch_size, parallel, compute_dtype);
     let specs = p.param_specs();
     let programs = build_train_programs(&cfg, &specs, &p.input_specs(), |w, b| p.log_probs(w, b))
         .unwrap_or_else(|e| panic!("{parallel:?}: {e}"));
@@ -367,6 +373,42 @@ fn dp_and_fsdp_on_2_and_4_devices_match_one_device_and_fsdp_memory_falls_as_1_ov
                 "{what}: shared_params are the whole parameters"
             );
         }
+    }
+}
+
+/// The covariance losses pick tokens across the whole micro-batch (a sort over every row):
+/// split over 2 devices under `fsdp` they pick the same tokens as one device.
+#[test]
+fn covariance_losses_under_fsdp_match_one_device() {
+    for mode in [PolicyLossMode::KlCov, PolicyLossMode::ClipCov] {
+        let cfg = |parallel| {
+            let mut c = step_cfg(ROWS, parallel);
+            c.loss.loss_mode = mode;
+            c.loss.kl_cov_ratio = 0.3;
+            c.loss.clip_cov_ratio = 0.3;
+            c.loss.clip_cov_lb = -10.0;
+            c.loss.clip_cov_ub = 10.0;
+            c
+        };
+        let (want, want_metrics) = train(
+            &mut learner_with(&tiny_llama(), cfg(Parallelism::default()), false),
+            1,
+        );
+        let (got, metrics) = train(
+            &mut learner_with(&tiny_llama(), cfg(Parallelism::new(Strategy::Fsdp, 2)), false),
+            1,
+        );
+        let what = format!("{mode:?} under fsdp over 2");
+        if mode == PolicyLossMode::ClipCov {
+            let dropped = want_metrics[0]
+                .iter()
+                .find(|(k, _)| *k == "pg_clipfrac")
+                .unwrap()
+                .1;
+            assert!(dropped > 0.0, "{what}: no token dropped: pick other data");
+        }
+        assert_same_state(&what, &got, &want);
+        assert_same_metrics(&what, &metrics, &want_metrics);
     }
 }
 

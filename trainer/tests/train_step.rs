@@ -8,8 +8,8 @@ mod support;
 
 use model::{ParamKind, ParamSpec};
 use support::{client, tiny_policy, Rng};
-use trainer::advantage::{broadcast_over_response, compute_advantages};
-use trainer::config::{AdvantageEstimator, KlPenalty, LossAggMode, OptimConfig, PolicyLossConfig};
+use trainer::advantage::{broadcast_over_response, grpo_outcome_advantage, GRPO_EPSILON};
+use trainer::config::{KlPenalty, LossAggMode, OptimConfig, PolicyLossConfig};
 use trainer::loss::{actor_loss, LossInputs, Normalizer};
 use trainer::step::{
     build_train_programs, mini_batch_normalizer, HostArray, InputSpec, Learner, MicroBatchHost, PolicyOutput,
@@ -120,13 +120,7 @@ fn data(seed: u64) -> Data {
         })
         .collect();
     let rewards = [1.0, 0.0, 0.0, 1.0, 0.5, 0.0, 1.0, 1.0];
-    let adv = compute_advantages(
-        AdvantageEstimator::Grpo,
-        &rewards,
-        &[0, 0, 0, 0, 1, 1, 1, 1],
-        true,
-    )
-    .unwrap();
+    let adv = grpo_outcome_advantage(&rewards, &[0, 0, 0, 0, 1, 1, 1, 1], GRPO_EPSILON, true).unwrap();
     let adv = broadcast_over_response(&adv, &mask, L as usize).unwrap();
     let reference = f(rng.vec(n, -2.5, -1.0));
     let rollout = old.iter().map(|o| o + rng.uniform(-0.8, 0.8) as f32).collect();

@@ -146,6 +146,9 @@ pub struct AlgorithmSection {
     /// Divide GRPO advantages by the group's standard deviation (false: Dr. GRPO).
     #[serde(default = "default_true")]
     pub norm_adv_by_std_in_grpo: bool,
+    /// Discount of `reinforce_plus_plus`'s token returns.
+    #[serde(default = "default_gamma")]
+    pub gamma: f64,
     /// Subtract `kl_coef` x KL(policy || reference) from the token rewards.
     #[serde(default)]
     pub use_kl_in_reward: bool,
@@ -224,6 +227,13 @@ pub struct ActorSection {
     /// Weight of the entropy bonus (subtracted from the loss).
     #[serde(default)]
     pub entropy_coeff: f64,
+    /// SAPO's gate temperature for tokens with a positive advantage (`policy_loss.loss_mode:
+    /// sapo`).
+    #[serde(default = "default_tau_pos")]
+    pub tau_pos: f64,
+    /// SAPO's gate temperature for the other tokens.
+    #[serde(default = "default_tau_neg")]
+    pub tau_neg: f64,
     /// Clip the global gradient norm to this value.
     #[serde(default = "default_grad_clip")]
     pub grad_clip: f64,
@@ -282,6 +292,13 @@ impl ActorSection {
             entropy_coeff: self.entropy_coeff,
             rollout_is_threshold: algorithm.rollout_is_threshold,
             rollout_is_veto_threshold: None,
+            tau_pos: self.tau_pos,
+            tau_neg: self.tau_neg,
+            clip_cov_ratio: self.policy_loss.clip_cov_ratio,
+            clip_cov_lb: self.policy_loss.clip_cov_lb,
+            clip_cov_ub: self.policy_loss.clip_cov_ub,
+            kl_cov_ratio: self.policy_loss.kl_cov_ratio,
+            ppo_kl_coef: self.policy_loss.ppo_kl_coef,
         }
     }
 
@@ -408,9 +425,25 @@ pub struct OptimSection {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct PolicyLossSection {
-    /// Token-level PPO ratio (`vanilla`) or GSPO's sequence-level ratio (`gspo`).
+    /// The surrogate: `vanilla` (PPO clip), `gspo`, `sapo`, `gpg`, `clip_cov`, `kl_cov`,
+    /// `geo_mean` or `cispo`.
     #[serde(default = "default_loss_mode")]
     pub loss_mode: PolicyLossMode,
+    /// `clip_cov`: the share of a micro-batch's tokens whose gradient is dropped.
+    #[serde(default = "default_clip_cov_ratio")]
+    pub clip_cov_ratio: f64,
+    /// `clip_cov`: only tokens whose covariance exceeds this are dropped.
+    #[serde(default = "default_clip_cov_lb")]
+    pub clip_cov_lb: f64,
+    /// `clip_cov`: ... and is below this.
+    #[serde(default = "default_clip_cov_ub")]
+    pub clip_cov_ub: f64,
+    /// `kl_cov`: the share of a micro-batch's tokens that get the KL penalty.
+    #[serde(default = "default_kl_cov_ratio")]
+    pub kl_cov_ratio: f64,
+    /// `kl_cov`: the penalty's weight.
+    #[serde(default = "default_ppo_kl_coef")]
+    pub ppo_kl_coef: f64,
 }
 
 /// `trainer:` the run as a whole.
@@ -825,6 +858,30 @@ fn default_clip_ratio_c() -> f64 {
 }
 fn default_kl_loss_coef() -> f64 {
     loss_defaults().kl_loss_coef
+}
+fn default_tau_pos() -> f64 {
+    loss_defaults().tau_pos
+}
+fn default_tau_neg() -> f64 {
+    loss_defaults().tau_neg
+}
+fn default_clip_cov_ratio() -> f64 {
+    loss_defaults().clip_cov_ratio
+}
+fn default_clip_cov_lb() -> f64 {
+    loss_defaults().clip_cov_lb
+}
+fn default_clip_cov_ub() -> f64 {
+    loss_defaults().clip_cov_ub
+}
+fn default_kl_cov_ratio() -> f64 {
+    loss_defaults().kl_cov_ratio
+}
+fn default_ppo_kl_coef() -> f64 {
+    loss_defaults().ppo_kl_coef
+}
+fn default_gamma() -> f64 {
+    trainer::config::AdvantageConfig::default().gamma
 }
 fn default_lr() -> f64 {
     optim_defaults().lr

@@ -1,7 +1,10 @@
 //! Range and cross-key checks, run before any work starts. Each rule is stated in its message.
 
 use super::load::locate_key;
-use super::{ClusterSection, KlControl, KlPenalty, Launcher, Recipe, ResumeMode, Strategy};
+use super::{
+    AdvantageEstimator, ClusterSection, KlControl, KlPenalty, Launcher, PolicyLossMode, Recipe, ResumeMode,
+    Strategy,
+};
 use crate::roles::Role;
 use std::fmt;
 
@@ -364,6 +367,7 @@ pub(crate) fn validate(r: &Recipe, text: &str, file: &str, overrides: &[String])
             "must be above 0",
         );
     }
+    check_algorithm_knobs(&mut c, r);
     c.check(
         !(a.use_kl_loss && al.use_kl_in_reward),
         "actor.use_kl_loss",
@@ -853,6 +857,93 @@ fn check_cluster_launcher(c: &mut Checker<'_>, cluster: &ClusterSection) {
     }
 }
 
+/// The knobs of one estimator or loss set while another is chosen would silently do nothing;
+/// each is refused unless its owner is chosen (VeRL reads them only there too).
+fn check_algorithm_knobs(c: &mut Checker, r: &Recipe) {
+    let (a, al) = (&r.actor, &r.algorithm);
+    let defaults = trainer::config::PolicyLossConfig::default();
+    let mode = a.policy_loss.loss_mode;
+    let unset = |v: f64, d: f64| v == d;
+    let owned: [(&str, f64, f64, bool, &str); 8] = [
+        (
+            "algorithm.gamma",
+            al.gamma,
+            trainer::config::AdvantageConfig::default().gamma,
+            al.adv_estimator == AdvantageEstimator::ReinforcePlusPlus,
+            "algorithm.adv_estimator: reinforce_plus_plus",
+        ),
+        (
+            "actor.tau_pos",
+            a.tau_pos,
+            defaults.tau_pos,
+            mode == PolicyLossMode::Sapo,
+            "actor.policy_loss.loss_mode: sapo",
+        ),
+        (
+            "actor.tau_neg",
+            a.tau_neg,
+            defaults.tau_neg,
+            mode == PolicyLossMode::Sapo,
+            "actor.policy_loss.loss_mode: sapo",
+        ),
+        (
+            "actor.policy_loss.clip_cov_ratio",
+            a.policy_loss.clip_cov_ratio,
+            defaults.clip_cov_ratio,
+            mode == PolicyLossMode::ClipCov,
+            "actor.policy_loss.loss_mode: clip_cov",
+        ),
+        (
+            "actor.policy_loss.clip_cov_lb",
+            a.policy_loss.clip_cov_lb,
+            defaults.clip_cov_lb,
+            mode == PolicyLossMode::ClipCov,
+            "actor.policy_loss.loss_mode: clip_cov",
+        ),
+        (
+            "actor.policy_loss.clip_cov_ub",
+            a.policy_loss.clip_cov_ub,
+            defaults.clip_cov_ub,
+            mode == PolicyLossMode::ClipCov,
+            "actor.policy_loss.loss_mode: clip_cov",
+        ),
+        (
+            "actor.policy_loss.kl_cov_ratio",
+            a.policy_loss.kl_cov_ratio,
+            defaults.kl_cov_ratio,
+            mode == PolicyLossMode::KlCov,
+            "actor.policy_loss.loss_mode: kl_cov",
+        ),
+        (
+            "actor.policy_loss.ppo_kl_coef",
+            a.policy_loss.ppo_kl_coef,
+            defaults.ppo_kl_coef,
+            mode == PolicyLossMode::KlCov,
+            "actor.policy_loss.loss_mode: kl_cov",
+        ),
+    ];
+    for (key, value, default, chosen, owner) in owned {
+        c.check(
+            chosen || unset(value, default),
+            key,
+            value,
+            &format!("is read only with {owner}"),
+        );
+    }
+    c.check(
+        (0.0..=1.0).contains(&al.gamma),
+        "algorithm.gamma",
+        al.gamma,
+        "a discount: must be in [0, 1]",
+    );
+    c.check(
+        al.adv_estimator != AdvantageEstimator::GrpoPassk || r.rollout.n >= 2,
+        "algorithm.adv_estimator",
+        "grpo_passk",
+        "compares each group's best response with its runner-up: set rollout.n to 2 or more",
+    );
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::load::load_recipe_str;
@@ -882,6 +973,34 @@ mod tests {
             "algorithm:\n  use_kl_in_reward: true\n  kl_penalty: k3\n  kl_ctrl: {type: adaptive}\n"
         )
         .is_empty());
+    }
+
+    #[test]
+    fn estimator_and_loss_knobs_need_their_owner() {
+        assert_eq!(
+            violations(
+                "algorithm:\n  gamma: 0.9\nactor:\n  tau_pos: 2\n  policy_loss:\n    loss_mode: kl_cov\n    \
+                 clip_cov_ub: 3\n    kl_cov_ratio: 0\n"
+            ),
+            [
+                "r.yaml:6:3: `algorithm.gamma` = 0.9: is read only with algorithm.adv_estimator: reinforce_plus_plus",
+                "r.yaml:8:3: `actor.tau_pos` = 2: is read only with actor.policy_loss.loss_mode: sapo",
+                "r.yaml:11:5: `actor.policy_loss.clip_cov_ub` = 3: is read only with actor.policy_loss.loss_mode: clip_cov",
+                "r.yaml:12:5: `actor.policy_loss.kl_cov_ratio` = 0: a share of the tokens: must be in (0, 1]",
+            ]
+        );
+        assert!(violations(
+            "algorithm:\n  adv_estimator: reinforce_plus_plus\n  gamma: 0.9\nactor:\n  tau_neg: 2\n  \
+             policy_loss: {loss_mode: sapo}\n"
+        )
+        .is_empty());
+        assert_eq!(
+            violations("algorithm:\n  adv_estimator: grpo_passk\nrollout:\n  n: 1\n"),
+            [
+                "r.yaml:6:3: `algorithm.adv_estimator` = grpo_passk: compares each group's best response with its \
+                 runner-up: set rollout.n to 2 or more"
+            ]
+        );
     }
 
     #[test]

@@ -196,8 +196,11 @@ pub fn update_config(recipe: &Recipe, total_optimizer_steps: u64) -> UpdateConfi
     UpdateConfig {
         step,
         batches: batch_plan(recipe),
-        adv_estimator: alg.adv_estimator,
-        norm_adv_by_std_in_grpo: alg.norm_adv_by_std_in_grpo,
+        advantage: trainer::config::AdvantageConfig {
+            estimator: alg.adv_estimator,
+            norm_adv_by_std_in_grpo: alg.norm_adv_by_std_in_grpo,
+            gamma: alg.gamma,
+        },
         use_kl_in_reward: alg.use_kl_in_reward,
         kl_coef: alg.kl_coef,
         kl_penalty: alg.kl_penalty,

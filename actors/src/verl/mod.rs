@@ -269,8 +269,8 @@ impl Translator {
             {
                 self.unsupported.push((
                     "algorithm.adv_estimator=gae (VeRL's default)".into(),
-                    "grpo's estimators are grpo and rloo: set algorithm.adv_estimator=grpo, as \
-                     VeRL's GRPO scripts do"
+                    "GAE needs a critic, which grpo does not have yet: set \
+                     algorithm.adv_estimator=grpo, as VeRL's GRPO scripts do"
                         .into(),
                 ));
                 continue;
@@ -288,12 +288,32 @@ impl Translator {
         self.sampling()?;
         self.reward()?;
         self.kl_in_reward()?;
+        self.owned_knobs()?;
         self.trainer()?;
         Ok(())
     }
 
     /// `algorithm.kl_penalty` and `algorithm.kl_ctrl`, which VeRL reads only with
     /// `use_kl_in_reward` (and grpo's recipe refuses without it).
+    /// Keys read only by one estimator or loss: mapped when their owner is chosen, else a note
+    /// when set (VeRL ignores them then; a grpo recipe would refuse them).
+    fn owned_knobs(&mut self) -> Result<(), VerlError> {
+        for (key, to, owner_key, owner) in OWNED_KNOBS {
+            let chosen = self.get(owner_key)? == json!(owner);
+            let value = self.get(key)?;
+            if chosen {
+                let o = self.origin(key);
+                self.b.set(to, value, o)?;
+            } else if self.config.defaults.get(*key) != Some(&value) {
+                self.notes.push(format!(
+                    "{key}={} has no effect: VeRL reads it only with {owner_key}={owner}",
+                    compact(&value)
+                ));
+            }
+        }
+        Ok(())
+    }
+
     fn kl_in_reward(&mut self) -> Result<(), VerlError> {
         let keys = [
             "algorithm.kl_penalty",
@@ -657,6 +677,61 @@ impl Translator {
         Ok(())
     }
 }
+
+/// `(VeRL key, recipe key, the key choosing its owner, the owner)`: the knobs of one
+/// estimator or loss (see `Translator::owned_knobs`).
+const OWNED_KNOBS: &[(&str, &str, &str, &str)] = &[
+    (
+        "algorithm.gamma",
+        "algorithm.gamma",
+        "algorithm.adv_estimator",
+        "reinforce_plus_plus",
+    ),
+    (
+        "actor_rollout_ref.actor.tau_pos",
+        "actor.tau_pos",
+        LOSS_MODE,
+        "sapo",
+    ),
+    (
+        "actor_rollout_ref.actor.tau_neg",
+        "actor.tau_neg",
+        LOSS_MODE,
+        "sapo",
+    ),
+    (
+        "actor_rollout_ref.actor.policy_loss.clip_cov_ratio",
+        "actor.policy_loss.clip_cov_ratio",
+        LOSS_MODE,
+        "clip_cov",
+    ),
+    (
+        "actor_rollout_ref.actor.policy_loss.clip_cov_lb",
+        "actor.policy_loss.clip_cov_lb",
+        LOSS_MODE,
+        "clip_cov",
+    ),
+    (
+        "actor_rollout_ref.actor.policy_loss.clip_cov_ub",
+        "actor.policy_loss.clip_cov_ub",
+        LOSS_MODE,
+        "clip_cov",
+    ),
+    (
+        "actor_rollout_ref.actor.policy_loss.kl_cov_ratio",
+        "actor.policy_loss.kl_cov_ratio",
+        LOSS_MODE,
+        "kl_cov",
+    ),
+    (
+        "actor_rollout_ref.actor.policy_loss.ppo_kl_coef",
+        "actor.policy_loss.ppo_kl_coef",
+        LOSS_MODE,
+        "kl_cov",
+    ),
+];
+
+const LOSS_MODE: &str = "actor_rollout_ref.actor.policy_loss.loss_mode";
 
 /// VeRL keys holding paths, where `~/` means the home directory as in VeRL.
 const PATH_KEYS: &[&str] = &[

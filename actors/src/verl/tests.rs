@@ -207,6 +207,37 @@ fn keys_without_effect_give_notes() {
 }
 
 #[test]
+fn estimator_and_loss_knobs_follow_their_owner() {
+    let t = translate_with(&[
+        "algorithm.adv_estimator=reinforce_plus_plus",
+        "algorithm.gamma=0.95",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov",
+        "actor_rollout_ref.actor.policy_loss.kl_cov_ratio=0.01",
+        "actor_rollout_ref.actor.tau_pos=2",
+    ])
+    .unwrap();
+    assert_eq!(t.recipe.algorithm.gamma, 0.95);
+    assert_eq!(t.recipe.actor.policy_loss.kl_cov_ratio, 0.01);
+    assert_eq!(
+        t.recipe.actor.tau_pos, 1.0,
+        "sapo's knob stays at its default under kl_cov"
+    );
+    assert!(
+        t.notes.iter().any(|n| n
+            == "actor_rollout_ref.actor.tau_pos=2 has no effect: VeRL reads it only with \
+                actor_rollout_ref.actor.policy_loss.loss_mode=sapo"),
+        "{:?}",
+        t.notes
+    );
+    let t = translate_with(&[
+        "actor_rollout_ref.actor.policy_loss.loss_mode=sapo",
+        "actor_rollout_ref.actor.tau_neg=2",
+    ])
+    .unwrap();
+    assert_eq!(t.recipe.actor.tau_neg, 2.0);
+}
+
+#[test]
 fn reward_functions_and_config_files() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(
