@@ -54,6 +54,16 @@ fn a_tiny_run_trains_validates_checkpoints_and_resumes() {
         "perf/train_tokens_per_s",
         "weights/version_lag",
         "reward/errors",
+        // The rollout/learner mismatch, reported whatever the correction applies.
+        "rollout_corr/kl",
+        "rollout_corr/k3_kl",
+        "rollout_corr/training_ppl",
+        "rollout_corr/rollout_ppl",
+        "rollout_corr/log_ppl_abs_diff",
+        "rollout_corr/chi2_token",
+        "rollout_corr/chi2_seq",
+        "rollout_corr/rollout_is_mean",
+        "rollout_corr/rollout_is_eff_sample_size",
     ] {
         assert!(
             m[&3].get(key).is_some_and(|v| v.is_number()),
@@ -248,7 +258,7 @@ fn one_step_off_policy_overlaps_generation_with_the_update() {
         &val,
         &out,
         3,
-        "algorithm:\n  rollout_is_threshold: 2.0\n",
+        "algorithm:\n  rollout_correction:\n    rollout_is: token\n    rollout_rs: token_k1\n    rollout_rs_threshold: 0.2_5\n",
     );
     let o = grpo()
         .arg("run")
@@ -262,6 +272,17 @@ fn one_step_off_policy_overlaps_generation_with_the_update() {
     // while the previous update ran, one version behind.
     assert_eq!(metric_series(&m, "weights/version_lag"), vec![0.0, 1.0, 1.0]);
     assert_eq!(prompts_seen(&out).len(), 3);
+    // The correction sees the lag: the rollout's and the learner's log-probs agree at step 1
+    // (same weights) and part one version later.
+    let gap = metric_series(&m, "rollout_corr/log_ppl_abs_diff");
+    eprintln!("log_ppl_abs_diff per step: {gap:?}");
+    assert!(gap[1] > 10.0 * gap[0] && gap[2] > 10.0 * gap[0], "{gap:?}");
+    for key in [
+        "rollout_corr/rollout_is_mean",
+        "rollout_corr/rollout_rs_masked_fraction",
+    ] {
+        assert_eq!(metric_series(&m, key).len(), 3, "{key}");
+    }
 }
 
 #[test]

@@ -307,7 +307,7 @@ impl BucketedLearner {
             advantages: narrow("advantages", &host.advantages)?,
             response_mask: narrow("response_mask", &host.response_mask)?,
             ref_log_probs: narrow_opt("ref_log_probs", &host.ref_log_probs)?,
-            rollout_log_probs: narrow_opt("rollout_log_probs", &host.rollout_log_probs)?,
+            rollout_is_weights: narrow_opt("rollout_is_weights", &host.rollout_is_weights)?,
             norm: host.norm,
             inputs: mb.packed.inputs(),
         };

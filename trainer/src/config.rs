@@ -186,12 +186,11 @@ pub struct PolicyLossConfig {
     pub kl_loss_type: KlPenalty,
     /// `actor.entropy_coeff`: subtract `entropy_coeff * agg(entropy)` from the loss.
     pub entropy_coeff: f64,
-    /// `algorithm.rollout_is_threshold` (at least 1): when set, multiply the per-token policy loss by the
-    /// truncated importance weight `min(pi_old / pi_rollout, threshold)`.
-    pub rollout_is_threshold: Option<f64>,
-    /// `algorithm.rollout_is_veto_threshold`: when set (with `rollout_is_threshold`), a
-    /// sequence with any token ratio below it gets weight 0.
-    pub rollout_is_veto_threshold: Option<f64>,
+    /// Whether the loss takes per-token rollout importance weights (an input of the step,
+    /// computed once per batch by [`crate::rollout_correction`] when
+    /// `algorithm.rollout_correction.rollout_is` is set) and multiplies each token's policy
+    /// loss by its weight.
+    pub rollout_is_weights: bool,
     /// `actor.tau_pos`: SAPO's gate temperature for tokens with a positive advantage.
     pub tau_pos: f64,
     /// `actor.tau_neg`: SAPO's gate temperature for the other tokens.
@@ -223,8 +222,7 @@ impl Default for PolicyLossConfig {
             kl_loss_coef: 0.001,
             kl_loss_type: KlPenalty::K3,
             entropy_coeff: 0.0,
-            rollout_is_threshold: None,
-            rollout_is_veto_threshold: None,
+            rollout_is_weights: false,
             tau_pos: 1.0,
             tau_neg: 1.05,
             clip_cov_ratio: 0.0002,
@@ -272,15 +270,6 @@ impl PolicyLossConfig {
         if !at_least(self.clip_ratio_high, 0.0) {
             out.push(bad("actor.clip_ratio_high", self.clip_ratio_high, "must be >= 0"));
         }
-        if let Some(t) = self.rollout_is_threshold {
-            if !at_least(t, 1.0) {
-                out.push(bad(
-                    "algorithm.rollout_is_threshold",
-                    t,
-                    "must be at least 1, since it caps a probability ratio (or null to disable)",
-                ));
-            }
-        }
         for (key, tau) in [("actor.tau_pos", self.tau_pos), ("actor.tau_neg", self.tau_neg)] {
             if !above(tau, 0.0) {
                 out.push(bad(key, tau, "SAPO's gate temperature must be > 0"));
@@ -300,15 +289,6 @@ impl PolicyLossConfig {
                 self.clip_cov_ub,
                 &format!("must be greater than clip_cov_lb ({})", self.clip_cov_lb),
             ));
-        }
-        if let Some(t) = self.rollout_is_veto_threshold {
-            if !above(t, 0.0) {
-                out.push(bad(
-                    "algorithm.rollout_is_veto_threshold",
-                    t,
-                    "must be > 0 (or null to disable)",
-                ));
-            }
         }
         out
     }

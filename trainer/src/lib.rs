@@ -1,10 +1,14 @@
 //! The GRPO learner: everything between "each sample has a reward" and "the parameters moved".
 //!
-//! - [`advantage`]: host-side advantage estimators (`grpo`, Dr. GRPO, `rloo`), in-reward KL,
-//!   dynamic sampling (`filter_groups`) and masking of truncated responses.
+//! - [`advantage`]: host-side advantage estimators (`grpo`, Dr. GRPO, `rloo`, `opo`, `gpg`,
+//!   `grpo_passk`, REINFORCE++ with and without a baseline), in-reward KL, dynamic sampling
+//!   (`filter_groups`) and masking of truncated responses.
+//! - [`rollout_correction`]: importance weights and rejection sampling for the gap between the
+//!   rollout's and the learner's probabilities, with the `rollout_corr/*` mismatch metrics.
 //! - [`loss`]: policy-loss terms as graph functions over [`xla::graph::Tensor`]s: the PPO
-//!   clipped surrogate with dual clip, GSPO, truncated importance sampling against the
-//!   rollout's log-probs, VeRL's loss aggregation modes, KL estimators and the entropy bonus.
+//!   clipped surrogate with dual clip, GSPO, SAPO, GPG, Clip-Cov, KL-Cov, GMPO and CISPO, the
+//!   rollout importance weights on token losses, VeRL's loss aggregation modes, KL estimators
+//!   and the entropy bonus.
 //! - [`optim`]: AdamW and global gradient-norm clipping as graph functions, the learning-rate
 //!   schedule on the host.
 //! - [`step`]: the fused `train_step` program builder (forward, loss, backward, clipping,
@@ -36,6 +40,7 @@ pub mod loss;
 pub mod memory;
 pub mod optim;
 pub mod policy;
+pub mod rollout_correction;
 pub mod sharding;
 pub mod step;
 pub mod update;

@@ -123,34 +123,6 @@ pub struct PolicyLoss {
     pub ppo_kl: Tensor,
 }
 
-/// The truncated importance weights for the rollout/trainer mismatch, VeRL
-/// `compute_rollout_importance_weights` (verl/trainer/ppo/mismatch_helper.py) at
-/// `rollout_is_level = "token"`, `rollout_is_mode = "truncate"`:
-///
-/// `w = min(exp(clamp(old_lp - rollout_lp, -20, 20)), threshold)`; with a veto threshold, a
-/// sequence with any response token where `old_lp - rollout_lp < ln(veto)` gets `w = 0`;
-/// then `w = w * mask`, gradient-stopped. It multiplies the per-token policy loss.
-pub fn rollout_is_weights(
-    old_log_prob: &Tensor,
-    rollout_log_prob: &Tensor,
-    mask: &Tensor,
-    threshold: f64,
-    veto_threshold: Option<f64>,
-) -> Tensor {
-    let log_ratio = old_log_prob - rollout_log_prob;
-    let mut w = log_ratio
-        .clamp_scalar(-20.0, 20.0)
-        .exp()
-        .min(&log_ratio.scalar_like(threshold));
-    if let Some(veto) = veto_threshold {
-        let nonzero = mask.ne(&mask.zeros_like());
-        let catastrophic = log_ratio.lt(&log_ratio.scalar_like(veto.ln())).and(&nonzero);
-        let any = catastrophic.convert(mask.dtype()).max_axis(-1, true);
-        w = w * (1.0 - any);
-    }
-    (w * mask).stop_gradient()
-}
-
 /// PPO's clipped surrogate with dual clip, VeRL `compute_policy_loss_vanilla` (core_algos.py):
 ///
 /// ```text
@@ -186,10 +158,7 @@ pub fn policy_loss_vanilla(
     let negative = advantages.lt(&advantages.zeros_like());
     let lower = clip_pg_losses1.gt(&pg_losses3).and(&negative).convert(dtype);
     let pg_clipfrac_lower = masked_token_mean(&lower, mask, norm);
-    let mut pg_losses = negative.select(&clip_pg_losses2, &clip_pg_losses1);
-    if let Some(w) = is_weights {
-        pg_losses = pg_losses * w;
-    }
+    let pg_losses = weighted(negative.select(&clip_pg_losses2, &clip_pg_losses1), is_weights);
     let pg_loss = agg_loss(&pg_losses, mask, cfg.loss_agg_mode, norm);
     PolicyLoss {
         pg_loss,
@@ -227,10 +196,7 @@ pub fn policy_loss_gspo(
     let neg_adv = advantages.neg();
     let pg_losses1 = &neg_adv * &ratio;
     let pg_losses2 = &neg_adv * &ratio.clamp_scalar(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high);
-    let mut pg_losses = pg_losses1.max(&pg_losses2);
-    if let Some(w) = is_weights {
-        pg_losses = pg_losses * w;
-    }
+    let pg_losses = weighted(pg_losses1.max(&pg_losses2), is_weights);
     let pg_loss = agg_loss(&pg_losses, mask, LossAggMode::SeqMeanTokenMean, norm);
     let dtype = mask.dtype();
     let pg_clipfrac = masked_token_mean(&pg_losses2.gt(&pg_losses1).convert(dtype), mask, norm);
@@ -551,8 +517,9 @@ pub struct LossInputs {
     pub response_mask: Tensor,
     /// The frozen reference model's log-probs (needed when `use_kl_loss`).
     pub ref_log_probs: Option<Tensor>,
-    /// The rollout engine's log-probs (needed when `rollout_is_threshold` is set).
-    pub rollout_log_probs: Option<Tensor>,
+    /// Per-token rollout importance weights (gradient-free inputs; see
+    /// [`crate::rollout_correction`]), when the loss applies them.
+    pub rollout_is_weights: Option<Tensor>,
     /// The mini-batch denominators.
     pub norm: Normalizer,
 }
@@ -609,16 +576,7 @@ pub fn actor_loss(cfg: &PolicyLossConfig, inputs: &LossInputs) -> ActorLoss {
         norm,
         ..
     } = inputs;
-    let is_weights = match (cfg.rollout_is_threshold, &inputs.rollout_log_probs) {
-        (Some(t), Some(rollout)) => Some(rollout_is_weights(
-            old_log_probs,
-            rollout,
-            mask,
-            t,
-            cfg.rollout_is_veto_threshold,
-        )),
-        _ => None,
-    };
+    let is_weights = inputs.rollout_is_weights.as_ref().map(Tensor::stop_gradient);
     let policy = policy_loss(
         cfg,
         old_log_probs,

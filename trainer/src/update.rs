@@ -19,6 +19,7 @@ use crate::bucket::{BucketedLearner, PackedMicroBatch};
 use crate::config::{AdvantageConfig, KlControl, KlPenalty};
 use crate::optim::learning_rate;
 use crate::policy::{DecoderPolicy, PackError};
+use crate::rollout_correction::{correct, RolloutCorrection};
 use crate::step::{mini_batch_normalizer, LearnerState, MicroBatchHost, StepConfig};
 use crate::TrainerError;
 use std::collections::BTreeMap;
@@ -175,6 +176,9 @@ pub struct UpdateConfig {
     pub mask_truncated_responses: bool,
     /// `actor.use_rollout_log_probs`: the rollout's log-probs are the old log-probs.
     pub use_rollout_log_probs: bool,
+    /// `algorithm.rollout_correction`: importance weights and rejection sampling for the
+    /// rollout/learner mismatch (its metrics are reported whatever it applies).
+    pub rollout_correction: RolloutCorrection,
     /// `actor.length_bucket` (see [`crate::bucket`]).
     pub length_bucket: usize,
     /// `actor.max_consecutive_nonfinite`.
@@ -383,6 +387,16 @@ impl GrpoUpdate {
             None
         };
 
+        // The rollout/learner mismatch: importance weights, rejected tokens, rollout_corr/*.
+        let corrected = correct(
+            &self.config.rollout_correction,
+            &old_lp,
+            &rollout_lp,
+            &response_mask,
+            l,
+        )?;
+        m.extend(corrected.metrics);
+
         // Rewards -> (KL in reward) -> advantages.
         let scores: Vec<f64> = rows.iter().map(|x| x.score).collect();
         let groups: Vec<u64> = rows.iter().map(|x| x.group).collect();
@@ -402,6 +416,8 @@ impl GrpoUpdate {
             m.insert("actor/reward_kl_penalty_coeff".into(), self.kl_ctrl.value);
             self.kl_ctrl.update(kl, n_rows);
         }
+        // VeRL applies the rejection after the KL in the reward, before the advantages.
+        let response_mask = corrected.response_mask;
         let adv = compute_advantages(&self.config.advantage, &token_scores, &response_mask, l, &groups)?;
         add_critic_metrics(m, &sequence_scores(&token_scores, l), &adv, &response_mask);
         let mut loss_mask = response_mask;
@@ -428,7 +444,7 @@ impl GrpoUpdate {
         Ok(TokenArrays {
             old_lp,
             ref_lp,
-            rollout_lp,
+            is_weights: corrected.weights,
             advantages,
             loss_mask,
         })
@@ -479,7 +495,7 @@ impl GrpoUpdate {
                         advantages: slice(&batch.advantages, s..e),
                         response_mask: slice(&batch.loss_mask, s..e),
                         ref_log_probs: batch.ref_lp.as_ref().map(|v| slice(v, s..e)),
-                        rollout_log_probs: Some(slice(&batch.rollout_lp, s..e)),
+                        rollout_is_weights: batch.is_weights.as_ref().map(|v| slice(v, s..e)),
                         norm,
                         inputs: Vec::new(),
                     };
@@ -561,7 +577,8 @@ impl GrpoUpdate {
 struct TokenArrays {
     old_lp: Vec<f32>,
     ref_lp: Option<Vec<f32>>,
-    rollout_lp: Vec<f32>,
+    /// The rollout importance weights, when the loss applies them.
+    is_weights: Option<Vec<f32>>,
     advantages: Vec<f32>,
     loss_mask: Vec<f32>,
 }

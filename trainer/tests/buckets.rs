@@ -67,11 +67,11 @@ fn step_cfg(loss: PolicyLossConfig, parallel: Parallelism) -> StepConfig {
     }
 }
 
-/// One sample: prompt, response, rollout log-probs, advantage.
+/// One sample: prompt, response, rollout importance weights, advantage.
 struct Sample {
     prompt: Vec<u32>,
     response: Vec<u32>,
-    rollout: Vec<f32>,
+    is_weights: Vec<f32>,
     advantage: f32,
 }
 
@@ -92,7 +92,7 @@ fn samples() -> Vec<Sample> {
         .map(|(i, &(p, r))| Sample {
             prompt: (0..p).map(|_| 1 + (next() % (VOCAB - 1)) as u32).collect(),
             response: (0..r).map(|_| (next() % VOCAB) as u32).collect(),
-            rollout: (0..r).map(|_| -0.5 - (next() % 100) as f32 / 50.0).collect(),
+            is_weights: (0..r).map(|_| 0.2 + (next() % 100) as f32 / 50.0).collect(),
             advantage: if i % 3 == 0 { 0.8 } else { -0.6 + 0.1 * i as f32 },
         })
         .collect()
@@ -161,7 +161,7 @@ fn step(l: &mut BucketedLearner, rows: &[&Sample]) -> (StepMetrics, Vec<f32>) {
                 advantages: per_token(chunk, |s, _| s.advantage),
                 response_mask: mask[cols.clone()].to_vec(),
                 ref_log_probs: Some(reference[cols].to_vec()),
-                rollout_log_probs: Some(per_token(chunk, |s, j| s.rollout[j])),
+                rollout_is_weights: Some(per_token(chunk, |s, j| s.is_weights[j])),
                 norm,
                 inputs: Vec::new(),
             };
@@ -273,13 +273,13 @@ fn same_update(loss: PolicyLossConfig, parallel: Parallelism) {
     );
 }
 
-/// KL loss, entropy bonus and rollout importance sampling on.
+/// KL loss, entropy bonus and rollout importance weights on.
 fn full_loss() -> PolicyLossConfig {
     PolicyLossConfig {
         use_kl_loss: true,
         kl_loss_coef: 0.1,
         entropy_coeff: 0.01,
-        rollout_is_threshold: Some(2.0),
+        rollout_is_weights: true,
         ..Default::default()
     }
 }
@@ -318,7 +318,7 @@ fn a_micro_batch_packed_elsewhere_is_refused() {
         old_log_probs: vec![0.0; MICRO * RESPONSE],
         advantages: vec![0.0; MICRO * RESPONSE],
         response_mask: vec![1.0; MICRO * RESPONSE],
-        rollout_log_probs: Some(vec![0.0; MICRO * RESPONSE]),
+        rollout_is_weights: Some(vec![1.0; MICRO * RESPONSE]),
         norm: (1.0, 1.0),
         ..Default::default()
     };

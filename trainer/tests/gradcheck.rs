@@ -28,7 +28,7 @@ fn loss_graph(with_grad: bool, cfg: &PolicyLossConfig) -> xla::graph::Program {
     let adv = g.parameter("adv", DType::F64, &bl);
     let mask = g.parameter("mask", DType::F64, &bl);
     let reference = g.parameter("ref", DType::F64, &bl);
-    let rollout = g.parameter("rollout", DType::F64, &bl);
+    let is_weights = g.parameter("is_weights", DType::F64, &bl);
     let (lp, ent) = tiny_policy(&[emb.clone(), out.clone()], &[ids, targets]);
     let inputs = LossInputs {
         log_probs: lp,
@@ -37,7 +37,7 @@ fn loss_graph(with_grad: bool, cfg: &PolicyLossConfig) -> xla::graph::Program {
         advantages: adv,
         response_mask: mask.clone(),
         ref_log_probs: Some(reference),
-        rollout_log_probs: Some(rollout),
+        rollout_is_weights: Some(is_weights),
         norm: Normalizer::local(&mask),
     };
     let loss = actor_loss(cfg, &inputs);
@@ -64,7 +64,7 @@ fn full_loss(mode: PolicyLossMode) -> PolicyLossConfig {
         kl_loss_coef: 0.1,
         kl_loss_type: KlPenalty::K3,
         entropy_coeff: 0.01,
-        rollout_is_threshold: Some(1.5),
+        rollout_is_weights: true,
         // shares large enough that this small batch has penalised / dropped tokens
         kl_cov_ratio: 0.2,
         ppo_kl_coef: 0.5,
@@ -128,7 +128,11 @@ fn check_gradient(cfg: &PolicyLossConfig) -> Vec<Vec<f64>> {
     let adv: Vec<f64> = (0..n).map(|i| [1.3, -0.8, 0.5][i / L as usize]).collect();
     let mask = vec![1., 1., 1., 1., 1., 1., 0., 0., 1., 1., 1., 0.];
     let reference = rng.vec(n, -2.5, -1.0);
-    let rollout: Vec<f64> = old.iter().map(|o| o + rng.uniform(-0.6, 0.6)).collect();
+    // Truncated token importance weights against a rollout policy off by up to 0.6 nats.
+    let is_weights: Vec<f64> = old
+        .iter()
+        .map(|o| (o - (o + rng.uniform(-0.6, 0.6))).exp().min(1.5))
+        .collect();
 
     let c = client();
     let up = |v: &[f64], d: &[i64]| c.buffer_from_host(v, d, 0).unwrap();
@@ -139,7 +143,7 @@ fn check_gradient(cfg: &PolicyLossConfig) -> Vec<Vec<f64>> {
         up(&adv, &[B, L]),
         up(&mask, &[B, L]),
         up(&reference, &[B, L]),
-        up(&rollout, &[B, L]),
+        up(&is_weights, &[B, L]),
     ];
     let with_grad = loss_graph(true, cfg).compile(c).unwrap();
     let loss_only = loss_graph(false, cfg).compile(c).unwrap();

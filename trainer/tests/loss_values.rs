@@ -8,8 +8,8 @@ mod support;
 use support::{assert_close, eval, In};
 use trainer::config::{KlPenalty, LossAggMode, PolicyLossConfig, PolicyLossMode};
 use trainer::loss::{
-    actor_loss, agg_loss, kl_penalty, policy_loss, policy_loss_gspo, policy_loss_vanilla, rollout_is_weights,
-    LossInputs, Normalizer,
+    actor_loss, agg_loss, kl_penalty, policy_loss, policy_loss_gspo, policy_loss_vanilla, LossInputs,
+    Normalizer,
 };
 use xla::graph::grad;
 
@@ -239,63 +239,39 @@ fn gspo_clips_the_sequence_ratio() {
     assert_close("gspo clipped", &out.concat(), &[-1.28, 2.0 / (2.0 + 1e-8)], 1e-12);
 }
 
+/// The rollout importance weights (computed on the host, `trainer::rollout_correction`)
+/// multiply each token's policy loss and carry no gradient.
 #[test]
-fn truncated_importance_weights_and_veto() {
+fn rollout_importance_weights_scale_token_losses_without_gradient() {
     let (old, lp, adv, mask) = batch();
-    // rollout = old - r: token weights exp(r) = [3 -> truncated to 2, 0.5, 1, ...], row 1 all 1
-    let r = [
-        3f64.ln(),
-        0.5f64.ln(),
-        0.0,
-        0.0,
-        0.0,
-        0.0,
-        0.0,
-        0.0,
-        0.0,
-        0.0,
-        0.0,
-        0.0,
-    ];
-    let rollout: Vec<f64> = old.iter().zip(r).map(|(o, r)| o - r).collect();
-    for (veto, weights, pg) in [
-        (
-            None,
-            [2.0, 0.5, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
-            (-1.28 * 2.0 - 0.5 * 0.5 - 1.0 + ROW1) / (TOKENS + 1e-8),
-        ),
-        // veto 0.6: row 0 has a token ratio 0.5 < 0.6 -> the whole row gets weight 0
-        (
-            Some(0.6),
-            [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
-            ROW1 / (TOKENS + 1e-8),
-        ),
-    ] {
-        let out = eval(
-            &[
-                In::F64(&old, &DIMS),
-                In::F64(&lp, &DIMS),
-                In::F64(&adv, &DIMS),
-                In::F64(&mask, &DIMS),
-                In::F64(&rollout, &DIMS),
-            ],
-            |_, x| {
-                let w = rollout_is_weights(&x[0], &x[4], &x[3], 2.0, veto);
-                let p = policy_loss_vanilla(
-                    &x[0],
-                    &x[1],
-                    &x[2],
-                    &x[3],
-                    &cfg(LossAggMode::TokenMean),
-                    &Normalizer::local(&x[3]),
-                    Some(&w),
-                );
-                vec![w, p.pg_loss]
-            },
-        );
-        assert_close(&format!("weights veto={veto:?}"), &out[0], &weights, 1e-12);
-        assert_close(&format!("pg veto={veto:?}"), &out[1], &[pg], 1e-12);
-    }
+    let weights = [2.0, 0.5, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0];
+    let out = eval(
+        &[
+            In::F64(&old, &DIMS),
+            In::F64(&lp, &DIMS),
+            In::F64(&adv, &DIMS),
+            In::F64(&mask, &DIMS),
+            In::F64(&weights, &DIMS),
+        ],
+        |_, x| {
+            let inputs = LossInputs {
+                log_probs: x[1].clone(),
+                entropy: None,
+                old_log_probs: x[0].clone(),
+                advantages: x[2].clone(),
+                response_mask: x[3].clone(),
+                ref_log_probs: None,
+                rollout_is_weights: Some(x[4].clone()),
+                norm: Normalizer::local(&x[3]),
+            };
+            let l = actor_loss(&cfg(LossAggMode::TokenMean), &inputs);
+            let g = grad(&l.loss, &[&x[4]]).unwrap().remove(0);
+            vec![l.policy.pg_loss, g]
+        },
+    );
+    let pg = (-1.28 * 2.0 - 0.5 * 0.5 - 1.0 + ROW1) / (TOKENS + 1e-8);
+    assert_close("weighted pg", &out[0], &[pg], 1e-12);
+    assert_close("weights' gradient", &out[1], &[0.0; 12], 0.0);
 }
 
 #[test]
@@ -357,7 +333,7 @@ fn actor_loss_adds_kl_and_subtracts_entropy() {
                 advantages: x[2].clone(),
                 response_mask: x[3].clone(),
                 ref_log_probs: Some(x[4].clone()),
-                rollout_log_probs: None,
+                rollout_is_weights: None,
                 norm: Normalizer::local(&x[3]),
             };
             let l = actor_loss(&c, &inputs);

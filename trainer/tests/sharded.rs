@@ -174,7 +174,7 @@ fn micro(b: &Batch, start: usize, rows: usize, blocks: usize) -> MicroBatchHost 
         advantages: b.advantages[a..e].to_vec(),
         response_mask: b.response_mask[a..e].to_vec(),
         ref_log_probs: Some(b.reference[a..e].to_vec()),
-        rollout_log_probs: None,
+        rollout_is_weights: None,
         norm: mini_batch_normalizer(&b.response_mask, RESPONSE),
         inputs: packed.inputs(),
     }

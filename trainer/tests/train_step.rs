@@ -64,7 +64,7 @@ fn loss_cfg(mode: LossAggMode) -> PolicyLossConfig {
         kl_loss_coef: 0.05,
         kl_loss_type: KlPenalty::K3,
         entropy_coeff: 0.01,
-        rollout_is_threshold: Some(2.0),
+        rollout_is_weights: true,
         ..Default::default()
     }
 }
@@ -95,7 +95,7 @@ struct Data {
     adv: Vec<f32>,
     mask: Vec<f32>,
     reference: Vec<f32>,
-    rollout: Vec<f32>,
+    is_weights: Vec<f32>,
 }
 
 fn data(seed: u64) -> Data {
@@ -123,7 +123,11 @@ fn data(seed: u64) -> Data {
     let adv = grpo_outcome_advantage(&rewards, &[0, 0, 0, 0, 1, 1, 1, 1], GRPO_EPSILON, true).unwrap();
     let adv = broadcast_over_response(&adv, &mask, L as usize).unwrap();
     let reference = f(rng.vec(n, -2.5, -1.0));
-    let rollout = old.iter().map(|o| o + rng.uniform(-0.8, 0.8) as f32).collect();
+    // Token importance weights against a rollout policy off by up to 0.8 nats, truncated at 2.
+    let is_weights = old
+        .iter()
+        .map(|o: &f32| (o - (o + rng.uniform(-0.8, 0.8) as f32)).exp().min(2.0))
+        .collect();
     Data {
         params,
         ids,
@@ -132,7 +136,7 @@ fn data(seed: u64) -> Data {
         adv,
         mask,
         reference,
-        rollout,
+        is_weights,
     }
 }
 
@@ -144,7 +148,7 @@ fn micro(d: &Data, start: usize, rows: usize) -> MicroBatchHost {
         advantages: d.adv[a..b].to_vec(),
         response_mask: d.mask[a..b].to_vec(),
         ref_log_probs: Some(d.reference[a..b].to_vec()),
-        rollout_log_probs: Some(d.rollout[a..b].to_vec()),
+        rollout_is_weights: Some(d.is_weights[a..b].to_vec()),
         norm: mini_batch_normalizer(&d.mask, L as usize),
         inputs: vec![
             HostArray::I32(d.ids[a..b].to_vec()),
@@ -224,7 +228,7 @@ fn loss_gradient(cfg: &PolicyLossConfig, d: &Data, params: &[Vec<f32>]) -> Vec<V
     let bl = [MINI, L];
     let ids = g.parameter("ids", DType::I32, &bl);
     let targets = g.parameter("targets", DType::I32, &bl);
-    let names = ["old", "adv", "mask", "ref", "rollout"];
+    let names = ["old", "adv", "mask", "ref", "is_weights"];
     let t: Vec<Tensor> = names.iter().map(|n| g.parameter(n, DType::F32, &bl)).collect();
     let (lp, ent) = tiny_policy(&[emb.clone(), out.clone()], &[ids, targets]);
     let inputs = LossInputs {
@@ -234,7 +238,7 @@ fn loss_gradient(cfg: &PolicyLossConfig, d: &Data, params: &[Vec<f32>]) -> Vec<V
         advantages: t[1].clone(),
         response_mask: t[2].clone(),
         ref_log_probs: Some(t[3].clone()),
-        rollout_log_probs: Some(t[4].clone()),
+        rollout_is_weights: Some(t[4].clone()),
         norm: Normalizer::local(&t[2]),
     };
     let loss = actor_loss(cfg, &inputs);
@@ -250,7 +254,7 @@ fn loss_gradient(cfg: &PolicyLossConfig, d: &Data, params: &[Vec<f32>]) -> Vec<V
         c.buffer_from_host(&d.adv, &bl, 0).unwrap(),
         c.buffer_from_host(&d.mask, &bl, 0).unwrap(),
         c.buffer_from_host(&d.reference, &bl, 0).unwrap(),
-        c.buffer_from_host(&d.rollout, &bl, 0).unwrap(),
+        c.buffer_from_host(&d.is_weights, &bl, 0).unwrap(),
     ];
     let args: Vec<&Buffer> = bufs.iter().collect();
     let out = program.compile(c).unwrap().execute(&args).unwrap();
@@ -439,11 +443,11 @@ fn mismatched_micro_batches_are_refused_by_name() {
     let cfg = step_cfg(loss_cfg(LossAggMode::TokenMean), Some(1.0), MINI, DType::F32);
     let l = learner(&cfg, &d, 3);
     let mut mb = micro(&d, 0, MINI as usize);
-    mb.rollout_log_probs = None;
+    mb.rollout_is_weights = None;
     let err = l.upload_micro_batch(2, &mb).err().unwrap().to_string();
     assert_eq!(
         err,
-        "micro-batch 2: rollout_log_probs is required by this configuration but was not given"
+        "micro-batch 2: rollout_is_weights is required by this configuration but was not given"
     );
     let mut mb = micro(&d, 0, MINI as usize);
     mb.inputs[1] = HostArray::I32(vec![0; 3]);

@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
 pub use trainer::config::{
     AdvantageEstimator, KlControl, KlPenalty, LossAggMode, LrSchedule, PolicyLossMode,
 };
+pub use trainer::rollout_correction::IsLevel;
 
 /// A whole recipe, as read from YAML with defaults filled in.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -168,10 +169,69 @@ pub struct AlgorithmSection {
     /// Leave truncated responses out of the loss (DAPO's overlong filtering).
     #[serde(default)]
     pub mask_truncated_responses: bool,
-    /// Truncated importance sampling: cap on the ratio of trainer to rollout probabilities;
-    /// empty disables the correction.
+    /// Importance weights and rejection sampling for the gap between the rollout's and the
+    /// learner's probabilities (VeRL's `algorithm.rollout_correction`).
     #[serde(default)]
-    pub rollout_is_threshold: Option<f64>,
+    pub rollout_correction: RolloutCorrectionSection,
+}
+
+/// `algorithm.rollout_correction`, VeRL's keys (`bypass_mode` is `actor.use_rollout_log_probs`).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RolloutCorrectionSection {
+    /// `token` or `sequence` importance weights on the policy loss; empty applies none.
+    #[serde(default)]
+    pub rollout_is: Option<IsLevel>,
+    /// Weights are truncated at this.
+    #[serde(default = "default_rollout_is_threshold")]
+    pub rollout_is_threshold: f64,
+    /// Divide the truncated weights by their batch mean.
+    #[serde(default)]
+    pub rollout_is_batch_normalize: bool,
+    /// Rejection criteria, separated by commas, all of which must pass (`token_k1`,
+    /// `seq_mean_k3`, ...); empty rejects nothing.
+    #[serde(default)]
+    pub rollout_rs: Option<String>,
+    /// One threshold for all criteria or one per criterion, separated by commas.
+    #[serde(default, deserialize_with = "number_or_text")]
+    pub rollout_rs_threshold: Option<String>,
+}
+
+impl RolloutCorrectionSection {
+    /// The trainer's [`trainer::rollout_correction::RolloutCorrection`]; recipe validation has
+    /// already parsed `rollout_rs`, so an error here is a bug.
+    pub fn correction(&self) -> trainer::rollout_correction::RolloutCorrection {
+        trainer::rollout_correction::RolloutCorrection {
+            rollout_is: self.rollout_is,
+            rollout_is_threshold: self.rollout_is_threshold,
+            rollout_is_batch_normalize: self.rollout_is_batch_normalize,
+            rollout_rs: self.rejection().expect("validated"),
+        }
+    }
+
+    /// `rollout_rs` with its thresholds, parsed.
+    pub fn rejection(&self) -> Result<Vec<trainer::rollout_correction::RsCriterion>, String> {
+        match &self.rollout_rs {
+            None => Ok(Vec::new()),
+            Some(options) => trainer::rollout_correction::parse_rejection(
+                options,
+                self.rollout_rs_threshold.as_deref().unwrap_or_default(),
+            ),
+        }
+    }
+}
+
+/// A YAML number or string, kept as its text (VeRL's `rollout_rs_threshold` is either).
+fn number_or_text<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    let v: Option<serde_yaml::Value> = Option::deserialize(d)?;
+    match v {
+        None | Some(serde_yaml::Value::Null) => Ok(None),
+        Some(serde_yaml::Value::Number(n)) => Ok(Some(n.to_string())),
+        Some(serde_yaml::Value::String(s)) => Ok(Some(s)),
+        Some(other) => Err(serde::de::Error::custom(format!(
+            "expected a number or a string such as \"0.5_2.0,0.01\", got {other:?}"
+        ))),
+    }
 }
 
 /// `actor:` the policy update.
@@ -290,8 +350,7 @@ impl ActorSection {
             kl_loss_coef: self.kl_loss_coef,
             kl_loss_type: self.kl_loss_type,
             entropy_coeff: self.entropy_coeff,
-            rollout_is_threshold: algorithm.rollout_is_threshold,
-            rollout_is_veto_threshold: None,
+            rollout_is_weights: algorithm.rollout_correction.rollout_is.is_some(),
             tau_pos: self.tau_pos,
             tau_neg: self.tau_neg,
             clip_cov_ratio: self.policy_loss.clip_cov_ratio,
@@ -880,6 +939,9 @@ fn default_kl_cov_ratio() -> f64 {
 fn default_ppo_kl_coef() -> f64 {
     loss_defaults().ppo_kl_coef
 }
+fn default_rollout_is_threshold() -> f64 {
+    trainer::rollout_correction::RolloutCorrection::default().rollout_is_threshold
+}
 fn default_gamma() -> f64 {
     trainer::config::AdvantageConfig::default().gamma
 }
@@ -975,6 +1037,7 @@ default_from_serde!(
     RolloutSection,
     ValKwargs,
     AlgorithmSection,
+    RolloutCorrectionSection,
     ActorSection,
     OptimSection,
     PolicyLossSection,

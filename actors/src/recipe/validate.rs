@@ -368,6 +368,7 @@ pub(crate) fn validate(r: &Recipe, text: &str, file: &str, overrides: &[String])
         );
     }
     check_algorithm_knobs(&mut c, r);
+    check_rollout_correction(&mut c, r);
     c.check(
         !(a.use_kl_loss && al.use_kl_in_reward),
         "actor.use_kl_loss",
@@ -857,6 +858,49 @@ fn check_cluster_launcher(c: &mut Checker<'_>, cluster: &ClusterSection) {
     }
 }
 
+/// `algorithm.rollout_correction`: its thresholds, its rejection criteria as VeRL parses them,
+/// and the keys that only matter with another one set.
+fn check_rollout_correction(c: &mut Checker, r: &Recipe) {
+    let rc = &r.algorithm.rollout_correction;
+    c.check(
+        rc.rollout_is_threshold >= 1.0 && rc.rollout_is_threshold.is_finite(),
+        "algorithm.rollout_correction.rollout_is_threshold",
+        rc.rollout_is_threshold,
+        "must be at least 1, since it caps a probability ratio",
+    );
+    c.check(
+        rc.rollout_is.is_some() || !rc.rollout_is_batch_normalize,
+        "algorithm.rollout_correction.rollout_is_batch_normalize",
+        rc.rollout_is_batch_normalize,
+        "is read only with algorithm.rollout_correction.rollout_is: token or sequence",
+    );
+    // VeRL's bypass mode recomputes weights and rejections per micro-batch against the current
+    // policy; grpo corrects once per batch against the old log-probs, which bypass makes the
+    // rollout's own, so there would be nothing to correct.
+    let corrects = rc.rollout_is.is_some() || rc.rollout_rs.is_some();
+    c.check(
+        !(corrects && r.actor.use_rollout_log_probs),
+        "actor.use_rollout_log_probs",
+        true,
+        "makes the rollout's log-probs the old log-probs, so algorithm.rollout_correction has no gap \
+         to correct: leave rollout_is and rollout_rs empty, or recompute the old log-probs (false)",
+    );
+    match (&rc.rollout_rs, &rc.rollout_rs_threshold) {
+        (None, Some(t)) => c.check(
+            false,
+            "algorithm.rollout_correction.rollout_rs_threshold",
+            t,
+            "is read only with algorithm.rollout_correction.rollout_rs",
+        ),
+        (Some(options), _) => {
+            if let Err(e) = rc.rejection() {
+                c.check(false, "algorithm.rollout_correction.rollout_rs", options, &e);
+            }
+        }
+        (None, None) => {}
+    }
+}
+
 /// The knobs of one estimator or loss set while another is chosen would silently do nothing;
 /// each is refused unless its owner is chosen (VeRL reads them only there too).
 fn check_algorithm_knobs(c: &mut Checker, r: &Recipe) {
@@ -1001,6 +1045,43 @@ mod tests {
                  runner-up: set rollout.n to 2 or more"
             ]
         );
+    }
+
+    #[test]
+    fn rollout_correction_keys_are_checked_as_verl_parses_them() {
+        assert_eq!(
+            violations(
+                "algorithm:\n  rollout_correction:\n    rollout_is_threshold: 0.5\n    rollout_is_batch_normalize: true\n    \
+                 rollout_rs: token_k1,seq_max_k1\n    rollout_rs_threshold: 2\n"
+            ),
+            [
+                "r.yaml:7:5: `algorithm.rollout_correction.rollout_is_threshold` = 0.5: must be at least 1, since it caps \
+                 a probability ratio",
+                "r.yaml:8:5: `algorithm.rollout_correction.rollout_is_batch_normalize` = true: is read only with \
+                 algorithm.rollout_correction.rollout_is: token or sequence",
+                "r.yaml:9:5: `algorithm.rollout_correction.rollout_rs` = token_k1,seq_max_k1: unknown option `seq_max_k1`; \
+                 the options are token_k1, token_k2, token_k3, seq_sum_k1, seq_sum_k2, seq_sum_k3, seq_mean_k1, \
+                 seq_mean_k2, seq_mean_k3, seq_max_k2, seq_max_k3",
+            ]
+        );
+        assert_eq!(
+            violations("algorithm:\n  rollout_correction:\n    rollout_rs_threshold: 0.1\n"),
+            [
+                "r.yaml:7:5: `algorithm.rollout_correction.rollout_rs_threshold` = 0.1: is read only with \
+              algorithm.rollout_correction.rollout_rs"
+            ]
+        );
+        assert_eq!(
+            violations("algorithm:\n  rollout_correction:\n    rollout_is: sequence\nactor:\n  use_rollout_log_probs: true\n"),
+            ["r.yaml:9:3: `actor.use_rollout_log_probs` = true: makes the rollout's log-probs the old log-probs, so \
+              algorithm.rollout_correction has no gap to correct: leave rollout_is and rollout_rs empty, or recompute \
+              the old log-probs (false)"]
+        );
+        assert!(violations(
+            "algorithm:\n  rollout_correction:\n    rollout_is: sequence\n    rollout_is_batch_normalize: true\n    \
+             rollout_rs: token_k1,seq_mean_k3\n    rollout_rs_threshold: \"0.5_2.0,0.01\"\n"
+        )
+        .is_empty());
     }
 
     #[test]

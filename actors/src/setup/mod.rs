@@ -208,6 +208,7 @@ pub fn update_config(recipe: &Recipe, total_optimizer_steps: u64) -> UpdateConfi
         filter_groups: alg.filter_groups,
         mask_truncated_responses: alg.mask_truncated_responses,
         use_rollout_log_probs: a.use_rollout_log_probs,
+        rollout_correction: alg.rollout_correction.correction(),
         length_bucket: a.length_bucket,
         max_consecutive_nonfinite: a.max_consecutive_nonfinite as u32,
     }

@@ -592,20 +592,6 @@ impl Translator {
         let o = self.origin(&format!("{r}.max_num_seqs"));
         self.b
             .set("rollout.max_num_seqs", json!(max.min(step).max(1)), o)?;
-        let rc = "algorithm.rollout_correction";
-        let is = self.get(&format!("{rc}.rollout_is"))?;
-        match is.as_str() {
-            None if is.is_null() => {}
-            Some("token") => {
-                let threshold = self.get(&format!("{rc}.rollout_is_threshold"))?;
-                let o = self.origin(&format!("{rc}.rollout_is_threshold"));
-                self.b.set("algorithm.rollout_is_threshold", threshold, o)?;
-            }
-            _ => self.unsupported.push((
-                format!("{rc}.rollout_is={}", compact(&is)),
-                "grpo's importance-sampling correction is per token (`rollout_is: token`)".into(),
-            )),
-        }
         Ok(())
     }
 

@@ -238,6 +238,43 @@ fn estimator_and_loss_knobs_follow_their_owner() {
 }
 
 #[test]
+fn rollout_correction_keys_map_one_to_one() {
+    let t = translate_with(&[
+        "algorithm.rollout_correction.rollout_is=sequence",
+        "algorithm.rollout_correction.rollout_is_threshold=3.0",
+        "algorithm.rollout_correction.rollout_is_batch_normalize=True",
+        "algorithm.rollout_correction.rollout_rs='token_k1,seq_mean_k3'",
+        "algorithm.rollout_correction.rollout_rs_threshold='0.5_2.0,0.01'",
+    ])
+    .unwrap();
+    let rc = &t.recipe.algorithm.rollout_correction;
+    assert_eq!(rc.rollout_is, Some(crate::recipe::IsLevel::Sequence));
+    assert_eq!(rc.rollout_is_threshold, 3.0);
+    assert!(rc.rollout_is_batch_normalize);
+    assert_eq!(rc.rollout_rs.as_deref(), Some("token_k1,seq_mean_k3"));
+    assert_eq!(rc.rollout_rs_threshold.as_deref(), Some("0.5_2.0,0.01"));
+    assert_eq!(rc.rejection().unwrap().len(), 2);
+    // A numeric threshold, as VeRL also takes it.
+    let t = translate_with(&[
+        "algorithm.rollout_correction.rollout_rs=seq_max_k2",
+        "algorithm.rollout_correction.rollout_rs_threshold=0.3",
+    ])
+    .unwrap();
+    assert_eq!(
+        t.recipe
+            .algorithm
+            .rollout_correction
+            .rollout_rs_threshold
+            .as_deref(),
+        Some("0.3")
+    );
+    let err = translate_with(&["algorithm.rollout_correction.loss_type=reinforce"])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("`reinforce` loss type is not in grpo"), "{err}");
+}
+
+#[test]
 fn reward_functions_and_config_files() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(

@@ -63,8 +63,9 @@ pub struct MicroBatchHost {
     pub response_mask: Vec<f32>,
     /// Reference log-probs (required with `use_kl_loss`).
     pub ref_log_probs: Option<Vec<f32>>,
-    /// Rollout log-probs (required with `rollout_is_threshold`).
-    pub rollout_log_probs: Option<Vec<f32>>,
+    /// Rollout importance weights (required with `rollout_is_weights`; see
+    /// [`crate::rollout_correction`]).
+    pub rollout_is_weights: Option<Vec<f32>>,
     /// The mini-batch normaliser, from [`mini_batch_normalizer`].
     pub norm: (f32, f32),
     /// The policy's batch inputs in [`StepLayout::batch_inputs`] order.
@@ -767,7 +768,7 @@ impl Learner {
                 "advantages" => push_bl(name, Some(&mb.advantages), &mut per_tensor)?,
                 "response_mask" => push_bl(name, Some(&mb.response_mask), &mut per_tensor)?,
                 "ref_log_probs" => push_bl(name, mb.ref_log_probs.as_ref(), &mut per_tensor)?,
-                "rollout_log_probs" => push_bl(name, mb.rollout_log_probs.as_ref(), &mut per_tensor)?,
+                "rollout_is_weights" => push_bl(name, mb.rollout_is_weights.as_ref(), &mut per_tensor)?,
                 "norm_tokens" => per_tensor.push(upload_split(
                     &self.client,
                     &[mb.norm.0],

@@ -125,7 +125,7 @@ pub struct StepLayout {
     pub num_params: usize,
     /// Names of the per-micro-batch loss inputs in argument order: `old_log_probs`,
     /// `advantages`, `response_mask`, then `ref_log_probs` (with `use_kl_loss`),
-    /// `rollout_log_probs` (with `rollout_is_threshold`), then the scalars `norm_tokens`,
+    /// `rollout_is_weights` (with `rollout_is_weights`), then the scalars `norm_tokens`,
     /// `norm_seqs`.
     pub loss_inputs: Vec<&'static str>,
     /// The policy's batch inputs, after the loss inputs.

@@ -46,7 +46,7 @@ struct LossArgs {
     adv: Tensor,
     mask: Tensor,
     reference: Option<Tensor>,
-    rollout: Option<Tensor>,
+    is_weights: Option<Tensor>,
     tokens: Tensor,
     seqs: Tensor,
 }
@@ -56,8 +56,8 @@ fn loss_input_names(cfg: &PolicyLossConfig) -> Vec<&'static str> {
     if cfg.use_kl_loss {
         names.push("ref_log_probs");
     }
-    if cfg.rollout_is_threshold.is_some() {
-        names.push("rollout_log_probs");
+    if cfg.rollout_is_weights {
+        names.push("rollout_is_weights");
     }
     names.extend(["norm_tokens", "norm_seqs"]);
     names
@@ -87,7 +87,7 @@ fn declare_loss_args(g: &Graph, cfg: &StepConfig, response_len: i64, mesh: &Lear
     let adv = rows("advantages");
     let mask = rows("response_mask");
     let reference = cfg.loss.use_kl_loss.then(|| rows("ref_log_probs"));
-    let rollout = cfg.loss.rollout_is_threshold.map(|_| rows("rollout_log_probs"));
+    let is_weights = cfg.loss.rollout_is_weights.then(|| rows("rollout_is_weights"));
     let tokens = g.parameter("norm_tokens", DType::F32, &[]);
     let seqs = g.parameter("norm_seqs", DType::F32, &[]);
     LossArgs {
@@ -95,7 +95,7 @@ fn declare_loss_args(g: &Graph, cfg: &StepConfig, response_len: i64, mesh: &Lear
         adv,
         mask,
         reference,
-        rollout,
+        is_weights,
         tokens,
         seqs,
     }
@@ -167,7 +167,7 @@ where
         advantages: args.adv.clone(),
         response_mask: args.mask.clone(),
         ref_log_probs: args.reference.clone(),
-        rollout_log_probs: args.rollout.clone(),
+        rollout_is_weights: args.is_weights.clone(),
         norm: Normalizer {
             tokens: args.tokens.clone(),
             seqs: args.seqs.clone(),
