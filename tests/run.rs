@@ -692,3 +692,74 @@ fn every_estimator_and_loss_trains_a_tiny_run() {
         }
     }
 }
+
+/// DAPO's dynamic sampling (VeRL's DAPO trainer): with many groups whose rewards all agree, a
+/// step keeps generating rounds until `data.train_batch_size` prompts with signal are in it,
+/// and trains on exactly that many; when `max_num_gen_batches` rounds are used up first, the
+/// run stops, as VeRL's does, with what to change.
+#[test]
+fn dynamic_sampling_refills_the_step_and_stops_at_its_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, train, val) = tiny_inputs(dir.path(), 64, 4);
+    let out = dir.path().join("dapo");
+    let r = tiny_recipe(dir.path(), "dapo.yaml", &model, &train, &val, &out, 3, "");
+    let args = |out: &Path, pattern: &str, limit: &str| {
+        vec![
+            "run".to_string(),
+            r.to_str().unwrap().into(),
+            "--quiet".into(),
+            "--set".into(),
+            format!("trainer.output_dir={}", out.display()),
+            "--set".into(),
+            format!("reward.scorers.starts_with_a_word.pattern={pattern}"),
+            "--set".into(),
+            "algorithm.filter_groups={enable: true, metric: seq_reward}".into(),
+            "--set".into(),
+            format!("algorithm.filter_groups.max_num_gen_batches={limit}"),
+            "--set".into(),
+            "data.gen_batch_size=2".into(),
+            "--set".into(),
+            "trainer.test_freq=-1".into(),
+            "--set".into(),
+            "trainer.val_before_train=false".into(),
+        ]
+    };
+    let run = |a: Vec<String>| run_grpo(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    let o = run(args(&out, "^[a-z]", "0"));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let m = metrics(&out);
+    let rounds = metric_series(&m, "train/num_gen_batches");
+    let generated = metric_series(&m, "batch/generated_prompts");
+    let with_signal = metric_series(&m, "batch/prompts_with_signal");
+    eprintln!("rounds {rounds:?} generated {generated:?} with signal {with_signal:?}");
+    // Every step trains on train_batch_size (4) prompts x rollout.n (4) samples, each of a group
+    // whose rewards differ, though rounds of gen_batch_size (2) prompts had fewer.
+    assert_eq!(metric_series(&m, "batch/samples"), vec![16.0; 3]);
+    assert!(rounds.iter().all(|r| *r >= 2.0), "{rounds:?}");
+    assert!(
+        generated.iter().zip(&with_signal).any(|(g, s)| s < g),
+        "no group without signal: pick another pattern ({generated:?}, {with_signal:?})"
+    );
+    assert!(with_signal.iter().all(|s| *s >= 4.0));
+    for (step, g) in &m {
+        if *step > 0 {
+            assert!(g["critic/advantages/nonzero_frac"] == 1.0, "step {step}: {g}");
+        }
+    }
+    let log = std::fs::read_to_string(out.join("prompts.jsonl")).unwrap();
+    for line in log.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        assert_eq!(v["indices"].as_array().unwrap().len(), 4, "{line}");
+        assert!(v["generated"].as_array().unwrap().len() >= 4, "{line}");
+    }
+
+    // A reward that never varies: the limit is reached and the run stops with VeRL's advice.
+    let stuck = dir.path().join("stuck");
+    let o = run(args(&stuck, "^NEVER$", "3"));
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("after 3 rounds of generation (algorithm.filter_groups.max_num_gen_batches = 3) only 0 of data.train_batch_size = 4 prompts"),
+        "{err}"
+    );
+}

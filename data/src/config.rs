@@ -51,6 +51,9 @@ pub struct DataConfig {
     pub max_response_length: usize,
     /// Prompts per training step (before `rollout.n` responses each).
     pub train_batch_size: usize,
+    /// Prompts per generation round when `algorithm.filter_groups` refills the step (DAPO's
+    /// dynamic sampling); `None` (VeRL's default) is `train_batch_size`.
+    pub gen_batch_size: Option<usize>,
     /// Prompts per validation batch; `None` (VeRL's `null`) means the whole validation set.
     pub val_batch_size: Option<usize>,
     /// Shuffle the training set each epoch.
@@ -83,6 +86,7 @@ impl Default for DataConfig {
             max_prompt_length: 512,
             max_response_length: 512,
             train_batch_size: 1024,
+            gen_batch_size: None,
             val_batch_size: None,
             shuffle: true,
             seed: 1,
@@ -111,6 +115,9 @@ impl DataConfig {
         };
         positive("max_prompt_length", self.max_prompt_length)?;
         positive("train_batch_size", self.train_batch_size)?;
+        if let Some(size) = self.gen_batch_size {
+            positive("gen_batch_size", size)?;
+        }
         if let Some(size) = self.val_batch_size {
             positive("val_batch_size", size)?;
         }

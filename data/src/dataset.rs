@@ -213,12 +213,12 @@ impl PromptDataset {
             })
     }
 
-    /// The training sampler: `data.train_batch_size`, `data.shuffle`, `data.seed`,
-    /// `data.drop_last`.
+    /// The training sampler: batches of `data.gen_batch_size` (else `data.train_batch_size`),
+    /// `data.shuffle`, `data.seed`, `data.drop_last`.
     pub fn train_sampler(&self, config: &DataConfig) -> Result<Sampler> {
         Sampler::new(
             self.len(),
-            config.train_batch_size,
+            config.gen_batch_size.unwrap_or(config.train_batch_size),
             config.shuffle,
             config.seed,
             config.drop_last,

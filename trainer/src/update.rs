@@ -12,8 +12,8 @@
 //! and `grpo compile`. [`GrpoUpdate`] owns the device learner and runs the update.
 
 use crate::advantage::{
-    apply_kl_in_reward, compute_advantages, filter_groups, mask_truncated, outcome_token_scores,
-    sequence_scores, Advantages, KlController,
+    apply_kl_in_reward, compute_advantages, mask_truncated, outcome_token_scores, sequence_scores,
+    Advantages, KlController,
 };
 use crate::bucket::{BucketedLearner, PackedMicroBatch};
 use crate::config::{AdvantageConfig, KlControl, KlPenalty};
@@ -169,9 +169,6 @@ pub struct UpdateConfig {
     pub kl_penalty: KlPenalty,
     /// `algorithm.kl_ctrl`: fixed or adaptive coefficient.
     pub kl_ctrl: KlControl,
-    /// `algorithm.filter_groups`: drop groups whose rewards all agree (DAPO's dynamic
-    /// sampling).
-    pub filter_groups: bool,
     /// `algorithm.mask_truncated_responses`: leave truncated responses out of the loss.
     pub mask_truncated_responses: bool,
     /// `actor.use_rollout_log_probs`: the rollout's log-probs are the old log-probs.
@@ -291,7 +288,7 @@ impl GrpoUpdate {
             "batch/nonfinite_samples".into(),
             (rows.len() - finite.len()) as f64,
         );
-        let keep = self.kept_rows(rows, finite)?;
+        let keep = finite;
         report
             .metrics
             .insert("batch/kept_samples".into(), keep.len() as f64);
@@ -313,20 +310,6 @@ impl GrpoUpdate {
         self.optimize(&rows, &packed, &batch, &mut report)?;
         self.log_compiles();
         Ok(report)
-    }
-
-    /// Indices of the rows the update trains on: the `finite` ones, and with `filter_groups`
-    /// only those of groups whose rewards differ (the others' advantages are 0).
-    fn kept_rows(&self, rows: &[Row], finite: Vec<usize>) -> Result<Vec<usize>> {
-        if !self.config.filter_groups {
-            return Ok(finite);
-        }
-        let groups: Vec<u64> = finite.iter().map(|&i| rows[i].group).collect();
-        let scores: Vec<f64> = finite.iter().map(|&i| rows[i].score).collect();
-        Ok(filter_groups(&scores, &groups)?
-            .into_iter()
-            .map(|k| finite[k])
-            .collect())
     }
 
     /// Log-probs of every packed micro-batch under the policy (or the reference), the real rows

@@ -163,9 +163,10 @@ pub struct AlgorithmSection {
     /// `{type: adaptive, target_kl, horizon}`.
     #[serde(default = "default_kl_ctrl")]
     pub kl_ctrl: KlControl,
-    /// Drop groups whose rewards are all equal (DAPO's dynamic sampling).
+    /// DAPO's dynamic sampling: keep only groups whose metric varies, generating more
+    /// prompts until the step is full.
     #[serde(default)]
-    pub filter_groups: bool,
+    pub filter_groups: FilterGroupsSection,
     /// Leave truncated responses out of the loss (DAPO's overlong filtering).
     #[serde(default)]
     pub mask_truncated_responses: bool,
@@ -173,6 +174,23 @@ pub struct AlgorithmSection {
     /// learner's probabilities (VeRL's `algorithm.rollout_correction`).
     #[serde(default)]
     pub rollout_correction: RolloutCorrectionSection,
+}
+
+/// `algorithm.filter_groups` (DAPO's dynamic sampling, VeRL's `FilterGroupsConfig`).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct FilterGroupsSection {
+    /// Fill each step with `data.train_batch_size` prompts whose samples' metric varies,
+    /// generating rounds of `data.gen_batch_size` prompts until it is full.
+    #[serde(default)]
+    pub enable: bool,
+    /// What must vary within a group: `seq_reward` (the reward), `seq_final_reward` (the
+    /// reward less the in-reward KL), or a named extra of the scorer (`acc`, `score`, ...).
+    #[serde(default)]
+    pub metric: Option<String>,
+    /// Rounds of generation a step may take before the run stops; 0 or less is no limit.
+    #[serde(default)]
+    pub max_num_gen_batches: i64,
 }
 
 /// `algorithm.rollout_correction`, VeRL's keys (`bypass_mode` is `actor.use_rollout_log_probs`).

@@ -369,6 +369,7 @@ pub(crate) fn validate(r: &Recipe, text: &str, file: &str, overrides: &[String])
     }
     check_algorithm_knobs(&mut c, r);
     check_rollout_correction(&mut c, r);
+    check_filter_groups(&mut c, r);
     c.check(
         !(a.use_kl_loss && al.use_kl_in_reward),
         "actor.use_kl_loss",
@@ -858,6 +859,44 @@ fn check_cluster_launcher(c: &mut Checker<'_>, cluster: &ClusterSection) {
     }
 }
 
+/// `algorithm.filter_groups` and `data.gen_batch_size`.
+fn check_filter_groups(c: &mut Checker, r: &Recipe) {
+    let fg = &r.algorithm.filter_groups;
+    if !fg.enable {
+        let off = "is read only with algorithm.filter_groups.enable: true";
+        if let Some(m) = &fg.metric {
+            c.check(false, "algorithm.filter_groups.metric", m, off);
+        }
+        c.check(
+            fg.max_num_gen_batches == 0,
+            "algorithm.filter_groups.max_num_gen_batches",
+            fg.max_num_gen_batches,
+            off,
+        );
+        if let Some(g) = r.data.gen_batch_size {
+            c.check(g == r.data.train_batch_size, "data.gen_batch_size", g, off);
+        }
+        return;
+    }
+    match fg.metric.as_deref() {
+        None => c.check(
+            false,
+            "algorithm.filter_groups.enable",
+            true,
+            "needs algorithm.filter_groups.metric: seq_reward (the reward), seq_final_reward, or \
+             a named extra of the scorer such as acc",
+        ),
+        Some("seq_final_reward") => c.check(
+            !r.algorithm.use_kl_in_reward,
+            "algorithm.filter_groups.metric",
+            "seq_final_reward",
+            "with algorithm.use_kl_in_reward the final reward is known only inside the update, \
+             after the step's samples are chosen; filter on seq_reward",
+        ),
+        Some(_) => {}
+    }
+}
+
 /// `algorithm.rollout_correction`: its thresholds, its rejection criteria as VeRL parses them,
 /// and the keys that only matter with another one set.
 fn check_rollout_correction(c: &mut Checker, r: &Recipe) {
@@ -1080,6 +1119,34 @@ mod tests {
         assert!(violations(
             "algorithm:\n  rollout_correction:\n    rollout_is: sequence\n    rollout_is_batch_normalize: true\n    \
              rollout_rs: token_k1,seq_mean_k3\n    rollout_rs_threshold: \"0.5_2.0,0.01\"\n"
+        )
+        .is_empty());
+    }
+
+    #[test]
+    fn filter_groups_needs_a_metric_and_owns_its_keys() {
+        assert_eq!(
+            violations("algorithm:\n  filter_groups:\n    metric: acc\n    max_num_gen_batches: 4\n"),
+            [
+                "r.yaml:7:5: `algorithm.filter_groups.metric` = acc: is read only with algorithm.filter_groups.enable: true",
+                "r.yaml:8:5: `algorithm.filter_groups.max_num_gen_batches` = 4: is read only with \
+                 algorithm.filter_groups.enable: true",
+            ]
+        );
+        assert_eq!(
+            violations("algorithm:\n  filter_groups:\n    enable: true\n"),
+            ["r.yaml:7:5: `algorithm.filter_groups.enable` = true: needs algorithm.filter_groups.metric: seq_reward \
+              (the reward), seq_final_reward, or a named extra of the scorer such as acc"]
+        );
+        assert_eq!(
+            violations(
+                "algorithm:\n  use_kl_in_reward: true\n  filter_groups:\n    enable: true\n    metric: seq_final_reward\n"
+            ),
+            ["r.yaml:9:5: `algorithm.filter_groups.metric` = seq_final_reward: with algorithm.use_kl_in_reward the \
+              final reward is known only inside the update, after the step's samples are chosen; filter on seq_reward"]
+        );
+        assert!(violations(
+            "algorithm:\n  filter_groups: {enable: true, metric: acc, max_num_gen_batches: 10}\n"
         )
         .is_empty());
     }

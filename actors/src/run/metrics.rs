@@ -48,6 +48,11 @@ pub(crate) fn step_metrics(o: &StepOutcome, step: u64, limits: MetricLimits) -> 
     let scores: Vec<f64> = g.scored.iter().map(|s| s.score.score).collect();
     let samples = scores.len().max(1) as f64;
     m.insert("batch/samples".into(), scores.len() as f64);
+    if let Some(d) = &o.sampling {
+        m.insert("train/num_gen_batches".into(), d.rounds as f64);
+        m.insert("batch/generated_prompts".into(), d.generated_prompts as f64);
+        m.insert("batch/prompts_with_signal".into(), d.prompts_with_signal as f64);
+    }
     mean_max_min(&mut m, "critic/score", &scores);
     m.insert("critic/score/std".into(), mean_std(&scores).1);
     let errors = g.scored.iter().filter(|s| s.score.error.is_some()).count();

@@ -1,6 +1,8 @@
 //! One training step: prompts -> samples with rewards -> the update -> the new weights to the
 //! rollout workers. With `trainer.off_policy_steps: 1` the next step's samples are generated
-//! (by the weights before this update) while this step updates.
+//! (by the weights before this update) while this step updates. With
+//! `algorithm.filter_groups` a step generates rounds of prompts until it holds
+//! `data.train_batch_size` prompts whose samples differ (DAPO's dynamic sampling).
 
 use super::assembly::{Assembly, LearnerHandle};
 use super::metrics::Progress;
@@ -32,6 +34,20 @@ pub(crate) struct StepOutcome {
     /// The sampler's position for the next step's batch (before any prefetch), which a
     /// checkpoint after this step resumes from.
     pub sampler: data::SamplerState,
+    /// What dynamic sampling took, with `algorithm.filter_groups`.
+    pub sampling: Option<DynamicSampling>,
+}
+
+/// The rounds of one step's dynamic sampling (DAPO; VeRL's `train/num_gen_batches`).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct DynamicSampling {
+    /// Rounds of `data.gen_batch_size` prompts generated.
+    pub rounds: u64,
+    /// Prompts generated over the rounds.
+    pub generated_prompts: usize,
+    /// Of those, prompts whose samples' metric differs (before the step is cut to
+    /// `data.train_batch_size`).
+    pub prompts_with_signal: usize,
 }
 
 /// Runs the steps of a run in order.
@@ -68,14 +84,21 @@ impl StepRunner<'_> {
         let off_policy = self.recipe.trainer.off_policy_steps > 0;
         // 1-3: prompts -> samples -> rewards.
         progress.phase("generating");
-        let generated = match self.ready.take() {
+        let mut generated = match self.ready.take() {
             Some(g) => g,
             None => self.generate(step).await?,
         };
-        append_line(
-            &self.prompts_log,
-            &serde_json::json!({"step": step, "epoch": generated.epoch, "indices": generated.indices}),
-        )?;
+        let mut line =
+            serde_json::json!({"step": step, "epoch": generated.epoch, "indices": generated.indices});
+        let sampling = if self.recipe.algorithm.filter_groups.enable {
+            let (kept, sampling, all) = self.fill_with_signal(step, generated).await?;
+            generated = kept;
+            line = serde_json::json!({"step": step, "epoch": generated.epoch, "indices": generated.indices, "generated": all});
+            Some(sampling)
+        } else {
+            None
+        };
+        append_line(&self.prompts_log, &line)?;
         // A checkpoint after this step resumes with the next batch drawn again.
         let sampler = self.sampler.state();
         let prefetch = if off_policy && step < self.total_steps {
@@ -131,26 +154,165 @@ impl StepRunner<'_> {
             failures_total: self.assembly.fleet.failures(),
             replaced_total: self.assembly.fleet.replaced(),
             sampler,
+            sampling,
         })
+    }
+
+    /// DAPO's dynamic sampling, as VeRL's DAPO trainer does it: keeps the prompts of `first`
+    /// whose samples' `algorithm.filter_groups.metric` differs (a prompt with one sample is
+    /// kept), generates further rounds of `data.gen_batch_size` prompts until
+    /// `data.train_batch_size` are kept, and trains on the first that many. After
+    /// `max_num_gen_batches` rounds (when positive) without a full step the run stops, as
+    /// VeRL's does, with what to change. Returns the kept samples, the rounds' counts and the
+    /// dataset rows of every prompt generated.
+    async fn fill_with_signal(
+        &mut self,
+        step: u64,
+        first: Generated,
+    ) -> Result<(Generated, DynamicSampling, Vec<u64>), RunError> {
+        let fg = &self.recipe.algorithm.filter_groups;
+        let metric = fg.metric.clone().unwrap_or_default();
+        let target = self.recipe.data.train_batch_size;
+        let mut kept = Generated {
+            scored: Vec::new(),
+            indices: Vec::new(),
+            ..first
+        };
+        let mut stats = DynamicSampling::default();
+        let mut all = Vec::new();
+        let mut round = first;
+        loop {
+            stats.rounds += 1;
+            stats.generated_prompts += round.indices.len();
+            all.extend_from_slice(&round.indices);
+            let prompts = prompts_with_signal(&round, &metric)?;
+            stats.prompts_with_signal += prompts.len();
+            let by_prompt = group_by_prompt(std::mem::take(&mut round.scored));
+            for (k, samples) in by_prompt.into_iter().enumerate() {
+                if prompts.contains(&k) && kept.indices.len() < target {
+                    kept.indices.push(round.indices[k]);
+                    kept.scored.extend(samples);
+                }
+            }
+            kept.epoch = round.epoch;
+            if stats.rounds > 1 {
+                kept.gen_s += round.gen_s;
+                kept.reward_tail_s += round.reward_tail_s;
+                kept.rollout_failures += round.rollout_failures;
+                kept.reward_failures += round.reward_failures;
+                kept.reissued += round.reissued;
+            }
+            if kept.indices.len() >= target {
+                return Ok((kept, stats, all));
+            }
+            let limit = fg.max_num_gen_batches;
+            if limit > 0 && stats.rounds >= limit as u64 {
+                return Err(RunError::Other(format!(
+                    "step {step}: after {} rounds of generation (algorithm.filter_groups.max_num_gen_batches = {limit}) \
+                     only {} of data.train_batch_size = {target} prompts had samples whose {metric} differs; \
+                     the data may be too hard or too easy for the model. Check the rewards, raise \
+                     max_num_gen_batches, or set it to 0 for no limit (VeRL stops here too)",
+                    stats.rounds,
+                    kept.indices.len()
+                )));
+            }
+            let (prompts, epoch) = self.next_prompts_round(step, stats.rounds)?;
+            round = generate(self.assembly.fleet.clone(), prompts, epoch).await?;
+        }
     }
 
     /// The next batch of training prompts, as step `step`'s requests, and its epoch.
     fn next_prompts(&mut self, step: u64) -> Result<(super::prompts::StepPrompts, u64), RunError> {
+        self.next_prompts_round(step, 0)
+    }
+
+    /// The same for round `round` of the step's dynamic sampling: its request ids follow the
+    /// earlier rounds', so every round's samples draw their own random streams.
+    fn next_prompts_round(
+        &mut self,
+        step: u64,
+        round: u64,
+    ) -> Result<(super::prompts::StepPrompts, u64), RunError> {
         let batch = self.sampler.next_batch();
+        let first = round as usize * self.sampler_batch_size();
         let prompts = build_prompts(
             self.recipe,
             self.prepared,
             &self.prepared.train,
             &batch.positions,
-            |i| request_id(step, i),
+            |i| request_id(step, first + i),
             false,
         )?;
         Ok((prompts, batch.epoch))
     }
 
+    /// Prompts per sampler batch (`data.gen_batch_size`, else `data.train_batch_size`).
+    fn sampler_batch_size(&self) -> usize {
+        let d = &self.recipe.data;
+        d.gen_batch_size.unwrap_or(d.train_batch_size)
+    }
+
     async fn generate(&mut self, step: u64) -> Result<Generated, RunError> {
         let (prompts, epoch) = self.next_prompts(step)?;
         generate(self.assembly.fleet.clone(), prompts, epoch).await
+    }
+}
+
+/// A round's samples per prompt, in request order (the samples of a request are adjacent and
+/// requests are in id order, which is their order in the round).
+fn group_by_prompt(scored: Vec<super::fleet::Scored>) -> Vec<Vec<super::fleet::Scored>> {
+    let mut out: Vec<Vec<super::fleet::Scored>> = Vec::new();
+    for s in scored {
+        match out.last_mut() {
+            Some(g) if g[0].sample.request_id == s.sample.request_id => g.push(s),
+            _ => out.push(vec![s]),
+        }
+    }
+    out
+}
+
+/// The positions (in request order) of a round's prompts whose samples' `metric` is not all
+/// equal, or that have one sample (DAPO keeps those).
+fn prompts_with_signal(round: &Generated, metric: &str) -> Result<Vec<usize>, RunError> {
+    let mut values = Vec::with_capacity(round.scored.len());
+    let mut prompt_of = Vec::with_capacity(round.scored.len());
+    let mut k = 0usize;
+    for (i, s) in round.scored.iter().enumerate() {
+        if i > 0 && round.scored[i - 1].sample.request_id != s.sample.request_id {
+            k += 1;
+        }
+        values.push(filter_metric(s, metric)?);
+        prompt_of.push(k);
+    }
+    let keep = trainer::advantage::filter_groups(&values, &prompt_of)
+        .map_err(|e| RunError::Other(format!("algorithm.filter_groups: {e}")))?;
+    let mut prompts: Vec<usize> = keep.into_iter().map(|i| prompt_of[i]).collect();
+    prompts.dedup();
+    Ok(prompts)
+}
+
+/// A sample's value of `algorithm.filter_groups.metric`: the reward for `seq_reward` and
+/// `seq_final_reward` (the same without a KL in the reward, which validation requires), else
+/// the scorer's extra of that name (`score` is the reward where the scorer reports none). A
+/// sample whose scorer failed counts with its reward, 0.
+fn filter_metric(s: &super::fleet::Scored, metric: &str) -> Result<f64, RunError> {
+    let score = &s.score;
+    match metric {
+        "seq_reward" | "seq_final_reward" => Ok(score.score),
+        name => match score.extras.get(name) {
+            Some(v) => Ok(*v),
+            None if name == "score" || score.error.is_some() => Ok(score.score),
+            None => Err(RunError::Other(format!(
+                "algorithm.filter_groups.metric = {name}: the scorer reports no `{name}` for request {} \
+                 (its extras: {}); use seq_reward, or a name it reports",
+                s.sample.request_id,
+                if score.extras.is_empty() {
+                    "none".to_string()
+                } else {
+                    score.extras.keys().cloned().collect::<Vec<_>>().join(", ")
+                }
+            ))),
+        },
     }
 }
 

@@ -205,7 +205,6 @@ pub fn update_config(recipe: &Recipe, total_optimizer_steps: u64) -> UpdateConfi
         kl_coef: alg.kl_coef,
         kl_penalty: alg.kl_penalty,
         kl_ctrl: alg.kl_ctrl,
-        filter_groups: alg.filter_groups,
         mask_truncated_responses: alg.mask_truncated_responses,
         use_rollout_log_probs: a.use_rollout_log_probs,
         rollout_correction: alg.rollout_correction.correction(),
