@@ -650,6 +650,8 @@ fn every_estimator_and_loss_trains_a_tiny_run() {
         ("gpg", "kl_cov", "actor.policy_loss.kl_cov_ratio=0.2"),
         ("grpo_passk", "geo_mean", "actor.clip_ratio_high=0.28"),
         ("rloo", "cispo", "actor.clip_ratio_high=0.28"),
+        // ReMax's greedy baseline responses are generated and scored but not trained on.
+        ("remax", "vanilla", "actor.loss_agg_mode=token-mean"),
     ];
     for (estimator, loss, extra) in pairs {
         let out = dir.path().join(format!("{estimator}-{loss}"));
@@ -690,6 +692,11 @@ fn every_estimator_and_loss_trains_a_tiny_run() {
                 "{estimator} + {loss}: {key} = {v:?}"
             );
         }
+        assert_eq!(
+            metric_series(&m, "batch/samples"),
+            vec![16.0; 2],
+            "{estimator} + {loss}: 4 prompts x rollout.n = 4"
+        );
     }
 }
 

@@ -293,6 +293,45 @@ pub fn reinforce_plus_plus_baseline_advantage<K: Eq + Hash>(
     Ok(adv)
 }
 
+/// ReMax's advantage, VeRL `compute_remax_outcome_advantage` (core_algos.py;
+/// arXiv:2310.10505): the return to go less the reward `b` of the prompt's greedy response,
+///
+/// `G_t = sum_{s >= t} r_s m_s`, `A_t = G_t - b m_t`.
+///
+/// Returns `(advantages, returns)`, row-major `[batch, response_len]`.
+pub fn remax_advantage(
+    token_level_rewards: &[f32],
+    response_mask: &[f32],
+    response_len: usize,
+    reward_baselines: &[f64],
+) -> Result<(Vec<f64>, Vec<f64>)> {
+    check_len(
+        "response mask",
+        token_level_rewards.len(),
+        response_mask.len(),
+        "token",
+    )?;
+    check_len(
+        "reward baselines",
+        token_level_rewards.len() / response_len.max(1),
+        reward_baselines.len(),
+        "sample",
+    )?;
+    let l = response_len.max(1);
+    let mut returns = vec![0.0f64; token_level_rewards.len()];
+    let mut adv = vec![0.0f64; token_level_rewards.len()];
+    for (b, baseline) in reward_baselines.iter().enumerate() {
+        let mut running = 0.0;
+        for t in (b * l..(b + 1) * l).rev() {
+            let m = response_mask[t] as f64;
+            running += token_level_rewards[t] as f64 * m;
+            returns[t] = running;
+            adv[t] = running - baseline * m;
+        }
+    }
+    Ok((adv, returns))
+}
+
 /// A batch's advantages and returns, row-major `[batch, response_len]`, 0 on padding.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Advantages {
@@ -305,13 +344,15 @@ pub struct Advantages {
 /// The advantages of the configured estimator (one `match`), as VeRL's `compute_advantage`
 /// (ray_trainer.py) calls it: from the token-level rewards (the outcome reward on each
 /// response's last token, less any in-reward KL), the response mask and each sample's group
-/// (the prompt it answers).
+/// (the prompt it answers); `remax` also needs each sample's reward baseline, the reward of its
+/// prompt's greedy response.
 pub fn compute_advantages<K: Eq + Hash>(
     cfg: &AdvantageConfig,
     token_level_rewards: &[f32],
     response_mask: &[f32],
     response_len: usize,
     group_ids: &[K],
+    reward_baselines: Option<&[f64]>,
 ) -> Result<Advantages> {
     check_len(
         "response mask",
@@ -345,6 +386,16 @@ pub fn compute_advantages<K: Eq + Hash>(
         AdvantageEstimator::ReinforcePlusPlus => {
             let (advantages, returns) =
                 reinforce_plus_plus_advantage(token_level_rewards, response_mask, response_len, cfg.gamma)?;
+            return Ok(Advantages { advantages, returns });
+        }
+        AdvantageEstimator::Remax => {
+            let baselines = reward_baselines.ok_or_else(|| TrainerError::Config {
+                key: "algorithm.adv_estimator",
+                value: "remax".into(),
+                message: "needs each sample's greedy reward baseline, which this batch lacks".into(),
+            })?;
+            let (advantages, returns) =
+                remax_advantage(token_level_rewards, response_mask, response_len, baselines)?;
             return Ok(Advantages { advantages, returns });
         }
         AdvantageEstimator::ReinforcePlusPlusBaseline => {
@@ -607,8 +658,15 @@ mod tests {
             estimator: AdvantageEstimator::Rloo,
             ..Default::default()
         };
-        let adv =
-            compute_advantages(&cfg, &[1.0, 0.0, 5.0, 2.0], &[1.0; 4], 1, &["a", "a", "b", "a"]).unwrap();
+        let adv = compute_advantages(
+            &cfg,
+            &[1.0, 0.0, 5.0, 2.0],
+            &[1.0; 4],
+            1,
+            &["a", "a", "b", "a"],
+            None,
+        )
+        .unwrap();
         close(&adv.advantages, &[0.0, -1.5, 5.0, 1.5], 1e-12);
         assert_eq!(adv.returns, adv.advantages);
         let adv = rloo_outcome_advantage(&[4.0, 4.0], &[1, 1]).unwrap();
@@ -629,7 +687,7 @@ mod tests {
             estimator: AdvantageEstimator::ReinforcePlusPlus,
             ..Default::default()
         };
-        let adv = compute_advantages(&cfg, &[2.0, 0.0], &[1.0, 0.0], 2, &[1]).unwrap();
+        let adv = compute_advantages(&cfg, &[2.0, 0.0], &[1.0, 0.0], 2, &[1], None).unwrap();
         assert_eq!(adv.advantages, vec![0.0, 0.0]);
         assert_eq!(adv.returns, vec![2.0, 0.0]);
         // GPG: all rewards zero leaves alpha = B / 1.

@@ -45,6 +45,10 @@ pub enum AdvantageEstimator {
     /// `compute_reinforce_plus_plus_baseline_outcome_advantage`).
     #[serde(rename = "reinforce_plus_plus_baseline")]
     ReinforcePlusPlusBaseline,
+    /// Token returns less the reward of the prompt's greedy response (VeRL
+    /// `compute_remax_outcome_advantage`); the run generates that response.
+    #[serde(rename = "remax")]
+    Remax,
 }
 
 /// The advantage side of VeRL's `algorithm.*` keys.

@@ -37,6 +37,9 @@ pub struct Row {
     pub rollout_log_probs: Vec<f32>,
     /// The outcome reward.
     pub score: f64,
+    /// ReMax's baseline (`algorithm.adv_estimator: remax`): the reward of the prompt's greedy
+    /// response, which the run generates beside the samples.
+    pub reward_baseline: Option<f64>,
     /// Stopped by the length limit rather than a stop token.
     pub truncated: bool,
 }
@@ -401,7 +404,15 @@ impl GrpoUpdate {
         }
         // VeRL applies the rejection after the KL in the reward, before the advantages.
         let response_mask = corrected.response_mask;
-        let adv = compute_advantages(&self.config.advantage, &token_scores, &response_mask, l, &groups)?;
+        let baselines: Option<Vec<f64>> = rows.iter().map(|x| x.reward_baseline).collect();
+        let adv = compute_advantages(
+            &self.config.advantage,
+            &token_scores,
+            &response_mask,
+            l,
+            &groups,
+            baselines.as_deref(),
+        )?;
         add_critic_metrics(m, &sequence_scores(&token_scores, l), &adv, &response_mask);
         let mut loss_mask = response_mask;
         if self.config.mask_truncated_responses {
@@ -621,6 +632,7 @@ mod tests {
             response: vec![2, 3],
             rollout_log_probs: vec![-0.5, lp],
             score,
+            reward_baseline: None,
             truncated: false,
         };
         let rows = [

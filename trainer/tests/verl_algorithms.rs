@@ -59,7 +59,8 @@ fn every_estimator_matches_verls() {
             .map(|x| x.as_u64().unwrap())
             .collect();
         let l = mask.len() / index.len();
-        let got = compute_advantages(&cfg, &rewards, &mask, l, &index).unwrap();
+        let baselines = (!case["reward_baselines"].is_null()).then(|| floats(&case["reward_baselines"]));
+        let got = compute_advantages(&cfg, &rewards, &mask, l, &index, baselines.as_deref()).unwrap();
         let what = format!("case {k} ({})", case["estimator"]);
         assert_close(
             &format!("{what} advantages"),
@@ -81,6 +82,7 @@ fn every_estimator_matches_verls() {
         "opo",
         "reinforce_plus_plus",
         "reinforce_plus_plus_baseline",
+        "remax",
         "rloo",
     ];
     assert_eq!(seen.into_iter().collect::<Vec<_>>(), want);

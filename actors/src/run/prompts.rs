@@ -5,9 +5,10 @@
 use super::fleet::{Fleet, PromptMeta, Scored};
 use super::RunError;
 use crate::prepare::Prepared;
+use crate::recipe::AdvantageEstimator;
 use crate::recipe::Recipe;
 use crate::setup;
-use rollout::GenerationRequest;
+use rollout::{GenerationRequest, SamplingParams};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -18,6 +19,9 @@ pub(crate) fn request_id(step: u64, i: usize) -> u64 {
 
 /// Validation requests set bit 62: row `r` at step `s` is `VALIDATION_ID | s << 24 | r`.
 pub(crate) const VALIDATION_ID: u64 = 1 << 62;
+
+/// ReMax's greedy baseline request of training prompt `id` is `id | REMAX_BASELINE`.
+pub(crate) const REMAX_BASELINE: u64 = 1 << 61;
 
 /// The seed of a request: a mix of the run's seed and the request id (SplitMix64), so every
 /// prompt's samples are reproducible wherever and whenever they are generated.
@@ -38,7 +42,9 @@ pub(crate) struct StepPrompts {
 
 /// The requests for the rows at `positions` of `dataset`: `rollout.n` samples each with the
 /// training sampling settings, or `rollout.val_kwargs` with `validation`; request `i`'s id is
-/// `id_base(i)`.
+/// `id_base(i)`. For training with `algorithm.adv_estimator: remax` each prompt also gets one
+/// greedy request, `id_base(i) | REMAX_BASELINE`, whose reward is the samples' baseline (VeRL
+/// generates it with `do_sample=False`).
 pub(crate) fn build_prompts(
     recipe: &Recipe,
     prepared: &Prepared,
@@ -54,6 +60,7 @@ pub(crate) fn build_prompts(
         recipe.rollout.n
     };
     let params = setup::sampling_params(recipe, validation);
+    let remax = !validation && recipe.algorithm.adv_estimator == AdvantageEstimator::Remax;
     let mut out = StepPrompts {
         requests: Vec::with_capacity(examples.len()),
         metas: HashMap::new(),
@@ -62,6 +69,24 @@ pub(crate) fn build_prompts(
     for (i, ex) in examples.iter().enumerate() {
         let prompt = dataset.encode_prompt(ex, &prepared.tokenizer)?;
         let id = id_base(i);
+        let meta = PromptMeta {
+            data_source: ex.data_source.clone().unwrap_or_default(),
+            ground_truth: ex.ground_truth_text().unwrap_or_default(),
+            extra: serde_json::Value::Object(ex.columns.clone()),
+        };
+        if remax {
+            out.requests.push(GenerationRequest {
+                id: id | REMAX_BASELINE,
+                prompt: prompt.clone(),
+                n: 1,
+                seed: request_seed(recipe.trainer.seed, id | REMAX_BASELINE),
+                params: SamplingParams {
+                    temperature: 0.0,
+                    ..params.clone()
+                },
+            });
+            out.metas.insert(id | REMAX_BASELINE, meta.clone());
+        }
         out.requests.push(GenerationRequest {
             id,
             prompt,
@@ -69,14 +94,7 @@ pub(crate) fn build_prompts(
             seed: request_seed(recipe.trainer.seed, id),
             params: params.clone(),
         });
-        out.metas.insert(
-            id,
-            PromptMeta {
-                data_source: ex.data_source.clone().unwrap_or_default(),
-                ground_truth: ex.ground_truth_text().unwrap_or_default(),
-                extra: serde_json::Value::Object(ex.columns.clone()),
-            },
-        );
+        out.metas.insert(id, meta);
         out.indices.push(ex.index);
     }
     Ok(out)
@@ -94,6 +112,8 @@ pub(crate) struct Generated {
     pub rollout_failures: usize,
     pub reward_failures: usize,
     pub reissued: usize,
+    /// ReMax's baselines: each training request's greedy reward, by request id.
+    pub baselines: HashMap<u64, f64>,
 }
 
 /// Generates and scores a training step's prompts over the fleet.
@@ -103,8 +123,16 @@ pub(crate) async fn generate(
     epoch: u64,
 ) -> Result<Generated, RunError> {
     let outcome = fleet.generate_and_score(prompts.requests, prompts.metas).await?;
+    let (greedy, scored): (Vec<Scored>, Vec<Scored>) = outcome
+        .scored
+        .into_iter()
+        .partition(|s| s.sample.request_id & REMAX_BASELINE != 0);
     Ok(Generated {
-        scored: outcome.scored,
+        baselines: greedy
+            .iter()
+            .map(|s| (s.sample.request_id & !REMAX_BASELINE, s.score.score))
+            .collect(),
+        scored,
         indices: prompts.indices,
         epoch,
         gen_s: outcome.gen_s,

@@ -114,7 +114,11 @@ impl StepRunner<'_> {
 
         // 4: the update.
         progress.phase("updating");
-        let rows = generated.scored.iter().map(row).collect();
+        let rows = generated
+            .scored
+            .iter()
+            .map(|s| row(s, generated.baselines.get(&s.sample.request_id).copied()))
+            .collect();
         let t = Instant::now();
         let report = self
             .assembly
@@ -176,6 +180,7 @@ impl StepRunner<'_> {
         let mut kept = Generated {
             scored: Vec::new(),
             indices: Vec::new(),
+            baselines: Default::default(),
             ..first
         };
         let mut stats = DynamicSampling::default();
@@ -195,6 +200,7 @@ impl StepRunner<'_> {
                 }
             }
             kept.epoch = round.epoch;
+            kept.baselines.extend(round.baselines.drain());
             if stats.rounds > 1 {
                 kept.gen_s += round.gen_s;
                 kept.reward_tail_s += round.reward_tail_s;
@@ -316,14 +322,15 @@ fn filter_metric(s: &super::fleet::Scored, metric: &str) -> Result<f64, RunError
     }
 }
 
-/// A scored sample as the learner's row.
-fn row(s: &super::fleet::Scored) -> Row {
+/// A scored sample as the learner's row, with its ReMax baseline when the run has one.
+fn row(s: &super::fleet::Scored, reward_baseline: Option<f64>) -> Row {
     Row {
         group: s.sample.request_id,
         prompt: s.sample.prompt_ids.clone(),
         response: s.sample.response_ids.clone(),
         rollout_log_probs: s.sample.logprobs.clone(),
         score: s.score.score,
+        reward_baseline,
         truncated: matches!(
             s.sample.finish_reason,
             FinishReason::MaxNewTokens | FinishReason::MaxModelLen

@@ -314,6 +314,7 @@ pub(crate) fn row_to_proto(r: &Row) -> proto::LearnerRow {
         rollout_log_probs: r.rollout_log_probs.clone(),
         score: r.score,
         truncated: r.truncated,
+        reward_baseline: r.reward_baseline,
     }
 }
 
@@ -324,6 +325,7 @@ pub(crate) fn row_from_proto(r: proto::LearnerRow) -> Row {
         response: r.response,
         rollout_log_probs: r.rollout_log_probs,
         score: r.score,
+        reward_baseline: r.reward_baseline,
         truncated: r.truncated,
     }
 }
@@ -598,6 +600,7 @@ mod tests {
             response: vec![7, 8],
             rollout_log_probs: vec![-0.25, -1.5],
             score: 0.75,
+            reward_baseline: Some(0.5),
             truncated: true,
         };
         assert_eq!(
