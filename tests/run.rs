@@ -770,3 +770,72 @@ fn dynamic_sampling_refills_the_step_and_stops_at_its_limit() {
         "{err}"
     );
 }
+
+/// A resume compares the recipe with the one the checkpoint holds: a change to what the run
+/// trains is refused with each key's old and new value (unless allowed, then a warning), while
+/// run-control and layout keys may change.
+#[test]
+fn a_resume_with_a_changed_recipe_follows_the_stated_rule() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, train, val) = tiny_inputs(dir.path(), 64, 4);
+    let out = dir.path().join("out");
+    let r = tiny_recipe(dir.path(), "r.yaml", &model, &train, &val, &out, 2, "");
+    let run = |extra: &[&str]| {
+        let mut args = vec!["run", r.to_str().unwrap(), "--quiet"];
+        args.extend_from_slice(extra);
+        run_grpo(&args)
+    };
+    let o = run(&[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+
+    // What the run trains changed: refused, nothing written.
+    let o = run(&[
+        "--set",
+        "trainer.total_training_steps=3",
+        "--set",
+        "actor.optim.lr=2.0e-3",
+        "--set",
+        "rollout.temperature=0.7",
+    ]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("the recipe differs from the one the checkpoint was saved under, in keys that change what the run trains:\n  actor.optim.lr: 0.001 -> 0.002\n  rollout.temperature: 1.0 -> 0.7"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("total_training_steps: 2 -> 3"),
+        "run-control keys are not refused: {err}"
+    );
+    assert_eq!(metrics(&out).keys().copied().collect::<Vec<_>>(), vec![0, 1, 2]);
+
+    // Run-control and layout keys may change: the run goes on to step 3.
+    let o = run(&[
+        "--set",
+        "trainer.total_training_steps=3",
+        "--set",
+        "actor.ppo_micro_batch_size=2",
+        "--set",
+        "trainer.test_freq=-1",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        metrics(&out).keys().copied().collect::<Vec<_>>(),
+        vec![0, 1, 2, 3]
+    );
+
+    // Allowed: continues with the new learning rate, and says so.
+    let o = run(&[
+        "--set",
+        "trainer.total_training_steps=4",
+        "--set",
+        "actor.optim.lr=2.0e-3",
+        "--set",
+        "trainer.allow_recipe_change_on_resume=true",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("actor.optim.lr: 0.001 -> 0.002"), "{err}");
+    let lr = metrics(&out)[&4]["actor/lr"].as_f64().unwrap();
+    assert!((lr - 2.0e-3).abs() < 1e-9, "{lr}");
+}

@@ -554,6 +554,10 @@ pub struct TrainerSection {
     /// continues from; it may belong to another run's output.
     #[serde(default)]
     pub resume_from_path: Option<String>,
+    /// Resume even when the recipe changed keys that change what the run trains (listed in a
+    /// warning); otherwise such a resume is refused (see `run::checkpoint`).
+    #[serde(default)]
+    pub allow_recipe_change_on_resume: bool,
     /// Validate once (before training, or at the resumed checkpoint) and stop.
     #[serde(default)]
     pub val_only: bool,

@@ -14,6 +14,50 @@ use trainer::update::UpdateClocks;
 /// coefficient.
 const OPTIMIZER_STEPS_KEY: &str = "optimizer_steps";
 const KL_COEF_KEY: &str = "kl_coef";
+/// The key under which a checkpoint records the recipe it was saved under (defaults resolved).
+const RECIPE_KEY: &str = "recipe";
+
+/// The recipe keys (or sections, by prefix) a resume may change: they decide how long the run
+/// goes, where its workers run, what it validates and logs, or lay out the same computation
+/// differently (equal up to rounding). Any other change would make the resumed run another
+/// run than the one checkpointed.
+const RESUME_MAY_CHANGE: &[&str] = &[
+    "trainer.total_epochs",
+    "trainer.total_training_steps",
+    "trainer.save_freq",
+    "trainer.test_freq",
+    "trainer.val_before_train",
+    "trainer.max_checkpoints_to_keep",
+    "trainer.resume_mode",
+    "trainer.resume_from_path",
+    "trainer.allow_recipe_change_on_resume",
+    "trainer.val_only",
+    "trainer.output_dir",
+    "trainer.log_val_generations",
+    "trainer.logger",
+    "trainer.project_name",
+    "trainer.experiment_name",
+    "cluster",
+    "data.val_files",
+    "data.val_batch_size",
+    "data.validation_shuffle",
+    "data.val_max_samples",
+    "rollout.val_kwargs",
+    "reward.num_workers",
+    "reward.time_limit_s",
+    "reward.log_first_errors",
+    "reward.custom_reward_function.workers",
+    "reward.custom_reward_function.timeout_s",
+    "actor.strategy",
+    "actor.mesh",
+    "actor.tensor_model_parallel_size",
+    "actor.ppo_micro_batch_size",
+    "actor.length_bucket",
+    "actor.max_consecutive_nonfinite",
+    "rollout.max_num_seqs",
+    "rollout.tensor_model_parallel_size",
+    "model.enable_gradient_checkpointing",
+];
 
 /// The point a run starts from.
 pub(crate) struct Start {
@@ -46,6 +90,13 @@ pub(crate) fn resume(
     let start = match checkpoint {
         Some(dir) => {
             let ck = load_checkpoint(&dir)?;
+            match ck.state.extra.get(RECIPE_KEY) {
+                Some(saved) => check_recipe_change(saved, recipe, &dir)?,
+                None => tracing::info!(
+                    "{} holds no recipe (saved by an older grpo): the recipe is not compared",
+                    dir.display()
+                ),
+            }
             let state = LearnerState::from_checkpoint(&ck, specs)?;
             let position: data::SamplerState = serde_json::from_value(ck.state.sampler_position.clone())
                 .map_err(|e| RunError::Other(format!("{}: bad sampler position: {e}", dir.display())))?;
@@ -85,6 +136,89 @@ pub(crate) fn resume(
         }
     }
     Ok(start)
+}
+
+/// The rule of a resume with a changed recipe: changes to [`RESUME_MAY_CHANGE`] keys are listed
+/// in a note; any other change is refused, naming each key with its old and new value, unless
+/// `trainer.allow_recipe_change_on_resume` (then a warning lists them).
+fn check_recipe_change(saved: &serde_json::Value, recipe: &Recipe, dir: &Path) -> Result<(), RunError> {
+    let now = serde_json::to_value(recipe).map_err(|e| RunError::Other(e.to_string()))?;
+    let (mut old, mut new) = (Vec::new(), Vec::new());
+    leaves(saved, "", &mut old);
+    leaves(&now, "", &mut new);
+    let old: std::collections::BTreeMap<String, serde_json::Value> = old.into_iter().collect();
+    let new: std::collections::BTreeMap<String, serde_json::Value> = new.into_iter().collect();
+    let absent = serde_json::Value::String("(absent)".into());
+    let mut free = Vec::new();
+    let mut binding = Vec::new();
+    for key in old.keys().chain(new.keys().filter(|k| !old.contains_key(*k))) {
+        let (a, b) = (old.get(key).unwrap_or(&absent), new.get(key).unwrap_or(&absent));
+        if a == b {
+            continue;
+        }
+        let line = format!("{key}: {} -> {}", compact(a), compact(b));
+        let may = RESUME_MAY_CHANGE
+            .iter()
+            .any(|k| key == k || key.starts_with(&format!("{k}.")) || key.starts_with(&format!("{k}[")));
+        if may {
+            free.push(line);
+        } else {
+            binding.push(line);
+        }
+    }
+    if !free.is_empty() {
+        tracing::info!(
+            "resuming from {} with changed run-control keys: {}",
+            dir.display(),
+            free.join("; ")
+        );
+    }
+    if binding.is_empty() {
+        return Ok(());
+    }
+    if recipe.trainer.allow_recipe_change_on_resume {
+        tracing::warn!(
+            "resuming from {} with a changed recipe (trainer.allow_recipe_change_on_resume): {}",
+            dir.display(),
+            binding.join("; ")
+        );
+        return Ok(());
+    }
+    Err(RunError::Other(format!(
+        "resuming from {}: the recipe differs from the one the checkpoint was saved under, in keys \
+         that change what the run trains:\n  {}\nA resumed run continues the checkpointed run, so \
+         put them back; or start a new run (trainer.resume_mode=disable, or another \
+         trainer.output_dir); or set trainer.allow_recipe_change_on_resume=true to continue with \
+         the new values. A resume may change only the run-control keys (steps, epochs, \
+         frequencies, logging), cluster.*, the validation keys and the layout keys listed under \
+         trainer.allow_recipe_change_on_resume in recipes/README.md.",
+        dir.display(),
+        binding.join("\n  ")
+    )))
+}
+
+/// The dotted leaves of a JSON value (`a.b.c`); lists are leaves.
+fn leaves(v: &serde_json::Value, prefix: &str, out: &mut Vec<(String, serde_json::Value)>) {
+    match v {
+        serde_json::Value::Object(map) if !map.is_empty() => {
+            for (k, v) in map {
+                let key = if prefix.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{prefix}.{k}")
+                };
+                leaves(v, &key, out);
+            }
+        }
+        _ => out.push((prefix.to_string(), v.clone())),
+    }
+}
+
+fn compact(v: &serde_json::Value) -> String {
+    match v {
+        serde_json::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
 }
 
 /// Rewrites `path` keeping only the run headers and the JSON lines whose `step` is at most
@@ -135,6 +269,7 @@ pub(crate) fn save(
             trainer::export::MODEL_PATH_KEY: recipe.model.path,
             OPTIMIZER_STEPS_KEY: clocks.update.optimizer_steps,
             KL_COEF_KEY: clocks.update.kl_coef,
+            RECIPE_KEY: serde_json::to_value(recipe).map_err(|e| RunError::Other(e.to_string()))?,
         }),
     };
     let files = learner.to_tensor_files(specs);
