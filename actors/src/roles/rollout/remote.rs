@@ -16,6 +16,7 @@
 //! The wire conversions between the rollout crate's types and the protobuf messages live here
 //! too; the server side ([`super::RolloutService`]) uses them.
 
+use super::service::WeightDigest;
 use super::{RolloutRole, UpdateParams, WeightUpdate};
 use crate::auth::{Attach, Token};
 use crate::proto;
@@ -191,8 +192,17 @@ impl RemoteRollout {
         *spare = host.reclaim();
         // A buffer that could not be read ends the stream early; that is the error to report,
         // not the worker's refusal of the short stream.
-        produced?;
+        let digest = produced?;
         let reply = reply.map_err(|s| self.error(s))?.into_inner();
+        if reply.version != version || reply.checksum != digest {
+            return Err(RoleError::Invalid(format!(
+                "rollout worker {} acknowledged weight version {} but reports version {} with checksum \
+                 {:08x} where the weights sent have {digest:08x}: it does not sample with them, so \
+                 its samples would be trained as version {version}'s; stopping (VeRL #7495, TRL \
+                 #5312: updates that never reach the sampler)",
+                self.address, version, reply.version, reply.checksum
+            )));
+        }
         self.version.store(reply.version, Ordering::SeqCst);
         tracing::debug!(
             version = reply.version,
@@ -304,7 +314,7 @@ pub(crate) fn send_chunks(
     tensors: &[(String, Vec<i64>)],
     dtype: DType,
     send: impl FnMut(proto::WeightChunk) -> bool,
-) -> Result<(), RoleError> {
+) -> Result<u32, RoleError> {
     let source = ChunkSource::Device(params);
     send_chunks_from(version, &source, tensors, dtype, &mut HostCopies::default(), send)
 }
@@ -438,7 +448,8 @@ fn read_into(buffer: &Buffer, host: &mut [u8]) -> xla::runtime::Result<()> {
     Ok(())
 }
 
-/// [`send_chunks`] from `params`, reading device buffers into `host`.
+/// [`send_chunks`] from `params`, reading device buffers into `host`. Returns the stream's
+/// digest ([`WeightDigest`]), which the worker reports back once it installed the update.
 pub(crate) fn send_chunks_from(
     version: u64,
     params: &ChunkSource,
@@ -446,8 +457,9 @@ pub(crate) fn send_chunks_from(
     dtype: DType,
     host: &mut HostCopies,
     mut send: impl FnMut(proto::WeightChunk) -> bool,
-) -> Result<(), RoleError> {
+) -> Result<u32, RoleError> {
     let per_chunk = (CHUNK_BYTES / dtype.size_bytes()).max(1);
+    let mut digest = WeightDigest::default();
     for (index, (name, dims)) in tensors.iter().enumerate() {
         let from = params.dtype(index);
         let how = conversion(from, dtype).expect("checked by check_layout");
@@ -473,8 +485,9 @@ pub(crate) fn send_chunks_from(
                 crc32: crc32fast::hash(&data),
                 data,
             };
+            digest.add(&chunk);
             if !send(chunk) {
-                return Ok(());
+                return Ok(digest.value());
             }
             start = end;
             if start >= elements {
@@ -482,7 +495,7 @@ pub(crate) fn send_chunks_from(
             }
         }
     }
-    Ok(())
+    Ok(digest.value())
 }
 
 impl RolloutRole for RemoteRollout {

@@ -102,6 +102,27 @@ impl ChunkError {
     }
 }
 
+/// The environment variable of the skipped-install fault (a version number).
+pub const SKIP_INSTALL_ENV: &str = "GRPO_FAULT_SKIP_WEIGHT_INSTALL";
+
+/// The digest of a weight stream (`UpdateWeightsReply.checksum`): CRC-32 over each chunk's
+/// tensor index, offset and CRC-32, in stream order. Sender and worker compute it alike, from
+/// the chunk headers alone.
+#[derive(Clone, Default)]
+pub(crate) struct WeightDigest(crc32fast::Hasher);
+
+impl WeightDigest {
+    pub(crate) fn add(&mut self, chunk: &proto::WeightChunk) {
+        self.0.update(&chunk.tensor_index.to_le_bytes());
+        self.0.update(&chunk.offset.to_le_bytes());
+        self.0.update(&chunk.crc32.to_le_bytes());
+    }
+
+    pub(crate) fn value(&self) -> u32 {
+        self.0.clone().finalize()
+    }
+}
+
 /// One tensor of an update being received.
 enum Slot {
     Waiting,
@@ -119,6 +140,8 @@ pub(crate) struct Assembly<'a> {
     slots: Vec<Slot>,
     complete: usize,
     bytes: u64,
+    /// The digest of the chunks taken so far.
+    digest: WeightDigest,
     /// Host buffers of an earlier update, by tensor, to assemble into without fresh pages.
     spare: Vec<Option<Vec<u8>>>,
 }
@@ -132,6 +155,7 @@ impl<'a> Assembly<'a> {
             slots: table.iter().map(|_| Slot::Waiting).collect(),
             complete: 0,
             bytes: 0,
+            digest: WeightDigest::default(),
             spare: Vec::new(),
         }
     }
@@ -219,6 +243,7 @@ impl<'a> Assembly<'a> {
             });
         }
         self.bytes += chunk.data.len() as u64;
+        self.digest.add(&chunk);
         let bytes = match std::mem::replace(&mut self.slots[index], Slot::Waiting) {
             // A tensor sent whole in one chunk is uploaded from the received message itself.
             Slot::Waiting if end == *size => {
@@ -254,6 +279,11 @@ impl<'a> Assembly<'a> {
         }
     }
 
+    /// The digest of the stream so far (the whole update's after [`Assembly::finish`]).
+    pub(crate) fn digest(&self) -> u32 {
+        self.digest.value()
+    }
+
     /// The update's version once every tensor is complete.
     pub(crate) fn finish(&self) -> Result<u64, ChunkError> {
         let version = self.version.ok_or(ChunkError::Empty)?;
@@ -287,6 +317,11 @@ pub struct RolloutService {
     updating: tokio::sync::Mutex<Vec<Option<Vec<u8>>>>,
     /// Samples asked for and not yet sent back.
     in_flight: Arc<AtomicU64>,
+    /// The digest of the weights the engine samples with (0: those it loaded at start).
+    installed_digest: std::sync::atomic::AtomicU32,
+    /// Test fault: the update to this version is acknowledged but not installed
+    /// (`GRPO_FAULT_SKIP_WEIGHT_INSTALL`), to show the orchestrator catches it.
+    skip_install: Option<u64>,
 }
 
 impl RolloutService {
@@ -328,6 +363,8 @@ impl RolloutService {
             table,
             updating: tokio::sync::Mutex::new(Vec::new()),
             in_flight: Arc::default(),
+            installed_digest: Default::default(),
+            skip_install: std::env::var(SKIP_INSTALL_ENV).ok().and_then(|v| v.parse().ok()),
         }
     }
 
@@ -407,17 +444,26 @@ impl RolloutService {
             per_device.into_iter().map(Arc::from).collect(),
             self.tensor_parallel,
         );
-        self.local
-            .update_weights(WeightUpdate {
+        if self.skip_install == Some(version) {
+            tracing::warn!(
                 version,
-                params: params.into(),
-            })
-            .await
-            .map_err(|e| role_error_to_status(e, "installing the weights"))?;
-        tracing::info!(version, bytes = assembly.bytes, "installed streamed weights");
+                "GRPO_FAULT_SKIP_WEIGHT_INSTALL: acknowledging without installing"
+            );
+        } else {
+            self.local
+                .update_weights(WeightUpdate {
+                    version,
+                    params: params.into(),
+                })
+                .await
+                .map_err(|e| role_error_to_status(e, "installing the weights"))?;
+            self.installed_digest.store(assembly.digest(), Ordering::SeqCst);
+            tracing::info!(version, bytes = assembly.bytes, "installed streamed weights");
+        }
         Ok(proto::UpdateWeightsReply {
             version,
             bytes: assembly.bytes,
+            checksum: self.installed_digest.load(Ordering::SeqCst),
         })
     }
 }
