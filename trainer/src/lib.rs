@@ -1,8 +1,9 @@
 //! The GRPO learner: everything between "each sample has a reward" and "the parameters moved".
 //!
 //! - [`advantage`]: host-side advantage estimators (`grpo`, Dr. GRPO, `rloo`, `opo`, `gpg`,
-//!   `grpo_passk`, REINFORCE++ with and without a baseline), in-reward KL, dynamic sampling
-//!   (`filter_groups`) and masking of truncated responses.
+//!   `grpo_passk`, REINFORCE++ with and without a baseline, ReMax), in-reward KL, the group
+//!   filter of dynamic sampling (`filter_groups`, run by the orchestrator) and masking of
+//!   truncated responses.
 //! - [`rollout_correction`]: importance weights and rejection sampling for the gap between the
 //!   rollout's and the learner's probabilities, with the `rollout_corr/*` mismatch metrics.
 //! - [`loss`]: policy-loss terms as graph functions over [`xla::graph::Tensor`]s: the PPO
@@ -20,10 +21,11 @@
 //!   log-probs of responses.
 //! - [`bucket`]: length buckets: each micro-batch runs padded to the smallest bucket holding its
 //!   longest prompt and response ([`bucket::BucketedLearner`]), one set of programs per bucket.
-//! - [`update`]: the GRPO update as a whole ([`update::GrpoUpdate`]): group filtering, old and
-//!   reference log-probs, KL in the reward, advantages, then `ppo_epochs` passes of mini-batches
-//!   of micro-batches, configured by [`update::UpdateConfig`]; [`update::BatchPlan`], the
-//!   mini-batch arithmetic every caller shares.
+//! - [`update`]: the GRPO update as a whole ([`update::GrpoUpdate`]): non-finite rows left
+//!   out, old and reference log-probs, rollout correction, KL in the reward, advantages, then
+//!   `ppo_epochs` passes of mini-batches of micro-batches, configured by
+//!   [`update::UpdateConfig`]; [`update::BatchPlan`], the mini-batch arithmetic every caller
+//!   shares.
 //! - [`checkpoint`]: atomic, checksummed checkpoints under `OUTPUT/checkpoints/step_N/`.
 //! - [`memory`]: transparent huge pages for the C allocator (re-executing the program with
 //!   glibc's `glibc.malloc.hugetlb=1`), which cuts the page faults of XLA's per-call temporaries.

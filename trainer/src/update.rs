@@ -87,7 +87,7 @@ pub struct BatchPlan {
 }
 
 impl BatchPlan {
-    /// Samples a training step trains on (before any group filtering).
+    /// Samples a training step trains on.
     pub fn samples_per_step(&self) -> usize {
         self.prompts_per_step * self.group_size
     }
