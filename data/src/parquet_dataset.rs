@@ -202,7 +202,7 @@ impl ParquetDataset {
         let mut row_groups = Vec::new();
         let mut len = 0u64;
         for (file_index, path) in paths.iter().enumerate() {
-            let file = open_file(path, &names)?;
+            let file = guarded(path, || open_file(path, &names))?;
             let mut first_row_in_file = 0u64;
             for (row_group, info) in file.metadata.metadata().row_groups().iter().enumerate() {
                 let rows = info.num_rows().max(0) as u64;
@@ -342,10 +342,11 @@ impl ParquetDataset {
                 .map(|(index, _)| (index - info.first_index) as usize)
                 .collect();
             offsets.dedup();
-            let decoded = match self.cached_group(group)? {
-                Some(batches) => self.rows_from_batches(group, &batches, &offsets)?,
-                None => self.rows_by_selection(group, &offsets)?,
-            };
+            let path = self.files[info.file].path.clone();
+            let decoded = guarded(&path, || match self.cached_group(group)? {
+                Some(batches) => self.rows_from_batches(group, &batches, &offsets),
+                None => self.rows_by_selection(group, &offsets),
+            })?;
             for &(index, slot) in &wanted[start..end] {
                 let position = offsets
                     .binary_search(&((index - info.first_index) as usize))
@@ -697,6 +698,25 @@ impl<'a> BatchRows<'a> {
             columns,
         })
     }
+}
+
+/// Runs a call into the `parquet` crate, turning a panic into [`DataError::Corrupt`] for `path`:
+/// the crate asserts on some malformed metadata (negative column offsets, for one) instead of
+/// returning an error, and a damaged file must not take the run down.
+fn guarded<T>(path: &Path, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        let what = panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default();
+        Err(DataError::Corrupt {
+            path: path.to_path_buf(),
+            source: parquet::errors::ParquetError::General(format!(
+                "the Parquet reader failed on it: {what}"
+            )),
+        })
+    })
 }
 
 #[cfg(test)]

@@ -49,11 +49,26 @@ impl ModelTokenizer {
     }
 
     /// Parses the bytes of a `tokenizer.json`; `origin` names it in errors.
+    ///
+    /// The bytes must be JSON before the `tokenizers` crate sees them: it unwraps the results
+    /// of some of its nested parses (its decoders'), so malformed JSON there is a panic, not an
+    /// error. Any panic it still raises becomes an error here.
     pub fn from_json_bytes(bytes: &[u8], origin: &str) -> Result<ModelTokenizer> {
-        let inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| ModelError::Tokenizer {
+        let invalid = |detail: String| ModelError::Tokenizer {
             origin: origin.to_string(),
-            detail: format!("not a valid tokenizer.json: {e}"),
-        })?;
+            detail: format!("not a valid tokenizer.json: {detail}"),
+        };
+        serde_json::from_slice::<serde::de::IgnoredAny>(bytes).map_err(|e| invalid(e.to_string()))?;
+        let parsed =
+            std::panic::catch_unwind(|| tokenizers::Tokenizer::from_bytes(bytes)).map_err(|panic| {
+                let what = panic
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                invalid(format!("the tokenizers library failed on it ({what})"))
+            })?;
+        let inner = parsed.map_err(|e| invalid(e.to_string()))?;
         Ok(ModelTokenizer {
             inner,
             origin: origin.to_string(),

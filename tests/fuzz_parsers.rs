@@ -1,0 +1,333 @@
+//! Every parser of outside input, fed mutated copies of valid inputs: recipes (YAML and `--set`
+//! values), `config.json`, `tokenizer.json`, safetensors model files, GGUF headers, Parquet
+//! datasets and checkpoints. Each must answer with `Ok` or a clear error: a panic, or an input
+//! that takes seconds, fails the test with the target, the seed and the file to keep.
+//!
+//! The budget is `GRPO_FUZZ_ITERS` inputs per target (1000 by default, as CI runs it; raise it to
+//! search longer). The seeds are the valid inputs the test builds (the tiny model, its Parquet
+//! data, a checkpoint) and the committed recipes; inputs that once failed are kept in
+//! `tests/fixtures/fuzz/<target>/` and replayed first, every run.
+
+mod common;
+
+use common::*;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// SplitMix64: the mutations' randomness, seeded per target so a failure replays.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+}
+
+/// Values that break length fields and counts.
+const INTERESTING: [u64; 8] = [0, 1, 0x7f, 0xff, 0xffff_ffff, 1 << 31, 1 << 63, u64::MAX];
+
+/// Text fragments that break YAML and JSON.
+const TOKENS: [&str; 16] = [
+    "{",
+    "}",
+    "[",
+    "]",
+    ":",
+    ",",
+    "\"",
+    "\n",
+    "- ",
+    "&a ",
+    "*a",
+    "!!binary ",
+    "1e999",
+    "null",
+    "-1",
+    "\u{feff}",
+];
+
+/// One random edit of `bytes`; `region` limits offset-based edits to the first bytes (a file's
+/// header), where they matter.
+fn mutate(rng: &mut Rng, bytes: &mut Vec<u8>, region: usize, text: bool) {
+    let span = region.min(bytes.len()).max(1);
+    match rng.below(if text { 7 } else { 6 }) {
+        0 => {
+            let i = rng.below(span);
+            if let Some(b) = bytes.get_mut(i) {
+                *b ^= 1 << rng.below(8);
+            }
+        }
+        1 => {
+            let i = rng.below(span);
+            if let Some(b) = bytes.get_mut(i) {
+                *b = INTERESTING[rng.below(INTERESTING.len())] as u8;
+            }
+        }
+        2 => {
+            let i = rng.below(span);
+            let v = INTERESTING[rng.below(INTERESTING.len())].to_le_bytes();
+            for (k, b) in v.iter().enumerate() {
+                if let Some(slot) = bytes.get_mut(i + k) {
+                    *slot = *b;
+                }
+            }
+        }
+        3 => {
+            let cut = rng.below(bytes.len() + 1);
+            bytes.truncate(cut);
+        }
+        4 => {
+            let (a, b) = (rng.below(span), rng.below(span));
+            let (a, b) = (a.min(b), a.max(b).min(bytes.len()));
+            let slice = bytes[a..b].to_vec();
+            let at = rng.below(bytes.len() + 1);
+            bytes.splice(at..at, slice);
+        }
+        5 => {
+            let (a, b) = (rng.below(span), rng.below(span));
+            let (a, b) = (a.min(b), a.max(b).min(bytes.len()));
+            bytes.drain(a..b);
+        }
+        _ => {
+            let at = rng.below(bytes.len() + 1);
+            let t = TOKENS[rng.below(TOKENS.len())].as_bytes();
+            bytes.splice(at..at, t.iter().copied());
+        }
+    }
+}
+
+fn iterations() -> usize {
+    std::env::var("GRPO_FUZZ_ITERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000)
+}
+
+/// The kept failing inputs of `target`.
+fn corpus(target: &str) -> Vec<Vec<u8>> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/fuzz")
+        .join(target);
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).collect())
+        .unwrap_or_default();
+    files.sort();
+    files.iter().map(|f| std::fs::read(f).unwrap()).collect()
+}
+
+/// Feeds `target` its corpus, then `iterations()` mutants of `seeds` (1 to 4 edits each, in
+/// the first `region` bytes), through `parse`, which writes the input where the parser reads it
+/// and parses; every outcome but a panic or a slow parse passes. Returns how many inputs were
+/// refused with an error (so a target whose mutants all parse is noticed).
+fn fuzz(
+    target: &str,
+    seed: u64,
+    seeds: &[Vec<u8>],
+    region: usize,
+    text: bool,
+    mut parse: impl FnMut(&[u8]) -> Result<(), String>,
+) -> usize {
+    let mut rng = Rng(seed);
+    let keep = std::env::temp_dir().join(format!("grpo-fuzz-{target}.bin"));
+    let mut refused = 0;
+    let mut run = |input: &[u8], what: &str| {
+        let t = Instant::now();
+        let outcome = catch_unwind(AssertUnwindSafe(|| parse(input)));
+        let took = t.elapsed();
+        let fail = |why: String| {
+            std::fs::write(&keep, input).unwrap();
+            panic!(
+                "fuzz target `{target}` ({what}): {why}; the input is in {} (copy it into \
+                 tests/fixtures/fuzz/{target}/ once fixed)",
+                keep.display()
+            );
+        };
+        match outcome {
+            Err(p) => fail(format!(
+                "panicked: {}",
+                p.downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default()
+            )),
+            Ok(_) if took > Duration::from_secs(5) => fail(format!("took {took:?}")),
+            Ok(Err(_)) => refused += 1,
+            Ok(Ok(())) => {}
+        }
+    };
+    for (i, input) in corpus(target).iter().enumerate() {
+        run(input, &format!("corpus file {i}"));
+    }
+    for i in 0..iterations() {
+        let mut input = seeds[i % seeds.len()].clone();
+        for _ in 0..1 + rng.below(4) {
+            mutate(&mut rng, &mut input, region, text);
+        }
+        run(&input, &format!("seed {seed}, input {i}"));
+    }
+    eprintln!(
+        "{target}: {} inputs, {refused} refused with an error",
+        iterations()
+    );
+    refused
+}
+
+#[test]
+fn recipes_and_set_values() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("recipes");
+    let seeds: Vec<Vec<u8>> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+        .map(|p| std::fs::read(p).unwrap())
+        .collect();
+    assert!(!seeds.is_empty());
+    let refused = fuzz("recipe", 1, &seeds, usize::MAX, true, |input| {
+        let text = String::from_utf8_lossy(input);
+        actors::recipe::load_recipe_str(&text, "fuzz.yaml")
+            .map(drop)
+            .map_err(|e| e.to_string())
+    });
+    assert!(refused > 0);
+    let sets: Vec<Vec<u8>> = [
+        "actor.optim.lr=1e-6",
+        "algorithm.kl_ctrl={type: adaptive, target_kl: 0.1}",
+        "rollout.stop=[\"</answer>\", \"\\n\"]",
+        "cluster.pools=[{name: a, roles: [rollout]}]",
+    ]
+    .iter()
+    .map(|s| s.as_bytes().to_vec())
+    .collect();
+    let base = std::fs::read(dir.join("quickstart.yaml")).unwrap();
+    let file = std::env::temp_dir().join(format!("grpo-fuzz-set-{}.yaml", std::process::id()));
+    std::fs::write(&file, &base).unwrap();
+    fuzz("set", 2, &sets, usize::MAX, true, |input| {
+        let set = String::from_utf8_lossy(input).to_string();
+        actors::recipe::load_recipe(&file, &[set])
+            .map(drop)
+            .map_err(|e| e.to_string())
+    });
+}
+
+#[test]
+fn model_files_config_tokenizer_and_safetensors() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_chat_model(dir.path());
+    let config = std::fs::read(model.join("config.json")).unwrap();
+    fuzz("config_json", 3, &[config], usize::MAX, true, |input| {
+        let v: serde_json::Value = serde_json::from_slice(input).map_err(|e| e.to_string())?;
+        model::ModelConfig::from_hf_json(&v, "fuzz")
+            .map(drop)
+            .map_err(|e| e.to_string())
+    });
+    let tokenizer = std::fs::read(model.join("tokenizer.json")).unwrap();
+    fuzz("tokenizer_json", 4, &[tokenizer], 4096, true, |input| {
+        model::ModelTokenizer::from_json_bytes(input, "fuzz")
+            .map(drop)
+            .map_err(|e| e.to_string())
+    });
+    // The safetensors header (its length, then JSON) and the first tensors.
+    let weights = model.join("model.safetensors");
+    let original = std::fs::read(&weights).unwrap();
+    let copy = dir.path().join("copy");
+    std::fs::create_dir_all(&copy).unwrap();
+    for f in std::fs::read_dir(&model).unwrap() {
+        let f = f.unwrap().path();
+        if f.is_file() {
+            std::fs::copy(&f, copy.join(f.file_name().unwrap())).unwrap();
+        }
+    }
+    let refused = fuzz("safetensors", 5, &[original], 4096, false, |input| {
+        std::fs::write(copy.join("model.safetensors"), input).unwrap();
+        model::safetensors_io::load_hf_checkpoint(&copy)
+            .map(drop)
+            .map_err(|e| e.to_string())
+    });
+    assert!(refused > 0);
+}
+
+#[test]
+fn gguf_headers() {
+    // The header, metadata (vocabulary included) and tensor table of the SmolLM2 GGUF: the
+    // tensor data is cut, so a parse that gets that far must say so.
+    let path = smollm2_gguf();
+    let bytes = std::fs::read(&path).unwrap();
+    let head = bytes[..bytes.len().min(3 << 20)].to_vec();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("fuzz.gguf");
+    let refused = fuzz("gguf", 6, &[head], 64 << 10, false, |input| {
+        std::fs::write(&file, input).unwrap();
+        let g = model::GgufFile::open(&file).map_err(|e| e.to_string())?;
+        model::ModelConfig::from_gguf(&g).map_err(|e| e.to_string())?;
+        model::ModelTokenizer::from_gguf(&g)
+            .map(drop)
+            .map_err(|e| e.to_string())
+    });
+    assert!(refused > 0);
+}
+
+#[test]
+fn parquet_datasets() {
+    let dir = tempfile::tempdir().unwrap();
+    let train = arithmetic(dir.path(), "train", 1, 16);
+    let original = std::fs::read(&train).unwrap();
+    let file = dir.path().join("fuzz.parquet");
+    let len = original.len();
+    // Parquet keeps its metadata at the end: mutate the whole (small) file.
+    let refused = fuzz("parquet", 7, &[original], len, false, |input| {
+        std::fs::write(&file, input).unwrap();
+        let d = data::parquet_dataset::ParquetDataset::open(std::slice::from_ref(&file), Default::default())
+            .map_err(|e| e.to_string())?;
+        d.read(&(0..d.len()).collect::<Vec<_>>())
+            .map(drop)
+            .map_err(|e| e.to_string())
+    });
+    assert!(refused > 0);
+}
+
+#[test]
+fn checkpoints() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = trainer::checkpoint::TrainerState {
+        step: 3,
+        weight_version: 3,
+        rng_state: serde_json::json!({"seed": 1}),
+        sampler_position: serde_json::json!({"epoch": 0, "offset": 4}),
+        extra: serde_json::json!({}),
+    };
+    let tensors = vec![
+        model::HostTensor::from_f32("a", vec![2, 3], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]),
+        model::HostTensor::from_f32("b", vec![4], &[0.5; 4]),
+    ];
+    let saved =
+        trainer::checkpoint::save_checkpoint(dir.path(), &state, &[("params", tensors)], None).unwrap();
+    let mut names: Vec<PathBuf> = std::fs::read_dir(&saved)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_file())
+        .collect();
+    names.sort();
+    let originals: Vec<Vec<u8>> = names.iter().map(|p| std::fs::read(p).unwrap()).collect();
+    // Each file of the checkpoint in turn (the manifest and the tensor files).
+    let mut which = 0usize;
+    let refused = fuzz("checkpoint", 8, &originals, 4096, false, |input| {
+        for (p, o) in names.iter().zip(&originals) {
+            std::fs::write(p, o).unwrap();
+        }
+        let target = &names[which % names.len()];
+        which += 1;
+        std::fs::write(target, input).unwrap();
+        trainer::checkpoint::load_checkpoint(&saved)
+            .map(drop)
+            .map_err(|e| e.to_string())
+    });
+    assert!(refused > 0);
+}
