@@ -2,6 +2,8 @@
 //! reward and a learner worker process and the orchestrator's registry each refuse every method
 //! (`Unauthenticated`, "missing token") before doing any of its work. The list of methods is
 //! checked against `proto/grpo.proto`, so a method added later without a case here fails.
+//! With the token, a request over a service's size limit is refused and the worker keeps
+//! serving.
 
 mod common;
 
@@ -141,6 +143,55 @@ fn every_method_of_every_service_refuses_a_call_without_the_token() {
             registry.registrations().is_empty(),
             "an anonymous caller registered"
         );
+
+        // With the token, a request larger than its service takes is refused before it is
+        // decoded, and the worker goes on serving.
+        let too_big = |what: &str, result: Result<(), tonic::Status>| {
+            let status = result.expect_err(what);
+            assert!(
+                matches!(
+                    status.code(),
+                    tonic::Code::OutOfRange | tonic::Code::ResourceExhausted
+                ),
+                "{what}: {status:?}"
+            );
+        };
+        let mut c =
+            proto::reward_client::RewardClient::with_interceptor(channel(&reward).await, token.attach());
+        let huge = proto::ScoreRequest {
+            samples: vec![proto::RewardSample {
+                response: "x".repeat(257 << 20),
+                ..Default::default()
+            }],
+        };
+        too_big("Reward.Score of 257 MiB", c.score(huge).await.map(drop));
+        let mut c =
+            proto::rollout_client::RolloutClient::with_interceptor(channel(&rollout).await, token.attach());
+        let huge = proto::GenerateRequest {
+            requests: vec![proto::GenerationRequest {
+                prompt: vec![u32::MAX; 17 << 20],
+                n: 1,
+                ..Default::default()
+            }],
+            min_weight_version: 0,
+        };
+        too_big("Rollout.Generate of 85 MiB", c.generate(huge).await.map(drop));
+        let mut c = proto::registry_client::RegistryClient::with_interceptor(
+            channel(&registry.address()).await,
+            token.attach(),
+        );
+        let huge = proto::RegisterRequest {
+            worker_id: "w".repeat(5 << 20),
+            ..Default::default()
+        };
+        too_big("Registry.Register of 5 MiB", c.register(huge).await.map(drop));
+        for address in [&rollout, &reward, &learner] {
+            let mut c =
+                proto::worker_client::WorkerClient::with_interceptor(channel(address).await, token.attach());
+            c.health(proto::HealthRequest {})
+                .await
+                .unwrap_or_else(|s| panic!("{address} stopped serving after an oversized request: {s:?}"));
+        }
         called
     });
     let mut called: Vec<String> = called.into_iter().collect();
