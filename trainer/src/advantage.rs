@@ -44,6 +44,11 @@ fn mean(v: &[f64]) -> f64 {
     v.iter().sum::<f64>() / v.len() as f64
 }
 
+/// The mean score of a group's members.
+fn group_mean(scores: &[f64], members: &[usize]) -> f64 {
+    members.iter().map(|&i| scores[i]).sum::<f64>() / members.len() as f64
+}
+
 /// `torch.std`: the unbiased (n - 1) standard deviation; needs `v.len() >= 2`.
 fn unbiased_std(v: &[f64]) -> f64 {
     let m = mean(v);
@@ -95,7 +100,7 @@ pub fn rloo_outcome_advantage<K: Eq + Hash>(scores: &[f64], group_ids: &[K]) -> 
     for members in groups_of(group_ids) {
         let n = members.len() as f64;
         if members.len() > 1 {
-            let m = mean(&members.iter().map(|&i| scores[i]).collect::<Vec<_>>());
+            let m = group_mean(scores, &members);
             for &i in &members {
                 adv[i] = scores[i] * n / (n - 1.0) - m * n / (n - 1.0);
             }
@@ -125,7 +130,7 @@ pub fn opo_outcome_advantage<K: Eq + Hash>(
             let baseline = if total > 0.0 {
                 members.iter().map(|&i| lengths[i] * scores[i]).sum::<f64>() / total
             } else {
-                mean(&members.iter().map(|&i| scores[i]).collect::<Vec<_>>())
+                group_mean(scores, &members)
             };
             for &i in &members {
                 adv[i] = scores[i] - baseline;
@@ -149,7 +154,7 @@ pub fn gpg_outcome_advantage<K: Eq + Hash>(scores: &[f64], group_ids: &[K]) -> R
         let m = if members.len() == 1 {
             0.0
         } else {
-            mean(&members.iter().map(|&i| scores[i]).collect::<Vec<_>>())
+            group_mean(scores, &members)
         };
         for &i in &members {
             adv[i] = alpha * (scores[i] - m) / f_norm;
@@ -275,7 +280,7 @@ pub fn reinforce_plus_plus_baseline_advantage<K: Eq + Hash>(
     let mut centred = scores.to_vec();
     for members in groups_of(group_ids) {
         if members.len() > 1 {
-            let m = mean(&members.iter().map(|&i| scores[i]).collect::<Vec<_>>());
+            let m = group_mean(scores, &members);
             for &i in &members {
                 centred[i] = scores[i] - m;
             }

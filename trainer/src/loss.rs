@@ -444,8 +444,10 @@ pub fn policy_loss_clip_cov(
     let valid = mask.ne(&mask.zeros_like());
     let clip_by_origin = pg_losses2.gt(&pg_losses1).and(&valid);
     let lp = log_prob.stop_gradient();
-    let cov = (advantages - &masked_token_mean_local(advantages, mask))
-        * (&lp - &masked_token_mean_local(&lp, mask));
+    // VeRL's masked_mean over this micro-batch alone.
+    let local = Normalizer::local(mask);
+    let cov = (advantages - &masked_token_mean(advantages, mask, &local))
+        * (&lp - &masked_token_mean(&lp, mask, &local));
     let candidate = cov
         .gt(&cov.scalar_like(cfg.clip_cov_lb))
         .and(&cov.lt(&cov.scalar_like(cfg.clip_cov_ub)))
@@ -466,11 +468,6 @@ pub fn policy_loss_clip_cov(
         mask,
         norm,
     ))
-}
-
-/// VeRL's `masked_mean(x, mask)` over this micro-batch alone: `sum(x m) / (sum(m) + 1e-8)`.
-fn masked_token_mean_local(x: &Tensor, mask: &Tensor) -> Tensor {
-    masked(x, mask).sum_all() / (mask.sum_all() + MASKED_MEAN_EPS)
 }
 
 /// Uniform `[0, 1)` numbers, one per token, from a Threefry key folded with the wrapping sum
