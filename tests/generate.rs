@@ -76,3 +76,68 @@ fn prompts_file_with_n_gives_json_lines_per_sample() {
     assert_eq!(greedy[2]["response_ids"], greedy[3]["response_ids"]);
     assert_eq!(run("1"), run("1"));
 }
+
+/// `grpo generate --adapter DIR` with SmolLM2 and a PEFT adapter written by grpo: a fresh one
+/// (B = 0) changes nothing, a trained-looking one changes the answer, and an adapter made for
+/// another model is refused naming the tensor.
+#[test]
+fn an_adapter_is_merged_into_the_model() {
+    use model::lora::{LoraAdapter, LoraConfig, Target};
+    use model::programs::HostModel;
+    let dir = tempfile::tempdir().unwrap();
+    let config = HostModel::load(&gguf()).unwrap().weights.config;
+    let lora = LoraConfig {
+        rank: 4,
+        alpha: 8.0,
+        targets: vec![Target::Q, Target::V, Target::Down],
+        use_rslora: false,
+    };
+    let fresh = LoraAdapter::init(&config, &lora, 1);
+    fresh
+        .save_peft(&dir.path().join("fresh"), "SmolLM2-135M-Instruct")
+        .unwrap();
+    let mut loud = fresh.clone();
+    for t in loud
+        .tensors
+        .iter_mut()
+        .filter(|t| t.name.ends_with("lora_B.weight"))
+    {
+        let v: Vec<f32> = (0..t.numel())
+            .map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * 4.0)
+            .collect();
+        *t = model::HostTensor::from_f32(t.name.clone(), t.shape.clone(), &v);
+    }
+    loud.save_peft(&dir.path().join("loud"), "SmolLM2-135M-Instruct")
+        .unwrap();
+    let answer = |adapter: &std::path::Path| {
+        Command::new(env!("CARGO_BIN_EXE_grpo"))
+            .args(["generate", "--chat", "--prompt", "What is the capital of France?"])
+            .args(["--temperature", "0", "--max-new-tokens", "16", "--model"])
+            .arg(gguf())
+            .arg("--adapter")
+            .arg(adapter)
+            .output()
+            .unwrap()
+    };
+    let o = answer(&dir.path().join("fresh"));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        String::from_utf8(o.stdout).unwrap().trim(),
+        "The capital of France is Paris."
+    );
+    let o = answer(&dir.path().join("loud"));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_ne!(
+        String::from_utf8(o.stdout).unwrap().trim(),
+        "The capital of France is Paris."
+    );
+    let other = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("model/fixtures/lora/peft_llama");
+    let o = answer(&other);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("loading the adapter for")
+            && err.contains("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"),
+        "{err}"
+    );
+}

@@ -126,6 +126,14 @@ pub enum ModelError {
         /// What is not supported and what to do instead.
         detail: String,
     },
+    /// A LoRA adapter's configuration asks for something this crate cannot honour.
+    #[error("LoRA adapter {path}: {problem}")]
+    Adapter {
+        /// The adapter's directory or configuration file.
+        path: PathBuf,
+        /// What is wrong and what to do.
+        problem: String,
+    },
     /// A tokenizer could not be loaded or built.
     #[error("tokenizer {origin}: {detail}")]
     Tokenizer {

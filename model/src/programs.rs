@@ -87,7 +87,7 @@ pub enum ProgramError {
 /// Result of this module.
 pub type Result<T> = std::result::Result<T, ProgramError>;
 
-fn runtime(action: impl Into<String>) -> impl FnOnce(xla::runtime::Error) -> ProgramError {
+pub(crate) fn runtime(action: impl Into<String>) -> impl FnOnce(xla::runtime::Error) -> ProgramError {
     let action = action.into();
     move |source| ProgramError::Runtime { action, source }
 }

@@ -126,6 +126,44 @@ pub fn weight_files(path: &Path) -> Result<Vec<PathBuf>> {
     ))
 }
 
+/// Every tensor of one safetensors file by name (f32, bf16 or f16; another type is an error
+/// naming the tensor).
+pub fn read_safetensors(file: &Path) -> Result<HashMap<String, HostTensor>> {
+    let origin = file.display().to_string();
+    let mmap = map_file(file)?;
+    let st = SafeTensors::deserialize(&mmap).map_err(|e| ModelError::CorruptSafetensors {
+        path: file.to_path_buf(),
+        detail: e.to_string(),
+    })?;
+    let mut out = HashMap::new();
+    for name in st.names() {
+        let view = st.tensor(name).map_err(|e| ModelError::CorruptSafetensors {
+            path: file.to_path_buf(),
+            detail: format!("tensor `{name}`: {e}"),
+        })?;
+        let dtype = match view.dtype() {
+            Dtype::F32 => DType::F32,
+            Dtype::BF16 => DType::BF16,
+            Dtype::F16 => DType::F16,
+            other => {
+                return Err(ModelError::UnsupportedDType {
+                    name: name.to_string(),
+                    dtype: format!("{other:?}"),
+                    origin,
+                    supported: "F32, BF16, F16".into(),
+                })
+            }
+        };
+        let tensor = HostTensor::from_le_bytes(name, dtype, view.shape().to_vec(), view.data().to_vec())
+            .ok_or_else(|| ModelError::CorruptSafetensors {
+                path: file.to_path_buf(),
+                detail: format!("tensor `{name}` has the wrong number of bytes"),
+            })?;
+        out.insert(name.to_string(), tensor);
+    }
+    Ok(out)
+}
+
 /// Loads the safetensors weights at `path` (file or checkpoint directory) for `config`.
 ///
 /// Every tensor of the parameter table must be present with its exact shape; any other tensor
@@ -141,61 +179,31 @@ pub fn load_safetensors(path: &Path, config: &ModelConfig) -> Result<ModelWeight
     let mut found: HashMap<String, HostTensor> = HashMap::new();
     for file in &files {
         let origin = file.display().to_string();
-        let mmap = map_file(file)?;
-        let st = SafeTensors::deserialize(&mmap).map_err(|e| ModelError::CorruptSafetensors {
-            path: file.clone(),
-            detail: e.to_string(),
-        })?;
-        let mut names = st.names();
-        names.sort();
-        for name in names {
-            let view = st.tensor(name).map_err(|e| ModelError::CorruptSafetensors {
-                path: file.clone(),
-                detail: format!("tensor `{name}`: {e}"),
-            })?;
-            let shape = view.shape().to_vec();
-            let Some(expected_shape) = expected.get(name) else {
+        let mut tensors: Vec<(String, HostTensor)> = read_safetensors(file)?.into_iter().collect();
+        tensors.sort_by(|a, b| a.0.cmp(&b.0));
+        for (name, tensor) in tensors {
+            let Some(expected_shape) = expected.get(name.as_str()) else {
                 let ignorable = name.ends_with("rotary_emb.inv_freq")
                     || (name == "lm_head.weight" && config.tie_word_embeddings);
                 if ignorable {
                     continue;
                 }
                 return Err(ModelError::UnexpectedTensor {
-                    name: name.to_string(),
-                    found: shape,
+                    name,
+                    found: tensor.shape,
                     origin,
                     family: config.family.to_string(),
                 });
             };
-            if shape != *expected_shape {
+            if tensor.shape != *expected_shape {
                 return Err(ModelError::ShapeMismatch {
-                    name: name.to_string(),
+                    name,
                     expected: expected_shape.to_vec(),
-                    found: shape,
+                    found: tensor.shape,
                     origin,
                 });
             }
-            let dtype = match view.dtype() {
-                Dtype::F32 => DType::F32,
-                Dtype::BF16 => DType::BF16,
-                Dtype::F16 => DType::F16,
-                other => {
-                    return Err(ModelError::UnsupportedDType {
-                        name: name.to_string(),
-                        dtype: format!("{other:?}"),
-                        origin,
-                        supported: "F32, BF16, F16".into(),
-                    })
-                }
-            };
-            let tensor =
-                HostTensor::from_le_bytes(name, dtype, shape, view.data().to_vec()).ok_or_else(|| {
-                    ModelError::CorruptSafetensors {
-                        path: file.clone(),
-                        detail: format!("tensor `{name}` has the wrong number of bytes"),
-                    }
-                })?;
-            found.insert(name.to_string(), tensor);
+            found.insert(name, tensor);
         }
     }
     let origin = if files.len() == 1 {
@@ -233,6 +241,50 @@ pub fn load_hf_checkpoint(dir: &Path) -> Result<ModelWeights> {
 /// The directory is built beside `dir` under a temporary name and renamed into place, so a
 /// reader never sees a half-written checkpoint; an existing `dir` is replaced.
 pub fn save_hf_checkpoint(dir: &Path, weights: &ModelWeights, tokenizer_files: &[&Path]) -> Result<()> {
+    write_dir_atomically(dir, |staging| {
+        write_safetensors(&staging.join(WEIGHTS_FILE), &weights.tensors)?;
+        let config_path = staging.join("config.json");
+        let mut config_json = weights.config.to_hf_json();
+        let dtype = weights.tensors.first().map(|t| t.dtype).unwrap_or(DType::F32);
+        config_json["torch_dtype"] = Value::from(match dtype {
+            DType::F32 => "float32",
+            DType::BF16 => "bfloat16",
+            DType::F16 => "float16",
+            other => unreachable!("a host tensor is never {other}"),
+        });
+        let text = serde_json::to_string_pretty(&config_json).expect("JSON values serialise");
+        std::fs::write(&config_path, text + "\n").map_err(|e| ModelError::io("writing", &config_path, e))?;
+        let mut seen = HashSet::new();
+        for file in tokenizer_files {
+            let name = file.file_name().ok_or_else(|| {
+                ModelError::io(
+                    "copying",
+                    *file,
+                    std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a file path"),
+                )
+            })?;
+            if !seen.insert(name.to_os_string()) {
+                continue;
+            }
+            std::fs::copy(file, staging.join(name)).map_err(|e| ModelError::io("copying", *file, e))?;
+        }
+        Ok(())
+    })
+}
+
+/// Writes `tensors` as one safetensors file in their element types, with PyTorch's
+/// `format: pt` metadata (which transformers and PEFT expect).
+pub fn write_safetensors(path: &Path, tensors: &[HostTensor]) -> Result<()> {
+    let by_name: BTreeMap<&str, &HostTensor> = tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    safetensors::serialize_to_file(by_name, Some(metadata), path)
+        .map_err(|e| ModelError::io("writing", path, std::io::Error::other(e.to_string())))
+}
+
+/// Makes the directory `dir` by `fill`ing a staging directory beside it and renaming that into
+/// place, so a reader never sees a half-written one; an existing `dir` is replaced. The result
+/// is readable by all (0755 / 0644), like any model directory.
+pub fn write_dir_atomically(dir: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     let parent = match dir.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
@@ -246,39 +298,9 @@ pub fn save_hf_checkpoint(dir: &Path, weights: &ModelWeights, tokenizer_files: &
         .prefix(&format!(".{stem}.partial-"))
         .tempdir_in(&parent)
         .map_err(|e| ModelError::io("creating a temporary directory in", &parent, e))?;
-    let weights_path = staging.path().join(WEIGHTS_FILE);
-    let by_name: BTreeMap<&str, &HostTensor> = weights.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
-    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-    safetensors::serialize_to_file(by_name, Some(metadata), &weights_path)
-        .map_err(|e| ModelError::io("writing", &weights_path, std::io::Error::other(e.to_string())))?;
-    let config_path = staging.path().join("config.json");
-    let mut config_json = weights.config.to_hf_json();
-    let dtype = weights.tensors.first().map(|t| t.dtype).unwrap_or(DType::F32);
-    config_json["torch_dtype"] = Value::from(match dtype {
-        DType::F32 => "float32",
-        DType::BF16 => "bfloat16",
-        DType::F16 => "float16",
-        other => unreachable!("a host tensor is never {other}"),
-    });
-    let text = serde_json::to_string_pretty(&config_json).expect("JSON values serialise");
-    std::fs::write(&config_path, text + "\n").map_err(|e| ModelError::io("writing", &config_path, e))?;
-    let mut seen = HashSet::new();
-    for file in tokenizer_files {
-        let name = file.file_name().ok_or_else(|| {
-            ModelError::io(
-                "copying",
-                *file,
-                std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a file path"),
-            )
-        })?;
-        if !seen.insert(name.to_os_string()) {
-            continue;
-        }
-        std::fs::copy(file, staging.path().join(name)).map_err(|e| ModelError::io("copying", *file, e))?;
-    }
+    fill(staging.path())?;
     let staged = staging.keep();
-    // The staging directory and safetensors' output are private (0700 / 0600); a checkpoint is
-    // meant to be shared like any other model directory.
+    // The staging directory and safetensors' output are private (0700 / 0600).
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;
@@ -303,7 +325,7 @@ pub fn save_hf_checkpoint(dir: &Path, weights: &ModelWeights, tokenizer_files: &
             let _ = std::fs::rename(backup, dir);
         }
         let _ = std::fs::remove_dir_all(&staged);
-        return Err(ModelError::io("renaming the finished checkpoint to", dir, e));
+        return Err(ModelError::io("renaming the finished directory to", dir, e));
     }
     if let Some(backup) = old {
         std::fs::remove_dir_all(&backup).map_err(|e| ModelError::io("removing", &backup, e))?;

@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use model::programs::HostModel;
-use model::ChatMessage;
+use model::{ChatMessage, LoraAdapter};
 use rollout::{Engine, EngineConfig, GenerationRequest, SamplingParams};
 use xla::runtime::Client;
 use xla::DType;
@@ -34,13 +34,21 @@ use xla::DType;
                   grpo generate --model ./my-hf-model --prompts-file prompts.txt --n 4 \\\n      \
                   --max-new-tokens 64 --temperature 0.8 --seed 7 > samples.jsonl\n  \
                   grpo generate --model models/SmolLM2-135M-Instruct.Q4_1.gguf \\\n      \
-                  --prompts-file datasets/arithmetic/val.parquet --n 2 --temperature 1"
+                  --prompts-file datasets/arithmetic/val.parquet --n 2 --temperature 1\n  \
+                  grpo generate --model ./Qwen2.5-0.5B-Instruct --adapter ./my-lora --chat \\\n      \
+                  --prompt \"What is 13 + 11?\""
 )]
 pub struct GenerateArgs {
     /// A Hugging Face model directory or a .gguf file. Example:
     /// `--model models/SmolLM2-135M-Instruct.Q4_1.gguf`.
     #[arg(long, value_name = "PATH")]
     pub model: PathBuf,
+
+    /// A LoRA adapter to generate with: PEFT's directory (adapter_config.json and
+    /// adapter_model.safetensors) made for this base model, merged into its weights on load.
+    /// Example: `--adapter ./my-lora`.
+    #[arg(long, value_name = "DIR")]
+    pub adapter: Option<PathBuf>,
 
     /// The text to continue (with --chat: the user message). Example:
     /// `--prompt "What is the capital of France?"`.
@@ -180,11 +188,16 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
         );
     }
     let started = Instant::now();
-    let host =
+    let mut host =
         HostModel::load(&args.model).with_context(|| format!("loading model {}", args.model.display()))?;
     let prompts = prompt_ids(&args, &host)?;
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(1);
     let client = Client::cpu(1).context("creating the CPU PJRT client (run scripts/setup.sh)")?;
+    if let Some(dir) = &args.adapter {
+        let adapter = LoraAdapter::load_peft(dir, &host.weights.config)
+            .with_context(|| format!("loading the adapter for {}", args.model.display()))?;
+        host.weights = adapter.merge_into(&client, 0, &host.weights)?;
+    }
     let weights = rollout::upload_weights(&client, &host.weights, DType::F32, 0)?;
     let mut settings = EngineConfig::new(args.max_num_seqs, longest + args.max_new_tokens + 1);
     settings.eos_token_ids = host.stop_tokens();
@@ -265,6 +278,7 @@ mod tests {
     fn args(model: &str, temperature: f32) -> GenerateArgs {
         GenerateArgs {
             model: PathBuf::from(model),
+            adapter: None,
             prompt: Some("hi".to_string()),
             prompts_file: None,
             n: 1,

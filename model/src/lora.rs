@@ -1,0 +1,586 @@
+//! LoRA adapters (Hu et al. 2021) on a decoder's linear projections, in PEFT's format.
+//!
+//! An adapter on a projection `W [out, in]` is a pair `A [r, in]`, `B [out, r]`, and the
+//! adapted projection is `W' = W + s·B·A` with `s = alpha / r` (or `alpha / sqrt(r)` with
+//! rank-stabilised LoRA, Kalajdzievski 2023). PEFT initialises `A` uniformly in
+//! `±1/sqrt(in)` (Kaiming-uniform with `a = sqrt(5)`) and `B` to zero, so a fresh adapter
+//! leaves the model unchanged.
+//!
+//! On disk an adapter is PEFT's directory: `adapter_config.json` and
+//! `adapter_model.safetensors` with tensors named
+//! `base_model.model.<projection>.lora_A.weight` / `lora_B.weight`, where `<projection>` is the
+//! base weight's Hugging Face name without `.weight`. [`LoraAdapter::load_peft`] reads one made
+//! by PEFT (refusing, by name, the PEFT options this crate does not implement),
+//! [`LoraAdapter::save_peft`] writes one PEFT loads.
+//!
+//! The adapted weight is computed by one graph function, [`merged_weight`]; [`merge_params`]
+//! applies it over a whole parameter table inside any program, and [`LoraAdapter::merge_into`]
+//! runs it on a device to give the merged model's host weights.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use rand::{Rng, SeedableRng};
+use serde_json::{json, Value};
+use xla::graph::{Graph, Tensor};
+use xla::runtime::Client;
+use xla::DType;
+
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+use crate::params::{param_table, ModelSplit, ParamKind, ParamSpec};
+use crate::programs::ProgramError;
+use crate::safetensors_io::{read_safetensors, write_dir_atomically, ModelWeights};
+use crate::tensor::HostTensor;
+
+/// PEFT's adapter configuration file.
+pub const ADAPTER_CONFIG_FILE: &str = "adapter_config.json";
+/// PEFT's adapter weights file.
+pub const ADAPTER_WEIGHTS_FILE: &str = "adapter_model.safetensors";
+/// PEFT's prefix before a base model's own parameter names (`PeftModel.base_model.model`).
+const PEFT_PREFIX: &str = "base_model.model.";
+
+/// A projection an adapter can sit on, by the module name PEFT's `target_modules` uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Target {
+    Q,
+    K,
+    V,
+    O,
+    Gate,
+    Up,
+    Down,
+}
+
+impl Target {
+    /// Every projection, in the parameter table's order (PEFT's `all-linear` minus the head).
+    pub const ALL: [Target; 7] = [
+        Target::Q,
+        Target::K,
+        Target::V,
+        Target::O,
+        Target::Gate,
+        Target::Up,
+        Target::Down,
+    ];
+
+    /// The module name (`q_proj`, ..., `down_proj`).
+    pub fn module(self) -> &'static str {
+        match self {
+            Target::Q => "q_proj",
+            Target::K => "k_proj",
+            Target::V => "v_proj",
+            Target::O => "o_proj",
+            Target::Gate => "gate_proj",
+            Target::Up => "up_proj",
+            Target::Down => "down_proj",
+        }
+    }
+
+    /// The base weight of this projection in layer `layer`.
+    pub fn weight_name(self, layer: usize) -> String {
+        let block = if matches!(self, Target::Gate | Target::Up | Target::Down) {
+            "mlp"
+        } else {
+            "self_attn"
+        };
+        format!("model.layers.{layer}.{block}.{}.weight", self.module())
+    }
+
+    /// Parses a module name: PEFT's (`q_proj`), its short form (`q`), or a module path ending
+    /// in one (`model.layers.0.self_attn.q_proj`, as PEFT saves `all-linear`).
+    pub fn parse(name: &str) -> Option<Target> {
+        let last = name.rsplit('.').next().unwrap_or(name);
+        let short = last.strip_suffix("_proj").unwrap_or(last);
+        Target::ALL
+            .into_iter()
+            .find(|t| t.module().strip_suffix("_proj") == Some(short))
+    }
+
+    /// Parses PEFT's `target_modules`: `all-linear`, or a list of module names. An error says
+    /// which name is not a projection this crate adapts.
+    pub fn parse_list(names: &[String]) -> std::result::Result<Vec<Target>, String> {
+        if names.len() == 1 && names[0] == "all-linear" {
+            return Ok(Target::ALL.to_vec());
+        }
+        let mut out = Vec::new();
+        for name in names {
+            let t = Target::parse(name).ok_or_else(|| {
+                format!(
+                    "`{name}` is not a projection LoRA can adapt here; use `all-linear` or names from {}",
+                    Target::ALL.map(Target::module).join(", ")
+                )
+            })?;
+            if !out.contains(&t) {
+                out.push(t);
+            }
+        }
+        if out.is_empty() {
+            return Err("no target modules given".into());
+        }
+        out.sort();
+        Ok(out)
+    }
+}
+
+/// The shape of a model's adapters: rank, scale and which projections carry them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraConfig {
+    /// `r`, the rank of `B·A`.
+    pub rank: usize,
+    /// `lora_alpha`.
+    pub alpha: f64,
+    /// The adapted projections, in [`Target::ALL`] order, on every layer.
+    pub targets: Vec<Target>,
+    /// Rank-stabilised scaling `alpha / sqrt(r)` instead of `alpha / r` (PEFT's `use_rslora`).
+    pub use_rslora: bool,
+}
+
+impl LoraConfig {
+    /// `s`, the factor of `B·A`.
+    pub fn scale(&self) -> f64 {
+        if self.use_rslora {
+            self.alpha / (self.rank as f64).sqrt()
+        } else {
+            self.alpha / self.rank as f64
+        }
+    }
+}
+
+/// One adapted projection: its base weight and the adapter's two matrices.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraSpec {
+    /// The base weight's Hugging Face name (`model.layers.0.self_attn.q_proj.weight`).
+    pub base: String,
+    /// `A [r, in]`, named as PEFT saves it. Under tensor parallelism it splits with the base's
+    /// input dimension (row-parallel projections), else it is whole.
+    pub a: ParamSpec,
+    /// `B [out, r]`, named as PEFT saves it; it splits with the base's output dimension
+    /// (column-parallel projections), else it is whole.
+    pub b: ParamSpec,
+}
+
+fn peft_name(base: &str, matrix: &str) -> String {
+    let module = base.strip_suffix(".weight").unwrap_or(base);
+    format!("{PEFT_PREFIX}{module}.{matrix}.weight")
+}
+
+/// The adapters of `config` under `lora`, layer by layer, each layer's in [`Target::ALL`]
+/// order.
+pub fn lora_table(config: &ModelConfig, lora: &LoraConfig) -> Vec<LoraSpec> {
+    let base: HashMap<String, ParamSpec> = param_table(config)
+        .into_iter()
+        .map(|p| (p.name.clone(), p))
+        .collect();
+    let mut out = Vec::new();
+    for layer in 0..config.num_hidden_layers {
+        for &t in &lora.targets {
+            let name = t.weight_name(layer);
+            let w = &base[&name];
+            let (o, i) = (w.shape[0], w.shape[1]);
+            let mut a = ParamSpec::new(peft_name(&name, "lora_A"), vec![lora.rank, i], ParamKind::Matrix);
+            let mut b = ParamSpec::new(peft_name(&name, "lora_B"), vec![o, lora.rank], ParamKind::Matrix);
+            match w.model_split {
+                Some(ModelSplit { dim: 0, unit }) => b = b.split_by_model(0, unit),
+                Some(ModelSplit { dim: 1, unit }) => a = a.split_by_model(1, unit),
+                _ => {}
+            }
+            out.push(LoraSpec { base: name, a, b });
+        }
+    }
+    out
+}
+
+/// The adapters' parameters in program order: `A`, `B` of each [`lora_table`] entry.
+pub fn lora_param_table(config: &ModelConfig, lora: &LoraConfig) -> Vec<ParamSpec> {
+    lora_table(config, lora)
+        .into_iter()
+        .flat_map(|s| [s.a, s.b])
+        .collect()
+}
+
+/// `W + s·B·A`, computed in f32 (f64 for an f64 `w`) and returned in `w`'s element type: the
+/// adapted projection.
+pub fn merged_weight(w: &Tensor, a: &Tensor, b: &Tensor, scale: f64) -> Tensor {
+    let wide = if w.dtype() == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let delta = b.convert_if_needed(wide).matmul(&a.convert_if_needed(wide));
+    let delta = &delta * &delta.scalar_like(scale);
+    (&w.convert_if_needed(wide) + &delta).convert_if_needed(w.dtype())
+}
+
+/// The parameter table (`base`, in [`param_table`] order) with each adapted projection replaced
+/// by [`merged_weight`] (`adapters` in [`lora_param_table`] order). Inside a differentiable
+/// program the gradient reaches `A` and `B` through the merge.
+pub fn merge_params(
+    config: &ModelConfig,
+    lora: &LoraConfig,
+    base: &[Tensor],
+    adapters: &[Tensor],
+) -> Vec<Tensor> {
+    let names: HashMap<String, usize> = param_table(config)
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| (p.name, i))
+        .collect();
+    let mut out = base.to_vec();
+    for (k, spec) in lora_table(config, lora).iter().enumerate() {
+        let i = names[&spec.base];
+        out[i] = merged_weight(&base[i], &adapters[2 * k], &adapters[2 * k + 1], lora.scale());
+    }
+    out
+}
+
+/// A model's adapters on the host: their configuration and `A`, `B` of each adapted
+/// projection, in [`lora_param_table`] order, in f32.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraAdapter {
+    pub lora: LoraConfig,
+    pub tensors: Vec<HostTensor>,
+}
+
+/// The PEFT options this crate does not implement, with the value that means "off".
+const UNSUPPORTED_PEFT_OPTIONS: [(&str, &str); 13] = [
+    ("use_dora", "false"),
+    ("use_qalora", "false"),
+    ("use_bdlora", "null"),
+    ("alora_invocation_tokens", "null"),
+    ("trainable_token_indices", "null"),
+    ("target_parameters", "null"),
+    ("fan_in_fan_out", "false"),
+    ("modules_to_save", "null"),
+    ("layers_to_transform", "null"),
+    ("rank_pattern", "{}"),
+    ("alpha_pattern", "{}"),
+    ("lora_bias", "false"),
+    ("layer_replication", "null"),
+];
+
+fn is_off(value: &Value) -> bool {
+    match value {
+        Value::Null => true,
+        Value::Bool(b) => !b,
+        Value::Object(m) => m.is_empty(),
+        Value::Array(a) => a.is_empty(),
+        _ => false,
+    }
+}
+
+impl LoraAdapter {
+    /// A fresh adapter as PEFT initialises one: `A` uniform in `±1/sqrt(in)`, `B` zero. The
+    /// same seed gives the same adapter.
+    pub fn init(config: &ModelConfig, lora: &LoraConfig, seed: u64) -> LoraAdapter {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let mut tensors = Vec::new();
+        for spec in lora_table(config, lora) {
+            let bound = 1.0 / (spec.a.shape[1] as f64).sqrt();
+            let a: Vec<f32> = (0..spec.a.numel())
+                .map(|_| (rng.random_range(-bound..bound)) as f32)
+                .collect();
+            tensors.push(HostTensor::from_f32(spec.a.name, spec.a.shape, &a));
+            let zeros = vec![0.0; spec.b.numel()];
+            tensors.push(HostTensor::from_f32(spec.b.name, spec.b.shape, &zeros));
+        }
+        LoraAdapter {
+            lora: lora.clone(),
+            tensors,
+        }
+    }
+
+    /// Reads PEFT's adapter directory `dir` for a base model of `config`. Every tensor must be
+    /// there with its shape and nothing else may be: a missing, extra or misshapen tensor is
+    /// named (an adapter made for another base model shows up this way).
+    pub fn load_peft(dir: &Path, config: &ModelConfig) -> Result<LoraAdapter> {
+        let config_path = dir.join(ADAPTER_CONFIG_FILE);
+        let text =
+            std::fs::read_to_string(&config_path).map_err(|e| ModelError::io("reading", &config_path, e))?;
+        let json: Value = serde_json::from_str(&text).map_err(|source| ModelError::Json {
+            path: config_path.clone(),
+            source,
+        })?;
+        let lora = parse_adapter_config(&json).map_err(|problem| ModelError::Adapter {
+            path: config_path.clone(),
+            problem,
+        })?;
+        let weights_path = dir.join(ADAPTER_WEIGHTS_FILE);
+        if !weights_path.exists() && dir.join("adapter_model.bin").exists() {
+            return Err(ModelError::Adapter {
+                path: dir.to_path_buf(),
+                problem: "holds adapter_model.bin (a pickle); save the adapter with PEFT's \
+                          `save_pretrained(..., safe_serialization=True)` to get adapter_model.safetensors"
+                    .into(),
+            });
+        }
+        let mut found = read_safetensors(&weights_path)?;
+        let origin = weights_path.display().to_string();
+        let mut tensors = Vec::new();
+        for spec in lora_param_table(config, &lora) {
+            let t = found
+                .remove(&spec.name)
+                .ok_or_else(|| ModelError::MissingTensor {
+                    name: spec.name.clone(),
+                    expected: spec.shape.clone(),
+                    origin: origin.clone(),
+                })?;
+            if t.shape != spec.shape {
+                return Err(ModelError::ShapeMismatch {
+                    name: spec.name,
+                    expected: spec.shape,
+                    found: t.shape,
+                    origin,
+                });
+            }
+            tensors.push(t.to_dtype(DType::F32));
+        }
+        if let Some((name, t)) = found.into_iter().min_by(|a, b| a.0.cmp(&b.0)) {
+            return Err(ModelError::UnexpectedTensor {
+                name,
+                found: t.shape,
+                origin,
+                family: format!(
+                    "{} LoRA (targets {}, rank {})",
+                    config.family,
+                    lora.targets
+                        .iter()
+                        .map(|t| t.module())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    lora.rank
+                ),
+            });
+        }
+        Ok(LoraAdapter { lora, tensors })
+    }
+
+    /// Writes the adapter as PEFT's directory `dir` (atomically: a reader sees the old
+    /// directory or the whole new one). `base_model` is recorded as
+    /// `base_model_name_or_path`.
+    pub fn save_peft(&self, dir: &Path, base_model: &str) -> Result<()> {
+        let targets: Vec<&str> = self.lora.targets.iter().map(|t| t.module()).collect();
+        let config = json!({
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": base_model,
+            "r": self.lora.rank,
+            "lora_alpha": self.lora.alpha,
+            "use_rslora": self.lora.use_rslora,
+            "target_modules": targets,
+            "lora_dropout": 0.0,
+            "bias": "none",
+            "fan_in_fan_out": false,
+            "use_dora": false,
+            "modules_to_save": null,
+            "layers_to_transform": null,
+            "layers_pattern": null,
+            "rank_pattern": {},
+            "alpha_pattern": {},
+            "init_lora_weights": true,
+            "inference_mode": true,
+        });
+        write_dir_atomically(dir, |staging| {
+            let path = staging.join(ADAPTER_CONFIG_FILE);
+            let text = serde_json::to_string_pretty(&config).expect("JSON values serialise");
+            std::fs::write(&path, text + "\n").map_err(|e| ModelError::io("writing", &path, e))?;
+            crate::safetensors_io::write_safetensors(&staging.join(ADAPTER_WEIGHTS_FILE), &self.tensors)
+        })
+    }
+
+    /// The merged model: `base`'s weights with each adapted projection replaced by
+    /// `W + s·B·A`, computed by [`merged_weight`] on `device` of `client` and returned in each
+    /// weight's own element type.
+    pub fn merge_into(
+        &self,
+        client: &Client,
+        device: usize,
+        base: &ModelWeights,
+    ) -> std::result::Result<ModelWeights, ProgramError> {
+        let table = lora_table(&base.config, &self.lora);
+        let g = Graph::new("lora_merge");
+        let mut outputs = Vec::new();
+        let mut args = Vec::new();
+        for (k, spec) in table.iter().enumerate() {
+            let w = base.get(&spec.base).expect("lora_table names base weights");
+            let dims = |shape: &[usize]| shape.iter().map(|&d| d as i64).collect::<Vec<_>>();
+            let wt = g.parameter(&spec.base, DType::F32, &dims(&w.shape));
+            let a = g.parameter(&spec.a.name, DType::F32, &spec.a.dims());
+            let b = g.parameter(&spec.b.name, DType::F32, &spec.b.dims());
+            outputs.push(merged_weight(&wt, &a, &b, self.lora.scale()));
+            for t in [w, &self.tensors[2 * k], &self.tensors[2 * k + 1]] {
+                let dims = dims(&t.shape);
+                args.push(
+                    client
+                        .buffer_from_host(&t.to_f32_vec(), &dims, device)
+                        .map_err(crate::programs::runtime(format!("uploading `{}`", t.name)))?,
+                );
+            }
+        }
+        let refs: Vec<&Tensor> = outputs.iter().collect();
+        let program = g.build(&refs).map_err(|source| ProgramError::Graph {
+            program: "lora_merge".into(),
+            source,
+        })?;
+        let exe = program
+            .compile(client)
+            .map_err(crate::programs::runtime("compiling lora_merge"))?;
+        let arg_refs: Vec<_> = args.iter().collect();
+        let merged = exe
+            .execute(&arg_refs)
+            .map_err(crate::programs::runtime("running lora_merge"))?;
+        let mut out = base.clone();
+        for (spec, buffer) in table.iter().zip(merged) {
+            let values = buffer
+                .to_host::<f32>()
+                .map_err(crate::programs::runtime("downloading lora_merge"))?;
+            let slot = out
+                .tensors
+                .iter_mut()
+                .find(|t| t.name == spec.base)
+                .expect("lora_table names base weights");
+            *slot = HostTensor::from_f32_as(spec.base.clone(), slot.shape.clone(), &values, slot.dtype);
+        }
+        Ok(out)
+    }
+}
+
+/// The [`LoraConfig`] of PEFT's `adapter_config.json`, or what in it this crate cannot honour.
+fn parse_adapter_config(json: &Value) -> std::result::Result<LoraConfig, String> {
+    let get = |key: &str| json.get(key).unwrap_or(&Value::Null);
+    match get("peft_type").as_str() {
+        Some("LORA") => {}
+        other => {
+            return Err(format!(
+                "`peft_type` is {}; only LORA adapters load here",
+                other.map_or("missing".to_string(), |s| format!("`{s}`"))
+            ))
+        }
+    }
+    for (key, off) in UNSUPPORTED_PEFT_OPTIONS {
+        if !is_off(get(key)) {
+            return Err(format!(
+                "`{key}` is {}; this adapter needs a PEFT feature grpo does not implement (it loads adapters with `{key}: {off}`)",
+                get(key)
+            ));
+        }
+    }
+    if let Some(bias) = get("bias").as_str().filter(|b| *b != "none") {
+        return Err(format!(
+            "`bias` is `{bias}`: the adapter trains biases, which grpo does not implement (it loads adapters with `bias: none`)"
+        ));
+    }
+    let rank = get("r")
+        .as_u64()
+        .filter(|r| *r > 0)
+        .ok_or("`r` must be a positive integer")? as usize;
+    let alpha = get("lora_alpha")
+        .as_f64()
+        .ok_or("`lora_alpha` must be a number")?;
+    let names: Vec<String> = match get("target_modules") {
+        Value::String(s) if s == "all-linear" => vec![s.clone()],
+        Value::String(s) => {
+            return Err(format!(
+                "`target_modules` is the pattern `{s}`; grpo reads a list of module names or `all-linear`"
+            ))
+        }
+        Value::Array(items) => items
+            .iter()
+            .map(|v| {
+                v.as_str()
+                    .map(str::to_string)
+                    .ok_or("`target_modules` must hold strings")
+            })
+            .collect::<std::result::Result<_, _>>()?,
+        _ => return Err("`target_modules` is missing".into()),
+    };
+    let targets = Target::parse_list(&names).map_err(|e| format!("`target_modules`: {e}"))?;
+    Ok(LoraConfig {
+        rank,
+        alpha,
+        targets,
+        use_rslora: get("use_rslora").as_bool().unwrap_or(false),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::init::tests_support::tiny_config;
+
+    fn lora(targets: &[Target]) -> LoraConfig {
+        LoraConfig {
+            rank: 4,
+            alpha: 8.0,
+            targets: targets.to_vec(),
+            use_rslora: false,
+        }
+    }
+
+    #[test]
+    fn targets_parse_as_peft_names_them() {
+        assert_eq!(Target::parse_list(&["all-linear".into()]).unwrap(), Target::ALL);
+        assert_eq!(
+            Target::parse_list(&["v_proj".into(), "q".into(), "q_proj".into()]).unwrap(),
+            vec![Target::Q, Target::V]
+        );
+        let e = Target::parse_list(&["lm_head".into()]).unwrap_err();
+        assert!(
+            e.starts_with("`lm_head` is not a projection LoRA can adapt here"),
+            "{e}"
+        );
+        assert_eq!(Target::Down.weight_name(3), "model.layers.3.mlp.down_proj.weight");
+    }
+
+    #[test]
+    fn the_table_follows_peft_names_shapes_and_the_base_split() {
+        let c = tiny_config();
+        let t = lora_table(&c, &lora(&[Target::Q, Target::O]));
+        assert_eq!(t.len(), 2 * c.num_hidden_layers);
+        assert_eq!(
+            t[0].a.name,
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+        );
+        assert_eq!(t[0].a.shape, vec![4, c.hidden_size]);
+        assert_eq!(t[0].b.shape, vec![c.num_attention_heads * c.head_dim, 4]);
+        // Column-parallel q: B splits with its output; row-parallel o: A with its input.
+        assert_eq!(t[0].b.model_split.map(|s| s.dim), Some(0));
+        assert_eq!(t[0].a.model_split, None);
+        assert_eq!(t[1].a.model_split.map(|s| s.dim), Some(1));
+        assert_eq!(t[1].b.model_split, None);
+        let rs = LoraConfig {
+            use_rslora: true,
+            ..lora(&[Target::Q])
+        };
+        assert_eq!((lora(&[Target::Q]).scale(), rs.scale()), (2.0, 4.0));
+    }
+
+    #[test]
+    fn a_fresh_adapter_is_peft_init() {
+        let c = tiny_config();
+        let a = LoraAdapter::init(&c, &lora(&[Target::Up]), 7);
+        let bound = 1.0 / (c.hidden_size as f32).sqrt();
+        let a0 = a.tensors[0].to_f32_vec();
+        assert!(a0.iter().all(|v| v.abs() <= bound) && a0.iter().any(|v| v.abs() > bound / 2.0));
+        assert!(a.tensors[1].to_f32_vec().iter().all(|&v| v == 0.0));
+        assert_eq!(a, LoraAdapter::init(&c, &lora(&[Target::Up]), 7));
+    }
+
+    #[test]
+    fn unsupported_peft_options_are_named() {
+        let base = json!({"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]});
+        assert_eq!(parse_adapter_config(&base).unwrap().targets, vec![Target::Q]);
+        let with = |key: &str, v: Value| {
+            let mut j = base.clone();
+            j[key] = v;
+            parse_adapter_config(&j).unwrap_err()
+        };
+        assert!(with("use_dora", json!(true)).starts_with("`use_dora` is true"));
+        assert!(with("rank_pattern", json!({"q_proj": 4})).starts_with("`rank_pattern`"));
+        assert!(with("bias", json!("all")).starts_with("`bias` is `all`"));
+        assert!(with("peft_type", json!("IA3")).contains("only LORA"));
+        assert!(with("target_modules", json!(".*q_proj")).contains("pattern"));
+        assert!(with("r", json!(0)).contains("`r` must be a positive integer"));
+        assert!(with("modules_to_save", json!(["lm_head"])).starts_with("`modules_to_save`"));
+    }
+}
