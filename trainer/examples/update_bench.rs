@@ -383,6 +383,7 @@ fn main() {
         group_size: args.group,
         blocks: 1,
         remat: false,
+        lora: None,
     };
     let rows_ref: Vec<(&[u32], &[u32])> = row_ids
         .iter()
@@ -463,6 +464,7 @@ fn main() {
                 micro_batch_size: mb as i64,
                 response_len: r_len as i64,
                 parallel: Default::default(),
+                frozen: Vec::new(),
             };
             let name = match (args.length_buckets.len(), bucket) {
                 (1, 0) => format!("ours {dtype}"),

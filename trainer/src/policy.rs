@@ -24,6 +24,7 @@
 
 use crate::step::{HostArray, InputSpec, PolicyOutput};
 use model::forward::{logprobs_graph_shared_prompts, logprobs_graph_span, DecoderParams, SharedPrompts};
+use model::lora::{lora_param_table, merge_params, LoraConfig};
 use model::{param_table, ModelConfig, ParamSpec};
 use xla::graph::Tensor;
 use xla::DType;
@@ -47,6 +48,11 @@ pub struct DecoderPolicy {
     /// Recompute each decoder layer's activations in the backward pass instead of keeping
     /// them ([`DecoderParams::remat`]; `model.enable_gradient_checkpointing`).
     pub remat: bool,
+    /// Train LoRA adapters on a frozen base instead of every weight (`actor.lora_rank`): the
+    /// trainable parameters are the adapters ([`model::lora::lora_param_table`]), the base
+    /// weights are the learner's frozen tensors ([`DecoderPolicy::frozen_specs`]), and the
+    /// forward pass runs on `W + s·B·A` ([`model::lora::merge_params`]).
+    pub lora: Option<LoraConfig>,
 }
 
 /// One micro-batch of rows packed for [`DecoderPolicy`].
@@ -152,9 +158,22 @@ impl DecoderPolicy {
         self.prompt_slots() < self.micro_batch_size
     }
 
-    /// The trainable parameters, in the model's parameter-table order (Hugging Face names).
+    /// The trainable parameters: the model's parameter table (Hugging Face names), or with
+    /// LoRA the adapters (PEFT's names).
     pub fn param_specs(&self) -> Vec<ParamSpec> {
-        param_table(&self.config)
+        match &self.lora {
+            Some(lora) => lora_param_table(&self.config, lora),
+            None => param_table(&self.config),
+        }
+    }
+
+    /// The tensors the policy reads but does not train (`StepConfig::frozen`): with LoRA the
+    /// base model's parameter table, else none.
+    pub fn frozen_specs(&self) -> Vec<ParamSpec> {
+        match &self.lora {
+            Some(_) => param_table(&self.config),
+            None => Vec::new(),
+        }
     }
 
     /// The batch inputs (all i32): `prompts` and `prompt_mask` `[U, P]`, `responses` and
@@ -178,8 +197,18 @@ impl DecoderPolicy {
 
     /// The policy function for [`crate::step::build_train_programs`]: per-token log-probs
     /// and entropies of the response columns, `[micro_batch_size, L]`.
+    /// With LoRA, `params` are the adapters followed by the frozen base table.
     pub fn log_probs(&self, params: &[Tensor], batch: &[Tensor]) -> PolicyOutput {
         let g = batch[0].graph();
+        let merged;
+        let params = match &self.lora {
+            Some(lora) => {
+                let (adapters, base) = params.split_at(lora_param_table(&self.config, lora).len());
+                merged = merge_params(&self.config, lora, base, adapters);
+                &merged[..]
+            }
+            None => params,
+        };
         let mut p =
             DecoderParams::from_tensors(&self.config, params).expect("parameters follow the parameter table");
         p.remat = self.remat;
@@ -325,6 +354,7 @@ mod tests {
             group_size: 1,
             blocks: 1,
             remat: false,
+            lora: None,
         }
     }
 

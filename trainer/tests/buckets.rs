@@ -48,6 +48,7 @@ fn policy() -> DecoderPolicy {
         group_size: 1,
         blocks: 1,
         remat: false,
+        lora: None,
     }
 }
 
@@ -64,6 +65,7 @@ fn step_cfg(loss: PolicyLossConfig, parallel: Parallelism) -> StepConfig {
         micro_batch_size: MICRO as i64,
         response_len: RESPONSE as i64,
         parallel,
+        frozen: Vec::new(),
     }
 }
 

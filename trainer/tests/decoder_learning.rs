@@ -81,6 +81,7 @@ fn train(seed: u64, steps: usize, check_alignment: bool) -> Vec<f64> {
         group_size: GROUP,
         blocks: 1,
         remat: false,
+        lora: None,
     };
     let specs = policy.param_specs();
     let cfg = StepConfig {
@@ -95,6 +96,7 @@ fn train(seed: u64, steps: usize, check_alignment: bool) -> Vec<f64> {
         micro_batch_size: ROWS as i64,
         response_len: 1,
         parallel: Default::default(),
+        frozen: Vec::new(),
     };
     let programs =
         build_train_programs(&cfg, &specs, &policy.input_specs(), |p, b| policy.log_probs(p, b)).unwrap();

@@ -56,6 +56,7 @@ fn train(seed: u64, steps: usize) -> Vec<f64> {
         micro_batch_size: ROWS,
         response_len: 1,
         parallel: Default::default(),
+        frozen: Vec::new(),
     };
     let programs = build_train_programs(&cfg, &specs, &inputs, |p, b| {
         let (lp, ent) = tiny_policy(p, b);

@@ -50,6 +50,7 @@ fn policy(config: &ModelConfig, group_size: usize, remat: bool) -> DecoderPolicy
         group_size,
         blocks: 1,
         remat,
+        lora: None,
     }
 }
 

@@ -75,6 +75,7 @@ fn policy_of(config: &ModelConfig, micro_batch_size: usize, blocks: usize) -> De
         group_size: GROUP,
         blocks,
         remat: false,
+        lora: None,
     }
 }
 
@@ -100,6 +101,7 @@ fn step_cfg_as(micro_batch_size: usize, parallel: Parallelism, compute_dtype: DT
         micro_batch_size: micro_batch_size as i64,
         response_len: RESPONSE as i64,
         parallel,
+        frozen: Vec::new(),
     }
 }
 

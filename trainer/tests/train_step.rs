@@ -83,6 +83,7 @@ fn step_cfg(loss: PolicyLossConfig, grad_clip: Option<f64>, rows: i64, dtype: DT
         micro_batch_size: rows,
         response_len: L,
         parallel: Default::default(),
+        frozen: Vec::new(),
     }
 }
 

@@ -166,6 +166,7 @@ pub fn policy(recipe: &Recipe, config: &model::ModelConfig) -> DecoderPolicy {
             .data_devices(micro_batch_size as i64)
             .unwrap_or(1),
         remat: recipe.model.enable_gradient_checkpointing,
+        lora: None,
     }
 }
 
@@ -192,6 +193,7 @@ pub fn update_config(recipe: &Recipe, total_optimizer_steps: u64) -> UpdateConfi
         parallel: a.parallelism(&recipe.cluster),
         micro_batch_size: a.ppo_micro_batch_size as i64,
         response_len: recipe.data.max_response_length as i64,
+        frozen: Vec::new(),
     };
     UpdateConfig {
         step,

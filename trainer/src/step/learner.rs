@@ -166,6 +166,11 @@ pub struct Learner {
     gather: Vec<Option<Executable>>,
     /// Frozen reference parameters (f32), when set: `[device][parameter]`.
     reference: Option<Vec<Vec<Buffer>>>,
+    /// [`StepConfig::frozen`] and the element type they are held in.
+    frozen_specs: Vec<ParamSpec>,
+    frozen_dtype: DType,
+    /// The frozen tensors, `[device][tensor]` (empty per device until [`Learner::set_frozen`]).
+    frozen: Vec<Vec<Buffer>>,
     /// `[device][parameter]`. Device 0's are shared (not copied) with a rollout engine on that
     /// device; each step donates them and replaces them with the updated ones.
     params: Vec<Arc<[Buffer]>>,
@@ -473,6 +478,9 @@ impl Learner {
             compiles: Vec::new(),
             gather: programs.gather_params.iter().map(|_| None).collect(),
             reference: None,
+            frozen_specs: cfg.frozen.clone(),
+            frozen_dtype: cfg.compute_dtype,
+            frozen: (0..devices).map(|_| Vec::new()).collect(),
             params: uploaded_params,
             m,
             v,
@@ -623,6 +631,57 @@ impl Learner {
         Ok(())
     }
 
+    /// Uploads the frozen tensors ([`StepConfig::frozen`], in that order, f32 values held in
+    /// the compute type), laid out over the mesh as parameters of their shapes are. Every
+    /// program of a learner with frozen tensors needs them.
+    pub fn set_frozen(&mut self, values: &[Vec<f32>]) -> Result<()> {
+        if values.len() != self.frozen_specs.len() {
+            return Err(TrainerError::Length {
+                what: "frozen tensors".to_string(),
+                expected: self.frozen_specs.len(),
+                got: values.len(),
+                unit: "tensor",
+            });
+        }
+        let mut per_tensor = Vec::with_capacity(values.len());
+        for (spec, v) in self.frozen_specs.iter().zip(values) {
+            if v.len() != spec.numel() {
+                return Err(TrainerError::Length {
+                    what: format!("frozen tensor {}", spec.name),
+                    expected: spec.numel(),
+                    got: v.len(),
+                    unit: "element",
+                });
+            }
+            let sharding = self.programs.mesh.param_sharding(spec);
+            let what = format!("frozen tensor {}", spec.name);
+            let (client, mesh, dims) = (&self.client, self.mesh.as_ref(), spec.dims());
+            per_tensor.push(match self.frozen_dtype {
+                DType::BF16 => {
+                    let narrow: Vec<half::bf16> = v.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                    upload_split(client, &narrow, &dims, sharding.as_ref(), mesh, &what)?
+                }
+                _ => upload_split(client, v, &dims, sharding.as_ref(), mesh, &what)?,
+            });
+        }
+        self.frozen = by_device(per_tensor, self.devices());
+        Ok(())
+    }
+
+    /// The frozen tensors of device `d`, or an error when they were never set.
+    fn frozen_on(&self, d: usize) -> Result<&[Buffer]> {
+        let set = self.frozen.get(d).map_or(0, Vec::len);
+        if set != self.frozen_specs.len() {
+            return Err(TrainerError::Length {
+                what: "frozen tensors (Learner::set_frozen)".to_string(),
+                expected: self.frozen_specs.len(),
+                got: set,
+                unit: "tensor",
+            });
+        }
+        Ok(&self.frozen[d])
+    }
+
     /// Uploads one policy input (checked against its spec), rows split over the mesh.
     fn upload_input(
         &self,
@@ -706,8 +765,9 @@ impl Learner {
         let args: Vec<Vec<&Buffer>> = params
             .iter()
             .zip(&batch)
-            .map(|(p, b)| p.iter().chain(b.iter()).collect())
-            .collect();
+            .enumerate()
+            .map(|(d, (p, b))| Ok(p.iter().chain(b.iter()).chain(self.frozen_on(d)?).collect()))
+            .collect::<Result<_>>()?;
         let exe = self.shapes[shape].log_probs.as_ref().expect("compiled");
         let out = run(exe, &args, "log_probs")?;
         // The result is replicated: device 0 holds all rows.
@@ -991,9 +1051,10 @@ impl Learner {
                         args.push(&self.step[d]);
                         args.push(&lr_buf[d]);
                         args.extend(only.per_device[d].iter());
-                        args
+                        args.extend(self.frozen_on(d)?);
+                        Ok(args)
                     })
-                    .collect();
+                    .collect::<Result<_>>()?;
                 let exe = self.shapes[only.shape].train_step.as_ref().expect("compiled");
                 run(exe, &args, "train_step")?
             }
@@ -1016,9 +1077,10 @@ impl Learner {
                             args.push(&self.metric_acc[d]);
                             args.extend(self.params[d].iter());
                             args.extend(mb.per_device[d].iter());
-                            args
+                            args.extend(self.frozen_on(d)?);
+                            Ok(args)
                         })
-                        .collect();
+                        .collect::<Result<_>>()?;
                     let exe = self.shapes[mb.shape].accumulate.as_ref().expect("compiled");
                     let out = run(exe, &args, "accumulate")?;
                     drop(args);

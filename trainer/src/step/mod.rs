@@ -54,6 +54,7 @@ pub use learner::{
 pub use programs::{build_shape_programs, build_train_programs, ShapePrograms, TrainPrograms};
 
 use crate::config::{OptimConfig, Parallelism, PolicyLossConfig};
+use model::ParamSpec;
 use xla::graph::Tensor;
 use xla::DType;
 
@@ -99,6 +100,12 @@ pub struct StepConfig {
     /// devices `0..mesh` of the learner's client (see [`crate::sharding`]). The mesh must be
     /// resolved (a number) for `dp` and `fsdp` before [`build_train_programs`].
     pub parallel: Parallelism,
+    /// Tensors the policy reads but nothing trains (a LoRA policy's base weights), held in
+    /// `compute_dtype` with no master copy, gradient or optimizer state
+    /// ([`Learner::set_frozen`]). `train_step`, `accumulate` and `log_probs` take them after
+    /// the batch inputs, and the policy function receives them after the trainable parameters.
+    /// Empty for a full fine-tune.
+    pub frozen: Vec<ParamSpec>,
 }
 
 /// Names of the entries of the metrics vector every update program returns (f32).
@@ -132,6 +139,9 @@ pub struct StepLayout {
     pub batch_inputs: Vec<InputSpec>,
     /// Whether the update programs also return bf16 parameters (after the metrics).
     pub bf16_outputs: bool,
+    /// Number of frozen tensors ([`StepConfig::frozen`]), the last arguments of `train_step`,
+    /// `accumulate` and `log_probs`.
+    pub num_frozen: usize,
 }
 
 impl StepLayout {

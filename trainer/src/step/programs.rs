@@ -148,6 +148,7 @@ fn build_options(donate: &[(usize, usize)], result_shardings: Vec<(usize, Shardi
 fn trace_loss_and_grads<F>(
     cfg: &StepConfig,
     masters: &[Tensor],
+    frozen: &[Tensor],
     args: &LossArgs,
     batch: &[Tensor],
     policy: &F,
@@ -155,11 +156,7 @@ fn trace_loss_and_grads<F>(
 where
     F: Fn(&[Tensor], &[Tensor]) -> PolicyOutput,
 {
-    let compute: Vec<Tensor> = masters
-        .iter()
-        .map(|p| p.convert_if_needed(cfg.compute_dtype))
-        .collect();
-    let out = policy(&compute, batch);
+    let out = policy(&policy_params(cfg, masters, frozen), batch);
     let inputs = LossInputs {
         log_probs: out.log_probs.convert_if_needed(DType::F32),
         entropy: out.entropy.map(|e| e.convert_if_needed(DType::F32)),
@@ -178,6 +175,21 @@ where
     let refs: Vec<&Tensor> = masters.iter().collect();
     let grads = grad(&loss.loss, &refs)?;
     Ok((loss, grads))
+}
+
+/// What the policy function receives as its parameters: the trainable ones in the compute
+/// type, then the frozen ones.
+fn policy_params(cfg: &StepConfig, masters: &[Tensor], frozen: &[Tensor]) -> Vec<Tensor> {
+    masters
+        .iter()
+        .map(|p| p.convert_if_needed(cfg.compute_dtype))
+        .chain(frozen.iter().cloned())
+        .collect()
+}
+
+/// Declares the frozen tensors, after the batch inputs.
+fn declare_frozen(g: &Graph, cfg: &StepConfig, mesh: &LearnerMesh) -> Vec<Tensor> {
+    declare_params_as(g, &cfg.frozen, "frozen.", cfg.compute_dtype, mesh)
 }
 
 fn scalar1(t: &Tensor) -> Tensor {
@@ -348,8 +360,9 @@ where
     let lr = g.parameter("lr", DType::F32, &[]);
     let args = declare_loss_args(&g, cfg, response_len, &mesh);
     let batch = batch_args(&g, inputs, &mesh);
-    let (loss, grads) =
-        trace_loss_and_grads(cfg, &masters, &args, &batch, &policy).map_err(graph_err("train_step"))?;
+    let frozen = declare_frozen(&g, cfg, &mesh);
+    let (loss, grads) = trace_loss_and_grads(cfg, &masters, &frozen, &args, &batch, &policy)
+        .map_err(graph_err("train_step"))?;
     let results = trace_update(cfg, &masters, &m, &v, &step, &lr, &grads, &loss_terms(&loss));
     let refs: Vec<&Tensor> = results.iter().collect();
     let donate: Vec<(usize, usize)> = (0..=3 * n).map(|i| (i, i)).collect();
@@ -370,8 +383,9 @@ where
     let masters = declare_params(&g, params, "", &mesh);
     let args = declare_loss_args(&g, cfg, response_len, &mesh);
     let batch = batch_args(&g, inputs, &mesh);
-    let (loss, grads) =
-        trace_loss_and_grads(cfg, &masters, &args, &batch, &policy).map_err(graph_err("accumulate"))?;
+    let frozen = declare_frozen(&g, cfg, &mesh);
+    let (loss, grads) = trace_loss_and_grads(cfg, &masters, &frozen, &args, &batch, &policy)
+        .map_err(graph_err("accumulate"))?;
     let mut results: Vec<Tensor> = acc.iter().zip(&grads).map(|(a, g)| a + g).collect();
     let terms: Vec<Tensor> = loss_terms(&loss).iter().map(scalar1).collect();
     let term_refs: Vec<&Tensor> = terms.iter().collect();
@@ -389,11 +403,10 @@ where
     let g = new_graph("log_probs", &mesh);
     let masters = declare_params(&g, params, "", &mesh);
     let batch = batch_args(&g, inputs, &mesh);
-    let compute: Vec<Tensor> = masters
-        .iter()
-        .map(|p| p.convert_if_needed(cfg.compute_dtype))
-        .collect();
-    let lp = policy(&compute, &batch).log_probs.convert_if_needed(DType::F32);
+    let frozen = declare_frozen(&g, cfg, &mesh);
+    let lp = policy(&policy_params(cfg, &masters, &frozen), &batch)
+        .log_probs
+        .convert_if_needed(DType::F32);
     let log_probs = g.build(&[&lp]).map_err(graph_err("log_probs"))?;
 
     Ok(ShapePrograms {
@@ -408,7 +421,8 @@ where
 }
 
 /// Builds `train_step`, `accumulate` and `apply` for the policy function `policy(params,
-/// batch)`, which receives the parameters in `cfg.compute_dtype` (in `params` order) and the
+/// batch)`, which receives the parameters in `cfg.compute_dtype` (in `params` order, then the
+/// frozen tensors of `cfg.frozen`) and the
 /// batch tensors (in `inputs` order) and returns `[micro_batch_size, response_len]` log-probs
 /// (and entropy). Validates the configuration first. The shape-dependent programs are those of
 /// the full shape (`cfg.response_len` response columns); programs for shorter length buckets
@@ -430,6 +444,7 @@ where
         loss_inputs: shape.loss_inputs.clone(),
         batch_inputs: inputs.to_vec(),
         bf16_outputs: cfg.compute_dtype != DType::F32,
+        num_frozen: cfg.frozen.len(),
     };
     let bf16 = layout.bf16_outputs;
     let ShapePrograms {
