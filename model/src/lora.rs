@@ -23,13 +23,13 @@ use std::path::Path;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 use xla::graph::{Graph, Tensor};
-use xla::runtime::Client;
+use xla::runtime::{Buffer, Client, Executable};
 use xla::DType;
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::params::{param_table, ModelSplit, ParamKind, ParamSpec};
-use crate::programs::ProgramError;
+use crate::programs::{runtime, ProgramError};
 use crate::safetensors_io::{read_safetensors, write_dir_atomically, ModelWeights};
 use crate::tensor::HostTensor;
 
@@ -123,6 +123,42 @@ impl Target {
     }
 }
 
+/// PEFT's `target_modules` as a recipe writes it: `all-linear` or a list of module names
+/// (`q_proj` or `q`, ...), parsed by [`Target::parse_list`]; serialised as the list of
+/// PEFT's module names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TargetModules(pub Vec<Target>);
+
+impl Default for TargetModules {
+    fn default() -> Self {
+        TargetModules(Target::ALL.to_vec())
+    }
+}
+
+impl serde::Serialize for TargetModules {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.collect_seq(self.0.iter().map(|t| t.module()))
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for TargetModules {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        #[derive(serde::Deserialize)]
+        #[serde(untagged)]
+        enum OneOrMany {
+            One(String),
+            Many(Vec<String>),
+        }
+        let names = match OneOrMany::deserialize(d)? {
+            OneOrMany::One(name) => vec![name],
+            OneOrMany::Many(names) => names,
+        };
+        Target::parse_list(&names)
+            .map(TargetModules)
+            .map_err(serde::de::Error::custom)
+    }
+}
+
 /// The shape of a model's adapters: rank, scale and which projections carry them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoraConfig {
@@ -137,6 +173,37 @@ pub struct LoraConfig {
 }
 
 impl LoraConfig {
+    /// PEFT's `adapter_config.json` for these adapters on the model `base_model`.
+    pub fn to_peft_json(&self, base_model: &str) -> Value {
+        let targets: Vec<&str> = self.targets.iter().map(|t| t.module()).collect();
+        json!({
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": base_model,
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "use_rslora": self.use_rslora,
+            "target_modules": targets,
+            "lora_dropout": 0.0,
+            "bias": "none",
+            "fan_in_fan_out": false,
+            "use_dora": false,
+            "modules_to_save": null,
+            "layers_to_transform": null,
+            "layers_pattern": null,
+            "rank_pattern": {},
+            "alpha_pattern": {},
+            "init_lora_weights": true,
+            "inference_mode": true,
+        })
+    }
+
+    /// The adapters PEFT's `adapter_config.json` describes, or what in it this crate cannot
+    /// honour (PEFT options that change the forward pass are refused by name).
+    pub fn from_peft_json(json: &Value) -> std::result::Result<LoraConfig, String> {
+        parse_adapter_config(json)
+    }
+
     /// `s`, the factor of `B·A`.
     pub fn scale(&self) -> f64 {
         if self.use_rslora {
@@ -359,27 +426,7 @@ impl LoraAdapter {
     /// directory or the whole new one). `base_model` is recorded as
     /// `base_model_name_or_path`.
     pub fn save_peft(&self, dir: &Path, base_model: &str) -> Result<()> {
-        let targets: Vec<&str> = self.lora.targets.iter().map(|t| t.module()).collect();
-        let config = json!({
-            "peft_type": "LORA",
-            "task_type": "CAUSAL_LM",
-            "base_model_name_or_path": base_model,
-            "r": self.lora.rank,
-            "lora_alpha": self.lora.alpha,
-            "use_rslora": self.lora.use_rslora,
-            "target_modules": targets,
-            "lora_dropout": 0.0,
-            "bias": "none",
-            "fan_in_fan_out": false,
-            "use_dora": false,
-            "modules_to_save": null,
-            "layers_to_transform": null,
-            "layers_pattern": null,
-            "rank_pattern": {},
-            "alpha_pattern": {},
-            "init_lora_weights": true,
-            "inference_mode": true,
-        });
+        let config = self.lora.to_peft_json(base_model);
         write_dir_atomically(dir, |staging| {
             let path = staging.join(ADAPTER_CONFIG_FILE);
             let text = serde_json::to_string_pretty(&config).expect("JSON values serialise");
@@ -389,59 +436,103 @@ impl LoraAdapter {
     }
 
     /// The merged model: `base`'s weights with each adapted projection replaced by
-    /// `W + s·B·A`, computed by [`merged_weight`] on `device` of `client` and returned in each
-    /// weight's own element type.
+    /// `W + s·B·A`, computed by [`MergeProgram`] on `device` of `client` in f32 and returned in
+    /// each weight's own element type.
     pub fn merge_into(
         &self,
         client: &Client,
         device: usize,
         base: &ModelWeights,
     ) -> std::result::Result<ModelWeights, ProgramError> {
-        let table = lora_table(&base.config, &self.lora);
-        let g = Graph::new("lora_merge");
-        let mut outputs = Vec::new();
-        let mut args = Vec::new();
-        for (k, spec) in table.iter().enumerate() {
-            let w = base.get(&spec.base).expect("lora_table names base weights");
-            let dims = |shape: &[usize]| shape.iter().map(|&d| d as i64).collect::<Vec<_>>();
-            let wt = g.parameter(&spec.base, DType::F32, &dims(&w.shape));
-            let a = g.parameter(&spec.a.name, DType::F32, &spec.a.dims());
-            let b = g.parameter(&spec.b.name, DType::F32, &spec.b.dims());
-            outputs.push(merged_weight(&wt, &a, &b, self.lora.scale()));
-            for t in [w, &self.tensors[2 * k], &self.tensors[2 * k + 1]] {
-                let dims = dims(&t.shape);
-                args.push(
-                    client
-                        .buffer_from_host(&t.to_f32_vec(), &dims, device)
-                        .map_err(crate::programs::runtime(format!("uploading `{}`", t.name)))?,
-                );
-            }
+        let program = MergeProgram::compile(client, &base.config, &self.lora, DType::F32)?;
+        let upload = |t: &HostTensor| {
+            let dims: Vec<i64> = t.shape.iter().map(|&d| d as i64).collect();
+            client
+                .buffer_from_host(&t.to_f32_vec(), &dims, device)
+                .map_err(runtime(format!("uploading `{}`", t.name)))
+        };
+        let adapters = self
+            .tensors
+            .iter()
+            .map(upload)
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let weights = base
+            .tensors
+            .iter()
+            .map(upload)
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let merged = program.run(&adapters, &weights)?;
+        let mut out = base.clone();
+        for (slot, buffer) in out.tensors.iter_mut().zip(merged) {
+            let values = buffer
+                .to_host::<f32>()
+                .map_err(runtime("downloading lora_merge"))?;
+            *slot = HostTensor::from_f32_as(slot.name.clone(), slot.shape.clone(), &values, slot.dtype);
         }
-        let refs: Vec<&Tensor> = outputs.iter().collect();
+        Ok(out)
+    }
+}
+
+/// The compiled merge: the adapters (f32, in [`lora_param_table`] order) and the base
+/// weights (in [`param_table`] order, of one element type) in, the whole merged table out in
+/// the base's type, every projection without an adapter passed through. A rollout engine
+/// samples from its result after each update of a LoRA learner.
+pub struct MergeProgram {
+    exe: Executable,
+    adapters: usize,
+    weights: usize,
+}
+
+impl MergeProgram {
+    /// Traces and compiles the merge for a model of `config` with weights of `dtype`.
+    pub fn compile(
+        client: &Client,
+        config: &ModelConfig,
+        lora: &LoraConfig,
+        dtype: DType,
+    ) -> std::result::Result<MergeProgram, ProgramError> {
+        let g = Graph::new("lora_merge");
+        let adapters: Vec<Tensor> = lora_param_table(config, lora)
+            .iter()
+            .map(|s| g.parameter(&s.name, DType::F32, &s.dims()))
+            .collect();
+        let base: Vec<Tensor> = param_table(config)
+            .iter()
+            .map(|s| g.parameter(&s.name, dtype, &s.dims()))
+            .collect();
+        let merged = merge_params(config, lora, &base, &adapters);
+        let refs: Vec<&Tensor> = merged.iter().collect();
         let program = g.build(&refs).map_err(|source| ProgramError::Graph {
             program: "lora_merge".into(),
             source,
         })?;
-        let exe = program
-            .compile(client)
-            .map_err(crate::programs::runtime("compiling lora_merge"))?;
-        let arg_refs: Vec<_> = args.iter().collect();
-        let merged = exe
-            .execute(&arg_refs)
-            .map_err(crate::programs::runtime("running lora_merge"))?;
-        let mut out = base.clone();
-        for (spec, buffer) in table.iter().zip(merged) {
-            let values = buffer
-                .to_host::<f32>()
-                .map_err(crate::programs::runtime("downloading lora_merge"))?;
-            let slot = out
-                .tensors
-                .iter_mut()
-                .find(|t| t.name == spec.base)
-                .expect("lora_table names base weights");
-            *slot = HostTensor::from_f32_as(spec.base.clone(), slot.shape.clone(), &values, slot.dtype);
+        Ok(MergeProgram {
+            exe: program.compile(client).map_err(runtime("compiling lora_merge"))?,
+            adapters: adapters.len(),
+            weights: base.len(),
+        })
+    }
+
+    /// The merged table on the device the arguments are on.
+    pub fn run(
+        &self,
+        adapters: &[Buffer],
+        base: &[Buffer],
+    ) -> std::result::Result<Vec<Buffer>, ProgramError> {
+        if adapters.len() != self.adapters || base.len() != self.weights {
+            return Err(ProgramError::Input {
+                program: "lora_merge".into(),
+                problem: format!(
+                    "takes {} adapter and {} base tensors, given {} and {}",
+                    self.adapters,
+                    self.weights,
+                    adapters.len(),
+                    base.len()
+                ),
+            });
         }
-        Ok(out)
+        let args: Vec<&Buffer> = adapters.iter().chain(base).collect();
+        self.exe.execute(&args).map_err(runtime("running lora_merge"))
     }
 }
 

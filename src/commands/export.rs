@@ -17,10 +17,14 @@ use trainer::export::{export_checkpoint, ExportOptions};
                   --dtype bf16), config.json, tokenizer.json and tokenizer_config.json with the \
                   chat template of the model the run started from. The checkpoint's checksums \
                   are verified first, and every tensor is checked by name and shape against the \
-                  model's parameter table.",
+                  model's parameter table. A LoRA run's checkpoint exports as a PEFT adapter \
+                  (adapter_config.json, adapter_model.safetensors) that PEFT loads on the base \
+                  model, or with --merged as the merged model.",
     after_help = "Examples:\n  \
                   grpo export runs/gsm8k/checkpoints/step_200 --output exported/gsm8k-step200\n  \
                   grpo export runs/gsm8k --output exported/latest --dtype bf16\n  \
+                  grpo export runs/gsm8k-lora --output exported/lora-adapter\n  \
+                  grpo export runs/gsm8k-lora --output exported/lora-merged --merged\n  \
                   grpo export runs/gsm8k/checkpoints/step_50 --output out --model models/SmolLM2-135M-Instruct.Q4_1.gguf"
 )]
 pub struct ExportArgs {
@@ -40,6 +44,10 @@ pub struct ExportArgs {
     /// Element type of the exported weights. Example: `--dtype bf16`.
     #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
     dtype: String,
+    /// For a LoRA run (`actor.lora_rank`): write the base model with the adapters merged in
+    /// (a Hugging Face model) instead of the PEFT adapter. Example: `--merged`.
+    #[arg(long)]
+    merged: bool,
 }
 
 /// The checkpoint directory `path` names: itself when it holds a `manifest.json`, else the
@@ -67,6 +75,7 @@ pub fn run(args: ExportArgs) -> anyhow::Result<ExitCode> {
         model: args.model,
         // clap lets only f32 and bf16 through.
         dtype: args.dtype.parse()?,
+        merged: args.merged,
     };
     // The export errors carry their causes in their messages; print them once.
     let summary = export_checkpoint(&checkpoint, &args.output, &options)

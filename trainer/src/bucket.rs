@@ -121,6 +121,11 @@ impl BucketedLearner {
         multiple: usize,
         max_consecutive_nonfinite: u32,
     ) -> Result<BucketedLearner> {
+        // The policy decides what it reads without training (a LoRA policy's base weights).
+        let cfg = StepConfig {
+            frozen: policy.frozen_specs(),
+            ..cfg
+        };
         if cfg.response_len != policy.response_len as i64
             || cfg.micro_batch_size != policy.micro_batch_size as i64
         {

@@ -11,6 +11,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use model::lora::{lora_param_table, LoraAdapter, LoraConfig};
 use model::{
     param_table, save_hf_checkpoint, GgufFile, HostTensor, ModelConfig, ModelError, ModelTokenizer,
     ModelWeights,
@@ -20,6 +21,10 @@ use crate::checkpoint::{load_checkpoint, Checkpoint, CheckpointError};
 
 /// The key of `state.json`'s `extra` object that records the model a run trained.
 pub const MODEL_PATH_KEY: &str = "model_path";
+
+/// The key of `state.json`'s `extra` object that records a LoRA run's adapters (PEFT's
+/// `adapter_config.json`); absent for a full fine-tune.
+pub const LORA_KEY: &str = "lora";
 
 /// The tensor file of a checkpoint that holds the policy's parameters.
 pub const PARAMS_STEM: &str = "params";
@@ -136,6 +141,18 @@ pub enum ExportError {
         #[source]
         source: ModelError,
     },
+    /// The checkpoint's recorded LoRA configuration cannot be read, or `--merged` was asked of
+    /// a full fine-tune.
+    #[error("{0}")]
+    Lora(String),
+    /// Merging the adapters into the base weights failed (the CPU plugin is needed).
+    #[error("merging the adapters into {model}: {message}")]
+    Merge {
+        /// The base model.
+        model: PathBuf,
+        /// What failed.
+        message: String,
+    },
     /// A staging file for the tokenizer could not be written.
     #[error("{action} {path}: {source}")]
     Io {
@@ -157,6 +174,9 @@ pub struct ExportOptions {
     pub model: Option<PathBuf>,
     /// Element type of the exported weights (f32 or bf16; bf16 rounds to nearest even).
     pub dtype: xla::DType,
+    /// For a LoRA checkpoint: write the merged model (`W + s·B·A`) as a Hugging Face model
+    /// instead of the PEFT adapter.
+    pub merged: bool,
 }
 
 impl Default for ExportOptions {
@@ -164,6 +184,7 @@ impl Default for ExportOptions {
         ExportOptions {
             model: None,
             dtype: xla::DType::F32,
+            merged: false,
         }
     }
 }
@@ -286,6 +307,32 @@ pub fn trained_weights(
     config: &ModelConfig,
     model: &Path,
 ) -> Result<ModelWeights, ExportError> {
+    Ok(ModelWeights {
+        config: config.clone(),
+        tensors: trained_tensors(checkpoint, &param_table(config), model)?,
+    })
+}
+
+/// The LoRA configuration a checkpoint records (`extra.lora`), `None` for a full fine-tune.
+pub fn recorded_lora(checkpoint: &Checkpoint) -> Result<Option<LoraConfig>, ExportError> {
+    match checkpoint.state.extra.get(LORA_KEY) {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(json) => LoraConfig::from_peft_json(json).map(Some).map_err(|e| {
+            ExportError::Lora(format!(
+                "{}: `extra.{LORA_KEY}`: {e}",
+                checkpoint.dir.join("state.json").display()
+            ))
+        }),
+    }
+}
+
+/// The checkpoint's parameter tensors matched to `table`, in table order: every entry must be
+/// present with its shape and finite, and no other tensor may be there.
+fn trained_tensors(
+    checkpoint: &Checkpoint,
+    table: &[model::ParamSpec],
+    model: &Path,
+) -> Result<Vec<HostTensor>, ExportError> {
     let file = checkpoint.dir.join(format!("{PARAMS_STEM}.safetensors"));
     let params = checkpoint
         .tensors
@@ -300,9 +347,8 @@ pub fn trained_weights(
                 .join(", "),
         })?;
     let mut by_name: BTreeMap<&str, &HostTensor> = params.iter().map(|t| (t.name.as_str(), t)).collect();
-    let table = param_table(config);
     let mut tensors = Vec::with_capacity(table.len());
-    for spec in &table {
+    for spec in table {
         let t = by_name
             .remove(spec.name.as_str())
             .ok_or_else(|| ExportError::MissingTensor {
@@ -343,10 +389,7 @@ pub fn trained_weights(
             model: model.to_path_buf(),
         });
     }
-    Ok(ModelWeights {
-        config: config.clone(),
-        tensors,
-    })
+    Ok(tensors)
 }
 
 /// Exports the checkpoint directory `checkpoint_dir` (a `step_N` directory) as a Hugging Face
@@ -369,12 +412,63 @@ pub fn export_checkpoint(
         _ => PathBuf::from("."),
     };
     let source = SourceModel::load(&model_path, &staging_parent)?;
-    let weights = trained_weights(&checkpoint, &source.config, &model_path)?.to_dtype(options.dtype);
+    let lora = recorded_lora(&checkpoint)?;
+    if lora.is_none() && options.merged {
+        return Err(ExportError::Lora(format!(
+            "{}: --merged applies to LoRA checkpoints; this run trained every weight, so the export is the model already",
+            checkpoint_dir.display()
+        )));
+    }
+    if let Some(lora) = lora.clone().filter(|_| !options.merged) {
+        let tensors = trained_tensors(&checkpoint, &lora_param_table(&source.config, &lora), &model_path)?;
+        let adapter = LoraAdapter { lora, tensors };
+        adapter
+            .save_peft(output, &model_path.display().to_string())
+            .map_err(|source| ExportError::Write {
+                output: output.to_path_buf(),
+                source,
+            })?;
+        return summary(output, &checkpoint, model_path, &adapter.tensors);
+    }
+    let weights = match lora {
+        Some(lora) => {
+            let tensors =
+                trained_tensors(&checkpoint, &lora_param_table(&source.config, &lora), &model_path)?;
+            merged_weights(&model_path, LoraAdapter { lora, tensors })?
+        }
+        None => trained_weights(&checkpoint, &source.config, &model_path)?,
+    }
+    .to_dtype(options.dtype);
     let files: Vec<&Path> = source.tokenizer_files.iter().map(PathBuf::as_path).collect();
     save_hf_checkpoint(output, &weights, &files).map_err(|source| ExportError::Write {
         output: output.to_path_buf(),
         source,
     })?;
+    summary(output, &checkpoint, model_path, &weights.tensors)
+}
+
+/// The base model's weights with the adapters merged in (on the CPU plugin).
+fn merged_weights(model_path: &Path, adapter: LoraAdapter) -> Result<ModelWeights, ExportError> {
+    let merge_err = |message: String| ExportError::Merge {
+        model: model_path.to_path_buf(),
+        message,
+    };
+    let base = model::programs::HostModel::load(model_path)
+        .map_err(|e| merge_err(e.to_string()))?
+        .weights;
+    let client = xla::runtime::Client::cpu(1)
+        .map_err(|e| merge_err(format!("the CPU plugin (run scripts/setup.sh): {e}")))?;
+    adapter
+        .merge_into(&client, 0, &base)
+        .map_err(|e| merge_err(e.to_string()))
+}
+
+fn summary(
+    output: &Path,
+    checkpoint: &Checkpoint,
+    model: PathBuf,
+    tensors: &[HostTensor],
+) -> Result<ExportSummary, ExportError> {
     let mut written: Vec<String> = std::fs::read_dir(output)
         .map_err(io_err("listing", output))?
         .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
@@ -383,9 +477,9 @@ pub fn export_checkpoint(
     Ok(ExportSummary {
         output: output.to_path_buf(),
         step: checkpoint.state.step,
-        model: model_path,
-        tensors: weights.tensors.len(),
-        parameters: weights.num_parameters(),
+        model,
+        tensors: tensors.len(),
+        parameters: tensors.iter().map(HostTensor::numel).sum(),
         files: written,
     })
 }
@@ -521,6 +615,7 @@ mod tests {
             &ExportOptions {
                 model: Some(tmp.path().join("nowhere")),
                 dtype: xla::DType::F32,
+                merged: false,
             },
         )
         .unwrap_err()

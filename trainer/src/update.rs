@@ -206,22 +206,37 @@ pub struct GrpoUpdate {
 }
 
 impl GrpoUpdate {
-    /// Builds the programs and uploads the state a run starts from: `initial` (the model's
-    /// weights in the policy's parameter-table order) with zero optimizer state when `resume`
-    /// is `None`, else the checkpoint's state. `initial` is kept as the frozen reference when
-    /// [`UpdateConfig::needs_reference`]. `clocks` are the schedule's clock and the in-reward
-    /// KL coefficient at the state.
+    /// Builds the programs and uploads the state a run starts from: `initial` (the policy's
+    /// trainable parameters in its parameter-table order: the model's weights, or with LoRA
+    /// the adapters) with zero optimizer state when `resume` is `None`, else the checkpoint's
+    /// state, and `frozen` (with LoRA the base weights, [`DecoderPolicy::frozen_specs`]; else
+    /// empty). The frozen reference, when [`UpdateConfig::needs_reference`], is `initial`, or
+    /// with LoRA zero adapters: the base model, with no second copy. `clocks` are the
+    /// schedule's clock and the in-reward KL coefficient at the state.
     pub fn start(
         client: &Client,
         policy: DecoderPolicy,
         config: UpdateConfig,
         initial: Vec<Vec<f32>>,
+        frozen: Vec<Vec<f32>>,
         resume: Option<LearnerState>,
         clocks: UpdateClocks,
     ) -> Result<GrpoUpdate> {
         let needs_reference = config.needs_reference();
+        // A LoRA policy's reference is its base: zero adapters (B = 0 merges to W exactly).
+        let lora_reference = || -> Vec<Vec<f32>> {
+            policy
+                .param_specs()
+                .iter()
+                .map(|p| vec![0.0; p.numel()])
+                .collect()
+        };
         let (state, reference) = match resume {
+            Some(state) if policy.lora.is_some() => (state, needs_reference.then(lora_reference)),
             Some(state) => (state, needs_reference.then_some(initial)),
+            None if policy.lora.is_some() => {
+                (LearnerState::fresh(initial), needs_reference.then(lora_reference))
+            }
             None => {
                 // Without a reference the initial weights move into the state, not copied.
                 let (params, reference) = if needs_reference {
@@ -242,6 +257,9 @@ impl GrpoUpdate {
         )?;
         if let Some(r) = &reference {
             learner.learner_mut().set_reference(r)?;
+        }
+        if !frozen.is_empty() {
+            learner.learner_mut().set_frozen(&frozen)?;
         }
         let kl_ctrl = KlController {
             control: config.kl_ctrl,

@@ -169,6 +169,7 @@ fn bf16_export_rounds_each_value_to_nearest_even() {
     let options = ExportOptions {
         model: Some(model.clone()),
         dtype: xla::DType::BF16,
+        merged: false,
     };
     export_checkpoint(&ck, &out, &options).unwrap();
     let exported = load_hf_checkpoint(&out).unwrap();
@@ -215,6 +216,7 @@ fn a_model_whose_parameter_table_differs_is_refused_naming_the_tensor() {
     let options = ExportOptions {
         model: Some(other.clone()),
         dtype: xla::DType::F32,
+        merged: false,
     };
     let err = export_checkpoint(&ck, &out, &options).unwrap_err().to_string();
     assert!(
@@ -228,6 +230,7 @@ fn a_model_whose_parameter_table_differs_is_refused_naming_the_tensor() {
     let options = ExportOptions {
         model: Some(tied),
         dtype: xla::DType::F32,
+        merged: false,
     };
     let err = export_checkpoint(&ck, &out, &options).unwrap_err().to_string();
     assert!(

@@ -67,6 +67,11 @@ pub struct ModelSection {
     /// `grpo compile` reports both sides.
     #[serde(default)]
     pub enable_gradient_checkpointing: bool,
+    /// A PEFT LoRA adapter directory (`adapter_config.json`, `adapter_model.safetensors`) to
+    /// continue training from (VeRL's `lora_adapter_path`): with `actor.lora_rank` set to the
+    /// adapter's `r`, its `lora_alpha` and `target_modules` must match the recipe's.
+    #[serde(default)]
+    pub lora_adapter_path: Option<String>,
 }
 
 /// `rollout:` how responses are generated.
@@ -330,12 +335,34 @@ pub struct ActorSection {
     /// (see `trainer::bucket`).
     #[serde(default = "default_length_bucket")]
     pub length_bucket: usize,
+    /// LoRA rank (VeRL's `lora_rank`): above 0 the learner trains rank-r adapters on the
+    /// projections `target_modules` names and keeps the base weights frozen in their compute
+    /// type; 0 trains every weight.
+    #[serde(default)]
+    pub lora_rank: usize,
+    /// LoRA's alpha: the adapters' update is scaled by `lora_alpha / lora_rank`.
+    #[serde(default = "default_lora_alpha")]
+    pub lora_alpha: f64,
+    /// The projections that carry adapters: `all-linear` (q, k, v, o, gate, up and down) or a
+    /// list of them (`[q_proj, v_proj]`).
+    #[serde(default)]
+    pub target_modules: model::TargetModules,
 }
 
 /// `actor.strategy`: the trainer's own enum (`single`, `dp`, `fsdp`; `single` by default).
 pub use trainer::config::Strategy;
 
 impl ActorSection {
+    /// The adapters `actor.lora_rank` asks for (`None` at rank 0: a full fine-tune).
+    pub fn lora(&self) -> Option<model::LoraConfig> {
+        (self.lora_rank > 0).then(|| model::LoraConfig {
+            rank: self.lora_rank,
+            alpha: self.lora_alpha,
+            targets: self.target_modules.0.clone(),
+            use_rslora: false,
+        })
+    }
+
     /// `actor.strategy` and `actor.mesh` as the learner's [`trainer::config::Parallelism`],
     /// with an unset mesh filled in where the recipe alone determines the learner client's
     /// devices: on CPU, all [`Recipe::cpu_devices`]. On CUDA and TPU the mesh must be set for
@@ -939,6 +966,9 @@ fn default_clip_ratio_c() -> f64 {
 }
 fn default_kl_loss_coef() -> f64 {
     loss_defaults().kl_loss_coef
+}
+fn default_lora_alpha() -> f64 {
+    16.0
 }
 fn default_tau_pos() -> f64 {
     loss_defaults().tau_pos

@@ -368,6 +368,7 @@ pub(crate) fn validate(r: &Recipe, text: &str, file: &str, overrides: &[String])
         );
     }
     check_algorithm_knobs(&mut c, r);
+    check_lora(&mut c, r);
     check_rollout_correction(&mut c, r);
     check_filter_groups(&mut c, r);
     c.check(
@@ -938,6 +939,77 @@ fn check_rollout_correction(c: &mut Checker, r: &Recipe) {
         }
         (None, None) => {}
     }
+}
+
+/// LoRA's keys: alpha and targets only with a rank, and (in this build) the learner on one
+/// device with the rollout in the orchestrator's process.
+fn check_lora(c: &mut Checker, r: &Recipe) {
+    let a = &r.actor;
+    if a.lora_rank == 0 {
+        c.check(
+            a.lora_alpha == 16.0,
+            "actor.lora_alpha",
+            a.lora_alpha,
+            "is read only with actor.lora_rank above 0 (LoRA); set the rank or leave the key out",
+        );
+        c.check(
+            a.target_modules == model::TargetModules::default(),
+            "actor.target_modules",
+            format!(
+                "{:?}",
+                a.target_modules.0.iter().map(|t| t.module()).collect::<Vec<_>>()
+            ),
+            "is read only with actor.lora_rank above 0 (LoRA); set the rank or leave the key out",
+        );
+        c.check(
+            r.model.lora_adapter_path.is_none(),
+            "model.lora_adapter_path",
+            r.model.lora_adapter_path.as_deref().unwrap_or(""),
+            "needs actor.lora_rank set to the adapter's r (to generate with an adapter without \
+             training it: grpo generate --adapter)",
+        );
+        return;
+    }
+    c.check(
+        a.lora_alpha > 0.0 && a.lora_alpha.is_finite(),
+        "actor.lora_alpha",
+        a.lora_alpha,
+        "must be a number above 0",
+    );
+    let why = "LoRA runs with the learner on one device and the rollout in the orchestrator's \
+               process in this build (issue 25: sharded learners and adapter-only syncs to \
+               workers are not done yet)";
+    c.check(
+        a.strategy == Strategy::Single,
+        "actor.strategy",
+        a.strategy.name(),
+        why,
+    );
+    c.check(
+        a.tensor_model_parallel_size <= 1,
+        "actor.tensor_model_parallel_size",
+        a.tensor_model_parallel_size,
+        why,
+    );
+    let cl = &r.cluster;
+    c.check(
+        cl.rollout_workers == 0,
+        "cluster.rollout_workers",
+        cl.rollout_workers,
+        why,
+    );
+    c.check(
+        cl.learner_workers == 0,
+        "cluster.learner_workers",
+        cl.learner_workers,
+        why,
+    );
+    c.check(
+        cl.pools.is_empty(),
+        "cluster.pools",
+        format!("{} pools", cl.pools.len()),
+        why,
+    );
 }
 
 /// The knobs of one estimator or loss set while another is chosen would silently do nothing;

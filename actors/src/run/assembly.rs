@@ -176,7 +176,7 @@ impl Assembly {
             None => {
                 // The host copy of the weights moves into the learner (the rollout shares the
                 // learner's device buffers), so the model is held once on the host.
-                let initial = learner::initial_params(specs, &mut prepared.model.weights)?;
+                let initial = learner::initial_weights(recipe, &mut prepared.model.weights)?;
                 Arc::new(LocalLearner::start(
                     client,
                     recipe,

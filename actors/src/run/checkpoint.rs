@@ -267,6 +267,7 @@ pub(crate) fn save(
         sampler_position: serde_json::to_value(clocks.sampler).map_err(|e| RunError::Other(e.to_string()))?,
         extra: serde_json::json!({
             trainer::export::MODEL_PATH_KEY: recipe.model.path,
+            trainer::export::LORA_KEY: recipe.actor.lora().map(|l| l.to_peft_json(&recipe.model.path)),
             OPTIMIZER_STEPS_KEY: clocks.update.optimizer_steps,
             KL_COEF_KEY: clocks.update.kl_coef,
             RECIPE_KEY: serde_json::to_value(recipe).map_err(|e| RunError::Other(e.to_string()))?,

@@ -166,7 +166,7 @@ pub fn policy(recipe: &Recipe, config: &model::ModelConfig) -> DecoderPolicy {
             .data_devices(micro_batch_size as i64)
             .unwrap_or(1),
         remat: recipe.model.enable_gradient_checkpointing,
-        lora: None,
+        lora: recipe.actor.lora(),
     }
 }
 

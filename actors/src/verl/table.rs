@@ -53,8 +53,9 @@ const VLLM: How = How::NoEffect(
      same compiled programs as the learner), sized by `rollout.max_num_seqs`",
 );
 const MTP: How = How::Unsupported("multi-token prediction is not in grpo");
-const LORA: How =
-    How::Unsupported("LoRA is not in this grpo build yet (issue 25); grpo trains every weight of the model");
+const LORA_EXCLUDE: How = How::Unsupported(
+    "grpo's LoRA names the adapted projections with `target_modules` only; list the projections to adapt there",
+);
 const MULTI_TURN: How = How::Unsupported(
     "multi-turn rollouts with tools are not in this grpo build yet (issue 24); grpo's rollouts \
      are single-turn",
@@ -208,11 +209,11 @@ pub const TABLE: &[Entry] = &[
     Entry { key: "actor_rollout_ref.model.enable_gradient_checkpointing", how: How::Map("model.enable_gradient_checkpointing") },
     Entry { key: "actor_rollout_ref.model.enable_activation_offload", how: How::NoEffect("grpo keeps activations on the device; `enable_gradient_checkpointing` is how it saves their memory") },
     Entry { key: "actor_rollout_ref.model.use_remove_padding", how: How::NoEffect("grpo packs each group's prompt once and pads only to length buckets (`actor.length_bucket`)") },
-    Entry { key: "actor_rollout_ref.model.lora_rank", how: LORA },
-    Entry { key: "actor_rollout_ref.model.lora_alpha", how: LORA },
-    Entry { key: "actor_rollout_ref.model.target_modules", how: LORA },
-    Entry { key: "actor_rollout_ref.model.exclude_modules", how: LORA },
-    Entry { key: "actor_rollout_ref.model.lora_adapter_path", how: LORA },
+    Entry { key: "actor_rollout_ref.model.lora_rank", how: How::Map("actor.lora_rank") },
+    Entry { key: "actor_rollout_ref.model.lora_alpha", how: How::Map("actor.lora_alpha") },
+    Entry { key: "actor_rollout_ref.model.target_modules", how: How::Map("actor.target_modules") },
+    Entry { key: "actor_rollout_ref.model.exclude_modules", how: LORA_EXCLUDE },
+    Entry { key: "actor_rollout_ref.model.lora_adapter_path", how: How::Map("model.lora_adapter_path") },
     Entry { key: "actor_rollout_ref.model.use_liger", how: How::NoEffect("XLA fuses grpo's programs") },
     Entry { key: "actor_rollout_ref.model.use_fused_kernels", how: How::NoEffect("XLA fuses grpo's programs") },
     Entry { key: "actor_rollout_ref.model.fused_kernel_options.*", how: How::NoEffect("XLA fuses grpo's programs") },

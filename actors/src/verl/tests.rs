@@ -79,6 +79,11 @@ fn mapped_keys_reach_their_recipe_keys() {
         let ours = serde_json::to_value(&ours).unwrap();
         // Numbers compare as numbers (1 and 1.0), one-or-many as the list.
         let same = match (&verl, &ours) {
+            // `all-linear` names the seven projections the recipe lists.
+            _ if to == "actor.target_modules" => {
+                serde_json::from_value::<model::TargetModules>(verl.clone()).unwrap()
+                    == serde_json::from_value::<model::TargetModules>(ours.clone()).unwrap()
+            }
             (Value::Number(a), Value::Number(b)) => a.as_f64() == b.as_f64(),
             (Value::String(a), Value::Array(b)) => b == &vec![json!(a)],
             (a, b) => a == b,
@@ -162,11 +167,15 @@ fn errors_name_the_key_and_the_way_out() {
          `+actor_rollout_ref.actor.optim.lr_rate=...`"
     );
     assert_eq!(
-        err(&["actor_rollout_ref.model.lora_rank=32", "reward_model.enable=True"]),
-        "2 VeRL settings grpo cannot honour:\n  actor_rollout_ref.model.lora_rank=32: not \
-         supported: LoRA is not in this grpo build yet (issue 25); grpo trains every weight of the \
-         model\n  reward_model.enable=true: not supported: model-based rewards are not in grpo; \
-         score with a `custom_reward_function` file or grpo's scorers (recipes/README.md, `reward`)"
+        err(&[
+            "actor_rollout_ref.rollout.multi_turn.enable=True",
+            "reward_model.enable=True"
+        ]),
+        "2 VeRL settings grpo cannot honour:\n  actor_rollout_ref.rollout.multi_turn.enable=true: not \
+         supported: multi-turn rollouts with tools are not in this grpo build yet (issue 24); grpo's \
+         rollouts are single-turn\n  reward_model.enable=true: not supported: model-based rewards \
+         are not in grpo; score with a `custom_reward_function` file or grpo's scorers \
+         (recipes/README.md, `reward`)"
     );
     assert_eq!(
         err(&["actor_rollout_ref.actor.kl_loss_type=k9"]),

@@ -668,8 +668,9 @@ impl Learner {
         Ok(())
     }
 
-    /// The frozen tensors of device `d`, or an error when they were never set.
-    fn frozen_on(&self, d: usize) -> Result<&[Buffer]> {
+    /// The frozen tensors of device `d` ([`StepConfig::frozen`]), or an error when they were
+    /// never set.
+    pub fn frozen_params(&self, d: usize) -> Result<&[Buffer]> {
         let set = self.frozen.get(d).map_or(0, Vec::len);
         if set != self.frozen_specs.len() {
             return Err(TrainerError::Length {
@@ -766,7 +767,7 @@ impl Learner {
             .iter()
             .zip(&batch)
             .enumerate()
-            .map(|(d, (p, b))| Ok(p.iter().chain(b.iter()).chain(self.frozen_on(d)?).collect()))
+            .map(|(d, (p, b))| Ok(p.iter().chain(b.iter()).chain(self.frozen_params(d)?).collect()))
             .collect::<Result<_>>()?;
         let exe = self.shapes[shape].log_probs.as_ref().expect("compiled");
         let out = run(exe, &args, "log_probs")?;
@@ -1051,7 +1052,7 @@ impl Learner {
                         args.push(&self.step[d]);
                         args.push(&lr_buf[d]);
                         args.extend(only.per_device[d].iter());
-                        args.extend(self.frozen_on(d)?);
+                        args.extend(self.frozen_params(d)?);
                         Ok(args)
                     })
                     .collect::<Result<_>>()?;
@@ -1077,7 +1078,7 @@ impl Learner {
                             args.push(&self.metric_acc[d]);
                             args.extend(self.params[d].iter());
                             args.extend(mb.per_device[d].iter());
-                            args.extend(self.frozen_on(d)?);
+                            args.extend(self.frozen_params(d)?);
                             Ok(args)
                         })
                         .collect::<Result<_>>()?;

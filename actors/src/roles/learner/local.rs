@@ -6,6 +6,7 @@ use super::{LearnerRole, LearnerWeights};
 use crate::recipe::Recipe;
 use crate::roles::{BoxFuture, RoleError};
 use crate::setup;
+use model::lora::MergeProgram;
 use model::ParamSpec;
 use std::sync::{Arc, Mutex};
 use trainer::step::LearnerState;
@@ -15,7 +16,7 @@ use xla::runtime::{Buffer, Client};
 /// Takes the model's tensors out of `weights` (they are not needed twice on the host) and returns
 /// them as f32 in the order of `specs`: the initial weights of a new run, and the frozen
 /// reference.
-pub fn initial_params(
+fn initial_params(
     specs: &[ParamSpec],
     weights: &mut model::ModelWeights,
 ) -> Result<Vec<Vec<f32>>, UpdateError> {
@@ -37,55 +38,142 @@ pub fn initial_params(
         .collect()
 }
 
+/// The starting point of a run's learner, from the model's weights (taken out of `weights`):
+/// the trainable parameters and the frozen ones, as [`GrpoUpdate::start`] takes them. A full
+/// fine-tune trains the weights and freezes nothing; LoRA trains adapters (PEFT's
+/// initialisation seeded by `trainer.seed`, or `model.lora_adapter_path`'s) and freezes the
+/// weights.
+pub fn initial_weights(
+    recipe: &Recipe,
+    weights: &mut model::ModelWeights,
+) -> Result<InitialWeights, UpdateError> {
+    let policy = setup::policy(recipe, &weights.config);
+    let Some(lora) = &policy.lora else {
+        return Ok(InitialWeights {
+            trainable: initial_params(&policy.param_specs(), weights)?,
+            frozen: Vec::new(),
+        });
+    };
+    let adapter =
+        match &recipe.model.lora_adapter_path {
+            Some(dir) => {
+                let adapter = model::LoraAdapter::load_peft(std::path::Path::new(dir), &weights.config)
+                    .map_err(|e| UpdateError::Batch(format!("model.lora_adapter_path: {e}")))?;
+                if adapter.lora != *lora {
+                    return Err(UpdateError::Batch(format!(
+                    "model.lora_adapter_path {dir} holds an adapter of rank {}, alpha {}, targets {:?}{}; \
+                     the recipe asks for rank {}, alpha {}, targets {:?}: set actor.lora_rank, \
+                     actor.lora_alpha and actor.target_modules to the adapter's",
+                    adapter.lora.rank,
+                    adapter.lora.alpha,
+                    adapter.lora.targets.iter().map(|t| t.module()).collect::<Vec<_>>(),
+                    if adapter.lora.use_rslora { " (rsLoRA)" } else { "" },
+                    lora.rank,
+                    lora.alpha,
+                    lora.targets.iter().map(|t| t.module()).collect::<Vec<_>>(),
+                )));
+                }
+                adapter
+            }
+            None => model::LoraAdapter::init(&weights.config, lora, recipe.trainer.seed),
+        };
+    Ok(InitialWeights {
+        trainable: adapter.tensors.iter().map(|t| t.to_f32_vec()).collect(),
+        frozen: initial_params(&policy.frozen_specs(), weights)?,
+    })
+}
+
+/// Where a new run's learner starts (f32 values in the policy's table orders).
+#[derive(Clone, Debug)]
+pub struct InitialWeights {
+    /// The trainable parameters: the model's weights, or with LoRA the adapters.
+    pub trainable: Vec<Vec<f32>>,
+    /// The frozen tensors: with LoRA the model's weights, else none.
+    pub frozen: Vec<Vec<f32>>,
+}
+
 /// The learner role in this process. Its parameter buffers are shared with an in-process
-/// rollout engine (no copy); updates run on a blocking thread, one at a time.
+/// rollout engine (no copy); updates run on a blocking thread, one at a time. With LoRA the
+/// engine samples from the merged weights `W + s·B·A`, computed on the device after each
+/// update.
 pub struct LocalLearner {
     update: Arc<Mutex<GrpoUpdate>>,
     /// The update's clocks, readable while an update runs.
     clocks: Arc<Mutex<UpdateClocks>>,
+    /// The trainable parameters' table.
     specs: Vec<ParamSpec>,
+    /// With LoRA: the merge and the model's parameter table it produces.
+    merge: Option<(MergeProgram, Vec<ParamSpec>)>,
 }
 
 impl LocalLearner {
     /// The learner of a run as the orchestrator and a learner worker both build it (see
-    /// [`GrpoUpdate::start`]): from `initial` (the model's weights in parameter-table order, see
-    /// [`initial_params`]) or the checkpoint state `resume` with its `clocks`, in a schedule of
+    /// [`GrpoUpdate::start`]): from `initial` (the policy's starting point, see
+    /// [`initial_weights`]) or the checkpoint state `resume` with its `clocks`, in a schedule of
     /// `total_optimizer_steps`.
     pub fn start(
         client: &Client,
         recipe: &Recipe,
         config: &model::ModelConfig,
-        initial: Vec<Vec<f32>>,
+        initial: InitialWeights,
         resume: Option<LearnerState>,
         clocks: UpdateClocks,
         total_optimizer_steps: u64,
     ) -> Result<LocalLearner, UpdateError> {
         let policy = setup::policy(recipe, config);
         let specs = policy.param_specs();
+        let merge = match &policy.lora {
+            Some(lora) => {
+                let program = MergeProgram::compile(client, config, lora, setup::actor_dtype(recipe))
+                    .map_err(|e| UpdateError::Batch(format!("LoRA: {e}")))?;
+                Some((program, policy.frozen_specs()))
+            }
+            None => None,
+        };
         let update = GrpoUpdate::start(
             client,
             policy,
             setup::update_config(recipe, total_optimizer_steps),
-            initial,
+            initial.trainable,
+            initial.frozen,
             resume,
             clocks,
         )?;
         Ok(LocalLearner {
             specs,
+            merge,
             clocks: Arc::new(Mutex::new(update.clocks())),
             update: Arc::new(Mutex::new(update)),
         })
     }
 
-    /// The parameters for a rollout engine on the same device (shared, not copied).
+    /// The parameters for a rollout engine on the same device (shared, not copied), in the
+    /// model's parameter-table order; with LoRA the merged weights (a new copy).
     pub fn shared_params(&self) -> Result<Arc<[Buffer]>, UpdateError> {
-        Ok(lock(&self.update).learner_mut().learner_mut().shared_params()?)
+        let mut update = lock(&self.update);
+        let learner = update.learner_mut().learner_mut();
+        match &self.merge {
+            Some((merge, _)) => {
+                let merged = merge
+                    .run(learner.device_params(0), learner.frozen_params(0)?)
+                    .map_err(|e| UpdateError::Batch(format!("LoRA: {e}")))?;
+                Ok(Arc::from(merged))
+            }
+            None => Ok(learner.shared_params()?),
+        }
     }
 
     /// The parameters with their layout, for a rollout engine on the learner's devices
     /// (shared, not copied): on one device [`LocalLearner::shared_params`]; over a mesh of
     /// `N > 1` every device's f32 masters, split as the learner's mesh splits them.
     pub fn rollout_source(&self) -> Result<rollout::SourceParams, UpdateError> {
+        if let Some((_, model_specs)) = &self.merge {
+            // One device (recipe validation): the merged weights, in the model's table.
+            return Ok(rollout::SourceParams::single(
+                self.shared_params()?,
+                model_specs.clone(),
+            ));
+        }
         let mut update = lock(&self.update);
         let learner = update.learner_mut().learner_mut();
         let mesh = learner.mesh();

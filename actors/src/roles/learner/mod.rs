@@ -14,7 +14,7 @@ mod local;
 mod remote;
 mod service;
 
-pub use local::{initial_params, LocalLearner};
+pub use local::{initial_weights, InitialWeights, LocalLearner};
 pub use remote::RemoteLearner;
 pub use service::LearnerService;
 

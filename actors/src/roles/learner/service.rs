@@ -2,7 +2,7 @@
 //! when the orchestrator calls `Start` (from the recipe's model, or from the checkpoint state it
 //! streams), then updated, read for weights and read for checkpoints.
 
-use super::local::{initial_params, role_error, LocalLearner};
+use super::local::{initial_weights, role_error, InitialWeights, LocalLearner};
 use super::remote::{
     chunk_table, report_to_proto, row_from_proto, state_chunks, StateReceiver, MAX_MESSAGE_BYTES,
 };
@@ -28,8 +28,8 @@ pub struct LearnerService {
     recipe: Recipe,
     config: model::ModelConfig,
     specs: Vec<ParamSpec>,
-    /// The model's weights in parameter-table order: a new run's start, and the reference.
-    initial: Vec<Vec<f32>>,
+    /// A new run's start (and the reference).
+    initial: InitialWeights,
     learner: Mutex<Option<Arc<LocalLearner>>>,
     /// Updates in progress (0 or 1), for the health check.
     in_flight: AtomicU64,
@@ -49,7 +49,7 @@ impl LearnerService {
         weights: &mut model::ModelWeights,
     ) -> Result<LearnerService, trainer::update::UpdateError> {
         let specs = crate::setup::policy(recipe, config).param_specs();
-        let initial = initial_params(&specs, weights)?;
+        let initial = initial_weights(recipe, weights)?;
         Ok(LearnerService {
             client,
             recipe: recipe.clone(),

@@ -1,0 +1,146 @@
+//! `grpo run` with LoRA (`actor.lora_rank`) on a tiny random-weight model with SmolLM2's
+//! tokenizer: the learner trains only the adapters, the rollout samples from the merged
+//! weights, the checkpoint holds the adapters under PEFT's names and resumes, `grpo export`
+//! writes a PEFT adapter (or with `--merged` the merged model) that `grpo generate --adapter`
+//! and the merged model answer alike with, and the keys are refused where they would do nothing.
+
+mod common;
+
+use common::*;
+use model::lora::LoraAdapter;
+use model::safetensors_io::load_hf_checkpoint;
+
+#[test]
+fn a_lora_run_trains_the_adapters_exports_them_for_peft_and_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, train, val) = tiny_inputs(dir.path(), 64, 4);
+    let out = dir.path().join("out");
+    let r = tiny_recipe(dir.path(), "r.yaml", &model, &train, &val, &out, 2, "");
+    let lora_args = [
+        "--set",
+        "actor.lora_rank=4",
+        "--set",
+        "actor.lora_alpha=8",
+        "--set",
+        "actor.target_modules=[q_proj, v_proj, down_proj]",
+        "--set",
+        "actor.optim.lr=0.05",
+        // One optimizer step per step, so step 1's loss is taken before any update.
+        "--set",
+        "actor.ppo_mini_batch_size=4",
+    ];
+    let run = |steps: &str| {
+        let mut args = vec!["run", r.to_str().unwrap(), "--quiet", "--set", steps];
+        args.extend_from_slice(&lora_args);
+        run_grpo(&args)
+    };
+    let o = run("trainer.total_training_steps=2");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let m = metrics(&out);
+    // The adapters start at B = 0: the policy is the base, which is the KL reference.
+    assert_eq!(m[&1]["actor/kl"], 0.0, "{}", m[&1]);
+    assert!(m[&1]["actor/grad_norm"].as_f64().unwrap() > 0.0);
+    assert_eq!(m[&2]["weights/version"], 2.0);
+
+    // The checkpoint holds the adapters only, under PEFT's names, and resumes.
+    let ck = trainer::checkpoint::load_checkpoint(&out.join("checkpoints/step_2")).unwrap();
+    let names: Vec<&str> = ck.tensors["params"].iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(names.len(), 2 * 3 * 2, "{names:?}");
+    assert!(
+        names
+            .iter()
+            .all(|n| n.starts_with("base_model.model.model.layers.")
+                && (n.ends_with(".lora_A.weight") || n.ends_with(".lora_B.weight"))),
+        "{names:?}"
+    );
+    let o = run("trainer.total_training_steps=3");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(metrics(&out)[&3]["weights/version"], 3.0);
+
+    // The PEFT adapter, and the merged model.
+    let adapter_dir = dir.path().join("adapter");
+    let merged_dir = dir.path().join("merged");
+    let export = |to: &std::path::Path, merged: bool| {
+        let mut args = vec!["export", out.to_str().unwrap(), "--output", to.to_str().unwrap()];
+        if merged {
+            args.push("--merged");
+        }
+        let o = run_grpo(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    };
+    export(&adapter_dir, false);
+    export(&merged_dir, true);
+    let base = load_hf_checkpoint(&model).unwrap();
+    let adapter = LoraAdapter::load_peft(&adapter_dir, &base.config).unwrap();
+    assert_eq!((adapter.lora.rank, adapter.lora.alpha), (4, 8.0));
+    assert!(
+        adapter.tensors[1].to_f32_vec().iter().any(|&b| b != 0.0),
+        "B never moved from zero"
+    );
+    let merged = load_hf_checkpoint(&merged_dir).unwrap();
+    let get = |w: &model::ModelWeights, n: &str| w.get(n).unwrap().to_f32_vec();
+    let (q, k) = (
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+    );
+    assert_ne!(
+        get(&merged, q),
+        get(&base, q),
+        "the adapted q_proj did not change"
+    );
+    assert_eq!(
+        get(&merged, k),
+        get(&base, k),
+        "k_proj has no adapter and must not change"
+    );
+
+    // Generating with the adapter on the base equals generating with the merged model.
+    let generate = |model: &std::path::Path, adapter: Option<&std::path::Path>| {
+        let mut c = grpo();
+        c.args(["generate", "--prompt", "What is 2 + 3?", "--temperature", "0"])
+            .args(["--max-new-tokens", "8", "--model"])
+            .arg(model);
+        if let Some(a) = adapter {
+            c.arg("--adapter").arg(a);
+        }
+        let o = c.output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        o.stdout
+    };
+    assert_eq!(generate(&model, Some(&adapter_dir)), generate(&merged_dir, None));
+}
+
+#[test]
+fn lora_keys_are_refused_where_they_would_do_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, train, val) = tiny_inputs(dir.path(), 8, 2);
+    let out = dir.path().join("out");
+    let r = tiny_recipe(dir.path(), "r.yaml", &model, &train, &val, &out, 1, "");
+    let refused = |sets: &[&str], want: &str| {
+        let mut args = vec!["run", r.to_str().unwrap(), "--quiet"];
+        for s in sets {
+            args.extend(["--set", s]);
+        }
+        let o = run_grpo(&args);
+        assert!(!o.status.success());
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains(want), "{sets:?}: {err}");
+        assert!(!out.exists(), "a refused recipe wrote {}", out.display());
+    };
+    refused(
+        &["actor.lora_alpha=32"],
+        "`actor.lora_alpha` = 32: is read only with actor.lora_rank above 0",
+    );
+    refused(
+        &["model.lora_adapter_path=/x"],
+        "`model.lora_adapter_path` = /x: needs actor.lora_rank set to the adapter's r",
+    );
+    refused(
+        &["actor.lora_rank=4", "cluster.rollout_workers=1"],
+        "`cluster.rollout_workers` = 1: LoRA runs with the learner on one device",
+    );
+    refused(
+        &["actor.lora_rank=4", "actor.target_modules=[q_proj, lm_head]"],
+        "`lm_head` is not a projection LoRA can adapt here",
+    );
+}
