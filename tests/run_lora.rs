@@ -108,6 +108,33 @@ fn a_lora_run_trains_the_adapters_exports_them_for_peft_and_resumes() {
         o.stdout
     };
     assert_eq!(generate(&model, Some(&adapter_dir)), generate(&merged_dir, None));
+
+    // A new run continues from the exported adapter: its policy starts away from the base, so
+    // step 1's KL to the reference (the base) is not 0. A different rank is refused.
+    let again = dir.path().join("again");
+    let mut args = vec![
+        "run",
+        r.to_str().unwrap(),
+        "--quiet",
+        "--set",
+        "trainer.total_training_steps=1",
+    ];
+    let out_set = format!("trainer.output_dir={}", again.display());
+    let path_set = format!("model.lora_adapter_path={}", adapter_dir.display());
+    args.extend(["--set", &out_set, "--set", &path_set]);
+    args.extend_from_slice(&lora_args);
+    let o = run_grpo(&args);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(metrics(&again)[&1]["actor/kl"].as_f64().unwrap() > 0.0);
+    let refused_set = format!("trainer.output_dir={}", dir.path().join("refused").display());
+    args.extend(["--set", &refused_set, "--set", "actor.lora_rank=8"]);
+    let o = run_grpo(&args);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("holds an adapter of rank 4, alpha 8") && err.contains("the recipe asks for rank 8"),
+        "{err}"
+    );
 }
 
 #[test]

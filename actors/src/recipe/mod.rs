@@ -967,7 +967,7 @@ fn default_clip_ratio_c() -> f64 {
 fn default_kl_loss_coef() -> f64 {
     loss_defaults().kl_loss_coef
 }
-fn default_lora_alpha() -> f64 {
+pub(crate) fn default_lora_alpha() -> f64 {
     16.0
 }
 fn default_tau_pos() -> f64 {

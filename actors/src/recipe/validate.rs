@@ -947,7 +947,7 @@ fn check_lora(c: &mut Checker, r: &Recipe) {
     let a = &r.actor;
     if a.lora_rank == 0 {
         c.check(
-            a.lora_alpha == 16.0,
+            a.lora_alpha == super::default_lora_alpha(),
             "actor.lora_alpha",
             a.lora_alpha,
             "is read only with actor.lora_rank above 0 (LoRA); set the rank or leave the key out",

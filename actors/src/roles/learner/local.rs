@@ -54,29 +54,39 @@ pub fn initial_weights(
             frozen: Vec::new(),
         });
     };
-    let adapter =
-        match &recipe.model.lora_adapter_path {
-            Some(dir) => {
-                let adapter = model::LoraAdapter::load_peft(std::path::Path::new(dir), &weights.config)
-                    .map_err(|e| UpdateError::Batch(format!("model.lora_adapter_path: {e}")))?;
-                if adapter.lora != *lora {
-                    return Err(UpdateError::Batch(format!(
-                    "model.lora_adapter_path {dir} holds an adapter of rank {}, alpha {}, targets {:?}{}; \
+    let adapter = match &recipe.model.lora_adapter_path {
+        Some(dir) => {
+            let adapter = model::LoraAdapter::load_peft(std::path::Path::new(dir), &weights.config)
+                .map_err(|e| UpdateError::Batch(format!("model.lora_adapter_path: {e}")))?;
+            if adapter.lora.use_rslora {
+                return Err(UpdateError::Batch(format!(
+                    "model.lora_adapter_path {dir} is an rsLoRA adapter (`use_rslora: true`); \
+                     grpo's recipe trains with alpha / r scaling only, so it cannot continue it \
+                     (grpo generate --adapter reads it)"
+                )));
+            }
+            if adapter.lora != *lora {
+                return Err(UpdateError::Batch(format!(
+                    "model.lora_adapter_path {dir} holds an adapter of rank {}, alpha {}, targets {:?}; \
                      the recipe asks for rank {}, alpha {}, targets {:?}: set actor.lora_rank, \
                      actor.lora_alpha and actor.target_modules to the adapter's",
                     adapter.lora.rank,
                     adapter.lora.alpha,
-                    adapter.lora.targets.iter().map(|t| t.module()).collect::<Vec<_>>(),
-                    if adapter.lora.use_rslora { " (rsLoRA)" } else { "" },
+                    adapter
+                        .lora
+                        .targets
+                        .iter()
+                        .map(|t| t.module())
+                        .collect::<Vec<_>>(),
                     lora.rank,
                     lora.alpha,
                     lora.targets.iter().map(|t| t.module()).collect::<Vec<_>>(),
                 )));
-                }
-                adapter
             }
-            None => model::LoraAdapter::init(&weights.config, lora, recipe.trainer.seed),
-        };
+            adapter
+        }
+        None => model::LoraAdapter::init(&weights.config, lora, recipe.trainer.seed),
+    };
     Ok(InitialWeights {
         trainable: adapter.tensors.iter().map(|t| t.to_f32_vec()).collect(),
         frozen: initial_params(&policy.frozen_specs(), weights)?,
