@@ -30,7 +30,7 @@ use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::params::{param_table, ModelSplit, ParamKind, ParamSpec};
 use crate::programs::{runtime, ProgramError};
-use crate::safetensors_io::{read_safetensors, write_dir_atomically, ModelWeights};
+use crate::safetensors_io::{read_safetensors, take_by_table, write_dir_atomically, ModelWeights};
 use crate::tensor::HostTensor;
 
 /// PEFT's adapter configuration file.
@@ -201,7 +201,60 @@ impl LoraConfig {
     /// The adapters PEFT's `adapter_config.json` describes, or what in it this crate cannot
     /// honour (PEFT options that change the forward pass are refused by name).
     pub fn from_peft_json(json: &Value) -> std::result::Result<LoraConfig, String> {
-        parse_adapter_config(json)
+        let get = |key: &str| json.get(key).unwrap_or(&Value::Null);
+        match get("peft_type").as_str() {
+            Some("LORA") => {}
+            other => {
+                return Err(format!(
+                    "`peft_type` is {}; only LORA adapters load here",
+                    other.map_or("missing".to_string(), |s| format!("`{s}`"))
+                ))
+            }
+        }
+        for (key, off) in UNSUPPORTED_PEFT_OPTIONS {
+            if !is_off(get(key)) {
+                return Err(format!(
+                    "`{key}` is {}; this adapter needs a PEFT feature grpo does not implement (it loads adapters with `{key}: {off}`)",
+                    get(key)
+                ));
+            }
+        }
+        if let Some(bias) = get("bias").as_str().filter(|b| *b != "none") {
+            return Err(format!(
+                "`bias` is `{bias}`: the adapter trains biases, which grpo does not implement (it loads adapters with `bias: none`)"
+            ));
+        }
+        let rank = get("r")
+            .as_u64()
+            .filter(|r| *r > 0)
+            .ok_or("`r` must be a positive integer")? as usize;
+        let alpha = get("lora_alpha")
+            .as_f64()
+            .ok_or("`lora_alpha` must be a number")?;
+        let names: Vec<String> = match get("target_modules") {
+            Value::String(s) if s == "all-linear" => vec![s.clone()],
+            Value::String(s) => {
+                return Err(format!(
+                    "`target_modules` is the pattern `{s}`; grpo reads a list of module names or `all-linear`"
+                ))
+            }
+            Value::Array(items) => items
+                .iter()
+                .map(|v| {
+                    v.as_str()
+                        .map(str::to_string)
+                        .ok_or("`target_modules` must hold strings")
+                })
+                .collect::<std::result::Result<_, _>>()?,
+            _ => return Err("`target_modules` is missing".into()),
+        };
+        let targets = Target::parse_list(&names).map_err(|e| format!("`target_modules`: {e}"))?;
+        Ok(LoraConfig {
+            rank,
+            alpha,
+            targets,
+            use_rslora: get("use_rslora").as_bool().unwrap_or(false),
+        })
     }
 
     /// `s`, the factor of `B·A`.
@@ -368,7 +421,7 @@ impl LoraAdapter {
             path: config_path.clone(),
             source,
         })?;
-        let lora = parse_adapter_config(&json).map_err(|problem| ModelError::Adapter {
+        let lora = LoraConfig::from_peft_json(&json).map_err(|problem| ModelError::Adapter {
             path: config_path.clone(),
             problem,
         })?;
@@ -383,25 +436,10 @@ impl LoraAdapter {
         }
         let mut found = read_safetensors(&weights_path)?;
         let origin = weights_path.display().to_string();
-        let mut tensors = Vec::new();
-        for spec in lora_param_table(config, &lora) {
-            let t = found
-                .remove(&spec.name)
-                .ok_or_else(|| ModelError::MissingTensor {
-                    name: spec.name.clone(),
-                    expected: spec.shape.clone(),
-                    origin: origin.clone(),
-                })?;
-            if t.shape != spec.shape {
-                return Err(ModelError::ShapeMismatch {
-                    name: spec.name,
-                    expected: spec.shape,
-                    found: t.shape,
-                    origin,
-                });
-            }
-            tensors.push(t.to_dtype(DType::F32));
-        }
+        let tensors: Vec<HostTensor> = take_by_table(&mut found, &lora_param_table(config, &lora), &origin)?
+            .into_iter()
+            .map(|t| t.to_dtype(DType::F32))
+            .collect();
         if let Some((name, t)) = found.into_iter().min_by(|a, b| a.0.cmp(&b.0)) {
             return Err(ModelError::UnexpectedTensor {
                 name,
@@ -536,64 +574,6 @@ impl MergeProgram {
     }
 }
 
-/// The [`LoraConfig`] of PEFT's `adapter_config.json`, or what in it this crate cannot honour.
-fn parse_adapter_config(json: &Value) -> std::result::Result<LoraConfig, String> {
-    let get = |key: &str| json.get(key).unwrap_or(&Value::Null);
-    match get("peft_type").as_str() {
-        Some("LORA") => {}
-        other => {
-            return Err(format!(
-                "`peft_type` is {}; only LORA adapters load here",
-                other.map_or("missing".to_string(), |s| format!("`{s}`"))
-            ))
-        }
-    }
-    for (key, off) in UNSUPPORTED_PEFT_OPTIONS {
-        if !is_off(get(key)) {
-            return Err(format!(
-                "`{key}` is {}; this adapter needs a PEFT feature grpo does not implement (it loads adapters with `{key}: {off}`)",
-                get(key)
-            ));
-        }
-    }
-    if let Some(bias) = get("bias").as_str().filter(|b| *b != "none") {
-        return Err(format!(
-            "`bias` is `{bias}`: the adapter trains biases, which grpo does not implement (it loads adapters with `bias: none`)"
-        ));
-    }
-    let rank = get("r")
-        .as_u64()
-        .filter(|r| *r > 0)
-        .ok_or("`r` must be a positive integer")? as usize;
-    let alpha = get("lora_alpha")
-        .as_f64()
-        .ok_or("`lora_alpha` must be a number")?;
-    let names: Vec<String> = match get("target_modules") {
-        Value::String(s) if s == "all-linear" => vec![s.clone()],
-        Value::String(s) => {
-            return Err(format!(
-                "`target_modules` is the pattern `{s}`; grpo reads a list of module names or `all-linear`"
-            ))
-        }
-        Value::Array(items) => items
-            .iter()
-            .map(|v| {
-                v.as_str()
-                    .map(str::to_string)
-                    .ok_or("`target_modules` must hold strings")
-            })
-            .collect::<std::result::Result<_, _>>()?,
-        _ => return Err("`target_modules` is missing".into()),
-    };
-    let targets = Target::parse_list(&names).map_err(|e| format!("`target_modules`: {e}"))?;
-    Ok(LoraConfig {
-        rank,
-        alpha,
-        targets,
-        use_rslora: get("use_rslora").as_bool().unwrap_or(false),
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -660,11 +640,14 @@ mod tests {
     #[test]
     fn unsupported_peft_options_are_named() {
         let base = json!({"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]});
-        assert_eq!(parse_adapter_config(&base).unwrap().targets, vec![Target::Q]);
+        assert_eq!(
+            LoraConfig::from_peft_json(&base).unwrap().targets,
+            vec![Target::Q]
+        );
         let with = |key: &str, v: Value| {
             let mut j = base.clone();
             j[key] = v;
-            parse_adapter_config(&j).unwrap_err()
+            LoraConfig::from_peft_json(&j).unwrap_err()
         };
         assert!(with("use_dora", json!(true)).starts_with("`use_dora` is true"));
         assert!(with("rank_pattern", json!({"q_proj": 4})).starts_with("`rank_pattern`"));

@@ -211,21 +211,40 @@ pub fn load_safetensors(path: &Path, config: &ModelConfig) -> Result<ModelWeight
     } else {
         format!("{} ({} shards)", path.display(), files.len())
     };
-    let mut tensors = Vec::with_capacity(table.len());
-    for spec in &table {
-        let tensor = found
-            .remove(&spec.name)
-            .ok_or_else(|| ModelError::MissingTensor {
-                name: spec.name.clone(),
-                expected: spec.shape.clone(),
-                origin: origin.clone(),
-            })?;
-        tensors.push(tensor);
-    }
     Ok(ModelWeights {
         config: config.clone(),
-        tensors,
+        tensors: take_by_table(&mut found, &table, &origin)?,
     })
+}
+
+/// Takes the tensors of `table` out of `found`, in table order: a missing one or one of another
+/// shape is an error naming it and `origin`. What is left in `found` is the caller's to judge.
+pub(crate) fn take_by_table(
+    found: &mut HashMap<String, HostTensor>,
+    table: &[crate::ParamSpec],
+    origin: &str,
+) -> Result<Vec<HostTensor>> {
+    table
+        .iter()
+        .map(|spec| {
+            let t = found
+                .remove(&spec.name)
+                .ok_or_else(|| ModelError::MissingTensor {
+                    name: spec.name.clone(),
+                    expected: spec.shape.clone(),
+                    origin: origin.to_string(),
+                })?;
+            if t.shape != spec.shape {
+                return Err(ModelError::ShapeMismatch {
+                    name: spec.name.clone(),
+                    expected: spec.shape.clone(),
+                    found: t.shape,
+                    origin: origin.to_string(),
+                });
+            }
+            Ok(t)
+        })
+        .collect()
 }
 
 /// Loads a Hugging Face checkpoint directory: `config.json` and its safetensors weights.

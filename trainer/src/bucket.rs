@@ -121,11 +121,18 @@ impl BucketedLearner {
         multiple: usize,
         max_consecutive_nonfinite: u32,
     ) -> Result<BucketedLearner> {
-        // The policy decides what it reads without training (a LoRA policy's base weights).
-        let cfg = StepConfig {
-            frozen: policy.frozen_specs(),
-            ..cfg
-        };
+        if cfg.frozen != policy.frozen_specs() {
+            return Err(TrainerError::Config {
+                key: "actor.lora_rank",
+                value: cfg.frozen.len().to_string(),
+                message: format!(
+                    "the step configuration has {} frozen tensors and the policy reads {}; build \
+                     StepConfig::frozen from DecoderPolicy::frozen_specs",
+                    cfg.frozen.len(),
+                    policy.frozen_specs().len()
+                ),
+            });
+        }
         if cfg.response_len != policy.response_len as i64
             || cfg.micro_batch_size != policy.micro_batch_size as i64
         {

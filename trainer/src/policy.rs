@@ -167,6 +167,15 @@ impl DecoderPolicy {
         }
     }
 
+    /// Parameters at which the policy is its base model whatever the weights: with LoRA zero
+    /// adapters (`B = 0` merges to `W` exactly), the KL reference with no second copy of the
+    /// weights; `None` for a full fine-tune, whose reference is its initial weights.
+    pub fn base_params(&self) -> Option<Vec<Vec<f32>>> {
+        self.lora
+            .as_ref()
+            .map(|_| self.param_specs().iter().map(|p| vec![0.0; p.numel()]).collect())
+    }
+
     /// The tensors the policy reads but does not train (`StepConfig::frozen`): with LoRA the
     /// base model's parameter table, else none.
     pub fn frozen_specs(&self) -> Vec<ParamSpec> {

@@ -223,21 +223,10 @@ impl GrpoUpdate {
         clocks: UpdateClocks,
     ) -> Result<GrpoUpdate> {
         let needs_reference = config.needs_reference();
-        // A LoRA policy's reference is its base: zero adapters (B = 0 merges to W exactly).
-        let lora_reference = || -> Vec<Vec<f32>> {
-            policy
-                .param_specs()
-                .iter()
-                .map(|p| vec![0.0; p.numel()])
-                .collect()
-        };
-        let (state, reference) = match resume {
-            Some(state) if policy.lora.is_some() => (state, needs_reference.then(lora_reference)),
-            Some(state) => (state, needs_reference.then_some(initial)),
-            None if policy.lora.is_some() => {
-                (LearnerState::fresh(initial), needs_reference.then(lora_reference))
-            }
-            None => {
+        let (state, reference) = match (resume, policy.base_params()) {
+            (Some(state), base) => (state, needs_reference.then(|| base.unwrap_or(initial))),
+            (None, Some(base)) => (LearnerState::fresh(initial), needs_reference.then_some(base)),
+            (None, None) => {
                 // Without a reference the initial weights move into the state, not copied.
                 let (params, reference) = if needs_reference {
                     (initial.clone(), Some(initial))

@@ -182,9 +182,10 @@ pub fn batch_plan(recipe: &Recipe) -> BatchPlan {
     }
 }
 
-/// The GRPO update of the `actor` and `algorithm` sections, its learning-rate schedule
+/// The GRPO update of the `actor` and `algorithm` sections for `policy` (what it reads without
+/// training: [`DecoderPolicy::frozen_specs`]), its learning-rate schedule
 /// `total_optimizer_steps` long.
-pub fn update_config(recipe: &Recipe, total_optimizer_steps: u64) -> UpdateConfig {
+pub fn update_config(recipe: &Recipe, policy: &DecoderPolicy, total_optimizer_steps: u64) -> UpdateConfig {
     let (a, alg) = (&recipe.actor, &recipe.algorithm);
     let step = StepConfig {
         loss: a.policy_loss(alg),
@@ -193,7 +194,7 @@ pub fn update_config(recipe: &Recipe, total_optimizer_steps: u64) -> UpdateConfi
         parallel: a.parallelism(&recipe.cluster),
         micro_batch_size: a.ppo_micro_batch_size as i64,
         response_len: recipe.data.max_response_length as i64,
-        frozen: Vec::new(),
+        frozen: policy.frozen_specs(),
     };
     UpdateConfig {
         step,

@@ -246,8 +246,7 @@ pub(super) fn plan_learner(
     let policy = policy(recipe, config);
     let batches = batch_plan(recipe);
     let total_steps = recipe.trainer.total_training_steps.unwrap_or(1).max(1) as u64;
-    let mut update = update_config(recipe, batches.total_optimizer_steps(total_steps));
-    update.step.frozen = policy.frozen_specs();
+    let update = update_config(recipe, &policy, batches.total_optimizer_steps(total_steps));
     let specs = policy.param_specs();
     let build = |policy: &DecoderPolicy| {
         let p = policy.clone();

@@ -140,10 +140,11 @@ impl LocalLearner {
             }
             None => None,
         };
+        let update_config = setup::update_config(recipe, &policy, total_optimizer_steps);
         let update = GrpoUpdate::start(
             client,
             policy,
-            setup::update_config(recipe, total_optimizer_steps),
+            update_config,
             initial.trainable,
             initial.frozen,
             resume,
