@@ -258,7 +258,7 @@ fn model_files_config_tokenizer_and_safetensors() {
 fn gguf_headers() {
     // The header, metadata (vocabulary included) and tensor table of the SmolLM2 GGUF: the
     // tensor data is cut, so a parse that gets that far must say so.
-    let path = smollm2_gguf();
+    let path = testkit::smollm2_gguf();
     let bytes = std::fs::read(&path).unwrap();
     let head = bytes[..bytes.len().min(3 << 20)].to_vec();
     let dir = tempfile::tempdir().unwrap();

@@ -141,3 +141,32 @@ fn an_adapter_is_merged_into_the_model() {
         "{err}"
     );
 }
+
+#[test]
+fn device_and_dtype_pick_the_plugin_and_the_weight_type() {
+    let generate = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_grpo"))
+            .args(["generate", "--chat", "--prompt", "What is the capital of France?"])
+            .args(["--temperature", "0", "--max-new-tokens", "16", "--model"])
+            .arg(gguf())
+            .args(extra)
+            .env("GRPO_PJRT_CUDA", "/nonexistent/xla_cuda_plugin.so")
+            .output()
+            .unwrap()
+    };
+    let o = generate(&["--dtype", "bf16"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        String::from_utf8(o.stdout).unwrap().trim(),
+        "The capital of France is Paris."
+    );
+
+    let o = generate(&["--device", "cuda"]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        stderr.contains("creating the cuda PJRT client (`grpo devices --plugin cuda` says what is missing)")
+            && stderr.contains("/nonexistent/xla_cuda_plugin.so (from $GRPO_PJRT_CUDA) does not exist"),
+        "{stderr}"
+    );
+}

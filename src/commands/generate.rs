@@ -13,13 +13,13 @@ use anyhow::{bail, Context};
 use model::programs::HostModel;
 use model::{ChatMessage, LoraAdapter};
 use rollout::{Engine, EngineConfig, GenerationRequest, SamplingParams};
-use xla::runtime::Client;
+use xla::runtime::{Client, ClientOptions, PluginKind};
 use xla::DType;
 
 /// Arguments of `grpo generate`.
 #[derive(clap::Args, Debug)]
 #[command(
-    about = "Continue prompts with a model (HF directory or .gguf) on the CPU",
+    about = "Continue prompts with a model (HF directory or .gguf) on the CPU, a GPU or a TPU",
     long_about = "Continue prompts with a model and print the continuations.\n\n\
                   The model is a Hugging Face directory (config.json, *.safetensors, tokenizer.json, \
                   optionally tokenizer_config.json with a chat template) or a .gguf file (weights \
@@ -27,7 +27,8 @@ use xla::DType;
                   from --prompt or from --prompts-file: a text file with one prompt per line, or a \
                   Parquet file in VeRL's schema (its chat messages are always rendered with the chat \
                   template). One --prompt with --n 1 prints the continuation as text; otherwise each \
-                  sample is one JSON line on stdout.",
+                  sample is one JSON line on stdout. --device picks the PJRT plugin (found as \
+                  `grpo devices` finds it) and --dtype the type of the weights and the KV cache.",
     after_help = "Examples:\n  \
                   grpo generate --model models/SmolLM2-135M-Instruct.Q4_1.gguf --chat \\\n      \
                   --prompt \"What is the capital of France?\" --temperature 0\n  \
@@ -36,7 +37,9 @@ use xla::DType;
                   grpo generate --model models/SmolLM2-135M-Instruct.Q4_1.gguf \\\n      \
                   --prompts-file datasets/arithmetic/val.parquet --n 2 --temperature 1\n  \
                   grpo generate --model ./Qwen2.5-0.5B-Instruct --adapter ./my-lora --chat \\\n      \
-                  --prompt \"What is 13 + 11?\""
+                  --prompt \"What is 13 + 11?\"\n  \
+                  grpo generate --model ./Qwen2.5-0.5B-Instruct --device cuda --dtype bf16 \\\n      \
+                  --prompts-file prompts.txt --max-num-seqs 64 > samples.jsonl"
 )]
 pub struct GenerateArgs {
     /// A Hugging Face model directory or a .gguf file. Example:
@@ -98,6 +101,15 @@ pub struct GenerateArgs {
     /// Sequences decoded at once (KV-cache slots). Example: `--max-num-seqs 32`.
     #[arg(long, value_name = "N", default_value_t = 16)]
     pub max_num_seqs: usize,
+
+    /// The device to generate on: cpu, cuda (or gpu) or tpu; its first device is used.
+    /// Example: `--device cuda`.
+    #[arg(long, value_name = "KIND", default_value = "cpu", value_parser = ["cpu", "cuda", "gpu", "tpu"])]
+    pub device: String,
+
+    /// Type of the weights and the KV cache: f32 or bf16. Example: `--dtype bf16`.
+    #[arg(long, value_name = "DTYPE", default_value = "f32", value_parser = ["f32", "bf16"])]
+    pub dtype: String,
 }
 
 /// Token ids of each prompt, rendered and tokenized as the model expects.
@@ -192,13 +204,28 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
         HostModel::load(&args.model).with_context(|| format!("loading model {}", args.model.display()))?;
     let prompts = prompt_ids(&args, &host)?;
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(1);
-    let client = Client::cpu(1).context("creating the CPU PJRT client (run scripts/setup.sh)")?;
+    let kind = PluginKind::parse(&args.device).expect("clap checked --device");
+    let dtype = if args.dtype == "bf16" {
+        DType::BF16
+    } else {
+        DType::F32
+    };
+    let client = match kind {
+        PluginKind::Cpu => Client::cpu(1),
+        _ => Client::new(kind, None, ClientOptions::default()),
+    }
+    .with_context(|| {
+        format!(
+            "creating the {} PJRT client (`grpo devices --plugin {}` says what is missing)",
+            args.device, args.device
+        )
+    })?;
     if let Some(dir) = &args.adapter {
         let adapter = LoraAdapter::load_peft(dir, &host.weights.config)
             .with_context(|| format!("loading the adapter for {}", args.model.display()))?;
         host.weights = adapter.merge_into(&client, 0, &host.weights)?;
     }
-    let weights = rollout::upload_weights(&client, &host.weights, DType::F32, 0)?;
+    let weights = rollout::upload_weights(&client, &host.weights, dtype, 0)?;
     let mut settings = EngineConfig::new(args.max_num_seqs, longest + args.max_new_tokens + 1);
     settings.eos_token_ids = host.stop_tokens();
     let mut engine = Engine::new(
@@ -289,6 +316,8 @@ mod tests {
             top_p: 1.0,
             seed: 0,
             max_num_seqs: 4,
+            device: "cpu".to_string(),
+            dtype: "f32".to_string(),
         }
     }
 

@@ -102,6 +102,28 @@ pub fn asset(file: &str) -> PathBuf {
     path
 }
 
+/// A Hugging Face model directory `dir/tiny-smollm2`: SmolLM2's tokenizer and chat template on
+/// a 2-layer, 32-wide Llama with random weights (seed 7).
+pub fn tiny_chat_model(dir: &std::path::Path) -> PathBuf {
+    let gguf = model::GgufFile::open(&smollm2_gguf()).expect("open the GGUF");
+    let mut config = model::ModelConfig::from_gguf(&gguf).expect("GGUF config");
+    config.hidden_size = 32;
+    config.intermediate_size = 64;
+    config.num_hidden_layers = 2;
+    config.num_attention_heads = 4;
+    config.num_key_value_heads = 2;
+    config.head_dim = 8;
+    config.initializer_range = 0.05;
+    let files_dir = dir.join("tokenizer-files");
+    std::fs::create_dir_all(&files_dir).unwrap();
+    let files = model::write_gguf_tokenizer_files(&gguf, &config, &files_dir).expect("tokenizer files");
+    let weights = model::random_init(&config, 7);
+    let out = dir.join("tiny-smollm2");
+    let refs: Vec<&std::path::Path> = files.iter().map(|p| p.as_path()).collect();
+    model::save_hf_checkpoint(&out, &weights, &refs).expect("save the tiny model");
+    out
+}
+
 /// The SmolLM2-135M-Instruct GGUF that `scripts/setup.sh` fetches.
 pub fn smollm2_gguf() -> PathBuf {
     asset(SMOLLM2_GGUF)

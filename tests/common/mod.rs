@@ -40,29 +40,7 @@ pub fn run_grpo(args: &[&str]) -> Output {
     grpo().args(args).output().expect("run grpo")
 }
 
-pub use testkit::smollm2_gguf;
-
-/// A Hugging Face model directory `dir/tiny-smollm2`: SmolLM2's tokenizer and chat template on
-/// a 2-layer, 32-wide Llama with random weights (seed 7).
-pub fn tiny_chat_model(dir: &Path) -> PathBuf {
-    let gguf = model::GgufFile::open(&smollm2_gguf()).expect("open the GGUF");
-    let mut config = model::ModelConfig::from_gguf(&gguf).expect("GGUF config");
-    config.hidden_size = 32;
-    config.intermediate_size = 64;
-    config.num_hidden_layers = 2;
-    config.num_attention_heads = 4;
-    config.num_key_value_heads = 2;
-    config.head_dim = 8;
-    config.initializer_range = 0.05;
-    let files_dir = dir.join("tokenizer-files");
-    std::fs::create_dir_all(&files_dir).unwrap();
-    let files = model::write_gguf_tokenizer_files(&gguf, &config, &files_dir).expect("tokenizer files");
-    let weights = model::random_init(&config, 7);
-    let out = dir.join("tiny-smollm2");
-    let refs: Vec<&Path> = files.iter().map(|p| p.as_path()).collect();
-    model::save_hf_checkpoint(&out, &weights, &refs).expect("save the tiny model");
-    out
-}
+pub use testkit::tiny_chat_model;
 
 /// What a tiny run trains on, in `dir`: [`tiny_chat_model`], `train_rows` arithmetic problems
 /// (seed 1) and `val_rows` held out (seed 2).

@@ -18,11 +18,14 @@ use half::bf16;
 use xla::runtime::sys::*;
 use xla::runtime::{CacheConfig, Client, ClientOptions, CompileOptions, OptionValue, Plugin, PluginKind};
 
+/// An n x n GEMM in `ty`; f32 at HIGHEST precision, as the graph emits f32 products (without
+/// it the CUDA plugin computes in TF32).
 fn gemm(n: usize, ty: &str) -> String {
+    let precision = if ty == "f32" { "HIGHEST" } else { "DEFAULT" };
     format!(
         r#"module @gemm_{n}_{ty} {{
   func.func public @main(%a: tensor<{n}x{n}x{ty}>, %b: tensor<{n}x{n}x{ty}>) -> tensor<{n}x{n}x{ty}> {{
-    %0 = stablehlo.dot_general %a, %b, contracting_dims = [1] x [0] : (tensor<{n}x{n}x{ty}>, tensor<{n}x{n}x{ty}>) -> tensor<{n}x{n}x{ty}>
+    %0 = stablehlo.dot_general %a, %b, contracting_dims = [1] x [0], precision = [{precision}, {precision}] : (tensor<{n}x{n}x{ty}>, tensor<{n}x{n}x{ty}>) -> tensor<{n}x{n}x{ty}>
     return %0 : tensor<{n}x{n}x{ty}>
   }}
 }}"#

@@ -445,13 +445,13 @@ mod tests {
         let p = train_like();
         let want = r#"module @train_step {
   func.func public @main(%arg0: tensor<256x128xf32>, %arg1: tensor<128x64xf32> {tf.aliasing_output = 0 : i32}, %arg2: tensor<256x64xf32>, %arg3: tensor<f32>) -> (tensor<128x64xf32>, tensor<f32>) {
-    %v0 = stablehlo.dot_general %arg0, %arg1, contracting_dims = [1] x [0] : (tensor<256x128xf32>, tensor<128x64xf32>) -> tensor<256x64xf32>
+    %v0 = stablehlo.dot_general %arg0, %arg1, contracting_dims = [1] x [0], precision = [HIGHEST, HIGHEST] : (tensor<256x128xf32>, tensor<128x64xf32>) -> tensor<256x64xf32>
     %v1 = stablehlo.subtract %v0, %arg2 : tensor<256x64xf32>
     %v2 = stablehlo.multiply %v1, %v1 : tensor<256x64xf32>
     %v3_init = stablehlo.constant dense<0.0> : tensor<f32>
     %v3 = stablehlo.reduce(%v2 init: %v3_init) applies stablehlo.add across dimensions = [0, 1] : (tensor<256x64xf32>, tensor<f32>) -> tensor<f32>
     %v4 = stablehlo.add %v1, %v1 : tensor<256x64xf32>
-    %v5 = stablehlo.dot_general %arg0, %v4, contracting_dims = [0] x [0] : (tensor<256x128xf32>, tensor<256x64xf32>) -> tensor<128x64xf32>
+    %v5 = stablehlo.dot_general %arg0, %v4, contracting_dims = [0] x [0], precision = [HIGHEST, HIGHEST] : (tensor<256x128xf32>, tensor<256x64xf32>) -> tensor<128x64xf32>
     %v6 = stablehlo.broadcast_in_dim %arg3, dims = [] : (tensor<f32>) -> tensor<128x64xf32>
     %v7 = stablehlo.multiply %v6, %v5 : tensor<128x64xf32>
     %v8 = stablehlo.subtract %arg1, %v7 : tensor<128x64xf32>

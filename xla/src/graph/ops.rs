@@ -1185,9 +1185,18 @@ impl Op {
                 }
                 let _ = write!(
                     s,
-                    "contracting_dims = [{}] x [{}] : {}",
+                    "contracting_dims = [{}] x [{}], ",
                     list(&dims.lhs_contract),
                     list(&dims.rhs_contract),
+                );
+                // f32 means f32 on every device: with DEFAULT precision the CUDA plugin rounds
+                // f32 operands to TF32 and a TPU to one bf16 pass (the CPU computes f32 either
+                // way). Narrower operands keep DEFAULT.
+                let wide = in_tys.iter().all(|t| matches!(t.dtype, DType::F32 | DType::F64));
+                let precision = if wide { "HIGHEST" } else { "DEFAULT" };
+                let _ = write!(
+                    s,
+                    "precision = [{precision}, {precision}] : {}",
                     fn_type(in_tys, out_tys)
                 );
                 s
