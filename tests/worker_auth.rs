@@ -176,6 +176,15 @@ fn every_method_of_every_service_refuses_a_call_without_the_token() {
             min_weight_version: 0,
         };
         too_big("Rollout.Generate of 85 MiB", c.generate(huge).await.map(drop));
+        let mut c =
+            proto::learner_client::LearnerClient::with_interceptor(channel(&learner).await, token.attach());
+        let huge = proto::LearnerUpdateRequest {
+            rows: vec![proto::LearnerRow {
+                rollout_log_probs: vec![0.0; 65 << 20],
+                ..Default::default()
+            }],
+        };
+        too_big("Learner.Update of 260 MiB", c.update(huge).await.map(drop));
         let mut c = proto::registry_client::RegistryClient::with_interceptor(
             channel(&registry.address()).await,
             token.attach(),
