@@ -164,7 +164,7 @@ fn lora_keys_are_refused_where_they_would_do_nothing() {
     );
     refused(
         &["actor.lora_rank=4", "cluster.rollout_workers=1"],
-        "`cluster.rollout_workers` = 1: LoRA runs with the learner on one device",
+        "`cluster.rollout_workers` = 1: LoRA trains in the orchestrator's process",
     );
     refused(
         &["actor.lora_rank=4", "actor.target_modules=[q_proj, lm_head]"],

@@ -22,7 +22,7 @@ use std::path::Path;
 
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
-use xla::graph::{Graph, Tensor};
+use xla::graph::{BuildOptions, Graph, Mesh, Sharding, Tensor};
 use xla::runtime::{Buffer, Client, Executable};
 use xla::DType;
 
@@ -521,29 +521,90 @@ pub struct MergeProgram {
     weights: usize,
 }
 
+/// How [`MergeProgram::compile_over`] lays the merge out over a mesh: each adapter and base
+/// tensor split as the learner holds it (`None`: replicated); the merged weights come out split
+/// as the base.
+#[derive(Clone, Debug)]
+pub struct MergeLayout {
+    pub mesh: Mesh,
+    /// One per adapter tensor ([`lora_param_table`] order).
+    pub adapters: Vec<Option<Sharding>>,
+    /// One per base tensor ([`param_table`] order).
+    pub base: Vec<Option<Sharding>>,
+}
+
 impl MergeProgram {
-    /// Traces and compiles the merge for a model of `config` with weights of `dtype`.
+    /// Traces and compiles the merge for a model of `config` with weights of `dtype`, on one
+    /// device.
     pub fn compile(
         client: &Client,
         config: &ModelConfig,
         lora: &LoraConfig,
         dtype: DType,
     ) -> std::result::Result<MergeProgram, ProgramError> {
+        MergeProgram::compile_over(client, config, lora, dtype, None)
+    }
+
+    /// [`MergeProgram::compile`] as one SPMD program over `layout`'s mesh when given: every
+    /// device merges its own shards, with the collectives XLA adds where a product needs them;
+    /// no tensor is gathered whole onto one device.
+    pub fn compile_over(
+        client: &Client,
+        config: &ModelConfig,
+        lora: &LoraConfig,
+        dtype: DType,
+        layout: Option<&MergeLayout>,
+    ) -> std::result::Result<MergeProgram, ProgramError> {
         let g = Graph::new("lora_merge");
+        if let Some(l) = layout {
+            g.set_mesh(l.mesh.clone());
+        }
+        let declare =
+            |name: &str, dtype: DType, dims: &[i64], sharding: Option<&Option<Sharding>>| match sharding
+                .cloned()
+                .flatten()
+            {
+                Some(s) => g.parameter_sharded(name, dtype, dims, s),
+                None => g.parameter(name, dtype, dims),
+            };
         let adapters: Vec<Tensor> = lora_param_table(config, lora)
             .iter()
-            .map(|s| g.parameter(&s.name, DType::F32, &s.dims()))
+            .enumerate()
+            .map(|(i, s)| {
+                declare(
+                    &s.name,
+                    DType::F32,
+                    &s.dims(),
+                    layout.and_then(|l| l.adapters.get(i)),
+                )
+            })
             .collect();
         let base: Vec<Tensor> = param_table(config)
             .iter()
-            .map(|s| g.parameter(&s.name, dtype, &s.dims()))
+            .enumerate()
+            .map(|(i, s)| declare(&s.name, dtype, &s.dims(), layout.and_then(|l| l.base.get(i))))
             .collect();
         let merged = merge_params(config, lora, &base, &adapters);
         let refs: Vec<&Tensor> = merged.iter().collect();
-        let program = g.build(&refs).map_err(|source| ProgramError::Graph {
-            program: "lora_merge".into(),
-            source,
-        })?;
+        let result_shardings = layout
+            .map(|l| {
+                l.base
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, s)| s.clone().map(|s| (i, s)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let options = BuildOptions {
+            donate: Vec::new(),
+            result_shardings,
+        };
+        let program = g
+            .build_with(&refs, &options)
+            .map_err(|source| ProgramError::Graph {
+                program: "lora_merge".into(),
+                source,
+            })?;
         Ok(MergeProgram {
             exe: program.compile(client).map_err(runtime("compiling lora_merge"))?,
             adapters: adapters.len(),
@@ -557,20 +618,42 @@ impl MergeProgram {
         adapters: &[Buffer],
         base: &[Buffer],
     ) -> std::result::Result<Vec<Buffer>, ProgramError> {
-        if adapters.len() != self.adapters || base.len() != self.weights {
+        self.check(adapters.len(), base.len())?;
+        let args: Vec<&Buffer> = adapters.iter().chain(base).collect();
+        self.exe.execute(&args).map_err(runtime("running lora_merge"))
+    }
+
+    /// The merged table of a program compiled over a mesh: `adapters[d]` and `base[d]` are
+    /// device d's shards; returns `merged[d]`, split as the base.
+    pub fn run_spmd(
+        &self,
+        adapters: &[&[Buffer]],
+        base: &[&[Buffer]],
+    ) -> std::result::Result<Vec<Vec<Buffer>>, ProgramError> {
+        for (a, b) in adapters.iter().zip(base) {
+            self.check(a.len(), b.len())?;
+        }
+        let args: Vec<Vec<&Buffer>> = adapters
+            .iter()
+            .zip(base)
+            .map(|(a, b)| a.iter().chain(b.iter()).collect())
+            .collect();
+        self.exe
+            .execute_spmd(&args)
+            .map_err(runtime("running lora_merge"))
+    }
+
+    fn check(&self, adapters: usize, base: usize) -> std::result::Result<(), ProgramError> {
+        if adapters != self.adapters || base != self.weights {
             return Err(ProgramError::Input {
                 program: "lora_merge".into(),
                 problem: format!(
-                    "takes {} adapter and {} base tensors, given {} and {}",
-                    self.adapters,
-                    self.weights,
-                    adapters.len(),
-                    base.len()
+                    "takes {} adapter and {} base tensors, given {adapters} and {base}",
+                    self.adapters, self.weights,
                 ),
             });
         }
-        let args: Vec<&Buffer> = adapters.iter().chain(base).collect();
-        self.exe.execute(&args).map_err(runtime("running lora_merge"))
+        Ok(())
     }
 }
 

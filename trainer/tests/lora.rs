@@ -16,7 +16,7 @@ use model::lora::{lora_table, LoraAdapter, LoraConfig, Target};
 use model::{random_init, HostTensor, ModelConfig, ModelWeights};
 use support::{client, Rng};
 use testkit::TinyLlama;
-use trainer::config::{OptimConfig, PolicyLossConfig};
+use trainer::config::{OptimConfig, Parallelism, PolicyLossConfig, Strategy};
 use trainer::policy::DecoderPolicy;
 use trainer::step::{build_train_programs, mini_batch_normalizer, Learner, MicroBatchHost, StepConfig};
 use xla::DType;
@@ -60,6 +60,11 @@ fn adapter(config: &ModelConfig) -> LoraAdapter {
 }
 
 fn policy(config: &ModelConfig, lora: Option<LoraConfig>) -> DecoderPolicy {
+    policy_in_blocks(config, lora, 1)
+}
+
+/// The policy with its rows in `blocks` blocks (one per data-parallel device).
+fn policy_in_blocks(config: &ModelConfig, lora: Option<LoraConfig>, blocks: usize) -> DecoderPolicy {
     DecoderPolicy {
         config: config.clone(),
         prompt_len: 3,
@@ -67,7 +72,7 @@ fn policy(config: &ModelConfig, lora: Option<LoraConfig>) -> DecoderPolicy {
         micro_batch_size: ROWS,
         temperature: 1.0,
         group_size: GROUP,
-        blocks: 1,
+        blocks,
         remat: false,
         lora,
     }
@@ -76,6 +81,17 @@ fn policy(config: &ModelConfig, lora: Option<LoraConfig>) -> DecoderPolicy {
 /// A learner for `policy` from `params` (and the frozen base, with LoRA), whose AdamW step is
 /// the plain gradient step `-g` (up to `|g|/EPS`).
 fn learner(policy: &DecoderPolicy, params: &[Vec<f32>], base: &ModelWeights, dtype: DType) -> Learner {
+    learner_over(policy, params, base, dtype, Parallelism::default())
+}
+
+/// [`learner`] laid out over the devices of `parallel` (a 4-device client).
+fn learner_over(
+    policy: &DecoderPolicy,
+    params: &[Vec<f32>],
+    base: &ModelWeights,
+    dtype: DType,
+    parallel: Parallelism,
+) -> Learner {
     let cfg = StepConfig {
         loss: PolicyLossConfig::default(),
         optim: OptimConfig {
@@ -88,13 +104,18 @@ fn learner(policy: &DecoderPolicy, params: &[Vec<f32>], base: &ModelWeights, dty
         compute_dtype: dtype,
         micro_batch_size: ROWS as i64,
         response_len: 2,
-        parallel: Default::default(),
+        parallel,
         frozen: policy.frozen_specs(),
     };
     let specs = policy.param_specs();
     let programs =
         build_train_programs(&cfg, &specs, &policy.input_specs(), |p, b| policy.log_probs(p, b)).unwrap();
-    let mut l = Learner::new(client(), programs, &specs, &cfg, params, 3).unwrap();
+    let client = if parallel.strategy == Strategy::Single {
+        client()
+    } else {
+        testkit::cpu_client(4)
+    };
+    let mut l = Learner::new(client, programs, &specs, &cfg, params, 3).unwrap();
     if policy.lora.is_some() {
         let values: Vec<Vec<f32>> = base.tensors.iter().map(|t| t.to_f32_vec()).collect();
         l.set_frozen(&values).unwrap();
@@ -295,4 +316,48 @@ fn bf16_keeps_the_base_in_bf16_and_trains_only_the_adapters() {
     let state = bf16_learner.state().unwrap();
     assert_eq!(state.params.len(), adapter.tensors.len());
     assert_ne!(state.params, params, "the adapters did not move");
+}
+
+#[test]
+fn a_lora_learner_over_dp_fsdp_and_tensor_parallel_meshes_matches_one_device() {
+    let config = config();
+    let base = random_init(&config, 6);
+    let adapter = adapter(&config);
+    let params: Vec<Vec<f32>> = adapter.tensors.iter().map(|t| t.to_f32_vec()).collect();
+    let train = |l: &mut Learner, policy: &DecoderPolicy| {
+        let inputs = micro_batch(policy).inputs;
+        for _ in 0..3 {
+            let mb = l.upload_micro_batch(0, &micro_batch(policy)).unwrap();
+            assert!(l.step(&[mb], 1e-2).unwrap().update_applied);
+        }
+        (l.state().unwrap().params, l.log_probs(&inputs, false).unwrap())
+    };
+    let one = policy(&config, Some(lora()));
+    let (want, want_lp) = train(&mut learner(&one, &params, &base, DType::F32), &one);
+    assert_ne!(want, params, "the adapters moved");
+
+    let tp = |devices, tensor_parallel| Parallelism {
+        tensor_parallel,
+        ..Parallelism::new(Strategy::Fsdp, devices)
+    };
+    for parallel in [
+        Parallelism::new(Strategy::Dp, 2),
+        Parallelism::new(Strategy::Fsdp, 2),
+        Parallelism::new(Strategy::Fsdp, 4),
+        tp(2, 2),
+        tp(4, 2),
+    ] {
+        let blocks = parallel.data_devices(ROWS as i64).unwrap();
+        let p = policy_in_blocks(&config, Some(lora()), blocks);
+        let (got, got_lp) = train(&mut learner_over(&p, &params, &base, DType::F32, parallel), &p);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let err = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(err < 1e-5, "{parallel:?}: adapter tensor {i} differs by {err}");
+        }
+        let err = got_lp
+            .iter()
+            .zip(&want_lp)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(err < 1e-5, "{parallel:?}: log-probs differ by {err}");
+    }
 }

@@ -6,7 +6,7 @@ use super::{LearnerRole, LearnerWeights};
 use crate::recipe::Recipe;
 use crate::roles::{BoxFuture, RoleError};
 use crate::setup;
-use model::lora::MergeProgram;
+use model::lora::{MergeLayout, MergeProgram};
 use model::ParamSpec;
 use std::sync::{Arc, Mutex};
 use trainer::step::LearnerState;
@@ -132,15 +132,9 @@ impl LocalLearner {
     ) -> Result<LocalLearner, UpdateError> {
         let policy = setup::policy(recipe, config);
         let specs = policy.param_specs();
-        let merge = match &policy.lora {
-            Some(lora) => {
-                let program = MergeProgram::compile(client, config, lora, setup::actor_dtype(recipe))
-                    .map_err(|e| UpdateError::Batch(format!("LoRA: {e}")))?;
-                Some((program, policy.frozen_specs()))
-            }
-            None => None,
-        };
         let update_config = setup::update_config(recipe, &policy, total_optimizer_steps);
+        let lora = policy.lora.clone();
+        let base_specs = policy.frozen_specs();
         let update = GrpoUpdate::start(
             client,
             policy,
@@ -150,6 +144,22 @@ impl LocalLearner {
             resume,
             clocks,
         )?;
+        let merge = match &lora {
+            Some(lora) => {
+                // Over the mesh the learner was built on, each device merging its own shards.
+                let mesh = update.learner().learner().mesh();
+                let layout = mesh.mesh().map(|m| MergeLayout {
+                    mesh: m,
+                    adapters: specs.iter().map(|p| mesh.param_sharding(p)).collect(),
+                    base: base_specs.iter().map(|p| mesh.param_sharding(p)).collect(),
+                });
+                let dtype = setup::actor_dtype(recipe);
+                let program = MergeProgram::compile_over(client, config, lora, dtype, layout.as_ref())
+                    .map_err(|e| UpdateError::Batch(format!("LoRA: {e}")))?;
+                Some((program, base_specs))
+            }
+            None => None,
+        };
         Ok(LocalLearner {
             specs,
             merge,
@@ -164,6 +174,11 @@ impl LocalLearner {
         let mut update = lock(&self.update);
         let learner = update.learner_mut().learner_mut();
         match &self.merge {
+            Some(_) if learner.devices() > 1 => Err(UpdateError::Batch(format!(
+                "LoRA over {} devices: the merged weights are split over the learner's mesh; \
+                 take them with rollout_source",
+                learner.devices()
+            ))),
             Some((merge, _)) => {
                 let merged = merge
                     .run(learner.device_params(0), learner.frozen_params(0)?)
@@ -176,18 +191,37 @@ impl LocalLearner {
 
     /// The parameters with their layout, for a rollout engine on the learner's devices
     /// (shared, not copied): on one device [`LocalLearner::shared_params`]; over a mesh of
-    /// `N > 1` every device's f32 masters, split as the learner's mesh splits them.
+    /// `N > 1` every device's f32 masters, split as the learner's mesh splits them. With LoRA
+    /// the merged weights (a new copy), split as the learner holds the base.
     pub fn rollout_source(&self) -> Result<rollout::SourceParams, UpdateError> {
-        if let Some((_, model_specs)) = &self.merge {
-            // One device (recipe validation): the merged weights, in the model's table.
-            return Ok(rollout::SourceParams::single(
-                self.shared_params()?,
-                model_specs.clone(),
-            ));
-        }
         let mut update = lock(&self.update);
         let learner = update.learner_mut().learner_mut();
         let mesh = learner.mesh();
+        if let Some((merge, model_specs)) = &self.merge {
+            let lora = |e: model::programs::ProgramError| UpdateError::Batch(format!("LoRA: {e}"));
+            if learner.devices() <= 1 {
+                let merged = merge
+                    .run(learner.device_params(0), learner.frozen_params(0)?)
+                    .map_err(lora)?;
+                return Ok(rollout::SourceParams::single(
+                    Arc::from(merged),
+                    model_specs.clone(),
+                ));
+            }
+            // The merged weights, split over the learner's mesh as the base is.
+            let devices = learner.devices();
+            let adapters: Vec<&[Buffer]> = (0..devices).map(|d| learner.device_params(d)).collect();
+            let base = (0..devices)
+                .map(|d| learner.frozen_params(d))
+                .collect::<Result<Vec<_>, _>>()?;
+            let merged = merge.run_spmd(&adapters, &base).map_err(lora)?;
+            return Ok(rollout::SourceParams {
+                mesh: mesh.mesh(),
+                per_device: merged.into_iter().map(Arc::from).collect(),
+                shardings: model_specs.iter().map(|p| mesh.param_sharding(p)).collect(),
+                specs: model_specs.clone(),
+            });
+        }
         if learner.devices() <= 1 {
             return Ok(rollout::SourceParams::single(
                 learner.shared_params()?,
