@@ -4,16 +4,34 @@
 #[allow(unused_imports)]
 use super::*;
 
-/// Bytes of the learner's state on the device: f32 master parameters, both AdamW moments,
-/// the gradient sums when micro-batches accumulate, and the compute-dtype copy for bf16.
-pub(super) fn learner_state_bytes(recipe: &Recipe, num_parameters: u64, accumulating: bool) -> u64 {
+/// Bytes of the learner's state: f32 master parameters, both AdamW moments, the gradient sums
+/// when micro-batches accumulate, and the compute-dtype copy for bf16, of what it trains; with
+/// LoRA also the frozen base in the compute type.
+pub(super) fn learner_state_bytes(
+    recipe: &Recipe,
+    config: &ModelConfig,
+    num_parameters: u64,
+    accumulating: bool,
+) -> u64 {
     let f32_copies = 3 + u64::from(accumulating);
-    let bf16 = if recipe.actor.param_dtype == DTypeName::Bf16 {
-        2
-    } else {
-        0
-    };
-    num_parameters * (4 * f32_copies + bf16)
+    let bf16 = recipe.actor.param_dtype == DTypeName::Bf16;
+    let (trained, frozen) = learner_parameters(recipe, config, num_parameters);
+    trained * (4 * f32_copies + if bf16 { 2 } else { 0 }) + frozen * if bf16 { 2 } else { 4 }
+}
+
+/// Parameters the learner trains and those it holds frozen, for a model of `model`
+/// parameters: with LoRA the adapters and the whole model, else the model and none.
+pub(super) fn learner_parameters(recipe: &Recipe, config: &ModelConfig, model: u64) -> (u64, u64) {
+    match recipe.actor.lora() {
+        Some(lora) => {
+            let adapters = model::lora::lora_param_table(config, &lora)
+                .iter()
+                .map(|s| s.numel() as u64)
+                .sum();
+            (adapters, model)
+        }
+        None => (model, 0),
+    }
 }
 
 /// The device set the advice is for: memory per device, devices, TPU generation.
@@ -65,7 +83,7 @@ pub(super) fn advice(
     if let Some((row, m)) = worst(Role::Learner) {
         let micro = recipe.actor.ppo_micro_batch_size.max(1);
         let accumulating = plan.rows.iter().any(|r| r.label == "accumulate");
-        let state = learner_state_bytes(recipe, num_parameters, accumulating);
+        let state = learner_state_bytes(recipe, &plan.config, num_parameters, accumulating);
         let partitions = plan.programs[row.program].num_partitions().max(1);
         // The state each device holds once it is sharded as far as it needs to be.
         let mut state_per_device = state / partitions as u64;
@@ -76,10 +94,11 @@ pub(super) fn advice(
             // A mesh of a power of two devices (micro-batches split evenly over it).
             let mesh = needed.next_power_of_two().max(devices);
             let mut text = format!(
-                "the learner's state (f32 parameters, AdamW moments{}{}) is {}{}, more than the {} a device has \
+                "the learner's state (f32 parameters, AdamW moments{}{}{}) is {}{}, more than the {} a device has \
                  room for beside activations: set `actor.strategy: fsdp` and `actor.mesh: {mesh}` to shard it",
                 if accumulating { ", gradient sums" } else { "" },
                 if recipe.actor.param_dtype == DTypeName::Bf16 { ", bf16 copy" } else { "" },
+                if recipe.actor.lora_rank > 0 { ", the frozen base" } else { "" },
                 bytes(state),
                 if partitions > 1 {
                     format!(" ({} on each of {partitions} devices)", bytes(state_per_device))
@@ -103,6 +122,12 @@ pub(super) fn advice(
                 if let Some(t) = generation.as_deref().and_then(|g| topology_with_devices(g, mesh)) {
                     let _ = write!(text, ", e.g. --topology {t}");
                 }
+            }
+            if recipe.actor.lora_rank == 0 {
+                text.push_str(
+                    "; or train LoRA adapters (`actor.lora_rank: 32`): the base then stays frozen in \
+                     `actor.param_dtype` with no f32 masters, gradients or AdamW moments",
+                );
             }
             out.push(text);
             row_devices = mesh;
@@ -217,6 +242,8 @@ pub(super) struct DeviceTotal {
     pub(super) learner_params: u64,
     /// AdamW's two moments and the gradient sums when micro-batches accumulate.
     pub(super) optimizer: u64,
+    /// The frozen tensors (with LoRA the base model, in the compute type).
+    pub(super) frozen: u64,
     pub(super) kv_cache: u64,
     pub(super) rollout_weights: u64,
     pub(super) largest: String,
@@ -231,15 +258,20 @@ impl DeviceTotal {
     }
 
     pub(super) fn learner_state(&self) -> u64 {
-        self.learner_params + self.optimizer
+        self.learner_params + self.optimizer + self.frozen
     }
 
     pub(super) fn describe(&self) -> String {
         format!(
-            "each device over the run (learner and rollout share it): parameters {} + optimizer state {} + KV cache \
-             {}{} + the largest temporaries ({}, {}) = {} of {}: {}",
+            "each device over the run (learner and rollout share it): parameters {} + optimizer state {}{} + KV \
+             cache {}{} + the largest temporaries ({}, {}) = {} of {}: {}",
             bytes(self.learner_params),
             bytes(self.optimizer),
+            if self.frozen > 0 {
+                format!(" + frozen base {}", bytes(self.frozen))
+            } else {
+                String::new()
+            },
             bytes(self.kv_cache),
             if self.rollout_weights > 0 {
                 format!(" + rollout weights {}", bytes(self.rollout_weights))
@@ -278,6 +310,12 @@ pub(super) fn device_total(
     let bf16 = recipe.actor.param_dtype == DTypeName::Bf16;
     let learner_params = masters + if bf16 { masters / 2 } else { 0 };
     let optimizer = masters * (2 + u64::from(accumulating));
+    let frozen = measured
+        .iter()
+        .filter(|(r, _)| r.role == Role::Learner)
+        .map(|(_, m)| m.frozen_bytes)
+        .max()
+        .unwrap_or(plan.frozen_bytes_per_device);
     let rollout_weights = if rollout_shares_learner_buffers(recipe) {
         0
     } else {
@@ -296,22 +334,25 @@ pub(super) fn device_total(
     Some(DeviceTotal {
         learner_params,
         optimizer,
+        frozen,
         kv_cache,
         rollout_weights,
         largest,
         largest_temporaries,
-        total: learner_params + optimizer + kv_cache + rollout_weights + largest_temporaries,
+        total: learner_params + optimizer + frozen + kv_cache + rollout_weights + largest_temporaries,
         memory,
     })
 }
 
 /// Whether the in-process rollout decodes from the learner's own compute-dtype buffers (the
-/// handoff uses them in place): same element type, no off-policy copy, and the same layout on
-/// the devices (replicas or tensor-parallel splits, not FSDP shards).
+/// handoff uses them in place): same element type, no off-policy copy, the same layout on the
+/// devices (replicas or tensor-parallel splits, not FSDP shards), and no LoRA (the rollout then
+/// decodes from the merged weights, a copy).
 pub(super) fn rollout_shares_learner_buffers(recipe: &Recipe) -> bool {
     let parallel = recipe.actor.parallelism(&recipe.cluster);
     let fsdp = parallel.strategy == Strategy::Fsdp && parallel.mesh.unwrap_or(1) > 1;
     recipe.rollout.dtype == recipe.actor.param_dtype
+        && recipe.actor.lora_rank == 0
         && recipe.trainer.off_policy_steps == 0
         && !fsdp
         && parallel.tensor_parallel.max(1) == recipe.rollout.tensor_model_parallel_size.max(1)

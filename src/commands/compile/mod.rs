@@ -371,6 +371,7 @@ pub fn run(args: CompileArgs) -> Result<ExitCode> {
                 "learner_state_bytes": t.learner_state(),
                 "learner_param_bytes": t.learner_params,
                 "optimizer_bytes": t.optimizer,
+                "frozen_bytes": t.frozen,
                 "kv_cache_bytes": t.kv_cache,
                 "rollout_weight_bytes": t.rollout_weights,
                 "largest_temporaries_program": t.largest,
@@ -675,6 +676,7 @@ mod tests {
             Measured {
                 sharding: "1 device".into(),
                 param_bytes: arguments / 2,
+                frozen_bytes: 0,
                 argument_bytes: arguments,
                 temp_bytes: Some(peak - arguments),
                 peak_bytes: peak,
@@ -728,7 +730,7 @@ mod tests {
         assert!(
             a[0].contains(
                 "`actor.mesh: 16` to shard it over at least 16 devices (7.09 GiB each over 16): use more chips, \
-                 e.g. --topology v5e:4x4"
+                 e.g. --topology v5e:4x4; or train LoRA adapters (`actor.lora_rank: 32`)"
             ),
             "{a:?}"
         );
@@ -776,7 +778,32 @@ mod tests {
             // Masters, 2 moments, gradient sums when micro-batches accumulate, the bf16 copy.
             let sums = u64::from(plan.rows.iter().any(|x| x.label == "accumulate"));
             assert_eq!(t.learner_state(), masters * (3 + sums) + masters / 2, "{actor}");
+            assert_eq!(t.frozen, 0, "{actor}");
         }
+        // LoRA: the learner's masters and AdamW state are the adapters'; the base is held
+        // frozen in bf16, a quarter of it on each device under fsdp over 4.
+        let r = with("  strategy: fsdp\n  mesh: 4\n  lora_rank: 4\n");
+        let plan = plan_for(&r);
+        assert_eq!(plan.frozen_bytes_per_device, whole / 2 / 4);
+        let masters = plan.master_bytes_per_device;
+        assert!(
+            masters > 0 && masters < whole / 16,
+            "adapters: {masters} of {whole}"
+        );
+        let rollout = plan.rows.iter().find(|x| x.role == Role::Rollout).unwrap();
+        let mut row = failing(&rollout.label, Role::Rollout, rollout.program, GIB, GIB / 2);
+        row.1.fits = true;
+        let t = device_total(&r, &plan, whole / 4, &[row], Some(16 * GIB)).unwrap();
+        let sums = u64::from(plan.rows.iter().any(|x| x.label == "accumulate"));
+        assert_eq!(t.frozen, whole / 8);
+        assert_eq!(t.learner_state(), masters * (3 + sums) + masters / 2 + whole / 8);
+        assert!(t.rollout_weights > 0, "the rollout decodes from a merged copy");
+        assert!(
+            t.describe()
+                .contains(&format!("frozen base {}", bytes(whole / 8))),
+            "{}",
+            t.describe()
+        );
     }
 
     #[test]

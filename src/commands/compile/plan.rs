@@ -31,6 +31,8 @@ pub(super) struct Plan {
     /// the learner's layout: what the learner state is counted from when no compiled learner
     /// program says (`--only` without one).
     pub(super) master_bytes_per_device: u64,
+    /// Likewise the frozen tensors' bytes (with LoRA the base model in the compute type).
+    pub(super) frozen_bytes_per_device: u64,
     /// With `model.enable_gradient_checkpointing`: the label of the learner's gradient
     /// program (`train_step` or `accumulate`) and that program traced without
     /// rematerialisation, compiled beside it to report what remat saves and costs.
@@ -54,7 +56,13 @@ impl Plan {
         let mut plan = Plan {
             programs: Vec::new(),
             rows: Vec::new(),
-            param_names: model::param_table(config).into_iter().map(|s| s.name).collect(),
+            // The model's table (the rollout's weights) and what the learner trains (with LoRA
+            // the adapters; the base is among the frozen arguments).
+            param_names: model::param_table(config)
+                .into_iter()
+                .chain(policy(recipe, config).param_specs())
+                .map(|s| s.name)
+                .collect(),
             rollout: ProgramPlan::new(
                 config,
                 &settings,
@@ -62,11 +70,14 @@ impl Plan {
                 rollout_dtype(recipe),
                 plugin,
             ),
-            master_bytes_per_device: master_bytes_per_device(recipe, config)?,
+            master_bytes_per_device: 0,
+            frozen_bytes_per_device: 0,
             without_remat: None,
             config: config.clone(),
             trained_tokens_per_step: 0.0,
         };
+        (plan.master_bytes_per_device, plan.frozen_bytes_per_device) =
+            learner_bytes_per_device(recipe, config)?;
         plan_rollout(&mut plan, recipe, config)?;
         plan_learner(&mut plan, recipe, config)?;
         Ok(plan)
@@ -336,9 +347,13 @@ pub(super) fn plan_learner(
     Ok(())
 }
 
-/// Bytes of f32 master weights one learner device holds: each parameter whole, or its share
-/// where the learner's mesh splits it (`fsdp`, tensor parallelism).
-pub(super) fn master_bytes_per_device(recipe: &Recipe, config: &ModelConfig) -> Result<u64, CompileError> {
+/// Bytes one learner device holds of the f32 master weights (what it trains) and of the frozen
+/// tensors (with LoRA the base, in the compute type): each tensor whole, or its share where the
+/// learner's mesh splits it (`fsdp`, tensor parallelism).
+pub(super) fn learner_bytes_per_device(
+    recipe: &Recipe,
+    config: &ModelConfig,
+) -> Result<(u64, u64), CompileError> {
     let a = &recipe.actor;
     let mesh =
         trainer::sharding::LearnerMesh::new(&a.parallelism(&recipe.cluster), a.ppo_micro_batch_size as i64)
@@ -347,17 +362,22 @@ pub(super) fn master_bytes_per_device(recipe: &Recipe, config: &ModelConfig) -> 
             message: e.to_string(),
         })?;
     let m = mesh.mesh();
-    Ok(model::param_table(config)
-        .iter()
-        .map(|spec| {
-            let dims = spec.dims();
-            let local: i64 = match (mesh.param_sharding(spec), &m) {
-                (Some(s), Some(m)) => s.local_dims(&dims, m).iter().product(),
-                _ => dims.iter().product(),
-            };
-            4 * local as u64
-        })
-        .sum())
+    let local = |specs: &[model::ParamSpec], element: u64| -> u64 {
+        specs
+            .iter()
+            .map(|spec| {
+                let dims = spec.dims();
+                let n: i64 = match (mesh.param_sharding(spec), &m) {
+                    (Some(s), Some(m)) => s.local_dims(&dims, m).iter().product(),
+                    _ => dims.iter().product(),
+                };
+                element * n as u64
+            })
+            .sum()
+    };
+    let p = policy(recipe, config);
+    let compute = if a.param_dtype == DTypeName::Bf16 { 2 } else { 4 };
+    Ok((local(&p.param_specs(), 4), local(&p.frozen_specs(), compute)))
 }
 
 /// The model's architecture, from `--model-config`, `model.path`, or the configs folder beside

@@ -213,6 +213,8 @@ pub(super) fn open_target(args: &CompileArgs, max_partitions: usize) -> Result<T
 pub(super) struct Measured {
     pub(super) sharding: String,
     pub(super) param_bytes: u64,
+    /// Of the arguments, the learner's frozen tensors (`frozen.*`: with LoRA the base model).
+    pub(super) frozen_bytes: u64,
     /// Arguments from the compiler's memory stats, else from the argument shapes.
     pub(super) argument_bytes: u64,
     pub(super) temp_bytes: Option<u64>,
@@ -243,18 +245,21 @@ pub(super) fn sharding_of(program: &Program) -> String {
     }
 }
 
-/// Bytes of the arguments one device holds: all of them, and those that are model parameters.
-pub(super) fn argument_bytes(program: &Program, param_names: &HashSet<String>) -> (u64, u64) {
-    let (mut all, mut params) = (0u64, 0u64);
+/// Bytes of the arguments one device holds: all of them, those that are trained parameters,
+/// and the learner's frozen tensors.
+pub(super) fn argument_bytes(program: &Program, param_names: &HashSet<String>) -> (u64, u64, u64) {
+    let (mut all, mut params, mut frozen) = (0u64, 0u64, 0u64);
     for (i, (name, ty)) in program.arg_names().iter().zip(program.arg_types()).enumerate() {
         let elements: i64 = program.local_arg_dims(i).iter().product();
         let b = elements.max(0) as u64 * ty.dtype.size_bytes() as u64;
         all += b;
         if param_names.contains(name) {
             params += b;
+        } else if name.starts_with(trainer::step::FROZEN_PREFIX) {
+            frozen += b;
         }
     }
-    (all, params)
+    (all, params, frozen)
 }
 
 pub(super) fn measure(
@@ -263,12 +268,13 @@ pub(super) fn measure(
     target: &Target,
     param_names: &HashSet<String>,
 ) -> Measured {
-    let (shape_args, param_bytes) = argument_bytes(program, param_names);
+    let (shape_args, param_bytes, frozen_bytes) = argument_bytes(program, param_names);
     let budget = target.memory_per_device();
     match (&compiled.memory, &compiled.shortfall) {
         (_, Some((required, available, what))) => Measured {
             sharding: sharding_of(program),
             param_bytes,
+            frozen_bytes,
             argument_bytes: shape_args,
             temp_bytes: what.contains("temporar").then_some(*required),
             peak_bytes: if what.contains("temporar") {
@@ -297,6 +303,7 @@ pub(super) fn measure(
             Measured {
                 sharding: sharding_of(program),
                 param_bytes,
+                frozen_bytes,
                 argument_bytes: memory
                     .as_ref()
                     .map(|m| m.argument_bytes.max(0) as u64)

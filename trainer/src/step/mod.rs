@@ -53,6 +53,10 @@ pub use learner::{
 };
 pub use programs::{build_shape_programs, build_train_programs, ShapePrograms, TrainPrograms};
 
+/// The name prefix of the frozen tensors' arguments ([`StepConfig::frozen`]) in the learner's
+/// programs (`grpo compile` counts their bytes by it).
+pub const FROZEN_PREFIX: &str = "frozen.";
+
 use crate::config::{OptimConfig, Parallelism, PolicyLossConfig};
 use model::ParamSpec;
 use xla::graph::Tensor;

@@ -189,7 +189,7 @@ fn policy_params(cfg: &StepConfig, masters: &[Tensor], frozen: &[Tensor]) -> Vec
 
 /// Declares the frozen tensors, after the batch inputs.
 fn declare_frozen(g: &Graph, cfg: &StepConfig, mesh: &LearnerMesh) -> Vec<Tensor> {
-    declare_params_as(g, &cfg.frozen, "frozen.", cfg.compute_dtype, mesh)
+    declare_params_as(g, &cfg.frozen, super::FROZEN_PREFIX, cfg.compute_dtype, mesh)
 }
 
 fn scalar1(t: &Tensor) -> Tensor {

@@ -21,7 +21,7 @@ use super::sys::*;
 const GIB: u64 = 1 << 30;
 
 /// Topologies known to compile with libtpu 0.0.52 (PJRT.md), for listings and examples.
-pub const KNOWN_TOPOLOGIES: [&str; 15] = [
+pub const KNOWN_TOPOLOGIES: [&str; 16] = [
     "v5e:1x1",
     "v5e:2x2",
     "v5e:2x4",
@@ -30,6 +30,7 @@ pub const KNOWN_TOPOLOGIES: [&str; 15] = [
     "v6e:1x1",
     "v6e:2x2",
     "v6e:2x4",
+    "v6e:4x4",
     "v6e:16x16",
     "v5p:1x1x1",
     "v5p:2x2x1",
