@@ -20,7 +20,8 @@
 # prebuilt ones (grpo, runtime, runtime_cache, runtime_bench, tiny_chat_model). The CPU side of
 # step 4 runs here unless GPU_CHECK_CPU_REFERENCE names a folder where this script's CPU side
 # already ran (GPU_CHECK_ONLY=cpu writes just that, for a host without the GPU's CPU plugin).
-# Step 5 needs torch and transformers (GPU build) in python3.
+# Step 5 needs torch and transformers (GPU build) in python3, and a Qwen tokenizer folder:
+# models/qwen3 (model/scripts/fetch_assets.sh fetches it) or QWEN_TOKENIZER.
 #
 # Everything it prints is also written to gpu-check-<UTC time>/log, beside the outputs; paste the
 # results into BENCHMARKS.md.
