@@ -61,6 +61,24 @@ fn strip_ansi(text: &str) -> String {
     out
 }
 
+/// A 3-step [`tiny_recipe`] `DIR/NAME.yaml` writing to `DIR/NAME` on `inputs` (model, train and
+/// validation files), with `actor_keys` added to its actor section; returns both paths.
+fn three_steps(
+    dir: &Path,
+    inputs: &(PathBuf, PathBuf, PathBuf),
+    name: &str,
+    actor_keys: &str,
+) -> (PathBuf, PathBuf) {
+    let (model, train, val) = inputs;
+    let out = dir.join(name);
+    let r = tiny_recipe(dir, &format!("{name}.yaml"), model, train, val, &out, 3, "");
+    let text = std::fs::read_to_string(&r)
+        .unwrap()
+        .replacen("actor:\n", &format!("actor:\n{actor_keys}"), 1);
+    std::fs::write(&r, text).unwrap();
+    (r, out)
+}
+
 /// `a` and `b` agree within `rel` of the larger magnitude (plus 1e-6 for values near 0).
 fn close(a: f64, b: f64, rel: f64) -> bool {
     (a - b).abs() <= rel * a.abs().max(b.abs()) + 1e-6
@@ -109,23 +127,8 @@ fn assert_trains_like(single: &Path, sharded: &Path, what: &str) {
 #[test]
 fn dp_and_fsdp_on_four_devices_train_like_one_device_without_host_weight_copies() {
     let dir = tempfile::tempdir().unwrap();
-    let model = tiny_chat_model(dir.path());
-    let train = arithmetic(dir.path(), "train", 1, 64);
-    let val = arithmetic(dir.path(), "val", 2, 6);
-    let recipe = |name: &str| -> (PathBuf, PathBuf) {
-        let out = dir.path().join(name);
-        let r = tiny_recipe(
-            dir.path(),
-            &format!("{name}.yaml"),
-            &model,
-            &train,
-            &val,
-            &out,
-            3,
-            "",
-        );
-        (r, out)
-    };
+    let inputs = tiny_inputs(dir.path(), 64, 6);
+    let recipe = |name: &str| three_steps(dir.path(), &inputs, name, "");
     let engine_devices = |stderr: &str| -> Vec<String> {
         strip_ansi(stderr)
             .lines()
@@ -177,28 +180,9 @@ fn dp_and_fsdp_on_four_devices_train_like_one_device_without_host_weight_copies(
 #[test]
 fn lora_over_fsdp_and_tensor_parallel_trains_like_one_device_without_host_weight_copies() {
     let dir = tempfile::tempdir().unwrap();
-    let model = tiny_chat_model(dir.path());
-    let train = arithmetic(dir.path(), "train", 1, 64);
-    let val = arithmetic(dir.path(), "val", 2, 6);
-    let lora =
-        "actor:\n  lora_rank: 4\n  lora_alpha: 8\n  target_modules: [q_proj, v_proj, o_proj, down_proj]\n";
-    let recipe = |name: &str| -> (PathBuf, PathBuf) {
-        let out = dir.path().join(name);
-        let r = tiny_recipe(
-            dir.path(),
-            &format!("{name}.yaml"),
-            &model,
-            &train,
-            &val,
-            &out,
-            3,
-            "",
-        );
-        // tiny_recipe's actor section already exists: add the LoRA keys to it.
-        let text = std::fs::read_to_string(&r).unwrap().replacen("actor:\n", lora, 1);
-        std::fs::write(&r, text).unwrap();
-        (r, out)
-    };
+    let inputs = tiny_inputs(dir.path(), 64, 6);
+    let lora = "  lora_rank: 4\n  lora_alpha: 8\n  target_modules: [q_proj, v_proj, o_proj, down_proj]\n";
+    let recipe = |name: &str| three_steps(dir.path(), &inputs, name, lora);
     let (single, single_out) = recipe("single");
     run(&single, &[]);
     for (name, extra) in [

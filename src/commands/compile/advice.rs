@@ -299,23 +299,21 @@ pub(super) fn device_total(
         return None;
     }
     let accumulating = plan.rows.iter().any(|r| r.label == "accumulate");
-    // The f32 masters one device holds (a shard under FSDP): from a compiled learner program,
-    // else from the learner's layout.
-    let masters = measured
-        .iter()
-        .filter(|(r, _)| r.role == Role::Learner)
-        .map(|(_, m)| m.param_bytes)
-        .max()
-        .unwrap_or(plan.master_bytes_per_device);
+    // What one device holds (a shard under FSDP): from a compiled learner program, else from
+    // the learner's layout.
+    let learner_max = |of: fn(&Measured) -> u64, layout: u64| {
+        measured
+            .iter()
+            .filter(|(r, _)| r.role == Role::Learner)
+            .map(|(_, m)| of(m))
+            .max()
+            .unwrap_or(layout)
+    };
+    let masters = learner_max(|m| m.param_bytes, plan.master_bytes_per_device);
     let bf16 = recipe.actor.param_dtype == DTypeName::Bf16;
     let learner_params = masters + if bf16 { masters / 2 } else { 0 };
     let optimizer = masters * (2 + u64::from(accumulating));
-    let frozen = measured
-        .iter()
-        .filter(|(r, _)| r.role == Role::Learner)
-        .map(|(_, m)| m.frozen_bytes)
-        .max()
-        .unwrap_or(plan.frozen_bytes_per_device);
+    let frozen = learner_max(|m| m.frozen_bytes, plan.frozen_bytes_per_device);
     let rollout_weights = if rollout_shares_learner_buffers(recipe) {
         0
     } else {

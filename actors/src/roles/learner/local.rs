@@ -155,7 +155,7 @@ impl LocalLearner {
                 });
                 let dtype = setup::actor_dtype(recipe);
                 let program = MergeProgram::compile_over(client, config, lora, dtype, layout.as_ref())
-                    .map_err(|e| UpdateError::Batch(format!("LoRA: {e}")))?;
+                    .map_err(lora_error)?;
                 Some((program, base_specs))
             }
             None => None,
@@ -179,12 +179,7 @@ impl LocalLearner {
                  take them with rollout_source",
                 learner.devices()
             ))),
-            Some((merge, _)) => {
-                let merged = merge
-                    .run(learner.device_params(0), learner.frozen_params(0)?)
-                    .map_err(|e| UpdateError::Batch(format!("LoRA: {e}")))?;
-                Ok(Arc::from(merged))
-            }
+            Some((merge, _)) => merge_on_one_device(merge, learner),
             None => Ok(learner.shared_params()?),
         }
     }
@@ -198,13 +193,9 @@ impl LocalLearner {
         let learner = update.learner_mut().learner_mut();
         let mesh = learner.mesh();
         if let Some((merge, model_specs)) = &self.merge {
-            let lora = |e: model::programs::ProgramError| UpdateError::Batch(format!("LoRA: {e}"));
             if learner.devices() <= 1 {
-                let merged = merge
-                    .run(learner.device_params(0), learner.frozen_params(0)?)
-                    .map_err(lora)?;
                 return Ok(rollout::SourceParams::single(
-                    Arc::from(merged),
+                    merge_on_one_device(merge, learner)?,
                     model_specs.clone(),
                 ));
             }
@@ -214,7 +205,7 @@ impl LocalLearner {
             let base = (0..devices)
                 .map(|d| learner.frozen_params(d))
                 .collect::<Result<Vec<_>, _>>()?;
-            let merged = merge.run_spmd(&adapters, &base).map_err(lora)?;
+            let merged = merge.run_spmd(&adapters, &base).map_err(lora_error)?;
             return Ok(rollout::SourceParams {
                 mesh: mesh.mesh(),
                 per_device: merged.into_iter().map(Arc::from).collect(),
@@ -240,6 +231,21 @@ impl LocalLearner {
     pub fn read_state(&self) -> Result<LearnerState, UpdateError> {
         Ok(lock(&self.update).learner().learner().state()?)
     }
+}
+
+/// The merged weights of a one-device LoRA learner (a new copy).
+fn merge_on_one_device(
+    merge: &MergeProgram,
+    learner: &trainer::step::Learner,
+) -> Result<Arc<[Buffer]>, UpdateError> {
+    let merged = merge
+        .run(learner.device_params(0), learner.frozen_params(0)?)
+        .map_err(lora_error)?;
+    Ok(Arc::from(merged))
+}
+
+fn lora_error(e: model::programs::ProgramError) -> UpdateError {
+    UpdateError::Batch(format!("LoRA: {e}"))
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
