@@ -68,6 +68,7 @@ fn requests() -> Vec<GenerationRequest> {
             n: 1,
             seed: 0,
             params: SamplingParams::greedy(10),
+            multi_turn: None,
         },
         GenerationRequest {
             id: 2,
@@ -79,6 +80,7 @@ fn requests() -> Vec<GenerationRequest> {
                 max_new_tokens: 8,
                 ..Default::default()
             },
+            multi_turn: None,
         },
     ]
 }

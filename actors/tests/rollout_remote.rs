@@ -103,6 +103,7 @@ fn requests(first_id: u64) -> Vec<GenerationRequest> {
             n: 1,
             seed: 0,
             params: SamplingParams::greedy(12),
+            multi_turn: None,
         },
         GenerationRequest {
             id: first_id + 1,
@@ -114,6 +115,7 @@ fn requests(first_id: u64) -> Vec<GenerationRequest> {
                 max_new_tokens: 9,
                 ..Default::default()
             },
+            multi_turn: None,
         },
     ]
 }
@@ -352,6 +354,7 @@ fn a_dead_worker_is_unavailable_and_its_replacement_is_brought_up_to_date() {
                     max_new_tokens: 60,
                     ..Default::default()
                 },
+                multi_turn: None,
             })
             .collect();
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();

@@ -34,6 +34,7 @@ impl ChatMessage {
 }
 
 /// A compiled chat template with the special tokens it refers to.
+#[derive(Clone)]
 pub struct ChatTemplate {
     env: Environment<'static>,
     origin: String,

@@ -227,6 +227,7 @@ fn main() {
                         max_new_tokens: lengths[i],
                         ..params.clone()
                     },
+                    multi_turn: None,
                 })
                 .unwrap();
         }

@@ -68,6 +68,7 @@ fn main() {
             n,
             seed: 100 + i as u64,
             params: params(1.0),
+            multi_turn: None,
         });
         requests.push(GenerationRequest {
             id: 2 * i as u64 + 1,
@@ -75,6 +76,7 @@ fn main() {
             n: 1,
             seed: 0,
             params: params(0.0),
+            multi_turn: None,
         });
     }
     let run = |d: usize, slots: usize| -> Vec<Sample> {

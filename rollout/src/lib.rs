@@ -12,6 +12,7 @@
 //!   learner's layout (replicated or sharded, any dtype) to them.
 
 pub mod engine;
+pub mod environment;
 pub mod error;
 pub mod plan;
 pub mod programs;
@@ -19,8 +20,8 @@ pub mod sampling;
 pub mod weights;
 
 pub use engine::{
-    Engine, EngineConfig, EngineControl, EngineHandle, EngineOutput, EngineStats, FinishReason,
-    GenerationRequest, Sample,
+    Engine, EngineConfig, EngineControl, EngineHandle, EngineOutput, EngineStats, EpisodeStats, FinishReason,
+    GenerationRequest, Resume, Resumer, Sample, Turn, TurnHandler, TurnId, TurnLimits,
 };
 pub use error::{Result, RolloutError};
 pub use sampling::SamplingParams;

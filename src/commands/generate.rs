@@ -258,6 +258,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
                 max_new_tokens: args.max_new_tokens,
                 ..Default::default()
             },
+            multi_turn: None,
         };
         if let Err(e) = engine.submit(request) {
             if !json {

@@ -42,6 +42,38 @@ pub struct Row {
     pub reward_baseline: Option<f64>,
     /// Stopped by the length limit rather than a stop token.
     pub truncated: bool,
+    /// The response positions the environment wrote in a multi-turn sample (tool results,
+    /// user turns), ascending and disjoint: the model reads them but is not trained on them,
+    /// and they count in no advantage, loss or normaliser. Empty for a single-turn sample.
+    pub env_spans: Vec<std::ops::Range<usize>>,
+}
+
+impl Row {
+    /// The loss mask of the row: 1 on the tokens the model sampled.
+    fn model_token_mask(&self) -> Vec<f32> {
+        let mut mask = vec![1.0; self.response.len()];
+        for span in &self.env_spans {
+            mask[span.clone()].fill(0.0);
+        }
+        mask
+    }
+
+    /// Why the row's environment spans are not ascending, disjoint, non-empty ranges of its
+    /// response.
+    fn check_env_spans(&self) -> std::result::Result<(), String> {
+        let mut end = 0;
+        for span in &self.env_spans {
+            if span.start < end || span.end <= span.start || span.end > self.response.len() {
+                return Err(format!(
+                    "a row of group {} has environment span {span:?}: empty, out of order or past its {} response tokens",
+                    self.group,
+                    self.response.len()
+                ));
+            }
+            end = span.end;
+        }
+        Ok(())
+    }
 }
 
 /// What one update did: metrics by name (VeRL's names) and the tokens it trained on.
@@ -293,6 +325,9 @@ impl GrpoUpdate {
         if rows.is_empty() {
             return Err(UpdateError::Batch("no samples to train on".into()));
         }
+        for row in rows {
+            row.check_env_spans().map_err(UpdateError::Batch)?;
+        }
         let finite = finite_rows(rows);
         report.metrics.insert(
             "batch/nonfinite_samples".into(),
@@ -352,7 +387,7 @@ impl GrpoUpdate {
         let mut response_mask = vec![0.0f32; n_rows * l];
         let mut rollout_lp = vec![0.0f32; n_rows * l];
         for (i, x) in rows.iter().enumerate() {
-            response_mask[i * l..i * l + x.response.len()].fill(1.0);
+            response_mask[i * l..i * l + x.response.len()].copy_from_slice(&x.model_token_mask());
             rollout_lp[i * l..i * l + x.rollout_log_probs.len()].copy_from_slice(&x.rollout_log_probs);
         }
         let t = Instant::now();
@@ -641,6 +676,7 @@ mod tests {
             score,
             reward_baseline: None,
             truncated: false,
+            env_spans: Vec::new(),
         };
         let rows = [
             row(1.0, -0.1),

@@ -7,7 +7,7 @@ use crate::roles::reward::RewardRole;
 use crate::roles::rollout::{RolloutRole, WeightUpdate};
 use crate::roles::Role;
 use crate::roles::RoleError;
-use rollout::{FinishReason, GenerationRequest, Sample};
+use rollout::{GenerationRequest, Sample};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -406,7 +406,7 @@ impl Fleet {
                             ground_truth: meta.ground_truth,
                             extra: meta.extra,
                             response_length: s.response_ids.len(),
-                            truncated: matches!(s.finish_reason, FinishReason::MaxNewTokens | FinishReason::MaxModelLen),
+                            truncated: s.finish_reason.is_truncated(),
                         });
                         keys.push((id, k));
                         samples.insert(k, s);

@@ -84,6 +84,7 @@ pub(crate) fn build_prompts(
                     temperature: 0.0,
                     ..params.clone()
                 },
+                multi_turn: None,
             });
             out.metas.insert(id | REMAX_BASELINE, meta.clone());
         }
@@ -93,6 +94,7 @@ pub(crate) fn build_prompts(
             n,
             seed: request_seed(recipe.trainer.seed, id),
             params: params.clone(),
+            multi_turn: None,
         });
         out.metas.insert(id, meta);
         out.indices.push(ex.index);

@@ -10,7 +10,6 @@ use super::prompts::{build_prompts, generate, request_id, Generated};
 use super::{io, RunError};
 use crate::prepare::Prepared;
 use crate::recipe::Recipe;
-use rollout::FinishReason;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use trainer::update::{Row, UpdateReport};
@@ -331,10 +330,8 @@ fn row(s: &super::fleet::Scored, reward_baseline: Option<f64>) -> Row {
         rollout_log_probs: s.sample.logprobs.clone(),
         score: s.score.score,
         reward_baseline,
-        truncated: matches!(
-            s.sample.finish_reason,
-            FinishReason::MaxNewTokens | FinishReason::MaxModelLen
-        ),
+        truncated: s.sample.finish_reason.is_truncated(),
+        env_spans: s.sample.env_spans.clone(),
     }
 }
 

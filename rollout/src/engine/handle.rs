@@ -1,21 +1,51 @@
-//! The engine on its own thread: commands in (requests, weight updates), finished samples
-//! out, from any thread.
+//! The engine on its own thread: commands in (requests, weight updates, environments'
+//! answers), finished samples out, from any thread.
 
-use super::{Engine, EngineOutput, GenerationRequest};
+use super::{Engine, EngineOutput, GenerationRequest, Resume, Turn, TurnId};
 use crate::error::{Result, RolloutError};
 use crate::weights::EngineWeights;
 use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
 use std::thread::JoinHandle;
+
+/// The environment of multi-turn requests, called on the engine thread for each parked turn.
+pub trait TurnHandler: Send + Sync {
+    /// Must return at once (tools run elsewhere) and answer later through `resumer`; a turn
+    /// never answered keeps its slot.
+    fn on_turn(&self, turn: Turn, resumer: Resumer);
+}
+
+/// Sends an environment's answers to the engine thread.
+#[derive(Clone)]
+pub struct Resumer {
+    commands: Sender<Command>,
+}
+
+impl Resumer {
+    /// Answers a parked turn (dropped when the engine has stopped: nothing waits for it).
+    pub fn resume(&self, id: TurnId, resume: Resume) {
+        let _ = self.commands.send(Command::Resume(id, resume));
+    }
+}
 
 impl Engine {
     /// Moves the engine to its own thread and returns a handle that feeds it requests and
     /// weight updates and streams back finished samples while it runs.
     pub fn spawn(self) -> EngineHandle {
+        self.spawn_with(None)
+    }
+
+    /// As [`Engine::spawn`], with the environment that answers multi-turn requests' turns
+    /// (without one, such a request is rejected).
+    pub fn spawn_with(self, environment: Option<Arc<dyn TurnHandler>>) -> EngineHandle {
         let (commands, command_rx) = channel::<Command>();
         let (output_tx, outputs) = channel::<EngineOutput>();
+        let resumer = Resumer {
+            commands: commands.clone(),
+        };
         let thread = std::thread::Builder::new()
             .name("rollout-engine".into())
-            .spawn(move || serve(self, command_rx, output_tx))
+            .spawn(move || serve(self, command_rx, output_tx, environment, resumer))
             .expect("spawning the rollout engine thread");
         EngineHandle {
             commands,
@@ -29,12 +59,31 @@ enum Command {
     Submit(GenerationRequest),
     SubmitAll(Vec<GenerationRequest>),
     UpdateWeights(u64, EngineWeights, Sender<Result<usize>>),
+    Resume(TurnId, Resume),
     Shutdown,
 }
 
 /// The engine thread: applies commands between steps, steps while there is work, sends every
 /// finished sample and rejection. Returns the engine (or the error that stopped it).
-fn serve(mut engine: Engine, commands: Receiver<Command>, outputs: Sender<EngineOutput>) -> Result<Engine> {
+fn serve(
+    mut engine: Engine,
+    commands: Receiver<Command>,
+    outputs: Sender<EngineOutput>,
+    environment: Option<Arc<dyn TurnHandler>>,
+    resumer: Resumer,
+) -> Result<Engine> {
+    let submit = |engine: &mut Engine, r: GenerationRequest| {
+        let result = match (&r.multi_turn, &environment) {
+            (Some(_), None) => Err(RolloutError::Rejected {
+                request_id: r.id,
+                problem: "a multi-turn request needs an environment; this engine has none".into(),
+            }),
+            _ => engine.submit(r),
+        };
+        if let Err(e) = result {
+            let _ = outputs.send(EngineOutput::Rejected(e));
+        }
+    };
     loop {
         let mut batch = Vec::new();
         if engine.has_work() {
@@ -48,16 +97,15 @@ fn serve(mut engine: Engine, commands: Receiver<Command>, outputs: Sender<Engine
         }
         for c in batch {
             match c {
-                Command::Submit(r) => {
-                    if let Err(e) = engine.submit(r) {
-                        let _ = outputs.send(EngineOutput::Rejected(e));
-                    }
-                }
+                Command::Submit(r) => submit(&mut engine, r),
                 Command::SubmitAll(rs) => {
                     for r in rs {
-                        if let Err(e) = engine.submit(r) {
-                            let _ = outputs.send(EngineOutput::Rejected(e));
-                        }
+                        submit(&mut engine, r);
+                    }
+                }
+                Command::Resume(id, resume) => {
+                    if let Err(e) = engine.resume(id, resume) {
+                        let _ = outputs.send(EngineOutput::Rejected(e));
                     }
                 }
                 Command::UpdateWeights(v, w, reply) => {
@@ -70,11 +118,17 @@ fn serve(mut engine: Engine, commands: Receiver<Command>, outputs: Sender<Engine
             for s in engine.step()? {
                 let _ = outputs.send(EngineOutput::Sample(s));
             }
+            if let Some(env) = &environment {
+                for turn in engine.take_turns() {
+                    env.on_turn(turn, resumer.clone());
+                }
+            }
         }
     }
 }
 
-/// A running engine on its own thread (see [`Engine::spawn`]).
+/// A running engine on its own thread (see [`Engine::spawn`]); dropping it stops the thread
+/// after its current step.
 pub struct EngineHandle {
     commands: Sender<Command>,
     outputs: Receiver<EngineOutput>,
@@ -158,5 +212,13 @@ impl EngineHandle {
         thread
             .join()
             .map_err(|_| RolloutError::Stopped("the engine thread panicked".into()))?
+    }
+}
+
+impl Drop for EngineHandle {
+    /// The thread holds a sender of its own commands (for environments' answers), so it would
+    /// not see the channel close: tell it to stop.
+    fn drop(&mut self) {
+        let _ = self.commands.send(Command::Shutdown);
     }
 }

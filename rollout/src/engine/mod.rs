@@ -65,7 +65,11 @@ mod handle;
 mod request;
 
 pub use handle::{EngineControl, EngineHandle};
-pub use request::{EngineConfig, EngineOutput, EngineStats, FinishReason, GenerationRequest, Sample};
+pub use handle::{Resumer, TurnHandler};
+pub use request::{
+    EngineConfig, EngineOutput, EngineStats, EpisodeStats, FinishReason, GenerationRequest, Resume, Sample,
+    Turn, TurnId, TurnLimits,
+};
 
 /// Decode steps of the probe that checks each slot bucket against the full step.
 const PROBE_STEPS: usize = 4;
@@ -81,9 +85,34 @@ struct Active {
     sample_index: usize,
     response: Vec<u32>,
     logprobs: Vec<f32>,
+    /// The input of the sample's next decode row, at `position` (not yet in the cache).
     next_token: u32,
     position: usize,
     restarts: u32,
+    /// Multi-turn: where the current model turn starts in `response`.
+    turn_start: usize,
+    /// Multi-turn: waiting for the environment's [`Resume`]; its rows are not decoded.
+    parked: Option<FinishReason>,
+    /// Environment tokens still to be written into the cache, one decode row each, before
+    /// the model samples again.
+    feed: VecDeque<u32>,
+    env_spans: Vec<std::ops::Range<usize>>,
+    episode: EpisodeStats,
+}
+
+impl Active {
+    fn id(&self) -> TurnId {
+        TurnId {
+            request_id: self.request.id,
+            sample_index: self.sample_index,
+            restarts: self.restarts,
+        }
+    }
+
+    /// Whether the next decode step runs this sample's row.
+    fn decoding(&self) -> bool {
+        self.parked.is_none()
+    }
 }
 
 /// The rollout engine (single-threaded core; see [`Engine::spawn`] for the streaming handle).
@@ -108,6 +137,10 @@ pub struct Engine {
     moves: Option<SlotMoves>,
     waiting: VecDeque<Pending>,
     slots: Vec<Option<Active>>,
+    /// Turns parked since the last [`Engine::take_turns`].
+    turns: Vec<Turn>,
+    /// Samples finished outside a decode step (by [`Engine::resume`]), returned by the next step.
+    done: Vec<Sample>,
     stats: EngineStats,
 }
 
@@ -198,6 +231,8 @@ impl Engine {
             decode: HashMap::new(),
             moves: None,
             waiting: VecDeque::new(),
+            turns: Vec::new(),
+            done: Vec::new(),
             stats: EngineStats::default(),
         };
         let all = DecodeKey {
@@ -311,14 +346,103 @@ impl Engine {
         &self.stats
     }
 
-    /// Whether requests are waiting or samples are being decoded.
+    /// Whether a step has something to do: requests waiting, samples being decoded, or
+    /// samples finished by [`Engine::resume`] to return. Samples parked for their environment
+    /// alone are not work: only a `resume` moves them.
     pub fn has_work(&self) -> bool {
-        !self.waiting.is_empty() || self.slots.iter().any(|s| s.is_some())
+        !self.waiting.is_empty() || !self.done.is_empty() || self.slots.iter().flatten().any(Active::decoding)
     }
 
-    /// Number of samples being decoded now.
+    /// Number of samples holding a slot now (parked ones included).
     pub fn active_samples(&self) -> usize {
         self.slots.iter().filter(|s| s.is_some()).count()
+    }
+
+    /// Number of multi-turn samples waiting for their environment.
+    pub fn parked_samples(&self) -> usize {
+        self.slots.iter().flatten().filter(|a| !a.decoding()).count()
+    }
+
+    /// The model turns that parked since the last call, for the environment to answer.
+    pub fn take_turns(&mut self) -> Vec<Turn> {
+        std::mem::take(&mut self.turns)
+    }
+
+    /// The environment's answer to a parked turn: continue the sample with its tokens (written
+    /// into the sample's cache by the next decode steps, so earlier turns are never prefilled
+    /// again) or finish it. Returns false for a turn that is no longer parked (its sample was
+    /// restarted by a weight update since; the answer is stale and dropped). Tokens outside
+    /// the vocabulary drop the sample and are an error naming its request.
+    pub fn resume(&mut self, id: TurnId, resume: Resume) -> Result<bool> {
+        let Some(slot) = self
+            .slots
+            .iter()
+            .position(|s| s.as_ref().is_some_and(|a| a.id() == id && !a.decoding()))
+        else {
+            return Ok(false);
+        };
+        let a = self.slots[slot].as_mut().expect("found above");
+        let (tokens, stats) = match resume {
+            Resume::Continue { tokens, stats } => (tokens, stats),
+            Resume::Finish { stats } => {
+                a.episode.add(&stats);
+                let reason = a.parked.take().expect("parked");
+                self.finish(slot, reason, None);
+                return Ok(true);
+            }
+        };
+        a.episode.add(&stats);
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.config.vocab_size) {
+            self.slots[slot] = None;
+            return Err(RolloutError::Rejected {
+                request_id: id.request_id,
+                problem: format!(
+                    "environment token id {bad} is outside the vocabulary (size {})",
+                    self.config.vocab_size
+                ),
+            });
+        }
+        let len = a.response.len() + tokens.len();
+        let limit = if tokens.is_empty() {
+            Some(a.parked.take().expect("parked"))
+        } else if len >= a.request.params.max_new_tokens {
+            Some(FinishReason::MaxNewTokens)
+        } else if a.request.prompt.len() + len >= self.settings.max_model_len {
+            Some(FinishReason::MaxModelLen)
+        } else {
+            None
+        };
+        if let Some(reason) = limit {
+            self.finish(slot, reason, None);
+            return Ok(true);
+        }
+        a.parked = None;
+        a.env_spans.push(a.response.len()..len);
+        a.logprobs.resize(len, 0.0);
+        a.response.extend_from_slice(&tokens);
+        a.feed.extend(tokens);
+        a.turn_start = len;
+        Ok(true)
+    }
+
+    /// Frees `slot` and queues its sample for the next step's output.
+    fn finish(&mut self, slot: usize, finish_reason: FinishReason, text: Option<String>) {
+        let a = self.slots[slot].take().expect("slot is active");
+        let text = text.unwrap_or_else(|| self.decode_text(&a.response));
+        let episode = a.episode;
+        self.done.push(Sample {
+            request_id: a.request.id,
+            sample_index: a.sample_index,
+            prompt_ids: a.request.prompt.clone(),
+            response_ids: a.response,
+            text,
+            logprobs: a.logprobs,
+            finish_reason,
+            weight_version: self.version,
+            restarts: a.restarts,
+            env_spans: a.env_spans,
+            episode,
+        });
     }
 
     /// Queues a request. A request that can never be served (empty or too long prompt, `n`
@@ -572,6 +696,11 @@ impl Engine {
                         next_token: prompt[prompt.len() - 1],
                         position: prompt.len() - 1,
                         restarts: pending.restarts,
+                        turn_start: 0,
+                        parked: None,
+                        feed: VecDeque::new(),
+                        env_spans: Vec::new(),
+                        episode: EpisodeStats::default(),
                     });
                 }
             }
@@ -669,8 +798,8 @@ impl Engine {
 
     fn step_inner(&mut self) -> Result<Vec<Sample>> {
         self.admit()?;
-        if self.slots.iter().all(|a| a.is_none()) {
-            return Ok(Vec::new());
+        if !self.slots.iter().flatten().any(Active::decoding) {
+            return Ok(std::mem::take(&mut self.done));
         }
         let rows = self.compact()?;
         // Row j of the step is row j % rows of slot group j / rows.
@@ -690,7 +819,7 @@ impl Engine {
         let mut truncate = false;
         let mut highest = 0;
         for (i, &slot) in order.iter().enumerate() {
-            if let Some(a) = &self.slots[slot] {
+            if let Some(a) = self.slots[slot].as_ref().filter(|a| a.decoding()) {
                 highest = highest.max(a.position);
                 let p = &a.request.params;
                 inputs.tokens[i] = a.next_token as i32;
@@ -718,17 +847,25 @@ impl Engine {
         self.stats.decode_time += started.elapsed();
         self.stats.decode_steps += 1;
         self.stats.decode_rows += s;
-        let mut finished = Vec::new();
         for (j, &i) in order.iter().enumerate() {
-            let Some(a) = self.slots[i].as_mut() else { continue };
+            let Some(a) = self.slots[i].as_mut().filter(|a| a.decoding()) else {
+                continue;
+            };
+            // An environment token went into the cache at this row; its sample is discarded.
+            if let Some(token) = a.feed.pop_front() {
+                a.next_token = token;
+                a.position += 1;
+                self.stats.env_tokens += 1;
+                continue;
+            }
             let token = next[j] as u32;
             a.response.push(token);
             a.logprobs.push(logprobs[j]);
             self.stats.generated_tokens += 1;
             let p = &a.request.params;
             let mut text = None;
-            let reason = if p.stop_token_ids.contains(&token) || self.settings.eos_token_ids.contains(&token)
-            {
+            let stopped = p.stop_token_ids.contains(&token) || self.settings.eos_token_ids.contains(&token);
+            let reason = if stopped {
                 Some(FinishReason::Eos(token))
             } else if let Some((stop, cut)) = find_stop_string(self.tokenizer.as_ref(), a) {
                 text = Some(cut);
@@ -737,35 +874,38 @@ impl Engine {
                 Some(FinishReason::MaxNewTokens)
             } else if a.request.prompt.len() + a.response.len() >= self.settings.max_model_len {
                 Some(FinishReason::MaxModelLen)
+            } else if a
+                .request
+                .multi_turn
+                .is_some_and(|t| a.response.len() - a.turn_start >= t.max_turn_tokens)
+            {
+                Some(FinishReason::MaxTurnTokens)
             } else {
                 None
             };
+            a.next_token = token;
+            a.position += 1;
             match reason {
-                None => {
-                    a.next_token = token;
-                    a.position += 1;
-                }
-                Some(finish_reason) => {
-                    let a = self.slots[i].take().expect("slot is active");
-                    let text = match text {
-                        Some(t) => t,
-                        None => self.decode_text(&a.response),
-                    };
-                    finished.push(Sample {
-                        request_id: a.request.id,
-                        sample_index: a.sample_index,
-                        prompt_ids: a.request.prompt.clone(),
-                        response_ids: a.response,
-                        text,
-                        logprobs: a.logprobs,
-                        finish_reason,
-                        weight_version: self.version,
-                        restarts: a.restarts,
+                None => {}
+                // A multi-turn sample's turn ended by the model: the environment decides.
+                Some(reason) if stopped && a.request.multi_turn.is_some() => {
+                    a.parked = Some(reason);
+                    a.episode.turns += 1;
+                    self.turns.push(Turn {
+                        id: a.id(),
+                        request: a.request.clone(),
+                        response: a.response.clone(),
+                        turn: a.turn_start..a.response.len(),
+                        turns: a.episode.turns,
                     });
+                }
+                Some(reason) => {
+                    a.episode.turns += 1;
+                    self.finish(i, reason, text);
                 }
             }
         }
-        Ok(finished)
+        Ok(std::mem::take(&mut self.done))
     }
 
     fn decode_text(&self, ids: &[u32]) -> String {
@@ -790,17 +930,23 @@ fn decode_text(tokenizer: Option<&ModelTokenizer>, ids: &[u32]) -> String {
     }
 }
 
-/// The first stop string in the response text of `a` and the text before it.
+/// The first stop string in the text of `a`'s current turn (its whole response when single
+/// turn) and the response text before it.
 fn find_stop_string(tokenizer: Option<&ModelTokenizer>, a: &Active) -> Option<(String, String)> {
     if a.request.params.stop_strings.is_empty() {
         return None;
     }
-    let text = decode_text(tokenizer, &a.response);
-    a.request
+    let text = decode_text(tokenizer, &a.response[a.turn_start..]);
+    let (at, stop) = a
+        .request
         .params
         .stop_strings
         .iter()
         .filter_map(|s| text.find(s.as_str()).map(|at| (at, s)))
-        .min_by_key(|(at, _)| *at)
-        .map(|(at, s)| (s.clone(), text[..at].to_string()))
+        .min_by_key(|(at, _)| *at)?;
+    let before = match a.turn_start {
+        0 => String::new(),
+        t => decode_text(tokenizer, &a.response[..t]),
+    };
+    Some((stop.clone(), before + &text[..at]))
 }

@@ -4,6 +4,9 @@
 use crate::error::RolloutError;
 use crate::sampling::{SamplerKind, SamplingParams};
 use model::forward::KvWrite;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Duration;
 
 /// Static sizes of an engine.
 #[derive(Clone, Debug)]
@@ -103,8 +106,21 @@ pub struct GenerationRequest {
     pub n: usize,
     /// Seed: sample `i`'s token `j` is drawn with key `(seed, i, j)`.
     pub seed: u64,
-    /// Sampling parameters and stop rules.
+    /// Sampling parameters and stop rules. `max_new_tokens` bounds the whole response of a
+    /// multi-turn sample, environment tokens included.
     pub params: SamplingParams,
+    /// Multi-turn episodes: each model turn that ends with a stop token parks its sample
+    /// (its KV cache kept) and comes out of [`crate::Engine::take_turns`]; the environment
+    /// answers with [`crate::Engine::resume`]. `None`: one response per sample.
+    pub multi_turn: Option<TurnLimits>,
+}
+
+/// The budgets of a multi-turn request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TurnLimits {
+    /// Most tokens one model turn may generate; a longer turn ends the sample, truncated
+    /// ([`FinishReason::MaxTurnTokens`]).
+    pub max_turn_tokens: usize,
 }
 
 /// Why a sample stopped.
@@ -118,6 +134,18 @@ pub enum FinishReason {
     MaxNewTokens,
     /// Prompt + response reached `max_model_len` tokens.
     MaxModelLen,
+    /// A model turn of a multi-turn sample reached [`TurnLimits::max_turn_tokens`].
+    MaxTurnTokens,
+}
+
+impl FinishReason {
+    /// Stopped by a length limit rather than by the model: the response is cut short.
+    pub fn is_truncated(&self) -> bool {
+        matches!(
+            self,
+            FinishReason::MaxNewTokens | FinishReason::MaxModelLen | FinishReason::MaxTurnTokens
+        )
+    }
 }
 
 impl std::fmt::Display for FinishReason {
@@ -129,6 +157,7 @@ impl std::fmt::Display for FinishReason {
             FinishReason::StopString(s) => write!(f, "stop (string {s:?})"),
             FinishReason::MaxNewTokens => write!(f, "length (max_new_tokens)"),
             FinishReason::MaxModelLen => write!(f, "length (max_model_len)"),
+            FinishReason::MaxTurnTokens => write!(f, "length (max_turn_tokens)"),
         }
     }
 }
@@ -155,6 +184,85 @@ pub struct Sample {
     pub weight_version: u64,
     /// How many times a weight update restarted it.
     pub restarts: u32,
+    /// The response positions the environment wrote (tool results, user turns), in order:
+    /// context for the model, never sampled (their log-probs are 0) and never trained. Empty
+    /// for a single-turn sample.
+    pub env_spans: Vec<Range<usize>>,
+    /// What happened over the sample's turns.
+    pub episode: EpisodeStats,
+}
+
+impl Sample {
+    /// Per response token: 1 for a token the model sampled, 0 for one the environment wrote
+    /// (VeRL's `response_mask` of a multi-turn sample).
+    pub fn model_token_mask(&self) -> Vec<bool> {
+        let mut mask = vec![true; self.response_ids.len()];
+        for span in &self.env_spans {
+            mask[span.clone()].fill(false);
+        }
+        mask
+    }
+}
+
+/// The turns of a sample and what its environment did in them (all but `turns` zero for a
+/// single-turn sample).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EpisodeStats {
+    /// Model turns (1 for a single-turn sample).
+    pub turns: u32,
+    /// Tool calls the environment ran.
+    pub tool_calls: u32,
+    /// Tool calls that failed: malformed, unknown tool, bad arguments, a crash.
+    pub tool_errors: u32,
+    /// Tool calls stopped by their time limit.
+    pub tool_timeouts: u32,
+    /// Wall time in the environment between turns.
+    pub env_time: Duration,
+}
+
+impl EpisodeStats {
+    /// Adds another part's counts and time (`turns` too).
+    pub fn add(&mut self, other: &EpisodeStats) {
+        self.turns += other.turns;
+        self.tool_calls += other.tool_calls;
+        self.tool_errors += other.tool_errors;
+        self.tool_timeouts += other.tool_timeouts;
+        self.env_time += other.env_time;
+    }
+}
+
+/// Which parked turn: a sample of a request, in one run of it (a weight update restarts the
+/// sample's whole episode, and an answer to an earlier run is stale).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TurnId {
+    pub request_id: u64,
+    pub sample_index: usize,
+    pub restarts: u32,
+}
+
+/// A model turn of a multi-turn sample that ended with a stop token: the sample waits, its
+/// KV cache kept, for [`crate::Engine::resume`].
+#[derive(Clone, Debug)]
+pub struct Turn {
+    pub id: TurnId,
+    pub request: Arc<GenerationRequest>,
+    /// The response so far, model and environment tokens.
+    pub response: Vec<u32>,
+    /// This turn's tokens within `response` (its stop token last).
+    pub turn: Range<usize>,
+    /// Model turns so far, this one included.
+    pub turns: u32,
+}
+
+/// The environment's answer to a parked turn.
+#[derive(Clone, Debug)]
+pub enum Resume {
+    /// Append these tokens (rendered once, never re-encoded from text) to the response and
+    /// let the model take the next turn. If they leave no room for one more model token
+    /// under `max_new_tokens` or `max_model_len`, the sample ends there, truncated, without them.
+    Continue { tokens: Vec<u32>, stats: EpisodeStats },
+    /// The episode is over: the sample finishes with its last turn's stop reason.
+    Finish { stats: EpisodeStats },
 }
 
 /// What the engine streams back.
@@ -191,4 +299,6 @@ pub struct EngineStats {
     pub decode_rows: usize,
     /// Cache rows moved to compact live samples into a smaller slot bucket.
     pub moved_rows: usize,
+    /// Environment tokens written into parked samples' caches (multi-turn), one decode row each.
+    pub env_tokens: usize,
 }

@@ -11,6 +11,7 @@ pub fn request(id: u64, prompt: &[u32], n: usize, seed: u64, params: SamplingPar
         n,
         seed,
         params,
+        multi_turn: None,
     }
 }
 

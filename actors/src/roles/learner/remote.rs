@@ -315,6 +315,11 @@ pub(crate) fn row_to_proto(r: &Row) -> proto::LearnerRow {
         score: r.score,
         truncated: r.truncated,
         reward_baseline: r.reward_baseline,
+        env_spans: r
+            .env_spans
+            .iter()
+            .flat_map(|s| [s.start as u64, s.end as u64])
+            .collect(),
     }
 }
 
@@ -327,6 +332,13 @@ pub(crate) fn row_from_proto(r: proto::LearnerRow) -> Row {
         score: r.score,
         reward_baseline: r.reward_baseline,
         truncated: r.truncated,
+        // An odd trailing bound becomes an empty span, which the update refuses with the
+        // spans out of order or range.
+        env_spans: r
+            .env_spans
+            .chunks(2)
+            .map(|p| p[0] as usize..p[p.len() - 1] as usize)
+            .collect(),
     }
 }
 
@@ -597,11 +609,12 @@ mod tests {
         let row = Row {
             group: 5 << 24 | 3,
             prompt: vec![1, 2, 3],
-            response: vec![7, 8],
-            rollout_log_probs: vec![-0.25, -1.5],
+            response: vec![7, 8, 9, 10],
+            rollout_log_probs: vec![-0.25, 0.0, -1.5, 0.0],
             score: 0.75,
             reward_baseline: Some(0.5),
             truncated: true,
+            env_spans: vec![1..2, 3..4],
         };
         assert_eq!(
             format!("{:?}", row_from_proto(row_to_proto(&row))),

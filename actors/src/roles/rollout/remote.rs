@@ -24,7 +24,7 @@ use crate::recipe::TlsSection;
 use crate::roles::{status_to_error, BoxFuture, RoleError};
 use bytes::Bytes;
 use model::HostTensor;
-use rollout::{FinishReason, GenerationRequest, Sample, SamplingParams};
+use rollout::{EpisodeStats, FinishReason, GenerationRequest, Sample, SamplingParams, TurnLimits};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -586,6 +586,7 @@ pub(crate) fn request_to_proto(r: &GenerationRequest) -> proto::GenerationReques
             stop_token_ids: p.stop_token_ids.clone(),
             stop_strings: p.stop_strings.clone(),
         }),
+        max_turn_tokens: r.multi_turn.map(|t| t.max_turn_tokens as u64),
     }
 }
 
@@ -606,6 +607,9 @@ pub(crate) fn request_from_proto(r: proto::GenerationRequest) -> Result<Generati
             stop_token_ids: p.stop_token_ids,
             stop_strings: p.stop_strings,
         },
+        multi_turn: r.max_turn_tokens.map(|t| TurnLimits {
+            max_turn_tokens: t as usize,
+        }),
     })
 }
 
@@ -616,6 +620,7 @@ pub(crate) fn sample_to_proto(s: Sample) -> proto::GeneratedSample {
         FinishReason::StopString(text) => (FinishKind::StopString, 0, text),
         FinishReason::MaxNewTokens => (FinishKind::MaxNewTokens, 0, String::new()),
         FinishReason::MaxModelLen => (FinishKind::MaxModelLen, 0, String::new()),
+        FinishReason::MaxTurnTokens => (FinishKind::MaxTurnTokens, 0, String::new()),
     };
     proto::GeneratedSample {
         request_id: s.request_id,
@@ -629,6 +634,16 @@ pub(crate) fn sample_to_proto(s: Sample) -> proto::GeneratedSample {
         stop_string,
         weight_version: s.weight_version,
         restarts: s.restarts,
+        env_spans: s
+            .env_spans
+            .iter()
+            .flat_map(|r| [r.start as u64, r.end as u64])
+            .collect(),
+        turns: s.episode.turns,
+        tool_calls: s.episode.tool_calls,
+        tool_errors: s.episode.tool_errors,
+        tool_timeouts: s.episode.tool_timeouts,
+        env_seconds: s.episode.env_time.as_secs_f64(),
     }
 }
 
@@ -639,6 +654,7 @@ pub(crate) fn sample_from_proto(s: proto::GeneratedSample) -> Result<Sample, Str
         Ok(FinishKind::StopString) => FinishReason::StopString(s.stop_string),
         Ok(FinishKind::MaxNewTokens) => FinishReason::MaxNewTokens,
         Ok(FinishKind::MaxModelLen) => FinishReason::MaxModelLen,
+        Ok(FinishKind::MaxTurnTokens) => FinishReason::MaxTurnTokens,
         _ => {
             return Err(format!(
                 "sample {} of request {} with an unknown finish reason ({})",
@@ -646,6 +662,28 @@ pub(crate) fn sample_from_proto(s: proto::GeneratedSample) -> Result<Sample, Str
             ))
         }
     };
+    let bad = |what: &str| format!("sample {} of request {}: {what}", s.sample_index, s.request_id);
+    if !s.env_spans.len().is_multiple_of(2) {
+        return Err(bad("env_spans holds an odd number of bounds"));
+    }
+    let env_spans: Vec<std::ops::Range<usize>> = s
+        .env_spans
+        .chunks(2)
+        .map(|p| p[0] as usize..p[1] as usize)
+        .collect();
+    let mut end = 0;
+    for span in &env_spans {
+        if span.start < end || span.end <= span.start || span.end > s.response_ids.len() {
+            return Err(bad(&format!(
+                "environment span {span:?} is empty, out of order or past the {} response tokens",
+                s.response_ids.len()
+            )));
+        }
+        end = span.end;
+    }
+    if !(s.env_seconds.is_finite() && s.env_seconds >= 0.0) {
+        return Err(bad(&format!("env_seconds is {}", s.env_seconds)));
+    }
     Ok(Sample {
         request_id: s.request_id,
         sample_index: s.sample_index as usize,
@@ -656,6 +694,14 @@ pub(crate) fn sample_from_proto(s: proto::GeneratedSample) -> Result<Sample, Str
         finish_reason,
         weight_version: s.weight_version,
         restarts: s.restarts,
+        env_spans,
+        episode: EpisodeStats {
+            turns: s.turns,
+            tool_calls: s.tool_calls,
+            tool_errors: s.tool_errors,
+            tool_timeouts: s.tool_timeouts,
+            env_time: Duration::from_secs_f64(s.env_seconds),
+        },
     })
 }
 
@@ -668,12 +714,20 @@ mod tests {
             request_id: 7,
             sample_index: 3,
             prompt_ids: vec![1, 2, 3],
-            response_ids: vec![9, 8],
+            response_ids: vec![9, 8, 5, 6, 7],
             text: "hi".into(),
-            logprobs: vec![-0.5, -1.25],
+            logprobs: vec![-0.5, 0.0, -1.25, 0.0, -2.0],
             finish_reason,
             weight_version: 4,
             restarts: 1,
+            env_spans: vec![1..2, 3..4],
+            episode: EpisodeStats {
+                turns: 2,
+                tool_calls: 1,
+                tool_errors: 1,
+                tool_timeouts: 0,
+                env_time: Duration::from_millis(1500),
+            },
         }
     }
 
@@ -684,6 +738,7 @@ mod tests {
             FinishReason::StopString("####".into()),
             FinishReason::MaxNewTokens,
             FinishReason::MaxModelLen,
+            FinishReason::MaxTurnTokens,
         ] {
             let s = sample(reason);
             let back = sample_from_proto(sample_to_proto(s.clone())).unwrap();
@@ -695,6 +750,11 @@ mod tests {
             sample_from_proto(bad).unwrap_err(),
             "sample 3 of request 7 with an unknown finish reason (0)"
         );
+        for spans in [vec![2], vec![2, 6], vec![3, 2], vec![1, 3, 2, 4]] {
+            let mut bad = sample_to_proto(sample(FinishReason::MaxNewTokens));
+            bad.env_spans = spans.clone();
+            assert!(sample_from_proto(bad).is_err(), "{spans:?} accepted");
+        }
     }
 
     #[test]
@@ -712,6 +772,7 @@ mod tests {
                 stop_token_ids: vec![2],
                 stop_strings: vec!["</answer>".into()],
             },
+            multi_turn: Some(TurnLimits { max_turn_tokens: 21 }),
         };
         let back = request_from_proto(request_to_proto(&r)).unwrap();
         assert_eq!(format!("{back:?}"), format!("{r:?}"));

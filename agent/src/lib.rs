@@ -1,0 +1,25 @@
+//! Tool use for multi-turn rollouts, the part that is pure text and JSON:
+//!
+//! - [`call`]: tool calls parsed out of a model's turn in the model's own format ([`CallFormat`]:
+//!   Hermes, which Qwen2.5 and Qwen3 use, and Llama 3.1's JSON calls), with one readable
+//!   [`CallError`] per malformed call so the rollout can show the model what it got wrong;
+//! - [`schema`]: [`ToolSchema`], a tool's description in the OpenAI function form that chat
+//!   templates (`apply_chat_template(tools=...)`) and VeRL's tool config files use;
+//! - [`tool`]: the [`Tool`] interface, its errors ([`ToolError`]) and the [`Toolbox`] that finds
+//!   a call's tool by name and keeps a panicking tool from taking the rollout down;
+//! - [`calculator`]: the built-in [`Calculator`], exact arithmetic on integers of any size.
+//!
+//! Generation, tokenization and the turn loop live in the rollout; this crate has no dependency
+//! on the compute core or the model, so it builds and tests in seconds.
+
+#![deny(missing_docs)]
+
+pub mod calculator;
+pub mod call;
+pub mod schema;
+pub mod tool;
+
+pub use calculator::Calculator;
+pub use call::{CallError, CallFormat, Parsed, ToolCall};
+pub use schema::{SchemaError, ToolSchema};
+pub use tool::{DuplicateTool, Tool, ToolError, Toolbox};

@@ -1,0 +1,259 @@
+//! The environment of tool-using multi-turn samples ([`ToolEnvironment`]): after each model
+//! turn it parses the turn's tool calls in the model's own format, runs them (each under a
+//! time limit, at most `max_parallel_calls` a turn, on a thread of their own so the engine
+//! keeps decoding), and answers with the tool messages rendered by the chat template and
+//! tokenized once ([`TurnRenderer`]). The model's own tokens are never decoded and encoded
+//! again: its turn is decoded only to find the calls in it.
+//!
+//! A tool that fails, hangs past its limit, or a call the model wrote wrong becomes an
+//! `Error: ...` observation the model reads in the next turn, and is counted in the sample's
+//! [`EpisodeStats`]; the episode goes on. A hung in-process tool keeps its thread until it
+//! returns (its answer is dropped); tools in child processes are killed at their limit.
+
+use std::sync::mpsc::channel;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use agent::{CallFormat, ToolCall, ToolError, ToolSchema, Toolbox};
+use model::{ChatTemplate, ModelTokenizer};
+use serde_json::{json, Value};
+
+use crate::engine::{EpisodeStats, Resume, Resumer, Turn, TurnHandler};
+
+/// Which end of a long tool response survives VeRL's `tool_response_truncate_side`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TruncateSide {
+    /// Keep the start.
+    Left,
+    /// Keep the start and the end.
+    Middle,
+    /// Keep the end.
+    Right,
+}
+
+/// How a [`ToolEnvironment`] runs an episode (VeRL's `rollout.multi_turn` keys).
+#[derive(Clone, Debug)]
+pub struct ToolSettings {
+    /// The model's tool-call format.
+    pub format: CallFormat,
+    /// Most model turns per sample; the episode ends after this many.
+    pub max_assistant_turns: u32,
+    /// Most tool calls run per turn; the rest get an error observation.
+    pub max_parallel_calls: usize,
+    /// Most characters of one tool response the model sees.
+    pub max_tool_response_length: usize,
+    pub truncate_side: TruncateSide,
+    /// Time limit of one tool call.
+    pub tool_timeout: Duration,
+}
+
+/// Renders what the environment says after a model turn as the chat template renders it,
+/// from the end of the model's turn through the header of the next assistant turn, as ids.
+#[derive(Clone)]
+pub struct TurnRenderer {
+    template: ChatTemplate,
+    tokenizer: ModelTokenizer,
+    /// The `tools` variable of the template (their schemas), when there are tools.
+    extra: serde_json::Map<String, Value>,
+}
+
+impl TurnRenderer {
+    /// A renderer with these tools' schemas passed to the template (`tools=`).
+    pub fn new(template: ChatTemplate, tokenizer: ModelTokenizer, tools: &[ToolSchema]) -> TurnRenderer {
+        let mut extra = serde_json::Map::new();
+        if !tools.is_empty() {
+            extra.insert("tools".into(), tools.iter().map(ToolSchema::to_json).collect());
+        }
+        TurnRenderer {
+            template,
+            tokenizer,
+            extra,
+        }
+    }
+
+    /// The tokens that follow a model turn ended by the token `stop` when `messages` (chat
+    /// messages as JSON: tool results, a user turn) come next, through the next assistant
+    /// header. The template renders a conversation with and without them; the tokens are
+    /// the difference, from just after the model's end-of-turn token, so whatever the
+    /// template writes between turns (a newline after `<|im_end|>`) is kept.
+    pub fn env_tokens(&self, stop: u32, messages: &[Value]) -> Result<Vec<u32>, String> {
+        let stop_text = self
+            .tokenizer
+            .id_to_token(stop)
+            .ok_or_else(|| format!("the turn's stop token {stop} is not in the tokenizer"))?;
+        let mut conversation = vec![
+            json!({"role": "user", "content": "?"}),
+            json!({"role": "assistant", "content": "!"}),
+        ];
+        let before = self
+            .template
+            .render_with(&Value::Array(conversation.clone()), false, &self.extra)
+            .map_err(|e| e.to_string())?;
+        conversation.extend_from_slice(messages);
+        let after = self
+            .template
+            .render_with(&Value::Array(conversation), true, &self.extra)
+            .map_err(|e| e.to_string())?;
+        let end = before.rfind(&stop_text).ok_or_else(|| {
+            format!(
+                "the chat template does not end an assistant turn with {stop_text:?}, the turn's stop token"
+            )
+        })? + stop_text.len();
+        if !after.starts_with(&before[..end]) {
+            return Err(
+                "the chat template renders the earlier turns differently once tool messages follow \
+                 them; grpo cannot append tool results to a sample with it"
+                    .into(),
+            );
+        }
+        self.tokenizer
+            .encode(&after[end..], false)
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// The tools of an episode and how they run; the [`TurnHandler`] of a tool-using engine.
+#[derive(Clone)]
+pub struct ToolEnvironment {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    toolbox: Toolbox,
+    settings: ToolSettings,
+    renderer: TurnRenderer,
+    tokenizer: ModelTokenizer,
+}
+
+impl ToolEnvironment {
+    /// An environment running `toolbox`'s tools, rendering with `template` and `tokenizer`.
+    pub fn new(
+        toolbox: Toolbox,
+        settings: ToolSettings,
+        template: ChatTemplate,
+        tokenizer: ModelTokenizer,
+    ) -> ToolEnvironment {
+        let renderer = TurnRenderer::new(template, tokenizer.clone(), &toolbox.schemas());
+        ToolEnvironment {
+            inner: Arc::new(Inner {
+                toolbox,
+                settings,
+                renderer,
+                tokenizer,
+            }),
+        }
+    }
+
+    /// The answer to a parked turn (blocks while its tools run).
+    pub fn answer(&self, turn: &Turn) -> Resume {
+        let started = Instant::now();
+        let mut stats = EpisodeStats::default();
+        let resume = self.inner.answer(turn, &mut stats);
+        stats.env_time = started.elapsed();
+        match resume {
+            Some(tokens) => Resume::Continue { tokens, stats },
+            None => Resume::Finish { stats },
+        }
+    }
+}
+
+impl TurnHandler for ToolEnvironment {
+    fn on_turn(&self, turn: Turn, resumer: Resumer) {
+        let env = self.clone();
+        std::thread::Builder::new()
+            .name("rollout-tools".into())
+            .spawn(move || resumer.resume(turn.id, env.answer(&turn)))
+            .expect("spawning a tool thread");
+    }
+}
+
+impl Inner {
+    /// The environment's tokens after `turn`, or `None` when the episode ends there.
+    fn answer(&self, turn: &Turn, stats: &mut EpisodeStats) -> Option<Vec<u32>> {
+        if turn.turns >= self.settings.max_assistant_turns {
+            return None;
+        }
+        let ids = &turn.response[turn.turn.clone()];
+        let &stop = ids.last()?;
+        let text = self.tokenizer.decode(ids, true).ok()?;
+        let parsed = self.settings.format.parse(&text);
+        if parsed.calls.is_empty() && parsed.errors.is_empty() {
+            return None;
+        }
+        let mut observations = Vec::new();
+        for (k, call) in parsed.calls.iter().enumerate() {
+            stats.tool_calls += 1;
+            let result = if k < self.settings.max_parallel_calls {
+                self.run(call)
+            } else {
+                Err(ToolError::Failed(format!(
+                    "at most {} tool calls run per turn; this one did not",
+                    self.settings.max_parallel_calls
+                )))
+            };
+            observations.push(match result {
+                Ok(text) => text,
+                Err(e) => {
+                    match e {
+                        ToolError::TimedOut(_) => stats.tool_timeouts += 1,
+                        _ => stats.tool_errors += 1,
+                    }
+                    format!("Error: {e}")
+                }
+            });
+        }
+        for e in &parsed.errors {
+            stats.tool_errors += 1;
+            observations.push(format!("Error: {e}"));
+        }
+        let messages: Vec<Value> = observations
+            .iter()
+            .map(|o| json!({"role": "tool", "content": self.truncate(o)}))
+            .collect();
+        match self.renderer.env_tokens(stop, &messages) {
+            Ok(tokens) => Some(tokens),
+            Err(e) => {
+                tracing::warn!(request = turn.id.request_id, "ending an episode: {e}");
+                stats.tool_errors += 1;
+                None
+            }
+        }
+    }
+
+    /// Runs one call under the time limit, on a thread of its own.
+    fn run(&self, call: &ToolCall) -> Result<String, ToolError> {
+        let (tx, rx) = channel();
+        let (toolbox, call) = (self.toolbox.clone(), call.clone());
+        std::thread::Builder::new()
+            .name("rollout-tool-call".into())
+            .spawn(move || {
+                let _ = tx.send(toolbox.call(&call));
+            })
+            .map_err(|e| ToolError::Failed(format!("starting the tool: {e}")))?;
+        let limit = self.settings.tool_timeout;
+        rx.recv_timeout(limit).unwrap_or(Err(ToolError::TimedOut(limit)))
+    }
+
+    /// A tool response cut to `max_tool_response_length` characters on the configured side.
+    fn truncate(&self, text: &str) -> String {
+        let max = self.settings.max_tool_response_length;
+        let chars: Vec<char> = text.chars().collect();
+        if chars.len() <= max {
+            return text.to_string();
+        }
+        let marker = "...(truncated)...";
+        let keep: String = match self.settings.truncate_side {
+            TruncateSide::Left => chars[..max].iter().collect::<String>() + marker,
+            TruncateSide::Right => {
+                String::from(marker) + &chars[chars.len() - max..].iter().collect::<String>()
+            }
+            TruncateSide::Middle => {
+                let head = max / 2;
+                chars[..head].iter().collect::<String>()
+                    + marker
+                    + &chars[chars.len() - (max - head)..].iter().collect::<String>()
+            }
+        };
+        keep
+    }
+}

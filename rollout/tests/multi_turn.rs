@@ -1,0 +1,465 @@
+//! Multi-turn samples in the engine on a tiny random model through the CPU plugin: turns park
+//! at a stop token with their KV cache kept, the environment's tokens are written into that
+//! cache, and the next turn's log-probs equal the `logprobs` program's over the whole sequence;
+//! budgets, stale answers after a weight update, and the streaming handle's environment.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{of_request, request, sampled};
+use model::programs::{DeviceModel, LogprobsProgram};
+use model::{random_init, ModelConfig, ModelWeights};
+use rollout::{
+    upload_weights, Engine, EngineConfig, EngineOutput, EpisodeStats, FinishReason, GenerationRequest,
+    Resume, Resumer, Sample, Turn, TurnHandler, TurnLimits,
+};
+use testkit::client;
+use xla::DType;
+
+const MAX_LEN: usize = 48;
+
+fn engine(weights: &ModelWeights, slots: usize) -> Engine {
+    let buffers = upload_weights(client(), weights, DType::F32, 0).unwrap();
+    Engine::new(
+        client(),
+        &weights.config,
+        buffers,
+        1,
+        EngineConfig::new(slots, MAX_LEN),
+        None,
+    )
+    .unwrap()
+}
+
+/// A multi-turn request whose turns end at tokens 0-3 (an eighth of the tiny vocabulary).
+fn episode(
+    id: u64,
+    prompt: &[u32],
+    n: usize,
+    max_new_tokens: usize,
+    max_turn_tokens: usize,
+) -> GenerationRequest {
+    let mut params = sampled(1.0, 0, 1.0, max_new_tokens);
+    params.stop_token_ids = vec![0, 1, 2, 3];
+    GenerationRequest {
+        multi_turn: Some(TurnLimits { max_turn_tokens }),
+        ..request(id, prompt, n, 40 + id, params)
+    }
+}
+
+/// The environment of these tests: after turn k (1-based) it writes `[20 + k, 9, 30]`, and it
+/// ends the episode after `turns` model turns.
+fn answer(turn: &Turn, turns: u32) -> Resume {
+    let stats = EpisodeStats {
+        tool_calls: 1,
+        ..Default::default()
+    };
+    if turn.turns >= turns {
+        Resume::Finish { stats }
+    } else {
+        Resume::Continue {
+            tokens: vec![20 + turn.turns, 9, 30],
+            stats,
+        }
+    }
+}
+
+/// Steps the engine, answering every parked turn at once, until nothing is left.
+fn run_episodes(engine: &mut Engine, requests: &[GenerationRequest], turns: u32) -> Vec<Sample> {
+    for r in requests {
+        engine.submit(r.clone()).unwrap();
+    }
+    let mut all = Vec::new();
+    while engine.has_work() || engine.parked_samples() > 0 {
+        all.extend(engine.step().unwrap());
+        for turn in engine.take_turns() {
+            assert!(engine.resume(turn.id, answer(&turn, turns)).unwrap());
+        }
+    }
+    all.sort_by_key(|s| (s.request_id, s.sample_index));
+    all
+}
+
+/// The largest gap between a sample's model-token log-probs and the `logprobs` program's over
+/// its whole sequence; environment tokens must carry 0.
+fn largest_model_token_gap(weights: &ModelWeights, samples: &[Sample]) -> f32 {
+    let dm = DeviceModel::upload(client(), weights, DType::F32, 0).unwrap();
+    let program = LogprobsProgram::compile(&dm, 1, MAX_LEN).unwrap();
+    let mut worst = 0f32;
+    for s in samples {
+        let mut tokens = s.prompt_ids.clone();
+        tokens.extend(&s.response_ids);
+        let real = tokens.len();
+        let mask: Vec<i32> = (0..MAX_LEN).map(|i| (i < real) as i32).collect();
+        tokens.resize(MAX_LEN, 0);
+        let (lp, _) = program.run(&dm, &tokens, &mask, 1.0).unwrap();
+        for (j, model) in s.model_token_mask().into_iter().enumerate() {
+            if model {
+                worst = worst.max((s.logprobs[j] - lp[s.prompt_ids.len() + j]).abs());
+            } else {
+                assert_eq!(s.logprobs[j], 0.0);
+            }
+        }
+    }
+    worst
+}
+
+#[test]
+fn turns_continue_in_their_cache_and_match_the_logprobs_program() {
+    let weights = random_init(&ModelConfig::tiny_llama(), 21);
+    let requests = [
+        episode(1, &[4, 8, 15, 16], 3, 40, 12),
+        episode(2, &[9, 5], 2, 40, 12),
+        request(3, &[7, 7, 7], 1, 3, sampled(1.0, 0, 1.0, 20)),
+    ];
+    let mut e = engine(&weights, 8);
+    let samples = run_episodes(&mut e, &requests, 3);
+    assert_eq!(samples.len(), 6);
+    assert_eq!(
+        e.stats().prefill_runs,
+        3,
+        "earlier turns are never prefilled again"
+    );
+
+    let multi: Vec<&Sample> = samples.iter().filter(|s| s.request_id != 3).collect();
+    let mut continued = 0;
+    for s in &multi {
+        let turns = s.env_spans.len() as u32 + 1;
+        assert_eq!(
+            s.episode.turns, turns,
+            "request {} sample {}",
+            s.request_id, s.sample_index
+        );
+        // One answer per parked turn: each continued one, and the last when it parked too.
+        let answered = s.episode.tool_calls as usize;
+        assert!((s.env_spans.len()..=s.env_spans.len() + 1).contains(&answered));
+        for (k, span) in s.env_spans.iter().enumerate() {
+            assert_eq!(s.response_ids[span.clone()], [21 + k as u32, 9, 30]);
+            assert!(
+                (0..4).contains(&s.response_ids[span.start - 1]),
+                "a turn ends at its stop token"
+            );
+        }
+        continued += s.env_spans.len();
+    }
+    assert!(
+        continued >= 4,
+        "too few turns continued ({continued}) to test anything"
+    );
+    assert_eq!(e.stats().env_tokens, 3 * continued);
+    let single = of_request(&samples, 3)[0];
+    assert!(single.env_spans.is_empty());
+    assert_eq!(single.episode.turns, 1);
+
+    let worst = largest_model_token_gap(&weights, &samples);
+    assert!(
+        worst < 1e-5,
+        "engine vs logprobs program over multi-turn samples: {worst}"
+    );
+
+    // The same episodes in a smaller engine, each request alone: the same tokens and bits.
+    let mut alone = Vec::new();
+    for r in &requests {
+        alone.extend(run_episodes(&mut engine(&weights, 4), std::slice::from_ref(r), 3));
+    }
+    common::assert_identical(&alone, &samples, "alone vs together");
+}
+
+#[test]
+fn budgets_end_episodes_truncated() {
+    let weights = random_init(&ModelConfig::tiny_llama(), 22);
+    // Turns of at most 2 tokens: most turns hit the limit before a stop token.
+    let mut e = engine(&weights, 4);
+    let samples = run_episodes(&mut e, &[episode(1, &[4, 8], 4, 40, 2)], 5);
+    assert!(samples
+        .iter()
+        .any(|s| s.finish_reason == FinishReason::MaxTurnTokens));
+    for s in &samples {
+        if s.finish_reason == FinishReason::MaxTurnTokens {
+            assert!(s.finish_reason.is_truncated());
+            let last_turn = s.env_spans.last().map_or(0, |r| r.end);
+            assert_eq!(s.response_ids.len() - last_turn, 2);
+        }
+    }
+    // A response budget the environment's tokens would overflow ends the sample without them.
+    let mut e = engine(&weights, 4);
+    let samples = run_episodes(&mut e, &[episode(2, &[4, 8], 4, 6, 40)], 5);
+    for s in &samples {
+        assert!(s.response_ids.len() < 6 || s.finish_reason == FinishReason::MaxNewTokens);
+        if s.finish_reason == FinishReason::MaxNewTokens {
+            assert!(s.response_ids.len() <= 6);
+        }
+    }
+    assert!(
+        samples
+            .iter()
+            .any(|s| s.finish_reason == FinishReason::MaxNewTokens && s.response_ids.len() < 6),
+        "some sample must stop because the environment's tokens did not fit: {:?}",
+        samples
+            .iter()
+            .map(|s| (&s.response_ids, &s.finish_reason))
+            .collect::<Vec<_>>()
+    );
+}
+
+#[test]
+fn a_weight_update_restarts_episodes_and_drops_stale_answers() {
+    let weights = random_init(&ModelConfig::tiny_llama(), 23);
+    let request = episode(1, &[4, 8, 15], 4, 40, 30);
+    let mut e = engine(&weights, 4);
+    e.submit(request.clone()).unwrap();
+    let (mut parked, mut samples) = (Vec::new(), Vec::new());
+    while parked.is_empty() && e.has_work() {
+        samples.extend(e.step().unwrap());
+        parked = e.take_turns();
+    }
+    assert!(!parked.is_empty(), "no turn parked: {samples:?}");
+    let restarted = 4 - samples.len();
+    let w2 = random_init(&ModelConfig::tiny_llama(), 24);
+    e.update_weights(2, upload_weights(client(), &w2, DType::F32, 0).unwrap())
+        .unwrap();
+    for turn in &parked {
+        assert!(
+            !e.resume(turn.id, answer(turn, 2)).unwrap(),
+            "stale answers are dropped"
+        );
+    }
+    while e.has_work() || e.parked_samples() > 0 {
+        samples.extend(e.step().unwrap());
+        for turn in e.take_turns() {
+            assert_eq!(turn.id.restarts, 1);
+            e.resume(turn.id, answer(&turn, 2)).unwrap();
+        }
+    }
+    samples.sort_by_key(|s| s.sample_index);
+    let fresh = run_episodes(&mut engine(&w2, 4), &[request], 2);
+    assert_eq!(samples.len(), 4);
+    let again: Vec<_> = samples.iter().filter(|s| s.weight_version == 2).collect();
+    assert_eq!(again.len(), restarted);
+    for s in again {
+        assert_eq!(s.restarts, 1);
+        let f = &fresh[s.sample_index];
+        assert_eq!(
+            s.response_ids, f.response_ids,
+            "a restarted episode is a fresh one"
+        );
+        assert_eq!(s.env_spans, f.env_spans);
+    }
+}
+
+/// Answers each turn from another thread after a short wait, as a tool would.
+struct SlowEnvironment;
+
+impl TurnHandler for SlowEnvironment {
+    fn on_turn(&self, turn: Turn, resumer: Resumer) {
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(5));
+            resumer.resume(turn.id, answer(&turn, 2));
+        });
+    }
+}
+
+#[test]
+fn the_streaming_handle_runs_episodes_through_its_environment() {
+    let weights = random_init(&ModelConfig::tiny_llama(), 25);
+    let requests = [episode(1, &[4, 8, 15], 3, 40, 12), episode(2, &[3], 2, 40, 12)];
+    let expected = run_episodes(&mut engine(&weights, 8), &requests, 2);
+
+    let without = engine(&weights, 8).spawn();
+    without.submit(requests[0].clone()).unwrap();
+    match without.outputs().recv_timeout(Duration::from_secs(60)).unwrap() {
+        EngineOutput::Rejected(e) => assert!(e.to_string().contains("needs an environment"), "{e}"),
+        EngineOutput::Sample(s) => panic!("served without an environment: {s:?}"),
+    }
+
+    let handle = engine(&weights, 8).spawn_with(Some(Arc::new(SlowEnvironment)));
+    handle.control().submit_all(requests.to_vec()).unwrap();
+    let mut got = Vec::new();
+    while got.len() < expected.len() {
+        match handle.outputs().recv_timeout(Duration::from_secs(60)).unwrap() {
+            EngineOutput::Sample(s) => got.push(s),
+            EngineOutput::Rejected(e) => panic!("{e}"),
+        }
+    }
+    got.sort_by_key(|s| (s.request_id, s.sample_index));
+    common::assert_identical(&got, &expected, "through the handle");
+    assert!(!handle.shutdown().unwrap().has_work());
+}
+
+mod tools {
+    use super::*;
+    use agent::{Calculator, CallFormat, Tool, ToolError, ToolSchema, Toolbox};
+    use model::programs::HostModel;
+    use model::{ChatMessage, ModelTokenizer};
+    use rollout::environment::{ToolEnvironment, ToolSettings, TruncateSide};
+    use rollout::TurnId;
+    use serde_json::{json, Value};
+
+    /// A tool that misbehaves as its argument says: sleeps, panics or floods.
+    struct Unruly;
+
+    impl Tool for Unruly {
+        fn schema(&self) -> ToolSchema {
+            ToolSchema {
+                name: "unruly".into(),
+                description: "misbehaves".into(),
+                parameters: json!({"type": "object", "properties": {"how": {"type": "string"}}}),
+            }
+        }
+
+        fn call(&self, arguments: &Value) -> Result<String, ToolError> {
+            match arguments["how"].as_str() {
+                Some("hang") => {
+                    std::thread::sleep(Duration::from_secs(30));
+                    Ok("late".into())
+                }
+                Some("panic") => panic!("the tool broke"),
+                Some("flood") => Ok("x".repeat(3 << 20)),
+                _ => Ok("\u{0}\u{7}garbage\u{fffd}".into()),
+            }
+        }
+    }
+
+    fn smollm2() -> (ModelTokenizer, model::ChatTemplate) {
+        let host = HostModel::load(&testkit::smollm2_gguf()).unwrap();
+        (host.tokenizer, host.chat_template.unwrap())
+    }
+
+    fn environment(max_assistant_turns: u32) -> ToolEnvironment {
+        let (tokenizer, template) = smollm2();
+        let toolbox = Toolbox::new([Arc::new(Calculator) as Arc<dyn Tool>, Arc::new(Unruly)]).unwrap();
+        let settings = ToolSettings {
+            format: CallFormat::Hermes,
+            max_assistant_turns,
+            max_parallel_calls: 2,
+            max_tool_response_length: 64,
+            truncate_side: TruncateSide::Middle,
+            tool_timeout: Duration::from_millis(300),
+        };
+        ToolEnvironment::new(toolbox, settings, template, tokenizer)
+    }
+
+    /// A parked first turn of `text` (its `<|im_end|>` appended) after the prompt `prompt`.
+    fn turn(tokenizer: &ModelTokenizer, prompt: &[u32], text: &str, turns: u32) -> Turn {
+        let response = tokenizer.encode(&format!("{text}<|im_end|>"), false).unwrap();
+        Turn {
+            id: TurnId {
+                request_id: 1,
+                sample_index: 0,
+                restarts: 0,
+            },
+            request: Arc::new(request(1, prompt, 1, 0, sampled(1.0, 0, 1.0, 200))),
+            turn: 0..response.len(),
+            response,
+            turns,
+        }
+    }
+
+    #[test]
+    fn tool_results_are_the_chat_templates_own_tokens_after_the_models_turn() {
+        let (tokenizer, template) = smollm2();
+        let env = environment(4);
+        let user = ChatMessage::new("user", "What is 98765432123 * 123456789?");
+        let prompt_text = template.render(std::slice::from_ref(&user), true).unwrap();
+        let prompt = tokenizer.encode(&prompt_text, false).unwrap();
+        let call = "<tool_call>\n{\"name\": \"calculator\", \"arguments\": {\"expression\": \"98765432123 * 123456789\"}}\n</tool_call>";
+        let t = turn(&tokenizer, &prompt, call, 1);
+        let Resume::Continue { tokens, stats } = env.answer(&t) else {
+            panic!("a call must continue")
+        };
+        assert_eq!(
+            (stats.tool_calls, stats.tool_errors, stats.tool_timeouts),
+            (1, 0, 0)
+        );
+        assert_eq!(
+            tokenizer.decode(&tokens, false).unwrap(),
+            "\n<|im_start|>tool\n12193263114103033047<|im_end|>\n<|im_start|>assistant\n"
+        );
+        // Prompt, turn and tool tokens are exactly the whole conversation rendered once and
+        // tokenized: no newline lost or added at the turn boundaries.
+        let whole = template
+            .render(
+                &[
+                    user,
+                    ChatMessage::new("assistant", call),
+                    ChatMessage::new("tool", "12193263114103033047"),
+                ],
+                true,
+            )
+            .unwrap();
+        let mut joined = prompt.clone();
+        joined.extend(&t.response);
+        joined.extend(&tokens);
+        assert_eq!(joined, tokenizer.encode(&whole, false).unwrap());
+    }
+
+    #[test]
+    fn misbehaving_tools_and_bad_calls_become_counted_error_observations() {
+        let (tokenizer, _) = smollm2();
+        let env = environment(4);
+        let observe = |text: &str| {
+            let Resume::Continue { tokens, stats } = env.answer(&turn(&tokenizer, &[1, 2], text, 1)) else {
+                panic!("{text}: the episode must go on")
+            };
+            (tokenizer.decode(&tokens, false).unwrap(), stats)
+        };
+        let call = |how: &str| {
+            format!("<tool_call>{{\"name\": \"unruly\", \"arguments\": {{\"how\": \"{how}\"}}}}</tool_call>")
+        };
+
+        let started = Instant::now();
+        let (text, stats) = observe(&call("hang"));
+        assert!(started.elapsed() < Duration::from_secs(5));
+        assert!(text.contains("Error:") && stats.tool_timeouts == 1, "{text}");
+        let (text, stats) = observe(&call("panic"));
+        assert!(
+            text.contains("Error:") && text.contains("panicked") && stats.tool_errors == 1,
+            "{text}"
+        );
+        let (text, stats) = observe(&call("flood"));
+        assert!(
+            text.contains("...(truncated)...") && text.len() < 200 && stats.tool_errors == 0,
+            "{text}"
+        );
+        let (text, stats) = observe(&call("garbage"));
+        assert!(text.contains("garbage") && stats.tool_errors == 0, "{text}");
+        let (text, stats) = observe(
+            "<tool_call>{\"name\": \"calculator\", \"arguments\": {\"expression\": \"1/0\"}}</tool_call>",
+        );
+        assert!(
+            text.contains("Error:") && text.contains("division by zero") && stats.tool_errors == 1,
+            "{text}"
+        );
+        let (text, stats) = observe("<tool_call>{\"name\": \"search\"}</tool_call>");
+        assert!(
+            text.contains("Error:") && text.contains("calculator") && stats.tool_errors == 1,
+            "{text}"
+        );
+        let (text, stats) = observe("<tool_call>{not json</tool_call>");
+        assert!(
+            text.contains("Error: tool call 1") && stats.tool_errors == 1,
+            "{text}"
+        );
+        let three = call("garbage").repeat(3);
+        let (text, stats) = observe(&three);
+        assert_eq!(stats.tool_calls, 3);
+        assert!(text.contains("at most 2 tool calls"), "{text}");
+    }
+
+    #[test]
+    fn an_episode_ends_without_calls_or_at_its_turn_limit() {
+        let (tokenizer, _) = smollm2();
+        let env = environment(2);
+        let answer = |text: &str, turns| env.answer(&turn(&tokenizer, &[1, 2], text, turns));
+        assert!(matches!(answer("The answer is 42.", 1), Resume::Finish { .. }));
+        let call =
+            "<tool_call>{\"name\": \"calculator\", \"arguments\": {\"expression\": \"6*7\"}}</tool_call>";
+        assert!(matches!(answer(call, 1), Resume::Continue { .. }));
+        assert!(
+            matches!(answer(call, 2), Resume::Finish { .. }),
+            "the second turn is the last"
+        );
+    }
+}
