@@ -8,7 +8,9 @@ use data::{Prompt, PromptDataset, PromptTokenizer, Split, TokenizeError};
 use model::programs::HostModel;
 use model::{ChatMessage, ChatTemplate, ModelTokenizer};
 use reward::RewardFunction;
+use rollout::TurnHandler;
 use std::path::Path;
+use std::sync::Arc;
 
 /// What preparing a run can stop on.
 #[derive(Debug, thiserror::Error)]
@@ -23,12 +25,17 @@ pub enum PrepareError {
     Data(#[from] data::DataError),
     #[error("reward: {0}")]
     Reward(String),
+    #[error("{0}")]
+    MultiTurn(String),
 }
 
 /// Renders chat prompts with the model's template and tokenizes them, as rollout will.
 pub struct ChatTokenizer {
     pub tokenizer: ModelTokenizer,
     pub template: Option<ChatTemplate>,
+    /// The template's `tools` variable: the schemas of `rollout.multi_turn.tools`, which
+    /// templates with tool support describe to the model in the prompt.
+    pub tools: serde_json::Map<String, serde_json::Value>,
 }
 
 impl PromptTokenizer for ChatTokenizer {
@@ -45,7 +52,8 @@ impl PromptTokenizer for ChatTokenizer {
                     .iter()
                     .map(|m| ChatMessage::new(m.role.clone(), m.content.clone()))
                     .collect();
-                let text = template.render(&messages, true)?;
+                let messages = serde_json::to_value(messages).expect("messages serialise");
+                let text = template.render_with(&messages, true, &self.tools)?;
                 // The template writes the special tokens itself.
                 Ok(self.tokenizer.encode(&text, false)?)
             }
@@ -63,6 +71,8 @@ pub struct Prepared {
     pub train: PromptDataset,
     pub validation: Option<PromptDataset>,
     pub reward: RewardFunction,
+    /// What answers the model's turns with `rollout.multi_turn`.
+    pub environment: Option<Arc<dyn TurnHandler>>,
 }
 
 /// Load the model, open the datasets, build and check the reward function.
@@ -123,7 +133,20 @@ pub fn prepare(recipe: &Recipe) -> Result<Prepared, PrepareError> {
             )
         }
     };
-    let tokenizer = ChatTokenizer { tokenizer, template };
+    let mut tools = serde_json::Map::new();
+    let environment = crate::setup::tool_environment(recipe, &tokenizer, template.as_ref())
+        .map_err(PrepareError::MultiTurn)?;
+    if let Some(env) = &environment {
+        tools.insert(
+            "tools".into(),
+            env.schemas().iter().map(agent::ToolSchema::to_json).collect(),
+        );
+    }
+    let tokenizer = ChatTokenizer {
+        tokenizer,
+        template,
+        tools,
+    };
     let train = PromptDataset::open(&recipe.data, Split::Train, Some(&tokenizer))?;
     let validation = if recipe.data.val_files.0.is_empty() {
         None
@@ -142,5 +165,6 @@ pub fn prepare(recipe: &Recipe) -> Result<Prepared, PrepareError> {
         train,
         validation,
         reward,
+        environment: environment.map(|env| Arc::new(env) as Arc<dyn TurnHandler>),
     })
 }

@@ -21,7 +21,8 @@ use serde_json::{json, Value};
 use crate::engine::{EpisodeStats, Resume, Resumer, Turn, TurnHandler};
 
 /// Which end of a long tool response survives VeRL's `tool_response_truncate_side`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum TruncateSide {
     /// Keep the start.
     Left,
@@ -73,41 +74,36 @@ impl TurnRenderer {
 
     /// The tokens that follow a model turn ended by the token `stop` when `messages` (chat
     /// messages as JSON: tool results, a user turn) come next, through the next assistant
-    /// header. The template renders a conversation with and without them; the tokens are
-    /// the difference, from just after the model's end-of-turn token, so whatever the
-    /// template writes between turns (a newline after `<|im_end|>`) is kept.
+    /// header. The template renders a conversation whose assistant turn holds a marker, then
+    /// `messages`; the tokens are what it writes after the marker and the model's end-of-turn
+    /// token, so whatever the template puts between turns (the newline after `<|im_end|>`) is
+    /// kept. Only what follows the turn is used: templates that render an earlier assistant
+    /// turn differently once more messages follow it (Qwen3 drops its empty `<think>` block)
+    /// do not matter, since the model's turn is already in the sample as the ids it sampled.
     pub fn env_tokens(&self, stop: u32, messages: &[Value]) -> Result<Vec<u32>, String> {
+        const MARKER: &str = "GRPO-END-OF-MODEL-TURN";
         let stop_text = self
             .tokenizer
             .id_to_token(stop)
             .ok_or_else(|| format!("the turn's stop token {stop} is not in the tokenizer"))?;
         let mut conversation = vec![
             json!({"role": "user", "content": "?"}),
-            json!({"role": "assistant", "content": "!"}),
+            json!({"role": "assistant", "content": MARKER}),
         ];
-        let before = self
-            .template
-            .render_with(&Value::Array(conversation.clone()), false, &self.extra)
-            .map_err(|e| e.to_string())?;
         conversation.extend_from_slice(messages);
-        let after = self
+        let text = self
             .template
             .render_with(&Value::Array(conversation), true, &self.extra)
             .map_err(|e| e.to_string())?;
-        let end = before.rfind(&stop_text).ok_or_else(|| {
+        let end = text.find(&format!("{MARKER}{stop_text}")).ok_or_else(|| {
             format!(
-                "the chat template does not end an assistant turn with {stop_text:?}, the turn's stop token"
+                "the chat template does not end an assistant turn with {stop_text:?}, the turn's stop \
+                     token, right after its content"
             )
-        })? + stop_text.len();
-        if !after.starts_with(&before[..end]) {
-            return Err(
-                "the chat template renders the earlier turns differently once tool messages follow \
-                 them; grpo cannot append tool results to a sample with it"
-                    .into(),
-            );
-        }
+        })? + MARKER.len()
+            + stop_text.len();
         self.tokenizer
-            .encode(&after[end..], false)
+            .encode(&text[end..], false)
             .map_err(|e| e.to_string())
     }
 }
@@ -142,6 +138,11 @@ impl ToolEnvironment {
                 tokenizer,
             }),
         }
+    }
+
+    /// The schemas of its tools, as the chat template receives them.
+    pub fn schemas(&self) -> Vec<ToolSchema> {
+        self.inner.toolbox.schemas()
     }
 
     /// The answer to a parked turn (blocks while its tools run).

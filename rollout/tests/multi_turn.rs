@@ -463,3 +463,31 @@ mod tools {
         );
     }
 }
+
+mod qwen3 {
+    use agent::{Calculator, Tool};
+    use model::{ChatTemplate, ModelTokenizer};
+    use rollout::environment::TurnRenderer;
+    use serde_json::json;
+
+    /// Qwen3's template writes tool results into a user turn of `<tool_response>` blocks, and
+    /// renders an assistant turn without its empty `<think>` block once messages follow it:
+    /// the tokens after the model's `<|im_end|>` are still the template's own.
+    #[test]
+    fn qwen3s_template_puts_tool_results_in_a_user_turn_after_the_models_end_of_turn() {
+        let tokenizer = ModelTokenizer::from_file(&testkit::asset("qwen3/tokenizer.json")).unwrap();
+        let template =
+            ChatTemplate::from_tokenizer_config(&testkit::asset("qwen3/tokenizer_config.json")).unwrap();
+        let renderer = TurnRenderer::new(template, tokenizer.clone(), &[Calculator.schema()]);
+        let stop = tokenizer.token_to_id("<|im_end|>").unwrap();
+        let results = [
+            json!({"role": "tool", "content": "42"}),
+            json!({"role": "tool", "content": "7"}),
+        ];
+        let tokens = renderer.env_tokens(stop, &results).unwrap();
+        assert_eq!(
+            tokenizer.decode(&tokens, false).unwrap(),
+            "\n<|im_start|>user\n<tool_response>\n42\n</tool_response>\n<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        );
+    }
+}

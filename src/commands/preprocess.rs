@@ -100,9 +100,11 @@ struct ArithmeticArgs {
     /// Stored in extra_info.split. Example: `--split test`.
     #[arg(long, default_value = "train")]
     split: String,
-    /// What the prompt asks for: `hashes` (GSM8K's "think step by step, then #### answer") or
-    /// `number` ("Reply with only the number.", which small chat models follow). The
-    /// arithmetic scorer accepts both. Example: `--answer-format number`.
+    /// What the prompt asks for: `hashes` (GSM8K's "think step by step, then #### answer"),
+    /// `number` ("Reply with only the number.", which small chat models follow), or
+    /// `calculator` (a conversation showing the calculator tool called, then the question: for
+    /// `rollout.multi_turn` with `tools: [calculator]`). The arithmetic scorer accepts each.
+    /// Example: `--answer-format number`.
     #[arg(long, value_enum, default_value = "hashes")]
     answer_format: AnswerFormatArg,
 }
@@ -111,6 +113,7 @@ struct ArithmeticArgs {
 enum AnswerFormatArg {
     Hashes,
     Number,
+    Calculator,
 }
 
 /// Runs the chosen preprocessor and prints what it wrote.
@@ -130,6 +133,7 @@ pub fn run(args: PreprocessArgs) -> anyhow::Result<ExitCode> {
                 answer_format: match args.answer_format {
                     AnswerFormatArg::Hashes => AnswerFormat::Hashes,
                     AnswerFormatArg::Number => AnswerFormat::Number,
+                    AnswerFormatArg::Calculator => AnswerFormat::Calculator,
                 },
             };
             preprocess_arithmetic(&options, &args.output).context("grpo preprocess arithmetic failed")?

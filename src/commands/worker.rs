@@ -220,7 +220,7 @@ fn rollout_service(
     let engine =
         setup::build_engine(recipe, &prepared, &client, weights, 0).context("building the rollout engine")?;
     Ok(RolloutService::new(
-        LocalRollout::new(engine),
+        LocalRollout::with_environment(engine, prepared.environment.clone()),
         client,
         &prepared.model.weights.config,
         setup::rollout_dtype(recipe),

@@ -108,6 +108,83 @@ pub struct RolloutSection {
     /// Sampling for validation.
     #[serde(default)]
     pub val_kwargs: ValKwargs,
+    /// Tool-using episodes of several model turns.
+    #[serde(default)]
+    pub multi_turn: MultiTurnSection,
+}
+
+/// `rollout.multi_turn`: tool-using episodes, VeRL's `actor_rollout_ref.rollout.multi_turn`
+/// keys where VeRL has them. After each model turn that ends with an end-of-turn token, the
+/// tool calls in it are run and their results appended as tool messages rendered by the chat
+/// template; the model then takes the next turn in the same sample.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct MultiTurnSection {
+    /// Run episodes instead of one response per sample.
+    #[serde(default)]
+    pub enable: bool,
+    /// Most model turns per sample; none: as many as the response budget holds.
+    #[serde(default)]
+    pub max_assistant_turns: Option<u32>,
+    /// Most tokens one model turn may generate (a longer turn ends the sample, truncated);
+    /// none: `data.max_response_length`.
+    #[serde(default)]
+    pub max_turn_tokens: Option<usize>,
+    /// The model's tool-call format: `hermes` (Qwen2.5, Qwen3, Hermes) or `llama3`.
+    #[serde(default = "default_call_format")]
+    pub format: agent::CallFormat,
+    /// Built-in tools the model may call: `calculator`.
+    #[serde(default)]
+    pub tools: Vec<BuiltinTool>,
+    /// Most tool calls run per turn; further calls get an error observation.
+    #[serde(default = "default_one_usize")]
+    pub max_parallel_calls: usize,
+    /// Most characters of one tool response the model sees.
+    #[serde(default = "default_max_tool_response_length")]
+    pub max_tool_response_length: usize,
+    /// Which part of a longer tool response is kept: `left`, `middle` or `right`.
+    #[serde(default = "default_truncate_side")]
+    pub tool_response_truncate_side: rollout::environment::TruncateSide,
+    /// Time limit of one tool call, in seconds.
+    #[serde(default = "default_tool_timeout_s")]
+    pub tool_timeout_s: f64,
+}
+
+impl Default for MultiTurnSection {
+    fn default() -> Self {
+        MultiTurnSection {
+            enable: false,
+            max_assistant_turns: None,
+            max_turn_tokens: None,
+            format: default_call_format(),
+            tools: Vec::new(),
+            max_parallel_calls: 1,
+            max_tool_response_length: default_max_tool_response_length(),
+            tool_response_truncate_side: default_truncate_side(),
+            tool_timeout_s: default_tool_timeout_s(),
+        }
+    }
+}
+
+/// The tools built into grpo.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum BuiltinTool {
+    /// Exact arithmetic on integers of any size and fractions (`agent::Calculator`).
+    Calculator,
+}
+
+fn default_call_format() -> agent::CallFormat {
+    agent::CallFormat::Hermes
+}
+fn default_max_tool_response_length() -> usize {
+    256
+}
+fn default_truncate_side() -> rollout::environment::TruncateSide {
+    rollout::environment::TruncateSide::Middle
+}
+fn default_tool_timeout_s() -> f64 {
+    30.0
 }
 
 /// `rollout.val_kwargs`: sampling used for validation.

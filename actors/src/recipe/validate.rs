@@ -369,6 +369,7 @@ pub(crate) fn validate(r: &Recipe, text: &str, file: &str, overrides: &[String])
     }
     check_algorithm_knobs(&mut c, r);
     check_lora(&mut c, r);
+    check_multi_turn(&mut c, r);
     check_rollout_correction(&mut c, r);
     check_filter_groups(&mut c, r);
     c.check(
@@ -943,6 +944,59 @@ fn check_rollout_correction(c: &mut Checker, r: &Recipe) {
 
 /// LoRA's keys: alpha and targets only with a rank, and (in this build) the learner on one
 /// device with the rollout in the orchestrator's process.
+fn check_multi_turn(c: &mut Checker, r: &Recipe) {
+    let mt = &r.rollout.multi_turn;
+    if !mt.enable {
+        c.check(
+            *mt == super::MultiTurnSection::default(),
+            "rollout.multi_turn",
+            "set",
+            "its keys are read only with rollout.multi_turn.enable: true; enable it or leave them out",
+        );
+        return;
+    }
+    c.check(
+        !mt.tools.is_empty(),
+        "rollout.multi_turn.tools",
+        "[]",
+        "episodes need at least one tool to call, e.g. tools: [calculator]",
+    );
+    if let Some(turns) = mt.max_assistant_turns {
+        c.check(
+            turns >= 1,
+            "rollout.multi_turn.max_assistant_turns",
+            turns,
+            "must be at least 1",
+        );
+    }
+    if let Some(t) = mt.max_turn_tokens {
+        c.check(
+            t >= 1 && t <= r.data.max_response_length,
+            "rollout.multi_turn.max_turn_tokens",
+            t,
+            "must be from 1 to data.max_response_length (the whole response's budget)",
+        );
+    }
+    c.check(
+        mt.max_parallel_calls >= 1,
+        "rollout.multi_turn.max_parallel_calls",
+        mt.max_parallel_calls,
+        "must be at least 1",
+    );
+    c.check(
+        mt.max_tool_response_length >= 1,
+        "rollout.multi_turn.max_tool_response_length",
+        mt.max_tool_response_length,
+        "must be at least 1 character",
+    );
+    c.check(
+        mt.tool_timeout_s > 0.0 && mt.tool_timeout_s <= 3600.0,
+        "rollout.multi_turn.tool_timeout_s",
+        mt.tool_timeout_s,
+        "must be a number of seconds above 0, at most 3600",
+    );
+}
+
 fn check_lora(c: &mut Checker, r: &Recipe) {
     let a = &r.actor;
     if a.lora_rank == 0 {
@@ -1100,6 +1154,30 @@ mod tests {
             .iter()
             .map(|v| v.to_string())
             .collect()
+    }
+
+    #[test]
+    fn multi_turn_keys_need_multi_turn_and_a_tool() {
+        assert_eq!(
+            violations("rollout:\n  multi_turn:\n    format: llama3\n"),
+            ["r.yaml:6:3: `rollout.multi_turn` = set: its keys are read only with rollout.multi_turn.enable: true; enable it or leave them out"]
+        );
+        assert_eq!(
+            violations(
+                "rollout:\n  multi_turn:\n    enable: true\n    max_assistant_turns: 0\n    max_turn_tokens: 5000\n    \
+                 max_parallel_calls: 0\n    tool_timeout_s: .nan\n"
+            ),
+            [
+                "`rollout.multi_turn.tools` = []: episodes need at least one tool to call, e.g. tools: [calculator]",
+                "r.yaml:8:5: `rollout.multi_turn.max_assistant_turns` = 0: must be at least 1",
+                "r.yaml:9:5: `rollout.multi_turn.max_turn_tokens` = 5000: must be from 1 to data.max_response_length (the whole response's budget)",
+                "r.yaml:10:5: `rollout.multi_turn.max_parallel_calls` = 0: must be at least 1",
+                "r.yaml:11:5: `rollout.multi_turn.tool_timeout_s` = NaN: must be a number of seconds above 0, at most 3600",
+            ]
+        );
+        assert!(
+            violations("rollout:\n  multi_turn:\n    enable: true\n    tools: [calculator]\n").is_empty()
+        );
     }
 
     #[test]

@@ -215,7 +215,10 @@ impl Assembly {
                     unreachable!("weights for an in-process engine are on its devices")
                 };
                 let engine = setup::build_engine(recipe, prepared, client, weights, start.version)?;
-                vec![Arc::new(LocalRollout::new(engine))]
+                vec![Arc::new(LocalRollout::with_environment(
+                    engine,
+                    prepared.environment.clone(),
+                ))]
             }
             remote => remote
                 .iter()

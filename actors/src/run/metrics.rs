@@ -20,6 +20,33 @@ pub type Metrics = BTreeMap<String, f64>;
 pub(crate) struct MetricLimits {
     pub max_prompt_length: usize,
     pub devices: usize,
+    /// `rollout.multi_turn.enable`: the step reports its episodes (`multi_turn/*`).
+    pub multi_turn: bool,
+}
+
+/// The `multi_turn/*` metrics of a step's samples: turns and tool calls per sample, tool errors
+/// and time-outs, the model's and the environment's tokens per sample, and the time in tools.
+fn episode_metrics<'a>(m: &mut Metrics, samples: impl Iterator<Item = &'a rollout::Sample>) {
+    let (mut turns, mut calls, mut model, mut env) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut errors, mut timeouts, mut seconds) = (0.0, 0.0, 0.0);
+    for s in samples {
+        let e = &s.episode;
+        turns.push(e.turns as f64);
+        calls.push(e.tool_calls as f64);
+        let from_env: usize = s.env_spans.iter().map(|r| r.len()).sum();
+        env.push(from_env as f64);
+        model.push((s.response_ids.len() - from_env) as f64);
+        errors += e.tool_errors as f64;
+        timeouts += e.tool_timeouts as f64;
+        seconds += e.env_time.as_secs_f64();
+    }
+    mean_max_min(m, "multi_turn/turns", &turns);
+    mean_max_min(m, "multi_turn/tool_calls", &calls);
+    m.insert("multi_turn/tool_errors".into(), errors);
+    m.insert("multi_turn/tool_timeouts".into(), timeouts);
+    mean_max_min(m, "multi_turn/model_tokens", &model);
+    mean_max_min(m, "multi_turn/env_tokens", &env);
+    m.insert("timing_s/tools".into(), seconds);
 }
 
 /// Inserts `{prefix}/mean`, `/max` and `/min` of `values` (nothing when empty).
@@ -95,6 +122,9 @@ pub(crate) fn step_metrics(o: &StepOutcome, step: u64, limits: MetricLimits) -> 
         .filter(|&&l| l as usize >= limits.max_prompt_length)
         .count();
     m.insert("prompt_length/clip_ratio".into(), at_limit as f64 / samples);
+    if limits.multi_turn {
+        episode_metrics(&mut m, g.scored.iter().map(|s| &s.sample));
+    }
     m.extend(o.report.metrics.clone());
 
     m.insert("timing_s/gen".into(), g.gen_s);

@@ -280,6 +280,7 @@ impl Run<'_> {
         let limits = metrics::MetricLimits {
             max_prompt_length: self.recipe.data.max_prompt_length,
             devices: self.recipe.devices_in_use(),
+            multi_turn: self.recipe.rollout.multi_turn.enable,
         };
         let total_steps = steps.total_steps;
         let console = loggers.contains(&Logger::Console);

@@ -84,7 +84,7 @@ pub(crate) fn build_prompts(
                     temperature: 0.0,
                     ..params.clone()
                 },
-                multi_turn: None,
+                multi_turn: setup::turn_limits(recipe),
             });
             out.metas.insert(id | REMAX_BASELINE, meta.clone());
         }
@@ -94,7 +94,7 @@ pub(crate) fn build_prompts(
             n,
             seed: request_seed(recipe.trainer.seed, id),
             params: params.clone(),
-            multi_turn: None,
+            multi_turn: setup::turn_limits(recipe),
         });
         out.metas.insert(id, meta);
         out.indices.push(ex.index);

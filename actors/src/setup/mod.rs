@@ -13,8 +13,10 @@ pub use dtype::{
 
 use crate::prepare::Prepared;
 use crate::recipe::{DeviceKind, Recipe};
+use model::{ChatTemplate, ModelTokenizer};
 use rollout::{Engine, EngineConfig, SamplingParams};
 use std::path::Path;
+use std::sync::Arc;
 use trainer::policy::DecoderPolicy;
 use trainer::step::StepConfig;
 use trainer::update::{BatchPlan, UpdateConfig};
@@ -73,6 +75,50 @@ pub fn build_engine(
         engine_config(recipe, &prepared.stop_token_ids),
         Some(prepared.tokenizer.tokenizer.clone()),
     )
+}
+
+/// The budgets of the run's multi-turn requests (`rollout.multi_turn`), or none when it
+/// generates one response per sample.
+pub fn turn_limits(recipe: &Recipe) -> Option<rollout::TurnLimits> {
+    let mt = &recipe.rollout.multi_turn;
+    mt.enable.then(|| rollout::TurnLimits {
+        max_turn_tokens: mt.max_turn_tokens.unwrap_or(recipe.data.max_response_length),
+    })
+}
+
+/// The environment that answers the run's multi-turn requests (`rollout.multi_turn`): its
+/// tools, run with the model's chat template and tokenizer. None without multi-turn.
+pub fn tool_environment(
+    recipe: &Recipe,
+    tokenizer: &ModelTokenizer,
+    template: Option<&ChatTemplate>,
+) -> Result<Option<rollout::environment::ToolEnvironment>, String> {
+    let mt = &recipe.rollout.multi_turn;
+    if !mt.enable {
+        return Ok(None);
+    }
+    let template = template.cloned().ok_or(
+        "rollout.multi_turn renders tool results with the model's chat template, and this model has \
+         none: set model.chat_template to a Jinja template file",
+    )?;
+    let tools = mt.tools.iter().map(|t| match t {
+        crate::recipe::BuiltinTool::Calculator => Arc::new(agent::Calculator) as Arc<dyn agent::Tool>,
+    });
+    let toolbox = agent::Toolbox::new(tools).map_err(|e| format!("rollout.multi_turn.tools: {e}"))?;
+    let settings = rollout::environment::ToolSettings {
+        format: mt.format,
+        max_assistant_turns: mt.max_assistant_turns.unwrap_or(u32::MAX),
+        max_parallel_calls: mt.max_parallel_calls,
+        max_tool_response_length: mt.max_tool_response_length,
+        truncate_side: mt.tool_response_truncate_side,
+        tool_timeout: std::time::Duration::from_secs_f64(mt.tool_timeout_s),
+    };
+    Ok(Some(rollout::environment::ToolEnvironment::new(
+        toolbox,
+        settings,
+        template,
+        tokenizer.clone(),
+    )))
 }
 
 /// Uploads the prepared model's weights in `rollout.dtype` for a rollout engine of its own

@@ -57,8 +57,13 @@ const LORA_EXCLUDE: How = How::Unsupported(
     "grpo's LoRA names the adapted projections with `target_modules` only; list the projections to adapt there",
 );
 const MULTI_TURN: How = How::Unsupported(
-    "multi-turn rollouts with tools are not in this grpo build yet (issue 24); grpo's rollouts \
-     are single-turn",
+    "grpo's multi-turn rollouts run the built-in tools named in `rollout.multi_turn.tools`; \
+     VeRL's Python tool classes, interactions, agent loops and repeated rollouts are not in \
+     grpo yet (issue 24)",
+);
+const NEVER_RETOKENIZED: How = How::NoEffect(
+    "grpo never renders or tokenizes a finished turn again: it trains on the ids it sampled, \
+     joined with the tool messages' ids rendered once",
 );
 const ULYSSES: How = How::Unsupported(
     "Ulysses sequence parallelism is not in grpo; a long sequence is split over devices by \
@@ -182,6 +187,14 @@ pub const TABLE: &[Entry] = &[
     Entry { key: "actor_rollout_ref.rollout.val_kwargs.n", how: How::Map("rollout.val_kwargs.n") },
     Entry { key: "actor_rollout_ref.rollout.val_kwargs.do_sample", how: How::Map("rollout.val_kwargs.do_sample") },
     Entry { key: "actor_rollout_ref.rollout.multi_turn.*", how: MULTI_TURN },
+    Entry { key: "actor_rollout_ref.rollout.multi_turn.enable", how: How::Map("rollout.multi_turn.enable") },
+    Entry { key: "actor_rollout_ref.rollout.multi_turn.max_assistant_turns", how: How::Map("rollout.multi_turn.max_assistant_turns") },
+    Entry { key: "actor_rollout_ref.rollout.multi_turn.max_parallel_calls", how: How::Map("rollout.multi_turn.max_parallel_calls") },
+    Entry { key: "actor_rollout_ref.rollout.multi_turn.max_tool_response_length", how: How::Map("rollout.multi_turn.max_tool_response_length") },
+    Entry { key: "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side", how: How::Map("rollout.multi_turn.tool_response_truncate_side") },
+    Entry { key: "actor_rollout_ref.rollout.multi_turn.format", how: How::Map("rollout.multi_turn.format") },
+    Entry { key: "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template", how: NEVER_RETOKENIZED },
+    Entry { key: "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode", how: NEVER_RETOKENIZED },
     Entry { key: "actor_rollout_ref.rollout.calculate_log_probs", how: How::NoEffect("grpo's engine always returns the log-probs of what it sampled") },
     Entry { key: "actor_rollout_ref.rollout.agent.*", how: MULTI_TURN },
     Entry { key: "actor_rollout_ref.rollout.agent.num_workers", how: How::NoEffect("grpo's engine runs in the orchestrator's process (or in `cluster.rollout_workers`)") },

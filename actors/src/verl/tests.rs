@@ -168,14 +168,15 @@ fn errors_name_the_key_and_the_way_out() {
     );
     assert_eq!(
         err(&[
-            "actor_rollout_ref.rollout.multi_turn.enable=True",
+            "actor_rollout_ref.rollout.multi_turn.max_user_turns=3",
             "reward_model.enable=True"
         ]),
-        "2 VeRL settings grpo cannot honour:\n  actor_rollout_ref.rollout.multi_turn.enable=true: not \
-         supported: multi-turn rollouts with tools are not in this grpo build yet (issue 24); grpo's \
-         rollouts are single-turn\n  reward_model.enable=true: not supported: model-based rewards \
-         are not in grpo; score with a `custom_reward_function` file or grpo's scorers \
-         (recipes/README.md, `reward`)"
+        "2 VeRL settings grpo cannot honour:\n  actor_rollout_ref.rollout.multi_turn.max_user_turns=3: \
+         not supported: grpo's multi-turn rollouts run the built-in tools named in \
+         `rollout.multi_turn.tools`; VeRL's Python tool classes, interactions, agent loops and \
+         repeated rollouts are not in grpo yet (issue 24)\n  reward_model.enable=true: not \
+         supported: model-based rewards are not in grpo; score with a `custom_reward_function` file \
+         or grpo's scorers (recipes/README.md, `reward`)"
     );
     assert_eq!(
         err(&["actor_rollout_ref.actor.kl_loss_type=k9"]),

@@ -63,6 +63,12 @@ pub enum AnswerFormat {
     /// "Reply with only the number.": the whole response is the answer. Small chat models
     /// (SmolLM2-135M) follow this often enough for GRPO to have a signal from the first step.
     Number,
+    /// For `rollout.multi_turn` with the calculator: the prompt is a conversation that shows
+    /// the calculator called in the Hermes format (`<tool_call>...</tool_call>`), its result as
+    /// a `tool` message, and the answer as `#### <number>` ([`calculator_demonstration`]), then
+    /// the question. SmolLM2-135M-Instruct, which never calls a tool unprompted, calls it in
+    /// most samples after this.
+    Calculator,
 }
 
 impl AnswerFormat {
@@ -71,8 +77,39 @@ impl AnswerFormat {
         match self {
             AnswerFormat::Hashes => GSM8K_INSTRUCTION,
             AnswerFormat::Number => NUMBER_INSTRUCTION,
+            AnswerFormat::Calculator => CALCULATOR_INSTRUCTION,
         }
     }
+}
+
+/// The instruction of [`AnswerFormat::Calculator`].
+pub const CALCULATOR_INSTRUCTION: &str = "Use the calculator, then answer as #### <number>.";
+
+/// A calculator call in the Hermes format, as the demonstrations write it.
+fn calculator_call(expression: &str) -> String {
+    format!("<tool_call>\n{{\"name\": \"calculator\", \"arguments\": {{\"expression\": \"{expression}\"}}}}\n</tool_call>")
+}
+
+/// The conversation [`AnswerFormat::Calculator`] puts before each question: a system message
+/// naming the tool and two solved questions.
+pub fn calculator_demonstration() -> Vec<Message> {
+    let mut messages = vec![Message::new(
+        "system",
+        format!(
+            "You are a helpful assistant with a calculator. For arithmetic, call it like this:\n{}",
+            calculator_call("2 + 2")
+        ),
+    )];
+    for (expression, value) in [("123 * 456", "56088"), ("77 + 905", "982")] {
+        messages.push(Message::new(
+            "user",
+            format!("What is {expression}? {CALCULATOR_INSTRUCTION}"),
+        ));
+        messages.push(Message::new("assistant", calculator_call(expression)));
+        messages.push(Message::new("tool", value));
+        messages.push(Message::new("assistant", format!("#### {value}")));
+    }
+    messages
 }
 
 /// The instruction of [`AnswerFormat::Number`].
@@ -219,10 +256,17 @@ pub fn generate(options: &ArithmeticOptions) -> Result<Vec<Problem>> {
 pub fn arithmetic_record(problem: &Problem, split: &str, index: i64, format: AnswerFormat) -> VerlRecord {
     VerlRecord {
         data_source: ARITHMETIC_DATA_SOURCE.into(),
-        prompt: vec![Message::new(
-            "user",
-            format!("What is {}? {}", problem.expression, format.instruction()),
-        )],
+        prompt: {
+            let mut messages = match format {
+                AnswerFormat::Calculator => calculator_demonstration(),
+                AnswerFormat::Hashes | AnswerFormat::Number => Vec::new(),
+            };
+            messages.push(Message::new(
+                "user",
+                format!("What is {}? {}", problem.expression, format.instruction()),
+            ));
+            messages
+        },
         ability: "math".into(),
         style: "rule".into(),
         ground_truth: problem.answer.to_string(),
@@ -334,6 +378,59 @@ mod tests {
         })
         .contains("can overflow 64-bit integers"));
         assert!(check(ArithmeticOptions { count: 0, ..base }).contains("--count"));
+    }
+
+    #[test]
+    fn the_calculator_format_demonstrates_the_tool_before_the_question() {
+        let problem = Problem {
+            expression: "4821 * 3907".into(),
+            answer: 4821 * 3907,
+        };
+        let record = arithmetic_record(&problem, "train", 0, AnswerFormat::Calculator);
+        let roles: Vec<&str> = record.prompt.iter().map(|m| m.role.as_str()).collect();
+        assert_eq!(
+            roles,
+            [
+                "system",
+                "user",
+                "assistant",
+                "tool",
+                "assistant",
+                "user",
+                "assistant",
+                "tool",
+                "assistant",
+                "user"
+            ]
+        );
+        assert_eq!(
+            record.prompt[2].content,
+            "<tool_call>\n{\"name\": \"calculator\", \"arguments\": {\"expression\": \"123 * 456\"}}\n</tool_call>"
+        );
+        // The demonstration's results are the calculator's own answers.
+        for (call, result) in [(2, 3), (6, 7)] {
+            let text = &record.prompt[call].content;
+            let args: serde_json::Value = serde_json::from_str(
+                text.trim_start_matches("<tool_call>")
+                    .trim_end_matches("</tool_call>")
+                    .trim(),
+            )
+            .unwrap();
+            let (a, b) = args["arguments"]["expression"]
+                .as_str()
+                .unwrap()
+                .split_once(['*', '+'])
+                .unwrap();
+            let (a, b): (i64, i64) = (a.trim().parse().unwrap(), b.trim().parse().unwrap());
+            let value = if text.contains('*') { a * b } else { a + b };
+            assert_eq!(record.prompt[result].content, value.to_string());
+            assert_eq!(record.prompt[result + 1].content, format!("#### {value}"));
+        }
+        assert_eq!(
+            record.prompt[9].content,
+            "What is 4821 * 3907? Use the calculator, then answer as #### <number>."
+        );
+        assert_eq!(record.ground_truth, "18835647");
     }
 
     #[test]

@@ -3,7 +3,7 @@
 
 use super::{RolloutRole, UpdateParams, WeightUpdate};
 use crate::roles::{BoxFuture, RoleError};
-use rollout::{Engine, EngineControl, EngineOutput, GenerationRequest, RolloutError, Sample};
+use rollout::{Engine, EngineControl, EngineOutput, GenerationRequest, RolloutError, Sample, TurnHandler};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -49,8 +49,14 @@ pub struct LocalRollout {
 impl LocalRollout {
     /// Starts `engine` on its own thread.
     pub fn new(engine: Engine) -> LocalRollout {
+        LocalRollout::with_environment(engine, None)
+    }
+
+    /// Starts `engine` on its own thread with the environment that answers its multi-turn
+    /// requests' turns.
+    pub fn with_environment(engine: Engine, environment: Option<Arc<dyn TurnHandler>>) -> LocalRollout {
         let version = AtomicU64::new(engine.weight_version());
-        let handle = engine.spawn();
+        let handle = engine.spawn_with(environment);
         let control = handle.control();
         let routes: SharedRoutes = Arc::default();
         let weak = Arc::downgrade(&routes);

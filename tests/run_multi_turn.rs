@@ -1,0 +1,197 @@
+//! `grpo run` with `rollout.multi_turn`. On the tiny random model: every request is an episode
+//! answered by the tool environment (in the orchestrator, and in a rollout worker process,
+//! which builds its own from the recipe), the per-turn budget ends long turns, the episodes'
+//! metrics are reported, and the run with its rollout in a worker trains exactly as in process
+//! (a random model writes no tool calls, so its episodes end after the first turn). On
+//! SmolLM2-135M-Instruct with the calculator, whose episodes call it: a rollout worker killed
+//! with -9 in the middle of a step's episodes, whose episodes are redone elsewhere and counted
+//! once, and the learner's log-probs of the model's tokens equal to the rollout's.
+
+mod common;
+
+use common::*;
+
+#[test]
+fn episodes_run_in_process_and_in_a_rollout_worker_with_their_budgets_and_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_chat_model(dir.path());
+    let train = arithmetic(dir.path(), "train", 1, 64);
+    let val = arithmetic(dir.path(), "val", 2, 4);
+    let multi_turn = [
+        "--set",
+        "rollout.multi_turn.enable=true",
+        "--set",
+        "rollout.multi_turn.tools=[calculator]",
+        "--set",
+        "rollout.multi_turn.max_turn_tokens=5",
+    ];
+    let run = |name: &str, cluster: &str, extra: &[&str]| {
+        let out = dir.path().join(name);
+        let r = tiny_recipe(
+            dir.path(),
+            &format!("{name}.yaml"),
+            &model,
+            &train,
+            &val,
+            &out,
+            2,
+            cluster,
+        );
+        let mut args = vec!["run", r.to_str().unwrap(), "--quiet"];
+        args.extend_from_slice(extra);
+        let o = run_grpo(&args);
+        assert!(
+            o.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        out
+    };
+    let single = run("single", "", &[]);
+    let local = run("local", "", &multi_turn);
+    let remote = run("remote", "cluster:\n  rollout_workers: 1\n", &multi_turn);
+    assert_same_training(&local, &remote, "episodes in process vs in a rollout worker");
+
+    let (s, m) = (metrics(&single), metrics(&local));
+    assert!(
+        s[&1].get("multi_turn/turns/mean").is_none(),
+        "single-turn runs report no episodes"
+    );
+    for key in [
+        "multi_turn/turns/mean",
+        "multi_turn/tool_calls/mean",
+        "multi_turn/tool_errors",
+        "multi_turn/tool_timeouts",
+        "multi_turn/model_tokens/mean",
+        "multi_turn/env_tokens/mean",
+        "timing_s/tools",
+    ] {
+        assert!(
+            m[&2].get(key).is_some_and(|v| v.is_number()),
+            "step 2 lacks {key}: {}",
+            m[&2]
+        );
+    }
+    assert_eq!(m[&2]["multi_turn/turns/mean"], 1.0);
+    // A turn is cut at 5 tokens: a truncated sample, where the single-turn run goes to 12.
+    assert_eq!(m[&2]["response_length/max"], 5.0);
+    assert!(s[&2]["response_length/max"].as_f64().unwrap() > 5.0);
+    assert!(m[&2]["response_length/clip_ratio"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn multi_turn_without_a_tool_is_refused_before_any_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = run_grpo(&[
+        "run",
+        "recipes/quickstart.yaml",
+        "--set",
+        "rollout.multi_turn.enable=true",
+        "--set",
+        &format!("trainer.output_dir={}", dir.path().display()),
+    ]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        stderr.contains("rollout.multi_turn.tools") && stderr.contains("tools: [calculator]"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn smollm2_episodes_call_the_calculator_and_survive_a_rollout_worker_killed_mid_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = |name: &str, seed: &str, count: &str| {
+        let path = dir.path().join(format!("{name}.parquet"));
+        let o = run_grpo(&[
+            "preprocess",
+            "arithmetic",
+            "--seed",
+            seed,
+            "--count",
+            count,
+            "--max-value",
+            "9999",
+            "--ops",
+            "*",
+            "--answer-format",
+            "calculator",
+            "--output",
+            path.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        path
+    };
+    let train = data("train", "1", "64");
+    let recipe = |name: &str, cluster: &str| {
+        let out = dir.path().join(name);
+        let text = format!(
+            "model:\n  path: {model}\n\
+             data:\n  train_files: {train}\n  train_batch_size: 2\n  max_prompt_length: 320\n  max_response_length: 80\n\
+             rollout:\n  n: 4\n  max_num_seqs: 8\n  multi_turn:\n    enable: true\n    tools: [calculator]\n    max_assistant_turns: 3\n    max_turn_tokens: 40\n\
+             reward:\n  scorers:\n    answer: {{kind: arithmetic}}\n  data_sources:\n    grpo/arithmetic: answer\n\
+             actor:\n  optim:\n    lr: 1.0e-5\n  ppo_mini_batch_size: 2\n  ppo_micro_batch_size: 8\n\
+             trainer:\n  total_training_steps: 3\n  save_freq: 10\n  output_dir: {out}\n  seed: 1\n{cluster}",
+            model = testkit::smollm2_gguf().display(),
+            train = train.display(),
+            out = out.display(),
+        );
+        let path = dir.path().join(format!("{name}.yaml"));
+        std::fs::write(&path, text).unwrap();
+        (out, path)
+    };
+    let (local, r_local) = recipe("local", "");
+    let o = run_grpo(&["run", r_local.to_str().unwrap(), "--quiet"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+
+    let (killed, r_killed) = recipe(
+        "killed",
+        "cluster:\n  rollout_workers: 2\n  worker_timeout_s: 5\n",
+    );
+    let mut child = grpo()
+        .arg("run")
+        .arg(&r_killed)
+        .arg("--quiet")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_step(&killed, 1, &mut child, std::time::Duration::from_secs(600));
+    // Step 2's episodes are being generated (and their tools run) right now.
+    let rollout = run_worker_pids(&killed, "rollout");
+    assert_eq!(rollout.len(), 2, "rollout workers: {rollout:?}");
+    assert!(send_signal(rollout[0], "KILL"));
+    let o = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+
+    let (a, b) = (metrics(&local), metrics(&killed));
+    assert_eq!(prompts_seen(&local), prompts_seen(&killed));
+    for m in [&a, &b] {
+        // Every step trained on each of its prompts' samples exactly once, and they are episodes
+        // with tool calls whose model tokens the learner scores as the rollout did.
+        assert_eq!(metric_series(m, "batch/samples"), vec![8.0; 3], "{stderr}");
+        assert!(metric_series(m, "multi_turn/tool_calls/mean")
+            .iter()
+            .all(|&c| c > 0.0));
+        assert!(metric_series(m, "multi_turn/env_tokens/mean")
+            .iter()
+            .all(|&c| c > 0.0));
+        let gap = metric_series(m, "rollout/log_prob_diff_mean");
+        assert!(
+            gap.iter().all(|&g| g < 1e-5),
+            "rollout vs learner log-probs: {gap:?}"
+        );
+    }
+    assert!(
+        metric_series(&b, "workers/failures_total")
+            .last()
+            .copied()
+            .unwrap_or(0.0)
+            >= 1.0,
+        "{stderr}"
+    );
+    assert!(
+        run_worker_pids(&killed, "rollout").is_empty(),
+        "no worker outlives the run"
+    );
+}
