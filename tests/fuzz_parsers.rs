@@ -1,6 +1,7 @@
 //! Every parser of outside input, fed mutated copies of valid inputs: recipes (YAML and `--set`
 //! values), `config.json`, `tokenizer.json`, safetensors model files, GGUF headers, Parquet
-//! datasets and checkpoints. Each must answer with `Ok` or a clear error: a panic, or an input
+//! datasets, checkpoints, and a model's tool calls with the calculator's expressions in them.
+//! Each must answer with `Ok` or a clear error: a panic, or an input
 //! that takes seconds, fails the test with the target, the seed and the file to keep.
 //!
 //! The budget is `GRPO_FUZZ_ITERS` inputs per target (1000 by default, as CI runs it; raise it to
@@ -328,6 +329,38 @@ fn checkpoints() {
         trainer::checkpoint::load_checkpoint(&saved)
             .map(drop)
             .map_err(|e| e.to_string())
+    });
+    assert!(refused > 0);
+}
+
+#[test]
+fn tool_calls_and_calculator_expressions() {
+    use agent::{Calculator, CallFormat, Tool};
+    let seeds: Vec<Vec<u8>> = [
+        "<tool_call>\n{\"name\": \"calculator\", \"arguments\": {\"expression\": \"98765432123 * 123456789\"}}\n</tool_call>",
+        "Let me compute.<tool_call>{\"name\": \"calculator\", \"arguments\": \"{\\\"expression\\\": \\\"(1 + 2) ** 10 // 7 % 5\\\"}\"}</tool_call> then <tool_call>{\"name\": \"x\"}</tool_call>",
+        "<|python_tag|>{\"name\": \"calculator\", \"parameters\": {\"expression\": \"-2 ** 2 + 7 / 3 - 1.5e3\"}}; {\"name\": \"calculator\", \"parameters\": {\"expression\": \"9 ** 9 ** 2\"}}",
+        "{\"name\": \"calculator\", \"arguments\": {\"expression\": \"((((1))))*2_000 ÷ 4 × 3 − 1\"}}",
+    ]
+    .iter()
+    .map(|s| s.as_bytes().to_vec())
+    .collect();
+    let refused = fuzz("tool_call", 6, &seeds, usize::MAX, true, |input| {
+        let text = String::from_utf8_lossy(input);
+        let mut errors = Vec::new();
+        for format in [CallFormat::Hermes, CallFormat::Llama3] {
+            let parsed = format.parse(&text);
+            errors.extend(parsed.errors.iter().map(|e| e.to_string()));
+            for call in &parsed.calls {
+                if let Err(e) = Calculator.call(&call.arguments) {
+                    errors.push(e.to_string());
+                }
+            }
+        }
+        match errors.first() {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
     });
     assert!(refused > 0);
 }
