@@ -170,12 +170,19 @@ fn bad_command_lines_say_what_and_how_to_fix_it() {
             && unknown.contains("did you mean `trainer.total_epochs`?"),
         "{unknown}"
     );
-    let unsupported = fail(&["actor_rollout_ref.rollout.multi_turn.enable=True"]);
+    let unsupported = fail(&["actor_rollout_ref.rollout.multi_turn.max_user_turns=3"]);
     assert!(
         unsupported.contains(
-            "actor_rollout_ref.rollout.multi_turn.enable=true: not supported: multi-turn rollouts with tools"
+            "actor_rollout_ref.rollout.multi_turn.max_user_turns=3: not supported: grpo's multi-turn rollouts \
+             run the built-in tools"
         ),
         "{unsupported}"
+    );
+    // Mapped, then checked as any recipe: episodes need one of grpo's tools.
+    let no_tool = fail(&["actor_rollout_ref.rollout.multi_turn.enable=True"]);
+    assert!(
+        no_tool.contains("`rollout.multi_turn.tools` = []: episodes need at least one tool to call"),
+        "{no_tool}"
     );
     let malformed = fail(&["data.train_batch_size"]);
     assert!(
