@@ -14,9 +14,7 @@ use common::*;
 #[test]
 fn episodes_run_in_process_and_in_a_rollout_worker_with_their_budgets_and_metrics() {
     let dir = tempfile::tempdir().unwrap();
-    let model = tiny_chat_model(dir.path());
-    let train = arithmetic(dir.path(), "train", 1, 64);
-    let val = arithmetic(dir.path(), "val", 2, 4);
+    let (model, train, val) = tiny_inputs(dir.path(), 64, 4);
     let multi_turn = [
         "--set",
         "rollout.multi_turn.enable=true",
@@ -101,28 +99,15 @@ fn multi_turn_without_a_tool_is_refused_before_any_work() {
 #[test]
 fn smollm2_episodes_call_the_calculator_and_survive_a_rollout_worker_killed_mid_step() {
     let dir = tempfile::tempdir().unwrap();
-    let data = |name: &str, seed: &str, count: &str| {
-        let path = dir.path().join(format!("{name}.parquet"));
-        let o = run_grpo(&[
-            "preprocess",
-            "arithmetic",
-            "--seed",
-            seed,
-            "--count",
-            count,
-            "--max-value",
-            "9999",
-            "--ops",
-            "*",
-            "--answer-format",
-            "calculator",
-            "--output",
-            path.to_str().unwrap(),
-        ]);
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        path
-    };
-    let train = data("train", "1", "64");
+    let calculator = [
+        "--max-value",
+        "9999",
+        "--ops",
+        "*",
+        "--answer-format",
+        "calculator",
+    ];
+    let train = arithmetic_with(dir.path(), "train", 1, 64, &calculator);
     let recipe = |name: &str, cluster: &str| {
         let out = dir.path().join(name);
         let text = format!(

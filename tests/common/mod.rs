@@ -54,17 +54,26 @@ pub fn tiny_inputs(dir: &Path, train_rows: usize, val_rows: usize) -> (PathBuf, 
 
 /// `grpo preprocess arithmetic` into `dir/NAME.parquet`.
 pub fn arithmetic(dir: &Path, name: &str, seed: u64, count: usize) -> PathBuf {
+    arithmetic_with(dir, name, seed, count, &[])
+}
+
+/// `grpo preprocess arithmetic` with `options` (`--max-value`, `--answer-format`, ...) into
+/// `dir/NAME.parquet`.
+pub fn arithmetic_with(dir: &Path, name: &str, seed: u64, count: usize, options: &[&str]) -> PathBuf {
     let path = dir.join(format!("{name}.parquet"));
-    let out = run_grpo(&[
+    let (seed, count) = (seed.to_string(), count.to_string());
+    let mut args = vec![
         "preprocess",
         "arithmetic",
         "--seed",
-        &seed.to_string(),
+        &seed,
         "--count",
-        &count.to_string(),
+        &count,
         "--output",
         path.to_str().unwrap(),
-    ]);
+    ];
+    args.extend_from_slice(options);
+    let out = run_grpo(&args);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     path
 }
