@@ -1,7 +1,7 @@
 //! Every parser of outside input, fed mutated copies of valid inputs: recipes (YAML and `--set`
 //! values), `config.json`, `tokenizer.json`, safetensors model files, GGUF headers, Parquet
-//! datasets, checkpoints, and a model's tool calls with the calculator's expressions in them.
-//! Each must answer with `Ok` or a clear error: a panic, or an input
+//! datasets, checkpoints, a model's tool calls with the calculator's expressions in them, and
+//! tool config files. Each must answer with `Ok` or a clear error: a panic, or an input
 //! that takes seconds, fails the test with the target, the seed and the file to keep.
 //!
 //! The budget is `GRPO_FUZZ_ITERS` inputs per target (1000 by default, as CI runs it; raise it to
@@ -361,6 +361,21 @@ fn tool_calls_and_calculator_expressions() {
             Some(e) => Err(e.clone()),
             None => Ok(()),
         }
+    });
+    assert!(refused > 0);
+}
+
+#[test]
+fn tool_config_files() {
+    let seeds: Vec<Vec<u8>> = [
+        "tools:\n  - class_name: python\n    config: {type: native, memory_limit_mb: 512, default_timeout: 5, interpreter: python3}\n    tool_schema: {type: function, function: {name: code_interpreter, description: Runs code., parameters: {type: object, properties: {code: {type: string}}, required: [code]}}}\n",
+        "tools:\n  - class_name: command\n    config: {command: [python3, t.py], timeout: 2, max_in_flight: 3}\n    tool_schema: {type: function, function: {name: search, description: Finds., parameters: {type: object, properties: {q: {type: string}}}}}\n  - class_name: http\n    config: {url: 'http://127.0.0.1:9/t'}\n    tool_schema: {type: function, function: {name: look, description: Looks., parameters: {type: object}}}\n  - class_name: calculator\n",
+    ]
+    .iter()
+    .map(|s| s.as_bytes().to_vec())
+    .collect();
+    let refused = fuzz("tool_config", 7, &seeds, usize::MAX, true, |input| {
+        agent::config::parse(&String::from_utf8_lossy(input)).map(|_| ())
     });
     assert!(refused > 0);
 }

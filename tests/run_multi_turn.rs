@@ -2,7 +2,8 @@
 //! answered by the tool environment (in the orchestrator, and in a rollout worker process,
 //! which builds its own from the recipe), the per-turn budget ends long turns, the episodes'
 //! metrics are reported, and the run with its rollout in a worker trains exactly as in process
-//! (a random model writes no tool calls, so its episodes end after the first turn). On
+//! (a random model writes no tool calls, so its episodes end after the first turn); tools from
+//! a tool config file (the Python executor, a user command) are set up in both places. On
 //! SmolLM2-135M-Instruct with the calculator, whose episodes call it: a rollout worker killed
 //! with -9 in the middle of a step's episodes, whose episodes are redone elsewhere and counted
 //! once, and the learner's log-probs of the model's tokens equal to the rollout's.
@@ -75,6 +76,93 @@ fn episodes_run_in_process_and_in_a_rollout_worker_with_their_budgets_and_metric
     assert_eq!(m[&2]["response_length/max"], 5.0);
     assert!(s[&2]["response_length/max"].as_f64().unwrap() > 5.0);
     assert!(m[&2]["response_length/clip_ratio"].as_f64().unwrap() > 0.0);
+}
+
+/// A tool config file (VeRL's `tool_config_path`) with the sandboxed Python executor under
+/// VeRL's name for it and a user tool in a child process: the run sets them up in process and
+/// in a rollout worker (which reads the file itself), and a file with a VeRL Python class or an
+/// interpreter that does not exist is refused before any work, naming the file and the entry.
+#[test]
+fn tools_from_a_tool_config_file_run_in_process_and_in_a_rollout_worker() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, train, val) = tiny_inputs(dir.path(), 64, 4);
+    let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/agent/tests/fixtures/tools.py");
+    let schema = |name: &str, argument: &str| {
+        format!(
+            "{{type: function, function: {{name: {name}, description: A tool., parameters: {{type: object, \
+             properties: {{{argument}: {{type: string}}}}, required: [{argument}]}}}}}}"
+        )
+    };
+    let tools = dir.path().join("tools.yaml");
+    std::fs::write(
+        &tools,
+        format!(
+            "tools:\n  - class_name: python\n    config: {{memory_limit_mb: 256, default_timeout: 5}}\n    tool_schema: {}\n  \
+             - class_name: command\n    config: {{command: [python3, {fixture}], timeout: 2}}\n    tool_schema: {}\n",
+            schema("code_interpreter", "code"),
+            schema("echo", "text")
+        ),
+    )
+    .unwrap();
+    let run = |name: &str, cluster: &str, tool_file: &std::path::Path| {
+        let out = dir.path().join(name);
+        let r = tiny_recipe(
+            dir.path(),
+            &format!("{name}.yaml"),
+            &model,
+            &train,
+            &val,
+            &out,
+            1,
+            cluster,
+        );
+        run_grpo(&[
+            "run",
+            r.to_str().unwrap(),
+            "--quiet",
+            "--set",
+            "rollout.multi_turn.enable=true",
+            "--set",
+            &format!("rollout.multi_turn.tool_config_path={}", tool_file.display()),
+        ])
+    };
+    for (name, cluster) in [("local", ""), ("remote", "cluster:\n  rollout_workers: 1\n")] {
+        let o = run(name, cluster, &tools);
+        assert!(
+            o.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert!(metrics(&dir.path().join(name))[&1]
+            .get("multi_turn/turns/mean")
+            .is_some());
+    }
+
+    let verl_class = dir.path().join("tools-verl.yaml");
+    std::fs::write(
+        &verl_class,
+        "tools:\n  - class_name: verl.tools.gsm8k_tool.Gsm8kTool\n",
+    )
+    .unwrap();
+    let o = run("verl", "", &verl_class);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        stderr.contains("rollout.multi_turn.tool_config_path")
+            && stderr.contains("tools[0] (verl.tools.gsm8k_tool.Gsm8kTool)")
+            && stderr.contains("class_name: command"),
+        "{stderr}"
+    );
+    let no_python = dir.path().join("tools-no-python.yaml");
+    std::fs::write(
+        &no_python,
+        "tools:\n  - class_name: python\n    config: {interpreter: /no/such/python3}\n",
+    )
+    .unwrap();
+    let o = run("no-python", "", &no_python);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(stderr.contains("\"/no/such/python3\" is not usable"), "{stderr}");
 }
 
 #[test]

@@ -7,7 +7,11 @@
 //!   templates (`apply_chat_template(tools=...)`) and VeRL's tool config files use;
 //! - [`tool`]: the [`Tool`] interface, its errors ([`ToolError`]) and the [`Toolbox`] that finds
 //!   a call's tool by name and keeps a panicking tool from taking the rollout down;
-//! - [`calculator`]: the built-in [`Calculator`], exact arithmetic on integers of any size.
+//! - [`calculator`]: the built-in [`Calculator`], exact arithmetic on integers of any size;
+//! - [`external`]: user tools in any language, a JSON-lines child process or an HTTP endpoint;
+//! - [`config`]: a tool config file (VeRL's `tool_config_path`) read into [`ToolSpec`]s;
+//! - [`python`]: the built-in Python executor, code run in a child process that [`sandbox`]
+//!   confines (Linux only: Landlock, seccomp and resource limits).
 //!
 //! Generation, tokenization and the turn loop live in the rollout; this crate has no dependency
 //! on the compute core or the model, so it builds and tests in seconds.
@@ -16,10 +20,20 @@
 
 pub mod calculator;
 pub mod call;
+pub mod config;
+pub mod external;
+#[cfg(target_os = "linux")]
+pub mod python;
+#[cfg(target_os = "linux")]
+pub mod sandbox;
 pub mod schema;
 pub mod tool;
 
 pub use calculator::Calculator;
 pub use call::{CallError, CallFormat, Parsed, ToolCall};
+pub use config::{ToolFileError, ToolSpec};
+pub use external::ExternalTool;
+#[cfg(target_os = "linux")]
+pub use python::{Python, PythonError, PythonSettings};
 pub use schema::{SchemaError, ToolSchema};
 pub use tool::{DuplicateTool, Tool, ToolError, Toolbox};

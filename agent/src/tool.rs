@@ -23,6 +23,13 @@ pub trait Tool: Send + Sync {
     /// Runs the tool. `arguments` is a JSON object; the `Ok` string is the observation the model
     /// sees next.
     fn call(&self, arguments: &Value) -> Result<String, ToolError>;
+
+    /// The time limit the tool enforces itself (by killing its process or dropping its
+    /// request), when it has one; the rollout then waits this long (plus a little) instead of
+    /// its default limit for in-process tools.
+    fn time_limit(&self) -> Option<Duration> {
+        None
+    }
 }
 
 /// Why a call produced no result. The message is shown to the model, so it says what was wrong in
@@ -116,6 +123,11 @@ impl Toolbox {
                 panic_message(&*payload)
             )))
         })
+    }
+
+    /// The time limit the named tool enforces itself ([`Tool::time_limit`]).
+    pub fn time_limit(&self, name: &str) -> Option<Duration> {
+        self.find(name).and_then(|tool| tool.time_limit())
     }
 
     fn find(&self, name: &str) -> Option<&Arc<dyn Tool>> {

@@ -44,7 +44,8 @@ pub struct ToolSettings {
     /// Most characters of one tool response the model sees.
     pub max_tool_response_length: usize,
     pub truncate_side: TruncateSide,
-    /// Time limit of one tool call.
+    /// Time limit of one call of an in-process tool (tools in child processes or behind HTTP
+    /// carry their own, [`agent::Tool::time_limit`]).
     pub tool_timeout: Duration,
 }
 
@@ -223,6 +224,12 @@ impl Inner {
 
     /// Runs one call under the time limit, on a thread of its own.
     fn run(&self, call: &ToolCall) -> Result<String, ToolError> {
+        // A tool that stops itself at its own limit is given a moment past it to say so; an
+        // in-process tool is abandoned at the run's limit.
+        let (limit, wait) = match self.toolbox.time_limit(&call.name) {
+            Some(own) => (own, own + Duration::from_secs(2)),
+            None => (self.settings.tool_timeout, self.settings.tool_timeout),
+        };
         let (tx, rx) = channel();
         let (toolbox, call) = (self.toolbox.clone(), call.clone());
         std::thread::Builder::new()
@@ -231,8 +238,7 @@ impl Inner {
                 let _ = tx.send(toolbox.call(&call));
             })
             .map_err(|e| ToolError::Failed(format!("starting the tool: {e}")))?;
-        let limit = self.settings.tool_timeout;
-        rx.recv_timeout(limit).unwrap_or(Err(ToolError::TimedOut(limit)))
+        rx.recv_timeout(wait).unwrap_or(Err(ToolError::TimedOut(limit)))
     }
 
     /// A tool response cut to `max_tool_response_length` characters on the configured side.

@@ -448,6 +448,85 @@ mod tools {
         assert!(text.contains("at most 2 tool calls"), "{text}");
     }
 
+    /// The sandboxed Python executor and a user tool in a child process, inside episodes: their
+    /// answers become the tool messages, and a sandbox refusal or a hung program becomes a
+    /// counted error observation at the tool's own time limit.
+    #[test]
+    fn the_python_executor_and_a_command_tool_answer_inside_episodes() {
+        use agent::{ExternalTool, Python, PythonSettings};
+        let (tokenizer, template) = smollm2();
+        let python = Python::new(PythonSettings {
+            interpreter: "python3".into(),
+            timeout: Duration::from_secs(2),
+            memory_mb: 256,
+            max_processes: 2,
+        })
+        .unwrap();
+        let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/../agent/tests/fixtures/tools.py");
+        let user_tool = |name: &str| {
+            Arc::new(ExternalTool::command(
+                ToolSchema {
+                    name: name.into(),
+                    description: "A test tool.".into(),
+                    parameters: json!({"type": "object", "properties": {"text": {"type": "string"}}}),
+                },
+                "test",
+                vec!["python3".into(), fixture.into()],
+                Duration::from_secs(1),
+                2,
+            )) as Arc<dyn Tool>
+        };
+        let toolbox = Toolbox::new([
+            Arc::new(python) as Arc<dyn Tool>,
+            user_tool("echo"),
+            user_tool("hang"),
+        ])
+        .unwrap();
+        let settings = ToolSettings {
+            format: CallFormat::Hermes,
+            max_assistant_turns: 4,
+            max_parallel_calls: 2,
+            max_tool_response_length: 256,
+            truncate_side: TruncateSide::Middle,
+            // Shorter than the tools' own limits, which are the ones that count for them.
+            tool_timeout: Duration::from_millis(100),
+        };
+        let env = ToolEnvironment::new(toolbox, settings, template, tokenizer.clone());
+        let observe = |name: &str, arguments: Value| {
+            let text = format!(
+                "<tool_call>\n{}\n</tool_call>",
+                json!({"name": name, "arguments": arguments})
+            );
+            let Resume::Continue { tokens, stats } = env.answer(&turn(&tokenizer, &[1, 2], &text, 1)) else {
+                panic!("{name}: the episode must go on")
+            };
+            (tokenizer.decode(&tokens, false).unwrap(), stats)
+        };
+        let (text, stats) = observe(
+            "python",
+            json!({"code": "import math\nprint(math.factorial(20))"}),
+        );
+        assert_eq!(
+            text,
+            "\n<|im_start|>tool\n2432902008176640000\n<|im_end|>\n<|im_start|>assistant\n"
+        );
+        assert_eq!((stats.tool_calls, stats.tool_errors), (1, 0));
+        let (text, stats) = observe("python", json!({"code": "print(open('/etc/passwd').read())"}));
+        assert!(
+            text.contains("Error: the code exited with status 1") && text.contains("PermissionError"),
+            "{text}"
+        );
+        assert_eq!(stats.tool_errors, 1);
+        let (text, stats) = observe("echo", json!({"text": "from a child process"}));
+        assert!(text.contains("tool\nfrom a child process<|im_end|>"), "{text}");
+        assert_eq!(stats.tool_errors, 0);
+        let started = Instant::now();
+        let (text, stats) = observe("hang", json!({}));
+        assert!(text.contains("did not finish within 1s"), "{text}");
+        assert_eq!(stats.tool_timeouts, 1);
+        assert!(started.elapsed() >= Duration::from_secs(1) && started.elapsed() < Duration::from_secs(3));
+    }
+
     #[test]
     fn an_episode_ends_without_calls_or_at_its_turn_limit() {
         let (tokenizer, _) = smollm2();

@@ -133,9 +133,15 @@ pub struct MultiTurnSection {
     /// The model's tool-call format: `hermes` (Qwen2.5, Qwen3, Hermes) or `llama3`.
     #[serde(default = "default_call_format")]
     pub format: agent::CallFormat,
-    /// Built-in tools the model may call: `calculator`.
+    /// Built-in tools the model may call: `calculator`, `python` (the sandboxed executor with
+    /// its defaults: `python3`, 1024 MiB, `tool_timeout_s`).
     #[serde(default)]
     pub tools: Vec<BuiltinTool>,
+    /// A tool config file (VeRL's key and layout: `tools:` entries with `class_name`, `config`,
+    /// `tool_schema`): built-ins with settings, user tools as a JSON-lines command or an HTTP
+    /// endpoint (`agent::config`). Its tools join `tools`.
+    #[serde(default)]
+    pub tool_config_path: Option<std::path::PathBuf>,
     /// Most tool calls run per turn; further calls get an error observation.
     #[serde(default = "default_one_usize")]
     pub max_parallel_calls: usize,
@@ -145,7 +151,7 @@ pub struct MultiTurnSection {
     /// Which part of a longer tool response is kept: `left`, `middle` or `right`.
     #[serde(default = "default_truncate_side")]
     pub tool_response_truncate_side: rollout::environment::TruncateSide,
-    /// Time limit of one tool call, in seconds.
+    /// Time limit of one tool call, in seconds (a tool file's entry may set its own).
     #[serde(default = "default_tool_timeout_s")]
     pub tool_timeout_s: f64,
 }
@@ -158,6 +164,7 @@ impl Default for MultiTurnSection {
             max_turn_tokens: None,
             format: default_call_format(),
             tools: Vec::new(),
+            tool_config_path: None,
             max_parallel_calls: 1,
             max_tool_response_length: default_max_tool_response_length(),
             tool_response_truncate_side: default_truncate_side(),
@@ -172,6 +179,8 @@ impl Default for MultiTurnSection {
 pub enum BuiltinTool {
     /// Exact arithmetic on integers of any size and fractions (`agent::Calculator`).
     Calculator,
+    /// Python code run in a sandboxed child process (`agent::Python`).
+    Python,
 }
 
 fn default_call_format() -> agent::CallFormat {

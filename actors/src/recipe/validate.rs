@@ -956,11 +956,21 @@ fn check_multi_turn(c: &mut Checker, r: &Recipe) {
         return;
     }
     c.check(
-        !mt.tools.is_empty(),
+        !mt.tools.is_empty() || mt.tool_config_path.is_some(),
         "rollout.multi_turn.tools",
         "[]",
-        "episodes need at least one tool to call, e.g. tools: [calculator]",
+        "episodes need at least one tool to call, e.g. tools: [calculator], or a tool_config_path",
     );
+    if let Some(path) = &mt.tool_config_path {
+        if let Err(e) = agent::config::load(path) {
+            c.check(
+                false,
+                "rollout.multi_turn.tool_config_path",
+                path.display(),
+                &e.message,
+            );
+        }
+    }
     if let Some(turns) = mt.max_assistant_turns {
         c.check(
             turns >= 1,
@@ -1168,7 +1178,7 @@ mod tests {
                  max_parallel_calls: 0\n    tool_timeout_s: .nan\n"
             ),
             [
-                "`rollout.multi_turn.tools` = []: episodes need at least one tool to call, e.g. tools: [calculator]",
+                "`rollout.multi_turn.tools` = []: episodes need at least one tool to call, e.g. tools: [calculator], or a tool_config_path",
                 "r.yaml:8:5: `rollout.multi_turn.max_assistant_turns` = 0: must be at least 1",
                 "r.yaml:9:5: `rollout.multi_turn.max_turn_tokens` = 5000: must be from 1 to data.max_response_length (the whole response's budget)",
                 "r.yaml:10:5: `rollout.multi_turn.max_parallel_calls` = 0: must be at least 1",

@@ -16,7 +16,6 @@ use crate::recipe::{DeviceKind, Recipe};
 use model::{ChatTemplate, ModelTokenizer};
 use rollout::{Engine, EngineConfig, SamplingParams};
 use std::path::Path;
-use std::sync::Arc;
 use trainer::policy::DecoderPolicy;
 use trainer::step::StepConfig;
 use trainer::update::{BatchPlan, UpdateConfig};
@@ -101,10 +100,32 @@ pub fn tool_environment(
         "rollout.multi_turn renders tool results with the model's chat template, and this model has \
          none: set model.chat_template to a Jinja template file",
     )?;
-    let tools = mt.tools.iter().map(|t| match t {
-        crate::recipe::BuiltinTool::Calculator => Arc::new(agent::Calculator) as Arc<dyn agent::Tool>,
-    });
-    let toolbox = agent::Toolbox::new(tools).map_err(|e| format!("rollout.multi_turn.tools: {e}"))?;
+    let timeout = std::time::Duration::from_secs_f64(mt.tool_timeout_s);
+    let mut tools = Vec::new();
+    for (k, tool) in mt.tools.iter().enumerate() {
+        let spec = match tool {
+            crate::recipe::BuiltinTool::Calculator => agent::ToolSpec::Calculator { schema: None },
+            crate::recipe::BuiltinTool::Python => agent::ToolSpec::Python {
+                interpreter: "python3".into(),
+                memory_mb: 1024,
+                timeout: None,
+                max_processes: None,
+                schema: None,
+            },
+        };
+        tools.push(spec.build(timeout, &format!("rollout.multi_turn.tools[{k}]"))?);
+    }
+    if let Some(path) = &mt.tool_config_path {
+        let specs = agent::config::load(path).map_err(|e| e.to_string())?;
+        for (k, spec) in specs.iter().enumerate() {
+            let key = format!("tools[{k}].config.command in {}", path.display());
+            tools.push(
+                spec.build(timeout, &key)
+                    .map_err(|e| format!("{}: tools[{k}]: {e}", path.display()))?,
+            );
+        }
+    }
+    let toolbox = agent::Toolbox::new(tools).map_err(|e| format!("rollout.multi_turn: {e}"))?;
     let settings = rollout::environment::ToolSettings {
         format: mt.format,
         max_assistant_turns: mt.max_assistant_turns.unwrap_or(u32::MAX),

@@ -123,8 +123,13 @@ impl VerlFunctionScorer {
         let workers = workers.max(1);
         let processes = (0..workers)
             .map(|_| {
-                CommandScorer::new(name, command.clone(), timeout, per_process)
-                    .with_key("reward.custom_reward_function (the Python is $GRPO_PYTHON, else python3)")
+                CommandScorer::with_key(
+                    name,
+                    "reward.custom_reward_function (the Python is $GRPO_PYTHON, else python3)",
+                    command.clone(),
+                    timeout,
+                    per_process,
+                )
             })
             .collect();
         Self {
