@@ -1,7 +1,8 @@
 //! `grpo run` with `rollout.multi_turn`. On the tiny random model: every request is an episode
 //! answered by the tool environment (in the orchestrator, and in a rollout worker process,
 //! which builds its own from the recipe), the per-turn budget ends long turns, the episodes'
-//! metrics are reported, and the run with its rollout in a worker trains exactly as in process
+//! metrics are reported, the learner trains on the sampled ids where decoding and encoding
+//! them again would give others, and the run with its rollout in a worker trains exactly as in process
 //! (a random model writes no tool calls, so its episodes end after the first turn); tools from
 //! a tool config file (the Python executor, a user command) are set up in both places. On
 //! SmolLM2-135M-Instruct with the calculator, whose episodes call it: a rollout worker killed
@@ -47,7 +48,12 @@ fn episodes_run_in_process_and_in_a_rollout_worker_with_their_budgets_and_metric
         out
     };
     let single = run("single", "", &[]);
-    let local = run("local", "", &multi_turn);
+    let dump = dir.path().join("rollouts");
+    let dump_key = format!("trainer.rollout_data_dir={}", dump.display());
+    let mut with_dump = multi_turn.to_vec();
+    with_dump.extend(["--set", &dump_key]);
+    let local = run("local", "", &with_dump);
+    trains_on_the_sampled_ids(&model.join("tokenizer.json"), &dump, &metrics(&local));
     let remote = run("remote", "cluster:\n  rollout_workers: 1\n", &multi_turn);
     assert_same_training(&local, &remote, "episodes in process vs in a rollout worker");
 
@@ -76,6 +82,45 @@ fn episodes_run_in_process_and_in_a_rollout_worker_with_their_budgets_and_metric
     assert_eq!(m[&2]["response_length/max"], 5.0);
     assert!(s[&2]["response_length/max"].as_f64().unwrap() > 5.0);
     assert!(m[&2]["response_length/clip_ratio"].as_f64().unwrap() > 0.0);
+}
+
+/// Re-tokenisation safety: the ids each step trained on (`trainer.rollout_data_dir`) include
+/// model turns that decoding and encoding again would change (a random model's tokens often
+/// merge or split differently), and the learner's log-probs of the response equal the
+/// rollout's: it scored the ids that were sampled, not a re-encoding of their text.
+fn trains_on_the_sampled_ids(
+    tokenizer: &std::path::Path,
+    dump: &std::path::Path,
+    m: &std::collections::BTreeMap<u64, serde_json::Value>,
+) {
+    let tokenizer = model::ModelTokenizer::from_file(tokenizer).unwrap();
+    let mut changed = 0;
+    for step in [1, 2] {
+        let text = std::fs::read_to_string(dump.join(format!("{step}.jsonl"))).unwrap();
+        let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(lines.len(), 16, "step {step}: 4 prompts x 4 samples");
+        for line in &lines {
+            assert_eq!(line["step"], step);
+            let ids: Vec<u32> = serde_json::from_value(line["response_ids"].clone()).unwrap();
+            assert!(!ids.is_empty());
+            assert_eq!(line["output"], tokenizer.decode(&ids, true).unwrap());
+            assert!(line["gts"].as_str().is_some_and(|g| !g.is_empty()));
+            assert!(line["score"].is_number() && line["turns"] == 1);
+            let again = tokenizer
+                .encode(&tokenizer.decode(&ids, false).unwrap(), false)
+                .unwrap();
+            changed += usize::from(again != ids);
+        }
+    }
+    assert!(
+        changed > 0,
+        "no sampled turn re-encodes differently, so this tests nothing"
+    );
+    let gap = metric_series(m, "rollout/log_prob_diff_mean");
+    assert!(
+        gap.iter().all(|&g| g < 1e-5),
+        "rollout vs learner log-probs: {gap:?}"
+    );
 }
 
 /// A tool config file (VeRL's `tool_config_path`) with the sandboxed Python executor under

@@ -174,7 +174,7 @@ fn bad_command_lines_say_what_and_how_to_fix_it() {
     assert!(
         unsupported.contains(
             "actor_rollout_ref.rollout.multi_turn.max_user_turns=3: not supported: grpo's multi-turn rollouts \
-             run the built-in tools"
+             run the tools of `rollout.multi_turn.tools` and `rollout.multi_turn.tool_config_path`"
         ),
         "{unsupported}"
     );

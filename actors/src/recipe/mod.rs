@@ -677,6 +677,10 @@ pub struct TrainerSection {
     /// Validation generations shown in the trackers at each validation (VeRL's choice of them).
     #[serde(default)]
     pub log_val_generations: usize,
+    /// Where each step's training samples are written, `DIR/{step}.jsonl` (VeRL's key and
+    /// fields, with the token ids grpo trained on).
+    #[serde(default)]
+    pub rollout_data_dir: Option<std::path::PathBuf>,
     /// 1 overlaps generation of step k+1 with the update of step k.
     #[serde(default)]
     pub off_policy_steps: usize,

@@ -28,6 +28,8 @@ pub struct PromptMeta {
 pub struct Scored {
     pub sample: Sample,
     pub score: reward::ScoredSample,
+    /// The row's `reward_model.ground_truth` (for `trainer.rollout_data_dir`).
+    pub ground_truth: String,
 }
 
 /// A step's generation and scoring, with what it cost.
@@ -467,6 +469,10 @@ impl Fleet {
             .into_iter()
             .map(|(k, sample)| Scored {
                 score: scores.remove(&k).expect("every sample was scored"),
+                ground_truth: metas
+                    .get(&k.0)
+                    .map(|m| m.ground_truth.clone())
+                    .unwrap_or_default(),
                 sample,
             })
             .collect();

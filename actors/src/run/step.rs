@@ -98,6 +98,9 @@ impl StepRunner<'_> {
             None
         };
         append_line(&self.prompts_log, &line)?;
+        if let Some(dir) = &self.recipe.trainer.rollout_data_dir {
+            dump_rollouts(dir, step, &generated, &self.prepared.tokenizer.tokenizer)?;
+        }
         // A checkpoint after this step resumes with the next batch drawn again.
         let sampler = self.sampler.state();
         let prefetch = if off_policy && step < self.total_steps {
@@ -333,6 +336,53 @@ fn row(s: &super::fleet::Scored, reward_baseline: Option<f64>) -> Row {
         truncated: s.sample.finish_reason.is_truncated(),
         env_spans: s.sample.env_spans.clone(),
     }
+}
+
+/// Writes the step's samples to `DIR/{step}.jsonl` as VeRL's `trainer.rollout_data_dir` does
+/// (`input` and `output` decoded without special tokens, `gts`, `score`, `step`, the scorer's
+/// extras), adding what grpo trained on: `response_ids`, the environment's spans of them
+/// (`env_spans`, multi-turn), the sample's `turns` and `tool_calls`, its `finish_reason`
+/// (`stop`, `length`, or `turn_length` for `rollout.multi_turn.max_turn_tokens`). Written
+/// to a temporary file and renamed, so a file is whole or absent.
+fn dump_rollouts(
+    dir: &Path,
+    step: u64,
+    generated: &Generated,
+    tokenizer: &model::ModelTokenizer,
+) -> Result<(), RunError> {
+    std::fs::create_dir_all(dir).map_err(io("creating", dir))?;
+    let mut text = String::new();
+    for s in &generated.scored {
+        let decode = |ids: &[u32]| {
+            tokenizer
+                .decode(ids, true)
+                .map_err(|e| RunError::Other(format!("decoding a sample for trainer.rollout_data_dir: {e}")))
+        };
+        let mut line = serde_json::json!({
+            "input": decode(&s.sample.prompt_ids)?,
+            "output": decode(&s.sample.response_ids)?,
+            "gts": s.ground_truth,
+            "score": s.score.score,
+            "step": step,
+            "response_ids": s.sample.response_ids,
+            "env_spans": s.sample.env_spans.iter().map(|r| [r.start, r.end]).collect::<Vec<_>>(),
+            "turns": s.sample.episode.turns,
+            "tool_calls": s.sample.episode.tool_calls,
+            "finish_reason": match s.sample.finish_reason {
+                rollout::FinishReason::Eos(_) | rollout::FinishReason::StopString(_) => "stop",
+                rollout::FinishReason::MaxNewTokens | rollout::FinishReason::MaxModelLen => "length",
+                rollout::FinishReason::MaxTurnTokens => "turn_length",
+            },
+        });
+        for (name, value) in &s.score.extras {
+            line[name] = serde_json::json!(value);
+        }
+        text.push_str(&format!("{line}\n"));
+    }
+    let path = dir.join(format!("{step}.jsonl"));
+    let tmp = dir.join(format!(".{step}.jsonl.tmp"));
+    std::fs::write(&tmp, text).map_err(io("writing", &tmp))?;
+    std::fs::rename(&tmp, &path).map_err(io("renaming", &path))
 }
 
 fn append_line(path: &Path, value: &serde_json::Value) -> Result<(), RunError> {

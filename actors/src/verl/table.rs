@@ -310,7 +310,7 @@ pub const TABLE: &[Entry] = &[
     Entry { key: "trainer.experiment_name", how: How::Map("trainer.experiment_name") },
     Entry { key: "trainer.logger", how: How::Rule("-> trainer.logger, with `file` added (OUTPUT/metrics.jsonl, which `grpo plot` reads)") },
     Entry { key: "trainer.log_val_generations", how: How::Map("trainer.log_val_generations") },
-    Entry { key: "trainer.rollout_data_dir", how: How::Unsupported("grpo does not dump training rollouts; each validation's answers go to its output directory") },
+    Entry { key: "trainer.rollout_data_dir", how: How::Map("trainer.rollout_data_dir") },
     Entry { key: "trainer.validation_data_dir", how: How::NoEffect("grpo writes each validation's answers to its output directory") },
     Entry { key: "trainer.nnodes", how: How::Rule("size rule: 1 (one host; a Ray cluster is a recipe's `cluster` section)") },
     Entry { key: "trainer.n_gpus_per_node", how: How::Rule("size rule: the devices of the run -> actor.strategy / actor.mesh (and cluster.cpu_device_count on CPU)") },
