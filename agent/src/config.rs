@@ -30,7 +30,7 @@ use serde_json::Value;
 
 use crate::external::ExternalTool;
 use crate::schema::ToolSchema;
-use crate::tool::{Tool, ToolError};
+use crate::tool::{CallContext, Tool, ToolError};
 use crate::Calculator;
 
 /// One tool of a config file, validated, not yet started.
@@ -289,6 +289,9 @@ impl Tool for Renamed {
     }
     fn call(&self, arguments: &Value) -> Result<String, ToolError> {
         self.inner.call(arguments)
+    }
+    fn call_in(&self, arguments: &Value, context: &CallContext) -> Result<String, ToolError> {
+        self.inner.call_in(arguments, context)
     }
     fn time_limit(&self) -> Option<Duration> {
         self.inner.time_limit()

@@ -4,8 +4,13 @@
 //! A request (one line on the process's stdin, or the `POST` body):
 //!
 //! ```json
-//! {"id": 7, "tool": "search", "arguments": {"query": "capital of France"}}
+//! {"id": 7, "tool": "search", "arguments": {"query": "capital of France"},
+//!  "episode": "12-3-0", "kwargs": {"create_kwargs": {"ground_truth": "Paris"}}}
 //! ```
+//!
+//! `episode` is the same for every call of one sample's episode (a program may keep state per
+//! episode by it) and new when an episode is run again; `kwargs` is the dataset row's
+//! arguments for this tool (VeRL's `extra_info.tools_kwargs.<tool>`), or null.
 //!
 //! An answer (one line on its stdout with the same `id`, or the response body):
 //! `{"id": 7, "result": "Paris"}` (a non-string `result` is shown to the model as JSON), or
@@ -22,7 +27,7 @@ use external::{truncate, ExternalError, JsonEndpoint, JsonLinesProcess};
 use serde_json::{json, Value};
 
 use crate::schema::ToolSchema;
-use crate::tool::{Tool, ToolError};
+use crate::tool::{CallContext, Tool, ToolError};
 
 /// How an [`ExternalTool`] reaches its program.
 pub enum Transport {
@@ -89,8 +94,12 @@ impl Tool for ExternalTool {
     }
 
     fn call(&self, arguments: &Value) -> Result<String, ToolError> {
+        self.call_in(arguments, &CallContext::default())
+    }
+
+    fn call_in(&self, arguments: &Value, context: &CallContext) -> Result<String, ToolError> {
         let name = &self.schema.name;
-        let request = |id: u64| json!({"id": id, "tool": name, "arguments": arguments});
+        let request = |id: u64| json!({"id": id, "tool": name, "arguments": arguments, "episode": context.episode, "kwargs": context.kwargs});
         let answer = match &self.transport {
             Transport::Command(process) => process.call(&format!("a call of {name}"), request),
             Transport::Http(endpoint) => endpoint.post(request),

@@ -36,4 +36,4 @@ pub use external::ExternalTool;
 #[cfg(target_os = "linux")]
 pub use python::{Python, PythonError, PythonSettings};
 pub use schema::{SchemaError, ToolSchema};
-pub use tool::{DuplicateTool, Tool, ToolError, Toolbox};
+pub use tool::{CallContext, DuplicateTool, Tool, ToolError, Toolbox};

@@ -24,12 +24,31 @@ pub trait Tool: Send + Sync {
     /// sees next.
     fn call(&self, arguments: &Value) -> Result<String, ToolError>;
 
+    /// Runs the tool for a call of an episode. Tools that take the dataset row's arguments or
+    /// keep state per episode (user tools, which receive both) override it; the rest ignore
+    /// the context.
+    fn call_in(&self, arguments: &Value, context: &CallContext) -> Result<String, ToolError> {
+        let _ = context;
+        self.call(arguments)
+    }
+
     /// The time limit the tool enforces itself (by killing its process or dropping its
     /// request), when it has one; the rollout then waits this long (plus a little) instead of
     /// its default limit for in-process tools.
     fn time_limit(&self) -> Option<Duration> {
         None
     }
+}
+
+/// Where a call comes from.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CallContext {
+    /// The episode's id: the same for each call of one sample's episode, and a new one when the
+    /// episode is run again (after a weight update, or on another worker).
+    pub episode: String,
+    /// The dataset row's arguments for this tool, VeRL's `extra_info.tools_kwargs.<tool name>`
+    /// (`create_kwargs`, `execute_kwargs`, ...), or null.
+    pub kwargs: Value,
 }
 
 /// Why a call produced no result. The message is shown to the model, so it says what was wrong in
@@ -113,11 +132,17 @@ impl Toolbox {
     /// Runs the tool `call` names. A panic in the tool is caught and returned as
     /// [`ToolError::Failed`], so one broken tool cannot end a rollout.
     pub fn call(&self, call: &ToolCall) -> Result<String, ToolError> {
+        self.call_in(call, &CallContext::default())
+    }
+
+    /// Runs the tool `call` names for an episode ([`Tool::call_in`]), a panic caught as in
+    /// [`Toolbox::call`].
+    pub fn call_in(&self, call: &ToolCall, context: &CallContext) -> Result<String, ToolError> {
         let tool = self.find(&call.name).ok_or_else(|| ToolError::UnknownTool {
             name: call.name.clone(),
             known: self.names().into_iter().map(str::to_string).collect(),
         })?;
-        catch_unwind(AssertUnwindSafe(|| tool.call(&call.arguments))).unwrap_or_else(|payload| {
+        catch_unwind(AssertUnwindSafe(|| tool.call_in(&call.arguments, context))).unwrap_or_else(|payload| {
             Err(ToolError::Failed(format!(
                 "the tool panicked: {}",
                 panic_message(&*payload)

@@ -14,7 +14,7 @@ use std::sync::mpsc::channel;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use agent::{CallFormat, ToolCall, ToolError, ToolSchema, Toolbox};
+use agent::{CallContext, CallFormat, ToolCall, ToolError, ToolSchema, Toolbox};
 use model::{ChatTemplate, ModelTokenizer};
 use serde_json::{json, Value};
 
@@ -116,6 +116,8 @@ pub struct ToolEnvironment {
 }
 
 struct Inner {
+    /// Tells this environment's episodes from those of other workers and runs.
+    instance: u64,
     toolbox: Toolbox,
     settings: ToolSettings,
     renderer: TurnRenderer,
@@ -133,6 +135,10 @@ impl ToolEnvironment {
         let renderer = TurnRenderer::new(template, tokenizer.clone(), &toolbox.schemas());
         ToolEnvironment {
             inner: Arc::new(Inner {
+                instance: std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |t| t.as_nanos() as u64)
+                    ^ (u64::from(std::process::id()) << 32),
                 toolbox,
                 settings,
                 renderer,
@@ -169,6 +175,25 @@ impl TurnHandler for ToolEnvironment {
     }
 }
 
+/// The context of a call of `tool` in `turn`'s episode: the episode's id (this environment's
+/// instance, then request, sample and restart: a request redone by another worker after a
+/// failure gets new ids) and the row's `extra_info.tools_kwargs.<tool>`.
+fn context(instance: u64, turn: &Turn, tool: &str) -> CallContext {
+    let id = &turn.id;
+    CallContext {
+        episode: format!(
+            "{instance:x}-{}-{}-{}",
+            id.request_id, id.sample_index, id.restarts
+        ),
+        kwargs: turn
+            .request
+            .multi_turn
+            .as_ref()
+            .and_then(|e| e.row.get("extra_info")?.get("tools_kwargs")?.get(tool).cloned())
+            .unwrap_or(Value::Null),
+    }
+}
+
 impl Inner {
     /// The environment's tokens after `turn`, or `None` when the episode ends there.
     fn answer(&self, turn: &Turn, stats: &mut EpisodeStats) -> Option<Vec<u32>> {
@@ -186,7 +211,7 @@ impl Inner {
         for (k, call) in parsed.calls.iter().enumerate() {
             stats.tool_calls += 1;
             let result = if k < self.settings.max_parallel_calls {
-                self.run(call)
+                self.run(call, context(self.instance, turn, &call.name))
             } else {
                 Err(ToolError::Failed(format!(
                     "at most {} tool calls run per turn; this one did not",
@@ -223,7 +248,7 @@ impl Inner {
     }
 
     /// Runs one call under the time limit, on a thread of its own.
-    fn run(&self, call: &ToolCall) -> Result<String, ToolError> {
+    fn run(&self, call: &ToolCall, context: CallContext) -> Result<String, ToolError> {
         // A tool that stops itself at its own limit is given a moment past it to say so; an
         // in-process tool is abandoned at the run's limit.
         let (limit, wait) = match self.toolbox.time_limit(&call.name) {
@@ -235,7 +260,7 @@ impl Inner {
         std::thread::Builder::new()
             .name("rollout-tool-call".into())
             .spawn(move || {
-                let _ = tx.send(toolbox.call(&call));
+                let _ = tx.send(toolbox.call_in(&call, &context));
             })
             .map_err(|e| ToolError::Failed(format!("starting the tool: {e}")))?;
         rx.recv_timeout(wait).unwrap_or(Err(ToolError::TimedOut(limit)))

@@ -20,8 +20,8 @@ pub mod sampling;
 pub mod weights;
 
 pub use engine::{
-    Engine, EngineConfig, EngineControl, EngineHandle, EngineOutput, EngineStats, EpisodeStats, FinishReason,
-    GenerationRequest, Resume, Resumer, Sample, Turn, TurnHandler, TurnId, TurnLimits,
+    Engine, EngineConfig, EngineControl, EngineHandle, EngineOutput, EngineStats, Episode, EpisodeStats,
+    FinishReason, GenerationRequest, Resume, Resumer, Sample, Turn, TurnHandler, TurnId,
 };
 pub use error::{Result, RolloutError};
 pub use sampling::SamplingParams;

@@ -12,8 +12,8 @@ use common::{of_request, request, sampled};
 use model::programs::{DeviceModel, LogprobsProgram};
 use model::{random_init, ModelConfig, ModelWeights};
 use rollout::{
-    upload_weights, Engine, EngineConfig, EngineOutput, EpisodeStats, FinishReason, GenerationRequest,
-    Resume, Resumer, Sample, Turn, TurnHandler, TurnLimits,
+    upload_weights, Engine, EngineConfig, EngineOutput, Episode, EpisodeStats, FinishReason,
+    GenerationRequest, Resume, Resumer, Sample, Turn, TurnHandler,
 };
 use testkit::client;
 use xla::DType;
@@ -44,7 +44,10 @@ fn episode(
     let mut params = sampled(1.0, 0, 1.0, max_new_tokens);
     params.stop_token_ids = vec![0, 1, 2, 3];
     GenerationRequest {
-        multi_turn: Some(TurnLimits { max_turn_tokens }),
+        multi_turn: Some(Episode {
+            max_turn_tokens,
+            row: Arc::new(serde_json::Value::Null),
+        }),
         ..request(id, prompt, n, 40 + id, params)
     }
 }
@@ -480,6 +483,7 @@ mod tools {
             Arc::new(python) as Arc<dyn Tool>,
             user_tool("echo"),
             user_tool("hang"),
+            user_tool("context"),
         ])
         .unwrap();
         let settings = ToolSettings {
@@ -520,6 +524,34 @@ mod tools {
         let (text, stats) = observe("echo", json!({"text": "from a child process"}));
         assert!(text.contains("tool\nfrom a child process<|im_end|>"), "{text}");
         assert_eq!(stats.tool_errors, 0);
+        // A user tool receives the episode's id and the row's arguments for it (VeRL's
+        // `extra_info.tools_kwargs`).
+        let mut t = turn(
+            &tokenizer,
+            &[1, 2],
+            "<tool_call>{\"name\": \"context\", \"arguments\": {}}</tool_call>",
+            1,
+        );
+        let row =
+            json!({"extra_info": {"tools_kwargs": {"context": {"create_kwargs": {"ground_truth": "42"}}}}});
+        t.request = Arc::new(GenerationRequest {
+            multi_turn: Some(Episode {
+                max_turn_tokens: 40,
+                row: Arc::new(row),
+            }),
+            ..(*t.request).clone()
+        });
+        let Resume::Continue { tokens, .. } = env.answer(&t) else {
+            panic!("a call must continue")
+        };
+        let text = tokenizer.decode(&tokens, false).unwrap();
+        let answer: Value =
+            serde_json::from_str(text.split('\n').nth(2).unwrap().trim_end_matches("<|im_end|>")).unwrap();
+        assert_eq!(answer["kwargs"], json!({"create_kwargs": {"ground_truth": "42"}}));
+        assert!(
+            answer["episode"].as_str().unwrap().ends_with("-1-0-0"),
+            "{answer}"
+        );
         let started = Instant::now();
         let (text, stats) = observe("hang", json!({}));
         assert!(text.contains("did not finish within 1s"), "{text}");

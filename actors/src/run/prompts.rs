@@ -74,6 +74,13 @@ pub(crate) fn build_prompts(
             ground_truth: ex.ground_truth_text().unwrap_or_default(),
             extra: serde_json::Value::Object(ex.columns.clone()),
         };
+        let episode = setup::episode(recipe, &meta.extra).map_err(|e| {
+            let at = match dataset.parquet().locate(ex.index) {
+                Ok((file, row)) => format!("{}, row {row}", file.display()),
+                Err(_) => format!("row {}", ex.index),
+            };
+            RunError::Other(format!("{at}: {e}"))
+        })?;
         if remax {
             out.requests.push(GenerationRequest {
                 id: id | REMAX_BASELINE,
@@ -84,7 +91,7 @@ pub(crate) fn build_prompts(
                     temperature: 0.0,
                     ..params.clone()
                 },
-                multi_turn: setup::turn_limits(recipe),
+                multi_turn: episode.clone(),
             });
             out.metas.insert(id | REMAX_BASELINE, meta.clone());
         }
@@ -94,7 +101,7 @@ pub(crate) fn build_prompts(
             n,
             seed: request_seed(recipe.trainer.seed, id),
             params: params.clone(),
-            multi_turn: setup::turn_limits(recipe),
+            multi_turn: episode,
         });
         out.metas.insert(id, meta);
         out.indices.push(ex.index);

@@ -76,13 +76,30 @@ pub fn build_engine(
     )
 }
 
-/// The budgets of the run's multi-turn requests (`rollout.multi_turn`), or none when it
-/// generates one response per sample.
-pub fn turn_limits(recipe: &Recipe) -> Option<rollout::TurnLimits> {
+/// The episode of a multi-turn request for the dataset row `row` (its columns as JSON), or
+/// none when the run generates one response per sample (`rollout.multi_turn` off) or the row
+/// asks for one (VeRL's `agent_name: single_turn_agent`). `Err` names an `agent_name` grpo has
+/// no loop for.
+pub fn episode(recipe: &Recipe, row: &serde_json::Value) -> Result<Option<rollout::Episode>, String> {
     let mt = &recipe.rollout.multi_turn;
-    mt.enable.then(|| rollout::TurnLimits {
+    if !mt.enable {
+        return Ok(None);
+    }
+    match row.get("agent_name") {
+        None | Some(serde_json::Value::Null) => {}
+        Some(serde_json::Value::String(name)) if name == "tool_agent" => {}
+        Some(serde_json::Value::String(name)) if name == "single_turn_agent" => return Ok(None),
+        Some(other) => {
+            return Err(format!(
+                "column `agent_name` is {other}; grpo's agent loops are `tool_agent` (an episode with \
+                 rollout.multi_turn's tools) and `single_turn_agent` (one response)"
+            ))
+        }
+    }
+    Ok(Some(rollout::Episode {
         max_turn_tokens: mt.max_turn_tokens.unwrap_or(recipe.data.max_response_length),
-    })
+        row: std::sync::Arc::new(row.clone()),
+    }))
 }
 
 /// The environment that answers the run's multi-turn requests (`rollout.multi_turn`): its
@@ -280,5 +297,34 @@ pub fn update_config(recipe: &Recipe, policy: &DecoderPolicy, total_optimizer_st
         rollout_correction: alg.rollout_correction.correction(),
         length_bucket: a.length_bucket,
         max_consecutive_nonfinite: a.max_consecutive_nonfinite as u32,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::recipe::load_recipe_str;
+    use serde_json::json;
+
+    #[test]
+    fn a_rows_agent_name_picks_an_episode_or_one_response() {
+        let text = "model:\n  path: m\ndata:\n  train_files: t.parquet\n  max_response_length: 64\n\
+                    rollout:\n  multi_turn:\n    enable: true\n    tools: [calculator]\n    max_turn_tokens: 16\n";
+        let recipe = load_recipe_str(text, "r.yaml").unwrap();
+        let row = json!({"agent_name": "tool_agent", "extra_info": {"tools_kwargs": {"calculator": {}}}});
+        let tool_agent = episode(&recipe, &row).unwrap().unwrap();
+        assert_eq!((tool_agent.max_turn_tokens, &*tool_agent.row), (16, &row));
+        assert!(episode(&recipe, &json!({"prompt": "?"})).unwrap().is_some());
+        assert!(episode(&recipe, &json!({"agent_name": "single_turn_agent"}))
+            .unwrap()
+            .is_none());
+        let error = episode(&recipe, &json!({"agent_name": "react_agent"})).unwrap_err();
+        assert!(
+            error.contains("`agent_name` is \"react_agent\"") && error.contains("tool_agent"),
+            "{error}"
+        );
+        let single =
+            load_recipe_str("model:\n  path: m\ndata:\n  train_files: t.parquet\n", "r.yaml").unwrap();
+        assert!(episode(&single, &row).unwrap().is_none());
     }
 }

@@ -67,8 +67,8 @@ mod request;
 pub use handle::{EngineControl, EngineHandle};
 pub use handle::{Resumer, TurnHandler};
 pub use request::{
-    EngineConfig, EngineOutput, EngineStats, EpisodeStats, FinishReason, GenerationRequest, Resume, Sample,
-    Turn, TurnId, TurnLimits,
+    EngineConfig, EngineOutput, EngineStats, Episode, EpisodeStats, FinishReason, GenerationRequest, Resume,
+    Sample, Turn, TurnId,
 };
 
 /// Decode steps of the probe that checks each slot bucket against the full step.
@@ -877,6 +877,7 @@ impl Engine {
             } else if a
                 .request
                 .multi_turn
+                .as_ref()
                 .is_some_and(|t| a.response.len() - a.turn_start >= t.max_turn_tokens)
             {
                 Some(FinishReason::MaxTurnTokens)

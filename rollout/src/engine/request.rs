@@ -112,15 +112,19 @@ pub struct GenerationRequest {
     /// Multi-turn episodes: each model turn that ends with a stop token parks its sample
     /// (its KV cache kept) and comes out of [`crate::Engine::take_turns`]; the environment
     /// answers with [`crate::Engine::resume`]. `None`: one response per sample.
-    pub multi_turn: Option<TurnLimits>,
+    pub multi_turn: Option<Episode>,
 }
 
-/// The budgets of a multi-turn request.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct TurnLimits {
+/// A multi-turn request: its budget per turn, and the dataset row its episodes start from.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Episode {
     /// Most tokens one model turn may generate; a longer turn ends the sample, truncated
     /// ([`FinishReason::MaxTurnTokens`]).
     pub max_turn_tokens: usize,
+    /// The row's columns as JSON (`extra_info` among them), for the environment: the tools'
+    /// per-row arguments (VeRL's `extra_info.tools_kwargs`), an environment's reset. The engine
+    /// does not read it.
+    pub row: std::sync::Arc<serde_json::Value>,
 }
 
 /// Why a sample stopped.
@@ -134,7 +138,7 @@ pub enum FinishReason {
     MaxNewTokens,
     /// Prompt + response reached `max_model_len` tokens.
     MaxModelLen,
-    /// A model turn of a multi-turn sample reached [`TurnLimits::max_turn_tokens`].
+    /// A model turn of a multi-turn sample reached [`Episode::max_turn_tokens`].
     MaxTurnTokens,
 }
 

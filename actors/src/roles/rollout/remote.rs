@@ -24,7 +24,7 @@ use crate::recipe::TlsSection;
 use crate::roles::{status_to_error, BoxFuture, RoleError};
 use bytes::Bytes;
 use model::HostTensor;
-use rollout::{EpisodeStats, FinishReason, GenerationRequest, Sample, SamplingParams, TurnLimits};
+use rollout::{Episode, EpisodeStats, FinishReason, GenerationRequest, Sample, SamplingParams};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -586,7 +586,12 @@ pub(crate) fn request_to_proto(r: &GenerationRequest) -> proto::GenerationReques
             stop_token_ids: p.stop_token_ids.clone(),
             stop_strings: p.stop_strings.clone(),
         }),
-        max_turn_tokens: r.multi_turn.map(|t| t.max_turn_tokens as u64),
+        max_turn_tokens: r.multi_turn.as_ref().map(|t| t.max_turn_tokens as u64),
+        episode_row: r
+            .multi_turn
+            .as_ref()
+            .map(|t| t.row.to_string())
+            .unwrap_or_default(),
     }
 }
 
@@ -607,9 +612,18 @@ pub(crate) fn request_from_proto(r: proto::GenerationRequest) -> Result<Generati
             stop_token_ids: p.stop_token_ids,
             stop_strings: p.stop_strings,
         },
-        multi_turn: r.max_turn_tokens.map(|t| TurnLimits {
-            max_turn_tokens: t as usize,
-        }),
+        multi_turn: match r.max_turn_tokens {
+            None => None,
+            Some(t) => Some(Episode {
+                max_turn_tokens: t as usize,
+                row: std::sync::Arc::new(if r.episode_row.is_empty() {
+                    serde_json::Value::Null
+                } else {
+                    serde_json::from_str(&r.episode_row)
+                        .map_err(|e| format!("request {}: its episode row is not JSON: {e}", r.id))?
+                }),
+            }),
+        },
     })
 }
 
@@ -772,7 +786,12 @@ mod tests {
                 stop_token_ids: vec![2],
                 stop_strings: vec!["</answer>".into()],
             },
-            multi_turn: Some(TurnLimits { max_turn_tokens: 21 }),
+            multi_turn: Some(Episode {
+                max_turn_tokens: 21,
+                row: std::sync::Arc::new(
+                    serde_json::json!({"extra_info": {"tools_kwargs": {"search": {"create_kwargs": {"k": 1}}}}}),
+                ),
+            }),
         };
         let back = request_from_proto(request_to_proto(&r)).unwrap();
         assert_eq!(format!("{back:?}"), format!("{r:?}"));
