@@ -210,6 +210,60 @@ fn tools_from_a_tool_config_file_run_in_process_and_in_a_rollout_worker() {
     assert!(stderr.contains("\"/no/such/python3\" is not usable"), "{stderr}");
 }
 
+/// An interaction (a grader program, VeRL's `interaction_config_path`) in a rollout worker
+/// answers SmolLM2's turns that call no tool; its rewards reach the `turn_scores` scorer.
+#[test]
+fn smollm2_episodes_get_an_interactions_replies_and_rewards_in_a_rollout_worker() {
+    let dir = tempfile::tempdir().unwrap();
+    // Asked for the number alone, SmolLM2 ends most turns within the per-turn budget.
+    let train = arithmetic_with(dir.path(), "train", 1, 16, &["--answer-format", "number"]);
+    let interactions = dir.path().join("interactions.yaml");
+    let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/agent/tests/fixtures/interaction.py");
+    std::fs::write(
+        &interactions,
+        format!("interaction:\n  - name: grader\n    class_name: command\n    config: {{command: [python3, {fixture}]}}\n"),
+    )
+    .unwrap();
+    let out = dir.path().join("out");
+    let recipe = dir.path().join("r.yaml");
+    std::fs::write(
+        &recipe,
+        format!(
+            "model:\n  path: {model}\n\
+             data:\n  train_files: {train}\n  train_batch_size: 2\n  max_prompt_length: 256\n  max_response_length: 96\n\
+             rollout:\n  n: 2\n  max_num_seqs: 4\n  multi_turn:\n    enable: true\n    interaction_config_path: {interactions}\n    \
+             max_user_turns: 1\n    max_turn_tokens: 40\n\
+             reward:\n  scorers:\n    graded: {{kind: turn_scores}}\n  data_sources:\n    grpo/arithmetic: graded\n\
+             actor:\n  optim:\n    lr: 1.0e-5\n  ppo_mini_batch_size: 2\n  ppo_micro_batch_size: 4\n\
+             trainer:\n  total_training_steps: 1\n  save_freq: 10\n  output_dir: {out}\n  seed: 1\n\
+             cluster:\n  rollout_workers: 1\n",
+            model = testkit::smollm2_gguf().display(),
+            train = train.display(),
+            interactions = interactions.display(),
+            out = out.display(),
+        ),
+    )
+    .unwrap();
+    let o = run_grpo(&["run", recipe.to_str().unwrap(), "--quiet"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let m = metrics(&out);
+    let replies = metric_series(&m, "multi_turn/user_turns/mean");
+    assert!(
+        replies.iter().any(|&r| r > 0.0),
+        "no turn reached the interaction: {replies:?}"
+    );
+    assert!(metric_series(&m, "multi_turn/user_turns/max")
+        .iter()
+        .all(|&r| r <= 1.0));
+    // Each reply carried a reward (0: the rows have no ground truth for the grader), and the
+    // scorer saw each of them.
+    assert_eq!(metric_series(&m, "reward/extra/turns_scored"), replies);
+    assert!(metric_series(&m, "critic/score/mean").iter().all(|&s| s == 0.0));
+    assert!(metric_series(&m, "multi_turn/tool_errors")
+        .iter()
+        .all(|&e| e == 0.0));
+}
+
 #[test]
 fn multi_turn_without_a_tool_is_refused_before_any_work() {
     let dir = tempfile::tempdir().unwrap();

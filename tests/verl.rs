@@ -170,10 +170,10 @@ fn bad_command_lines_say_what_and_how_to_fix_it() {
             && unknown.contains("did you mean `trainer.total_epochs`?"),
         "{unknown}"
     );
-    let unsupported = fail(&["actor_rollout_ref.rollout.multi_turn.max_user_turns=3"]);
+    let unsupported = fail(&["actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts=3"]);
     assert!(
         unsupported.contains(
-            "actor_rollout_ref.rollout.multi_turn.max_user_turns=3: not supported: grpo's multi-turn rollouts \
+            "actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts=3: not supported: grpo's multi-turn rollouts \
              run the tools of `rollout.multi_turn.tools` and `rollout.multi_turn.tool_config_path`"
         ),
         "{unsupported}"

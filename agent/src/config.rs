@@ -29,6 +29,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::external::ExternalTool;
+use crate::interaction::Interaction;
 use crate::schema::ToolSchema;
 use crate::tool::{CallContext, Tool, ToolError};
 use crate::Calculator;
@@ -276,6 +277,128 @@ fn spec(entry: &Entry) -> Result<ToolSpec, String> {
     }
 }
 
+/// One interaction of an interaction config file (VeRL's `interaction_config_path`):
+///
+/// ```yaml
+/// interaction:
+///   - name: gsm8k                 # what a row's extra_info.interaction_kwargs.name picks
+///     class_name: command         # or http
+///     config: {command: [python3, grader.py], timeout: 10, max_in_flight: 8}
+/// ```
+#[derive(Clone, Debug, PartialEq)]
+pub struct InteractionSpec {
+    /// Its name.
+    pub name: String,
+    /// The program: executable and arguments, or an HTTP address.
+    pub program: Program,
+    /// Time limit of a reply; none: the run's `tool_timeout_s`.
+    pub timeout: Option<Duration>,
+    /// Most requests outstanding.
+    pub max_in_flight: usize,
+}
+
+/// Where an interaction runs.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Program {
+    /// A JSON-lines child process.
+    Command(Vec<String>),
+    /// An HTTP endpoint.
+    Http(String),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct InteractionFile {
+    interaction: Vec<InteractionEntry>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct InteractionEntry {
+    name: String,
+    class_name: String,
+    #[serde(default)]
+    config: serde_yaml::Mapping,
+}
+
+/// Reads and validates an interaction config file.
+pub fn load_interactions(path: &Path) -> Result<Vec<InteractionSpec>, ToolFileError> {
+    let fail = |message: String| ToolFileError {
+        path: path.to_path_buf(),
+        message,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| fail(format!("cannot be read: {e}")))?;
+    parse_interactions(&text).map_err(fail)
+}
+
+/// Validates an interaction config file's text.
+pub fn parse_interactions(text: &str) -> Result<Vec<InteractionSpec>, String> {
+    let file: InteractionFile = serde_yaml::from_str(text).map_err(|e| {
+        format!("{e}; the file is `interaction:`, a list of entries with `name`, `class_name` and `config`")
+    })?;
+    if file.interaction.is_empty() {
+        return Err("`interaction` is empty; list at least one".into());
+    }
+    let mut specs: Vec<InteractionSpec> = Vec::new();
+    for (k, entry) in file.interaction.iter().enumerate() {
+        let at = |e: String| format!("interaction[{k}] ({}): {e}", entry.name);
+        if specs.iter().any(|s| s.name == entry.name) {
+            return Err(at("another interaction has this name; give each its own".into()));
+        }
+        let config = serde_yaml::Value::Mapping(entry.config.clone());
+        let spec = match entry.class_name.as_str() {
+            "command" => {
+                let c: CommandConfig = serde_yaml::from_value(config).map_err(|e| at(format!("config: {e}")))?;
+                if c.command.is_empty() {
+                    return Err(at("config.command is empty; give the program and its arguments".into()));
+                }
+                InteractionSpec {
+                    name: entry.name.clone(),
+                    program: Program::Command(c.command),
+                    timeout: seconds(c.timeout, "timeout").map_err(at)?,
+                    max_in_flight: c.max_in_flight.max(1),
+                }
+            }
+            "http" => {
+                let c: HttpConfig = serde_yaml::from_value(config).map_err(|e| at(format!("config: {e}")))?;
+                if !(c.url.starts_with("http://") || c.url.starts_with("https://")) {
+                    return Err(at(format!("config.url {:?} is not an http:// address", c.url)));
+                }
+                InteractionSpec {
+                    name: entry.name.clone(),
+                    program: Program::Http(c.url),
+                    timeout: seconds(c.timeout, "timeout").map_err(at)?,
+                    max_in_flight: c.max_in_flight.max(1),
+                }
+            }
+            other => {
+                return Err(at(format!(
+                    "class_name {other:?}: grpo does not import Python interaction classes; run the \
+                     interaction as a JSON-lines program (`class_name: command`, config.command) or an HTTP \
+                     endpoint (`class_name: http`, config.url) answering {{\"content\", \"done\", \"reward\"}} \
+                     (docs/tools.md)"
+                )))
+            }
+        };
+        specs.push(spec);
+    }
+    Ok(specs)
+}
+
+impl InteractionSpec {
+    /// Starts the interaction (a command starts at its first request); `default_timeout` is
+    /// the run's `tool_timeout_s`, `key` names where it was configured.
+    pub fn build(&self, default_timeout: Duration, key: &str) -> Interaction {
+        let timeout = self.timeout.unwrap_or(default_timeout);
+        match &self.program {
+            Program::Command(program) => {
+                Interaction::command(&self.name, key, program.clone(), timeout, self.max_in_flight)
+            }
+            Program::Http(url) => Interaction::http(&self.name, url, timeout, self.max_in_flight),
+        }
+    }
+}
+
 /// A built-in tool shown to the model under another schema (a tool file's `tool_schema` on a
 /// built-in): the calls reach the built-in unchanged.
 struct Renamed {
@@ -460,6 +583,36 @@ mod tests {
         for (text, expected) in cases {
             let message = parse(text).unwrap_err();
             assert!(message.contains(expected), "{text:?}: {message}");
+        }
+    }
+
+    #[test]
+    fn interaction_files() {
+        let specs = parse_interactions(
+            "interaction:\n  - name: gsm8k\n    class_name: command\n    config: {command: [python3, g.py], timeout: 3}\n  \
+             - name: chat\n    class_name: http\n    config: {url: 'http://127.0.0.1:9/i'}\n",
+        )
+        .unwrap();
+        assert_eq!(
+            specs[0].program,
+            Program::Command(vec!["python3".into(), "g.py".into()])
+        );
+        assert_eq!(specs[0].timeout, Some(Duration::from_secs(3)));
+        assert_eq!((specs[1].name.as_str(), specs[1].max_in_flight), ("chat", 8));
+        for (text, expected) in [
+            ("interaction: []", "`interaction` is empty"),
+            (
+                "interaction:\n  - name: g\n    class_name: verl.interactions.gsm8k_interaction.Gsm8kInteraction",
+                "grpo does not import Python interaction classes",
+            ),
+            (
+                "interaction:\n  - {name: g, class_name: http, config: {url: 'http://x'}}\n  - {name: g, class_name: http, config: {url: 'http://y'}}",
+                "interaction[1] (g): another interaction has this name",
+            ),
+            ("interaction:\n  - {name: g, class_name: command, config: {}}", "missing field `command`"),
+        ] {
+            let message = parse_interactions(text).unwrap_err();
+            assert!(message.contains(expected), "{text}: {message}");
         }
     }
 

@@ -9,7 +9,10 @@
 //!   a call's tool by name and keeps a panicking tool from taking the rollout down;
 //! - [`calculator`]: the built-in [`Calculator`], exact arithmetic on integers of any size;
 //! - [`external`]: user tools in any language, a JSON-lines child process or an HTTP endpoint;
-//! - [`config`]: a tool config file (VeRL's `tool_config_path`) read into [`ToolSpec`]s;
+//! - [`interaction`]: an environment answering the model's turns as a user would (VeRL's
+//!   interactions), over the same transports;
+//! - [`config`]: tool and interaction config files (VeRL's `tool_config_path`,
+//!   `interaction_config_path`) read into [`ToolSpec`]s and `InteractionSpec`s;
 //! - [`python`]: the built-in Python executor, code run in a child process that [`sandbox`]
 //!   confines (Linux only: Landlock, seccomp and resource limits).
 //!
@@ -22,6 +25,7 @@ pub mod calculator;
 pub mod call;
 pub mod config;
 pub mod external;
+pub mod interaction;
 #[cfg(target_os = "linux")]
 pub mod python;
 #[cfg(target_os = "linux")]
@@ -33,6 +37,7 @@ pub use calculator::Calculator;
 pub use call::{CallError, CallFormat, Parsed, ToolCall};
 pub use config::{ToolFileError, ToolSpec};
 pub use external::ExternalTool;
+pub use interaction::{Interaction, Reply};
 #[cfg(target_os = "linux")]
 pub use python::{Python, PythonError, PythonSettings};
 pub use schema::{SchemaError, ToolSchema};

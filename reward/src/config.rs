@@ -229,6 +229,12 @@ pub enum ScorerSpec {
         #[serde(default = "one")]
         score: f64,
     },
+    /// The rewards an interaction gave a multi-turn episode (`turn_scores`), reduced.
+    TurnScores {
+        /// `last`, `sum` or `max`.
+        #[serde(default)]
+        reduce: crate::turn_scores::TurnReduce,
+    },
     /// A weighted sum of other scorers.
     Weighted {
         /// The parts.
@@ -517,6 +523,9 @@ impl Builder<'_> {
             }
             ScorerSpec::Math {} => Arc::new(MathScorer::new(name)),
             ScorerSpec::MathDapo {} => Arc::new(MathDapoScorer::new(name)),
+            ScorerSpec::TurnScores { reduce } => {
+                Arc::new(crate::turn_scores::TurnScoresScorer::new(name, *reduce))
+            }
             ScorerSpec::Arithmetic { format_score, score } => Arc::new(ArithmeticScorer {
                 format_score: *format_score,
                 score: *score,

@@ -3,6 +3,7 @@
 //! - [`scorer`]: the [`Scorer`] interface (one [`Sample`] in, one [`Score`] out) and its errors;
 //! - rule-based scorers with VeRL's behaviour: [`gsm8k`], [`math`] (`math_reward`),
 //!   [`math_dapo`], the project's synthetic [`arithmetic`] task, [`format`](mod@format) rewards;
+//! - [`turn_scores`]: the reward an interaction gave a multi-turn episode;
 //! - [`combine`]: weighted sums of scorers; [`overlong`]: DAPO's overlong-response penalty;
 //! - [`external`]: scorers written in any language (a JSON-lines child process, an HTTP endpoint);
 //! - [`registry`]: the [`RewardFunction`] that picks a scorer by `data_source` (VeRL's names, a
@@ -27,6 +28,7 @@ pub mod overlong;
 pub mod pool;
 pub mod registry;
 pub mod scorer;
+pub mod turn_scores;
 
 pub use config::{ConfigError, RewardConfig, ScorerSpec};
 pub use pool::{PoolMetrics, PoolOptions, RewardPool, ScoredSample, SubmitError};

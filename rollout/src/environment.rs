@@ -5,6 +5,10 @@
 //! tokenized once ([`TurnRenderer`]). The model's own tokens are never decoded and encoded
 //! again: its turn is decoded only to find the calls in it.
 //!
+//! A model turn without a tool call goes to the run's interaction, when it has one (a simulated
+//! user, VeRL's `interaction`): its reply is the next user message, and it may end the episode
+//! and give the turn a reward (the sample's `turn_scores`).
+//!
 //! A tool that fails, hangs past its limit, or a call the model wrote wrong becomes an
 //! `Error: ...` observation the model reads in the next turn, and is counted in the sample's
 //! [`EpisodeStats`]; the episode goes on. A hung in-process tool keeps its thread until it
@@ -14,7 +18,7 @@ use std::sync::mpsc::channel;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use agent::{CallContext, CallFormat, ToolCall, ToolError, ToolSchema, Toolbox};
+use agent::{CallContext, CallFormat, Interaction, ToolCall, ToolError, ToolSchema, Toolbox};
 use model::{ChatTemplate, ModelTokenizer};
 use serde_json::{json, Value};
 
@@ -44,6 +48,8 @@ pub struct ToolSettings {
     /// Most characters of one tool response the model sees.
     pub max_tool_response_length: usize,
     pub truncate_side: TruncateSide,
+    /// Most interaction replies per sample (VeRL's `max_user_turns`).
+    pub max_user_turns: u32,
     /// Time limit of one call of an in-process tool (tools in child processes or behind HTTP
     /// carry their own, [`agent::Tool::time_limit`]).
     pub tool_timeout: Duration,
@@ -119,6 +125,9 @@ struct Inner {
     /// Tells this environment's episodes from those of other workers and runs.
     instance: u64,
     toolbox: Toolbox,
+    /// The interactions that answer turns without tool calls; a row picks one by
+    /// `extra_info.interaction_kwargs.name`, the first by default.
+    interactions: Vec<Interaction>,
     settings: ToolSettings,
     renderer: TurnRenderer,
     tokenizer: ModelTokenizer,
@@ -140,11 +149,20 @@ impl ToolEnvironment {
                     .map_or(0, |t| t.as_nanos() as u64)
                     ^ (u64::from(std::process::id()) << 32),
                 toolbox,
+                interactions: Vec::new(),
                 settings,
                 renderer,
                 tokenizer,
             }),
         }
+    }
+
+    /// The environment with `interactions` answering the model's turns that call no tool.
+    pub fn with_interactions(mut self, interactions: Vec<Interaction>) -> ToolEnvironment {
+        Arc::get_mut(&mut self.inner)
+            .expect("interactions are added before the environment is shared")
+            .interactions = interactions;
+        self
     }
 
     /// The schemas of its tools, as the chat template receives them.
@@ -205,7 +223,7 @@ impl Inner {
         let text = self.tokenizer.decode(ids, true).ok()?;
         let parsed = self.settings.format.parse(&text);
         if parsed.calls.is_empty() && parsed.errors.is_empty() {
-            return None;
+            return self.interact(turn, stop, &text, stats);
         }
         let mut observations = Vec::new();
         for (k, call) in parsed.calls.iter().enumerate() {
@@ -242,6 +260,66 @@ impl Inner {
             Err(e) => {
                 tracing::warn!(request = turn.id.request_id, "ending an episode: {e}");
                 stats.tool_errors += 1;
+                None
+            }
+        }
+    }
+
+    /// The reply of the row's interaction to a turn that called no tool, as tokens; `None`
+    /// when the episode ends: no interaction, its reply limit reached, it says done, or it
+    /// failed (counted as a tool error or time-out).
+    fn interact(&self, turn: &Turn, stop: u32, text: &str, stats: &mut EpisodeStats) -> Option<Vec<u32>> {
+        if self.interactions.is_empty() || turn.user_turns >= self.settings.max_user_turns {
+            return None;
+        }
+        let kwargs = turn
+            .request
+            .multi_turn
+            .as_ref()
+            .and_then(|e| e.row.get("extra_info")?.get("interaction_kwargs").cloned())
+            .unwrap_or(Value::Null);
+        let interaction = match kwargs.get("name").and_then(Value::as_str) {
+            None => &self.interactions[0],
+            Some(name) => match self.interactions.iter().find(|i| i.name() == name) {
+                Some(interaction) => interaction,
+                None => {
+                    tracing::warn!(
+                        request = turn.id.request_id,
+                        "ending an episode: its row names the interaction {name:?}, which the run does not have"
+                    );
+                    stats.tool_errors += 1;
+                    return None;
+                }
+            },
+        };
+        let episode = context(self.instance, turn, "").episode;
+        match interaction.respond(&episode, turn.user_turns, text, &kwargs) {
+            Ok(reply) => {
+                stats.user_turns += 1;
+                stats.turn_scores.extend(reply.reward);
+                if reply.done {
+                    return None;
+                }
+                let message = json!({"role": "user", "content": self.truncate(&reply.content)});
+                match self.renderer.env_tokens(stop, &[message]) {
+                    Ok(tokens) => Some(tokens),
+                    Err(e) => {
+                        tracing::warn!(request = turn.id.request_id, "ending an episode: {e}");
+                        stats.tool_errors += 1;
+                        None
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::warn!(
+                    request = turn.id.request_id,
+                    "ending an episode: interaction {}: {e}",
+                    interaction.name()
+                );
+                match e {
+                    ToolError::TimedOut(_) => stats.tool_timeouts += 1,
+                    _ => stats.tool_errors += 1,
+                }
                 None
             }
         }

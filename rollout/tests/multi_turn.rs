@@ -337,6 +337,7 @@ mod tools {
             format: CallFormat::Hermes,
             max_assistant_turns,
             max_parallel_calls: 2,
+            max_user_turns: 0,
             max_tool_response_length: 64,
             truncate_side: TruncateSide::Middle,
             tool_timeout: Duration::from_millis(300),
@@ -357,6 +358,7 @@ mod tools {
             turn: 0..response.len(),
             response,
             turns,
+            user_turns: 0,
         }
     }
 
@@ -490,6 +492,7 @@ mod tools {
             format: CallFormat::Hermes,
             max_assistant_turns: 4,
             max_parallel_calls: 2,
+            max_user_turns: 0,
             max_tool_response_length: 256,
             truncate_side: TruncateSide::Middle,
             // Shorter than the tools' own limits, which are the ones that count for them.
@@ -557,6 +560,88 @@ mod tools {
         assert!(text.contains("did not finish within 1s"), "{text}");
         assert_eq!(stats.tool_timeouts, 1);
         assert!(started.elapsed() >= Duration::from_secs(1) && started.elapsed() < Duration::from_secs(3));
+    }
+
+    /// An interaction (a grader program) answers turns without tool calls: its reply is the
+    /// next user message, rendered by the template; its rewards are the sample's turn scores;
+    /// `done`, the reply limit, an interaction the run lacks, or a crash end the episode.
+    #[test]
+    fn an_interaction_answers_turns_without_tool_calls() {
+        use agent::Interaction;
+        let (tokenizer, template) = smollm2();
+        let fixture = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../agent/tests/fixtures/interaction.py"
+        );
+        let grader = Interaction::command(
+            "grader",
+            "test",
+            vec!["python3".into(), fixture.into()],
+            Duration::from_secs(5),
+            2,
+        );
+        let settings = ToolSettings {
+            format: CallFormat::Hermes,
+            max_assistant_turns: 8,
+            max_parallel_calls: 1,
+            max_user_turns: 2,
+            max_tool_response_length: 256,
+            truncate_side: TruncateSide::Middle,
+            tool_timeout: Duration::from_secs(1),
+        };
+        let env = ToolEnvironment::new(
+            Toolbox::new([Arc::new(Calculator) as Arc<dyn Tool>]).unwrap(),
+            settings,
+            template,
+            tokenizer.clone(),
+        )
+        .with_interactions(vec![grader]);
+        let answer = |text: &str, user_turns: u32, kwargs: Value| {
+            let mut t = turn(&tokenizer, &[1, 2], text, user_turns + 1);
+            t.user_turns = user_turns;
+            t.request = Arc::new(GenerationRequest {
+                multi_turn: Some(Episode {
+                    max_turn_tokens: 40,
+                    row: Arc::new(json!({"extra_info": {"interaction_kwargs": kwargs}})),
+                }),
+                ..(*t.request).clone()
+            });
+            env.answer(&t)
+        };
+        let kwargs = json!({"name": "grader", "ground_truth": "42"});
+        let Resume::Continue { tokens, stats } = answer("I think it is 41.", 0, kwargs.clone()) else {
+            panic!("a wrong answer gets a reply")
+        };
+        assert_eq!(
+            tokenizer.decode(&tokens, false).unwrap(),
+            "\n<|im_start|>user\nNot quite, try again.<|im_end|>\n<|im_start|>assistant\n"
+        );
+        assert_eq!((stats.user_turns, stats.turn_scores.clone()), (1, vec![0.0]));
+        let Resume::Finish { stats } = answer("Then 42.", 1, kwargs.clone()) else {
+            panic!("the right answer ends the episode")
+        };
+        assert_eq!((stats.user_turns, stats.turn_scores.clone()), (1, vec![1.0]));
+        // A tool call still goes to the tools.
+        let call =
+            "<tool_call>{\"name\": \"calculator\", \"arguments\": {\"expression\": \"6*7\"}}</tool_call>";
+        let Resume::Continue { stats, .. } = answer(call, 1, kwargs.clone()) else {
+            panic!("a call is answered by the tool")
+        };
+        assert_eq!((stats.tool_calls, stats.user_turns), (1, 0));
+        let Resume::Finish { stats } = answer("Still 41.", 2, kwargs.clone()) else {
+            panic!("max_user_turns ends the episode")
+        };
+        assert_eq!(stats.user_turns, 0);
+        let Resume::Finish { stats } = answer("41", 0, json!({"name": "judge"})) else {
+            panic!("an interaction the run lacks ends the episode")
+        };
+        assert_eq!(stats.tool_errors, 1);
+        let Resume::Finish { stats } = answer("crash", 0, kwargs.clone()) else {
+            panic!("a crashed interaction ends the episode")
+        };
+        assert_eq!(stats.tool_errors, 1);
+        // The program is started again for the next episode.
+        assert!(matches!(answer("41", 0, json!(null)), Resume::Continue { .. }));
     }
 
     #[test]

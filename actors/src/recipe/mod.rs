@@ -126,6 +126,14 @@ pub struct MultiTurnSection {
     /// Most model turns per sample; none: as many as the response budget holds.
     #[serde(default)]
     pub max_assistant_turns: Option<u32>,
+    /// Most interaction replies per sample; none: as many as the response budget holds.
+    #[serde(default)]
+    pub max_user_turns: Option<u32>,
+    /// An interaction config file (VeRL's key and layout: `interaction:` entries with `name`,
+    /// `class_name`, `config`): programs that answer the model's turns without tool calls as a
+    /// user would (`agent::interaction`).
+    #[serde(default)]
+    pub interaction_config_path: Option<std::path::PathBuf>,
     /// Most tokens one model turn may generate (a longer turn ends the sample, truncated);
     /// none: `data.max_response_length`.
     #[serde(default)]
@@ -161,6 +169,8 @@ impl Default for MultiTurnSection {
         MultiTurnSection {
             enable: false,
             max_assistant_turns: None,
+            max_user_turns: None,
+            interaction_config_path: None,
             max_turn_tokens: None,
             format: default_call_format(),
             tools: Vec::new(),

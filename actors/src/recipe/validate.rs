@@ -956,11 +956,30 @@ fn check_multi_turn(c: &mut Checker, r: &Recipe) {
         return;
     }
     c.check(
-        !mt.tools.is_empty() || mt.tool_config_path.is_some(),
+        !mt.tools.is_empty() || mt.tool_config_path.is_some() || mt.interaction_config_path.is_some(),
         "rollout.multi_turn.tools",
         "[]",
-        "episodes need at least one tool to call, e.g. tools: [calculator], or a tool_config_path",
+        "episodes need at least one tool to call, e.g. tools: [calculator], a tool_config_path, or an \
+         interaction_config_path",
     );
+    if let Some(path) = &mt.interaction_config_path {
+        if let Err(e) = agent::config::load_interactions(path) {
+            c.check(
+                false,
+                "rollout.multi_turn.interaction_config_path",
+                path.display(),
+                &e.message,
+            );
+        }
+    }
+    if let Some(turns) = mt.max_user_turns {
+        c.check(
+            mt.interaction_config_path.is_some(),
+            "rollout.multi_turn.max_user_turns",
+            turns,
+            "counts an interaction's replies; set rollout.multi_turn.interaction_config_path or leave it out",
+        );
+    }
     if let Some(path) = &mt.tool_config_path {
         if let Err(e) = agent::config::load(path) {
             c.check(
@@ -1167,6 +1186,14 @@ mod tests {
     }
 
     #[test]
+    fn max_user_turns_needs_an_interaction() {
+        assert_eq!(
+            violations("rollout:\n  multi_turn:\n    enable: true\n    tools: [calculator]\n    max_user_turns: 2\n"),
+            ["r.yaml:9:5: `rollout.multi_turn.max_user_turns` = 2: counts an interaction's replies; set rollout.multi_turn.interaction_config_path or leave it out"]
+        );
+    }
+
+    #[test]
     fn multi_turn_keys_need_multi_turn_and_a_tool() {
         assert_eq!(
             violations("rollout:\n  multi_turn:\n    format: llama3\n"),
@@ -1178,7 +1205,7 @@ mod tests {
                  max_parallel_calls: 0\n    tool_timeout_s: .nan\n"
             ),
             [
-                "`rollout.multi_turn.tools` = []: episodes need at least one tool to call, e.g. tools: [calculator], or a tool_config_path",
+                "`rollout.multi_turn.tools` = []: episodes need at least one tool to call, e.g. tools: [calculator], a tool_config_path, or an interaction_config_path",
                 "r.yaml:8:5: `rollout.multi_turn.max_assistant_turns` = 0: must be at least 1",
                 "r.yaml:9:5: `rollout.multi_turn.max_turn_tokens` = 5000: must be from 1 to data.max_response_length (the whole response's budget)",
                 "r.yaml:10:5: `rollout.multi_turn.max_parallel_calls` = 0: must be at least 1",

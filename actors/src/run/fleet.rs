@@ -401,12 +401,18 @@ impl Fleet {
                             ground_truth: String::new(),
                             extra: serde_json::Value::Null,
                         });
+                        let mut extra = meta.extra;
+                        if !s.episode.turn_scores.is_empty() {
+                            if let serde_json::Value::Object(columns) = &mut extra {
+                                columns.insert("turn_scores".into(), serde_json::json!(s.episode.turn_scores));
+                            }
+                        }
                         to_score.push(reward::Sample {
                             id,
                             data_source: meta.data_source,
                             response: s.text.clone(),
                             ground_truth: meta.ground_truth,
-                            extra: meta.extra,
+                            extra,
                             response_length: s.response_ids.len(),
                             truncated: s.finish_reason.is_truncated(),
                         });

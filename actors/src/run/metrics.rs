@@ -24,15 +24,18 @@ pub(crate) struct MetricLimits {
     pub multi_turn: bool,
 }
 
-/// The `multi_turn/*` metrics of a step's samples: turns and tool calls per sample, tool errors
+/// The `multi_turn/*` metrics of a step's samples: turns, tool calls and interaction replies
+/// per sample, tool errors
 /// and time-outs, the model's and the environment's tokens per sample, and the time in tools.
 fn episode_metrics<'a>(m: &mut Metrics, samples: impl Iterator<Item = &'a rollout::Sample>) {
     let (mut turns, mut calls, mut model, mut env) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut user_turns = Vec::new();
     let (mut errors, mut timeouts, mut seconds) = (0.0, 0.0, 0.0);
     for s in samples {
         let e = &s.episode;
         turns.push(e.turns as f64);
         calls.push(e.tool_calls as f64);
+        user_turns.push(e.user_turns as f64);
         let from_env: usize = s.env_spans.iter().map(|r| r.len()).sum();
         env.push(from_env as f64);
         model.push((s.response_ids.len() - from_env) as f64);
@@ -42,6 +45,7 @@ fn episode_metrics<'a>(m: &mut Metrics, samples: impl Iterator<Item = &'a rollou
     }
     mean_max_min(m, "multi_turn/turns", &turns);
     mean_max_min(m, "multi_turn/tool_calls", &calls);
+    mean_max_min(m, "multi_turn/user_turns", &user_turns);
     m.insert("multi_turn/tool_errors".into(), errors);
     m.insert("multi_turn/tool_timeouts".into(), timeouts);
     mean_max_min(m, "multi_turn/model_tokens", &model);

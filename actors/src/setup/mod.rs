@@ -143,20 +143,33 @@ pub fn tool_environment(
         }
     }
     let toolbox = agent::Toolbox::new(tools).map_err(|e| format!("rollout.multi_turn: {e}"))?;
+    let interactions = match &mt.interaction_config_path {
+        None => Vec::new(),
+        Some(path) => agent::config::load_interactions(path)
+            .map_err(|e| e.to_string())?
+            .iter()
+            .enumerate()
+            .map(|(k, spec)| {
+                spec.build(
+                    timeout,
+                    &format!("interaction[{k}].config.command in {}", path.display()),
+                )
+            })
+            .collect(),
+    };
     let settings = rollout::environment::ToolSettings {
         format: mt.format,
         max_assistant_turns: mt.max_assistant_turns.unwrap_or(u32::MAX),
         max_parallel_calls: mt.max_parallel_calls,
+        max_user_turns: mt.max_user_turns.unwrap_or(u32::MAX),
         max_tool_response_length: mt.max_tool_response_length,
         truncate_side: mt.tool_response_truncate_side,
         tool_timeout: std::time::Duration::from_secs_f64(mt.tool_timeout_s),
     };
-    Ok(Some(rollout::environment::ToolEnvironment::new(
-        toolbox,
-        settings,
-        template,
-        tokenizer.clone(),
-    )))
+    Ok(Some(
+        rollout::environment::ToolEnvironment::new(toolbox, settings, template, tokenizer.clone())
+            .with_interactions(interactions),
+    ))
 }
 
 /// Uploads the prepared model's weights in `rollout.dtype` for a rollout engine of its own

@@ -58,8 +58,10 @@ const LORA_EXCLUDE: How = How::Unsupported(
 );
 const MULTI_TURN: How = How::Unsupported(
     "grpo's multi-turn rollouts run the tools of `rollout.multi_turn.tools` and \
-     `rollout.multi_turn.tool_config_path` (built-ins, JSON-lines commands, HTTP endpoints); \
-     VeRL's interactions, agent loops and repeated rollouts are not in grpo yet (issue 24)",
+     `rollout.multi_turn.tool_config_path` (built-ins, JSON-lines commands, HTTP endpoints) and the \
+     interactions of \
+     `rollout.multi_turn.interaction_config_path`; VeRL's Python agent loops and repeated \
+     rollouts are not in grpo yet (issue 24)",
 );
 const NEVER_RETOKENIZED: How = How::NoEffect(
     "grpo never renders or tokenizes a finished turn again: it trains on the ids it sampled, \
@@ -194,6 +196,8 @@ pub const TABLE: &[Entry] = &[
     Entry { key: "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side", how: How::Map("rollout.multi_turn.tool_response_truncate_side") },
     Entry { key: "actor_rollout_ref.rollout.multi_turn.format", how: How::Map("rollout.multi_turn.format") },
     Entry { key: "actor_rollout_ref.rollout.multi_turn.tool_config_path", how: How::Map("rollout.multi_turn.tool_config_path") },
+    Entry { key: "actor_rollout_ref.rollout.multi_turn.interaction_config_path", how: How::Map("rollout.multi_turn.interaction_config_path") },
+    Entry { key: "actor_rollout_ref.rollout.multi_turn.max_user_turns", how: How::Map("rollout.multi_turn.max_user_turns") },
     Entry { key: "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template", how: NEVER_RETOKENIZED },
     Entry { key: "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode", how: NEVER_RETOKENIZED },
     Entry { key: "actor_rollout_ref.rollout.calculate_log_probs", how: How::NoEffect("grpo's engine always returns the log-probs of what it sampled") },

@@ -898,6 +898,7 @@ impl Engine {
                         response: a.response.clone(),
                         turn: a.turn_start..a.response.len(),
                         turns: a.episode.turns,
+                        user_turns: a.episode.user_turns,
                     });
                 }
                 Some(reason) => {

@@ -210,7 +210,7 @@ impl Sample {
 
 /// The turns of a sample and what its environment did in them (all but `turns` zero for a
 /// single-turn sample).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct EpisodeStats {
     /// Model turns (1 for a single-turn sample).
     pub turns: u32,
@@ -222,6 +222,10 @@ pub struct EpisodeStats {
     pub tool_timeouts: u32,
     /// Wall time in the environment between turns.
     pub env_time: Duration,
+    /// Turns an interaction (a simulated user, VeRL's `interaction`) answered.
+    pub user_turns: u32,
+    /// The rewards the interaction gave, in order (VeRL's `turn_scores`).
+    pub turn_scores: Vec<f64>,
 }
 
 impl EpisodeStats {
@@ -232,6 +236,8 @@ impl EpisodeStats {
         self.tool_errors += other.tool_errors;
         self.tool_timeouts += other.tool_timeouts;
         self.env_time += other.env_time;
+        self.user_turns += other.user_turns;
+        self.turn_scores.extend_from_slice(&other.turn_scores);
     }
 }
 
@@ -256,6 +262,8 @@ pub struct Turn {
     pub turn: Range<usize>,
     /// Model turns so far, this one included.
     pub turns: u32,
+    /// Interaction (user) turns so far.
+    pub user_turns: u32,
 }
 
 /// The environment's answer to a parked turn.

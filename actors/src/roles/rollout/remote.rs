@@ -658,6 +658,8 @@ pub(crate) fn sample_to_proto(s: Sample) -> proto::GeneratedSample {
         tool_errors: s.episode.tool_errors,
         tool_timeouts: s.episode.tool_timeouts,
         env_seconds: s.episode.env_time.as_secs_f64(),
+        user_turns: s.episode.user_turns,
+        turn_scores: s.episode.turn_scores,
     }
 }
 
@@ -698,6 +700,9 @@ pub(crate) fn sample_from_proto(s: proto::GeneratedSample) -> Result<Sample, Str
     if !(s.env_seconds.is_finite() && s.env_seconds >= 0.0) {
         return Err(bad(&format!("env_seconds is {}", s.env_seconds)));
     }
+    if let Some(score) = s.turn_scores.iter().find(|x| !x.is_finite()) {
+        return Err(bad(&format!("a turn score is {score}")));
+    }
     Ok(Sample {
         request_id: s.request_id,
         sample_index: s.sample_index as usize,
@@ -715,6 +720,8 @@ pub(crate) fn sample_from_proto(s: proto::GeneratedSample) -> Result<Sample, Str
             tool_errors: s.tool_errors,
             tool_timeouts: s.tool_timeouts,
             env_time: Duration::from_secs_f64(s.env_seconds),
+            user_turns: s.user_turns,
+            turn_scores: s.turn_scores,
         },
     })
 }
@@ -741,6 +748,8 @@ mod tests {
                 tool_errors: 1,
                 tool_timeouts: 0,
                 env_time: Duration::from_millis(1500),
+                user_turns: 1,
+                turn_scores: vec![0.0, 1.0],
             },
         }
     }
