@@ -7,5 +7,6 @@ pub mod generate;
 pub mod plot;
 pub mod preprocess;
 pub mod run;
+pub mod serve;
 pub mod verl;
 pub mod worker;
