@@ -166,14 +166,49 @@ fn default_in_flight() -> usize {
     8
 }
 
-/// Reads and validates a tool config file.
-pub fn load(path: &Path) -> Result<Vec<ToolSpec>, ToolFileError> {
+/// The program of a `command` or `http` entry (tools and interactions alike): what runs it,
+/// its time limit (none: the run's `tool_timeout_s`) and its requests in flight.
+fn external_program(
+    class_name: &str,
+    config: &serde_yaml::Mapping,
+) -> Result<(Program, Option<Duration>, usize), String> {
+    let value = serde_yaml::Value::Mapping(config.clone());
+    let config_error = |e: serde_yaml::Error| format!("config: {e}");
+    let (program, timeout, max_in_flight) = if class_name == "command" {
+        let c: CommandConfig = serde_yaml::from_value(value).map_err(config_error)?;
+        if c.command.is_empty() {
+            return Err(
+                "config.command is empty; give the program and its arguments, e.g. [python3, tools.py]"
+                    .into(),
+            );
+        }
+        (Program::Command(c.command), c.timeout, c.max_in_flight)
+    } else {
+        let c: HttpConfig = serde_yaml::from_value(value).map_err(config_error)?;
+        if !(c.url.starts_with("http://") || c.url.starts_with("https://")) {
+            return Err(format!("config.url {:?} is not an http:// address", c.url));
+        }
+        (Program::Http(c.url), c.timeout, c.max_in_flight)
+    };
+    if max_in_flight == 0 {
+        return Err("config.max_in_flight must be at least 1".into());
+    }
+    Ok((program, seconds(timeout, "timeout")?, max_in_flight))
+}
+
+/// Reads the config file at `path` and validates it with `parse`; errors name the file.
+fn read<T>(path: &Path, parse: impl FnOnce(&str) -> Result<T, String>) -> Result<T, ToolFileError> {
     let fail = |message: String| ToolFileError {
         path: path.to_path_buf(),
         message,
     };
     let text = std::fs::read_to_string(path).map_err(|e| fail(format!("cannot be read: {e}")))?;
     parse(&text).map_err(fail)
+}
+
+/// Reads and validates a tool config file.
+pub fn load(path: &Path) -> Result<Vec<ToolSpec>, ToolFileError> {
+    read(path, parse)
 }
 
 /// Validates a tool config file's text.
@@ -235,28 +270,22 @@ fn spec(entry: &Entry) -> Result<ToolSpec, String> {
                 schema,
             })
         }
-        "command" => {
-            let c: CommandConfig = config(entry)?;
-            if c.command.is_empty() {
-                return Err("config.command is empty; give the program and its arguments, e.g. [python3, tools.py]".into());
-            }
-            Ok(ToolSpec::Command {
-                program: c.command,
-                timeout: seconds(c.timeout, "timeout")?,
-                max_in_flight: in_flight(c.max_in_flight)?,
-                schema: required(schema)?,
-            })
-        }
-        "http" => {
-            let c: HttpConfig = config(entry)?;
-            if !(c.url.starts_with("http://") || c.url.starts_with("https://")) {
-                return Err(format!("config.url {:?} is not an http:// address", c.url));
-            }
-            Ok(ToolSpec::Http {
-                url: c.url,
-                timeout: seconds(c.timeout, "timeout")?,
-                max_in_flight: in_flight(c.max_in_flight)?,
-                schema: required(schema)?,
+        "command" | "http" => {
+            let (program, timeout, max_in_flight) = external_program(&entry.class_name, &entry.config)?;
+            let schema = required(schema)?;
+            Ok(match program {
+                Program::Command(program) => ToolSpec::Command {
+                    program,
+                    timeout,
+                    max_in_flight,
+                    schema,
+                },
+                Program::Http(url) => ToolSpec::Http {
+                    url,
+                    timeout,
+                    max_in_flight,
+                    schema,
+                },
             })
         }
         "verl.tools.sandbox_fusion_tools.SandboxFusionTool" => Err(
@@ -323,12 +352,7 @@ struct InteractionEntry {
 
 /// Reads and validates an interaction config file.
 pub fn load_interactions(path: &Path) -> Result<Vec<InteractionSpec>, ToolFileError> {
-    let fail = |message: String| ToolFileError {
-        path: path.to_path_buf(),
-        message,
-    };
-    let text = std::fs::read_to_string(path).map_err(|e| fail(format!("cannot be read: {e}")))?;
-    parse_interactions(&text).map_err(fail)
+    read(path, parse_interactions)
 }
 
 /// Validates an interaction config file's text.
@@ -345,30 +369,14 @@ pub fn parse_interactions(text: &str) -> Result<Vec<InteractionSpec>, String> {
         if specs.iter().any(|s| s.name == entry.name) {
             return Err(at("another interaction has this name; give each its own".into()));
         }
-        let config = serde_yaml::Value::Mapping(entry.config.clone());
         let spec = match entry.class_name.as_str() {
-            "command" => {
-                let c: CommandConfig = serde_yaml::from_value(config).map_err(|e| at(format!("config: {e}")))?;
-                if c.command.is_empty() {
-                    return Err(at("config.command is empty; give the program and its arguments".into()));
-                }
+            "command" | "http" => {
+                let (program, timeout, max_in_flight) = external_program(&entry.class_name, &entry.config).map_err(at)?;
                 InteractionSpec {
                     name: entry.name.clone(),
-                    program: Program::Command(c.command),
-                    timeout: seconds(c.timeout, "timeout").map_err(at)?,
-                    max_in_flight: c.max_in_flight.max(1),
-                }
-            }
-            "http" => {
-                let c: HttpConfig = serde_yaml::from_value(config).map_err(|e| at(format!("config: {e}")))?;
-                if !(c.url.starts_with("http://") || c.url.starts_with("https://")) {
-                    return Err(at(format!("config.url {:?} is not an http:// address", c.url)));
-                }
-                InteractionSpec {
-                    name: entry.name.clone(),
-                    program: Program::Http(c.url),
-                    timeout: seconds(c.timeout, "timeout").map_err(at)?,
-                    max_in_flight: c.max_in_flight.max(1),
+                    program,
+                    timeout,
+                    max_in_flight,
                 }
             }
             other => {

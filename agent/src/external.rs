@@ -29,12 +29,32 @@ use serde_json::{json, Value};
 use crate::schema::ToolSchema;
 use crate::tool::{CallContext, Tool, ToolError};
 
-/// How an [`ExternalTool`] reaches its program.
+/// How a user tool or an interaction reaches its program.
 pub enum Transport {
     /// A JSON-lines child process.
     Command(JsonLinesProcess),
     /// An HTTP endpoint.
     Http(JsonEndpoint),
+}
+
+impl Transport {
+    /// Sends `request(id)` and returns the answer; `what` names the request in a time-out
+    /// message, `who` the program in a failure (`the tool's program`).
+    pub fn send<R: serde::Serialize>(
+        &self,
+        what: &str,
+        who: &str,
+        request: impl Fn(u64) -> R,
+    ) -> Result<Value, ToolError> {
+        match self {
+            Transport::Command(process) => process.call(what, request),
+            Transport::Http(endpoint) => endpoint.post(request),
+        }
+        .map_err(|error| match error {
+            ExternalError::TimedOut(limit) => ToolError::TimedOut(limit),
+            ExternalError::Failed(message) => ToolError::Failed(format!("{who} failed: {message}")),
+        })
+    }
 }
 
 /// A tool whose work another program does (see the module documentation).
@@ -100,16 +120,9 @@ impl Tool for ExternalTool {
     fn call_in(&self, arguments: &Value, context: &CallContext) -> Result<String, ToolError> {
         let name = &self.schema.name;
         let request = |id: u64| json!({"id": id, "tool": name, "arguments": arguments, "episode": context.episode, "kwargs": context.kwargs});
-        let answer = match &self.transport {
-            Transport::Command(process) => process.call(&format!("a call of {name}"), request),
-            Transport::Http(endpoint) => endpoint.post(request),
-        };
-        let answer = answer.map_err(|error| match error {
-            ExternalError::TimedOut(limit) => ToolError::TimedOut(limit),
-            ExternalError::Failed(message) => {
-                ToolError::Failed(format!("the tool's program failed: {message}"))
-            }
-        })?;
+        let answer = self
+            .transport
+            .send(&format!("a call of {name}"), "the tool's program", request)?;
         result_of(&answer)
     }
 }

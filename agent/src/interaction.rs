@@ -19,7 +19,7 @@
 
 use std::time::Duration;
 
-use external::{truncate, ExternalError, JsonEndpoint, JsonLinesProcess};
+use external::{truncate, JsonEndpoint, JsonLinesProcess};
 use serde_json::{json, Value};
 
 use crate::external::Transport;
@@ -91,16 +91,11 @@ impl Interaction {
             json!({"id": id, "interaction": self.name, "episode": episode, "user_turns": user_turns,
                    "turn": turn, "kwargs": kwargs})
         };
-        let answer = match &self.transport {
-            Transport::Command(process) => process.call(&format!("episode {episode}"), request),
-            Transport::Http(endpoint) => endpoint.post(request),
-        }
-        .map_err(|error| match error {
-            ExternalError::TimedOut(limit) => ToolError::TimedOut(limit),
-            ExternalError::Failed(message) => {
-                ToolError::Failed(format!("the interaction's program failed: {message}"))
-            }
-        })?;
+        let answer = self.transport.send(
+            &format!("episode {episode}"),
+            "the interaction's program",
+            request,
+        )?;
         reply_of(&answer)
     }
 }
