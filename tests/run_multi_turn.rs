@@ -264,6 +264,116 @@ fn smollm2_episodes_get_an_interactions_replies_and_rewards_in_a_rollout_worker(
         .all(|&e| e == 0.0));
 }
 
+/// An agent program written for any OpenAI-compatible server (`tests/fixtures/episode_agent.py`,
+/// standard library only) drives SmolLM2's episodes in a rollout worker through the endpoint
+/// `rollout.multi_turn.agent` starts: each sample the learner trains is exactly the ids the
+/// program was served over its calls (chat calls, and text completions with ids), the learner's
+/// log-probs of the model's tokens equal the rollout's, the program's printed reward reaches the
+/// `turn_scores` scorer, and a program that rewrites its conversation or crashes is counted as
+/// an error while the run goes on.
+#[test]
+fn agent_programs_train_through_the_openai_endpoint_in_a_rollout_worker() {
+    let dir = tempfile::tempdir().unwrap();
+    let train = arithmetic_with(dir.path(), "train", 1, 16, &["--answer-format", "number"]);
+    let logs = dir.path().join("episodes");
+    std::fs::create_dir(&logs).unwrap();
+    let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/episode_agent.py");
+    let (out, dump) = (dir.path().join("out"), dir.path().join("dump"));
+    let recipe = dir.path().join("r.yaml");
+    std::fs::write(
+        &recipe,
+        format!(
+            "model:\n  path: {model}\n\
+             data:\n  train_files: {train}\n  train_batch_size: 2\n  max_prompt_length: 256\n  max_response_length: 96\n\
+             rollout:\n  n: 2\n  max_num_seqs: 4\n  multi_turn:\n    enable: true\n    max_turn_tokens: 24\n    \
+             agent:\n      command: [python3, {fixture}, {logs}, \"chat,completions,rewrite,crash\", \"2\"]\n      timeout_s: 120\n\
+             reward:\n  scorers:\n    program: {{kind: turn_scores}}\n  data_sources:\n    grpo/arithmetic: program\n\
+             actor:\n  optim:\n    lr: 1.0e-5\n  ppo_mini_batch_size: 2\n  ppo_micro_batch_size: 4\n\
+             trainer:\n  total_training_steps: 2\n  save_freq: 10\n  output_dir: {out}\n  seed: 1\n  rollout_data_dir: {dump}\n\
+             cluster:\n  rollout_workers: 1\n",
+            model = testkit::smollm2_gguf().display(),
+            train = train.display(),
+            logs = logs.display(),
+            out = out.display(),
+            dump = dump.display(),
+        ),
+    )
+    .unwrap();
+    let o = run_grpo(&["run", recipe.to_str().unwrap(), "--quiet"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let m = metrics(&out);
+
+    // What each episode's program was served, as ids from its prompt on.
+    let mut served = Vec::new();
+    let mut modes = std::collections::BTreeMap::<String, usize>::new();
+    for entry in std::fs::read_dir(&logs).unwrap() {
+        let log: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(entry.unwrap().path()).unwrap()).unwrap();
+        let mode = log["mode"].as_str().unwrap().to_string();
+        *modes.entry(mode.clone()).or_default() += 1;
+        let calls = log["calls"].as_array().unwrap();
+        let ok: Vec<&serde_json::Value> = calls.iter().filter(|c| c["status"] == 200).collect();
+        let ids = |c: &serde_json::Value, key: &str| -> Vec<u32> {
+            serde_json::from_value(c[key].clone()).unwrap()
+        };
+        let prompt = ids(ok[0], "prompt_token_ids");
+        let last = ok.last().unwrap();
+        let mut all = ids(last, "prompt_token_ids");
+        all.extend(ids(last, "token_ids"));
+        assert_eq!(
+            all[..prompt.len()],
+            prompt[..],
+            "{mode}: every call extends the first"
+        );
+        served.push((mode.clone(), all[prompt.len()..].to_vec()));
+        match mode.as_str() {
+            "rewrite" => {
+                assert_eq!(calls.len(), 2, "{log}");
+                assert_eq!(calls[1]["status"], 400, "{log}");
+                assert!(
+                    calls[1]["error"].as_str().unwrap().contains("message 0 is not"),
+                    "{log}"
+                );
+            }
+            "crash" => assert_eq!(calls.len(), 1, "{log}"),
+            _ => assert!(ok.len() >= 2, "{log}"),
+        }
+    }
+    assert_eq!(modes.len(), 4, "every mode ran: {modes:?}");
+    let mut trained = 0;
+    for step in [1, 2] {
+        for line in std::fs::read_to_string(dump.join(format!("{step}.jsonl")))
+            .unwrap()
+            .lines()
+        {
+            let line: serde_json::Value = serde_json::from_str(line).unwrap();
+            let response: Vec<u32> = serde_json::from_value(line["response_ids"].clone()).unwrap();
+            assert!(
+                served.iter().any(|(_, ids)| *ids == response),
+                "step {step}: a trained sample no program was served: {line}"
+            );
+            trained += 1;
+        }
+    }
+    assert_eq!(trained, 8, "2 steps x 2 prompts x 2 samples");
+    assert!(metric_series(&m, "multi_turn/turns/max")
+        .iter()
+        .any(|&t| t >= 2.0));
+    assert!(metric_series(&m, "multi_turn/env_tokens/mean")
+        .iter()
+        .any(|&t| t > 0.0));
+    // The rewrite and the crash of each step.
+    assert!(metric_series(&m, "multi_turn/tool_errors")
+        .iter()
+        .all(|&e| e >= 2.0));
+    assert!(metric_series(&m, "critic/score/mean").iter().all(|&s| s > 0.0));
+    let gap = metric_series(&m, "rollout/log_prob_diff_mean");
+    assert!(
+        gap.iter().all(|&g| g < 1e-5),
+        "rollout vs learner log-probs: {gap:?}"
+    );
+}
+
 #[test]
 fn multi_turn_without_a_tool_is_refused_before_any_work() {
     let dir = tempfile::tempdir().unwrap();

@@ -134,12 +134,12 @@ pub fn prepare(recipe: &Recipe) -> Result<Prepared, PrepareError> {
         }
     };
     let mut tools = serde_json::Map::new();
-    let environment = crate::setup::tool_environment(recipe, &tokenizer, template.as_ref())
-        .map_err(PrepareError::MultiTurn)?;
-    if let Some(env) = &environment {
+    let environment =
+        crate::setup::environment(recipe, &tokenizer, template.as_ref()).map_err(PrepareError::MultiTurn)?;
+    if let Some(env) = environment.as_ref().filter(|e| !e.schemas.is_empty()) {
         tools.insert(
             "tools".into(),
-            env.schemas().iter().map(agent::ToolSchema::to_json).collect(),
+            env.schemas.iter().map(agent::ToolSchema::to_json).collect(),
         );
     }
     let tokenizer = ChatTokenizer {
@@ -165,6 +165,6 @@ pub fn prepare(recipe: &Recipe) -> Result<Prepared, PrepareError> {
         train,
         validation,
         reward,
-        environment: environment.map(|env| Arc::new(env) as Arc<dyn TurnHandler>),
+        environment: environment.map(|env| env.handler),
     })
 }

@@ -211,6 +211,30 @@ pub fn load(path: &Path) -> Result<Vec<ToolSpec>, ToolFileError> {
     read(path, parse)
 }
 
+/// Reads a file of tool schemas: a YAML or JSON list of OpenAI function tools (`{type:
+/// function, function: {name, description, parameters}}`), the `tools` an agent program sends
+/// with its calls.
+pub fn load_schemas(path: &Path) -> Result<Vec<ToolSchema>, ToolFileError> {
+    read(path, parse_schemas)
+}
+
+/// Validates a tool schema file's text.
+pub fn parse_schemas(text: &str) -> Result<Vec<ToolSchema>, String> {
+    let list: Vec<Value> = serde_yaml::from_str(text)
+        .map_err(|e| format!("{e}; the file is a list of OpenAI tools, `- {{type: function, function: {{name, description, parameters}}}}`"))?;
+    let schemas = list
+        .iter()
+        .enumerate()
+        .map(|(k, v)| ToolSchema::from_json(v).map_err(|e| format!("[{k}]: {e}")))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut names: Vec<&str> = schemas.iter().map(|s| s.name.as_str()).collect();
+    names.sort_unstable();
+    if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+        return Err(format!("two tools are named {:?}", w[0]));
+    }
+    Ok(schemas)
+}
+
 /// Validates a tool config file's text.
 pub fn parse(text: &str) -> Result<Vec<ToolSpec>, String> {
     let file: File = serde_yaml::from_str(text).map_err(|e| {
@@ -635,5 +659,17 @@ mod tests {
             tool.call(&serde_json::json!({"expression": "2 + 3"})).unwrap(),
             "5"
         );
+    }
+
+    #[test]
+    fn tool_schema_files_are_lists_of_openai_tools_with_distinct_names() {
+        let schemas = parse_schemas(&format!("- {SEARCH}\n")).unwrap();
+        assert_eq!(schemas.len(), 1);
+        let twice = parse_schemas(&format!("[{SEARCH}, {SEARCH}]")).unwrap_err();
+        assert!(twice.contains("two tools are named"), "{twice}");
+        let not_a_list = parse_schemas("tools: []").unwrap_err();
+        assert!(not_a_list.contains("a list of OpenAI tools"), "{not_a_list}");
+        let broken = parse_schemas("- {type: function, function: {description: x}}").unwrap_err();
+        assert!(broken.starts_with("[0]: "), "{broken}");
     }
 }

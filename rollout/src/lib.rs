@@ -11,9 +11,11 @@
 //! - [`weights`]: the engine's per-device weight replicas and the on-device handoff from a
 //!   learner's layout (replicated or sharded, any dtype) to them.
 
+pub mod agent_program;
 pub mod engine;
 pub mod environment;
 pub mod error;
+pub mod openai;
 pub mod plan;
 pub mod programs;
 pub mod sampling;

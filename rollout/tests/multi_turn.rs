@@ -356,6 +356,8 @@ mod tools {
             },
             request: Arc::new(request(1, prompt, 1, 0, sampled(1.0, 0, 1.0, 200))),
             turn: 0..response.len(),
+            logprobs: vec![0.0; response.len()],
+            reason: rollout::FinishReason::Eos(response[response.len() - 1]),
             response,
             turns,
             user_turns: 0,

@@ -20,11 +20,11 @@ use std::sync::{Arc, Mutex};
 use anyhow::{bail, Context};
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
-use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use model::programs::HostModel;
 use model::{ChatTemplate, ModelTokenizer};
+use rollout::openai::{self, bad, ApiError};
 use rollout::{Engine, EngineConfig, EngineOutput, GenerationRequest, RolloutError, Sample, SamplingParams};
 use serde_json::{json, Value};
 use tokio::sync::oneshot;
@@ -100,24 +100,6 @@ struct Server {
     engine: Mutex<rollout::EngineControl>,
     waiting: Waiting,
     next_id: AtomicU64,
-}
-
-/// An API error as OpenAI writes them.
-struct ApiError(StatusCode, String);
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let kind = match self.0 {
-            StatusCode::UNAUTHORIZED => "authentication_error",
-            StatusCode::BAD_REQUEST => "invalid_request_error",
-            _ => "server_error",
-        };
-        (self.0, Json(json!({"error": {"message": self.1, "type": kind}}))).into_response()
-    }
-}
-
-fn bad(message: impl Into<String>) -> ApiError {
-    ApiError(StatusCode::BAD_REQUEST, message.into())
 }
 
 /// Loads the model, starts the engine and serves until killed.
@@ -236,19 +218,7 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<ExitCode> {
 
 impl Server {
     fn authorize(&self, headers: &HeaderMap) -> Result<(), ApiError> {
-        let Some(key) = &self.api_key else { return Ok(()) };
-        let sent = headers
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
-        if sent == Some(key.as_str()) {
-            Ok(())
-        } else {
-            Err(ApiError(
-                StatusCode::UNAUTHORIZED,
-                "missing or wrong API key: send `Authorization: Bearer KEY` with the server's key".into(),
-            ))
-        }
+        openai::authorize(self.api_key.as_deref(), headers)
     }
 
     /// Generates `n` samples of `prompt` with the body's sampling settings.
@@ -365,32 +335,9 @@ impl Server {
         }
     }
 
-    fn usage(prompt: usize, samples: &[Sample]) -> Value {
-        let completion: usize = samples.iter().map(|s| s.response_ids.len()).sum();
-        json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+    fn completion_tokens(samples: &[Sample]) -> usize {
+        samples.iter().map(|s| s.response_ids.len()).sum()
     }
-
-    fn finish_reason(sample: &Sample) -> &'static str {
-        if sample.finish_reason.is_truncated() {
-            "length"
-        } else {
-            "stop"
-        }
-    }
-
-    fn token_texts(&self, sample: &Sample) -> Vec<String> {
-        sample
-            .response_ids
-            .iter()
-            .map(|&id| self.tokenizer.decode(&[id], false).unwrap_or_default())
-            .collect()
-    }
-}
-
-fn created() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
 }
 
 async fn models(State(server): State<Arc<Server>>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
@@ -410,77 +357,34 @@ async fn chat_completions(
         .template
         .as_ref()
         .ok_or_else(|| bad("this model has no chat template; use /v1/completions"))?;
-    let messages = body
-        .get("messages")
-        .filter(|m| m.as_array().is_some_and(|a| !a.is_empty()))
-        .ok_or_else(|| bad("`messages` must be a non-empty list of {role, content} messages"))?;
-    let tools = body.get("tools").filter(|t| !t.is_null());
-    let mut extra = serde_json::Map::new();
-    if let Some(tools) = tools {
-        extra.insert("tools".into(), tools.clone());
-    }
-    let text = template
-        .render_with(messages, true, &extra)
-        .map_err(|e| bad(format!("rendering the messages with the chat template: {e}")))?;
-    let prompt = server
-        .tokenizer
-        .encode(&text, false)
-        .map_err(|e| bad(format!("tokenizing the prompt: {e}")))?;
-    let prompt_len = prompt.len();
+    let (messages, tools) = openai::chat_messages(&body)?;
+    let prompt = openai::chat_prompt(template, &server.tokenizer, messages, tools)?;
     let samples = server.generate(prompt.clone(), &body).await?;
-    let want_logprobs = body.get("logprobs").and_then(Value::as_bool) == Some(true);
+    let want_logprobs = openai::wants_logprobs(&body);
     let choices: Vec<Value> = samples
         .iter()
         .map(|s| {
-            let (content, calls) = match tools {
-                None => (Some(s.text.clone()), Vec::new()),
-                Some(_) => {
-                    let parsed = server.format.parse(&s.text);
-                    if parsed.calls.is_empty() {
-                        (Some(s.text.clone()), Vec::new())
-                    } else {
-                        let before = s.text.split("<tool_call>").next().unwrap_or_default().trim();
-                        let calls: Vec<Value> = parsed
-                            .calls
-                            .iter()
-                            .enumerate()
-                            .map(|(k, c)| {
-                                json!({"id": format!("call_{}_{}_{k}", s.request_id, s.sample_index), "type": "function",
-                                       "function": {"name": c.name, "arguments": c.arguments.to_string()}})
-                            })
-                            .collect();
-                        ((!before.is_empty()).then(|| before.to_string()), calls)
-                    }
-                }
-            };
-            let mut message = json!({"role": "assistant", "content": content});
-            let mut finish = Server::finish_reason(s);
-            if !calls.is_empty() {
-                message["tool_calls"] = Value::Array(calls);
-                finish = "tool_calls";
-            }
-            let logprobs = want_logprobs.then(|| {
-                let content: Vec<Value> = server
-                    .token_texts(s)
-                    .into_iter()
-                    .zip(&s.logprobs)
-                    .map(|(token, lp)| json!({"token": token, "logprob": lp, "bytes": null, "top_logprobs": []}))
-                    .collect();
-                json!({"content": content})
-            });
+            let (message, finish) = openai::assistant_message(
+                server.format,
+                tools.is_some(),
+                &s.text,
+                &format!("{}_{}", s.request_id, s.sample_index),
+                s.finish_reason.is_truncated(),
+            );
+            let logprobs =
+                want_logprobs.then(|| openai::chat_logprobs(&server.tokenizer, &s.response_ids, &s.logprobs));
             json!({"index": s.sample_index, "message": message, "finish_reason": finish,
                    "logprobs": logprobs, "token_ids": s.response_ids})
         })
         .collect();
-    Ok(Json(json!({
-        "id": format!("chatcmpl-{}", samples[0].request_id),
-        "object": "chat.completion",
-        "created": created(),
-        "model": server.name,
-        "choices": choices,
-        "usage": Server::usage(prompt_len, &samples),
-        "prompt_token_ids": prompt,
-    })))
+    Ok(Json(openai::completion(
+        "chat.completion",
+        &format!("chatcmpl-{}", samples[0].request_id),
+        &server.name,
+        choices,
+        &prompt,
+        Server::completion_tokens(&samples),
+    )))
 }
 
 async fn completions(
@@ -489,43 +393,31 @@ async fn completions(
     Json(body): Json<Value>,
 ) -> Result<Json<Value>, ApiError> {
     server.authorize(&headers)?;
-    let prompt: Vec<u32> = match body.get("prompt") {
-        Some(Value::String(text)) => server
-            .tokenizer
-            .encode(text, true)
-            .map_err(|e| bad(format!("tokenizing the prompt: {e}")))?,
-        Some(Value::Array(ids)) if !ids.is_empty() => ids
-            .iter()
-            .map(|id| id.as_u64().and_then(|id| u32::try_from(id).ok()))
-            .collect::<Option<Vec<u32>>>()
-            .filter(|ids| {
-                ids.iter()
-                    .all(|&id| (id as usize) < server.tokenizer.vocab_size())
-            })
-            .ok_or_else(|| bad("`prompt` as a list must hold token ids of this model's vocabulary"))?,
-        _ => return Err(bad("`prompt` must be a string or a non-empty list of token ids")),
-    };
-    let prompt_len = prompt.len();
+    let prompt = openai::completion_prompt(&server.tokenizer, &body)?;
     let samples = server.generate(prompt.clone(), &body).await?;
-    let want_logprobs = body
-        .get("logprobs")
-        .is_some_and(|v| !v.is_null() && v != &json!(false));
+    let want_logprobs = openai::wants_logprobs(&body);
     let choices: Vec<Value> = samples
         .iter()
         .map(|s| {
-            let logprobs =
-                want_logprobs.then(|| json!({"tokens": server.token_texts(s), "token_logprobs": s.logprobs}));
-            json!({"index": s.sample_index, "text": s.text, "finish_reason": Server::finish_reason(s),
+            let logprobs = want_logprobs.then(|| {
+                json!({"tokens": openai::token_texts(&server.tokenizer, &s.response_ids),
+                       "token_logprobs": s.logprobs})
+            });
+            let finish = if s.finish_reason.is_truncated() {
+                "length"
+            } else {
+                "stop"
+            };
+            json!({"index": s.sample_index, "text": s.text, "finish_reason": finish,
                    "logprobs": logprobs, "token_ids": s.response_ids})
         })
         .collect();
-    Ok(Json(json!({
-        "id": format!("cmpl-{}", samples[0].request_id),
-        "object": "text_completion",
-        "created": created(),
-        "model": server.name,
-        "choices": choices,
-        "usage": Server::usage(prompt_len, &samples),
-        "prompt_token_ids": prompt,
-    })))
+    Ok(Json(openai::completion(
+        "text_completion",
+        &format!("cmpl-{}", samples[0].request_id),
+        &server.name,
+        choices,
+        &prompt,
+        Server::completion_tokens(&samples),
+    )))
 }

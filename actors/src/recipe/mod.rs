@@ -162,6 +162,30 @@ pub struct MultiTurnSection {
     /// Time limit of one tool call, in seconds (a tool file's entry may set its own).
     #[serde(default = "default_tool_timeout_s")]
     pub tool_timeout_s: f64,
+    /// The user's agent program, which drives each episode through an OpenAI-compatible
+    /// endpoint and runs its own tools (`rollout::agent_program`); instead of grpo's tools.
+    #[serde(default)]
+    pub agent: Option<AgentProgramSection>,
+}
+
+/// `rollout.multi_turn.agent`: an agent program started once per episode with
+/// `OPENAI_BASE_URL` pointing at the episode's endpoint.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct AgentProgramSection {
+    /// The program and its arguments, e.g. `[python3, agents/solve.py]`.
+    pub command: Vec<String>,
+    /// Wall-clock limit of one episode's program, in seconds.
+    #[serde(default = "default_agent_timeout_s")]
+    pub timeout_s: f64,
+    /// A file of the tools' schemas (a YAML or JSON list of OpenAI function tools): the row's
+    /// prompt is rendered with them, and the program must send them as `tools`.
+    #[serde(default)]
+    pub tool_schemas: Option<std::path::PathBuf>,
+}
+
+fn default_agent_timeout_s() -> f64 {
+    600.0
 }
 
 impl Default for MultiTurnSection {
@@ -179,6 +203,7 @@ impl Default for MultiTurnSection {
             max_tool_response_length: default_max_tool_response_length(),
             tool_response_truncate_side: default_truncate_side(),
             tool_timeout_s: default_tool_timeout_s(),
+            agent: None,
         }
     }
 }
@@ -1205,7 +1230,8 @@ impl Recipe {
         let example = load_recipe_str(
             "model: {path: m}\ndata: {train_files: t.parquet}\ncluster: {tls: {cert: c, key: k, ca: a}, \
              ray: {address: a}, pools: [{name: p, roles: [rollout]}]}\n\
-             reward: {custom_reward_function: {path: r.py}}\nalgorithm: {kl_ctrl: {type: adaptive}}\n",
+             reward: {custom_reward_function: {path: r.py}}\nalgorithm: {kl_ctrl: {type: adaptive}}\n\
+             rollout: {multi_turn: {agent: {command: [a]}}}\n",
             "<keys>",
         )
         .expect("a minimal recipe loads");

@@ -955,12 +955,18 @@ fn check_multi_turn(c: &mut Checker, r: &Recipe) {
         );
         return;
     }
+    if let Some(agent) = &mt.agent {
+        check_agent_program(c, mt, agent);
+    }
     c.check(
-        !mt.tools.is_empty() || mt.tool_config_path.is_some() || mt.interaction_config_path.is_some(),
+        mt.agent.is_some()
+            || !mt.tools.is_empty()
+            || mt.tool_config_path.is_some()
+            || mt.interaction_config_path.is_some(),
         "rollout.multi_turn.tools",
         "[]",
-        "episodes need at least one tool to call, e.g. tools: [calculator], a tool_config_path, or an \
-         interaction_config_path",
+        "episodes need at least one tool to call, e.g. tools: [calculator], a tool_config_path, an \
+         interaction_config_path, or an agent program (agent.command)",
     );
     if let Some(path) = &mt.interaction_config_path {
         if let Err(e) = agent::config::load_interactions(path) {
@@ -1024,6 +1030,62 @@ fn check_multi_turn(c: &mut Checker, r: &Recipe) {
         mt.tool_timeout_s,
         "must be a number of seconds above 0, at most 3600",
     );
+}
+
+/// An agent program runs its own tools and conversation: grpo's tool and interaction keys do
+/// not apply beside it.
+fn check_agent_program(c: &mut Checker, mt: &super::MultiTurnSection, agent: &super::AgentProgramSection) {
+    c.check(
+        agent.command.first().is_some_and(|p| !p.is_empty()),
+        "rollout.multi_turn.agent.command",
+        format!("{:?}", agent.command),
+        "must name a program and its arguments, e.g. [python3, agents/solve.py]",
+    );
+    c.check(
+        agent.timeout_s > 0.0 && agent.timeout_s <= 86400.0,
+        "rollout.multi_turn.agent.timeout_s",
+        agent.timeout_s,
+        "must be a number of seconds above 0, at most 86400",
+    );
+    if let Some(path) = &agent.tool_schemas {
+        if let Err(e) = agent::config::load_schemas(path) {
+            c.check(
+                false,
+                "rollout.multi_turn.agent.tool_schemas",
+                path.display(),
+                &e.message,
+            );
+        }
+    }
+    let defaults = super::MultiTurnSection::default();
+    let grpo_side = [
+        ("tools", !mt.tools.is_empty()),
+        ("tool_config_path", mt.tool_config_path.is_some()),
+        ("interaction_config_path", mt.interaction_config_path.is_some()),
+        ("max_user_turns", mt.max_user_turns.is_some()),
+        (
+            "max_parallel_calls",
+            mt.max_parallel_calls != defaults.max_parallel_calls,
+        ),
+        (
+            "max_tool_response_length",
+            mt.max_tool_response_length != defaults.max_tool_response_length,
+        ),
+        (
+            "tool_response_truncate_side",
+            mt.tool_response_truncate_side != defaults.tool_response_truncate_side,
+        ),
+        ("tool_timeout_s", mt.tool_timeout_s != defaults.tool_timeout_s),
+    ];
+    for (key, set) in grpo_side {
+        c.check(
+            !set,
+            &format!("rollout.multi_turn.{key}"),
+            "set",
+            "configures grpo's own tools and interactions, and with an agent program the program runs its \
+             tools and conversation itself; leave it out (give the tools' schemas as agent.tool_schemas)",
+        );
+    }
 }
 
 fn check_lora(c: &mut Checker, r: &Recipe) {
@@ -1194,6 +1256,27 @@ mod tests {
     }
 
     #[test]
+    fn an_agent_program_needs_a_command_and_excludes_grpos_tools() {
+        assert!(violations(
+            "rollout:\n  multi_turn:\n    enable: true\n    agent:\n      command: [python3, a.py]\n"
+        )
+        .is_empty());
+        assert_eq!(
+            violations(
+                "rollout:\n  multi_turn:\n    enable: true\n    tools: [calculator]\n    tool_timeout_s: 5\n    \
+                 agent:\n      command: []\n      timeout_s: 0\n      tool_schemas: /no/such/tools.yaml\n"
+            ),
+            [
+                "r.yaml:11:7: `rollout.multi_turn.agent.command` = []: must name a program and its arguments, e.g. [python3, agents/solve.py]",
+                "r.yaml:12:7: `rollout.multi_turn.agent.timeout_s` = 0: must be a number of seconds above 0, at most 86400",
+                "r.yaml:13:7: `rollout.multi_turn.agent.tool_schemas` = /no/such/tools.yaml: cannot be read: No such file or directory (os error 2)",
+                "r.yaml:8:5: `rollout.multi_turn.tools` = set: configures grpo's own tools and interactions, and with an agent program the program runs its tools and conversation itself; leave it out (give the tools' schemas as agent.tool_schemas)",
+                "r.yaml:9:5: `rollout.multi_turn.tool_timeout_s` = set: configures grpo's own tools and interactions, and with an agent program the program runs its tools and conversation itself; leave it out (give the tools' schemas as agent.tool_schemas)",
+            ]
+        );
+    }
+
+    #[test]
     fn multi_turn_keys_need_multi_turn_and_a_tool() {
         assert_eq!(
             violations("rollout:\n  multi_turn:\n    format: llama3\n"),
@@ -1205,7 +1288,7 @@ mod tests {
                  max_parallel_calls: 0\n    tool_timeout_s: .nan\n"
             ),
             [
-                "`rollout.multi_turn.tools` = []: episodes need at least one tool to call, e.g. tools: [calculator], a tool_config_path, or an interaction_config_path",
+                "`rollout.multi_turn.tools` = []: episodes need at least one tool to call, e.g. tools: [calculator], a tool_config_path, an interaction_config_path, or an agent program (agent.command)",
                 "r.yaml:8:5: `rollout.multi_turn.max_assistant_turns` = 0: must be at least 1",
                 "r.yaml:9:5: `rollout.multi_turn.max_turn_tokens` = 5000: must be from 1 to data.max_response_length (the whole response's budget)",
                 "r.yaml:10:5: `rollout.multi_turn.max_parallel_calls` = 0: must be at least 1",

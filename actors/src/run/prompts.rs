@@ -74,7 +74,25 @@ pub(crate) fn build_prompts(
             ground_truth: ex.ground_truth_text().unwrap_or_default(),
             extra: serde_json::Value::Object(ex.columns.clone()),
         };
-        let episode = setup::episode(recipe, &meta.extra).map_err(|e| {
+        // An agent program starts from the row's prompt as messages (the request holds its ids).
+        let row = match (&recipe.rollout.multi_turn.agent, &ex.prompt) {
+            (None, _) => meta.extra.clone(),
+            (Some(_), prompt) => {
+                let mut row = ex.columns.clone();
+                row.insert(
+                    "prompt".into(),
+                    match prompt {
+                        data::Prompt::Messages(messages) => messages
+                            .iter()
+                            .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
+                            .collect(),
+                        data::Prompt::Text(text) => serde_json::Value::String(text.clone()),
+                    },
+                );
+                serde_json::Value::Object(row)
+            }
+        };
+        let episode = setup::episode(recipe, &row).map_err(|e| {
             let at = match dataset.parquet().locate(ex.index) {
                 Ok((file, row)) => format!("{}, row {row}", file.display()),
                 Err(_) => format!("row {}", ex.index),

@@ -102,13 +102,21 @@ pub fn episode(recipe: &Recipe, row: &serde_json::Value) -> Result<Option<rollou
     }))
 }
 
-/// The environment that answers the run's multi-turn requests (`rollout.multi_turn`): its
-/// tools, run with the model's chat template and tokenizer. None without multi-turn.
-pub fn tool_environment(
+/// The environment of a run's multi-turn requests and the tools' schemas its prompts are
+/// rendered with.
+pub struct RunEnvironment {
+    pub handler: std::sync::Arc<dyn rollout::TurnHandler>,
+    pub schemas: Vec<agent::ToolSchema>,
+}
+
+/// The environment that answers the run's multi-turn requests (`rollout.multi_turn`): grpo's
+/// tools and interactions, or the user's agent program behind its endpoint; either renders
+/// with the model's chat template and tokenizer. None without multi-turn.
+pub fn environment(
     recipe: &Recipe,
     tokenizer: &ModelTokenizer,
     template: Option<&ChatTemplate>,
-) -> Result<Option<rollout::environment::ToolEnvironment>, String> {
+) -> Result<Option<RunEnvironment>, String> {
     let mt = &recipe.rollout.multi_turn;
     if !mt.enable {
         return Ok(None);
@@ -117,6 +125,25 @@ pub fn tool_environment(
         "rollout.multi_turn renders tool results with the model's chat template, and this model has \
          none: set model.chat_template to a Jinja template file",
     )?;
+    if let Some(program) = &mt.agent {
+        let schemas = match &program.tool_schemas {
+            None => Vec::new(),
+            Some(path) => agent::config::load_schemas(path).map_err(|e| e.to_string())?,
+        };
+        let settings = rollout::agent_program::AgentSettings {
+            command: program.command.clone(),
+            timeout: std::time::Duration::from_secs_f64(program.timeout_s),
+            format: mt.format,
+            max_assistant_turns: mt.max_assistant_turns.unwrap_or(u32::MAX),
+            tools: schemas.clone(),
+        };
+        let programs = rollout::agent_program::AgentPrograms::start(settings, template, tokenizer.clone())
+            .map_err(|e| format!("starting the agent programs' endpoint: {e}"))?;
+        return Ok(Some(RunEnvironment {
+            handler: std::sync::Arc::new(programs),
+            schemas,
+        }));
+    }
     let timeout = std::time::Duration::from_secs_f64(mt.tool_timeout_s);
     let mut tools = Vec::new();
     for (k, tool) in mt.tools.iter().enumerate() {
@@ -166,10 +193,12 @@ pub fn tool_environment(
         truncate_side: mt.tool_response_truncate_side,
         tool_timeout: std::time::Duration::from_secs_f64(mt.tool_timeout_s),
     };
-    Ok(Some(
-        rollout::environment::ToolEnvironment::new(toolbox, settings, template, tokenizer.clone())
-            .with_interactions(interactions),
-    ))
+    let tools = rollout::environment::ToolEnvironment::new(toolbox, settings, template, tokenizer.clone())
+        .with_interactions(interactions);
+    Ok(Some(RunEnvironment {
+        schemas: tools.schemas(),
+        handler: std::sync::Arc::new(tools),
+    }))
 }
 
 /// Uploads the prepared model's weights in `rollout.dtype` for a rollout engine of its own

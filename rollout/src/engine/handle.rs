@@ -1,7 +1,7 @@
 //! The engine on its own thread: commands in (requests, weight updates, environments'
 //! answers), finished samples out, from any thread.
 
-use super::{Engine, EngineOutput, GenerationRequest, Resume, Turn, TurnId};
+use super::{Engine, EngineOutput, GenerationRequest, Resume, Sample, Turn, TurnId};
 use crate::error::{Result, RolloutError};
 use crate::weights::EngineWeights;
 use std::sync::mpsc::{channel, Receiver, Sender};
@@ -13,6 +13,18 @@ pub trait TurnHandler: Send + Sync {
     /// Must return at once (tools run elsewhere) and answer later through `resumer`; a turn
     /// never answered keeps its slot.
     fn on_turn(&self, turn: Turn, resumer: Resumer);
+
+    /// Called for every sample the engine finishes, before it is sent: an environment that
+    /// keeps state per episode learns here that an episode ended without another turn (a
+    /// budget cut it, or the environment itself finished it).
+    fn on_finished(&self, _sample: &Sample) {}
+
+    /// Whether turns cut by a budget park too (the environment then ends every episode, and
+    /// a continuation past the response budget finishes the sample), instead of finishing
+    /// their sample at once.
+    fn parks_cut_turns(&self) -> bool {
+        false
+    }
 }
 
 /// Sends an environment's answers to the engine thread.
@@ -37,7 +49,8 @@ impl Engine {
 
     /// As [`Engine::spawn`], with the environment that answers multi-turn requests' turns
     /// (without one, such a request is rejected).
-    pub fn spawn_with(self, environment: Option<Arc<dyn TurnHandler>>) -> EngineHandle {
+    pub fn spawn_with(mut self, environment: Option<Arc<dyn TurnHandler>>) -> EngineHandle {
+        self.set_park_cut_turns(environment.as_ref().is_some_and(|e| e.parks_cut_turns()));
         let (commands, command_rx) = channel::<Command>();
         let (output_tx, outputs) = channel::<EngineOutput>();
         let resumer = Resumer {
@@ -116,6 +129,9 @@ fn serve(
         }
         if engine.has_work() {
             for s in engine.step()? {
+                if let Some(env) = &environment {
+                    env.on_finished(&s);
+                }
                 let _ = outputs.send(EngineOutput::Sample(s));
             }
             if let Some(env) = &environment {

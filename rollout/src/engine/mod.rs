@@ -142,6 +142,9 @@ pub struct Engine {
     /// Samples finished outside a decode step (by [`Engine::resume`]), returned by the next step.
     done: Vec<Sample>,
     stats: EngineStats,
+    /// Multi-turn turns cut by a budget park too, for the environment to end
+    /// ([`TurnHandler::parks_cut_turns`]).
+    park_cut_turns: bool,
 }
 
 impl Engine {
@@ -234,6 +237,7 @@ impl Engine {
             turns: Vec::new(),
             done: Vec::new(),
             stats: EngineStats::default(),
+            park_cut_turns: false,
         };
         let all = DecodeKey {
             truncate: false,
@@ -361,6 +365,12 @@ impl Engine {
     /// Number of multi-turn samples waiting for their environment.
     pub fn parked_samples(&self) -> usize {
         self.slots.iter().flatten().filter(|a| !a.decoding()).count()
+    }
+
+    /// Park multi-turn turns cut by a budget too (`MaxTurnTokens`, `MaxNewTokens`,
+    /// `MaxModelLen`), so the environment ends every episode itself.
+    pub fn set_park_cut_turns(&mut self, park: bool) {
+        self.park_cut_turns = park;
     }
 
     /// The model turns that parked since the last call, for the environment to answer.
@@ -888,15 +898,21 @@ impl Engine {
             a.position += 1;
             match reason {
                 None => {}
-                // A multi-turn sample's turn ended by the model: the environment decides.
-                Some(reason) if stopped && a.request.multi_turn.is_some() => {
-                    a.parked = Some(reason);
+                // A multi-turn sample's turn ended by the model (or by a budget, when the
+                // environment ends episodes itself): the environment decides.
+                Some(reason)
+                    if a.request.multi_turn.is_some()
+                        && (stopped || (self.park_cut_turns && text.is_none())) =>
+                {
+                    a.parked = Some(reason.clone());
                     a.episode.turns += 1;
                     self.turns.push(Turn {
                         id: a.id(),
                         request: a.request.clone(),
                         response: a.response.clone(),
                         turn: a.turn_start..a.response.len(),
+                        logprobs: a.logprobs[a.turn_start..].to_vec(),
+                        reason,
                         turns: a.episode.turns,
                         user_turns: a.episode.user_turns,
                     });

@@ -260,6 +260,11 @@ pub struct Turn {
     pub response: Vec<u32>,
     /// This turn's tokens within `response` (its stop token last).
     pub turn: Range<usize>,
+    /// The log-probability of each of this turn's tokens, as sampled.
+    pub logprobs: Vec<f32>,
+    /// What ended the turn: a stop token, or a budget where the environment asked for those
+    /// turns too ([`crate::TurnHandler::parks_cut_turns`]).
+    pub reason: FinishReason,
     /// Model turns so far, this one included.
     pub turns: u32,
     /// Interaction (user) turns so far.
