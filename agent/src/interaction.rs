@@ -1,10 +1,13 @@
-//! Interactions: an environment that answers the model's turns as the user would (VeRL's
+//! Environments for whole episodes, which answer the model's turns as the user would (VeRL's
 //! `interaction`): a simulated user, a grader that says "try again", a game. After a model turn
-//! without tool calls, the rollout sends the turn to the interaction; its reply becomes the next
-//! user message, it may end the episode, and it may give a reward for the turn.
+//! without tool calls, the rollout sends the turn to the episode's environment; its reply
+//! becomes the next user message, it may end the episode, and it may give a reward for the turn.
 //!
-//! An interaction is a program in any language, reached as a JSON-lines child process or an
-//! HTTP endpoint (the transports of [`crate::external`]). A request:
+//! [`Environment`] is the interface, for environments written in Rust: `reset` from the
+//! dataset row when an episode first reaches it, `step` on each model turn (observation, done,
+//! reward), `close` when the episode's sample is finished. [`Interaction`] is the same
+//! interface for a program in any language, reached as a JSON-lines child process or an HTTP
+//! endpoint (the transports of [`crate::external`]). A request:
 //!
 //! ```json
 //! {"id": 3, "interaction": "gsm8k", "episode": "5f3a9c-12-3-0", "user_turns": 0,
@@ -36,10 +39,50 @@ pub struct Reply {
     pub reward: Option<f64>,
 }
 
-/// One interaction (see the module documentation).
+/// A model turn an environment answers.
+#[derive(Clone, Copy, Debug)]
+pub struct EnvTurn<'a> {
+    /// The episode's id, unique across the run's processes and restarts.
+    pub episode: &'a str,
+    /// Replies the episode had before this turn (0: its first step, right after `reset`).
+    pub user_turns: u32,
+    /// The model's turn as text (special tokens left out).
+    pub text: &'a str,
+    /// The row's `extra_info.interaction_kwargs` (null without).
+    pub kwargs: &'a Value,
+}
+
+/// An environment for whole episodes (see the module documentation). Its methods run on
+/// threads of the rollout, never on the engine's; `step` is bounded by [`Environment::time_limit`]
+/// (the run's `tool_timeout_s` when `None`) and one past it ends the episode, counted as a
+/// time-out.
+pub trait Environment: Send + Sync {
+    /// The name a row picks it by (`extra_info.interaction_kwargs.name`).
+    fn name(&self) -> &str;
+
+    /// A new episode, from its dataset row (every column but the prompt as JSON, `extra_info`
+    /// among them), before its first step. An error ends the episode, counted.
+    fn reset(&self, _episode: &str, _row: &Value) -> Result<(), ToolError> {
+        Ok(())
+    }
+
+    /// The answer to a model turn that called no tool.
+    fn step(&self, turn: &EnvTurn<'_>) -> Result<Reply, ToolError>;
+
+    /// The episode's sample is finished: drop what is kept for it.
+    fn close(&self, _episode: &str) {}
+
+    /// Its own limit on one step, when it enforces one itself (a program is killed at it).
+    fn time_limit(&self) -> Option<Duration> {
+        None
+    }
+}
+
+/// An environment in another process (see the module documentation).
 pub struct Interaction {
     name: String,
     transport: Transport,
+    timeout: Duration,
 }
 
 impl Interaction {
@@ -55,6 +98,7 @@ impl Interaction {
         let label = format!("interaction-{name}");
         Interaction {
             name: name.into(),
+            timeout,
             transport: Transport::Command(JsonLinesProcess::new(
                 &label,
                 key,
@@ -69,34 +113,33 @@ impl Interaction {
     pub fn http(name: &str, url: &str, timeout: Duration, max_in_flight: usize) -> Self {
         Interaction {
             name: name.into(),
+            timeout,
             transport: Transport::Http(JsonEndpoint::new(url, timeout, max_in_flight)),
         }
     }
+}
 
-    /// Its name (what a row's `extra_info.interaction_kwargs.name` picks).
-    pub fn name(&self) -> &str {
+impl Environment for Interaction {
+    fn name(&self) -> &str {
         &self.name
     }
 
-    /// Asks for the reply to the model's `turn` in `episode`, which has had `user_turns`
-    /// replies so far.
-    pub fn respond(
-        &self,
-        episode: &str,
-        user_turns: u32,
-        turn: &str,
-        kwargs: &Value,
-    ) -> Result<Reply, ToolError> {
+    /// Sends the turn to the program; `user_turns: 0` tells it the episode is new.
+    fn step(&self, turn: &EnvTurn<'_>) -> Result<Reply, ToolError> {
         let request = |id: u64| {
-            json!({"id": id, "interaction": self.name, "episode": episode, "user_turns": user_turns,
-                   "turn": turn, "kwargs": kwargs})
+            json!({"id": id, "interaction": self.name, "episode": turn.episode,
+                   "user_turns": turn.user_turns, "turn": turn.text, "kwargs": turn.kwargs})
         };
         let answer = self.transport.send(
-            &format!("episode {episode}"),
+            &format!("episode {}", turn.episode),
             "the interaction's program",
             request,
         )?;
         reply_of(&answer)
+    }
+
+    fn time_limit(&self) -> Option<Duration> {
+        Some(self.timeout)
     }
 }
 

@@ -37,7 +37,7 @@ pub use calculator::Calculator;
 pub use call::{CallError, CallFormat, Parsed, ToolCall};
 pub use config::{ToolFileError, ToolSpec};
 pub use external::ExternalTool;
-pub use interaction::{Interaction, Reply};
+pub use interaction::{EnvTurn, Environment, Interaction, Reply};
 #[cfg(target_os = "linux")]
 pub use python::{Python, PythonError, PythonSettings};
 pub use schema::{SchemaError, ToolSchema};

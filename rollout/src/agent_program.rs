@@ -23,13 +23,14 @@
 //! recipe's sampling settings apply to every call (a group's samples must come from one
 //! policy); a request's own `temperature`, `max_tokens`... are not used.
 //!
-//! The episode ends when the program exits (its last stdout line may be `{"reward": x}`, the
-//! sample's turn score), when a budget ends the sample (the waiting call gets the cut turn with
-//! `finish_reason: "length"`; later calls are refused), at `max_assistant_turns`, or at the
-//! program's time limit (killed with its process group). A program that fails, breaks the
-//! protocol or runs out of time is counted in the sample's tool errors or time-outs, and the
-//! sample keeps what it had; the run goes on. A weight update that restarts an episode kills
-//! its program and starts a new one for the new run of the episode.
+//! The episode ends when the program exits, or is killed at its time limit with its process
+//! group; its last stdout line may be `{"reward": x}`, the sample's turn score. The engine
+//! parks turns cut by a budget too ([`TurnHandler::parks_cut_turns`]), answered with
+//! `finish_reason: "length"`, so the program's exit is what finishes every sample and its
+//! reward always reaches it. A call past `max_assistant_turns` or the response budget is
+//! refused and the turn stays parked; so is a call that breaks the protocol, counted as a tool
+//! error, as a failing program is (a time-out as a tool time-out). The run goes on. A weight
+//! update that restarts an episode kills its program and starts a new one for the new run.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};

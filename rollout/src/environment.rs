@@ -18,11 +18,11 @@ use std::sync::mpsc::channel;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use agent::{CallContext, CallFormat, Interaction, ToolCall, ToolError, ToolSchema, Toolbox};
+use agent::{CallContext, CallFormat, EnvTurn, Environment, ToolCall, ToolError, ToolSchema, Toolbox};
 use model::{ChatTemplate, ModelTokenizer};
 use serde_json::{json, Value};
 
-use crate::engine::{EpisodeStats, Resume, Resumer, Turn, TurnHandler};
+use crate::engine::{EpisodeStats, Resume, Resumer, Sample, Turn, TurnHandler, TurnId};
 
 /// Which end of a long tool response survives VeRL's `tool_response_truncate_side`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -125,9 +125,9 @@ struct Inner {
     /// Tells this environment's episodes from those of other workers and runs.
     instance: u64,
     toolbox: Toolbox,
-    /// The interactions that answer turns without tool calls; a row picks one by
-    /// `extra_info.interaction_kwargs.name`, the first by default.
-    interactions: Vec<Interaction>,
+    /// The environments (interactions) that answer turns without tool calls; a row picks one
+    /// by `extra_info.interaction_kwargs.name`, the first by default.
+    interactions: Vec<Arc<dyn Environment>>,
     settings: ToolSettings,
     renderer: TurnRenderer,
     tokenizer: ModelTokenizer,
@@ -157,8 +157,9 @@ impl ToolEnvironment {
         }
     }
 
-    /// The environment with `interactions` answering the model's turns that call no tool.
-    pub fn with_interactions(mut self, interactions: Vec<Interaction>) -> ToolEnvironment {
+    /// The environment with `interactions` (programs, [`agent::Interaction`], or environments
+    /// written in Rust) answering the model's turns that call no tool.
+    pub fn with_interactions(mut self, interactions: Vec<Arc<dyn Environment>>) -> ToolEnvironment {
         Arc::get_mut(&mut self.inner)
             .expect("interactions are added before the environment is shared")
             .interactions = interactions;
@@ -191,18 +192,40 @@ impl TurnHandler for ToolEnvironment {
             .spawn(move || resumer.resume(turn.id, env.answer(&turn)))
             .expect("spawning a tool thread");
     }
+
+    /// Tells the interactions the episode is over (each drops what it kept for it, if any).
+    fn on_finished(&self, sample: &Sample) {
+        if self.inner.interactions.is_empty() {
+            return;
+        }
+        let episode = episode_id(
+            self.inner.instance,
+            &TurnId {
+                request_id: sample.request_id,
+                sample_index: sample.sample_index,
+                restarts: sample.restarts,
+            },
+        );
+        for interaction in &self.inner.interactions {
+            interaction.close(&episode);
+        }
+    }
 }
 
-/// The context of a call of `tool` in `turn`'s episode: the episode's id (this environment's
-/// instance, then request, sample and restart: a request redone by another worker after a
-/// failure gets new ids) and the row's `extra_info.tools_kwargs.<tool>`.
+/// An episode's id: this environment's instance, then request, sample and restart (a request
+/// redone by another worker after a failure gets new ids).
+fn episode_id(instance: u64, id: &TurnId) -> String {
+    format!(
+        "{instance:x}-{}-{}-{}",
+        id.request_id, id.sample_index, id.restarts
+    )
+}
+
+/// The context of a call of `tool` in `turn`'s episode: the episode's id and the row's
+/// `extra_info.tools_kwargs.<tool>`.
 fn context(instance: u64, turn: &Turn, tool: &str) -> CallContext {
-    let id = &turn.id;
     CallContext {
-        episode: format!(
-            "{instance:x}-{}-{}-{}",
-            id.request_id, id.sample_index, id.restarts
-        ),
+        episode: episode_id(instance, &turn.id),
         kwargs: turn
             .request
             .multi_turn
@@ -292,8 +315,23 @@ impl Inner {
                 }
             },
         };
-        let episode = context(self.instance, turn, "").episode;
-        match interaction.respond(&episode, turn.user_turns, text, &kwargs) {
+        let episode = episode_id(self.instance, &turn.id);
+        let (interaction, name) = (interaction.clone(), interaction.name().to_string());
+        let limit = interaction.time_limit();
+        let row = turn.request.multi_turn.as_ref().map(|e| e.row.clone());
+        let (user_turns, text) = (turn.user_turns, text.to_string());
+        let step = move || {
+            if user_turns == 0 {
+                interaction.reset(&episode, row.as_deref().unwrap_or(&Value::Null))?;
+            }
+            interaction.step(&EnvTurn {
+                episode: &episode,
+                user_turns,
+                text: &text,
+                kwargs: &kwargs,
+            })
+        };
+        match self.bounded(limit, step) {
             Ok(reply) => {
                 stats.user_turns += 1;
                 stats.turn_scores.extend(reply.reward);
@@ -313,8 +351,7 @@ impl Inner {
             Err(e) => {
                 tracing::warn!(
                     request = turn.id.request_id,
-                    "ending an episode: interaction {}: {e}",
-                    interaction.name()
+                    "ending an episode: interaction {name}: {e}"
                 );
                 match e {
                     ToolError::TimedOut(_) => stats.tool_timeouts += 1,
@@ -327,18 +364,29 @@ impl Inner {
 
     /// Runs one call under the time limit, on a thread of its own.
     fn run(&self, call: &ToolCall, context: CallContext) -> Result<String, ToolError> {
-        // A tool that stops itself at its own limit is given a moment past it to say so; an
-        // in-process tool is abandoned at the run's limit.
-        let (limit, wait) = match self.toolbox.time_limit(&call.name) {
+        let (toolbox, call) = (self.toolbox.clone(), call.clone());
+        self.bounded(self.toolbox.time_limit(&call.name), move || {
+            toolbox.call_in(&call, &context)
+        })
+    }
+
+    /// Runs `work` on a thread of its own under a time limit: its own `limit` (given a moment
+    /// past it to say it stopped itself), else the run's `tool_timeout_s`, at which in-process
+    /// work is abandoned (its thread runs on; its answer is dropped).
+    fn bounded<T: Send + 'static>(
+        &self,
+        own: Option<Duration>,
+        work: impl FnOnce() -> Result<T, ToolError> + Send + 'static,
+    ) -> Result<T, ToolError> {
+        let (limit, wait) = match own {
             Some(own) => (own, own + Duration::from_secs(2)),
             None => (self.settings.tool_timeout, self.settings.tool_timeout),
         };
         let (tx, rx) = channel();
-        let (toolbox, call) = (self.toolbox.clone(), call.clone());
         std::thread::Builder::new()
             .name("rollout-tool-call".into())
             .spawn(move || {
-                let _ = tx.send(toolbox.call_in(&call, &context));
+                let _ = tx.send(work());
             })
             .map_err(|e| ToolError::Failed(format!("starting the tool: {e}")))?;
         rx.recv_timeout(wait).unwrap_or(Err(ToolError::TimedOut(limit)))

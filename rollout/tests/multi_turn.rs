@@ -597,7 +597,7 @@ mod tools {
             template,
             tokenizer.clone(),
         )
-        .with_interactions(vec![grader]);
+        .with_interactions(vec![Arc::new(grader) as Arc<dyn agent::Environment>]);
         let answer = |text: &str, user_turns: u32, kwargs: Value| {
             let mut t = turn(&tokenizer, &[1, 2], text, user_turns + 1);
             t.user_turns = user_turns;
@@ -644,6 +644,131 @@ mod tools {
         assert_eq!(stats.tool_errors, 1);
         // The program is started again for the next episode.
         assert!(matches!(answer("41", 0, json!(null)), Resume::Continue { .. }));
+    }
+
+    /// A number-guessing game written in Rust, through the `Environment` interface: its secret
+    /// comes from the row at `reset`.
+    #[derive(Default)]
+    struct Guess {
+        secrets: std::sync::Mutex<std::collections::HashMap<String, i64>>,
+        closed: std::sync::Mutex<Vec<String>>,
+    }
+
+    impl agent::Environment for Guess {
+        fn name(&self) -> &str {
+            "guess"
+        }
+
+        fn reset(&self, episode: &str, row: &Value) -> Result<(), ToolError> {
+            let secret = row["extra_info"]["secret"]
+                .as_i64()
+                .ok_or_else(|| ToolError::Failed("the row has no extra_info.secret".into()))?;
+            self.secrets.lock().unwrap().insert(episode.into(), secret);
+            Ok(())
+        }
+
+        fn step(&self, turn: &agent::EnvTurn<'_>) -> Result<agent::Reply, ToolError> {
+            if turn.text == "hang" {
+                std::thread::sleep(Duration::from_secs(30));
+            }
+            let secret = self.secrets.lock().unwrap()[turn.episode];
+            let guess: i64 = turn
+                .text
+                .trim_end_matches('.')
+                .rsplit(' ')
+                .next()
+                .and_then(|w| w.parse().ok())
+                .ok_or_else(|| ToolError::Failed("no number in the turn".into()))?;
+            let (content, done) = match guess.cmp(&secret) {
+                std::cmp::Ordering::Less => ("Higher.", false),
+                std::cmp::Ordering::Greater => ("Lower.", false),
+                std::cmp::Ordering::Equal => ("Right.", true),
+            };
+            Ok(agent::Reply {
+                content: content.into(),
+                done,
+                reward: Some(f64::from(u8::from(done))),
+            })
+        }
+
+        fn close(&self, episode: &str) {
+            self.secrets.lock().unwrap().remove(episode);
+            self.closed.lock().unwrap().push(episode.into());
+        }
+    }
+
+    /// An environment written in Rust is reset from the episode's row, stepped on each turn
+    /// without calls (observation, done, reward), bounded by the run's time limit, and closed
+    /// when the engine finishes the sample.
+    #[test]
+    fn a_rust_environment_is_reset_from_the_row_stepped_and_closed() {
+        let (tokenizer, template) = smollm2();
+        let game = Arc::new(Guess::default());
+        let settings = ToolSettings {
+            format: CallFormat::Hermes,
+            max_assistant_turns: 8,
+            max_parallel_calls: 1,
+            max_user_turns: 4,
+            max_tool_response_length: 256,
+            truncate_side: TruncateSide::Middle,
+            tool_timeout: Duration::from_millis(300),
+        };
+        let env = ToolEnvironment::new(Toolbox::new([]).unwrap(), settings, template, tokenizer.clone())
+            .with_interactions(vec![game.clone() as Arc<dyn agent::Environment>]);
+        let answer = |text: &str, user_turns: u32, row: Value| {
+            let mut t = turn(&tokenizer, &[1, 2], text, user_turns + 1);
+            t.user_turns = user_turns;
+            t.request = Arc::new(GenerationRequest {
+                multi_turn: Some(Episode {
+                    max_turn_tokens: 40,
+                    row: Arc::new(row),
+                }),
+                ..(*t.request).clone()
+            });
+            env.answer(&t)
+        };
+        let row = json!({"extra_info": {"secret": 42}});
+        let Resume::Continue { tokens, stats } = answer("I guess 50.", 0, row.clone()) else {
+            panic!("a wrong guess gets a hint")
+        };
+        assert_eq!(
+            tokenizer.decode(&tokens, false).unwrap(),
+            "\n<|im_start|>user\nLower.<|im_end|>\n<|im_start|>assistant\n"
+        );
+        assert_eq!((stats.user_turns, stats.turn_scores.clone()), (1, vec![0.0]));
+        let Resume::Finish { stats } = answer("Then 42.", 1, row.clone()) else {
+            panic!("the right guess ends the episode")
+        };
+        assert_eq!(stats.turn_scores, vec![1.0]);
+        let episode: Vec<String> = game.secrets.lock().unwrap().keys().cloned().collect();
+        assert_eq!(episode.len(), 1);
+        assert!(episode[0].ends_with("-1-0-0"), "{episode:?}");
+        env.on_finished(&rollout::Sample {
+            request_id: 1,
+            sample_index: 0,
+            prompt_ids: vec![1, 2],
+            response_ids: vec![],
+            text: String::new(),
+            logprobs: vec![],
+            finish_reason: rollout::FinishReason::Eos(2),
+            weight_version: 0,
+            restarts: 0,
+            env_spans: vec![],
+            episode: Default::default(),
+        });
+        assert_eq!(*game.closed.lock().unwrap(), episode);
+        assert!(game.secrets.lock().unwrap().is_empty());
+        // A row the game cannot reset from, and a step past the time limit, end the episode.
+        let Resume::Finish { stats } = answer("50", 0, json!({})) else {
+            panic!("a failed reset ends the episode")
+        };
+        assert_eq!((stats.tool_errors, stats.user_turns), (1, 0));
+        let started = Instant::now();
+        let Resume::Finish { stats } = answer("hang", 0, row) else {
+            panic!("a hung step ends the episode")
+        };
+        assert_eq!(stats.tool_timeouts, 1);
+        assert!(started.elapsed() < Duration::from_secs(3));
     }
 
     #[test]

@@ -177,10 +177,10 @@ pub fn environment(
             .iter()
             .enumerate()
             .map(|(k, spec)| {
-                spec.build(
+                std::sync::Arc::new(spec.build(
                     timeout,
                     &format!("interaction[{k}].config.command in {}", path.display()),
-                )
+                )) as std::sync::Arc<dyn agent::Environment>
             })
             .collect(),
     };
