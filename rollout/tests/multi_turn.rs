@@ -814,3 +814,121 @@ mod qwen3 {
         );
     }
 }
+
+mod agent_programs {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use model::programs::HostModel;
+    use rollout::agent_program::{AgentPrograms, AgentSettings};
+    use rollout::{upload_weights, Engine, EngineConfig, EngineOutput, Episode, GenerationRequest};
+    use serde_json::{json, Value};
+    use testkit::client;
+    use xla::DType;
+
+    /// A weight update in the middle of an agent program's episode restarts the episode: the
+    /// program waiting between its calls is killed, a new one drives the new run, and the
+    /// sample (from the new weights) is exactly the ids the new program was served. Turns cut
+    /// by `max_turn_tokens` park for the program too, so a random model's episodes go on.
+    #[test]
+    fn a_weight_update_restarts_an_episode_with_a_new_program() {
+        let dir = tempfile::tempdir().unwrap();
+        let host = HostModel::load(&testkit::tiny_chat_model(dir.path())).unwrap();
+        let template = host.chat_template.clone().unwrap();
+        let logs = dir.path().join("episodes");
+        std::fs::create_dir(&logs).unwrap();
+        let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/episode_agent.py");
+        let settings = AgentSettings {
+            command: ["python3", fixture, logs.to_str().unwrap(), "slow", "1"]
+                .map(String::from)
+                .to_vec(),
+            timeout: Duration::from_secs(60),
+            format: agent::CallFormat::Hermes,
+            max_assistant_turns: 8,
+            tools: Vec::new(),
+        };
+        let programs = AgentPrograms::start(settings, template.clone(), host.tokenizer.clone()).unwrap();
+        assert!(programs.base_url().starts_with("http://127.0.0.1:"));
+        let upload = |seed| {
+            let weights = model::random_init(&host.weights.config, seed);
+            upload_weights(client(), &weights, DType::F32, 0).unwrap()
+        };
+        let mut config = EngineConfig::new(2, 256);
+        config.eos_token_ids = host.stop_tokens();
+        let engine = Engine::new(
+            client(),
+            &host.weights.config,
+            upload(7),
+            1,
+            config,
+            Some(host.tokenizer.clone()),
+        )
+        .unwrap()
+        .spawn_with(Some(Arc::new(programs)));
+        let messages = json!([{"role": "user", "content": "What is 2 + 3?"}]);
+        let prompt = host
+            .tokenizer
+            .encode(
+                &template
+                    .render_with(&messages, true, &Default::default())
+                    .unwrap(),
+                false,
+            )
+            .unwrap();
+        engine
+            .submit(GenerationRequest {
+                id: 5,
+                prompt: prompt.clone(),
+                n: 1,
+                seed: 3,
+                params: rollout::SamplingParams {
+                    temperature: 1.0,
+                    max_new_tokens: 60,
+                    ..Default::default()
+                },
+                multi_turn: Some(Episode {
+                    max_turn_tokens: 4,
+                    row: Arc::new(json!({"prompt": messages, "extra_info": {"index": 0}})),
+                }),
+            })
+            .unwrap();
+        // The first program has had its first call and sleeps before its second.
+        let first = logs.join("5-0-0.json");
+        let started = Instant::now();
+        while !first.exists() {
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "the first program never called"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        engine.control().update_weights(2, upload(8)).unwrap();
+        let sample = match engine.outputs().recv_timeout(Duration::from_secs(60)).unwrap() {
+            EngineOutput::Sample(s) => s,
+            EngineOutput::Rejected(e) => panic!("{e}"),
+        };
+        assert_eq!((sample.restarts, sample.weight_version), (1, 2));
+        let read = |name: &str| -> Value {
+            serde_json::from_str(&std::fs::read_to_string(logs.join(name)).unwrap()).unwrap()
+        };
+        let killed = read("5-0-0.json");
+        assert_eq!(
+            killed["finished"], false,
+            "the first program was killed: {killed}"
+        );
+        assert_eq!(killed["calls"].as_array().unwrap().len(), 1, "{killed}");
+        let second = read("5-0-1.json");
+        assert_eq!(second["finished"], true, "{second}");
+        let calls = second["calls"].as_array().unwrap();
+        assert!(calls.len() >= 2, "{second}");
+        let ids = |c: &Value, key: &str| -> Vec<u32> { serde_json::from_value(c[key].clone()).unwrap() };
+        let last = calls.iter().rfind(|c| c["status"] == 200).unwrap();
+        let mut served = ids(last, "prompt_token_ids");
+        served.extend(ids(last, "token_ids"));
+        let mut trained = sample.prompt_ids.clone();
+        trained.extend(&sample.response_ids);
+        assert_eq!(served, trained);
+        assert!(!sample.env_spans.is_empty());
+        assert_eq!(sample.episode.turn_scores.len(), 1, "the program's reward");
+    }
+}

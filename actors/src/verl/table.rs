@@ -60,8 +60,9 @@ const MULTI_TURN: How = How::Unsupported(
     "grpo's multi-turn rollouts run the tools of `rollout.multi_turn.tools` and \
      `rollout.multi_turn.tool_config_path` (built-ins, JSON-lines commands, HTTP endpoints) and the \
      interactions of \
-     `rollout.multi_turn.interaction_config_path`; VeRL's Python agent loops and repeated \
-     rollouts are not in grpo yet (issue 24)",
+     `rollout.multi_turn.interaction_config_path`, or your own agent program through an \
+     OpenAI-compatible endpoint (`rollout.multi_turn.agent`); VeRL's Python agent loop classes \
+     and repeated rollouts are not in grpo",
 );
 const NEVER_RETOKENIZED: How = How::NoEffect(
     "grpo never renders or tokenizes a finished turn again: it trains on the ids it sampled, \

@@ -174,8 +174,9 @@ fn errors_name_the_key_and_the_way_out() {
         "2 VeRL settings grpo cannot honour:\n  actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts=3: \
          not supported: grpo's multi-turn rollouts run the tools of `rollout.multi_turn.tools` and \
          `rollout.multi_turn.tool_config_path` (built-ins, JSON-lines commands, HTTP endpoints) and the \
-         interactions of `rollout.multi_turn.interaction_config_path`; VeRL's Python agent loops and \
-         repeated rollouts are not in grpo yet (issue 24)\n  reward_model.enable=true: not \
+         interactions of `rollout.multi_turn.interaction_config_path`, or your own agent program \
+         through an OpenAI-compatible endpoint (`rollout.multi_turn.agent`); VeRL's Python agent loop \
+         classes and repeated rollouts are not in grpo\n  reward_model.enable=true: not \
          supported: model-based rewards are not in grpo; score with a `custom_reward_function` file \
          or grpo's scorers (recipes/README.md, `reward`)"
     );
