@@ -200,6 +200,16 @@ fn episode_name(id: &TurnId) -> String {
     format!("{}-{}-{}", id.request_id, id.sample_index, id.restarts)
 }
 
+/// An episode's place in the table (request, sample) and its run (restarts).
+type EpisodeKey = ((u64, usize), u32);
+
+/// The key of the episode a URL names.
+fn episode_key(name: &str) -> Result<EpisodeKey, ApiError> {
+    parse_episode(name)
+        .map(|(request, sample, restarts)| ((request, sample), restarts))
+        .ok_or_else(|| bad(format!("{name:?} names no episode")))
+}
+
 fn parse_episode(name: &str) -> Option<(u64, usize, u32)> {
     let mut parts = name.split('-');
     let ids = (
@@ -569,15 +579,30 @@ impl Inner {
         openai::authorize(Some(&self.key), headers)
     }
 
+    /// Adds the assistant message a chat call was answered with to its episode's conversation,
+    /// which the next call must repeat.
+    fn record_answer(&self, (key, restarts): EpisodeKey, message: &Value) {
+        let mut episodes = lock(self);
+        if let Some(history) = episodes
+            .get_mut(&key)
+            .filter(|e| e.restarts == restarts)
+            .and_then(|e| e.history.as_mut())
+        {
+            history.push(message.clone());
+        }
+    }
+
     /// Serves one call of an episode: checks it extends the episode, hands its new tokens to
     /// the engine and waits for the next turn. A call that cannot be served (it breaks the
     /// protocol, or the episode's budget is spent) is refused and the turn stays parked: the
     /// episode ends when the program exits, with its reward. A protocol error counts as a tool
     /// error.
-    async fn call(&self, episode: &str, prompt: CallPrompt<'_>) -> Result<Served, ApiError> {
-        let (request_id, sample_index, restarts) =
-            parse_episode(episode).ok_or_else(|| bad(format!("{episode:?} names no episode")))?;
-        let key = (request_id, sample_index);
+    async fn call(
+        &self,
+        episode: &str,
+        (key, restarts): EpisodeKey,
+        prompt: CallPrompt<'_>,
+    ) -> Result<Served, ApiError> {
         let receiver = {
             let mut episodes = lock(self);
             let state = episodes
@@ -844,24 +869,21 @@ async fn chat_completions(
     inner.authorize(&headers)?;
     check_options(&body)?;
     let (messages, tools) = openai::chat_messages(&body)?;
-    let served = inner.call(&episode, CallPrompt::Chat { messages, tools }).await?;
+    let key = episode_key(&episode)?;
+    let served = inner
+        .call(&episode, key, CallPrompt::Chat { messages, tools })
+        .await?;
     let text = inner.tokenizer.decode(&served.ids, true).unwrap_or_default();
-    let (message, finish) = openai::assistant_message(
+    let message = openai::assistant_message(
         inner.settings.format,
         tools.is_some(),
         &text,
         &episode,
         served.truncated,
     );
-    if let Some(state) = lock(&inner).get_mut(&parse_key(&episode)) {
-        if let Some(history) = &mut state.history {
-            history.push(message.clone());
-        }
-    }
-    let logprobs = openai::wants_logprobs(&body)
-        .then(|| openai::chat_logprobs(&inner.tokenizer, &served.ids, &served.logprobs));
-    let choice = json!({"index": 0, "message": message, "finish_reason": finish,
-                        "logprobs": logprobs, "token_ids": served.ids});
+    inner.record_answer(key, &message.0);
+    let logprobs = openai::wants_logprobs(&body).then_some(served.logprobs.as_slice());
+    let choice = openai::chat_choice(&inner.tokenizer, 0, message, &served.ids, logprobs);
     Ok(Json(openai::completion(
         "chat.completion",
         &format!("chatcmpl-{episode}"),
@@ -881,14 +903,19 @@ async fn completions(
     inner.authorize(&headers)?;
     check_options(&body)?;
     let prompt = openai::completion_prompt(&inner.tokenizer, &body)?;
-    let served = inner.call(&episode, CallPrompt::Ids(prompt)).await?;
+    let served = inner
+        .call(&episode, episode_key(&episode)?, CallPrompt::Ids(prompt))
+        .await?;
     let text = inner.tokenizer.decode(&served.ids, true).unwrap_or_default();
-    let logprobs = openai::wants_logprobs(&body).then(|| {
-        json!({"tokens": openai::token_texts(&inner.tokenizer, &served.ids), "token_logprobs": served.logprobs})
-    });
-    let finish = if served.truncated { "length" } else { "stop" };
-    let choice = json!({"index": 0, "text": text, "finish_reason": finish,
-                        "logprobs": logprobs, "token_ids": served.ids});
+    let logprobs = openai::wants_logprobs(&body).then_some(served.logprobs.as_slice());
+    let choice = openai::text_choice(
+        &inner.tokenizer,
+        0,
+        &text,
+        served.truncated,
+        &served.ids,
+        logprobs,
+    );
     Ok(Json(openai::completion(
         "text_completion",
         &format!("cmpl-{episode}"),
@@ -897,10 +924,6 @@ async fn completions(
         &served.before,
         served.ids.len(),
     )))
-}
-
-fn parse_key(episode: &str) -> (u64, usize) {
-    parse_episode(episode).map_or((u64::MAX, usize::MAX), |(r, s, _)| (r, s))
 }
 
 #[cfg(test)]

@@ -104,7 +104,7 @@ pub fn assistant_message(
     id: &str,
     truncated: bool,
 ) -> (Value, &'static str) {
-    let finish = if truncated { "length" } else { "stop" };
+    let finish = finish_reason(truncated);
     let parsed = if with_tools {
         format.parse(text)
     } else {
@@ -131,14 +131,52 @@ pub fn assistant_message(
 }
 
 /// Each token's text, for the `logprobs` of an answer.
-pub fn token_texts(tokenizer: &ModelTokenizer, ids: &[u32]) -> Vec<String> {
+fn token_texts(tokenizer: &ModelTokenizer, ids: &[u32]) -> Vec<String> {
     ids.iter()
         .map(|&id| tokenizer.decode(&[id], false).unwrap_or_default())
         .collect()
 }
 
+/// `length` for a completion cut by a budget, `stop` otherwise.
+pub fn finish_reason(truncated: bool) -> &'static str {
+    if truncated {
+        "length"
+    } else {
+        "stop"
+    }
+}
+
+/// One choice of a chat answer: the assistant `message`, its ids and, when asked for, their
+/// log-probabilities.
+pub fn chat_choice(
+    tokenizer: &ModelTokenizer,
+    index: usize,
+    (message, finish): (Value, &str),
+    ids: &[u32],
+    logprobs: Option<&[f32]>,
+) -> Value {
+    let logprobs = logprobs.map(|lp| chat_logprobs(tokenizer, ids, lp));
+    json!({"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs,
+           "token_ids": ids})
+}
+
+/// One choice of a text completion answer: its text, ids and, when asked for, their
+/// log-probabilities.
+pub fn text_choice(
+    tokenizer: &ModelTokenizer,
+    index: usize,
+    text: &str,
+    truncated: bool,
+    ids: &[u32],
+    logprobs: Option<&[f32]>,
+) -> Value {
+    let logprobs = logprobs.map(|lp| json!({"tokens": token_texts(tokenizer, ids), "token_logprobs": lp}));
+    json!({"index": index, "text": text, "finish_reason": finish_reason(truncated),
+           "logprobs": logprobs, "token_ids": ids})
+}
+
 /// A chat answer's `logprobs`.
-pub fn chat_logprobs(tokenizer: &ModelTokenizer, ids: &[u32], logprobs: &[f32]) -> Value {
+fn chat_logprobs(tokenizer: &ModelTokenizer, ids: &[u32], logprobs: &[f32]) -> Value {
     let content: Vec<Value> = token_texts(tokenizer, ids)
         .into_iter()
         .zip(logprobs)

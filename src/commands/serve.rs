@@ -364,17 +364,21 @@ async fn chat_completions(
     let choices: Vec<Value> = samples
         .iter()
         .map(|s| {
-            let (message, finish) = openai::assistant_message(
+            let message = openai::assistant_message(
                 server.format,
                 tools.is_some(),
                 &s.text,
                 &format!("{}_{}", s.request_id, s.sample_index),
                 s.finish_reason.is_truncated(),
             );
-            let logprobs =
-                want_logprobs.then(|| openai::chat_logprobs(&server.tokenizer, &s.response_ids, &s.logprobs));
-            json!({"index": s.sample_index, "message": message, "finish_reason": finish,
-                   "logprobs": logprobs, "token_ids": s.response_ids})
+            let logprobs = want_logprobs.then_some(s.logprobs.as_slice());
+            openai::chat_choice(
+                &server.tokenizer,
+                s.sample_index,
+                message,
+                &s.response_ids,
+                logprobs,
+            )
         })
         .collect();
     Ok(Json(openai::completion(
@@ -399,17 +403,14 @@ async fn completions(
     let choices: Vec<Value> = samples
         .iter()
         .map(|s| {
-            let logprobs = want_logprobs.then(|| {
-                json!({"tokens": openai::token_texts(&server.tokenizer, &s.response_ids),
-                       "token_logprobs": s.logprobs})
-            });
-            let finish = if s.finish_reason.is_truncated() {
-                "length"
-            } else {
-                "stop"
-            };
-            json!({"index": s.sample_index, "text": s.text, "finish_reason": finish,
-                   "logprobs": logprobs, "token_ids": s.response_ids})
+            openai::text_choice(
+                &server.tokenizer,
+                s.sample_index,
+                &s.text,
+                s.finish_reason.is_truncated(),
+                &s.response_ids,
+                want_logprobs.then_some(s.logprobs.as_slice()),
+            )
         })
         .collect();
     Ok(Json(openai::completion(
