@@ -460,6 +460,39 @@ fn cpu_device_compiles_the_quickstart_optimizer_step_with_memory_stats() {
     assert!(p["estimated_seconds"].is_null(), "{p}");
 }
 
+/// A multi-turn recipe lists the extend programs that write environment tokens into a
+/// sample's slot, one per bucket up to the response budget, and each updates the cache in
+/// place: its temporaries are a sliver of the cache, not a copy of it.
+#[test]
+fn a_multi_turn_recipe_compiles_its_extend_programs_in_place() {
+    let o = grpo(&[
+        "compile",
+        "recipes/arithmetic-tools-smollm2.yaml",
+        "--device",
+        "cpu",
+        "--only",
+        "rollout_extend",
+        "--json",
+    ]);
+    let (stdout, stderr) = (text(&o.stdout), text(&o.stderr));
+    assert_eq!(o.status.code(), Some(0), "{stdout}\n{stderr}");
+    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let programs = report["programs"].as_array().unwrap();
+    let names: Vec<&str> = programs.iter().map(|p| p["program"].as_str().unwrap()).collect();
+    // 96 response tokens: buckets 8 to 128.
+    assert_eq!(
+        names,
+        [8, 16, 32, 64, 128].map(|n| format!("rollout_extend_{n}_cache32x1x416")),
+        "{stdout}"
+    );
+    for p in programs {
+        let cache = p["argument_bytes"].as_u64().unwrap() - p["param_bytes"].as_u64().unwrap();
+        let temporaries = p["temp_bytes"].as_u64().unwrap();
+        assert!(cache > 500 << 20, "{p}");
+        assert!(temporaries < cache / 32, "the cache is copied: {p}");
+    }
+}
+
 /// With `model.enable_gradient_checkpointing` the learner's gradient program is compiled with
 /// and without it, and the report says what remat saves.
 #[test]

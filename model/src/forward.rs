@@ -1376,6 +1376,89 @@ pub fn decode_hidden_graph_chunked(
     (rms_norm(&h, &p.final_norm, config.rms_norm_eps), out_cache)
 }
 
+/// Extend: writes `tokens [K]` into one slot of a KV cache laid out as
+/// [`decode_hidden_graph_chunked`] reads it (chunks of positions; one chunk when unchunked),
+/// at positions `start..start + length` (`place [3]` = slot, start, length; the rows from
+/// `length` on are padding). Each token attends to the slot's cached positions `0..start`
+/// and causally to the tokens before it: a prefill that continues a slot instead of starting
+/// one, for a multi-turn sample's environment tokens. The keys and values are computed as a
+/// prefill computes them (one pass over the `K` tokens), not one decode row per token.
+///
+/// No logits come out: the caller leaves a turn's last environment token to the next decode
+/// step, which samples from it. Padding rows and positions past the cache write nothing (a
+/// scatter drops them), so a bucket may run past the cache's end.
+///
+/// Returns the updated cache (same order; the new rows scattered in place and the slot's row
+/// read whole, so a run costs one slot's row per layer besides the tokens' own work).
+pub fn extend_graph(p: &DecoderParams, tokens: &Tensor, place: &Tensor, cache: &[Tensor]) -> Vec<Tensor> {
+    let g = p.graph();
+    let config = &p.config;
+    let per_layer = cache.len() / p.layers.len().max(1);
+    let chunks = per_layer / 2;
+    let chunk = cache[0].dims()[2];
+    let span = chunks as i64 * chunk;
+    let k_len = tokens.dims()[0];
+    let hd = config.head_dim as i64;
+    let heads = config.num_attention_heads as i64;
+    let place = place.convert_if_needed(DType::I32);
+    let at = |i: i64| place.slice_axis(0, i, i + 1);
+    let (slot, start, length) = (at(0), at(1), at(2));
+    let offsets = g.iota(DType::I32, &[k_len], 0);
+    let positions = &start.broadcast_to(&[k_len]) + &offsets;
+    let (cos, sin) = rope_tables(config, &positions);
+
+    // allowed [1, 1, 1, K, span]: the slot's positions up to and including the query's own
+    // (the cache holds the new rows by the time attention reads it).
+    let allowed = g
+        .iota(DType::I32, &[k_len, span], 1)
+        .le(&positions.reshape(&[k_len, 1]).broadcast_to(&[k_len, span]))
+        .reshape(&[1, 1, 1, k_len, span]);
+
+    // Per chunk, the (slot, position in the chunk) each real row is written at; padding rows
+    // and rows of other chunks point past the chunk: dropped.
+    let real = offsets.lt(&length.broadcast_to(&[k_len]));
+    let beyond = g.full(chunk as f64, DType::I32, &[k_len]);
+    let slots = slot.broadcast_to(&[k_len]).reshape(&[k_len, 1]);
+    let points: Vec<Tensor> = (0..chunks as i64)
+        .map(|c| {
+            let local = &positions - &g.full((c * chunk) as f64, DType::I32, &[k_len]);
+            let inside = local.ge(&local.zeros_like()).and(&local.lt(&beyond)).and(&real);
+            let local = inside.select(&local, &beyond).reshape(&[k_len, 1]);
+            Tensor::concat(&[&slots, &local], 1)
+        })
+        .collect();
+
+    let mut h = embed(p, tokens);
+    let mut out_cache = cache.to_vec();
+    for (l, layer) in p.layers.iter().enumerate() {
+        let normed = rms_norm(&h, &layer.input_norm, config.rms_norm_eps);
+        let (q, k, v) = qkv(config, layer, &normed, &cos, &sin);
+        let mut keys_values = Vec::with_capacity(2);
+        for (which, new) in [(0usize, &k), (1usize, &v)] {
+            let first = l * per_layer + which * chunks;
+            let new = new.convert_if_needed(cache[first].dtype());
+            // Written first and read back, as a decode step does: reading the cache before
+            // writing it would make the compiler copy the whole cache to keep the old one.
+            for (c, points) in points.iter().enumerate() {
+                out_cache[first + c] = cache[first + c].scatter_at(points, &new, &[0, 2]);
+            }
+            // The slot's row [1, kvh, span, hd].
+            let row: Vec<Tensor> = (0..chunks).map(|c| out_cache[first + c].take(&slot, 0)).collect();
+            keys_values.push(Tensor::concat(&row.iter().collect::<Vec<_>>(), 2));
+        }
+        let attn = attend(
+            config,
+            layer,
+            &q.reshape(&[1, k_len, heads, hd]),
+            &keys_values[0],
+            &keys_values[1],
+            &allowed,
+        );
+        h = finish_layer(config, layer, &h, &attn.reshape(&[k_len, heads * hd]));
+    }
+    out_cache
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1469,6 +1552,11 @@ mod tests {
             let (dl, dc) = decode_graph(&p, &dt, &dp, &cache);
             assert_eq!(dl.dims(), &[3, 32]);
             assert_eq!(dc.len(), 4);
+            let et = g.parameter("et", DType::I32, &[4]);
+            let place = g.parameter("place", DType::I32, &[3]);
+            let ec = extend_graph(&p, &et, &place, &cache);
+            assert_eq!(ec.len(), 4);
+            assert_eq!(ec[1].dims(), &[3, 2, 8, 4]);
             g.check().unwrap();
         }
     }

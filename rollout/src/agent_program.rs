@@ -131,6 +131,20 @@ struct EpisodeState {
     pending: EpisodeStats,
 }
 
+impl EpisodeState {
+    /// Ends a run whose state was taken out of the table: its program is killed (the thread
+    /// watching it finds no state and counts nothing), and the call waiting for a turn gets
+    /// `why`.
+    fn end(self, why: &str) {
+        if let Some(pid) = self.pid {
+            kill_group(pid);
+        }
+        if let Some(waiter) = self.waiter {
+            let _ = waiter.send(Next::Gone(why.into()));
+        }
+    }
+}
+
 impl AgentPrograms {
     /// Starts the endpoint on a free loopback port.
     pub fn start(
@@ -251,12 +265,7 @@ impl TurnHandler for AgentPrograms {
         let current = episodes.get(&key).is_some_and(|e| e.restarts == turn.id.restarts);
         if turn.turns == 1 {
             if let Some(old) = episodes.remove(&key) {
-                if let Some(pid) = old.pid {
-                    kill_group(pid);
-                }
-                if let Some(waiter) = old.waiter {
-                    let _ = waiter.send(Next::Gone("a weight update restarted this episode".into()));
-                }
+                old.end("a weight update restarted this episode");
             }
             let mut ids = turn.request.prompt.clone();
             ids.extend_from_slice(&turn.response);
@@ -322,6 +331,17 @@ impl TurnHandler for AgentPrograms {
 
     fn parks_cut_turns(&self) -> bool {
         true
+    }
+
+    /// Kills the run's program at once (its waiting call gets 409): no turn of it will come.
+    fn on_abandoned(&self, id: TurnId) {
+        let key = (id.request_id, id.sample_index);
+        let mut episodes = lock(&self.inner);
+        if episodes.get(&key).is_some_and(|e| e.restarts == id.restarts) {
+            let state = episodes.remove(&key).expect("checked above");
+            drop(episodes);
+            state.end("the engine dropped this episode's sample (a weight update restarted it, or an answer was refused)");
+        }
     }
 
     fn on_finished(&self, sample: &Sample) {

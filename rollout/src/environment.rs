@@ -171,6 +171,18 @@ impl ToolEnvironment {
         self.inner.toolbox.schemas()
     }
 
+    /// Tells the interactions that run `id` of an episode is over (each drops what it kept
+    /// for it, if any).
+    fn close(&self, id: &TurnId) {
+        if self.inner.interactions.is_empty() {
+            return;
+        }
+        let episode = episode_id(self.inner.instance, id);
+        for interaction in &self.inner.interactions {
+            interaction.close(&episode);
+        }
+    }
+
     /// The answer to a parked turn (blocks while its tools run).
     pub fn answer(&self, turn: &Turn) -> Resume {
         let started = Instant::now();
@@ -195,20 +207,16 @@ impl TurnHandler for ToolEnvironment {
 
     /// Tells the interactions the episode is over (each drops what it kept for it, if any).
     fn on_finished(&self, sample: &Sample) {
-        if self.inner.interactions.is_empty() {
-            return;
-        }
-        let episode = episode_id(
-            self.inner.instance,
-            &TurnId {
-                request_id: sample.request_id,
-                sample_index: sample.sample_index,
-                restarts: sample.restarts,
-            },
-        );
-        for interaction in &self.inner.interactions {
-            interaction.close(&episode);
-        }
+        self.close(&TurnId {
+            request_id: sample.request_id,
+            sample_index: sample.sample_index,
+            restarts: sample.restarts,
+        });
+    }
+
+    /// As [`TurnHandler::on_finished`]: that run of the episode is over.
+    fn on_abandoned(&self, id: TurnId) {
+        self.close(&id);
     }
 }
 

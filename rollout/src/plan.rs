@@ -1,9 +1,10 @@
 //! Which compiled programs an engine runs, known once: the KV-cache shape of an engine
 //! configuration, the prefill program of each request shape (prompt-length bucket, fan-out
-//! width, groups per run) and the decode step of each attended cache length and slot bucket
-//! (the rows of each slot group it runs on). The engine
-//! compiles by it ([`crate::Engine::precompile`], and on first use) and `grpo compile` lists a
-//! run's programs from it, so both always mean the same programs.
+//! width, groups per run), the decode step of each attended cache length and slot bucket
+//! (the rows of each slot group it runs on) and the extend program of each bucket of
+//! environment tokens (multi-turn). The engine compiles by it ([`crate::Engine::precompile`],
+//! and on first use) and `grpo compile` lists a run's programs from it, so both always mean
+//! the same programs.
 
 use crate::engine::EngineConfig;
 use crate::programs::CacheShape;
@@ -37,6 +38,10 @@ pub struct DecodeKey {
 /// the full step ([`crate::Engine::new`] checks each), so that a sample's tokens never depend
 /// on how many others are still generating.
 pub const MIN_SLOT_BUCKET: usize = 8;
+
+/// The fewest tokens an extend program ([`crate::programs::EnvExtend`]) is compiled for:
+/// fewer environment tokens run padded to it, so short tool results share one program.
+pub const MIN_EXTEND_BUCKET: usize = 8;
 
 /// The programs of an engine configuration.
 #[derive(Clone, Debug)]
@@ -169,6 +174,19 @@ impl ProgramPlan {
         counts
     }
 
+    /// The extend program that writes `n` environment tokens into a slot: `n` rounded up to
+    /// a power of two, at least [`MIN_EXTEND_BUCKET`].
+    pub fn extend_bucket(&self, n: usize) -> usize {
+        n.next_power_of_two().max(MIN_EXTEND_BUCKET)
+    }
+
+    /// Every extend program a multi-turn sample of up to `response` tokens may run (its
+    /// environment tokens between two turns are fewer than its response budget), ascending.
+    pub fn extend_buckets(&self, response: usize) -> Vec<usize> {
+        let top = self.extend_bucket(response.clamp(1, self.cache.max_len));
+        std::iter::successors(Some(MIN_EXTEND_BUCKET), |&b| (b < top).then_some(b * 2)).collect()
+    }
+
     /// What requests with prompts of `prompt_len` tokens in groups of `n` need: their prefill,
     /// alone and batched when batching applies, and the decode steps for every cache length
     /// from the prompt's to the longest and every slot bucket, with the top-k/top-p variants
@@ -271,6 +289,16 @@ mod tests {
         let chunks: Vec<(bool, usize)> = decodes.iter().map(|d| (d.truncate, d.chunks)).collect();
         assert_eq!(chunks, vec![(false, 1), (true, 1), (false, 2), (true, 2)]);
         assert!(decodes.iter().all(|d| d.rows == 16));
+    }
+
+    #[test]
+    fn extend_buckets_are_powers_of_two_from_eight_up_to_the_response_budget() {
+        let p = plan(4, 100, 0, 1);
+        assert_eq!([1, 8, 9, 33, 64].map(|n| p.extend_bucket(n)), [8, 8, 16, 64, 64]);
+        assert_eq!(p.extend_buckets(40), vec![8, 16, 32, 64]);
+        assert_eq!(p.extend_buckets(3), vec![8]);
+        // Never past the cache: a budget beyond it is the cache's.
+        assert_eq!(p.extend_buckets(1000), vec![8, 16, 32, 64, 128]);
     }
 
     #[test]

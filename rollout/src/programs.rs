@@ -2,6 +2,8 @@
 //! - [`PrefillFanout`]: prefill one prompt (or a batch of prompts) and write each prompt's
 //!   cache row (every layer's keys and values) into its slot and up to `width - 1` more slots,
 //!   on the device, in the same program: group prefix sharing, one prefill per group;
+//! - [`EnvExtend`]: write a multi-turn sample's environment tokens into its slot after the
+//!   positions it holds, in one pass (no logits: its next decode step samples);
 //! - [`DecodeSample`]: one decode step for every slot fused with the per-slot sampler
 //!   ([`crate::sampling::sample_graph`]): only the sampled token ids and their log-probs come
 //!   back to the host.
@@ -23,8 +25,8 @@
 //! arithmetic is the single-device program's, so the tokens are the same.
 
 use model::forward::{
-    decode_graph_with, decode_hidden_graph_chunked, linear, prefill_kv_graph, DecodeAttention, DecodeOptions,
-    DecoderParams, KvWrite, SlotBucket,
+    decode_graph_with, decode_hidden_graph_chunked, extend_graph, linear, prefill_kv_graph, DecodeAttention,
+    DecodeOptions, DecoderParams, KvWrite, SlotBucket,
 };
 use model::{ModelConfig, MODEL_AXIS};
 use xla::graph::{BuildOptions, Graph, Mesh, Program, Sharding, Tensor};
@@ -676,6 +678,91 @@ impl PrefillFanout {
         let lb = up(&lengths, &[b], "lengths")?;
         let db = up(&dst, &[b, w], "slots")?;
         let inputs: Vec<Vec<&Buffer>> = (0..devices.len()).map(|d| vec![&tb[d], &lb[d], &db[d]]).collect();
+        run_donating_on(&self.exe, weights, cache, &inputs, 0, &what)?;
+        Ok(())
+    }
+}
+
+/// Extend: writes up to `len` tokens into one slot's cache row after the positions it holds,
+/// in one pass ([`model::forward::extend_graph`]): a multi-turn sample's environment tokens,
+/// between its turns. One program per token bucket (`len`), run once per sample and turn.
+pub struct EnvExtend {
+    exe: Executable,
+    /// Padded token count (the bucket).
+    pub len: usize,
+}
+
+impl EnvExtend {
+    /// Traces the program for up to `len` tokens without compiling it (for
+    /// [`EnvExtend::compile`] and for `grpo compile`).
+    pub fn build(config: &ModelConfig, dtype: DType, cache: &CacheShape, len: usize) -> Result<Program> {
+        let name = format!(
+            "rollout_extend_{len}_cache{}x{}x{}{}",
+            cache.slots,
+            cache.chunks(),
+            cache.chunk,
+            spmd_suffix(cache)
+        );
+        let g = cache.graph(&name);
+        let p = cache.declare_params(&g, config, dtype);
+        let kv = cache.declare(&g);
+        let tokens = g.parameter("tokens", DType::I32, &[len as i64]);
+        let place = g.parameter("place", DType::I32, &[3]);
+        let out = extend_graph(&p, &tokens, &place, &kv);
+        let outs: Vec<&Tensor> = out.iter().collect();
+        build(
+            &g,
+            &outs,
+            &donate_cache_on(cache, p.all.len(), &[], kv.len()),
+            &name,
+        )
+    }
+
+    /// Traces and compiles the program for up to `len` tokens.
+    pub fn compile(
+        client: &Client,
+        config: &ModelConfig,
+        dtype: DType,
+        cache: &CacheShape,
+        len: usize,
+    ) -> Result<EnvExtend> {
+        let program = EnvExtend::build(config, dtype, cache, len)?;
+        Ok(EnvExtend {
+            exe: compile(client, &program)?,
+            len,
+        })
+    }
+
+    /// Writes `tokens` (1 to `len` ids) into slot `at.0` at positions `at.1..`, on `devices`
+    /// (one, or the `0..N` of a program split over `N`) with `weights[d]` and `cache[d]`
+    /// device `d`'s.
+    pub fn run_on(
+        &self,
+        client: &Client,
+        devices: &[usize],
+        weights: &[&[Buffer]],
+        cache: &mut Vec<Vec<Buffer>>,
+        tokens: &[u32],
+        at: (usize, usize),
+    ) -> Result<()> {
+        let (slot, start) = at;
+        assert!(!tokens.is_empty() && tokens.len() <= self.len);
+        let what = format!("extend[{}] of slot {slot}", self.len);
+        let mut ids = vec![0i32; self.len];
+        for (id, &t) in ids.iter_mut().zip(tokens) {
+            *id = t as i32;
+        }
+        let place = [slot as i32, start as i32, tokens.len() as i32];
+        let tb = upload_on(
+            client,
+            devices,
+            &ids,
+            &[self.len as i64],
+            1,
+            &format!("tokens for {what}"),
+        )?;
+        let pb = upload_on(client, devices, &place, &[3], 1, &format!("place for {what}"))?;
+        let inputs: Vec<Vec<&Buffer>> = (0..devices.len()).map(|d| vec![&tb[d], &pb[d]]).collect();
         run_donating_on(&self.exe, weights, cache, &inputs, 0, &what)?;
         Ok(())
     }

@@ -8,12 +8,12 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{of_request, request, sampled};
+use common::{episode, of_request, request, sampled};
 use model::programs::{DeviceModel, LogprobsProgram};
 use model::{random_init, ModelConfig, ModelWeights};
 use rollout::{
-    upload_weights, Engine, EngineConfig, EngineOutput, Episode, EpisodeStats, FinishReason,
-    GenerationRequest, Resume, Resumer, Sample, Turn, TurnHandler,
+    upload_weights, Engine, EngineConfig, EngineOutput, Episode, FinishReason, GenerationRequest, Resume,
+    Resumer, Sample, Turn, TurnHandler,
 };
 use testkit::client;
 use xla::DType;
@@ -21,68 +21,24 @@ use xla::DType;
 const MAX_LEN: usize = 48;
 
 fn engine(weights: &ModelWeights, slots: usize) -> Engine {
+    chunked_engine(weights, slots, 0)
+}
+
+/// An engine whose cache is split into chunks of `kv_chunk` positions (0: one chunk).
+fn chunked_engine(weights: &ModelWeights, slots: usize, kv_chunk: usize) -> Engine {
     let buffers = upload_weights(client(), weights, DType::F32, 0).unwrap();
-    Engine::new(
-        client(),
-        &weights.config,
-        buffers,
-        1,
-        EngineConfig::new(slots, MAX_LEN),
-        None,
-    )
-    .unwrap()
+    let mut settings = EngineConfig::new(slots, MAX_LEN);
+    settings.kv_chunk = kv_chunk;
+    Engine::new(client(), &weights.config, buffers, 1, settings, None).unwrap()
 }
 
-/// A multi-turn request whose turns end at tokens 0-3 (an eighth of the tiny vocabulary).
-fn episode(
-    id: u64,
-    prompt: &[u32],
-    n: usize,
-    max_new_tokens: usize,
-    max_turn_tokens: usize,
-) -> GenerationRequest {
-    let mut params = sampled(1.0, 0, 1.0, max_new_tokens);
-    params.stop_token_ids = vec![0, 1, 2, 3];
-    GenerationRequest {
-        multi_turn: Some(Episode {
-            max_turn_tokens,
-            row: Arc::new(serde_json::Value::Null),
-        }),
-        ..request(id, prompt, n, 40 + id, params)
-    }
-}
-
-/// The environment of these tests: after turn k (1-based) it writes `[20 + k, 9, 30]`, and it
-/// ends the episode after `turns` model turns.
+/// The environment of most tests here: 3 tokens after each turn, `turns` turns.
 fn answer(turn: &Turn, turns: u32) -> Resume {
-    let stats = EpisodeStats {
-        tool_calls: 1,
-        ..Default::default()
-    };
-    if turn.turns >= turns {
-        Resume::Finish { stats }
-    } else {
-        Resume::Continue {
-            tokens: vec![20 + turn.turns, 9, 30],
-            stats,
-        }
-    }
+    common::answer(turn, turns, 3)
 }
 
-/// Steps the engine, answering every parked turn at once, until nothing is left.
 fn run_episodes(engine: &mut Engine, requests: &[GenerationRequest], turns: u32) -> Vec<Sample> {
-    for r in requests {
-        engine.submit(r.clone()).unwrap();
-    }
-    let mut all = Vec::new();
-    while engine.has_work() || engine.parked_samples() > 0 {
-        all.extend(engine.step().unwrap());
-        for turn in engine.take_turns() {
-            assert!(engine.resume(turn.id, answer(&turn, turns)).unwrap());
-        }
-    }
-    all.sort_by_key(|s| (s.request_id, s.sample_index));
-    all
+    common::run_episodes(engine, requests, |t| answer(t, turns))
 }
 
 /// The largest gap between a sample's model-token log-probs and the `logprobs` program's over
@@ -151,6 +107,9 @@ fn turns_continue_in_their_cache_and_match_the_logprobs_program() {
         continued >= 4,
         "too few turns continued ({continued}) to test anything"
     );
+    // One extend run per continued turn writes the model's last token and the environment's
+    // first two; the third is the next decode row's input.
+    assert_eq!(e.stats().extend_runs, continued);
     assert_eq!(e.stats().env_tokens, 3 * continued);
     let single = of_request(&samples, 3)[0];
     assert!(single.env_spans.is_empty());
@@ -168,6 +127,35 @@ fn turns_continue_in_their_cache_and_match_the_logprobs_program() {
         alone.extend(run_episodes(&mut engine(&weights, 4), std::slice::from_ref(r), 3));
     }
     common::assert_identical(&alone, &samples, "alone vs together");
+}
+
+#[test]
+fn long_environment_answers_are_prefilled_across_cache_chunks() {
+    let weights = random_init(&ModelConfig::tiny_llama(), 26);
+    // 13 environment tokens a turn: 13 positions written by a 16-token extend run (3 rows of
+    // padding), so each answer spans two or three of the cache's 8-position chunks.
+    let requests = [episode(1, &[4, 8, 15, 16], 4, 44, 6), episode(2, &[9], 2, 44, 6)];
+    let mut e = chunked_engine(&weights, 8, 8);
+    let samples = common::run_episodes(&mut e, &requests, |t| common::answer(t, 3, 13));
+    let continued: usize = samples.iter().map(|s| s.env_spans.len()).sum();
+    assert!(
+        continued >= 4,
+        "too few turns continued ({continued}) to test anything"
+    );
+    for s in &samples {
+        assert!(s.env_spans.iter().all(|span| span.len() == 13));
+    }
+    assert_eq!(e.stats().extend_runs, continued);
+    let worst = largest_model_token_gap(&weights, &samples);
+    assert!(
+        worst < 1e-5,
+        "engine vs logprobs program after long answers: {worst}"
+    );
+    // The same episodes over an unchunked cache: the same tokens.
+    let whole = common::run_episodes(&mut engine(&weights, 8), &requests, |t| common::answer(t, 3, 13));
+    for (a, b) in whole.iter().zip(&samples) {
+        assert_eq!(a.response_ids, b.response_ids);
+    }
 }
 
 #[test]
@@ -221,8 +209,13 @@ fn a_weight_update_restarts_episodes_and_drops_stale_answers() {
     assert!(!parked.is_empty(), "no turn parked: {samples:?}");
     let restarted = 4 - samples.len();
     let w2 = random_init(&ModelConfig::tiny_llama(), 24);
+    assert!(e.take_abandoned().is_empty());
     e.update_weights(2, upload_weights(client(), &w2, DType::F32, 0).unwrap())
         .unwrap();
+    // Every run in flight is abandoned, parked or not; its environment is told.
+    let abandoned = e.take_abandoned();
+    assert_eq!(abandoned.len(), restarted);
+    assert!(parked.iter().all(|t| abandoned.contains(&t.id)));
     for turn in &parked {
         assert!(
             !e.resume(turn.id, answer(turn, 2)).unwrap(),
@@ -757,6 +750,19 @@ mod tools {
             episode: Default::default(),
         });
         assert_eq!(*game.closed.lock().unwrap(), episode);
+        assert!(game.secrets.lock().unwrap().is_empty());
+        // A run the engine abandons (a weight update restarted it) is closed too.
+        assert!(matches!(
+            answer("I guess 50.", 0, row.clone()),
+            Resume::Continue { .. }
+        ));
+        assert_eq!(game.secrets.lock().unwrap().len(), 1);
+        env.on_abandoned(rollout::TurnId {
+            request_id: 1,
+            sample_index: 0,
+            restarts: 0,
+        });
+        assert_eq!(game.closed.lock().unwrap().len(), 2);
         assert!(game.secrets.lock().unwrap().is_empty());
         // A row the game cannot reset from, and a step past the time limit, end the episode.
         let Resume::Finish { stats } = answer("50", 0, json!({})) else {

@@ -12,7 +12,9 @@
 
 mod common;
 
-use common::{assert_identical, generate, request, sampled, staggered_requests};
+use common::{
+    answer, assert_identical, episode, generate, request, run_episodes, sampled, staggered_requests,
+};
 
 use std::sync::Arc;
 
@@ -413,6 +415,50 @@ fn slot_buckets_compact_within_each_slot_group_and_keep_every_bit() {
             compacts,
             "{what}: {stats:?}"
         );
+    }
+}
+
+#[test]
+fn multi_turn_episodes_continue_alike_over_slot_groups_and_tensor_parallel() {
+    let config = tensor_parallel_configs().remove(0);
+    let weights = random_init(&config, 27);
+    // Turns end at 8 of the 64 tokens; each answer is 6 tokens, written by an extend run
+    // into a cache of 8-position chunks, split by slots and by KV heads.
+    let requests: Vec<GenerationRequest> = [(1, vec![4, 8, 15, 16]), (2, vec![9, 5])]
+        .into_iter()
+        .map(|(id, prompt)| {
+            let mut r = episode(id, &prompt, 4, 24, 24);
+            r.params.stop_token_ids = (0..8).collect();
+            r
+        })
+        .collect();
+    let make = |devices: usize, tp: usize| {
+        let mut settings = EngineConfig::new(8, 32);
+        settings.kv_chunk = 8;
+        settings.tensor_parallel = tp;
+        Engine::new(
+            client(),
+            &config,
+            tensor_parallel(&weights, DType::F32, devices, tp),
+            1,
+            settings,
+            None,
+        )
+        .unwrap()
+    };
+    let respond = |t: &rollout::Turn| answer(t, 3, 6);
+    let expected = run_episodes(&mut make(1, 1), &requests, respond);
+    let continued: usize = expected.iter().map(|s| s.env_spans.len()).sum();
+    assert!(continued >= 3, "too few turns continued ({continued})");
+    for (devices, tp) in [(2, 1), (2, 2), (4, 2)] {
+        let what = format!("multi-turn on {devices} devices, tensor parallel {tp}");
+        let mut engine = make(devices, tp);
+        let got = run_episodes(&mut engine, &requests, respond);
+        assert_same_samples(&got, &expected, &what);
+        assert_eq!(engine.stats().extend_runs, continued, "{what}");
+        for (g, e) in got.iter().zip(&expected) {
+            assert_eq!(g.env_spans, e.env_spans, "{what}");
+        }
     }
 }
 

@@ -19,6 +19,11 @@ pub trait TurnHandler: Send + Sync {
     /// budget cut it, or the environment itself finished it).
     fn on_finished(&self, _sample: &Sample) {}
 
+    /// Called for each run of an episode that ended without a finished sample
+    /// ([`Engine::take_abandoned`]): a weight update restarted it, or the engine dropped it.
+    /// No turn of that run will come; an environment frees what it kept for it.
+    fn on_abandoned(&self, _id: TurnId) {}
+
     /// Whether turns cut by a budget park too (the environment then ends every episode, and
     /// a continuation past the response budget finishes the sample), instead of finishing
     /// their sample at once.
@@ -125,6 +130,11 @@ fn serve(
                     let _ = reply.send(engine.update_weights(v, w));
                 }
                 Command::Shutdown => return Ok(engine),
+            }
+        }
+        if let Some(env) = &environment {
+            for id in engine.take_abandoned() {
+                env.on_abandoned(id);
             }
         }
         if engine.has_work() {

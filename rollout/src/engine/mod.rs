@@ -20,6 +20,13 @@
 //! decode input of every sample, so every token (including the first) is drawn by the same
 //! fused on-device sampler with its own Threefry key `(seed, sample index, token index)`.
 //!
+//! Multi-turn samples ([`GenerationRequest::multi_turn`]) park at the end of each model turn
+//! with their slot kept ([`Engine::take_turns`]); the environment's answer
+//! ([`Engine::resume`]) is written into the slot after the positions it holds by one extend
+//! run ([`EnvExtend`]: the tokens' keys and values in one pass, attending to the slot's cache),
+//! and the model samples its next turn from the last of them in the next decode step. Earlier
+//! turns are never prefilled again.
+//!
 //! Weight hot-swap ([`Engine::update_weights`]) happens between steps without recompiling.
 //! Policy: samples in flight are **restarted** from their prompt on the new weights (their
 //! partial tokens are dropped, their slots re-prefilled), so every sample is produced by
@@ -57,7 +64,7 @@ use xla::DType;
 
 use crate::error::{Result, RolloutError};
 use crate::plan::{DecodeKey, PrefillKey, ProgramPlan};
-use crate::programs::{DecodeInputs, DecodeSample, PrefillFanout, SlotMoves, MOVES_PER_RUN};
+use crate::programs::{DecodeInputs, DecodeSample, EnvExtend, PrefillFanout, SlotMoves, MOVES_PER_RUN};
 use crate::sampling::draw_key;
 use crate::weights::{check_layout, EngineWeights};
 
@@ -93,9 +100,9 @@ struct Active {
     turn_start: usize,
     /// Multi-turn: waiting for the environment's [`Resume`]; its rows are not decoded.
     parked: Option<FinishReason>,
-    /// Environment tokens still to be written into the cache, one decode row each, before
-    /// the model samples again.
-    feed: VecDeque<u32>,
+    /// Environment tokens not yet in the cache: the next step writes them, after
+    /// `next_token`, by one extend run, and the last becomes `next_token`.
+    feed: Vec<u32>,
     env_spans: Vec<std::ops::Range<usize>>,
     episode: EpisodeStats,
 }
@@ -133,6 +140,8 @@ pub struct Engine {
     tokenizer: Option<ModelTokenizer>,
     prefill: HashMap<PrefillKey, PrefillFanout>,
     decode: HashMap<DecodeKey, DecodeSample>,
+    /// Extend programs by token bucket, compiled on first use.
+    extend: HashMap<usize, EnvExtend>,
     /// Compiled by [`Engine::precompile`] or on the first compaction.
     moves: Option<SlotMoves>,
     waiting: VecDeque<Pending>,
@@ -141,6 +150,8 @@ pub struct Engine {
     turns: Vec<Turn>,
     /// Samples finished outside a decode step (by [`Engine::resume`]), returned by the next step.
     done: Vec<Sample>,
+    /// Multi-turn runs ended without a sample since the last [`Engine::take_abandoned`].
+    abandoned: Vec<TurnId>,
     stats: EngineStats,
     /// Multi-turn turns cut by a budget park too, for the environment to end
     /// ([`TurnHandler::parks_cut_turns`]).
@@ -232,10 +243,12 @@ impl Engine {
             tokenizer,
             prefill: HashMap::new(),
             decode: HashMap::new(),
+            extend: HashMap::new(),
             moves: None,
             waiting: VecDeque::new(),
             turns: Vec::new(),
             done: Vec::new(),
+            abandoned: Vec::new(),
             stats: EngineStats::default(),
             park_cut_turns: false,
         };
@@ -378,9 +391,17 @@ impl Engine {
         std::mem::take(&mut self.turns)
     }
 
+    /// The multi-turn runs ended since the last call without finishing a sample: restarted by
+    /// a weight update (a new run of the episode follows, with `restarts` one higher), or
+    /// dropped over a refused [`Engine::resume`]. Their environment learns that no turn or
+    /// sample of theirs will come ([`TurnHandler::on_abandoned`]).
+    pub fn take_abandoned(&mut self) -> Vec<TurnId> {
+        std::mem::take(&mut self.abandoned)
+    }
+
     /// The environment's answer to a parked turn: continue the sample with its tokens (written
-    /// into the sample's cache by the next decode steps, so earlier turns are never prefilled
-    /// again) or finish it. Returns false for a turn that is no longer parked (its sample was
+    /// into the sample's cache by the next step's extend run, so earlier turns are never
+    /// prefilled again) or finish it. Returns false for a turn that is no longer parked (its sample was
     /// restarted by a weight update since; the answer is stale and dropped). Tokens outside
     /// the vocabulary drop the sample and are an error naming its request.
     pub fn resume(&mut self, id: TurnId, resume: Resume) -> Result<bool> {
@@ -404,6 +425,7 @@ impl Engine {
         a.episode.add(&stats);
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.config.vocab_size) {
             self.slots[slot] = None;
+            self.abandoned.push(id);
             return Err(RolloutError::Rejected {
                 request_id: id.request_id,
                 problem: format!(
@@ -524,6 +546,9 @@ impl Engine {
         let mut groups: Vec<Pending> = Vec::new();
         for slot in self.slots.iter_mut() {
             if let Some(a) = slot.take() {
+                if a.request.multi_turn.is_some() {
+                    self.abandoned.push(a.id());
+                }
                 match groups.iter_mut().find(|g| Arc::ptr_eq(&g.request, &a.request)) {
                     Some(g) => g.sample_indices.push(a.sample_index),
                     None => groups.push(Pending {
@@ -602,6 +627,66 @@ impl Engine {
             self.ensure_decode(key)?;
         }
         self.ensure_moves()
+    }
+
+    fn ensure_extend(&mut self, len: usize) -> Result<()> {
+        if !self.extend.contains_key(&len) {
+            let started = Instant::now();
+            let program = EnvExtend::compile(&self.client, &self.config, self.dtype, &self.plan.cache, len)?;
+            tracing::info!(
+                len,
+                "compiled an extend program in {:.2} s",
+                started.elapsed().as_secs_f64()
+            );
+            self.extend.insert(len, program);
+        }
+        Ok(())
+    }
+
+    /// Writes each resumed sample's environment tokens into its slot: `next_token` (the
+    /// end of the model's turn, not yet in the cache) and all but the last environment token,
+    /// in one extend run; the last is the input of the sample's next decode row.
+    fn extend_resumed(&mut self) -> Result<()> {
+        let runs = self.stats.extend_runs;
+        let mut spent = std::time::Duration::ZERO;
+        for slot in 0..self.slots.len() {
+            let Some(a) = self.slots[slot].as_mut().filter(|a| !a.feed.is_empty()) else {
+                continue;
+            };
+            let feed = std::mem::take(&mut a.feed);
+            let (&last, before) = feed.split_last().expect("checked non-empty");
+            let mut tokens = Vec::with_capacity(feed.len());
+            tokens.push(a.next_token);
+            tokens.extend_from_slice(before);
+            let start = a.position;
+            a.next_token = last;
+            a.position += tokens.len();
+            let len = self.plan.extend_bucket(tokens.len());
+            self.ensure_extend(len)?;
+            let started = Instant::now();
+            let weights: Vec<&[Buffer]> = self.weights.per_device().iter().map(|r| &r[..]).collect();
+            self.extend[&len].run_on(
+                &self.client,
+                &self.devices,
+                &weights,
+                &mut self.cache,
+                &tokens,
+                (slot, start),
+            )?;
+            spent += started.elapsed();
+            self.stats.extend_runs += 1;
+            self.stats.env_tokens += tokens.len();
+        }
+        if self.stats.extend_runs > runs {
+            let started = Instant::now();
+            // Runs are asynchronous: wait for the cache so the time is the extends' own.
+            for last in self.cache.iter().filter_map(|c| c.last()) {
+                last.block_until_ready()
+                    .map_err(|e| RolloutError::runtime("waiting for an extend", e))?;
+            }
+            self.stats.extend_time += spent + started.elapsed();
+        }
+        Ok(())
     }
 
     /// Compiles the slot moves when the engine has more than one slot bucket.
@@ -708,7 +793,7 @@ impl Engine {
                         restarts: pending.restarts,
                         turn_start: 0,
                         parked: None,
-                        feed: VecDeque::new(),
+                        feed: Vec::new(),
                         env_spans: Vec::new(),
                         episode: EpisodeStats::default(),
                     });
@@ -808,6 +893,7 @@ impl Engine {
 
     fn step_inner(&mut self) -> Result<Vec<Sample>> {
         self.admit()?;
+        self.extend_resumed()?;
         if !self.slots.iter().flatten().any(Active::decoding) {
             return Ok(std::mem::take(&mut self.done));
         }
@@ -861,13 +947,6 @@ impl Engine {
             let Some(a) = self.slots[i].as_mut().filter(|a| a.decoding()) else {
                 continue;
             };
-            // An environment token went into the cache at this row; its sample is discarded.
-            if let Some(token) = a.feed.pop_front() {
-                a.next_token = token;
-                a.position += 1;
-                self.stats.env_tokens += 1;
-                continue;
-            }
             let token = next[j] as u32;
             a.response.push(token);
             a.logprobs.push(logprobs[j]);

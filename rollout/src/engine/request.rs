@@ -316,6 +316,10 @@ pub struct EngineStats {
     pub decode_rows: usize,
     /// Cache rows moved to compact live samples into a smaller slot bucket.
     pub moved_rows: usize,
-    /// Environment tokens written into parked samples' caches (multi-turn), one decode row each.
+    /// Environment tokens written into resumed samples' caches (multi-turn).
     pub env_tokens: usize,
+    /// Extend runs that wrote them: one per resumed turn.
+    pub extend_runs: usize,
+    /// Wall time in extend runs (compiling aside: inputs uploaded, programs run).
+    pub extend_time: std::time::Duration,
 }

@@ -1,7 +1,9 @@
 //! Request builders shared by the engine tests.
 #![allow(dead_code)]
 
-use rollout::{Engine, GenerationRequest, Sample, SamplingParams};
+use std::sync::Arc;
+
+use rollout::{Engine, Episode, EpisodeStats, GenerationRequest, Resume, Sample, SamplingParams, Turn};
 
 /// A request for `n` samples of `prompt` with its own `seed`.
 pub fn request(id: u64, prompt: &[u32], n: usize, seed: u64, params: SamplingParams) -> GenerationRequest {
@@ -71,4 +73,67 @@ pub fn staggered_requests() -> Vec<GenerationRequest> {
             request(id, &prompt, 4, 100 + id, sampled(1.0, 0, 1.0, len))
         })
         .collect()
+}
+
+/// A multi-turn request whose turns end at tokens 0-3 (an eighth of the tiny vocabulary).
+pub fn episode(
+    id: u64,
+    prompt: &[u32],
+    n: usize,
+    max_new_tokens: usize,
+    max_turn_tokens: usize,
+) -> GenerationRequest {
+    let mut params = sampled(1.0, 0, 1.0, max_new_tokens);
+    params.stop_token_ids = vec![0, 1, 2, 3];
+    GenerationRequest {
+        multi_turn: Some(Episode {
+            max_turn_tokens,
+            row: Arc::new(serde_json::Value::Null),
+        }),
+        ..request(id, prompt, n, 40 + id, params)
+    }
+}
+
+/// The environment of these tests: after turn k (1-based) it writes `len` tokens `[20 + k,
+/// 9, 30, ...]` (none of them a stop token), and it ends the episode after `turns` model
+/// turns.
+pub fn answer(turn: &Turn, turns: u32, len: usize) -> Resume {
+    let stats = EpisodeStats {
+        tool_calls: 1,
+        ..Default::default()
+    };
+    if turn.turns >= turns {
+        Resume::Finish { stats }
+    } else {
+        let tokens = (0..len as u32)
+            .map(|i| match i {
+                0 => 20 + turn.turns,
+                1 => 9,
+                2 => 30,
+                i => 4 + (5 * i) % 28,
+            })
+            .collect();
+        Resume::Continue { tokens, stats }
+    }
+}
+
+/// Steps the engine, answering every parked turn at once by `respond`, until nothing is left;
+/// returns every sample, sorted by (request, sample index).
+pub fn run_episodes(
+    engine: &mut Engine,
+    requests: &[GenerationRequest],
+    respond: impl Fn(&Turn) -> Resume,
+) -> Vec<Sample> {
+    for r in requests {
+        engine.submit(r.clone()).unwrap();
+    }
+    let mut all = Vec::new();
+    while engine.has_work() || engine.parked_samples() > 0 {
+        all.extend(engine.step().unwrap());
+        for turn in engine.take_turns() {
+            assert!(engine.resume(turn.id, respond(&turn)).unwrap());
+        }
+    }
+    all.sort_by_key(|s| (s.request_id, s.sample_index));
+    all
 }

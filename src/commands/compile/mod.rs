@@ -30,7 +30,7 @@ use anyhow::Result;
 use clap::{ArgGroup, Args, ValueEnum};
 use model::{GgufFile, ModelConfig};
 use rollout::plan::{DecodeKey, PrefillKey, ProgramPlan};
-use rollout::programs::{DecodeSample, PrefillFanout, SlotMoves, MOVES_PER_RUN};
+use rollout::programs::{DecodeSample, EnvExtend, PrefillFanout, SlotMoves, MOVES_PER_RUN};
 use trainer::policy::DecoderPolicy;
 use trainer::step::build_train_programs;
 use xla::graph::Program;

@@ -234,6 +234,21 @@ pub(super) fn plan_rollout(
             }
         }
     }
+    if r.multi_turn.enable {
+        // One extend run per continued turn, of the bucket that holds the environment's
+        // tokens; how many and how long is the environment's to say, so none is counted.
+        for len in programs.extend_buckets(recipe.data.max_response_length) {
+            let program = EnvExtend::build(config, weights, cache, len).map_err(err)?;
+            let label = program.name().to_string();
+            plan.add(
+                Role::Rollout,
+                label,
+                program,
+                0.0,
+                format!("multi-turn: writes up to {len} environment tokens into a sample's slot"),
+            );
+        }
+    }
     if programs.slot_buckets().len() > 1 {
         let program = SlotMoves::build(cache, MOVES_PER_RUN).map_err(err)?;
         let label = program.name().to_string();
