@@ -1,8 +1,9 @@
 //! Every parser of outside input, fed mutated copies of valid inputs: recipes (YAML and `--set`
 //! values), `config.json`, `tokenizer.json`, safetensors model files, GGUF headers, Parquet
-//! datasets, checkpoints, a model's tool calls with the calculator's expressions in them, and
-//! tool config files. Each must answer with `Ok` or a clear error: a panic, or an input
-//! that takes seconds, fails the test with the target, the seed and the file to keep.
+//! datasets, checkpoints, a model's tool calls with the calculator's expressions in them, tool
+//! config files, and the replies of external scorers, user tools and interactions (over HTTP
+//! and from a JSON-lines program). Each must answer with `Ok` or a clear error: a panic, or an
+//! input that takes seconds, fails the test with the target, the seed and the file to keep.
 //!
 //! The budget is `GRPO_FUZZ_ITERS` inputs per target (1000 by default, as CI runs it; raise it to
 //! search longer). The seeds are the valid inputs the test builds (the tiny model, its Parquet
@@ -134,9 +135,23 @@ fn fuzz(
     seeds: &[Vec<u8>],
     region: usize,
     text: bool,
+    parse: impl FnMut(&[u8]) -> Result<(), String>,
+) -> usize {
+    fuzz_n(target, seed, seeds, (region, text), iterations(), parse)
+}
+
+/// [`fuzz`] with `count` mutants instead of `iterations()`, for a target whose inputs are
+/// slow (each one a process restart).
+fn fuzz_n(
+    target: &str,
+    seed: u64,
+    seeds: &[Vec<u8>],
+    (region, text): (usize, bool),
+    count: usize,
     mut parse: impl FnMut(&[u8]) -> Result<(), String>,
 ) -> usize {
     let mut rng = Rng(seed);
+    let started = Instant::now();
     let keep = std::env::temp_dir().join(format!("grpo-fuzz-{target}.bin"));
     let mut refused = 0;
     let mut run = |input: &[u8], what: &str| {
@@ -167,7 +182,7 @@ fn fuzz(
     for (i, input) in corpus(target).iter().enumerate() {
         run(input, &format!("corpus file {i}"));
     }
-    for i in 0..iterations() {
+    for i in 0..count {
         let mut input = seeds[i % seeds.len()].clone();
         for _ in 0..1 + rng.below(4) {
             mutate(&mut rng, &mut input, region, text);
@@ -175,8 +190,8 @@ fn fuzz(
         run(&input, &format!("seed {seed}, input {i}"));
     }
     eprintln!(
-        "{target}: {} inputs, {refused} refused with an error",
-        iterations()
+        "{target}: {count} inputs in {:.1} s, {refused} refused with an error",
+        started.elapsed().as_secs_f64()
     );
     refused
 }
@@ -378,4 +393,194 @@ fn tool_config_files() {
         agent::config::parse(&String::from_utf8_lossy(input)).map(|_| ())
     });
     assert!(refused > 0);
+}
+
+/// `template` with every `ID` replaced by `id`: a reply that answers the request it is for.
+fn answering(template: &[u8], id: &str) -> Vec<u8> {
+    let mut out = Vec::with_capacity(template.len());
+    let mut rest = template;
+    while !rest.is_empty() {
+        if rest.starts_with(b"ID") {
+            out.extend_from_slice(id.as_bytes());
+            rest = &rest[2..];
+        } else {
+            out.push(rest[0]);
+            rest = &rest[1..];
+        }
+    }
+    out
+}
+
+/// A loopback HTTP endpoint that answers every `POST` with the reply `template` holds (its
+/// `ID`s replaced by the request's `id`), over kept-alive connections, as a scorer, tool or
+/// interaction endpoint would. Returns its URL.
+fn replying_endpoint(template: std::sync::Arc<std::sync::Mutex<Vec<u8>>>) -> String {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for stream in listener.incoming().flatten() {
+            let template = template.clone();
+            std::thread::spawn(move || {
+                let _ = stream.set_nodelay(true);
+                let mut writer = stream.try_clone().unwrap();
+                let mut reader = BufReader::new(stream);
+                loop {
+                    let mut length = 0;
+                    loop {
+                        let mut line = String::new();
+                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        let line = line.trim_end();
+                        if line.is_empty() {
+                            break;
+                        }
+                        if let Some((name, value)) = line.split_once(':') {
+                            if name.eq_ignore_ascii_case("content-length") {
+                                length = value.trim().parse().unwrap_or(0);
+                            }
+                        }
+                    }
+                    let mut body = vec![0; length];
+                    if reader.read_exact(&mut body).is_err() {
+                        return;
+                    }
+                    let id = serde_json::from_slice::<serde_json::Value>(&body)
+                        .ok()
+                        .and_then(|v| v.get("id").cloned())
+                        .unwrap_or_default()
+                        .to_string();
+                    let reply = answering(&template.lock().unwrap(), &id);
+                    // One write: a head and a body sent apart wait out delayed ACKs.
+                    let mut answer = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                        reply.len()
+                    )
+                    .into_bytes();
+                    answer.extend_from_slice(&reply);
+                    if writer.write_all(&answer).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    url
+}
+
+/// The replies of external scorers, user tools and interactions, over HTTP and over a
+/// JSON-lines process: each mutant is what the endpoint or the program answers, so the
+/// transport (status, framing, ids, a process broken by a bad line and restarted) and the
+/// reading of the answer both see it.
+#[test]
+fn external_replies() {
+    use agent::{EnvTurn, Environment, ExternalTool, Interaction, Tool, ToolSchema};
+    use reward::Scorer;
+    use std::sync::{Arc, Mutex};
+    let strings = |seeds: &[&str]| -> Vec<Vec<u8>> { seeds.iter().map(|s| s.as_bytes().to_vec()).collect() };
+    let sample = |response: String| reward::Sample {
+        id: 1,
+        data_source: "fuzz".into(),
+        response,
+        ground_truth: "42".into(),
+        extra: serde_json::json!({"index": 0}),
+        response_length: 3,
+        truncated: false,
+    };
+    let template = Arc::new(Mutex::new(Vec::new()));
+    let url = replying_endpoint(template.clone());
+    let timeout = Duration::from_secs(2);
+
+    let scores = strings(&[
+        r#"{"id": ID, "score": 0.5, "extras": {"acc": true, "length": 3}}"#,
+        r#"{"id": ID, "error": "the judge is down"}"#,
+        r#"{"id": ID, "score": false, "extras": null}"#,
+    ]);
+    let scorer = reward::external::http::HttpScorer::new("fuzz", &url, timeout, 2);
+    let refused = fuzz("scorer_reply_http", 8, &scores, usize::MAX, true, |input| {
+        *template.lock().unwrap() = input.to_vec();
+        scorer
+            .score(&sample(String::new()))
+            .map(drop)
+            .map_err(|e| e.to_string())
+    });
+    assert!(refused > 0);
+
+    let schema = ToolSchema {
+        name: "search".into(),
+        description: "Finds.".into(),
+        parameters: serde_json::json!({"type": "object"}),
+    };
+    let tool = ExternalTool::http(schema, &url, timeout, 2);
+    let results = strings(&[
+        r#"{"id": ID, "result": "Paris is the capital of France."}"#,
+        r#"{"id": ID, "result": {"rows": [1, 2, 3]}}"#,
+        r#"{"id": ID, "error": "no such page"}"#,
+        r#""a bare string""#,
+    ]);
+    let refused = fuzz("tool_reply_http", 9, &results, usize::MAX, true, |input| {
+        *template.lock().unwrap() = input.to_vec();
+        tool.call(&serde_json::json!({"q": "capital of France"}))
+            .map(drop)
+            .map_err(|e| e.to_string())
+    });
+    assert!(refused > 0);
+
+    let interaction = Interaction::http("fuzz", &url, timeout, 2);
+    let replies = strings(&[
+        r#"{"id": ID, "content": "Lower.", "done": false, "reward": 0.0}"#,
+        r#"{"id": ID, "content": "Right!", "done": true, "reward": true}"#,
+        r#"{"id": ID, "content": "", "done": null}"#,
+    ]);
+    let refused = fuzz(
+        "interaction_reply_http",
+        10,
+        &replies,
+        usize::MAX,
+        true,
+        |input| {
+            *template.lock().unwrap() = input.to_vec();
+            let turn = EnvTurn {
+                episode: "fuzz-1-0-0",
+                user_turns: 1,
+                text: "I guess 50.",
+                kwargs: &serde_json::Value::Null,
+            };
+            interaction.step(&turn).map(drop).map_err(|e| e.to_string())
+        },
+    );
+    assert!(refused > 0);
+
+    // A scorer program that answers each request with the text of its `response`, `ID`s
+    // replaced by the request's id: the mutants become its stdout lines (newlines included).
+    let echo = "import json, sys\n\
+                for line in sys.stdin:\n    \
+                    r = json.loads(line)\n    \
+                    sys.stdout.write(r['response'].replace('ID', str(r['id'])) + '\\n')\n    \
+                    sys.stdout.flush()\n";
+    // -I -S: no site packages, so the restarts after each broken line are quick.
+    let program = ["python3", "-I", "-S", "-u", "-c", echo]
+        .map(String::from)
+        .to_vec();
+    let scorer =
+        reward::external::command::CommandScorer::new("fuzz", program, Duration::from_millis(500), 1);
+    // A tenth of the budget: most mutants break the protocol, and each restarts the program.
+    let count = iterations().div_ceil(10);
+    let refused = fuzz_n(
+        "scorer_reply_process",
+        11,
+        &scores,
+        (usize::MAX, true),
+        count,
+        |input| {
+            let reply = String::from_utf8_lossy(input).into_owned();
+            scorer.score(&sample(reply)).map(drop).map_err(|e| e.to_string())
+        },
+    );
+    assert!(refused > 0);
+    eprintln!(
+        "scorer_reply_process: the program was started {} times",
+        scorer.starts()
+    );
 }
