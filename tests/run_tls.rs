@@ -1,7 +1,9 @@
-//! `grpo run` with `cluster.tls`: the launched rollout and reward workers serve TLS with the
-//! recipe's certificate, the orchestrator (its health checks, weight pushes, generate and score
-//! calls) dials them over https trusting the recipe's CA, and the run computes exactly what the
-//! same run over plain TCP computes. A TLS worker refuses a plain-text client.
+//! `grpo run` with `cluster.tls` (mutual): the launched rollout and reward workers serve TLS
+//! with the recipe's certificate and require it of their clients, the orchestrator (its health
+//! checks, weight pushes, generate and score calls) dials them over https trusting the recipe's
+//! CA and presenting the certificate, and the run computes exactly what the same run over plain
+//! TCP computes. Such a worker refuses a plain-text client and a client without the
+//! certificate.
 
 mod common;
 
@@ -35,13 +37,14 @@ fn make_pki(dir: &Path) -> TlsSection {
         key: path("worker.key"),
         ca: path("ca.pem"),
         domain: "localhost".into(),
+        mutual: false,
     }
 }
 
 fn tls_yaml(tls: &TlsSection) -> String {
     format!(
-        "  tls:\n    cert: {}\n    key: {}\n    ca: {}\n    domain: {}\n",
-        tls.cert, tls.key, tls.ca, tls.domain
+        "  tls:\n    cert: {}\n    key: {}\n    ca: {}\n    domain: {}\n    mutual: {}\n",
+        tls.cert, tls.key, tls.ca, tls.domain, tls.mutual
     )
 }
 
@@ -58,9 +61,12 @@ fn reward_sample() -> reward::Sample {
 }
 
 #[test]
-fn a_run_over_tls_matches_the_plain_run_and_tls_workers_refuse_plain_text() {
+fn a_run_over_mutual_tls_matches_the_plain_run_and_its_workers_refuse_strangers() {
     let dir = tempfile::tempdir().unwrap();
-    let tls = make_pki(dir.path());
+    let tls = TlsSection {
+        mutual: true,
+        ..make_pki(dir.path())
+    };
     let model = tiny_chat_model(dir.path());
     let train = arithmetic(dir.path(), "train", 1, 64);
     let val = arithmetic(dir.path(), "val", 2, 4);
@@ -115,5 +121,18 @@ fn a_run_over_tls_matches_the_plain_run_and_tls_workers_refuse_plain_text() {
             }
             other => panic!("a plain-text client must be refused, got {other:?}"),
         }
+        // Nor does a client that trusts the worker but presents no certificate.
+        let anonymous = TlsSection {
+            mutual: false,
+            ..tls.clone()
+        };
+        let anonymous = RemoteReward::new(&address, &token, Some(&anonymous)).unwrap();
+        assert!(
+            matches!(
+                anonymous.score(vec![reward_sample()]).await,
+                Err(RoleError::Unavailable { .. })
+            ),
+            "a client without the certificate must be refused"
+        );
     });
 }

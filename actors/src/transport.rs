@@ -4,8 +4,11 @@
 //! Both ends are built here so they always agree: [`server_builder`] gives a worker's
 //! [`Server`] (presenting `cluster.tls.cert` / `cluster.tls.key`), [`channel`] gives the
 //! orchestrator's lazily connecting [`Channel`] to a worker (trusting `cluster.tls.ca`, checking
-//! the certificate is issued for `cluster.tls.domain`). Certificate files are read when these are
-//! called, so a wrong path fails at start-up with the recipe key and the path in the message.
+//! the certificate is issued for `cluster.tls.domain`). With `cluster.tls.mutual` the servers
+//! also require a client certificate signed by `cluster.tls.ca`, and the clients present
+//! `cluster.tls.cert`: the cluster's processes share one identity, and a process without it
+//! cannot call any of them. Certificate files are read when these are called, so a wrong path
+//! fails at start-up with the recipe key and the path in the message.
 
 use crate::recipe::TlsSection;
 use std::path::Path;
@@ -47,21 +50,31 @@ pub enum TransportError {
 }
 
 /// The builder of a worker's gRPC server: with TLS when `tls` is given (the worker presents
-/// `cluster.tls.cert` with the key `cluster.tls.key`), plain TCP otherwise. Add services to it
-/// and serve as with [`Server::builder`].
+/// `cluster.tls.cert` with the key `cluster.tls.key`, and with `cluster.tls.mutual` requires a
+/// client certificate signed by `cluster.tls.ca`), plain TCP otherwise. Add services to it and
+/// serve as with [`Server::builder`].
 pub fn server_builder(tls: Option<&TlsSection>) -> Result<Server, TransportError> {
     let server = Server::builder();
     let Some(tls) = tls else {
         return Ok(server);
     };
+    let mut config = ServerTlsConfig::new().identity(identity(tls)?);
+    if tls.mutual {
+        let ca = read_pem("cluster.tls.ca", &tls.ca, &["CERTIFICATE"])?;
+        config = config.client_ca_root(Certificate::from_pem(ca));
+    }
+    server.tls_config(config).map_err(|e| tls_error(tls, &e))
+}
+
+/// `cluster.tls.cert` with its key `cluster.tls.key`.
+fn identity(tls: &TlsSection) -> Result<Identity, TransportError> {
     let cert = read_pem("cluster.tls.cert", &tls.cert, &["CERTIFICATE"])?;
     let key = read_pem(
         "cluster.tls.key",
         &tls.key,
         &["PRIVATE KEY", "RSA PRIVATE KEY", "EC PRIVATE KEY"],
     )?;
-    let config = ServerTlsConfig::new().identity(Identity::from_pem(cert, key));
-    server.tls_config(config).map_err(|e| tls_error(tls, &e))
+    Ok(Identity::from_pem(cert, key))
 }
 
 /// The scheme-qualified URI of a worker: `https://` with TLS, `http://` without. `address` may be
@@ -77,7 +90,8 @@ pub fn worker_uri(address: &str, tls: Option<&TlsSection>) -> String {
 
 /// The endpoint of a worker at `address` (`HOST:PORT`, or with a scheme), connect timeout
 /// [`CONNECT_TIMEOUT`], TLS when `tls` is given: the worker must present a certificate signed by
-/// `cluster.tls.ca` and issued for `cluster.tls.domain`. Use it to tune the connection further;
+/// `cluster.tls.ca` and issued for `cluster.tls.domain` (and with `cluster.tls.mutual` the
+/// client presents `cluster.tls.cert`). Use it to tune the connection further;
 /// [`channel`] is the usual entry point.
 pub fn endpoint(address: &str, tls: Option<&TlsSection>) -> Result<Endpoint, TransportError> {
     let uri = worker_uri(address, tls);
@@ -92,9 +106,12 @@ pub fn endpoint(address: &str, tls: Option<&TlsSection>) -> Result<Endpoint, Tra
         return Ok(endpoint);
     };
     let ca = read_pem("cluster.tls.ca", &tls.ca, &["CERTIFICATE"])?;
-    let config = ClientTlsConfig::new()
+    let mut config = ClientTlsConfig::new()
         .ca_certificate(Certificate::from_pem(ca))
         .domain_name(tls.domain.clone());
+    if tls.mutual {
+        config = config.identity(identity(tls)?);
+    }
     endpoint.tls_config(config).map_err(|e| tls_error(tls, &e))
 }
 
@@ -226,6 +243,7 @@ mod tests {
             key: path("worker.key"),
             ca: path("ca.pem"),
             domain: "localhost".into(),
+            mutual: false,
         };
         Pki { _dir: dir, tls }
     }
@@ -317,6 +335,43 @@ mod tests {
             }
             other => panic!("expected a refusal, got {other:?}"),
         }
+    }
+
+    #[tokio::test]
+    async fn mutual_tls_workers_refuse_clients_without_the_clusters_certificate() {
+        let pki = make_pki();
+        let mutual = TlsSection {
+            mutual: true,
+            ..pki.tls.clone()
+        };
+        let token = Token::generate();
+        let address = serve_reward(Some(&mutual), &token).await;
+        let member = RemoteReward::new(&address, &token, Some(&mutual)).unwrap();
+        assert_eq!(member.score(samples()).await.unwrap().len(), 3);
+        // Trusting the worker is not enough: a client must present a certificate...
+        let anonymous = RemoteReward::new(&address, &token, Some(&pki.tls)).unwrap();
+        assert!(
+            matches!(
+                anonymous.score(samples()).await,
+                Err(RoleError::Unavailable { .. })
+            ),
+            "a client without a certificate must be refused"
+        );
+        // ... signed by the cluster's CA.
+        let other = make_pki();
+        let outsider = TlsSection {
+            cert: other.tls.cert.clone(),
+            key: other.tls.key.clone(),
+            ..mutual.clone()
+        };
+        let outsider = RemoteReward::new(&address, &token, Some(&outsider)).unwrap();
+        assert!(
+            matches!(
+                outsider.score(samples()).await,
+                Err(RoleError::Unavailable { .. })
+            ),
+            "a client certificate from another CA must be refused"
+        );
     }
 
     #[tokio::test]

@@ -966,6 +966,10 @@ pub struct TlsSection {
     /// The name the certificate is issued for (checked by the client).
     #[serde(default = "default_tls_domain")]
     pub domain: String,
+    /// Mutual TLS: every server (workers, the Ray registry) also requires its clients to
+    /// present a certificate signed by `ca`, and every client presents `cert`.
+    #[serde(default)]
+    pub mutual: bool,
 }
 
 impl ClusterSection {
