@@ -1,9 +1,12 @@
 //! Every parser of outside input, fed mutated copies of valid inputs: recipes (YAML and `--set`
 //! values), `config.json`, `tokenizer.json`, safetensors model files, GGUF headers, Parquet
 //! datasets, checkpoints, a model's tool calls with the calculator's expressions in them, tool
-//! config files, and the replies of external scorers, user tools and interactions (over HTTP
-//! and from a JSON-lines program). Each must answer with `Ok` or a clear error: a panic, or an
-//! input that takes seconds, fails the test with the target, the seed and the file to keep.
+//! config files, the replies of external scorers, user tools and interactions (over HTTP and
+//! from a JSON-lines program), and the gRPC messages of every method a rollout, reward or
+//! learner worker and the orchestrator's registry serve (raw bytes, sent with the run's token
+//! to real worker processes, which must answer each and stay healthy). Each must answer with
+//! `Ok` or a clear error: a panic, or an input that takes seconds, fails the test with the
+//! target, the seed and the file to keep.
 //!
 //! The budget is `GRPO_FUZZ_ITERS` inputs per target (1000 by default, as CI runs it; raise it to
 //! search longer). The seeds are the valid inputs the test builds (the tiny model, its Parquet
@@ -583,4 +586,406 @@ fn external_replies() {
         "scorer_reply_process: the program was started {} times",
         scorer.starts()
     );
+}
+
+/// A gRPC codec of raw message bytes, so a call can carry any bytes as its message.
+#[derive(Clone, Copy, Default)]
+struct RawCodec;
+
+impl tonic::codec::Codec for RawCodec {
+    type Encode = Vec<u8>;
+    type Decode = Vec<u8>;
+    type Encoder = RawCodec;
+    type Decoder = RawCodec;
+    fn encoder(&mut self) -> RawCodec {
+        RawCodec
+    }
+    fn decoder(&mut self) -> RawCodec {
+        RawCodec
+    }
+}
+
+impl tonic::codec::Encoder for RawCodec {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn encode(&mut self, item: Vec<u8>, dst: &mut tonic::codec::EncodeBuf<'_>) -> Result<(), tonic::Status> {
+        bytes::BufMut::put_slice(dst, &item);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Decoder for RawCodec {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn decode(&mut self, src: &mut tonic::codec::DecodeBuf<'_>) -> Result<Option<Vec<u8>>, tonic::Status> {
+        let mut out = vec![0; bytes::Buf::remaining(src)];
+        bytes::Buf::copy_to_slice(src, &mut out);
+        Ok(Some(out))
+    }
+}
+
+/// How a method takes and gives its messages.
+#[derive(Clone, Copy)]
+enum Shape {
+    Unary,
+    ServerStream,
+    ClientStream,
+}
+
+/// Calls `path` on `channel` with the run's `token` and `message` as the request's bytes (the
+/// one message of a client stream), reading every reply. The worker's answer, whatever it is,
+/// is `Ok` or `Err(status)`; a dropped connection panics (the worker may have died).
+async fn raw_call(
+    channel: tonic::transport::Channel,
+    token: &actors::auth::Token,
+    (path, shape): (&'static str, Shape),
+    message: Vec<u8>,
+) -> Result<(), String> {
+    use tonic::service::Interceptor;
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready()
+        .await
+        .unwrap_or_else(|e| panic!("{path}: the worker is gone: {e}"));
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static(path);
+    let (metadata, extensions, ()) = token.attach().call(tonic::Request::new(())).unwrap().into_parts();
+    let request = tonic::Request::from_parts(metadata, extensions, ());
+    let outcome = match shape {
+        Shape::Unary => grpc
+            .unary(request.map(|()| message), path, RawCodec)
+            .await
+            .map(drop),
+        Shape::ClientStream => grpc
+            .client_streaming(
+                request.map(|()| tokio_stream::iter(vec![message])),
+                path,
+                RawCodec,
+            )
+            .await
+            .map(drop),
+        Shape::ServerStream => match grpc
+            .server_streaming(request.map(|()| message), path, RawCodec)
+            .await
+        {
+            Ok(response) => {
+                let mut stream = response.into_inner();
+                loop {
+                    match stream.message().await {
+                        Ok(Some(_)) => {}
+                        Ok(None) => break Ok(()),
+                        Err(status) => break Err(status),
+                    }
+                }
+            }
+            Err(status) => Err(status),
+        },
+    };
+    match outcome {
+        Ok(()) => Ok(()),
+        Err(status) if status.code() == tonic::Code::Unavailable => {
+            panic!("the worker dropped the call: {status:?}")
+        }
+        Err(status) => Err(format!("{:?}: {}", status.code(), status.message())),
+    }
+}
+
+/// Every method a worker (rollout, reward, learner) and the orchestrator's registry serve,
+/// called with the run's token and mutated copies of valid messages as raw bytes: each call is
+/// answered (a reply or a status, within the harness's time limit), and every worker is alive
+/// and healthy afterwards.
+#[test]
+fn worker_rpc_messages() {
+    use actors::auth::Token;
+    use actors::launcher::ray::registry::Registry;
+    use actors::proto;
+    use prost::Message;
+
+    let dir = tempfile::tempdir().unwrap();
+    let (model, train, val) = tiny_inputs(dir.path(), 8, 2);
+    let recipe = tiny_recipe(
+        dir.path(),
+        "r.yaml",
+        &model,
+        &train,
+        &val,
+        &dir.path().join("out"),
+        1,
+        "",
+    );
+    let token = Token::generate();
+    let token_file = dir.path().join("token");
+    token.write(&token_file).unwrap();
+    let start = |role: &str| {
+        let mut w = WorkerProcess::start(&mut worker(role, &recipe, &token_file));
+        let address = w.loopback_address();
+        (w, address)
+    };
+    let mut workers = vec![start("rollout"), start("reward"), start("learner")];
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let registry = runtime
+        .block_on(Registry::serve(
+            "127.0.0.1",
+            token.clone(),
+            None,
+            env!("CARGO_PKG_VERSION"),
+        ))
+        .unwrap();
+    let channel = |address: &str| {
+        runtime.block_on(async {
+            tonic::transport::Channel::from_shared(address.to_string())
+                .unwrap()
+                .tcp_nodelay(true)
+                .connect()
+                .await
+                .unwrap()
+        })
+    };
+    // The rollout worker's parameter table, so weight chunks get past its first checks.
+    let table = runtime.block_on(async {
+        let mut c = proto::rollout_client::RolloutClient::with_interceptor(
+            tonic::transport::Channel::from_shared(workers[0].1.clone())
+                .unwrap()
+                .connect()
+                .await
+                .unwrap(),
+            token.attach(),
+        );
+        c.weight_version(proto::WeightVersionRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+    });
+    let first = table.tensors[0].clone();
+    let chunk = |data: Vec<u8>, offset: u64| proto::WeightChunk {
+        version: 2,
+        tensor_count: table.tensors.len() as u32,
+        tensor_index: 0,
+        tensor_name: first.name.clone(),
+        dtype: table.dtype.clone(),
+        dims: first.dims.clone(),
+        offset,
+        crc32: crc32(&data),
+        data: data.into(),
+    };
+    let generation = |max_turn_tokens: Option<u64>| proto::GenerationRequest {
+        id: 1,
+        prompt: vec![1, 2, 3],
+        n: 2,
+        seed: 3,
+        params: Some(proto::SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            max_new_tokens: 4,
+            stop_token_ids: vec![0],
+            stop_strings: vec!["\n".into()],
+        }),
+        max_turn_tokens,
+        episode_row: max_turn_tokens.map_or(String::new(), |_| "{\"extra_info\": {}}".into()),
+    };
+    let methods: Vec<(&str, &'static str, Shape, Vec<Vec<u8>>)> = vec![
+        (
+            "reward",
+            "/grpo.v1.Worker/Health",
+            Shape::Unary,
+            vec![proto::HealthRequest {}.encode_to_vec()],
+        ),
+        (
+            "reward",
+            "/grpo.v1.Reward/Score",
+            Shape::Unary,
+            vec![proto::ScoreRequest {
+                samples: vec![proto::RewardSample {
+                    id: 1,
+                    data_source: "grpo/arithmetic".into(),
+                    response: "<answer>42</answer>".into(),
+                    ground_truth: "42".into(),
+                    extra_json: "{\"index\": 0}".into(),
+                    response_length: 5,
+                    truncated: false,
+                }],
+            }
+            .encode_to_vec()],
+        ),
+        ("rollout", "/grpo.v1.Rollout/Generate", Shape::ServerStream, {
+            let edge = |edit: &dyn Fn(&mut proto::GenerationRequest)| {
+                let mut r = generation(None);
+                edit(&mut r);
+                r
+            };
+            let sampling =
+                |edit: &dyn Fn(&mut proto::SamplingParams)| edge(&|r| edit(r.params.as_mut().unwrap()));
+            [
+                vec![generation(None)],
+                vec![generation(Some(2))],
+                vec![edge(&|r| r.n = u64::MAX)],
+                vec![edge(&|r| r.prompt = vec![u32::MAX, 0])],
+                vec![edge(&|r| r.prompt.clear())],
+                vec![edge(&|r| r.params = None)],
+                vec![sampling(&|p| p.temperature = f32::NAN)],
+                vec![sampling(&|p| p.top_p = -1.0)],
+                vec![sampling(&|p| p.top_k = u64::MAX)],
+                vec![sampling(&|p| p.max_new_tokens = u64::MAX)],
+                vec![sampling(&|p| p.stop_strings = vec![String::new()])],
+                vec![generation(None), generation(None)],
+            ]
+            .into_iter()
+            .map(|requests| {
+                proto::GenerateRequest {
+                    requests,
+                    min_weight_version: 0,
+                }
+                .encode_to_vec()
+            })
+            .collect()
+        }),
+        (
+            "rollout",
+            "/grpo.v1.Rollout/UpdateWeights",
+            Shape::ClientStream,
+            vec![
+                chunk(vec![0; 64], 0).encode_to_vec(),
+                chunk(vec![1; 8], u64::MAX - 4).encode_to_vec(),
+            ],
+        ),
+        (
+            "rollout",
+            "/grpo.v1.Rollout/WeightVersion",
+            Shape::Unary,
+            vec![proto::WeightVersionRequest {}.encode_to_vec()],
+        ),
+        (
+            "learner",
+            "/grpo.v1.Learner/Start",
+            Shape::ClientStream,
+            vec![proto::LearnerStateMessage {
+                counters: Some(proto::LearnerCounters {
+                    adam_step: 0,
+                    optimizer_steps: 0,
+                    total_optimizer_steps: 4,
+                    kl_coef: None,
+                }),
+                part: proto::StatePart::Params as i32,
+                chunk: Some(chunk(vec![0; 64], 0)),
+            }
+            .encode_to_vec()],
+        ),
+        ("learner", "/grpo.v1.Learner/Update", Shape::Unary, {
+            let row = proto::LearnerRow {
+                group: 1,
+                prompt: vec![1, 2],
+                response: vec![3, 4],
+                rollout_log_probs: vec![-1.0, -2.0],
+                score: 1.0,
+                truncated: false,
+                reward_baseline: None,
+                env_spans: vec![0, 1],
+            };
+            let edge = |edit: &dyn Fn(&mut proto::LearnerRow)| {
+                let mut r = row.clone();
+                edit(&mut r);
+                proto::LearnerUpdateRequest { rows: vec![r] }.encode_to_vec()
+            };
+            vec![
+                edge(&|_| {}),
+                edge(&|r| r.rollout_log_probs = vec![f32::NAN]),
+                edge(&|r| r.env_spans = vec![3, 1, u64::MAX]),
+                edge(&|r| r.score = f64::INFINITY),
+                edge(&|r| r.response.clear()),
+                edge(&|r| r.prompt = vec![u32::MAX]),
+            ]
+        }),
+        (
+            "learner",
+            "/grpo.v1.Learner/Weights",
+            Shape::ServerStream,
+            vec![proto::LearnerWeightsRequest {
+                version: 1,
+                dtype: "f32".into(),
+            }
+            .encode_to_vec()],
+        ),
+        (
+            "learner",
+            "/grpo.v1.Learner/State",
+            Shape::ServerStream,
+            vec![proto::LearnerStateRequest {}.encode_to_vec()],
+        ),
+        (
+            "registry",
+            "/grpo.v1.Registry/Register",
+            Shape::Unary,
+            vec![proto::RegisterRequest {
+                worker_id: "rollout-0-a1".into(),
+                role: "rollout".into(),
+                pool: "default".into(),
+                address: "http://127.0.0.1:1".into(),
+                devices: vec![proto::DeviceReport {
+                    kind: "cpu".into(),
+                    count: 1,
+                    platform_name: "cpu".into(),
+                    platform_version: "1".into(),
+                }],
+                grpo_version: env!("CARGO_PKG_VERSION").into(),
+                hostname: "host".into(),
+                pid: 1,
+            }
+            .encode_to_vec()],
+        ),
+        (
+            "registry",
+            "/grpo.v1.Registry/Heartbeat",
+            Shape::Unary,
+            vec![proto::HeartbeatRequest {
+                worker_id: "rollout-0-a1".into(),
+            }
+            .encode_to_vec()],
+        ),
+    ];
+    let address = |role: &str| match role {
+        "rollout" => workers[0].1.clone(),
+        "reward" => workers[1].1.clone(),
+        "learner" => workers[2].1.clone(),
+        _ => registry.address(),
+    };
+    for (i, (role, path, shape, seeds)) in methods.iter().enumerate() {
+        let target = format!("rpc{}", path.replace('/', "_").replace("_grpo.v1.", "_"));
+        let ch = channel(&address(role));
+        // The seeds as they are first (edge values among them), then their mutants.
+        for seed in seeds {
+            let _ = runtime.block_on(raw_call(ch.clone(), &token, (path, *shape), seed.clone()));
+        }
+        let count = iterations().div_ceil(4);
+        fuzz_n(
+            &target,
+            20 + i as u64,
+            seeds,
+            (usize::MAX, false),
+            count,
+            |input| runtime.block_on(raw_call(ch.clone(), &token, (path, *shape), input.to_vec())),
+        );
+    }
+    for (w, address) in &mut workers {
+        assert!(w.child.try_wait().unwrap().is_none(), "worker {address} exited");
+        let ch = channel(address);
+        runtime
+            .block_on(raw_call(
+                ch,
+                &token,
+                ("/grpo.v1.Worker/Health", Shape::Unary),
+                Vec::new(),
+            ))
+            .unwrap_or_else(|e| panic!("worker {address} is unhealthy after the fuzzing: {e}"));
+    }
+}
+
+/// CRC-32 (IEEE) of `data`, as the weight chunks carry it.
+fn crc32(data: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &byte in data {
+        crc ^= u32::from(byte);
+        for _ in 0..8 {
+            crc = (crc >> 1) ^ (0xEDB8_8320 & (crc & 1).wrapping_neg());
+        }
+    }
+    !crc
 }

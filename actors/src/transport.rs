@@ -77,6 +77,20 @@ fn identity(tls: &TlsSection) -> Result<Identity, TransportError> {
     Ok(Identity::from_pem(cert, key))
 }
 
+/// The connections `listener` accepts, each with Nagle's algorithm off: the server builder's
+/// `tcp_nodelay` applies only to listeners it binds itself, and a reply written as several
+/// HTTP/2 frames would otherwise wait out the client's delayed ACK (40 ms a call).
+pub fn incoming(
+    listener: tokio::net::TcpListener,
+) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    use tokio_stream::StreamExt;
+    tokio_stream::wrappers::TcpListenerStream::new(listener).map(|accepted| {
+        let stream = accepted?;
+        stream.set_nodelay(true)?;
+        Ok(stream)
+    })
+}
+
 /// The scheme-qualified URI of a worker: `https://` with TLS, `http://` without. `address` may be
 /// `HOST:PORT` or already carry a scheme (which is replaced to match `tls`).
 pub fn worker_uri(address: &str, tls: Option<&TlsSection>) -> String {

@@ -135,10 +135,9 @@ impl Worker {
         let health = WorkerService {
             serving: self.serving.clone(),
         };
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(self.listener);
+        let incoming = crate::transport::incoming(self.listener);
         let mut server = self
             .server
-            .tcp_nodelay(true)
             .initial_stream_window_size(RolloutService::STREAM_WINDOW_BYTES)
             .initial_connection_window_size(RolloutService::CONNECTION_WINDOW_BYTES)
             .max_frame_size(RolloutService::MAX_FRAME_BYTES);

@@ -236,7 +236,7 @@ impl Registry {
         let router = transport::server_builder(tls)?
             .add_service(RegistryGrpcServer::with_interceptor(service, token.interceptor()));
         let (stop, stopped) = oneshot::channel::<()>();
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        let incoming = transport::incoming(listener);
         let served_at = address.clone();
         tokio::spawn(async move {
             let shutdown = async {
