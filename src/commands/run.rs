@@ -40,6 +40,12 @@ pub struct RunArgs {
     /// No progress bar; one line per step still goes to stderr.
     #[arg(long, short)]
     pub quiet: bool,
+
+    /// Start each worker process as PROGRAM instead of this `grpo` binary: a wrapper such as a
+    /// script running `numactl ... grpo "$@"` or a profiler. It gets the worker's arguments
+    /// (`worker --role ROLE ...`) and must print the worker's `listening on ADDRESS` line.
+    #[arg(long, value_name = "PROGRAM")]
+    pub worker_program: Option<PathBuf>,
 }
 
 pub fn run(args: RunArgs) -> Result<ExitCode> {
@@ -57,7 +63,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
     }
     let options = actors::run::RunOptions {
         quiet: args.quiet,
-        worker_program: None,
+        worker_program: args.worker_program.clone(),
     };
     train(&recipe, &options)
 }

@@ -198,38 +198,11 @@ pub fn save_checkpoint(
     }
     fs::create_dir(&tmp).map_err(io("creating", &tmp))?;
 
-    let mut files = BTreeMap::new();
-    let mut put = |name: String, bytes: Vec<u8>| -> Result<()> {
-        let path = tmp.join(&name);
-        write_synced(&path, &bytes)?;
-        files.insert(
-            name,
-            ManifestEntry {
-                bytes: bytes.len() as u64,
-                sha256: sha256_hex(&bytes),
-            },
-        );
-        Ok(())
-    };
-    for (stem, tensors) in tensor_files {
-        put(format!("{stem}.safetensors"), serialize_tensors(tensors)?)?;
+    // A failed write (a full disk) must not leave its partial files taking space.
+    if let Err(e) = write_contents(&tmp, state, tensor_files) {
+        let _ = fs::remove_dir_all(&tmp);
+        return Err(e);
     }
-    let state_json = serde_json::to_vec_pretty(state).map_err(|e| CheckpointError::Format {
-        path: tmp.join("state.json"),
-        message: e.to_string(),
-    })?;
-    put("state.json".to_string(), state_json)?;
-    let manifest = Manifest {
-        format: 1,
-        step: state.step,
-        files,
-    };
-    let manifest_json = serde_json::to_vec_pretty(&manifest).map_err(|e| CheckpointError::Format {
-        path: tmp.join("manifest.json"),
-        message: e.to_string(),
-    })?;
-    write_synced(&tmp.join("manifest.json"), &manifest_json)?;
-    sync_dir(&tmp)?;
 
     if final_dir.exists() {
         // Re-saving a step: move the old one aside first so the rename cannot fail half-way.
@@ -253,6 +226,43 @@ pub fn save_checkpoint(
         }
     }
     Ok(final_dir)
+}
+
+/// Writes a checkpoint's files into `dir`: the tensor files, `state.json`, and `manifest.json`
+/// last, each synced, then the directory.
+fn write_contents(dir: &Path, state: &TrainerState, tensor_files: &[(&str, Vec<HostTensor>)]) -> Result<()> {
+    let mut files = BTreeMap::new();
+    let mut put = |name: String, bytes: Vec<u8>| -> Result<()> {
+        let path = dir.join(&name);
+        write_synced(&path, &bytes)?;
+        files.insert(
+            name,
+            ManifestEntry {
+                bytes: bytes.len() as u64,
+                sha256: sha256_hex(&bytes),
+            },
+        );
+        Ok(())
+    };
+    for (stem, tensors) in tensor_files {
+        put(format!("{stem}.safetensors"), serialize_tensors(tensors)?)?;
+    }
+    let state_json = serde_json::to_vec_pretty(state).map_err(|e| CheckpointError::Format {
+        path: dir.join("state.json"),
+        message: e.to_string(),
+    })?;
+    put("state.json".to_string(), state_json)?;
+    let manifest = Manifest {
+        format: 1,
+        step: state.step,
+        files,
+    };
+    let manifest_json = serde_json::to_vec_pretty(&manifest).map_err(|e| CheckpointError::Format {
+        path: dir.join("manifest.json"),
+        message: e.to_string(),
+    })?;
+    write_synced(&dir.join("manifest.json"), &manifest_json)?;
+    sync_dir(dir)
 }
 
 fn remove_temporaries(root: &Path) -> Result<()> {
@@ -501,6 +511,26 @@ mod tests {
         save_checkpoint(tmp.path(), &state(5), &tensors(5), None).unwrap();
         assert!(!root.join(".tmp-step_3-999").exists());
         assert_eq!(latest_checkpoint(tmp.path()).unwrap(), Some(root.join("step_5")));
+    }
+
+    #[test]
+    fn a_failed_save_removes_its_partial_files_and_keeps_the_previous_checkpoint() {
+        let tmp = tempfile::tempdir().unwrap();
+        let good = save_checkpoint(tmp.path(), &state(2), &tensors(2), None).unwrap();
+        // The parameters are written, then the optimizer's file fails (as a full disk would).
+        let mut broken = tensors(3);
+        broken[1].1[0].bytes.truncate(3);
+        let err = save_checkpoint(tmp.path(), &state(3), &broken, None)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("adam_m.w"), "{err}");
+        let root = checkpoints_dir(tmp.path());
+        let left: Vec<_> = fs::read_dir(&root)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(left, vec!["step_2"]);
+        assert_eq!(latest_checkpoint(tmp.path()).unwrap(), Some(good));
     }
 
     #[test]

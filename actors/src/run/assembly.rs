@@ -401,10 +401,7 @@ fn learner_worker_failed(worker: &WorkerInfo, error: RoleError, last_checkpoint:
             worker.log.display()
         ),
         error,
-        resume: match last_checkpoint {
-            Some(dir) => format!("from its newest checkpoint, {}", dir.display()),
-            None => "from the start (no checkpoint was saved yet)".to_string(),
-        },
+        resume: super::resume_point(last_checkpoint),
     }
 }
 

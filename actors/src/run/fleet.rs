@@ -209,17 +209,31 @@ impl Fleet {
     /// Puts a replacement rollout worker in slot `index`, bringing it to the latest weights
     /// first.
     pub async fn replace_rollout(&self, index: usize, role: Arc<dyn RolloutRole>) -> Result<(), RoleError> {
-        let latest = self.latest.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        if let Some(update) = latest {
-            role.update_weights(update).await?;
-        }
-        self.replaced.fetch_add(1, Ordering::Relaxed);
         // A new worker (maybe on another node) is measured afresh.
         self.throughput
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&index);
-        self.rollouts.replace(index, role);
+        let version = |u: &Option<WeightUpdate>| u.as_ref().map(|u| u.version);
+        let mut sent = None;
+        loop {
+            let latest = self.latest.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            if version(&latest) != sent {
+                sent = version(&latest);
+                if let Some(update) = latest {
+                    role.update_weights(update).await?;
+                }
+            }
+            // An update published while this one streamed went only to the live workers:
+            // send that too. `update_weights` publishes and lists the live workers under this
+            // lock, so once the worker is live under it, it gets every later update.
+            let latest = self.latest.lock().unwrap_or_else(|e| e.into_inner());
+            if version(&latest) == sent {
+                self.rollouts.replace(index, role);
+                break;
+            }
+        }
+        self.replaced.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
@@ -274,9 +288,13 @@ impl Fleet {
     /// Sends new weights to every live rollout worker (a failing worker is marked dead and
     /// will be brought up to date when it is replaced).
     pub async fn update_weights(&self, update: WeightUpdate) -> Result<(), RoleError> {
-        *self.latest.lock().unwrap_or_else(|e| e.into_inner()) = Some(update.clone());
+        let live = {
+            let mut latest = self.latest.lock().unwrap_or_else(|e| e.into_inner());
+            *latest = Some(update.clone());
+            self.live_rollouts()
+        };
         let mut tasks = JoinSet::new();
-        for (i, role) in self.live_rollouts() {
+        for (i, role) in live {
             let u = update.clone();
             tasks.spawn(async move { (i, role.update_weights(u).await) });
         }
@@ -530,7 +548,99 @@ fn shares(total: usize, weights: &[f64]) -> Vec<usize> {
 
 #[cfg(test)]
 mod tests {
-    use super::shares;
+    use super::*;
+    use crate::roles::rollout::UpdateParams;
+    use crate::roles::BoxFuture;
+
+    /// A rollout worker that records the weight versions it installs; with `held`, its first
+    /// install waits for `release` (a slow stream of weights).
+    struct Installs {
+        versions: Mutex<Vec<u64>>,
+        held: Option<(tokio::sync::Notify, tokio::sync::Notify)>,
+    }
+
+    impl Installs {
+        fn new(held: bool) -> Arc<Installs> {
+            Arc::new(Installs {
+                versions: Mutex::new(Vec::new()),
+                held: held.then(|| (tokio::sync::Notify::new(), tokio::sync::Notify::new())),
+            })
+        }
+
+        fn versions(&self) -> Vec<u64> {
+            self.versions.lock().unwrap().clone()
+        }
+    }
+
+    impl RolloutRole for Installs {
+        fn generate(
+            &self,
+            _: Vec<GenerationRequest>,
+            _: tokio::sync::mpsc::UnboundedSender<Sample>,
+        ) -> BoxFuture<'_, Result<(), RoleError>> {
+            Box::pin(async { Err(RoleError::Invalid("this test generates nothing".into())) })
+        }
+
+        fn update_weights(&self, update: WeightUpdate) -> BoxFuture<'_, Result<(), RoleError>> {
+            Box::pin(async move {
+                if let (Some((started, release)), true) = (&self.held, self.versions().is_empty()) {
+                    started.notify_one();
+                    release.notified().await;
+                }
+                self.versions.lock().unwrap().push(update.version);
+                Ok(())
+            })
+        }
+
+        fn weight_version(&self) -> u64 {
+            self.versions().last().copied().unwrap_or(0)
+        }
+
+        fn location(&self) -> String {
+            "test".into()
+        }
+    }
+
+    fn update(version: u64) -> WeightUpdate {
+        WeightUpdate {
+            version,
+            params: UpdateParams::Host(Vec::new().into()),
+        }
+    }
+
+    /// A replacement that is still receiving version 1 when version 2 is published must get
+    /// version 2 before it generates: otherwise it samples a step with the old weights.
+    #[test]
+    fn a_replacement_gets_the_update_published_while_it_was_being_brought_up_to_date() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let (live, dead) = (Installs::new(false), Installs::new(false));
+            let fleet = Arc::new(Fleet::new(
+                vec![live.clone(), dead],
+                Vec::new(),
+                std::time::Duration::from_secs(1),
+            ));
+            fleet.update_weights(update(1)).await.unwrap();
+            fleet.rollout_failed(1);
+            assert_eq!(fleet.take_dead(), vec![(Role::Rollout, 1)]);
+            let replacement = Installs::new(true);
+            let replacing = tokio::spawn({
+                let (fleet, replacement) = (fleet.clone(), replacement.clone());
+                async move { fleet.replace_rollout(1, replacement).await }
+            });
+            let (started, release) = replacement.held.as_ref().unwrap();
+            started.notified().await;
+            fleet.update_weights(update(2)).await.unwrap();
+            release.notify_one();
+            replacing.await.unwrap().unwrap();
+            assert_eq!(live.versions(), vec![1, 2]);
+            assert_eq!(replacement.versions(), vec![1, 2]);
+            assert_eq!(fleet.live_rollouts().len(), 2);
+        });
+    }
 
     #[test]
     fn requests_are_shared_in_proportion_to_throughput() {

@@ -74,6 +74,19 @@ pub enum RunError {
     },
     #[error(transparent)]
     Checkpoint(#[from] trainer::checkpoint::CheckpointError),
+    /// Writing a checkpoint failed (a full disk, a file-size limit, a read-only directory).
+    #[error(
+        "saving the checkpoint of step {step} failed: {error}. Its partial files were removed \
+         and the run stops here; free space under {checkpoints} (or fix what the error names), \
+         then run `grpo run` again with the same recipe: it resumes {resume}"
+    )]
+    Save {
+        step: u64,
+        error: trainer::checkpoint::CheckpointError,
+        checkpoints: String,
+        /// Where the next `grpo run` starts from.
+        resume: String,
+    },
     #[error(transparent)]
     Data(#[from] data::DataError),
     #[error("{what} {}: {source}", path.display())]
@@ -94,12 +107,22 @@ pub(crate) fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io:
     }
 }
 
+/// Where a `grpo run` after a failure resumes, for error messages: from `last_checkpoint`, or
+/// from the start.
+pub(crate) fn resume_point(last_checkpoint: Option<&Path>) -> String {
+    match last_checkpoint {
+        Some(dir) => format!("from its newest checkpoint, {}", dir.display()),
+        None => "from the start (no checkpoint was saved yet)".to_string(),
+    }
+}
+
 /// How `grpo run` was asked to behave beyond the recipe.
 #[derive(Clone, Debug, Default)]
 pub struct RunOptions {
     /// No progress display (logs and metrics only).
     pub quiet: bool,
-    /// The `grpo` executable worker processes are started from (default: this executable).
+    /// The program worker processes are started as (default: this executable; `grpo run
+    /// --worker-program`).
     pub worker_program: Option<PathBuf>,
 }
 
@@ -335,7 +358,17 @@ impl Run<'_> {
                     update: steps.learner().clocks(),
                     sampler: outcome.sampler,
                 };
-                let dir = checkpoint::save(self.recipe, self.output, self.specs, state, clocks)?;
+                let dir = checkpoint::save(self.recipe, self.output, self.specs, state, clocks).map_err(
+                    |e| match e {
+                        RunError::Checkpoint(error) => RunError::Save {
+                            step,
+                            error,
+                            checkpoints: self.output.join("checkpoints").display().to_string(),
+                            resume: resume_point(steps.last_checkpoint.as_deref()),
+                        },
+                        other => other,
+                    },
+                )?;
                 tracing::info!("saved {} in {:.1}s", dir.display(), t.elapsed().as_secs_f64());
                 steps.last_checkpoint = Some(dir);
             }
