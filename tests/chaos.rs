@@ -248,7 +248,7 @@ fn run_processes(output: &Path) -> Vec<(u32, String, bool)> {
             .split(|b| *b == 0)
             .map(|a| String::from_utf8_lossy(a).into_owned())
             .collect();
-        if !args.iter().any(|a| *a == recipe) || !process_alive(pid) {
+        if !args.contains(&recipe) || !process_alive(pid) {
             continue;
         }
         let Some(role) = args
