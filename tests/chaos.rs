@@ -237,17 +237,7 @@ fn limit_file_size(command: &mut Command, limit: u64) {
 fn run_processes(output: &Path) -> Vec<(u32, String, bool)> {
     let recipe = output.join("recipe.yaml").to_string_lossy().into_owned();
     let mut found = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
-            continue;
-        };
-        let args: Vec<String> = cmdline
-            .split(|b| *b == 0)
-            .map(|a| String::from_utf8_lossy(a).into_owned())
-            .collect();
+    for (pid, args) in processes() {
         if !args.contains(&recipe) || !process_alive(pid) {
             continue;
         }

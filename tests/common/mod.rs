@@ -162,11 +162,9 @@ pub fn metric_series(m: &std::collections::BTreeMap<u64, serde_json::Value>, key
         .collect()
 }
 
-/// The pids of the worker processes of `role` of the run writing to `output` (their command
-/// line names the run's resolved recipe `OUTPUT/recipe.yaml`).
-pub fn run_worker_pids(output: &Path, role: &str) -> Vec<u32> {
-    let recipe = output.join("recipe.yaml");
-    let mut pids = Vec::new();
+/// Every process with its command line, as (pid, arguments).
+pub fn processes() -> Vec<(u32, Vec<String>)> {
+    let mut found = Vec::new();
     for entry in std::fs::read_dir("/proc").unwrap().flatten() {
         let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
             continue;
@@ -174,16 +172,27 @@ pub fn run_worker_pids(output: &Path, role: &str) -> Vec<u32> {
         let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
             continue;
         };
-        let args: Vec<String> = cmdline
+        let args = cmdline
             .split(|b| *b == 0)
             .map(|a| String::from_utf8_lossy(a).into_owned())
             .collect();
-        let has = |s: &str| args.iter().any(|a| a == s);
-        if has("worker") && has(role) && has(&recipe.to_string_lossy()) {
-            pids.push(pid);
-        }
+        found.push((pid, args));
     }
-    pids
+    found
+}
+
+/// The pids of the worker processes of `role` of the run writing to `output` (their command
+/// line names the run's resolved recipe `OUTPUT/recipe.yaml`).
+pub fn run_worker_pids(output: &Path, role: &str) -> Vec<u32> {
+    let recipe = output.join("recipe.yaml");
+    processes()
+        .into_iter()
+        .filter(|(_, args)| {
+            let has = |s: &str| args.iter().any(|a| a == s);
+            has("worker") && has(role) && has(&recipe.to_string_lossy())
+        })
+        .map(|(pid, _)| pid)
+        .collect()
 }
 
 /// Whether process `pid` exists and is not a zombie.
