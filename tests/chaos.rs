@@ -63,6 +63,14 @@ const KINDS: [Fault; 8] = [
 ];
 
 impl Fault {
+    /// Whether the fault picks a worker process or its proxy (rather than the orchestrator).
+    fn targets_workers(self) -> bool {
+        !matches!(
+            self,
+            Fault::KillOrchestrator | Fault::FreezeOrchestrator | Fault::DiskFull
+        )
+    }
+
     fn name(self) -> &'static str {
         match self {
             Fault::KillWorker => "kill -9 rollout/reward worker",
@@ -479,9 +487,13 @@ fn soak_seed(seed: u64, dir: &Path, recipe: &Path, faults: usize) -> SeedReport 
         }
         // The next fault once the run made progress since the last one (and its workers are
         // all up), at a random moment of a step.
+        // A fault aimed at a worker or its connections waits for a replacement to be up; one
+        // aimed at the orchestrator does not (a replacement can take longer to start than the
+        // rest of the run on a loaded machine, and being mid-replacement is a state worth hitting).
+        let needs_workers = pending.front().is_some_and(|f| f.targets_workers());
         let ready = step > last_step
             && injected.last().is_none_or(|l| l.recovered_s >= 0.0)
-            && workers(&soak, &["rollout", "reward", "learner"], false).len() == 4;
+            && (!needs_workers || workers(&soak, &["rollout", "reward", "learner"], false).len() == 4);
         if ready && step < STEPS {
             if let Some(fault) = pending.pop_front() {
                 std::thread::sleep(Duration::from_millis(rng.random_range(0..1500)));
