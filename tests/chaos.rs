@@ -12,8 +12,9 @@
 //! run's values), no process of the run is left, and a report lists the faults injected, what
 //! each cost in time and the soak's overhead.
 //!
-//! CI runs seeds 1 to 5; longer on demand, e.g.
-//! `GRPO_CHAOS_SEEDS=1-50 cargo test --test chaos -- --nocapture`. `GRPO_CHAOS_SEEDS` picks the seeds (`5`: seeds 1 to 5, the default; `7-9`; `3,11`),
+//! The tests run seeds 1 to 5; more on demand, e.g.
+//! `GRPO_CHAOS_SEEDS=1-50 cargo test --test chaos -- --nocapture`.
+//! `GRPO_CHAOS_SEEDS` picks the seeds (`5`: seeds 1 to 5, the default; `7-9`; `3,11`),
 //! `GRPO_CHAOS_FAULTS` the faults per seed (default 8: each kind once, in a seeded order, then
 //! seeded picks), `GRPO_CHAOS_REPORT` a file for the report as JSON. A failing seed replays with
 //! `GRPO_CHAOS_SEEDS=N`: the faults, targets and delays are the seed's; only where in a step they
@@ -36,8 +37,6 @@ const FREEZE: Duration = Duration::from_secs(TIMEOUT_S + 1);
 /// checkpoint's parameters (6 MiB for the tiny model).
 const DISK_LIMIT: u64 = 1 << 20;
 const SEED_DEADLINE: Duration = Duration::from_secs(900);
-/// How long a run that printed its closing lines may take to exit.
-const EXIT_GRACE: Duration = Duration::from_secs(30);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Fault {
@@ -462,23 +461,6 @@ fn soak_seed(seed: u64, dir: &Path, recipe: &Path, faults: usize) -> SeedReport 
         if started.elapsed() >= SEED_DEADLINE {
             panic!("seed {seed}: past {SEED_DEADLINE:?}\n{}", soak.stuck_report());
         }
-        if soak.child.is_some() && soak.stderr().contains("\nmetrics: ") {
-            // The run said its last line; it must now exit, not hang on the way out.
-            let said = Instant::now();
-            while soak
-                .child
-                .as_mut()
-                .is_some_and(|c| c.try_wait().unwrap().is_none())
-            {
-                if said.elapsed() > EXIT_GRACE {
-                    panic!(
-                        "seed {seed}: the run finished but did not exit within {EXIT_GRACE:?}\n{}",
-                        soak.stuck_report()
-                    );
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        }
         if let Some(status) = soak.ended() {
             if status.success() {
                 break;
@@ -492,9 +474,8 @@ fn soak_seed(seed: u64, dir: &Path, recipe: &Path, faults: usize) -> SeedReport 
                 last.recovered_s = started.elapsed().as_secs_f64() - last.at_s;
             }
         }
-        // The next fault once the run made progress since the last one (and its workers are
-        // all up), at a random moment of a step.
-        // A fault aimed at a worker or its connections waits for a replacement to be up; one
+        // The next fault once the run made progress since the last one, at a random moment of
+        // a step. One aimed at a worker or its connections also waits until all four are up; one
         // aimed at the orchestrator does not (a replacement can take longer to start than the
         // rest of the run on a loaded machine, and being mid-replacement is a state worth hitting).
         let needs_workers = pending.front().is_some_and(|f| f.targets_workers());
