@@ -901,6 +901,7 @@ fn worker_rpc_messages() {
             vec![proto::LearnerWeightsRequest {
                 version: 1,
                 dtype: "f32".into(),
+                adapters: false,
             }
             .encode_to_vec()],
         ),

@@ -247,8 +247,15 @@ fn a_learner_worker_refuses_callers_without_the_runs_token() {
         let specs = Vec::new();
         let timeout = Duration::from_secs(10);
         // Another run's token: refused.
-        let intruder =
-            RemoteLearner::with_timeout(&address, &Token::generate(), None, timeout, specs.clone()).unwrap();
+        let intruder = RemoteLearner::with_timeout(
+            &address,
+            &Token::generate(),
+            None,
+            timeout,
+            specs.clone(),
+            specs.clone(),
+        )
+        .unwrap();
         match intruder.update(Vec::new()).await {
             Err(RoleError::Refused { role, message, .. }) => {
                 assert_eq!(role, "learner");
@@ -269,7 +276,8 @@ fn a_learner_worker_refuses_callers_without_the_runs_token() {
                 .map(|_| ()),
         );
         // The run's token gets through to the learner, which has not been started yet.
-        let owner = RemoteLearner::with_timeout(&address, &token, None, timeout, specs).unwrap();
+        let owner =
+            RemoteLearner::with_timeout(&address, &token, None, timeout, specs.clone(), specs).unwrap();
         match owner.update(Vec::new()).await {
             Err(RoleError::Refused { message, .. }) => assert_eq!(
                 message,

@@ -3,12 +3,43 @@
 //! weights, the checkpoint holds the adapters under PEFT's names and resumes, `grpo export`
 //! writes a PEFT adapter (or with `--merged` the merged model) that `grpo generate --adapter`
 //! and the merged model answer alike with, and the keys are refused where they would do nothing.
+//! With rollout and learner worker processes only the adapters cross the network, a worker
+//! killed mid-run loses nothing, and a worker that drops an update stops the run by name.
 
 mod common;
 
 use common::*;
 use model::lora::LoraAdapter;
 use model::safetensors_io::load_hf_checkpoint;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+/// The LoRA settings of these runs.
+const LORA: [&str; 10] = [
+    "--set",
+    "actor.lora_rank=4",
+    "--set",
+    "actor.lora_alpha=8",
+    "--set",
+    "actor.target_modules=[q_proj, v_proj, down_proj]",
+    "--set",
+    "actor.optim.lr=0.05",
+    // One optimizer step per step, so step 1's loss is taken before any update.
+    "--set",
+    "actor.ppo_mini_batch_size=4",
+];
+
+/// Kills the run (and, through it, its workers) if a test ends early.
+struct KillOnDrop(Option<std::process::Child>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Some(mut run) = self.0.take() {
+            let _ = run.kill();
+            let _ = run.wait();
+        }
+    }
+}
 
 #[test]
 fn a_lora_run_trains_the_adapters_exports_them_for_peft_and_resumes() {
@@ -16,19 +47,7 @@ fn a_lora_run_trains_the_adapters_exports_them_for_peft_and_resumes() {
     let (model, train, val) = tiny_inputs(dir.path(), 64, 4);
     let out = dir.path().join("out");
     let r = tiny_recipe(dir.path(), "r.yaml", &model, &train, &val, &out, 2, "");
-    let lora_args = [
-        "--set",
-        "actor.lora_rank=4",
-        "--set",
-        "actor.lora_alpha=8",
-        "--set",
-        "actor.target_modules=[q_proj, v_proj, down_proj]",
-        "--set",
-        "actor.optim.lr=0.05",
-        // One optimizer step per step, so step 1's loss is taken before any update.
-        "--set",
-        "actor.ppo_mini_batch_size=4",
-    ];
+    let lora_args = LORA;
     let run = |steps: &str| {
         let mut args = vec!["run", r.to_str().unwrap(), "--quiet", "--set", steps];
         args.extend_from_slice(&lora_args);
@@ -137,6 +156,151 @@ fn a_lora_run_trains_the_adapters_exports_them_for_peft_and_resumes() {
     );
 }
 
+/// Rollout workers of a LoRA run hold the base and are streamed only the adapters (f32), from
+/// a learner worker through the orchestrator; kill -9 of one mid-run loses nothing, and the run
+/// trains exactly as the same recipe in one process. So does a learner worker alone, which
+/// streams the merged weights to the rollout in the orchestrator.
+#[test]
+fn lora_rollout_workers_are_sent_only_the_adapters_and_train_as_in_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, train, val) = tiny_inputs(dir.path(), 64, 4);
+    let steps = 3;
+    let (local, remote) = (dir.path().join("local"), dir.path().join("remote"));
+    let r_local = tiny_recipe(dir.path(), "local.yaml", &model, &train, &val, &local, steps, "");
+    let r_remote = tiny_recipe(
+        dir.path(),
+        "remote.yaml",
+        &model,
+        &train,
+        &val,
+        &remote,
+        steps,
+        "cluster:\n  rollout_workers: 2\n  learner_workers: 1\n",
+    );
+    let learner_only = dir.path().join("learner_only");
+    let r_learner_only = tiny_recipe(
+        dir.path(),
+        "learner_only.yaml",
+        &model,
+        &train,
+        &val,
+        &learner_only,
+        steps,
+        "cluster:\n  learner_workers: 1\n",
+    );
+    for r in [&r_local, &r_learner_only] {
+        let mut args = vec!["run", r.to_str().unwrap(), "--quiet"];
+        args.extend_from_slice(&LORA);
+        let o = run_grpo(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    assert_same_training(&local, &learner_only, "LoRA in one process vs a learner worker");
+    assert_eq!(
+        metric_series(&metrics(&learner_only), "weights/sent_bytes"),
+        vec![0.0; steps]
+    );
+
+    let mut run = KillOnDrop(Some(
+        grpo()
+            .args(["run", r_remote.to_str().unwrap(), "--quiet"])
+            .args(LORA)
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    ));
+    let child = run.0.as_mut().unwrap();
+    wait_for_step(&remote, 1, child, Duration::from_secs(300));
+    let rollouts = run_worker_pids(&remote, "rollout");
+    assert_eq!(rollouts.len(), 2, "{rollouts:?}");
+    assert!(send_signal(rollouts[0], "KILL"));
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the run did not finish within 300 s of the kill"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(status.success(), "{stderr}");
+    assert_same_training(
+        &local,
+        &remote,
+        "LoRA in one process vs rollout and learner workers",
+    );
+
+    // Every sync sent each live worker the adapters and nothing else: step 1's went to both.
+    let ck = trainer::checkpoint::load_checkpoint(&remote.join("checkpoints/step_2")).unwrap();
+    let adapter_bytes: usize = ck.tensors["params"]
+        .iter()
+        .map(|t| t.to_f32_vec().len() * 4)
+        .sum();
+    let m = metrics(&remote);
+    let sent = metric_series(&m, "weights/sent_bytes");
+    assert_eq!(sent[0], 2.0 * adapter_bytes as f64, "{sent:?}");
+    for bytes in &sent {
+        let workers = bytes / adapter_bytes as f64;
+        assert!(
+            workers >= 1.0 && workers.fract() == 0.0,
+            "{sent:?}, adapters {adapter_bytes} B"
+        );
+    }
+    let model_bytes: usize = load_hf_checkpoint(&model)
+        .unwrap()
+        .tensors
+        .iter()
+        .map(|t| t.to_f32_vec().len() * 2)
+        .sum();
+    assert!(
+        adapter_bytes * 20 < model_bytes,
+        "adapters {adapter_bytes} B, model {model_bytes} B"
+    );
+    let failures = metric_series(&m, "workers/failures_total");
+    eprintln!("bytes sent per sync {sent:?} (adapters {adapter_bytes} B, model {model_bytes} B), failures {failures:?}");
+    assert!(
+        failures.last().copied().unwrap_or(0.0) >= 1.0,
+        "{failures:?}: {stderr}"
+    );
+}
+
+/// A LoRA rollout worker that acknowledges an adapter update without installing it is caught by
+/// the digest of what it samples with, and the run stops naming it.
+#[test]
+fn a_lora_rollout_worker_that_skips_an_adapter_install_stops_the_run_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, train, val) = tiny_inputs(dir.path(), 64, 4);
+    let out = dir.path().join("out");
+    let r = tiny_recipe(
+        dir.path(),
+        "r.yaml",
+        &model,
+        &train,
+        &val,
+        &out,
+        3,
+        "cluster:\n  rollout_workers: 1\n",
+    );
+    let o = grpo()
+        .args(["run", r.to_str().unwrap(), "--quiet"])
+        .args(LORA)
+        .env("GRPO_FAULT_SKIP_WEIGHT_INSTALL", "2")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("acknowledged weight version 2 but reports version 2 with checksum")
+            && err.contains("it does not sample with them"),
+        "{err}"
+    );
+    assert!(err.contains("rollout worker http://127.0.0.1:"), "{err}");
+    assert_eq!(metrics(&out).keys().copied().collect::<Vec<_>>(), vec![0, 1]);
+}
+
 #[test]
 fn lora_keys_are_refused_where_they_would_do_nothing() {
     let dir = tempfile::tempdir().unwrap();
@@ -161,10 +325,6 @@ fn lora_keys_are_refused_where_they_would_do_nothing() {
     refused(
         &["model.lora_adapter_path=/x"],
         "`model.lora_adapter_path` = /x: needs actor.lora_rank set to the adapter's r",
-    );
-    refused(
-        &["actor.lora_rank=4", "cluster.rollout_workers=1"],
-        "`cluster.rollout_workers` = 1: LoRA trains in the orchestrator's process",
     );
     refused(
         &["actor.lora_rank=4", "actor.target_modules=[q_proj, lm_head]"],

@@ -213,7 +213,9 @@ fn remote_rollout_matches_local_takes_weights_and_refuses_bad_updates() {
             version: 1,
             params: buffers(&b, DType::F32).into(),
         };
-        remote.update_weights(update).await.unwrap();
+        let sent = remote.update_weights(update).await.unwrap();
+        let model_bytes: usize = param_table(&b.config).iter().map(|p| p.numel() * 4).sum();
+        assert_eq!(sent, model_bytes as u64, "the bytes of tensor data sent");
         assert_eq!(remote.weight_version(), 1);
         let expected_b = generate(&local_b, requests(10)).await.unwrap();
         let got = generate(&remote, requests(10)).await.unwrap();
@@ -287,7 +289,8 @@ fn remote_rollout_matches_local_takes_weights_and_refuses_bad_updates() {
                     version: 9,
                     params: buffers(&b, DType::F32).into(),
                 })
-                .await,
+                .await
+                .map(drop),
         ] {
             match result {
                 Err(RoleError::Refused { message, .. }) => {

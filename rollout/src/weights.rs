@@ -23,7 +23,8 @@ use xla::DType;
 
 use crate::error::{Result, RolloutError};
 use crate::programs::rollout_mesh;
-use model::{param_table, ModelConfig, ModelWeights, ParamLayout, ParamSpec};
+use model::lora::{lora_param_table, MergeLayout, MergeProgram};
+use model::{param_table, HostTensor, LoraConfig, ModelConfig, ModelWeights, ParamLayout, ParamSpec};
 
 /// The rollout's parameters: each device's buffers of the whole parameter table, in device
 /// order (one entry for a single-device engine), laid out by the rollout's tensor-parallel
@@ -323,6 +324,96 @@ impl HandoffPlan {
                 program: name.clone(),
                 source,
             })
+    }
+}
+
+/// An engine that is sent LoRA adapters instead of weights (a rollout worker of a LoRA run):
+/// the frozen base in the engine's layout, kept beside the weights it samples with, and the
+/// compiled merge `W + s·B·A` over the engine's devices (each device merging its own shards
+/// under tensor parallelism). Each version's adapters become the engine's weights on the
+/// devices; only the adapters cross the network.
+pub struct AdapterMerge {
+    program: MergeProgram,
+    base: EngineWeights,
+    /// The adapters' table ([`lora_param_table`]), sent and uploaded in f32.
+    specs: Vec<ParamSpec>,
+    /// The engine's devices on the client, in mesh order.
+    devices: Vec<usize>,
+}
+
+impl AdapterMerge {
+    /// The merge of `lora` adapters into `base` (a `config` model's weights in `dtype`, laid
+    /// out for an engine on `devices` of `client`).
+    pub fn new(
+        client: &Client,
+        config: &ModelConfig,
+        lora: &LoraConfig,
+        dtype: DType,
+        base: EngineWeights,
+        devices: &[usize],
+    ) -> Result<AdapterMerge> {
+        let specs = lora_param_table(config, lora);
+        let tp = base.tensor_parallel();
+        let layout = rollout_mesh(base.devices(), tp).map(|mesh| {
+            let l = rollout_layout(tp);
+            MergeLayout {
+                mesh,
+                adapters: specs.iter().map(|s| l.sharding(s)).collect(),
+                base: param_table(config).iter().map(|s| l.sharding(s)).collect(),
+            }
+        });
+        let program = MergeProgram::compile_over(client, config, lora, dtype, layout.as_ref())
+            .map_err(|e| RolloutError::Config(format!("compiling the LoRA merge: {e}")))?;
+        Ok(AdapterMerge {
+            program,
+            base,
+            specs,
+            devices: devices.to_vec(),
+        })
+    }
+
+    /// The adapters' table, in the order updates send them (each tensor f32).
+    pub fn specs(&self) -> &[ParamSpec] {
+        &self.specs
+    }
+
+    /// Uploads adapter `index` (its whole f32 little-endian bytes) to the engine's devices,
+    /// each device its part.
+    fn upload(&self, client: &Client, index: usize, bytes: &[u8]) -> xla::runtime::Result<Vec<Buffer>> {
+        upload_parameter(client, &self.specs[index], DType::F32, bytes, &self.devices)
+    }
+
+    /// The engine's weights for the adapters `per_device[d]` (device `d`'s buffers, in
+    /// [`AdapterMerge::specs`] order).
+    pub fn merge(&self, per_device: &[Vec<Buffer>]) -> Result<EngineWeights> {
+        let failed = |e: model::programs::ProgramError| RolloutError::Config(format!("the LoRA merge: {e}"));
+        let merged = match per_device {
+            [one] => vec![self.program.run(one, self.base.device(0)).map_err(failed)?],
+            many => {
+                let adapters: Vec<&[Buffer]> = many.iter().map(|d| &d[..]).collect();
+                let base: Vec<&[Buffer]> = self.base.per_device().iter().map(|d| &d[..]).collect();
+                self.program.run_spmd(&adapters, &base).map_err(failed)?
+            }
+        };
+        Ok(EngineWeights::laid_out(
+            merged.into_iter().map(Arc::from).collect(),
+            self.base.tensor_parallel(),
+        ))
+    }
+
+    /// The engine's weights for adapters held on the host (f32, in [`AdapterMerge::specs`]
+    /// order), e.g. those a run starts from.
+    pub fn merge_host(&self, client: &Client, adapters: &[HostTensor]) -> Result<EngineWeights> {
+        let mut per_device: Vec<Vec<Buffer>> = self.devices.iter().map(|_| Vec::new()).collect();
+        for (index, t) in adapters.iter().enumerate() {
+            let parts = self
+                .upload(client, index, &t.bytes)
+                .map_err(|e| RolloutError::runtime(format!("uploading adapter `{}`", t.name), e))?;
+            for (d, part) in parts.into_iter().enumerate() {
+                per_device[d].push(part);
+            }
+        }
+        self.merge(&per_device)
     }
 }
 

@@ -667,3 +667,57 @@ fn smollm2_on_two_tensor_parallel_groups_gives_the_single_device_tokens_up_to_ta
     }
     assert!(diverged <= 2, "{diverged} of 12 sampled responses diverged");
 }
+
+/// A LoRA rollout worker's merge over its tensor-parallel group: each device merges its own
+/// shards of the base with its shards of the adapters, and ends with the shards of the merged
+/// model (`LoraAdapter::merge_into` on one device, then laid out) within a rounding of f32 (the
+/// partitioned program fuses `W + s·B·A` its own way); on one device the merge equals it bit
+/// for bit.
+#[test]
+fn an_adapter_merge_over_a_tensor_parallel_group_gives_the_merged_models_shards() {
+    use model::lora::{LoraAdapter, LoraConfig, Target};
+    let config = ModelConfig::tiny_llama();
+    let base = random_init(&config, 47);
+    let lora = LoraConfig {
+        rank: 2,
+        alpha: 4.0,
+        targets: vec![Target::Q, Target::V, Target::O, Target::Up, Target::Down],
+        use_rslora: false,
+    };
+    let mut adapter = LoraAdapter::init(&config, &lora, 5);
+    // B away from zero, so the merge changes the weights.
+    for (i, t) in adapter.tensors.iter_mut().enumerate().filter(|(i, _)| i % 2 == 1) {
+        let values: Vec<f32> = (0..t.numel())
+            .map(|k| ((k * 7 + i) % 11) as f32 * 0.01 - 0.05)
+            .collect();
+        *t = model::HostTensor::from_f32(t.name.clone(), t.shape.clone(), &values);
+    }
+    let merged = adapter.merge_into(client(), 0, &base).unwrap();
+    for tp in [1usize, 2] {
+        let devices: Vec<usize> = (0..tp).collect();
+        let base_weights = upload_weights_on(client(), &base, DType::F32, &devices, tp).unwrap();
+        let merge =
+            rollout::AdapterMerge::new(client(), &config, &lora, DType::F32, base_weights, &devices).unwrap();
+        let got = merge.merge_host(client(), &adapter.tensors).unwrap();
+        let want = upload_weights_on(client(), &merged, DType::F32, &devices, tp).unwrap();
+        assert_eq!(got.tensor_parallel(), tp);
+        for d in 0..tp {
+            for (i, (g, w)) in got.device(d).iter().zip(want.device(d).iter()).enumerate() {
+                assert_eq!(g.dims(), w.dims(), "tp {tp}, device {d}, parameter {i}");
+                let (g, w) = (g.to_host::<f32>().unwrap(), w.to_host::<f32>().unwrap());
+                let worst = g
+                    .iter()
+                    .zip(&w)
+                    .map(|(a, b)| (a - b).abs() / b.abs().max(1.0))
+                    .fold(0.0f32, f32::max);
+                let bound = if tp == 1 { 0.0 } else { 2.0 * f32::EPSILON };
+                assert!(
+                    worst <= bound,
+                    "tp {tp}, device {d}, parameter {i}: off by {worst:e}"
+                );
+            }
+        }
+    }
+    let q = "model.layers.0.self_attn.q_proj.weight";
+    assert_ne!(merged.get(q).unwrap().bytes, base.get(q).unwrap().bytes);
+}

@@ -217,16 +217,43 @@ fn rollout_service(
     *devices = registry::devices_of(&client);
     let weights =
         setup::upload_rollout_weights(recipe, &prepared, &client).context("uploading the rollout weights")?;
+    let config = &prepared.model.weights.config;
+    // With LoRA the worker keeps the base and is sent adapters: it starts on the run's initial
+    // adapters merged in, as the learner does.
+    let (weights, merge) = match &setup::policy(recipe, config).lora {
+        None => (weights, None),
+        Some(lora) => {
+            let devices: Vec<usize> = (0..weights.devices()).collect();
+            let merge = rollout::AdapterMerge::new(
+                &client,
+                config,
+                lora,
+                setup::rollout_dtype(recipe),
+                weights,
+                &devices,
+            )
+            .context("preparing the LoRA merge")?;
+            let adapter = actors::roles::learner::initial_adapter(recipe, config, lora)?;
+            let merged = merge
+                .merge_host(&client, &adapter.tensors)
+                .context("merging the initial LoRA adapters")?;
+            (merged, Some(merge))
+        }
+    };
     let engine =
         setup::build_engine(recipe, &prepared, &client, weights, 0).context("building the rollout engine")?;
-    Ok(RolloutService::new(
+    let service = RolloutService::new(
         LocalRollout::with_environment(engine, prepared.environment.clone()),
         client,
-        &prepared.model.weights.config,
+        config,
         setup::rollout_dtype(recipe),
         0,
         recipe.rollout.tensor_model_parallel_size,
-    ))
+    );
+    Ok(match merge {
+        Some(merge) => service.with_adapters(merge),
+        None => service,
+    })
 }
 
 /// The learner role of `recipe`: the prepared model's weights (the start of a new run and the

@@ -942,8 +942,8 @@ fn check_rollout_correction(c: &mut Checker, r: &Recipe) {
     }
 }
 
-/// LoRA's keys: alpha and targets only with a rank, and (in this build) the learner on one
-/// device with the rollout in the orchestrator's process.
+/// Multi-turn keys only with `rollout.multi_turn.enable`, at least one tool or environment, and
+/// limits in range.
 fn check_multi_turn(c: &mut Checker, r: &Recipe) {
     let mt = &r.rollout.multi_turn;
     if !mt.enable {
@@ -1088,6 +1088,7 @@ fn check_agent_program(c: &mut Checker, mt: &super::MultiTurnSection, agent: &su
     }
 }
 
+/// LoRA's keys: alpha, targets and an adapter to continue only with a rank.
 fn check_lora(c: &mut Checker, r: &Recipe) {
     let a = &r.actor;
     if a.lora_rank == 0 {
@@ -1120,28 +1121,6 @@ fn check_lora(c: &mut Checker, r: &Recipe) {
         "actor.lora_alpha",
         a.lora_alpha,
         "must be a number above 0",
-    );
-    let why = "LoRA trains in the orchestrator's process (any actor.strategy and tensor-parallel \
-               size) with the rollout there too in this build (issue 25: adapter-only syncs to \
-               worker processes are not done yet)";
-    let cl = &r.cluster;
-    c.check(
-        cl.rollout_workers == 0,
-        "cluster.rollout_workers",
-        cl.rollout_workers,
-        why,
-    );
-    c.check(
-        cl.learner_workers == 0,
-        "cluster.learner_workers",
-        cl.learner_workers,
-        why,
-    );
-    c.check(
-        cl.pools.is_empty(),
-        "cluster.pools",
-        format!("{} pools", cl.pools.len()),
-        why,
     );
 }
 

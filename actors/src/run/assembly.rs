@@ -10,7 +10,7 @@ use crate::launcher::ray::RaySpec;
 use crate::launcher::{LaunchSpec, Launcher, LocalLauncher, RayLauncher, WorkerInfo};
 use crate::prepare::Prepared;
 use crate::recipe::{ClusterSection, Recipe, TlsSection};
-use crate::roles::learner::{self, LearnerRole, LearnerWeights, LocalLearner, RemoteLearner};
+use crate::roles::learner::{self, LearnerRole, LearnerWeights, LocalLearner, RemoteLearner, Synced};
 use crate::roles::reward::{LocalReward, RemoteReward, RewardDeadline, RewardRole};
 use crate::roles::rollout::{LocalRollout, RemoteRollout, RolloutRole, UpdateParams, WeightUpdate};
 use crate::roles::{Role, RoleError};
@@ -54,6 +54,9 @@ pub(crate) struct Assembly {
     rollout_dtype: DType,
     /// Who takes the weight updates: the in-process engine or rollout workers.
     rollout_at: WeightsFor,
+    /// What the updates carry: the model's weights, or with LoRA and rollout workers the
+    /// adapters alone.
+    synced: Synced,
     launcher: Option<Arc<Launcher>>,
     supervisor: Option<tokio::task::JoinHandle<()>>,
 }
@@ -64,8 +67,8 @@ pub(crate) struct LearnerHandle {
     role: Arc<dyn LearnerRole>,
     /// The learner worker process, when the learner is not in this process.
     worker: Option<WorkerInfo>,
-    /// The parameter table the learner's weights follow.
-    specs: Arc<[ParamSpec]>,
+    /// The model's parameter table (what an in-process engine is uploaded).
+    model_specs: Arc<[ParamSpec]>,
 }
 
 impl LearnerHandle {
@@ -99,18 +102,19 @@ impl LearnerHandle {
         self.role.clocks()
     }
 
-    /// The current weights, for a rollout in `dtype` (see [`rollout_weights`]).
+    /// The current weights (`what`), for a rollout in `dtype` (f32 for adapters; see
+    /// [`rollout_weights`]).
     async fn weights(
         &self,
         client: &Client,
         version: u64,
-        dtype: DType,
+        (what, dtype): (Synced, DType),
         to: WeightsFor,
         last_checkpoint: Option<&Path>,
     ) -> Result<UpdateParams, RunError> {
-        let current = self.role.weights(version, dtype).await;
+        let current = self.role.weights(version, dtype, what).await;
         let current = current.map_err(|e| self.failed(e, last_checkpoint))?;
-        rollout_weights(current, &self.specs, client, dtype, to)
+        rollout_weights(current, &self.model_specs, client, dtype, to)
     }
 }
 
@@ -165,8 +169,14 @@ impl Assembly {
                 // The worker loads the model itself; this process needs no host copy of it.
                 prepared.model.weights.tensors = Vec::new();
                 let tls = cluster.tls.as_ref();
-                let remote =
-                    RemoteLearner::with_timeout(&w.address, &dialer.token, tls, timeout, specs.to_vec())?;
+                let remote = RemoteLearner::with_timeout(
+                    &w.address,
+                    &dialer.token,
+                    tls,
+                    timeout,
+                    specs.to_vec(),
+                    model::param_table(&prepared.model.weights.config),
+                )?;
                 remote
                     .start(resume, start.clocks, total_optimizer_steps)
                     .await
@@ -191,7 +201,7 @@ impl Assembly {
         let learner = LearnerHandle {
             role,
             worker: learner_worker,
-            specs: specs.into(),
+            model_specs: model::param_table(&prepared.model.weights.config).into(),
         };
 
         let rollout_dtype = setup::rollout_dtype(recipe);
@@ -209,7 +219,13 @@ impl Assembly {
             [] => {
                 let last = start.checkpoint.as_deref();
                 let weights = learner
-                    .weights(client, start.version, rollout_dtype, in_process, last)
+                    .weights(
+                        client,
+                        start.version,
+                        (Synced::Model, rollout_dtype),
+                        in_process,
+                        last,
+                    )
                     .await?;
                 let UpdateParams::Device(weights) = weights else {
                     unreachable!("weights for an in-process engine are on its devices")
@@ -240,11 +256,17 @@ impl Assembly {
             rewards,
             LaunchSpec::DEFAULT_START_TIMEOUT + timeout,
         ));
+        // A LoRA run's rollout workers hold the base and are sent only the adapters.
+        let synced = match (rollout_at, recipe.actor.lora_rank) {
+            (WeightsFor::Workers, 1..) => Synced::Adapters,
+            _ => Synced::Model,
+        };
         let mut assembly = Assembly {
             fleet,
             learner,
             rollout_dtype,
             rollout_at,
+            synced,
             launcher,
             supervisor: None,
         };
@@ -262,30 +284,39 @@ impl Assembly {
         Ok(assembly)
     }
 
-    /// Sends the learner's current weights, stamped `version`, to the rollout side (see
-    /// [`rollout_weights`]), and returns the host transfers it took on `client`.
+    /// Sends the learner's current weights (with LoRA and rollout workers its adapters),
+    /// stamped `version`, to the rollout side (see [`rollout_weights`]), and returns what that
+    /// took.
     pub async fn push_weights(
         &self,
         client: &Client,
         version: u64,
         last_checkpoint: Option<&Path>,
-    ) -> Result<TransferStats, RunError> {
+    ) -> Result<SyncCost, RunError> {
         // Nothing else runs on the client during the sync, so this counts its transfers.
         let before = client.transfer_stats();
+        let dtype = match self.synced {
+            Synced::Model => self.rollout_dtype,
+            Synced::Adapters => DType::F32,
+        };
         let params = self
             .learner
             .weights(
                 client,
                 version,
-                self.rollout_dtype,
+                (self.synced, dtype),
                 self.rollout_at,
                 last_checkpoint,
             )
             .await?;
-        self.fleet
+        let sent_bytes = self
+            .fleet
             .update_weights(WeightUpdate { version, params })
             .await?;
-        Ok(client.transfer_stats().since(&before))
+        Ok(SyncCost {
+            host: client.transfer_stats().since(&before),
+            sent_bytes,
+        })
     }
 
     /// Stops the supervisor and every worker process.
@@ -403,6 +434,15 @@ fn learner_worker_failed(worker: &WorkerInfo, error: RoleError, last_checkpoint:
         error,
         resume: super::resume_point(last_checkpoint),
     }
+}
+
+/// What a weight sync took.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct SyncCost {
+    /// The host copies on this process's client.
+    pub host: TransferStats,
+    /// Bytes of tensor data sent over the network to rollout workers, all together.
+    pub sent_bytes: u64,
 }
 
 /// Who takes a run's weight updates.

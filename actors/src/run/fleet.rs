@@ -286,8 +286,9 @@ impl Fleet {
     }
 
     /// Sends new weights to every live rollout worker (a failing worker is marked dead and
-    /// will be brought up to date when it is replaced).
-    pub async fn update_weights(&self, update: WeightUpdate) -> Result<(), RoleError> {
+    /// will be brought up to date when it is replaced); returns the bytes of tensor data sent
+    /// over the network, all workers together.
+    pub async fn update_weights(&self, update: WeightUpdate) -> Result<u64, RoleError> {
         let live = {
             let mut latest = self.latest.lock().unwrap_or_else(|e| e.into_inner());
             *latest = Some(update.clone());
@@ -298,10 +299,11 @@ impl Fleet {
             let u = update.clone();
             tasks.spawn(async move { (i, role.update_weights(u).await) });
         }
+        let mut sent = 0;
         while let Some(done) = tasks.join_next().await {
             let (i, result) = done.map_err(|e| RoleError::Invalid(format!("weight update task: {e}")))?;
             match result {
-                Ok(()) => {}
+                Ok(bytes) => sent += bytes,
                 Err(e @ RoleError::Unavailable { .. }) => {
                     tracing::warn!("{e}; the worker will be replaced");
                     self.rollout_failed(i);
@@ -309,7 +311,7 @@ impl Fleet {
                 Err(e) => return Err(e),
             }
         }
-        Ok(())
+        Ok(sent)
     }
 
     /// Generates every sample of `requests` and scores each as it arrives. Work of a worker
@@ -581,14 +583,14 @@ mod tests {
             Box::pin(async { Err(RoleError::Invalid("this test generates nothing".into())) })
         }
 
-        fn update_weights(&self, update: WeightUpdate) -> BoxFuture<'_, Result<(), RoleError>> {
+        fn update_weights(&self, update: WeightUpdate) -> BoxFuture<'_, Result<u64, RoleError>> {
             Box::pin(async move {
                 if let (Some((started, release)), true) = (&self.held, self.versions().is_empty()) {
                     started.notify_one();
                     release.notified().await;
                 }
                 self.versions.lock().unwrap().push(update.version);
-                Ok(())
+                Ok(0)
             })
         }
 

@@ -166,12 +166,13 @@ pub(crate) fn step_metrics(o: &StepOutcome, step: u64, limits: MetricLimits) -> 
     m.insert("weights/version_lag".into(), mean_std(&o.version_lag).0);
     m.insert(
         "weights/host_transfers".into(),
-        o.sync_transfers.host_transfers() as f64,
+        o.sync.host.host_transfers() as f64,
     );
     m.insert(
         "weights/host_transfer_bytes".into(),
-        o.sync_transfers.host_bytes() as f64,
+        o.sync.host.host_bytes() as f64,
     );
+    m.insert("weights/sent_bytes".into(), o.sync.sent_bytes as f64);
     m.insert("workers/rollout_failures".into(), g.rollout_failures as f64);
     m.insert("workers/reward_failures".into(), g.reward_failures as f64);
     m.insert("workers/reissued_requests".into(), g.reissued as f64);

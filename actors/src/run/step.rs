@@ -4,7 +4,7 @@
 //! `algorithm.filter_groups` a step generates rounds of prompts until it holds
 //! `data.train_batch_size` prompts whose samples differ (DAPO's dynamic sampling).
 
-use super::assembly::{Assembly, LearnerHandle};
+use super::assembly::{Assembly, LearnerHandle, SyncCost};
 use super::metrics::Progress;
 use super::prompts::{build_prompts, generate, request_id, Generated};
 use super::{io, RunError};
@@ -13,7 +13,7 @@ use crate::recipe::Recipe;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use trainer::update::{Row, UpdateReport};
-use xla::runtime::{Client, TransferStats};
+use xla::runtime::Client;
 
 /// What one step did, for its metrics and its checkpoint.
 pub(crate) struct StepOutcome {
@@ -25,8 +25,8 @@ pub(crate) struct StepOutcome {
     pub version_lag: Vec<f64>,
     pub update_s: f64,
     pub sync_s: f64,
-    /// The host copies of the weight sync.
-    pub sync_transfers: TransferStats,
+    /// The host copies and network bytes of the weight sync.
+    pub sync: SyncCost,
     /// Worker failures and replacements since the run started.
     pub failures_total: u64,
     pub replaced_total: u64,
@@ -145,7 +145,7 @@ impl StepRunner<'_> {
         }
         progress.phase("syncing weights");
         let t = Instant::now();
-        let sync_transfers = self
+        let sync = self
             .assembly
             .push_weights(self.client, self.version, self.last_checkpoint.as_deref())
             .await?;
@@ -156,7 +156,7 @@ impl StepRunner<'_> {
             version_lag,
             update_s,
             sync_s: t.elapsed().as_secs_f64(),
-            sync_transfers,
+            sync,
             failures_total: self.assembly.fleet.failures(),
             replaced_total: self.assembly.fleet.replaced(),
             sampler,

@@ -2,7 +2,7 @@
 //! update algorithm and the device learner), with its parameter buffers shared with an
 //! in-process rollout engine.
 
-use super::{LearnerRole, LearnerWeights};
+use super::{LearnerRole, LearnerWeights, Synced};
 use crate::recipe::Recipe;
 use crate::roles::{BoxFuture, RoleError};
 use crate::setup;
@@ -54,43 +54,48 @@ pub fn initial_weights(
             frozen: Vec::new(),
         });
     };
-    let adapter = match &recipe.model.lora_adapter_path {
-        Some(dir) => {
-            let adapter = model::LoraAdapter::load_peft(std::path::Path::new(dir), &weights.config)
-                .map_err(|e| UpdateError::Batch(format!("model.lora_adapter_path: {e}")))?;
-            if adapter.lora.use_rslora {
-                return Err(UpdateError::Batch(format!(
-                    "model.lora_adapter_path {dir} is an rsLoRA adapter (`use_rslora: true`); \
-                     grpo's recipe trains with alpha / r scaling only, so it cannot continue it \
-                     (grpo generate --adapter reads it)"
-                )));
-            }
-            if adapter.lora != *lora {
-                return Err(UpdateError::Batch(format!(
-                    "model.lora_adapter_path {dir} holds an adapter of rank {}, alpha {}, targets {:?}; \
-                     the recipe asks for rank {}, alpha {}, targets {:?}: set actor.lora_rank, \
-                     actor.lora_alpha and actor.target_modules to the adapter's",
-                    adapter.lora.rank,
-                    adapter.lora.alpha,
-                    adapter
-                        .lora
-                        .targets
-                        .iter()
-                        .map(|t| t.module())
-                        .collect::<Vec<_>>(),
-                    lora.rank,
-                    lora.alpha,
-                    lora.targets.iter().map(|t| t.module()).collect::<Vec<_>>(),
-                )));
-            }
-            adapter
-        }
-        None => model::LoraAdapter::init(&weights.config, lora, recipe.trainer.seed),
-    };
+    let adapter = initial_adapter(recipe, &weights.config, lora)?;
     Ok(InitialWeights {
         trainable: adapter.tensors.iter().map(|t| t.to_f32_vec()).collect(),
         frozen: initial_params(&policy.frozen_specs(), weights)?,
     })
+}
+
+/// The adapters a new LoRA run starts from: `model.lora_adapter_path`'s (which must have the
+/// recipe's rank, alpha and targets), or PEFT's initialisation seeded by `trainer.seed` (`A`
+/// random, `B` zero). The learner and every rollout worker start from these same adapters.
+pub fn initial_adapter(
+    recipe: &Recipe,
+    config: &model::ModelConfig,
+    lora: &model::LoraConfig,
+) -> Result<model::LoraAdapter, UpdateError> {
+    let Some(dir) = &recipe.model.lora_adapter_path else {
+        return Ok(model::LoraAdapter::init(config, lora, recipe.trainer.seed));
+    };
+    let adapter = model::LoraAdapter::load_peft(std::path::Path::new(dir), config)
+        .map_err(|e| UpdateError::Batch(format!("model.lora_adapter_path: {e}")))?;
+    if adapter.lora.use_rslora {
+        return Err(UpdateError::Batch(format!(
+            "model.lora_adapter_path {dir} is an rsLoRA adapter (`use_rslora: true`); \
+             grpo's recipe trains with alpha / r scaling only, so it cannot continue it \
+             (grpo generate --adapter reads it)"
+        )));
+    }
+    if adapter.lora != *lora {
+        let modules = |l: &model::LoraConfig| l.targets.iter().map(|t| t.module()).collect::<Vec<_>>();
+        return Err(UpdateError::Batch(format!(
+            "model.lora_adapter_path {dir} holds an adapter of rank {}, alpha {}, targets {:?}; \
+             the recipe asks for rank {}, alpha {}, targets {:?}: set actor.lora_rank, \
+             actor.lora_alpha and actor.target_modules to the adapter's",
+            adapter.lora.rank,
+            adapter.lora.alpha,
+            modules(&adapter.lora),
+            lora.rank,
+            lora.alpha,
+            modules(lora),
+        )));
+    }
+    Ok(adapter)
 }
 
 /// Where a new run's learner starts (f32 values in the policy's table orders).
@@ -227,6 +232,33 @@ impl LocalLearner {
         })
     }
 
+    /// With LoRA, the adapters' f32 masters with their layout over the learner's mesh (shared,
+    /// not copied): what a rollout worker is sent, to merge into the base it holds.
+    pub fn adapter_source(&self) -> Result<rollout::SourceParams, UpdateError> {
+        if self.merge.is_none() {
+            return Err(UpdateError::Batch(
+                "only a LoRA learner (actor.lora_rank above 0) has adapters to send".into(),
+            ));
+        }
+        let update = lock(&self.update);
+        let learner = update.learner().learner();
+        let mesh = learner.mesh();
+        Ok(rollout::SourceParams {
+            mesh: mesh.mesh(),
+            per_device: learner.shared_device_params(),
+            shardings: self.specs.iter().map(|p| mesh.param_sharding(p)).collect(),
+            specs: self.specs.clone(),
+        })
+    }
+
+    /// The model's parameter table (what [`LocalLearner::rollout_source`] follows).
+    pub fn model_specs(&self) -> &[ParamSpec] {
+        match &self.merge {
+            Some((_, base)) => base,
+            None => &self.specs,
+        }
+    }
+
     /// The learner's state (parameters, AdamW moments, step count) read to the host.
     pub fn read_state(&self) -> Result<LearnerState, UpdateError> {
         Ok(lock(&self.update).learner().learner().state()?)
@@ -273,8 +305,19 @@ impl LearnerRole for LocalLearner {
         })
     }
 
-    fn weights(&self, _version: u64, _dtype: xla::DType) -> BoxFuture<'_, Result<LearnerWeights, RoleError>> {
-        Box::pin(async move { Ok(LearnerWeights::Shared(self.rollout_source().map_err(role_error)?)) })
+    fn weights(
+        &self,
+        _version: u64,
+        _dtype: xla::DType,
+        what: Synced,
+    ) -> BoxFuture<'_, Result<LearnerWeights, RoleError>> {
+        Box::pin(async move {
+            let source = match what {
+                Synced::Model => self.rollout_source(),
+                Synced::Adapters => self.adapter_source(),
+            };
+            Ok(LearnerWeights::Shared(source.map_err(role_error)?))
+        })
     }
 
     fn state(&self) -> BoxFuture<'_, Result<LearnerState, RoleError>> {

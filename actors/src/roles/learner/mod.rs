@@ -14,7 +14,7 @@ mod local;
 mod remote;
 mod service;
 
-pub use local::{initial_weights, InitialWeights, LocalLearner};
+pub use local::{initial_adapter, initial_weights, InitialWeights, LocalLearner};
 pub use remote::RemoteLearner;
 pub use service::LearnerService;
 
@@ -36,15 +36,31 @@ pub enum LearnerWeights {
     Host(Vec<HostTensor>),
 }
 
+/// What a weight sync carries to the rollout side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Synced {
+    /// The model's weights, in the rollout's dtype (with LoRA the merged `W + s·B·A`).
+    Model,
+    /// With LoRA, the adapters alone, in f32: a rollout worker holds the frozen base itself
+    /// and merges each version's adapters into it on its devices.
+    Adapters,
+}
+
 /// The learner of a run. Calls come one at a time from the orchestrator's step loop.
 pub trait LearnerRole: Send + Sync {
     /// One GRPO update (advantages, `ppo_epochs` passes of mini-batches, one optimizer step
     /// each) from the scored samples of a step; returns its metrics.
     fn update(&self, rows: Vec<Row>) -> BoxFuture<'_, Result<UpdateReport, RoleError>>;
 
-    /// The current parameters. A learner in this process shares its own buffers; a learner
-    /// worker streams them, stamped `version`, converted to `dtype` (the rollout's).
-    fn weights(&self, version: u64, dtype: DType) -> BoxFuture<'_, Result<LearnerWeights, RoleError>>;
+    /// The current parameters (`what`: the model's weights or, with LoRA, the adapters). A
+    /// learner in this process shares its own buffers; a learner worker streams them, stamped
+    /// `version`, converted to `dtype` (the rollout's; f32 for adapters).
+    fn weights(
+        &self,
+        version: u64,
+        dtype: DType,
+        what: Synced,
+    ) -> BoxFuture<'_, Result<LearnerWeights, RoleError>>;
 
     /// The state a checkpoint holds: f32 parameters, AdamW moments and step count.
     fn state(&self) -> BoxFuture<'_, Result<LearnerState, RoleError>>;

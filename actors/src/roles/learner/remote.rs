@@ -7,7 +7,7 @@
 //! ([`crate::roles::rollout`]); the conversions between the learner's types and the protobuf
 //! messages live here and the server side ([`super::LearnerService`]) uses them too.
 
-use super::{LearnerRole, LearnerWeights};
+use super::{LearnerRole, LearnerWeights, Synced};
 use crate::auth::{Attach, Token};
 use crate::proto;
 use crate::recipe::TlsSection;
@@ -34,13 +34,17 @@ type LearnerClient = proto::learner_client::LearnerClient<InterceptedService<Cha
 pub struct RemoteLearner {
     address: String,
     client: LearnerClient,
+    /// The trainable parameters' table (with LoRA the adapters'): the state's.
     specs: Vec<ParamSpec>,
+    /// The model's parameter table: the weights'.
+    model_specs: Vec<ParamSpec>,
     clocks: Mutex<UpdateClocks>,
 }
 
 impl RemoteLearner {
     /// A client for the learner worker at `address` (`127.0.0.1:PORT`, with or without
-    /// `http://`) whose model has the parameter table `specs`; connects lazily (call it inside a
+    /// `http://`) whose policy trains the parameter table `specs` (with LoRA the adapters') of a
+    /// model with the table `model_specs`; connects lazily (call it inside a
     /// tokio runtime), over TLS when `tls` (the recipe's `cluster.tls`) is given. A worker that
     /// does not answer an HTTP/2 ping (or a connection attempt) within `timeout` is unavailable;
     /// a long update that keeps answering pings is not.
@@ -50,6 +54,7 @@ impl RemoteLearner {
         tls: Option<&TlsSection>,
         timeout: Duration,
         specs: Vec<ParamSpec>,
+        model_specs: Vec<ParamSpec>,
     ) -> Result<RemoteLearner, RoleError> {
         use crate::roles::rollout::RolloutService as R;
         let endpoint =
@@ -65,6 +70,7 @@ impl RemoteLearner {
             address: crate::transport::worker_uri(address, tls),
             client,
             specs,
+            model_specs,
             clocks: Mutex::new(UpdateClocks::default()),
         })
     }
@@ -384,11 +390,21 @@ impl LearnerRole for RemoteLearner {
         })
     }
 
-    fn weights(&self, version: u64, dtype: DType) -> BoxFuture<'_, Result<LearnerWeights, RoleError>> {
+    fn weights(
+        &self,
+        version: u64,
+        dtype: DType,
+        what: Synced,
+    ) -> BoxFuture<'_, Result<LearnerWeights, RoleError>> {
         Box::pin(async move {
             let request = proto::LearnerWeightsRequest {
                 version,
                 dtype: dtype.to_string(),
+                adapters: what == Synced::Adapters,
+            };
+            let specs = match what {
+                Synced::Model => &self.model_specs,
+                Synced::Adapters => &self.specs,
             };
             let mut stream = self
                 .client
@@ -397,12 +413,12 @@ impl LearnerRole for RemoteLearner {
                 .await
                 .map_err(|s| self.error(s))?
                 .into_inner();
-            let table = chunk_table(&self.specs, dtype);
+            let table = chunk_table(specs, dtype);
             let mut assembly = Assembly::new(&table, dtype);
             let mut tensors: Vec<Option<HostTensor>> = vec![None; table.len()];
             while let Some(chunk) = stream.message().await.map_err(|s| self.error(s))? {
                 if let Some((index, bytes)) = assembly.add(chunk).map_err(|e| self.bad_stream("weight", e))? {
-                    let spec = &self.specs[index];
+                    let spec = &specs[index];
                     tensors[index] = Some(HostTensor {
                         name: spec.name.clone(),
                         dtype,

@@ -182,10 +182,28 @@ impl proto::learner_server::Learner for Arc<LearnerService> {
                 request.dtype
             ))
         })?;
-        let params = self
-            .learner()?
-            .shared_params()
+        let learner = self.learner()?;
+        let lora = self.recipe.actor.lora_rank > 0;
+        let (params, specs) = if lora || request.adapters {
+            // The merged weights or the adapters, whole on the first device.
+            let source = if request.adapters {
+                learner.adapter_source()
+            } else {
+                learner.rollout_source()
+            }
             .map_err(|e| to_status(role_error(e)))?;
+            let whole = match source.devices() {
+                1 => source.per_device[0].clone(),
+                _ => rollout::handoff(&self.client, &source, dtype, 1, false)
+                    .map_err(|e| Status::internal(format!("gathering the weights to send: {e}")))?
+                    .device(0)
+                    .clone(),
+            };
+            (whole, source.specs)
+        } else {
+            let params = learner.shared_params().map_err(|e| to_status(role_error(e)))?;
+            (params, self.specs.clone())
+        };
         if let Some((index, b)) = params
             .iter()
             .enumerate()
@@ -193,12 +211,11 @@ impl proto::learner_server::Learner for Arc<LearnerService> {
         {
             return Err(Status::failed_precondition(format!(
                 "parameter {index} `{}` is {}; only f32 and bf16 weights can be streamed",
-                self.specs[index].name,
+                specs[index].name,
                 b.dtype()
             )));
         }
-        let tensors: Vec<(String, Vec<i64>)> =
-            self.specs.iter().map(|s| (s.name.clone(), s.dims())).collect();
+        let tensors: Vec<(String, Vec<i64>)> = specs.iter().map(|s| (s.name.clone(), s.dims())).collect();
         let (out, stream) = tokio::sync::mpsc::channel(MESSAGES_IN_FLIGHT);
         tokio::task::spawn_blocking(move || {
             let sent = send_chunks(request.version, &params, &tensors, dtype, |chunk| {

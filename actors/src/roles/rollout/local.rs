@@ -196,7 +196,7 @@ impl RolloutRole for LocalRollout {
         })
     }
 
-    fn update_weights(&self, update: WeightUpdate) -> BoxFuture<'_, Result<(), RoleError>> {
+    fn update_weights(&self, update: WeightUpdate) -> BoxFuture<'_, Result<u64, RoleError>> {
         Box::pin(async move {
             let control = self.control.clone();
             let version = update.version;
@@ -211,7 +211,7 @@ impl RolloutRole for LocalRollout {
                 .map_err(|e| RoleError::Invalid(format!("weight update task failed: {e}")))?;
             result.map_err(|e| RoleError::Invalid(e.to_string()))?;
             self.version.store(version, Ordering::SeqCst);
-            Ok(())
+            Ok(0)
         })
     }
 

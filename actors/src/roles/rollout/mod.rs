@@ -76,7 +76,8 @@ pub trait RolloutRole: Send + Sync {
     ) -> BoxFuture<'_, Result<(), RoleError>>;
 
     /// Installs `update` before any further generation; samples in flight restart on it.
-    fn update_weights(&self, update: WeightUpdate) -> BoxFuture<'_, Result<(), RoleError>>;
+    /// Resolves to the bytes of tensor data sent over the network for it (0 in this process).
+    fn update_weights(&self, update: WeightUpdate) -> BoxFuture<'_, Result<u64, RoleError>>;
 
     /// The weight version this worker generates with.
     fn weight_version(&self) -> u64;

@@ -152,8 +152,9 @@ impl RemoteRollout {
         lock(&self.latest).as_ref().map_or(0, |u| u.version)
     }
 
-    /// Streams `update` to the worker and waits until it installed it.
-    async fn push(&self, update: &WeightUpdate) -> Result<(), RoleError> {
+    /// Streams `update` to the worker and waits until it installed it; returns the bytes of
+    /// tensor data it took.
+    async fn push(&self, update: &WeightUpdate) -> Result<u64, RoleError> {
         let mut spare = self.pushing.lock().await;
         if lock(&self.layout).is_none() {
             self.refresh().await?;
@@ -210,7 +211,7 @@ impl RemoteRollout {
             worker = %self.address,
             "rollout worker took new weights"
         );
-        Ok(())
+        Ok(reply.bytes)
     }
 }
 
@@ -543,7 +544,7 @@ impl RolloutRole for RemoteRollout {
         })
     }
 
-    fn update_weights(&self, update: WeightUpdate) -> BoxFuture<'_, Result<(), RoleError>> {
+    fn update_weights(&self, update: WeightUpdate) -> BoxFuture<'_, Result<u64, RoleError>> {
         Box::pin(async move {
             {
                 let mut latest = lock(&self.latest);

@@ -322,6 +322,9 @@ pub struct RolloutService {
     /// Test fault: the update to this version is acknowledged but not installed
     /// (`GRPO_FAULT_SKIP_WEIGHT_INSTALL`), to show the orchestrator catches it.
     skip_install: Option<u64>,
+    /// With LoRA: updates carry the adapters (the table and dtype above are theirs), merged
+    /// into the base the worker holds.
+    adapters: Option<Arc<rollout::AdapterMerge>>,
 }
 
 impl RolloutService {
@@ -346,13 +349,7 @@ impl RolloutService {
         tensor_parallel: usize,
     ) -> RolloutService {
         let specs = param_table(config);
-        let table = specs
-            .iter()
-            .map(|spec| {
-                let bytes = spec.numel() * dtype.size_bytes();
-                (spec.name.clone(), spec.dims(), bytes as u64)
-            })
-            .collect();
+        let table = weight_table(&specs, dtype);
         RolloutService {
             local: Arc::new(local),
             client,
@@ -365,7 +362,18 @@ impl RolloutService {
             in_flight: Arc::default(),
             installed_digest: Default::default(),
             skip_install: std::env::var(SKIP_INSTALL_ENV).ok().and_then(|v| v.parse().ok()),
+            adapters: None,
         }
+    }
+
+    /// A LoRA run's worker: updates carry `merge`'s adapters in f32 (the engine keeps the
+    /// merged weights), so only the adapters cross the network.
+    pub fn with_adapters(mut self, merge: rollout::AdapterMerge) -> RolloutService {
+        self.specs = merge.specs().to_vec();
+        self.dtype = DType::F32;
+        self.table = weight_table(&self.specs, self.dtype);
+        self.adapters = Some(Arc::new(merge));
+        self
     }
 
     /// Samples asked for and not yet sent back.
@@ -440,10 +448,23 @@ impl RolloutService {
                 per_device[d].push(b);
             }
         }
-        let params = rollout::EngineWeights::laid_out(
-            per_device.into_iter().map(Arc::from).collect(),
-            self.tensor_parallel,
-        );
+        let params = match &self.adapters {
+            None => rollout::EngineWeights::laid_out(
+                per_device.into_iter().map(Arc::from).collect(),
+                self.tensor_parallel,
+            ),
+            Some(merge) => {
+                let merge = merge.clone();
+                tokio::task::spawn_blocking(move || merge.merge(&per_device))
+                    .await
+                    .map_err(|e| Status::internal(format!("the LoRA merge thread failed: {e}")))?
+                    .map_err(|e| {
+                        Status::internal(format!(
+                            "weight update to version {version} failed, version {before} stays: {e}"
+                        ))
+                    })?
+            }
+        };
         if self.skip_install == Some(version) {
             tracing::warn!(
                 version,
@@ -466,6 +487,17 @@ impl RolloutService {
             checksum: self.installed_digest.load(Ordering::SeqCst),
         })
     }
+}
+
+/// (name, dims, bytes) of every tensor of `specs` in `dtype`: what an update must hold.
+fn weight_table(specs: &[model::ParamSpec], dtype: DType) -> Vec<(String, Vec<i64>, u64)> {
+    specs
+        .iter()
+        .map(|spec| {
+            let bytes = spec.numel() * dtype.size_bytes();
+            (spec.name.clone(), spec.dims(), bytes as u64)
+        })
+        .collect()
 }
 
 fn role_error_to_status(e: RoleError, doing: &str) -> Status {
