@@ -114,7 +114,21 @@ impl StepRunner<'_> {
             None
         };
 
-        // 4: the update.
+        // 4: the update, of samples from weights no older than the schedule allows.
+        let samples = generated.scored.iter().map(|s| {
+            (
+                s.sample.request_id,
+                s.sample.sample_index,
+                s.sample.weight_version,
+            )
+        });
+        let allowed = self.recipe.trainer.off_policy_steps as u64;
+        check_weight_versions(samples, self.version, allowed).map_err(|e| {
+            RunError::Other(format!(
+                "step {step}: {e}; stopping before the update (the next grpo run resumes {})",
+                super::resume_point(self.last_checkpoint.as_deref())
+            ))
+        })?;
         progress.phase("updating");
         let rows = generated
             .scored
@@ -393,4 +407,49 @@ fn append_line(path: &Path, value: &serde_json::Value) -> Result<(), RunError> {
         .open(path)
         .map_err(io("opening", path))?;
     writeln!(f, "{value}").map_err(io("writing", path))
+}
+
+/// Every sample must come from weights at most `allowed` versions behind the learner's
+/// `version` (0 on-policy, `trainer.off_policy_steps` otherwise) and none from the future. An
+/// older one means a sampler kept weights it was sent a replacement for, and training on its
+/// samples as if they were current is the silent failure of VeRL #7495 and TRL #5312; the
+/// weight digests catch that at the sync, this catches whatever slips past them. Samples are
+/// given as (request id, sample index, weight version).
+fn check_weight_versions(
+    samples: impl IntoIterator<Item = (u64, usize, u64)>,
+    version: u64,
+    allowed: u64,
+) -> Result<(), String> {
+    for (request, index, v) in samples {
+        if v > version || version - v > allowed {
+            return Err(format!(
+                "sample {index} of request {request} was generated with weight version {v}, where \
+                 the learner is at version {version} and trainer.off_policy_steps allows samples \
+                 {allowed} version(s) behind: a sampler did not generate with the weights it was \
+                 sent"
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_weight_versions;
+
+    #[test]
+    fn samples_from_weights_older_than_the_schedule_allows_are_refused() {
+        assert!(check_weight_versions([(1, 0, 4), (1, 1, 4)], 4, 0).is_ok());
+        assert!(check_weight_versions([(1, 0, 3), (2, 0, 4)], 4, 1).is_ok());
+        let e = check_weight_versions([(1, 0, 4), (7, 2, 3)], 4, 0).unwrap_err();
+        assert!(
+            e.starts_with("sample 2 of request 7 was generated with weight version 3, where the learner is at version 4"),
+            "{e}"
+        );
+        assert!(check_weight_versions([(1, 0, 2)], 4, 1).is_err());
+        assert!(
+            check_weight_versions([(1, 0, 5)], 4, 1).is_err(),
+            "a version from the future"
+        );
+    }
 }
