@@ -2,14 +2,16 @@
 //! installed by `scripts/setup.sh`). The head advertises `TPU` and `GPU` capacity it does not
 //! have (custom resources; the workers open CPU clients), so pools of every kind can be placed.
 //!
-//! One head serves three runs in turn:
+//! One head serves four runs in turn:
 //! 1. rollout in two pools (a TPU pool and a GPU pool), reward in a CPU pool, the learner in a
 //!    GPU pool: the run trains exactly as the in-process run, `grpo run` says where each worker
 //!    landed, and Ray's own job records show each job with its pool's resources;
 //! 2. the same with rollout worker 0's Ray job stopped mid-run: the job is resubmitted, every
 //!    step still has all its samples, none twice, on the same prompts;
 //! 3. a pool asking for a resource the cluster lacks: the run fails before submitting anything,
-//!    naming the resource and what the cluster has.
+//!    naming the resource and what the cluster has;
+//! 4. LoRA in the pools of run 1: each sync sends the two rollout jobs the adapters alone, and
+//!    the run trains exactly as LoRA in one process.
 //!
 //! The head and every job are gone afterwards, pass or fail (the fixture's `Drop`).
 
@@ -214,6 +216,52 @@ fn workers_run_as_ray_jobs_in_their_pools_and_a_stopped_job_is_resubmitted() {
     );
     assert!(run_jobs(&ray, &refused).is_empty(), "no job was submitted");
     assert!(!refused.join("metrics.jsonl").exists(), "no step ran");
+
+    // 4. LoRA: the rollout jobs hold the base and are sent only the adapters, from the learner
+    // job through this process, and the run trains as LoRA does in one process.
+    let lora = [
+        "--set",
+        "actor.lora_rank=4",
+        "--set",
+        "actor.target_modules=[q_proj, v_proj]",
+        "--set",
+        "actor.optim.lr=0.05",
+    ];
+    let (lora_local, lora_placed) = (dir.path().join("lora-local"), dir.path().join("lora-placed"));
+    for (name, out, cluster) in [
+        ("lora-local.yaml", &lora_local, String::new()),
+        ("lora-placed.yaml", &lora_placed, pools(&head.address())),
+    ] {
+        let r = tiny_recipe(dir.path(), name, &model, &train, &val, out, steps, &cluster);
+        let o = grpo()
+            .arg("run")
+            .arg(&r)
+            .arg("--quiet")
+            .args(lora)
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    assert_same_training(
+        &lora_local,
+        &lora_placed,
+        "LoRA: every role a Ray job vs in-process",
+    );
+    let adapters = trainer::checkpoint::load_checkpoint(&lora_placed.join("checkpoints/step_2")).unwrap();
+    let adapter_bytes: usize = adapters.tensors["params"]
+        .iter()
+        .map(|t| t.to_f32_vec().len() * 4)
+        .sum();
+    let sent = metric_series(&metrics(&lora_placed), "weights/sent_bytes");
+    assert_eq!(
+        sent,
+        vec![2.0 * adapter_bytes as f64; steps],
+        "two rollout jobs, the adapters each"
+    );
 }
 
 /// Kills process `pid` if the test fails before it ends.
