@@ -146,36 +146,45 @@ fn frozen_rollout_and_reward_workers_are_replaced_and_the_steps_complete() {
 /// A rollout worker that acknowledges a weight update without installing it (VeRL #7495, TRL
 /// #5312: the sampler keeps the old weights and the run trains on their samples as if they were
 /// new). The worker reports the checksum of the weights it samples with, the orchestrator
-/// compares it with what it sent, and the run stops naming the worker.
+/// compares it with what it sent, and the run stops naming the worker: for full weights and
+/// for a LoRA run's adapters alike.
 #[test]
 fn a_rollout_worker_that_skips_a_weight_install_stops_the_run_by_name() {
     let dir = tempfile::tempdir().unwrap();
     let (model, train, val) = tiny_inputs(dir.path(), 64, 4);
-    let out = dir.path().join("out");
-    let r = tiny_recipe(
-        dir.path(),
-        "r.yaml",
-        &model,
-        &train,
-        &val,
-        &out,
-        3,
-        "cluster:\n  rollout_workers: 1\n",
-    );
-    let o = grpo()
-        .args(["run", r.to_str().unwrap(), "--quiet"])
-        .env("GRPO_FAULT_SKIP_WEIGHT_INSTALL", "2")
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success(), "{err}");
-    assert!(
-        err.contains("acknowledged weight version 2 but reports version 2 with checksum")
-            && err.contains("it does not sample with them"),
-        "{err}"
-    );
-    assert!(err.contains("rollout worker http://127.0.0.1:"), "{err}");
-    // Step 2's update never reached the sampler: the step stops at its weight sync, before its
-    // metrics, and step 3 never runs.
-    assert_eq!(metrics(&out).keys().copied().collect::<Vec<_>>(), vec![0, 1]);
+    let lora: &[&str] = &["--set", "actor.lora_rank=4", "--set", "actor.optim.lr=0.05"];
+    for (name, sets) in [("full", &[][..]), ("lora", lora)] {
+        let out = dir.path().join(name);
+        let r = tiny_recipe(
+            dir.path(),
+            &format!("{name}.yaml"),
+            &model,
+            &train,
+            &val,
+            &out,
+            3,
+            "cluster:\n  rollout_workers: 1\n",
+        );
+        let o = grpo()
+            .args(["run", r.to_str().unwrap(), "--quiet"])
+            .args(sets)
+            .env("GRPO_FAULT_SKIP_WEIGHT_INSTALL", "2")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{name}: {err}");
+        assert!(
+            err.contains("acknowledged weight version 2 but reports version 2 with checksum")
+                && err.contains("it does not sample with them"),
+            "{name}: {err}"
+        );
+        assert!(err.contains("rollout worker http://127.0.0.1:"), "{name}: {err}");
+        // Step 2's update never reached the sampler: the step stops at its weight sync, before
+        // its metrics, and step 3 never runs.
+        assert_eq!(
+            metrics(&out).keys().copied().collect::<Vec<_>>(),
+            vec![0, 1],
+            "{name}"
+        );
+    }
 }

@@ -251,11 +251,7 @@ fn workers_run_as_ray_jobs_in_their_pools_and_a_stopped_job_is_resubmitted() {
         &lora_placed,
         "LoRA: every role a Ray job vs in-process",
     );
-    let adapters = trainer::checkpoint::load_checkpoint(&lora_placed.join("checkpoints/step_2")).unwrap();
-    let adapter_bytes: usize = adapters.tensors["params"]
-        .iter()
-        .map(|t| t.to_f32_vec().len() * 4)
-        .sum();
+    let adapter_bytes = checkpoint_param_bytes(&lora_placed.join("checkpoints/step_2"));
     let sent = metric_series(&metrics(&lora_placed), "weights/sent_bytes");
     assert_eq!(
         sent,

@@ -236,6 +236,16 @@ pub fn wait_for_step(output: &Path, step: u64, child: &mut std::process::Child, 
     }
 }
 
+/// The bytes of the trained parameters in the checkpoint `dir` as f32 (with LoRA the
+/// adapters: what a sync to a rollout worker sends).
+pub fn checkpoint_param_bytes(dir: &Path) -> usize {
+    let ck = trainer::checkpoint::load_checkpoint(dir).unwrap();
+    ck.tensors["params"]
+        .iter()
+        .map(|t| t.to_f32_vec().len() * 4)
+        .sum()
+}
+
 /// Asserts that two runs, written to `a` and `b`, trained alike: the same steps in
 /// `metrics.jsonl`, equal per-step rewards, lengths, losses, gradient norms, entropies, KL and
 /// sample counts, equal validation accuracy before training, and the same prompts seen.
