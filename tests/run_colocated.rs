@@ -176,7 +176,9 @@ fn dp_and_fsdp_on_four_devices_train_like_one_device_without_host_weight_copies(
 
 /// LoRA over the same layouts: the learner trains the adapters over the mesh with the base
 /// frozen beside them, and each sync merges `W + s·B·A` on every device from its own shards
-/// (one SPMD program) before the handoff; nothing passes through the host.
+/// (one SPMD program) before the handoff; nothing passes through the host. In the applied form
+/// (`actor.lora_form: applied`) the engine holds the learner's frozen base and each sync hands
+/// it only the adapters, in the rollout's layout (with one-step off-policy, a copy of them).
 #[test]
 fn lora_over_fsdp_and_tensor_parallel_trains_like_one_device_without_host_weight_copies() {
     let dir = tempfile::tempdir().unwrap();
@@ -186,12 +188,23 @@ fn lora_over_fsdp_and_tensor_parallel_trains_like_one_device_without_host_weight
     let (single, single_out) = recipe("single");
     run(&single, &[]);
     for (name, extra) in [
-        ("fsdp", &[][..]),
+        ("fsdp", &["actor.lora_form=merged"][..]),
         (
             "fsdp_tp",
             &[
                 "actor.tensor_model_parallel_size=2",
                 "rollout.tensor_model_parallel_size=2",
+                "actor.lora_form=merged",
+            ][..],
+        ),
+        ("fsdp_applied", &["actor.lora_form=applied"][..]),
+        (
+            "fsdp_tp_applied_off_policy",
+            &[
+                "actor.tensor_model_parallel_size=2",
+                "rollout.tensor_model_parallel_size=2",
+                "actor.lora_form=applied",
+                "trainer.off_policy_steps=1",
             ][..],
         ),
     ] {

@@ -159,42 +159,85 @@ fn a_lora_run_trains_the_adapters_exports_them_for_peft_and_resumes() {
 /// Rollout workers of a LoRA run hold the base and are streamed only the adapters (f32), from
 /// a learner worker through the orchestrator; kill -9 of one mid-run loses nothing, and the run
 /// trains exactly as the same recipe in one process. So does a learner worker alone, which
-/// streams the merged weights to the rollout in the orchestrator.
+/// streams the merged weights (or, in the applied form, the adapters) to the rollout in the
+/// orchestrator. Both forms (`actor.lora_form`); the applied form trains as the merged one up
+/// to rounding.
 #[test]
 fn lora_rollout_workers_are_sent_only_the_adapters_and_train_as_in_one_process() {
     let dir = tempfile::tempdir().unwrap();
     let (model, train, val) = tiny_inputs(dir.path(), 64, 4);
     let steps = 3;
-    let (local, remote) = (dir.path().join("local"), dir.path().join("remote"));
-    let r_local = tiny_recipe(dir.path(), "local.yaml", &model, &train, &val, &local, steps, "");
+    for form in ["merged", "applied"] {
+        lora_workers_case(dir.path(), (&model, &train, &val), steps, form);
+    }
+    // Step 1 samples and updates from the same weights in both forms: the same samples, and
+    // loss and gradient equal up to f32 rounding. (Later steps are not compared: AdamW's first
+    // step moves every adapter entry by about the learning rate whatever its gradient's size,
+    // so rounding-level differences in near-zero gradients become visible differences.)
+    let (merged, applied) = (
+        metrics(&dir.path().join("merged/local")),
+        metrics(&dir.path().join("applied/local")),
+    );
+    for key in ["critic/score/mean", "response_length/mean", "batch/samples"] {
+        assert_eq!(merged[&1][key], applied[&1][key], "{key}: merged vs applied");
+    }
+    for key in ["actor/pg_loss", "actor/grad_norm", "actor/entropy"] {
+        let (m, a) = (
+            merged[&1][key].as_f64().unwrap(),
+            applied[&1][key].as_f64().unwrap(),
+        );
+        assert!(
+            (m - a).abs() <= 1e-5 * m.abs().max(a.abs()).max(1e-3),
+            "{key}: merged {m} vs applied {a}"
+        );
+    }
+}
+
+/// One form's part of the test above, in `dir/form/`.
+fn lora_workers_case(
+    dir: &std::path::Path,
+    (model, train, val): (&std::path::Path, &std::path::Path, &std::path::Path),
+    steps: usize,
+    form: &str,
+) {
+    let dir = dir.join(form);
+    std::fs::create_dir_all(&dir).unwrap();
+    let form_set = format!("actor.lora_form={form}");
+    let lora: Vec<&str> = LORA.iter().copied().chain(["--set", form_set.as_str()]).collect();
+    let (local, remote) = (dir.join("local"), dir.join("remote"));
+    let r_local = tiny_recipe(&dir, "local.yaml", model, train, val, &local, steps, "");
     let r_remote = tiny_recipe(
-        dir.path(),
+        &dir,
         "remote.yaml",
-        &model,
-        &train,
-        &val,
+        model,
+        train,
+        val,
         &remote,
         steps,
         "cluster:\n  rollout_workers: 2\n  learner_workers: 1\n",
     );
-    let learner_only = dir.path().join("learner_only");
+    let learner_only = dir.join("learner_only");
     let r_learner_only = tiny_recipe(
-        dir.path(),
+        &dir,
         "learner_only.yaml",
-        &model,
-        &train,
-        &val,
+        model,
+        train,
+        val,
         &learner_only,
         steps,
         "cluster:\n  learner_workers: 1\n",
     );
     for r in [&r_local, &r_learner_only] {
         let mut args = vec!["run", r.to_str().unwrap(), "--quiet"];
-        args.extend_from_slice(&LORA);
+        args.extend_from_slice(&lora);
         let o = run_grpo(&args);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     }
-    assert_same_training(&local, &learner_only, "LoRA in one process vs a learner worker");
+    assert_same_training(
+        &local,
+        &learner_only,
+        &format!("LoRA ({form}) in one process vs a learner worker"),
+    );
     assert_eq!(
         metric_series(&metrics(&learner_only), "weights/sent_bytes"),
         vec![0.0; steps]
@@ -203,7 +246,7 @@ fn lora_rollout_workers_are_sent_only_the_adapters_and_train_as_in_one_process()
     let mut run = KillOnDrop(Some(
         grpo()
             .args(["run", r_remote.to_str().unwrap(), "--quiet"])
-            .args(LORA)
+            .args(&lora)
             .stderr(Stdio::piped())
             .spawn()
             .unwrap(),
@@ -230,7 +273,7 @@ fn lora_rollout_workers_are_sent_only_the_adapters_and_train_as_in_one_process()
     assert_same_training(
         &local,
         &remote,
-        "LoRA in one process vs rollout and learner workers",
+        &format!("LoRA ({form}) in one process vs rollout and learner workers"),
     );
 
     // Every sync sent each live worker the adapters and nothing else: step 1's went to both.
@@ -245,7 +288,7 @@ fn lora_rollout_workers_are_sent_only_the_adapters_and_train_as_in_one_process()
             "{sent:?}, adapters {adapter_bytes} B"
         );
     }
-    let model_bytes: usize = load_hf_checkpoint(&model)
+    let model_bytes: usize = load_hf_checkpoint(model)
         .unwrap()
         .tensors
         .iter()
@@ -256,7 +299,7 @@ fn lora_rollout_workers_are_sent_only_the_adapters_and_train_as_in_one_process()
         "adapters {adapter_bytes} B, model {model_bytes} B"
     );
     let failures = metric_series(&m, "workers/failures_total");
-    eprintln!("bytes sent per sync {sent:?} (adapters {adapter_bytes} B, model {model_bytes} B), failures {failures:?}");
+    eprintln!("{form}: bytes sent per sync {sent:?} (adapters {adapter_bytes} B, model {model_bytes} B), failures {failures:?}");
     assert!(
         failures.last().copied().unwrap_or(0.0) >= 1.0,
         "{failures:?}: {stderr}"

@@ -77,6 +77,48 @@ pub struct LayerParams {
     pub up_proj: Tensor,
     /// `mlp.down_proj.weight` `[hidden, ffn]`.
     pub down_proj: Tensor,
+    /// LoRA adapters applied beside the projections ([`DecoderParams::with_adapters`]).
+    pub adapters: LayerAdapters,
+}
+
+/// A LoRA adapter applied beside its frozen weight `W [out, in]`: the projection is
+/// `x·Wᵀ + s·(x·Aᵀ)·Bᵀ`, the function of the merged weight `W + s·B·A`
+/// ([`crate::lora::merged_weight`]) without forming it, in f32.
+#[derive(Clone, Debug)]
+pub struct Adapter {
+    /// `A [r, in]`.
+    pub a: Tensor,
+    /// `B [out, r]`.
+    pub b: Tensor,
+    /// `s`: `lora_alpha / r` (or `/ sqrt(r)` with rsLoRA).
+    pub scale: f64,
+}
+
+/// The adapters of one decoder layer, by projection (none by default).
+#[derive(Clone, Debug, Default)]
+pub struct LayerAdapters {
+    pub q: Option<Adapter>,
+    pub k: Option<Adapter>,
+    pub v: Option<Adapter>,
+    pub o: Option<Adapter>,
+    pub gate: Option<Adapter>,
+    pub up: Option<Adapter>,
+    pub down: Option<Adapter>,
+}
+
+impl LayerAdapters {
+    fn slot(&mut self, target: crate::lora::Target) -> &mut Option<Adapter> {
+        use crate::lora::Target;
+        match target {
+            Target::Q => &mut self.q,
+            Target::K => &mut self.k,
+            Target::V => &mut self.v,
+            Target::O => &mut self.o,
+            Target::Gate => &mut self.gate,
+            Target::Up => &mut self.up,
+            Target::Down => &mut self.down,
+        }
+    }
 }
 
 /// All traced parameters of a decoder, with the config that shapes them.
@@ -174,6 +216,7 @@ impl DecoderParams {
                 gate_proj: need(&p("mlp.gate_proj.weight"))?,
                 up_proj: need(&p("mlp.up_proj.weight"))?,
                 down_proj: need(&p("mlp.down_proj.weight"))?,
+                adapters: LayerAdapters::default(),
             });
         }
         Ok(DecoderParams {
@@ -185,6 +228,47 @@ impl DecoderParams {
             all: tensors.to_vec(),
             remat: false,
         })
+    }
+
+    /// These parameters with `lora`'s adapters applied beside their projections: `adapters`
+    /// are `A`, `B` of each adapted projection in [`crate::lora::lora_param_table`] order
+    /// (program arguments after the base's; [`DecoderParams::all`] lists them after it). The
+    /// forward passes then compute `x·Wᵀ + s·(x·Aᵀ)·Bᵀ` where the merged form would compute
+    /// `x·(W + s·B·A)ᵀ`: the same function, without a merged copy of the weights.
+    pub fn with_adapters(
+        mut self,
+        lora: &crate::lora::LoraConfig,
+        adapters: &[Tensor],
+    ) -> Result<DecoderParams, String> {
+        let specs = crate::lora::lora_param_table(&self.config, lora);
+        if adapters.len() != specs.len() {
+            return Err(format!(
+                "the adapters' table has {} tensors, {} were given",
+                specs.len(),
+                adapters.len()
+            ));
+        }
+        for (spec, t) in specs.iter().zip(adapters) {
+            if t.dims() != spec.dims().as_slice() {
+                return Err(format!(
+                    "adapter `{}` has shape {:?}, expected {:?}",
+                    spec.name,
+                    t.dims(),
+                    spec.dims()
+                ));
+            }
+        }
+        let per_layer = lora.targets.len();
+        for (k, pair) in adapters.chunks_exact(2).enumerate() {
+            let (layer, target) = (k / per_layer, lora.targets[k % per_layer]);
+            *self.layers[layer].adapters.slot(target) = Some(Adapter {
+                a: pair[0].clone(),
+                b: pair[1].clone(),
+                scale: lora.scale(),
+            });
+        }
+        self.all.extend(adapters.iter().cloned());
+        Ok(self)
     }
 
     /// The output projection `[vocab, hidden]` (the embedding when tied).
@@ -231,6 +315,19 @@ fn linear_bias(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
     }
 }
 
+/// A projection with its bias and, when it has one, its LoRA adapter applied beside it
+/// (`+ s·(x·Aᵀ)·Bᵀ`, in f32).
+fn project(x: &Tensor, w: &Tensor, b: Option<&Tensor>, adapter: Option<&Adapter>) -> Tensor {
+    let y = linear_bias(x, w, b);
+    match adapter {
+        Some(ad) => {
+            let delta = linear(&linear(x, &ad.a), &ad.b);
+            &y + &(&delta * &delta.scalar_like(ad.scale))
+        }
+        None => y,
+    }
+}
+
 fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
     x.rms_norm(&w.convert_if_needed(DType::F32), eps)
 }
@@ -263,9 +360,10 @@ pub fn rope_tables(config: &ModelConfig, positions: &Tensor) -> (Tensor, Tensor)
 
 /// The SwiGLU MLP: `down(silu(gate(x)) * up(x))`.
 fn mlp(layer: &LayerParams, x: &Tensor) -> Tensor {
-    let gate = linear(x, &layer.gate_proj).silu();
-    let up = linear(x, &layer.up_proj);
-    linear(&(&gate * &up), &layer.down_proj)
+    let ad = &layer.adapters;
+    let gate = project(x, &layer.gate_proj, None, ad.gate.as_ref()).silu();
+    let up = project(x, &layer.up_proj, None, ad.up.as_ref());
+    project(&(&gate * &up), &layer.down_proj, None, ad.down.as_ref())
 }
 
 /// q, k, v of a batch of positions `x [..., hidden]`: q `[..., heads, head_dim]`, k and v
@@ -287,9 +385,19 @@ fn qkv(
         d.extend([n, hd]);
         t.reshape(&d)
     };
-    let mut q = shaped(linear_bias(x, &layer.q_proj, layer.q_bias.as_ref()), heads);
-    let mut k = shaped(linear_bias(x, &layer.k_proj, layer.k_bias.as_ref()), kvh);
-    let v = shaped(linear_bias(x, &layer.v_proj, layer.v_bias.as_ref()), kvh);
+    let ad = &layer.adapters;
+    let mut q = shaped(
+        project(x, &layer.q_proj, layer.q_bias.as_ref(), ad.q.as_ref()),
+        heads,
+    );
+    let mut k = shaped(
+        project(x, &layer.k_proj, layer.k_bias.as_ref(), ad.k.as_ref()),
+        kvh,
+    );
+    let v = shaped(
+        project(x, &layer.v_proj, layer.v_bias.as_ref(), ad.v.as_ref()),
+        kvh,
+    );
     if let Some(w) = &layer.q_norm {
         q = rms_norm(&q, w, config.rms_norm_eps);
     }
@@ -340,7 +448,12 @@ fn grouped_values(probs: &Tensor, v: &Tensor) -> Tensor {
 /// The rest of a decoder layer after attention: output projection and residual, then the
 /// post-attention norm, the MLP and its residual.
 fn finish_layer(config: &ModelConfig, layer: &LayerParams, h: &Tensor, attn: &Tensor) -> Tensor {
-    let h = h + &linear_bias(attn, &layer.o_proj, layer.o_bias.as_ref());
+    let h = h + &project(
+        attn,
+        &layer.o_proj,
+        layer.o_bias.as_ref(),
+        layer.adapters.o.as_ref(),
+    );
     let normed = rms_norm(&h, &layer.post_norm, config.rms_norm_eps);
     &h + &mlp(layer, &normed)
 }

@@ -123,6 +123,19 @@ impl Target {
     }
 }
 
+/// How a model computes with its LoRA adapters: on the merged weights `W + s·B·A` (a copy of
+/// every adapted weight, made once per adapter version) or with the adapters applied beside the
+/// frozen weights, `x·Wᵀ + s·(x·Aᵀ)·Bᵀ` in every pass ([`crate::forward::DecoderParams::with_adapters`]).
+/// The same function; the learner and the rollout of a run use the same form, so their
+/// log-probabilities stay the same quantity in bf16 too.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LoraForm {
+    #[default]
+    Merged,
+    Applied,
+}
+
 /// PEFT's `target_modules` as a recipe writes it: `all-linear` or a list of module names
 /// (`q_proj` or `q`, ...), parsed by [`Target::parse_list`]; serialised as the list of
 /// PEFT's module names.

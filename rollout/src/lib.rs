@@ -28,6 +28,6 @@ pub use engine::{
 pub use error::{Result, RolloutError};
 pub use sampling::SamplingParams;
 pub use weights::{
-    handoff, rollout_layout, upload_parameter, upload_weights, upload_weights_on, AdapterMerge,
+    handoff, rollout_layout, upload_parameter, upload_weights, upload_weights_on, AdapterInstall,
     EngineWeights, SourceParams,
 };

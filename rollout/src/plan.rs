@@ -74,6 +74,7 @@ impl ProgramPlan {
         .with_tensor_parallel(settings.tensor_parallel)
         .for_weights(dtype);
         cache.write = settings.kv_write.unwrap_or(KvWrite::for_plugin(plugin));
+        cache.adapters = settings.adapters.clone();
         let local = cache.local_slots();
         // A step that slices its rows out of the cache and writes them back (any write but a
         // scatter on one slot group, `programs::decode_sample_program`) pays for that copy:

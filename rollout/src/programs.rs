@@ -41,7 +41,7 @@ use crate::sampling::{sample_graph_with, SamplerInputs, SamplerKind};
 /// `[slots, kv_heads, chunk, head_dim]` of [`CacheShape::dtype`]; the positions of a slot are split into
 /// [`CacheShape::chunks`] chunks of `chunk` positions (one chunk of `max_len` positions when
 /// unchunked), so a decode step can read only the chunks that hold filled positions.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct CacheShape {
     /// Number of slots (`max_num_seqs`).
     pub slots: usize,
@@ -67,6 +67,9 @@ pub struct CacheShape {
     /// How decode writes new keys and values: [`KvWrite::Scatter`] (the default) or
     /// [`KvWrite::Masked`] ([`crate::plan::ProgramPlan::new`] picks by plugin).
     pub write: KvWrite,
+    /// LoRA adapters every program applies beside the weights (their tensors, f32, follow the
+    /// weights among the arguments; see [`crate::EngineConfig::adapters`]).
+    pub adapters: Option<model::LoraConfig>,
 }
 
 /// The name of the mesh axis an engine over several devices splits its slots along.
@@ -109,6 +112,7 @@ impl CacheShape {
             tensor_parallel: 1,
             dtype: DType::F32,
             write: KvWrite::Scatter,
+            adapters: None,
         }
     }
 
@@ -221,14 +225,23 @@ impl CacheShape {
         g
     }
 
-    /// The parameters, laid out for this shape's tensor-parallel size.
+    /// The parameters, laid out for this shape's tensor-parallel size: the weights in
+    /// `dtype`, then any adapters applied beside them, in f32 (each split with its weight).
     fn declare_params(&self, g: &Graph, config: &ModelConfig, dtype: DType) -> DecoderParams {
-        DecoderParams::declare_laid_out(
-            g,
-            config,
-            dtype,
-            &crate::weights::rollout_layout(self.tensor_parallel),
-        )
+        let layout = crate::weights::rollout_layout(self.tensor_parallel);
+        let p = DecoderParams::declare_laid_out(g, config, dtype, &layout);
+        let Some(lora) = &self.adapters else {
+            return p;
+        };
+        let adapters: Vec<Tensor> = model::lora::lora_param_table(config, lora)
+            .iter()
+            .map(|spec| match layout.sharding(spec) {
+                Some(s) => g.parameter_sharded(&spec.name, DType::F32, &spec.dims(), s),
+                None => g.parameter(&spec.name, DType::F32, &spec.dims()),
+            })
+            .collect();
+        p.with_adapters(lora, &adapters)
+            .expect("declared adapters follow the adapters' table")
     }
 
     /// A per-slot program argument (slots first), split on the slots over several slot groups.
@@ -458,7 +471,7 @@ pub fn run_donating(
     let inputs: Vec<Vec<&Buffer>> = vec![inputs.to_vec()];
     let result = run_donating_on(
         exe,
-        &[weights],
+        &[weights.iter().collect()],
         &mut per_device,
         &inputs,
         first_cache_result,
@@ -472,7 +485,7 @@ pub fn run_donating(
 /// `inputs[d]` are device `d`'s; returns `results[d]`, the results before the cache.
 pub fn run_donating_on(
     exe: &Executable,
-    weights: &[&[Buffer]],
+    weights: &[Vec<&Buffer>],
     cache: &mut Vec<Vec<Buffer>>,
     inputs: &[Vec<&Buffer>],
     first_cache_result: usize,
@@ -484,7 +497,7 @@ pub fn run_donating_on(
     let old = std::mem::take(cache);
     let args: Vec<Vec<&Buffer>> = (0..old.len())
         .map(|d| {
-            let mut args: Vec<&Buffer> = weights[d].iter().collect();
+            let mut args: Vec<&Buffer> = weights[d].clone();
             args.extend(old[d].iter());
             args.extend_from_slice(&inputs[d]);
             args
@@ -639,7 +652,13 @@ impl PrefillFanout {
         prompts: &[(&[u32], &[usize])],
     ) -> Result<()> {
         let mut per_device = vec![std::mem::take(cache)];
-        let result = self.run_batch_on(client, &[device], &[weights], &mut per_device, prompts);
+        let result = self.run_batch_on(
+            client,
+            &[device],
+            &[weights.iter().collect()],
+            &mut per_device,
+            prompts,
+        );
         *cache = per_device.pop().unwrap_or_default();
         result
     }
@@ -650,7 +669,7 @@ impl PrefillFanout {
         &self,
         client: &Client,
         devices: &[usize],
-        weights: &[&[Buffer]],
+        weights: &[Vec<&Buffer>],
         cache: &mut Vec<Vec<Buffer>>,
         prompts: &[(&[u32], &[usize])],
     ) -> Result<()> {
@@ -740,7 +759,7 @@ impl EnvExtend {
         &self,
         client: &Client,
         devices: &[usize],
-        weights: &[&[Buffer]],
+        weights: &[Vec<&Buffer>],
         cache: &mut Vec<Vec<Buffer>>,
         tokens: &[u32],
         at: (usize, usize),
@@ -1013,7 +1032,13 @@ impl DecodeSample {
         inputs: &DecodeInputs,
     ) -> Result<(Vec<i32>, Vec<f32>)> {
         let mut per_device = vec![std::mem::take(cache)];
-        let result = self.run_on(client, &[device], &[weights], &mut per_device, inputs);
+        let result = self.run_on(
+            client,
+            &[device],
+            &[weights.iter().collect()],
+            &mut per_device,
+            inputs,
+        );
         *cache = per_device.pop().unwrap_or_default();
         result
     }
@@ -1025,7 +1050,7 @@ impl DecodeSample {
         &self,
         client: &Client,
         devices: &[usize],
-        weights: &[&[Buffer]],
+        weights: &[Vec<&Buffer>],
         cache: &mut Vec<Vec<Buffer>>,
         inputs: &DecodeInputs,
     ) -> Result<(Vec<i32>, Vec<f32>)> {
@@ -1228,7 +1253,7 @@ impl SlotMoves {
         let sb = upload_on(client, devices, &src, &m, self.groups, what)?;
         let db = upload_on(client, devices, &dst, &m, self.groups, what)?;
         let inputs: Vec<Vec<&Buffer>> = (0..devices.len()).map(|d| vec![&sb[d], &db[d]]).collect();
-        let weights: Vec<&[Buffer]> = vec![&[]; devices.len()];
+        let weights: Vec<Vec<&Buffer>> = vec![Vec::new(); devices.len()];
         run_donating_on(&self.exe, &weights, cache, &inputs, 0, what)?;
         Ok(())
     }

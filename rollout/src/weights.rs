@@ -24,14 +24,22 @@ use xla::DType;
 use crate::error::{Result, RolloutError};
 use crate::programs::rollout_mesh;
 use model::lora::{lora_param_table, MergeLayout, MergeProgram};
-use model::{param_table, HostTensor, LoraConfig, ModelConfig, ModelWeights, ParamLayout, ParamSpec};
+use model::{
+    param_table, HostTensor, LoraConfig, LoraForm, ModelConfig, ModelWeights, ParamLayout, ParamSpec,
+};
 
 /// The rollout's parameters: each device's buffers of the whole parameter table, in device
 /// order (one entry for a single-device engine), laid out by the rollout's tensor-parallel
-/// size. Cheap to clone.
+/// size; for an engine that applies LoRA adapters beside its weights
+/// ([`crate::EngineConfig::adapters`]), also each device's adapters, a second segment the
+/// programs take after the weights, so a new adapter version replaces them alone. Cheap to
+/// clone.
 #[derive(Clone, Debug)]
 pub struct EngineWeights {
     per_device: Vec<Arc<[Buffer]>>,
+    /// `adapters[d]`: device `d`'s adapters (f32, [`lora_param_table`] order); empty when the
+    /// engine applies none.
+    adapters: Vec<Arc<[Buffer]>>,
     tensor_parallel: usize,
 }
 
@@ -46,13 +54,33 @@ impl EngineWeights {
     pub fn laid_out(per_device: Vec<Arc<[Buffer]>>, tensor_parallel: usize) -> EngineWeights {
         EngineWeights {
             per_device,
+            adapters: Vec::new(),
             tensor_parallel: tensor_parallel.max(1),
+        }
+    }
+
+    /// Adapters alone (device `d`'s `adapters[d]`, laid out like the weights they go with), for
+    /// [`crate::Engine::update_weights`] of an engine applying adapters: it keeps the weights
+    /// it holds and takes these beside them.
+    pub fn adapters_only(adapters: Vec<Arc<[Buffer]>>, tensor_parallel: usize) -> EngineWeights {
+        EngineWeights {
+            per_device: Vec::new(),
+            adapters,
+            tensor_parallel: tensor_parallel.max(1),
+        }
+    }
+
+    /// These weights with `adapters` beside them (device `d`'s `adapters[d]`), replacing any.
+    pub fn with_adapters(&self, adapters: Vec<Arc<[Buffer]>>) -> EngineWeights {
+        EngineWeights {
+            adapters,
+            ..self.clone()
         }
     }
 
     /// Devices the weights are on.
     pub fn devices(&self) -> usize {
-        self.per_device.len()
+        self.per_device.len().max(self.adapters.len())
     }
 
     /// The tensor-parallel size of the layout (1: every device holds every parameter whole).
@@ -60,20 +88,44 @@ impl EngineWeights {
         self.tensor_parallel
     }
 
-    /// The buffers on the engine's `d`-th device.
+    /// The buffers on the engine's `d`-th device (the weights, without adapters).
     pub fn device(&self, d: usize) -> &Arc<[Buffer]> {
         &self.per_device[d]
     }
 
-    /// Every device's buffers, in device order.
+    /// Every device's buffers, in device order (the weights, without adapters).
     pub fn per_device(&self) -> &[Arc<[Buffer]>] {
         &self.per_device
     }
 
-    /// The whole parameters on the first device, when the layout splits nothing (what a
-    /// weight stream to a rollout worker reads); `None` under tensor parallelism.
+    /// Every device's adapters, in device order (empty without adapters).
+    pub fn adapters(&self) -> &[Arc<[Buffer]>] {
+        &self.adapters
+    }
+
+    /// Whether these hold no weights, only adapters ([`EngineWeights::adapters_only`]).
+    pub fn is_adapters_only(&self) -> bool {
+        self.per_device.is_empty() && !self.adapters.is_empty()
+    }
+
+    /// Every device's program arguments: its weights, then its adapters.
+    pub fn args(&self) -> Vec<Vec<&Buffer>> {
+        (0..self.devices())
+            .map(|d| {
+                let weights = self.per_device.get(d).into_iter().flat_map(|w| w.iter());
+                weights
+                    .chain(self.adapters.get(d).into_iter().flat_map(|a| a.iter()))
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// The whole parameters on the first device, when the layout splits nothing and no
+    /// adapters are applied beside them (what a weight stream to a rollout worker reads);
+    /// `None` otherwise.
     pub fn whole(&self) -> Option<&[Buffer]> {
-        (self.tensor_parallel == 1).then(|| self.per_device.first().map(|r| &r[..]).unwrap_or(&[]))
+        (self.tensor_parallel == 1 && self.adapters.is_empty())
+            .then(|| self.per_device.first().map(|r| &r[..]).unwrap_or(&[]))
     }
 }
 
@@ -328,12 +380,15 @@ impl HandoffPlan {
 }
 
 /// An engine that is sent LoRA adapters instead of weights (a rollout worker of a LoRA run):
-/// the frozen base in the engine's layout, kept beside the weights it samples with, and the
-/// compiled merge `W + s·B·A` over the engine's devices (each device merging its own shards
-/// under tensor parallelism). Each version's adapters become the engine's weights on the
-/// devices; only the adapters cross the network.
-pub struct AdapterMerge {
-    program: MergeProgram,
+/// the frozen base in the engine's layout and how each version's adapters become the engine's
+/// weights on its devices. In the merged form ([`LoraForm::Merged`]) a compiled merge
+/// `W + s·B·A` over the engine's devices (each device merging its own shards under tensor
+/// parallelism) makes new weights beside the base; in the applied form the engine applies the
+/// adapters beside the base it already holds ([`crate::EngineConfig::adapters`]), so an update
+/// is an upload. Only the adapters cross the network.
+pub struct AdapterInstall {
+    /// The compiled merge (the merged form only).
+    merge: Option<MergeProgram>,
     base: EngineWeights,
     /// The adapters' table ([`lora_param_table`]), sent and uploaded in f32.
     specs: Vec<ParamSpec>,
@@ -341,31 +396,38 @@ pub struct AdapterMerge {
     devices: Vec<usize>,
 }
 
-impl AdapterMerge {
-    /// The merge of `lora` adapters into `base` (a `config` model's weights in `dtype`, laid
-    /// out for an engine on `devices` of `client`).
+impl AdapterInstall {
+    /// `lora` adapters installed in `form` beside `base` (a `config` model's weights in
+    /// `dtype`, laid out for an engine on `devices` of `client`).
     pub fn new(
         client: &Client,
         config: &ModelConfig,
         lora: &LoraConfig,
+        form: LoraForm,
         dtype: DType,
         base: EngineWeights,
         devices: &[usize],
-    ) -> Result<AdapterMerge> {
+    ) -> Result<AdapterInstall> {
         let specs = lora_param_table(config, lora);
         let tp = base.tensor_parallel();
-        let layout = rollout_mesh(base.devices(), tp).map(|mesh| {
-            let l = rollout_layout(tp);
-            MergeLayout {
-                mesh,
-                adapters: specs.iter().map(|s| l.sharding(s)).collect(),
-                base: param_table(config).iter().map(|s| l.sharding(s)).collect(),
+        let merge = match form {
+            LoraForm::Applied => None,
+            LoraForm::Merged => {
+                let layout = rollout_mesh(base.devices(), tp).map(|mesh| {
+                    let l = rollout_layout(tp);
+                    MergeLayout {
+                        mesh,
+                        adapters: specs.iter().map(|s| l.sharding(s)).collect(),
+                        base: param_table(config).iter().map(|s| l.sharding(s)).collect(),
+                    }
+                });
+                let program = MergeProgram::compile_over(client, config, lora, dtype, layout.as_ref())
+                    .map_err(|e| RolloutError::Config(format!("compiling the LoRA merge: {e}")))?;
+                Some(program)
             }
-        });
-        let program = MergeProgram::compile_over(client, config, lora, dtype, layout.as_ref())
-            .map_err(|e| RolloutError::Config(format!("compiling the LoRA merge: {e}")))?;
-        Ok(AdapterMerge {
-            program,
+        };
+        Ok(AdapterInstall {
+            merge,
             base,
             specs,
             devices: devices.to_vec(),
@@ -384,15 +446,20 @@ impl AdapterMerge {
     }
 
     /// The engine's weights for the adapters `per_device[d]` (device `d`'s buffers, in
-    /// [`AdapterMerge::specs`] order).
-    pub fn merge(&self, per_device: &[Vec<Buffer>]) -> Result<EngineWeights> {
+    /// [`AdapterInstall::specs`] order): the merged weights, or the base with these adapters.
+    pub fn install(&self, per_device: Vec<Vec<Buffer>>) -> Result<EngineWeights> {
+        let Some(merge) = &self.merge else {
+            return Ok(self
+                .base
+                .with_adapters(per_device.into_iter().map(Arc::from).collect()));
+        };
         let failed = |e: model::programs::ProgramError| RolloutError::Config(format!("the LoRA merge: {e}"));
-        let merged = match per_device {
-            [one] => vec![self.program.run(one, self.base.device(0)).map_err(failed)?],
+        let merged = match per_device.as_slice() {
+            [one] => vec![merge.run(one, self.base.device(0)).map_err(failed)?],
             many => {
                 let adapters: Vec<&[Buffer]> = many.iter().map(|d| &d[..]).collect();
                 let base: Vec<&[Buffer]> = self.base.per_device().iter().map(|d| &d[..]).collect();
-                self.program.run_spmd(&adapters, &base).map_err(failed)?
+                merge.run_spmd(&adapters, &base).map_err(failed)?
             }
         };
         Ok(EngineWeights::laid_out(
@@ -401,9 +468,9 @@ impl AdapterMerge {
         ))
     }
 
-    /// The engine's weights for adapters held on the host (f32, in [`AdapterMerge::specs`]
+    /// The engine's weights for adapters held on the host (f32, in [`AdapterInstall::specs`]
     /// order), e.g. those a run starts from.
-    pub fn merge_host(&self, client: &Client, adapters: &[HostTensor]) -> Result<EngineWeights> {
+    pub fn install_host(&self, client: &Client, adapters: &[HostTensor]) -> Result<EngineWeights> {
         let mut per_device: Vec<Vec<Buffer>> = self.devices.iter().map(|_| Vec::new()).collect();
         for (index, t) in adapters.iter().enumerate() {
             let parts = self
@@ -413,7 +480,7 @@ impl AdapterMerge {
                 per_device[d].push(part);
             }
         }
-        self.merge(&per_device)
+        self.install(per_device)
     }
 }
 
@@ -522,17 +589,23 @@ fn upload_laid_out(
     })
 }
 
-/// Checks every device's buffers of `weights` against the parameter table, the rollout's
-/// layout ([`rollout_layout`] on [`rollout_mesh`]) and its device in `devices`; returns the
-/// weights' dtype.
+/// Checks every device's buffers of `weights` against the parameter table (followed by the
+/// `adapters`' table, f32, when the engine applies adapters), the rollout's layout
+/// ([`rollout_layout`] on [`rollout_mesh`]) and its device in `devices`; returns the weights'
+/// dtype.
 pub(crate) fn check_layout(
     config: &ModelConfig,
+    adapters: Option<&LoraConfig>,
     weights: &EngineWeights,
     dtype: Option<DType>,
     devices: &[usize],
     version: u64,
 ) -> Result<DType> {
-    let table = param_table(config);
+    let mut table = param_table(config);
+    let base = table.len();
+    if let Some(lora) = adapters {
+        table.extend(lora_param_table(config, lora));
+    }
     let first = table.first().map(|s| s.name.clone()).unwrap_or_default();
     if weights.devices() != devices.len() {
         return Err(RolloutError::Weights {
@@ -568,16 +641,22 @@ pub(crate) fn check_layout(
         })
         .collect();
     let mut want = dtype;
-    for (buffers, &device) in weights.per_device().iter().zip(devices) {
-        want = Some(check_weights(&table, &local, buffers, want, device, version)?);
+    for (buffers, &device) in weights.args().iter().zip(devices) {
+        want = Some(check_weights(
+            &table, base, &local, buffers, want, device, version,
+        )?);
     }
     Ok(want.unwrap_or(DType::F32))
 }
 
+/// One device's buffers against the table: the first `base` (the weights) all of one dtype
+/// (`dtype`, or the first buffer's), the rest (adapters) f32.
+#[allow(clippy::too_many_arguments)]
 fn check_weights(
     table: &[ParamSpec],
+    base: usize,
     local: &[Vec<i64>],
-    weights: &[Buffer],
+    weights: &[&Buffer],
     dtype: Option<DType>,
     device: usize,
     version: u64,
@@ -606,11 +685,13 @@ fn check_weights(
                 format!(" (this device's tensor-parallel part of {:?})", spec.dims())
             };
             Some(format!("expected shape {dims:?}{whole}, found {:?}", b.dims()))
-        } else if b.dtype() != want {
+        } else if index < base && b.dtype() != want {
             Some(format!(
                 "expected {want} (the compiled programs' weight type; a different type needs a new engine), found {}",
                 b.dtype()
             ))
+        } else if index >= base && b.dtype() != DType::F32 {
+            Some(format!("an adapter must be f32, found {}", b.dtype()))
         } else if b.device() != device {
             Some(format!(
                 "on device {}, the engine runs on device {device}",

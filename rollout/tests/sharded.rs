@@ -696,9 +696,17 @@ fn an_adapter_merge_over_a_tensor_parallel_group_gives_the_merged_models_shards(
     for tp in [1usize, 2] {
         let devices: Vec<usize> = (0..tp).collect();
         let base_weights = upload_weights_on(client(), &base, DType::F32, &devices, tp).unwrap();
-        let merge =
-            rollout::AdapterMerge::new(client(), &config, &lora, DType::F32, base_weights, &devices).unwrap();
-        let got = merge.merge_host(client(), &adapter.tensors).unwrap();
+        let install = rollout::AdapterInstall::new(
+            client(),
+            &config,
+            &lora,
+            model::LoraForm::Merged,
+            DType::F32,
+            base_weights,
+            &devices,
+        )
+        .unwrap();
+        let got = install.install_host(client(), &adapter.tensors).unwrap();
         let want = upload_weights_on(client(), &merged, DType::F32, &devices, tp).unwrap();
         assert_eq!(got.tensor_parallel(), tp);
         for d in 0..tp {
@@ -720,4 +728,84 @@ fn an_adapter_merge_over_a_tensor_parallel_group_gives_the_merged_models_shards(
     }
     let q = "model.layers.0.self_attn.q_proj.weight";
     assert_ne!(merged.get(q).unwrap().bytes, base.get(q).unwrap().bytes);
+}
+
+/// An engine that applies LoRA adapters beside its weights (`EngineConfig::adapters`: the
+/// weights, then the adapters in f32) generates what an engine over the merged weights does:
+/// the same tokens and log-probs within 1e-5, on one device and over tensor-parallel groups
+/// (the adapters split with their weights), and takes new adapters as a weight update.
+#[test]
+fn an_engine_applying_adapters_generates_what_the_merged_weights_do() {
+    use model::lora::{lora_param_table, LoraAdapter, LoraConfig, Target};
+    let config = tensor_parallel_configs().remove(0);
+    let base = random_init(&config, 29);
+    let lora = LoraConfig {
+        rank: 2,
+        alpha: 6.0,
+        targets: Target::ALL.to_vec(),
+        use_rslora: false,
+    };
+    let adapter = |seed: u64| {
+        let mut a = LoraAdapter::init(&config, &lora, seed);
+        for (i, t) in a.tensors.iter_mut().enumerate().filter(|(i, _)| i % 2 == 1) {
+            let values: Vec<f32> = (0..t.numel())
+                .map(|k| ((k * 5 + i + seed as usize) % 13) as f32 * 0.02 - 0.12)
+                .collect();
+            *t = model::HostTensor::from_f32(t.name.clone(), t.shape.clone(), &values);
+        }
+        a
+    };
+    let specs = lora_param_table(&config, &lora);
+    // `adapter`'s tensors on `devices`, each device its part (a slot group's tp devices
+    // split them as they split the weights).
+    let adapter_parts = |adapter: &LoraAdapter, devices: usize, tp: usize| {
+        let mut per_device: Vec<Vec<Buffer>> = (0..devices).map(|_| Vec::new()).collect();
+        for group in 0..devices / tp {
+            let on: Vec<usize> = (group * tp..(group + 1) * tp).collect();
+            for (spec, t) in specs.iter().zip(&adapter.tensors) {
+                let parts = rollout::upload_parameter(client(), spec, DType::F32, &t.bytes, &on).unwrap();
+                for (i, part) in parts.into_iter().enumerate() {
+                    per_device[group * tp + i].push(part);
+                }
+            }
+        }
+        per_device
+            .into_iter()
+            .map(Arc::from)
+            .collect::<Vec<Arc<[Buffer]>>>()
+    };
+    let (first, second) = (adapter(3), adapter(4));
+    for (devices, tp) in [(1, 1), (2, 2), (4, 2)] {
+        let what = format!("{devices} devices, tensor parallel {tp}");
+        let make = |weights: EngineWeights, applied: bool| {
+            let mut settings = EngineConfig::new(8, 32);
+            settings.tensor_parallel = tp;
+            settings.adapters = applied.then(|| lora.clone());
+            Engine::new(client(), &config, weights, 1, settings, None).unwrap()
+        };
+        let merged = |a: &LoraAdapter| {
+            tensor_parallel(
+                &a.merge_into(client(), 0, &base).unwrap(),
+                DType::F32,
+                devices,
+                tp,
+            )
+        };
+        let base_weights = tensor_parallel(&base, DType::F32, devices, tp);
+        let mut engine = make(
+            base_weights.with_adapters(adapter_parts(&first, devices, tp)),
+            true,
+        );
+        let expected = generate(&mut make(merged(&first), false), &requests());
+        assert_same_samples(&generate(&mut engine, &requests()), &expected, &what);
+        // A new version's adapters alone: the engine keeps its base.
+        let update = EngineWeights::adapters_only(adapter_parts(&second, devices, tp), tp);
+        engine.update_weights(2, update).unwrap();
+        let expected = generate(&mut make(merged(&second), false), &requests());
+        assert_same_samples(
+            &generate(&mut engine, &requests()),
+            &expected,
+            &format!("{what}, new adapters"),
+        );
+    }
 }

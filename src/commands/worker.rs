@@ -219,25 +219,27 @@ fn rollout_service(
         setup::upload_rollout_weights(recipe, &prepared, &client).context("uploading the rollout weights")?;
     let config = &prepared.model.weights.config;
     // With LoRA the worker keeps the base and is sent adapters: it starts on the run's initial
-    // adapters merged in, as the learner does.
-    let (weights, merge) = match &setup::policy(recipe, config).lora {
+    // adapters, as the learner does.
+    let policy = setup::policy(recipe, config);
+    let (weights, install) = match &policy.lora {
         None => (weights, None),
         Some(lora) => {
             let devices: Vec<usize> = (0..weights.devices()).collect();
-            let merge = rollout::AdapterMerge::new(
+            let install = rollout::AdapterInstall::new(
                 &client,
                 config,
                 lora,
+                policy.lora_form,
                 setup::rollout_dtype(recipe),
                 weights,
                 &devices,
             )
-            .context("preparing the LoRA merge")?;
+            .context("preparing the LoRA adapters' install")?;
             let adapter = actors::roles::learner::initial_adapter(recipe, config, lora)?;
-            let merged = merge
-                .merge_host(&client, &adapter.tensors)
-                .context("merging the initial LoRA adapters")?;
-            (merged, Some(merge))
+            let weights = install
+                .install_host(&client, &adapter.tensors)
+                .context("installing the initial LoRA adapters")?;
+            (weights, Some(install))
         }
     };
     let engine =
@@ -250,8 +252,8 @@ fn rollout_service(
         0,
         recipe.rollout.tensor_model_parallel_size,
     );
-    Ok(match merge {
-        Some(merge) => service.with_adapters(merge),
+    Ok(match install {
+        Some(install) => service.with_adapters(install),
         None => service,
     })
 }

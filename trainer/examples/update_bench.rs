@@ -384,6 +384,7 @@ fn main() {
         blocks: 1,
         remat: false,
         lora: None,
+        lora_form: Default::default(),
     };
     let rows_ref: Vec<(&[u32], &[u32])> = row_ids
         .iter()

@@ -51,8 +51,11 @@ pub struct DecoderPolicy {
     /// Train LoRA adapters on a frozen base instead of every weight (`actor.lora_rank`): the
     /// trainable parameters are the adapters ([`model::lora::lora_param_table`]), the base
     /// weights are the learner's frozen tensors ([`DecoderPolicy::frozen_specs`]), and the
-    /// forward pass runs on `W + s·B·A` ([`model::lora::merge_params`]).
+    /// forward pass runs on `W + s·B·A` ([`model::lora::merge_params`]) or, with
+    /// [`DecoderPolicy::lora_form`] applied, with the adapters beside the base weights.
     pub lora: Option<LoraConfig>,
+    /// How the forward pass computes with the adapters (read only with [`DecoderPolicy::lora`]).
+    pub lora_form: model::LoraForm,
 }
 
 /// One micro-batch of rows packed for [`DecoderPolicy`].
@@ -209,17 +212,22 @@ impl DecoderPolicy {
     /// With LoRA, `params` are the adapters followed by the frozen base table.
     pub fn log_probs(&self, params: &[Tensor], batch: &[Tensor]) -> PolicyOutput {
         let g = batch[0].graph();
-        let merged;
-        let params = match &self.lora {
+        let table = "parameters follow the parameter table";
+        let mut p = match &self.lora {
             Some(lora) => {
                 let (adapters, base) = params.split_at(lora_param_table(&self.config, lora).len());
-                merged = merge_params(&self.config, lora, base, adapters);
-                &merged[..]
+                match self.lora_form {
+                    model::LoraForm::Merged => {
+                        let merged = merge_params(&self.config, lora, base, adapters);
+                        DecoderParams::from_tensors(&self.config, &merged).expect(table)
+                    }
+                    model::LoraForm::Applied => DecoderParams::from_tensors(&self.config, base)
+                        .and_then(|p| p.with_adapters(lora, adapters))
+                        .expect(table),
+                }
             }
-            None => params,
+            None => DecoderParams::from_tensors(&self.config, params).expect(table),
         };
-        let mut p =
-            DecoderParams::from_tensors(&self.config, params).expect("parameters follow the parameter table");
         p.remat = self.remat;
         let temperature = g.scalar(self.temperature as f64, DType::F32);
         if !self.shares_prompts() {
@@ -364,6 +372,7 @@ mod tests {
             blocks: 1,
             remat: false,
             lora: None,
+            lora_form: model::LoraForm::default(),
         }
     }
 

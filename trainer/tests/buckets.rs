@@ -49,6 +49,7 @@ fn policy() -> DecoderPolicy {
         blocks: 1,
         remat: false,
         lora: None,
+        lora_form: Default::default(),
     }
 }
 

@@ -82,6 +82,7 @@ fn train(seed: u64, steps: usize, check_alignment: bool) -> Vec<f64> {
         blocks: 1,
         remat: false,
         lora: None,
+        lora_form: Default::default(),
     };
     let specs = policy.param_specs();
     let cfg = StepConfig {

@@ -82,6 +82,7 @@ fn trained_checkpoint(output: &Path, model_path: &Path) -> (PathBuf, Vec<Vec<f32
         blocks: 1,
         remat: false,
         lora: None,
+        lora_form: Default::default(),
     };
     let specs = policy.param_specs();
     let params: Vec<Vec<f32>> = source

@@ -75,6 +75,7 @@ fn policy_in_blocks(config: &ModelConfig, lora: Option<LoraConfig>, blocks: usiz
         blocks,
         remat: false,
         lora,
+        lora_form: Default::default(),
     }
 }
 

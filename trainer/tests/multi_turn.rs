@@ -39,6 +39,7 @@ fn update() -> GrpoUpdate {
         blocks: 1,
         remat: false,
         lora: None,
+        lora_form: Default::default(),
     };
     let config = UpdateConfig {
         step: StepConfig {

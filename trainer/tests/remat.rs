@@ -51,6 +51,7 @@ fn policy(config: &ModelConfig, group_size: usize, remat: bool) -> DecoderPolicy
         blocks: 1,
         remat,
         lora: None,
+        lora_form: Default::default(),
     }
 }
 

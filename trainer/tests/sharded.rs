@@ -76,6 +76,7 @@ fn policy_of(config: &ModelConfig, micro_batch_size: usize, blocks: usize) -> De
         blocks,
         remat: false,
         lora: None,
+        lora_form: Default::default(),
     }
 }
 

@@ -468,6 +468,24 @@ pub struct ActorSection {
     /// list of them (`[q_proj, v_proj]`).
     #[serde(default)]
     pub target_modules: model::TargetModules,
+    /// How the learner and the rollout compute with the adapters: `merged` (the rollout
+    /// samples from `W + s·B·A`, merged on the devices after each update), `applied` (the
+    /// adapters beside the frozen weights in every pass, no merged copy) or `auto` (decided
+    /// for the rollout's device, `setup::lora_form`).
+    #[serde(default)]
+    pub lora_form: LoraFormName,
+}
+
+/// `actor.lora_form` as a recipe names it: a [`model::LoraForm`] or `auto`.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum LoraFormName {
+    /// The form measured faster per step on the rollout's kind of device
+    /// (`setup::lora_form`).
+    #[default]
+    Auto,
+    Merged,
+    Applied,
 }
 
 /// `actor.strategy`: the trainer's own enum (`single`, `dp`, `fsdp`; `single` by default).

@@ -1108,6 +1108,12 @@ fn check_lora(c: &mut Checker, r: &Recipe) {
             "is read only with actor.lora_rank above 0 (LoRA); set the rank or leave the key out",
         );
         c.check(
+            a.lora_form == crate::recipe::LoraFormName::default(),
+            "actor.lora_form",
+            format!("{:?}", a.lora_form),
+            "is read only with actor.lora_rank above 0 (LoRA); set the rank or leave the key out",
+        );
+        c.check(
             r.model.lora_adapter_path.is_none(),
             "model.lora_adapter_path",
             r.model.lora_adapter_path.as_deref().unwrap_or(""),

@@ -69,6 +69,8 @@ pub(crate) struct LearnerHandle {
     worker: Option<WorkerInfo>,
     /// The model's parameter table (what an in-process engine is uploaded).
     model_specs: Arc<[ParamSpec]>,
+    /// The trainable parameters' table (with LoRA the adapters').
+    specs: Arc<[ParamSpec]>,
 }
 
 impl LearnerHandle {
@@ -114,7 +116,18 @@ impl LearnerHandle {
     ) -> Result<UpdateParams, RunError> {
         let current = self.role.weights(version, dtype, what).await;
         let current = current.map_err(|e| self.failed(e, last_checkpoint))?;
-        rollout_weights(current, &self.model_specs, client, dtype, to)
+        let specs = match what {
+            Synced::Model => &self.model_specs,
+            Synced::Adapters => &self.specs,
+        };
+        let weights = rollout_weights(current, specs, client, dtype, to)?;
+        Ok(match (what, weights) {
+            // An in-process engine applying adapters keeps its base and takes these beside it.
+            (Synced::Adapters, UpdateParams::Device(w)) if to != WeightsFor::Workers => UpdateParams::Device(
+                rollout::EngineWeights::adapters_only(w.per_device().to_vec(), w.tensor_parallel()),
+            ),
+            (_, weights) => weights,
+        })
     }
 }
 
@@ -164,8 +177,20 @@ impl Assembly {
             ),
         };
         let resume = start.state.take();
+        let rollout_dtype = setup::rollout_dtype(recipe);
+        let rollout_tp = recipe.rollout.tensor_model_parallel_size;
+        // With LoRA in the applied form an in-process engine holds the frozen base itself and
+        // is handed only the adapters, which it applies beside it.
+        let applied_here = worker_count(cluster, Role::Rollout) == 0
+            && matches!(setup::lora_form(recipe), Some((model::LoraForm::Applied, _)));
+        let mut base: Option<rollout::EngineWeights> = None;
         let role: Arc<dyn LearnerRole> = match &learner_worker {
             Some(w) => {
+                if applied_here {
+                    let uploaded = setup::upload_rollout_weights(recipe, prepared, client)
+                        .map_err(|e| RunError::Other(format!("uploading the rollout's LoRA base: {e}")))?;
+                    base = Some(uploaded);
+                }
                 // The worker loads the model itself; this process needs no host copy of it.
                 prepared.model.weights.tensors = Vec::new();
                 let tls = cluster.tls.as_ref();
@@ -187,7 +212,7 @@ impl Assembly {
                 // The host copy of the weights moves into the learner (the rollout shares the
                 // learner's device buffers), so the model is held once on the host.
                 let initial = learner::initial_weights(recipe, &mut prepared.model.weights)?;
-                Arc::new(LocalLearner::start(
+                let local = LocalLearner::start(
                     client,
                     recipe,
                     &prepared.model.weights.config,
@@ -195,40 +220,56 @@ impl Assembly {
                     resume,
                     start.clocks,
                     total_optimizer_steps,
-                )?)
+                )?;
+                if applied_here {
+                    // The learner's own frozen buffers where the layouts agree (no copy).
+                    let handed =
+                        rollout::handoff(client, &local.base_source()?, rollout_dtype, rollout_tp, false)
+                            .map_err(|e| {
+                                RunError::Other(format!("handing the LoRA base to the rollout: {e}"))
+                            })?;
+                    base = Some(handed);
+                }
+                Arc::new(local)
             }
         };
         let learner = LearnerHandle {
             role,
             worker: learner_worker,
             model_specs: model::param_table(&prepared.model.weights.config).into(),
+            specs: specs.into(),
         };
 
-        let rollout_dtype = setup::rollout_dtype(recipe);
         // With one-step off-policy the in-process engine generates while the learner updates,
         // so it needs buffers of its own.
         let in_process = WeightsFor::Engine {
             copy: recipe.trainer.off_policy_steps > 0,
-            tensor_parallel: recipe.rollout.tensor_model_parallel_size,
+            tensor_parallel: rollout_tp,
         };
         let rollout_at = match worker_count(cluster, Role::Rollout) {
             0 => in_process,
             _ => WeightsFor::Workers,
         };
+        // A LoRA run's rollout workers hold the base and are sent only the adapters, and so
+        // is an in-process engine applying them.
+        let synced = match (rollout_at, recipe.actor.lora_rank) {
+            (WeightsFor::Workers, 1..) => Synced::Adapters,
+            _ if base.is_some() => Synced::Adapters,
+            _ => Synced::Model,
+        };
+        let sent_dtype = synced_dtype(synced, rollout_dtype);
         let rollouts: Vec<Arc<dyn RolloutRole>> = match workers(Role::Rollout).as_slice() {
             [] => {
                 let last = start.checkpoint.as_deref();
                 let weights = learner
-                    .weights(
-                        client,
-                        start.version,
-                        (Synced::Model, rollout_dtype),
-                        in_process,
-                        last,
-                    )
+                    .weights(client, start.version, (synced, sent_dtype), in_process, last)
                     .await?;
                 let UpdateParams::Device(weights) = weights else {
                     unreachable!("weights for an in-process engine are on its devices")
+                };
+                let weights = match &base {
+                    Some(base) => base.with_adapters(weights.adapters().to_vec()),
+                    None => weights,
                 };
                 let engine = setup::build_engine(recipe, prepared, client, weights, start.version)?;
                 vec![Arc::new(LocalRollout::with_environment(
@@ -256,11 +297,6 @@ impl Assembly {
             rewards,
             LaunchSpec::DEFAULT_START_TIMEOUT + timeout,
         ));
-        // A LoRA run's rollout workers hold the base and are sent only the adapters.
-        let synced = match (rollout_at, recipe.actor.lora_rank) {
-            (WeightsFor::Workers, 1..) => Synced::Adapters,
-            _ => Synced::Model,
-        };
         let mut assembly = Assembly {
             fleet,
             learner,
@@ -295,10 +331,7 @@ impl Assembly {
     ) -> Result<SyncCost, RunError> {
         // Nothing else runs on the client during the sync, so this counts its transfers.
         let before = client.transfer_stats();
-        let dtype = match self.synced {
-            Synced::Model => self.rollout_dtype,
-            Synced::Adapters => DType::F32,
-        };
+        let dtype = synced_dtype(self.synced, self.rollout_dtype);
         let params = self
             .learner
             .weights(
@@ -443,6 +476,15 @@ pub(crate) struct SyncCost {
     pub host: TransferStats,
     /// Bytes of tensor data sent over the network to rollout workers, all together.
     pub sent_bytes: u64,
+}
+
+/// The type weight updates carrying `synced` are sent in: the rollout's for the model's
+/// weights, f32 for adapters.
+fn synced_dtype(synced: Synced, rollout_dtype: DType) -> DType {
+    match synced {
+        Synced::Model => rollout_dtype,
+        Synced::Adapters => DType::F32,
+    }
 }
 
 /// Who takes a run's weight updates.

@@ -202,6 +202,9 @@ async fn train_async(
         config.num_parameters() as f64 / 1e6,
         prepared.train.len()
     );
+    if let Some((_, Some(why))) = setup::lora_form(recipe) {
+        eprintln!("{why}");
+    }
     let client = setup::open_client(recipe).map_err(RunError::Client)?;
     let mut sampler = prepared.train.train_sampler(&recipe.data)?;
     let total_steps = match recipe.trainer.total_training_steps {

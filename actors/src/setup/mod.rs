@@ -12,7 +12,7 @@ pub use dtype::{
 };
 
 use crate::prepare::Prepared;
-use crate::recipe::{DeviceKind, Recipe};
+use crate::recipe::{DeviceKind, LoraFormName, Recipe};
 use model::{ChatTemplate, ModelTokenizer};
 use rollout::{Engine, EngineConfig, SamplingParams};
 use std::path::Path;
@@ -45,12 +45,17 @@ pub fn open_client(recipe: &Recipe) -> xla::runtime::Result<Client> {
 }
 
 /// The engine settings of the `rollout` section: `rollout.max_num_seqs` KV slots of
-/// `max_prompt_length + max_response_length` tokens, stopping on the model's end tokens.
+/// `max_prompt_length + max_response_length` tokens, stopping on the model's end tokens; with
+/// LoRA in the applied form ([`lora_form`]) the adapters beside the weights.
 pub fn engine_config(recipe: &Recipe, stop_token_ids: &[u32]) -> EngineConfig {
     let len = recipe.data.max_prompt_length + recipe.data.max_response_length;
     let mut settings = EngineConfig::new(recipe.rollout.max_num_seqs, len);
     settings.eos_token_ids = stop_token_ids.to_vec();
     settings.tensor_parallel = recipe.rollout.tensor_model_parallel_size.max(1);
+    settings.adapters = recipe
+        .actor
+        .lora()
+        .filter(|_| matches!(lora_form(recipe), Some((model::LoraForm::Applied, _))));
     settings
 }
 
@@ -293,7 +298,46 @@ pub fn policy(recipe: &Recipe, config: &model::ModelConfig) -> DecoderPolicy {
             .unwrap_or(1),
         remat: recipe.model.enable_gradient_checkpointing,
         lora: recipe.actor.lora(),
+        lora_form: lora_form(recipe).map(|(form, _)| form).unwrap_or_default(),
     }
+}
+
+/// The form a LoRA run computes in (`actor.lora_form`, `auto` decided for the rollout's
+/// device) and, where `auto` chose, why; `None` without LoRA. A function of the resolved recipe,
+/// so every process of a run decides alike. `auto` keeps the form measured faster per step on
+/// each kind of device (BENCHMARKS.md "LoRA in the rollout: merged or applied"): on CPU
+/// `applied`, whose cheaper update (no gradient of whole merged weights) outweighs its dearer
+/// decode steps; on TPU `merged`, which libtpu's cost model estimates faster in both the
+/// rollout and the learner; on NVIDIA GPUs `merged`, not measured here (it costs nothing per
+/// token).
+pub fn lora_form(recipe: &Recipe) -> Option<(model::LoraForm, Option<String>)> {
+    use model::LoraForm;
+    recipe.actor.lora()?;
+    Some(match recipe.actor.lora_form {
+        LoraFormName::Merged => (LoraForm::Merged, None),
+        LoraFormName::Applied => (LoraForm::Applied, None),
+        LoraFormName::Auto => {
+            let device = rollout_device(recipe);
+            let (form, name, why) = match device {
+                DeviceKind::Cpu => (
+                    LoraForm::Applied,
+                    "applied",
+                    "on CPU its update costs less than its decode steps add",
+                ),
+                DeviceKind::Tpu => (
+                    LoraForm::Merged,
+                    "merged",
+                    "on TPU libtpu's cost model estimates the merged form's rollout and learner both faster",
+                ),
+                DeviceKind::Cuda => (
+                    LoraForm::Merged,
+                    "merged",
+                    "on an NVIDIA GPU merged weights cost nothing per token (the applied form is not measured there)",
+                ),
+            };
+            (form, Some(format!("actor.lora_form: auto chose {name}: {why}")))
+        }
+    })
 }
 
 /// The mini-batch arithmetic of the recipe.
@@ -347,6 +391,30 @@ mod tests {
     use super::*;
     use crate::recipe::load_recipe_str;
     use serde_json::json;
+
+    #[test]
+    fn auto_picks_the_lora_form_measured_faster_on_the_rollouts_device() {
+        let with = |device: &str, form: &str| {
+            let text = format!(
+                "model:\n  path: m\ndata:\n  train_files: t.parquet\ncluster:\n  device: {device}\n\
+                 actor:\n  lora_rank: 4\n{form}"
+            );
+            load_recipe_str(&text, "r.yaml").unwrap()
+        };
+        let (form, why) = lora_form(&with("cpu", "")).unwrap();
+        assert_eq!(form, model::LoraForm::Applied);
+        assert!(why
+            .unwrap()
+            .starts_with("actor.lora_form: auto chose applied: on CPU"));
+        for device in ["tpu", "cuda"] {
+            assert_eq!(lora_form(&with(device, "")).unwrap().0, model::LoraForm::Merged);
+        }
+        // A named form is kept, with no reason to print; without LoRA there is none.
+        let merged = with("cpu", "  lora_form: merged\n");
+        assert_eq!(lora_form(&merged), Some((model::LoraForm::Merged, None)));
+        let full = load_recipe_str("model:\n  path: m\ndata:\n  train_files: t.parquet\n", "r.yaml").unwrap();
+        assert_eq!(lora_form(&full), None);
+    }
 
     #[test]
     fn a_rows_agent_name_picks_an_episode_or_one_response() {

@@ -209,7 +209,14 @@ impl Engine {
                 settings.tensor_parallel.max(1)
             )));
         }
-        let dtype = check_layout(config, &weights, None, &devices, version)?;
+        let dtype = check_layout(
+            config,
+            settings.adapters.as_ref(),
+            &weights,
+            None,
+            &devices,
+            version,
+        )?;
         let plan = ProgramPlan::new(config, &settings, devices.len(), dtype, client.plugin().kind());
         let cache_shape = &plan.cache;
         cache_shape.check_devices()?;
@@ -324,7 +331,7 @@ impl Engine {
                     .flat_map(|i| draw_key(0x5eed, (i % rows) as u32, step as u32))
                     .collect(),
             };
-            let weights: Vec<&[Buffer]> = self.weights.per_device().iter().map(|r| &r[..]).collect();
+            let weights = self.weights.args();
             let (next, logprobs) =
                 self.decode[&key].run_on(&self.client, &self.devices, &weights, &mut self.cache, &inputs)?;
             steps.push(
@@ -528,10 +535,12 @@ impl Engine {
 
     /// Installs new weights (device buffers in [`param_table`] order, same dtype, shapes and
     /// devices; used in place, not copied) as `version`, between steps and without
-    /// recompiling. Samples in flight are restarted on the new weights (see the module
-    /// comment). Returns how many samples were restarted. The old buffers are dropped.
+    /// recompiling. An engine applying adapters may be given adapters alone
+    /// ([`EngineWeights::adapters_only`]): it keeps its weights and takes those beside them.
+    /// Samples in flight are restarted on the new weights (see the module comment). Returns
+    /// how many samples were restarted. The old buffers are dropped.
     pub fn update_weights(&mut self, version: u64, weights: impl Into<EngineWeights>) -> Result<usize> {
-        let weights = weights.into();
+        let mut weights = weights.into();
         if weights.tensor_parallel() != self.plan.cache.tensor_parallel {
             return Err(RolloutError::Config(format!(
                 "weight update {version}: laid out for a tensor-parallel size of {}, the engine runs {}",
@@ -539,7 +548,17 @@ impl Engine {
                 self.plan.cache.tensor_parallel
             )));
         }
-        check_layout(&self.config, &weights, Some(self.dtype), &self.devices, version)?;
+        if weights.is_adapters_only() && self.settings.adapters.is_some() {
+            weights = self.weights.with_adapters(weights.adapters().to_vec());
+        }
+        check_layout(
+            &self.config,
+            self.settings.adapters.as_ref(),
+            &weights,
+            Some(self.dtype),
+            &self.devices,
+            version,
+        )?;
         self.weights = weights;
         self.version = version;
         // Regroup in-flight samples by request, keeping slot order, and put them first.
@@ -664,7 +683,7 @@ impl Engine {
             let len = self.plan.extend_bucket(tokens.len());
             self.ensure_extend(len)?;
             let started = Instant::now();
-            let weights: Vec<&[Buffer]> = self.weights.per_device().iter().map(|r| &r[..]).collect();
+            let weights = self.weights.args();
             self.extend[&len].run_on(
                 &self.client,
                 &self.devices,
@@ -740,7 +759,7 @@ impl Engine {
                 .collect();
             let started = Instant::now();
             let held = self.weights.clone();
-            let weights: Vec<&[Buffer]> = held.per_device().iter().map(|r| &r[..]).collect();
+            let weights = held.args();
             if placed.len() == batch && batch > 1 {
                 let key = PrefillKey { batch, ..key };
                 self.ensure_prefill(key)?;
@@ -937,7 +956,7 @@ impl Engine {
         self.ensure_decode(key)?;
         let program = &self.decode[&key];
         let started = Instant::now();
-        let weights: Vec<&[Buffer]> = self.weights.per_device().iter().map(|r| &r[..]).collect();
+        let weights = self.weights.args();
         let (next, logprobs) =
             program.run_on(&self.client, &self.devices, &weights, &mut self.cache, &inputs)?;
         self.stats.decode_time += started.elapsed();

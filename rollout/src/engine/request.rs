@@ -49,6 +49,10 @@ pub struct EngineConfig {
     /// ([`crate::plan::ProgramPlan::slot_buckets`]), so a step costs what the live samples
     /// cost. A sample's tokens do not depend on the bucket. Off: every step runs every slot.
     pub compact_slots: bool,
+    /// LoRA adapters the programs apply beside the weights (`x·Wᵀ + s·(x·Aᵀ)·Bᵀ`, no merged
+    /// copy): the engine's weights are then the model's table followed by the adapters' (f32,
+    /// [`model::lora::lora_param_table`]). `None`: the weights alone (a LoRA run's merged ones).
+    pub adapters: Option<model::LoraConfig>,
 }
 
 impl EngineConfig {
@@ -66,6 +70,7 @@ impl EngineConfig {
             kv_write: None,
             tensor_parallel: 1,
             compact_slots: true,
+            adapters: None,
         }
     }
 

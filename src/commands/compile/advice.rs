@@ -3,6 +3,7 @@
 
 #[allow(unused_imports)]
 use super::*;
+use actors::recipe::LoraFormName;
 
 /// Bytes of the learner's state: f32 master parameters, both AdamW moments, the gradient sums
 /// when micro-batches accumulate, and the compute-dtype copy for bf16, of what it trains; with
@@ -314,16 +315,7 @@ pub(super) fn device_total(
     let learner_params = masters + if bf16 { masters / 2 } else { 0 };
     let optimizer = masters * (2 + u64::from(accumulating));
     let frozen = learner_max(|m| m.frozen_bytes, plan.frozen_bytes_per_device);
-    let rollout_weights = if rollout_shares_learner_buffers(recipe) {
-        0
-    } else {
-        rollout_weight_bytes(
-            recipe,
-            &plan.config,
-            num_parameters,
-            recipe.rollout.tensor_model_parallel_size,
-        )
-    };
+    let rollout_weights = rollout_resident_bytes(recipe, &plan.config, num_parameters);
     let (largest, largest_temporaries) = measured
         .iter()
         .map(|(r, m)| (r.label.clone(), m.peak_bytes.saturating_sub(m.argument_bytes)))
@@ -343,17 +335,56 @@ pub(super) fn device_total(
 }
 
 /// Whether the in-process rollout decodes from the learner's own compute-dtype buffers (the
-/// handoff uses them in place): same element type, no off-policy copy, the same layout on the
-/// devices (replicas or tensor-parallel splits, not FSDP shards), and no LoRA (the rollout then
-/// decodes from the merged weights, a copy).
+/// handoff uses them in place): same element type, the same layout on the devices (replicas or
+/// tensor-parallel splits, not FSDP shards), and either a full fine-tune with no off-policy
+/// copy or LoRA in the applied form (the engine holds the learner's frozen base, which no
+/// update changes; only the adapters beside it are handed over, or copied off-policy). LoRA
+/// in the merged form decodes from the merged weights, a copy.
 pub(super) fn rollout_shares_learner_buffers(recipe: &Recipe) -> bool {
     let parallel = recipe.actor.parallelism(&recipe.cluster);
     let fsdp = parallel.strategy == Strategy::Fsdp && parallel.mesh.unwrap_or(1) > 1;
+    let shared = match actors::setup::lora_form(recipe) {
+        None => recipe.trainer.off_policy_steps == 0,
+        Some((model::LoraForm::Applied, _)) => true,
+        Some((model::LoraForm::Merged, _)) => false,
+    };
     recipe.rollout.dtype == recipe.actor.param_dtype
-        && recipe.actor.lora_rank == 0
-        && recipe.trainer.off_policy_steps == 0
+        && shared
         && !fsdp
         && parallel.tensor_parallel.max(1) == recipe.rollout.tensor_model_parallel_size.max(1)
+}
+
+/// Bytes an in-process rollout holds on one device beside the learner: its weights unless it
+/// shares the learner's buffers, and any LoRA adapters it applies.
+fn rollout_resident_bytes(recipe: &Recipe, config: &ModelConfig, num_parameters: u64) -> u64 {
+    let tp = recipe.rollout.tensor_model_parallel_size;
+    let weights = if rollout_shares_learner_buffers(recipe) {
+        0
+    } else {
+        rollout_weight_bytes(recipe, config, num_parameters, tp)
+    };
+    weights + rollout_adapter_bytes(recipe, config, tp)
+}
+
+/// Bytes of the LoRA adapters an in-process rollout applies beside its weights on one device
+/// (f32, split with their base over the rollout's `tp` devices); 0 in the merged form.
+pub(super) fn rollout_adapter_bytes(recipe: &Recipe, config: &ModelConfig, tp: usize) -> u64 {
+    let Some(lora) = recipe.actor.lora().filter(|_| {
+        matches!(
+            actors::setup::lora_form(recipe),
+            Some((model::LoraForm::Applied, _))
+        )
+    }) else {
+        return 0;
+    };
+    let tp = tp.max(1);
+    model::lora::lora_param_table(config, &lora)
+        .iter()
+        .map(|p| match p.tensor_parallel_dim(tp) {
+            Some(_) => p.numel() / tp,
+            None => p.numel(),
+        } as u64 * 4)
+        .sum()
 }
 
 /// Bytes of the rollout's weights on one device: the model in `rollout.dtype`, times the share
@@ -435,6 +466,20 @@ pub(super) fn device_total_advice(
         }
         if m < micro && per_row * m as u64 <= room - resident {
             let _ = write!(text, "set `actor.ppo_micro_batch_size: {m}` (now {micro}), or ");
+        }
+    }
+    if recipe.actor.lora_rank > 0 {
+        let mut applied = recipe.clone();
+        applied.actor.lora_form = LoraFormName::Applied;
+        let held = rollout_resident_bytes(&applied, config, num_parameters);
+        if held < total.rollout_weights && total.total - total.rollout_weights + held <= room {
+            let _ = write!(
+                text,
+                "set `actor.lora_form: applied` (the rollout then applies the adapters beside the learner's \
+                 frozen base: {} a device instead of {} for a merged copy), or ",
+                bytes(held),
+                bytes(total.rollout_weights)
+            );
         }
     }
     if let Some(tp) = tensor_parallel {

@@ -210,6 +210,9 @@ pub fn run(args: CompileArgs) -> Result<ExitCode> {
         config.family,
         config.num_parameters() as f64 / 1e6
     );
+    if let Some((_, Some(why))) = actors::setup::lora_form(&recipe) {
+        eprintln!("{why}");
+    }
     let started = Instant::now();
     let plan = Plan::for_recipe(&recipe, &config, target_kind.plugin())?;
     eprintln!(
@@ -782,7 +785,7 @@ mod tests {
         }
         // LoRA: the learner's masters and AdamW state are the adapters'; the base is held
         // frozen in bf16, a quarter of it on each device under fsdp over 4.
-        let r = with("  strategy: fsdp\n  mesh: 4\n  lora_rank: 4\n");
+        let r = with("  strategy: fsdp\n  mesh: 4\n  lora_rank: 4\n  lora_form: merged\n");
         let plan = plan_for(&r);
         assert_eq!(plan.frozen_bytes_per_device, whole / 2 / 4);
         let masters = plan.master_bytes_per_device;
@@ -804,6 +807,20 @@ mod tests {
             "{}",
             t.describe()
         );
+        // In the applied form on one device the rollout holds the learner's frozen base (no
+        // copy) and only the f32 adapters beside it.
+        let total = |r: &Recipe| {
+            let plan = plan_for(r);
+            let rollout = plan.rows.iter().find(|x| x.role == Role::Rollout).unwrap();
+            let mut row = failing(&rollout.label, Role::Rollout, rollout.program, GIB, GIB / 2);
+            row.1.fits = true;
+            let t = device_total(r, &plan, whole / 4, &[row], Some(16 * GIB)).unwrap();
+            (t, plan.master_bytes_per_device)
+        };
+        let (t, adapters) = total(&with("  lora_rank: 4\n  lora_form: applied\n"));
+        assert_eq!(t.rollout_weights, adapters, "the adapters beside the shared base");
+        let (t, _) = total(&with("  lora_rank: 4\n  lora_form: merged\n"));
+        assert_eq!(t.rollout_weights, whole / 2, "the merged form's bf16 copy");
     }
 
     #[test]
@@ -853,6 +870,33 @@ mod tests {
         ));
         let t = device_total(&f32_rollout, &plan, params, &measured, Some(16 * GIB)).unwrap();
         assert_eq!(t.rollout_weights, GIB);
+        // LoRA merged in process: the rollout's merged copy; when that copy is what does not
+        // fit, the advice names the applied form, which holds only the adapters beside the
+        // learner's frozen base.
+        let lora = recipe(&format!(
+            "{SMALL_DATA}rollout:\n  n: 4\n  max_num_seqs: 16\n  dtype: bf16\nactor:\n  ppo_mini_batch_size: 2\n  ppo_micro_batch_size: 4\n  param_dtype: bf16\n  lora_rank: 4\n  lora_form: merged\n"
+        ));
+        let lora_plan = plan_for(&lora);
+        let acc = lora_plan
+            .rows
+            .iter()
+            .find(|x| x.label == "accumulate")
+            .unwrap()
+            .program;
+        let mut row = failing("accumulate", Role::Learner, acc, 12 * GIB, 2 * GIB);
+        row.1.param_bytes = lora_plan.master_bytes_per_device;
+        row.1.fits = true;
+        let lora_measured = [row];
+        // A model of 4 G parameters: an 8 GiB bf16 merged copy.
+        let big = 4 * GIB;
+        let t = device_total(&lora, &lora_plan, big, &lora_measured, Some(64 * GIB)).unwrap();
+        assert_eq!(t.rollout_weights, 8 * GIB, "a bf16 merged copy");
+        // Room (95 % of the memory) for everything but the merged copy, with 64 MiB to spare.
+        let tight = ((t.total - t.rollout_weights + 64 * (1 << 20)) as f64 / 0.95) as u64;
+        let t = device_total(&lora, &lora_plan, big, &lora_measured, Some(tight)).unwrap();
+        assert!(!t.fits(), "{}", t.describe());
+        let advice = device_total_advice(&lora, &lora_plan.config, big, &t);
+        assert!(advice.contains("set `actor.lora_form: applied`"), "{advice}");
         // Rollout in worker processes: nothing shared.
         let workers = r.clone();
         let mut workers = workers;

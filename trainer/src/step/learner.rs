@@ -169,8 +169,9 @@ pub struct Learner {
     /// [`StepConfig::frozen`] and the element type they are held in.
     frozen_specs: Vec<ParamSpec>,
     frozen_dtype: DType,
-    /// The frozen tensors, `[device][tensor]` (empty per device until [`Learner::set_frozen`]).
-    frozen: Vec<Vec<Buffer>>,
+    /// The frozen tensors, `[device][tensor]` (empty per device until [`Learner::set_frozen`]);
+    /// shared, since no program donates them.
+    frozen: Vec<Arc<[Buffer]>>,
     /// `[device][parameter]`. Device 0's are shared (not copied) with a rollout engine on that
     /// device; each step donates them and replaces them with the updated ones.
     params: Vec<Arc<[Buffer]>>,
@@ -480,7 +481,7 @@ impl Learner {
             reference: None,
             frozen_specs: cfg.frozen.clone(),
             frozen_dtype: cfg.compute_dtype,
-            frozen: (0..devices).map(|_| Vec::new()).collect(),
+            frozen: (0..devices).map(|_| Arc::from(Vec::new())).collect(),
             params: uploaded_params,
             m,
             v,
@@ -664,14 +665,17 @@ impl Learner {
                 _ => upload_split(client, v, &dims, sharding.as_ref(), mesh, &what)?,
             });
         }
-        self.frozen = by_device(per_tensor, self.devices());
+        self.frozen = by_device(per_tensor, self.devices())
+            .into_iter()
+            .map(Arc::from)
+            .collect();
         Ok(())
     }
 
     /// The frozen tensors of device `d` ([`StepConfig::frozen`]), or an error when they were
     /// never set.
     pub fn frozen_params(&self, d: usize) -> Result<&[Buffer]> {
-        let set = self.frozen.get(d).map_or(0, Vec::len);
+        let set = self.frozen.get(d).map_or(0, |f| f.len());
         if set != self.frozen_specs.len() {
             return Err(TrainerError::Length {
                 what: "frozen tensors (Learner::set_frozen)".to_string(),
@@ -681,6 +685,14 @@ impl Learner {
             });
         }
         Ok(&self.frozen[d])
+    }
+
+    /// Every device's frozen tensors, `[device][tensor]`, shared, not copied (no program
+    /// donates them): for a rollout engine on the same devices that applies adapters beside
+    /// them.
+    pub fn shared_frozen_params(&self) -> Result<Vec<Arc<[Buffer]>>> {
+        (0..self.devices()).try_for_each(|d| self.frozen_params(d).map(|_| ()))?;
+        Ok(self.frozen.clone())
     }
 
     /// Uploads one policy input (checked against its spec), rows split over the mesh.

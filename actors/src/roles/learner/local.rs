@@ -117,8 +117,29 @@ pub struct LocalLearner {
     clocks: Arc<Mutex<UpdateClocks>>,
     /// The trainable parameters' table.
     specs: Vec<ParamSpec>,
-    /// With LoRA: the merge and the model's parameter table it produces.
-    merge: Option<(MergeProgram, Vec<ParamSpec>)>,
+    /// With LoRA: the frozen base's table and, in the merged form, the merge.
+    lora: Option<LoraParts>,
+}
+
+/// What a LoRA learner needs besides the update to hand its weights on.
+struct LoraParts {
+    /// The model's parameter table (the frozen base's, and the merged weights').
+    base_specs: Vec<ParamSpec>,
+    /// The merge `W + s·B·A` over the learner's mesh; `None` in the applied form, whose
+    /// rollout takes the base and the adapters apart.
+    merge: Option<MergeProgram>,
+}
+
+impl LoraParts {
+    fn merge(&self) -> Result<&MergeProgram, UpdateError> {
+        self.merge.as_ref().ok_or_else(|| {
+            UpdateError::Batch(
+                "LoRA in the applied form (actor.lora_form) has no merged weights: the rollout \
+                 takes the base and the adapters apart"
+                    .into(),
+            )
+        })
+    }
 }
 
 impl LocalLearner {
@@ -139,6 +160,7 @@ impl LocalLearner {
         let specs = policy.param_specs();
         let update_config = setup::update_config(recipe, &policy, total_optimizer_steps);
         let lora = policy.lora.clone();
+        let policy_form = policy.lora_form;
         let base_specs = policy.frozen_specs();
         let update = GrpoUpdate::start(
             client,
@@ -149,7 +171,11 @@ impl LocalLearner {
             resume,
             clocks,
         )?;
-        let merge = match &lora {
+        let lora = match &lora {
+            Some(_) if policy_form == model::LoraForm::Applied => Some(LoraParts {
+                base_specs,
+                merge: None,
+            }),
             Some(lora) => {
                 // Over the mesh the learner was built on, each device merging its own shards.
                 let mesh = update.learner().learner().mesh();
@@ -161,13 +187,16 @@ impl LocalLearner {
                 let dtype = setup::actor_dtype(recipe);
                 let program = MergeProgram::compile_over(client, config, lora, dtype, layout.as_ref())
                     .map_err(lora_error)?;
-                Some((program, base_specs))
+                Some(LoraParts {
+                    base_specs,
+                    merge: Some(program),
+                })
             }
             None => None,
         };
         Ok(LocalLearner {
             specs,
-            merge,
+            lora,
             clocks: Arc::new(Mutex::new(update.clocks())),
             update: Arc::new(Mutex::new(update)),
         })
@@ -178,13 +207,13 @@ impl LocalLearner {
     pub fn shared_params(&self) -> Result<Arc<[Buffer]>, UpdateError> {
         let mut update = lock(&self.update);
         let learner = update.learner_mut().learner_mut();
-        match &self.merge {
+        match &self.lora {
             Some(_) if learner.devices() > 1 => Err(UpdateError::Batch(format!(
                 "LoRA over {} devices: the merged weights are split over the learner's mesh; \
                  take them with rollout_source",
                 learner.devices()
             ))),
-            Some((merge, _)) => merge_on_one_device(merge, learner),
+            Some(lora) => merge_on_one_device(lora.merge()?, learner),
             None => Ok(learner.shared_params()?),
         }
     }
@@ -197,7 +226,8 @@ impl LocalLearner {
         let mut update = lock(&self.update);
         let learner = update.learner_mut().learner_mut();
         let mesh = learner.mesh();
-        if let Some((merge, model_specs)) = &self.merge {
+        if let Some(lora) = &self.lora {
+            let (merge, model_specs) = (lora.merge()?, &lora.base_specs);
             if learner.devices() <= 1 {
                 return Ok(rollout::SourceParams::single(
                     merge_on_one_device(merge, learner)?,
@@ -235,7 +265,7 @@ impl LocalLearner {
     /// With LoRA, the adapters' f32 masters with their layout over the learner's mesh (shared,
     /// not copied): what a rollout worker is sent, to merge into the base it holds.
     pub fn adapter_source(&self) -> Result<rollout::SourceParams, UpdateError> {
-        if self.merge.is_none() {
+        if self.lora.is_none() {
             return Err(UpdateError::Batch(
                 "only a LoRA learner (actor.lora_rank above 0) has adapters to send".into(),
             ));
@@ -251,12 +281,24 @@ impl LocalLearner {
         })
     }
 
-    /// The model's parameter table (what [`LocalLearner::rollout_source`] follows).
-    pub fn model_specs(&self) -> &[ParamSpec] {
-        match &self.merge {
-            Some((_, base)) => base,
-            None => &self.specs,
-        }
+    /// With LoRA, the frozen base weights with their layout over the learner's mesh (shared,
+    /// not copied; they never change): what an in-process engine applying the adapters beside
+    /// them holds.
+    pub fn base_source(&self) -> Result<rollout::SourceParams, UpdateError> {
+        let Some(LoraParts { base_specs, .. }) = &self.lora else {
+            return Err(UpdateError::Batch(
+                "only a LoRA learner (actor.lora_rank above 0) has a frozen base".into(),
+            ));
+        };
+        let update = lock(&self.update);
+        let learner = update.learner().learner();
+        let mesh = learner.mesh();
+        Ok(rollout::SourceParams {
+            mesh: mesh.mesh(),
+            per_device: learner.shared_frozen_params()?,
+            shardings: base_specs.iter().map(|p| mesh.param_sharding(p)).collect(),
+            specs: base_specs.clone(),
+        })
     }
 
     /// The learner's state (parameters, AdamW moments, step count) read to the host.

@@ -323,8 +323,8 @@ pub struct RolloutService {
     /// (`GRPO_FAULT_SKIP_WEIGHT_INSTALL`), to show the orchestrator catches it.
     skip_install: Option<u64>,
     /// With LoRA: updates carry the adapters (the table and dtype above are theirs), merged
-    /// into the base the worker holds.
-    adapters: Option<Arc<rollout::AdapterMerge>>,
+    /// into the base the worker holds or applied beside it.
+    adapters: Option<Arc<rollout::AdapterInstall>>,
 }
 
 impl RolloutService {
@@ -366,13 +366,14 @@ impl RolloutService {
         }
     }
 
-    /// A LoRA run's worker: updates carry `merge`'s adapters in f32 (the engine keeps the
-    /// merged weights), so only the adapters cross the network.
-    pub fn with_adapters(mut self, merge: rollout::AdapterMerge) -> RolloutService {
-        self.specs = merge.specs().to_vec();
+    /// A LoRA run's worker: updates carry `install`'s adapters in f32 (the engine keeps the
+    /// merged weights, or applies the adapters beside its base), so only the adapters cross
+    /// the network.
+    pub fn with_adapters(mut self, install: rollout::AdapterInstall) -> RolloutService {
+        self.specs = install.specs().to_vec();
         self.dtype = DType::F32;
         self.table = weight_table(&self.specs, self.dtype);
-        self.adapters = Some(Arc::new(merge));
+        self.adapters = Some(Arc::new(install));
         self
     }
 
@@ -453,11 +454,11 @@ impl RolloutService {
                 per_device.into_iter().map(Arc::from).collect(),
                 self.tensor_parallel,
             ),
-            Some(merge) => {
-                let merge = merge.clone();
-                tokio::task::spawn_blocking(move || merge.merge(&per_device))
+            Some(install) => {
+                let install = install.clone();
+                tokio::task::spawn_blocking(move || install.install(per_device))
                     .await
-                    .map_err(|e| Status::internal(format!("the LoRA merge thread failed: {e}")))?
+                    .map_err(|e| Status::internal(format!("the LoRA install thread failed: {e}")))?
                     .map_err(|e| {
                         Status::internal(format!(
                             "weight update to version {version} failed, version {before} stays: {e}"
