@@ -103,6 +103,79 @@ fn adapters_made_by_peft_give_peft_logits() {
     }
 }
 
+/// The log-prob tests' batch: rows and tokens per row.
+const BATCH: i64 = 2;
+const LEN: i64 = 9;
+
+/// A log-prob graph's arguments: the model's weights, the adapters of `specs` (f32), then
+/// tokens and mask `[BATCH, LEN]` and the temperature, as [`fixed_inputs`] uploads them.
+struct LogProbArgs {
+    g: Graph,
+    p: DecoderParams,
+    adapters: Vec<Tensor>,
+    tokens: Tensor,
+    mask: Tensor,
+    temp: Tensor,
+}
+
+impl LogProbArgs {
+    fn declare(name: &str, config: &model::ModelConfig, specs: &[model::ParamSpec]) -> LogProbArgs {
+        let g = Graph::new(name);
+        let p = DecoderParams::declare(&g, config, DType::F32);
+        let adapters = specs
+            .iter()
+            .map(|s| g.parameter(&s.name, DType::F32, &s.dims()))
+            .collect();
+        let tokens = g.parameter("tokens", DType::I32, &[BATCH, LEN]);
+        let mask = g.parameter("mask", DType::I32, &[BATCH, LEN]);
+        let temp = g.parameter("temperature", DType::F32, &[]);
+        LogProbArgs {
+            g,
+            p,
+            adapters,
+            tokens,
+            mask,
+            temp,
+        }
+    }
+
+    /// The summed log-probs over `params`.
+    fn loss(&self, params: &DecoderParams) -> Tensor {
+        logprobs_graph(&self.g, params, &self.tokens, &self.mask, &self.temp)
+            .0
+            .sum_all()
+    }
+
+    /// The summed log-probs on the merged weights `W + s·B·A` of the adapters `args`.
+    fn merged_loss(&self, config: &model::ModelConfig, lora: &LoraConfig, args: &[Tensor]) -> Tensor {
+        let merged = merge_params(config, lora, &self.p.all, args);
+        self.loss(&DecoderParams::from_tensors(config, &merged).unwrap())
+    }
+}
+
+/// Two rows of tokens (the second padded) and temperature 0.8, on device 0.
+fn fixed_inputs() -> [Buffer; 3] {
+    let tokens: Vec<i32> = vec![1, 17, 250, 3, 99, 383, 42, 7, 8, 5, 6, 7, 200, 201, 0, 0, 0, 0];
+    let mask: Vec<i32> = vec![1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0];
+    [
+        client().buffer_from_host(&tokens, &[BATCH, LEN], 0).unwrap(),
+        client().buffer_from_host(&mask, &[BATCH, LEN], 0).unwrap(),
+        client().buffer_from_host(&[0.8f32], &[], 0).unwrap(),
+    ]
+}
+
+/// `adapter`'s tensors as f32 buffers on device 0.
+fn upload_adapter(adapter: &LoraAdapter) -> Vec<Buffer> {
+    adapter
+        .tensors
+        .iter()
+        .map(|t| {
+            let dims: Vec<i64> = t.shape.iter().map(|&d| d as i64).collect();
+            client().buffer_from_host(&t.to_f32_vec(), &dims, 0).unwrap()
+        })
+        .collect()
+}
+
 /// `adapter` with `B` drawn uniformly in ±0.1 (as after training) instead of PEFT's zeros.
 fn with_random_b(mut adapter: LoraAdapter, seed: u64) -> LoraAdapter {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -315,8 +388,6 @@ fn the_merge_gradient_matches_finite_differences_in_f64() {
 fn adapter_gradients_through_the_decoder_match_finite_differences() {
     // The summed log-probabilities of a padded batch through the tiny Qwen2 (biases, tied
     // head) with adapters on q, o and up, differentiated with respect to every A and B.
-    const BATCH: i64 = 2;
-    const LEN: i64 = 9;
     let w = base("qwen2");
     let config = w.config.clone();
     let lora = LoraConfig {
@@ -329,49 +400,22 @@ fn adapter_gradients_through_the_decoder_match_finite_differences() {
     let specs = lora_param_table(&config, &adapter.lora);
     let n_base = w.tensors.len();
     let build = |with_grad: bool| {
-        let g = Graph::new("lora_lp");
-        let p = DecoderParams::declare(&g, &config, DType::F32);
-        let adapters: Vec<Tensor> = specs
-            .iter()
-            .map(|s| g.parameter(&s.name, DType::F32, &s.dims()))
-            .collect();
-        let tokens = g.parameter("tokens", DType::I32, &[BATCH, LEN]);
-        let mask = g.parameter("mask", DType::I32, &[BATCH, LEN]);
-        let temp = g.parameter("temperature", DType::F32, &[]);
-        let loss_of = |args: &[Tensor]| {
-            let merged = merge_params(&config, &adapter.lora, &p.all, args);
-            let dp = DecoderParams::from_tensors(&config, &merged).unwrap();
-            let (lp, _) = logprobs_graph(&g, &dp, &tokens, &mask, &temp);
-            lp.sum_all()
-        };
-        let wrt: Vec<usize> = (0..adapters.len()).collect();
+        let a = LogProbArgs::declare("lora_lp", &config, &specs);
+        let loss_of = |args: &[Tensor]| a.merged_loss(&config, &adapter.lora, args);
+        let wrt: Vec<usize> = (0..a.adapters.len()).collect();
         let program = if with_grad {
-            let (loss, grads) = value_and_grad(loss_of, &adapters, &wrt).unwrap();
+            let (loss, grads) = value_and_grad(loss_of, &a.adapters, &wrt).unwrap();
             let mut outs = vec![&loss];
             outs.extend(grads.iter());
-            g.build(&outs).unwrap()
+            a.g.build(&outs).unwrap()
         } else {
-            g.build(&[&loss_of(&adapters)]).unwrap()
+            a.g.build(&[&loss_of(&a.adapters)]).unwrap()
         };
         program.compile(client()).unwrap()
     };
     let model = DeviceModel::upload(client(), &w, DType::F32, 0).unwrap();
-    let adapter_bufs: Vec<Buffer> = adapter
-        .tensors
-        .iter()
-        .map(|t| {
-            let dims: Vec<i64> = t.shape.iter().map(|&d| d as i64).collect();
-            client().buffer_from_host(&t.to_f32_vec(), &dims, 0).unwrap()
-        })
-        .collect();
-    let tokens: Vec<i32> = vec![1, 17, 250, 3, 99, 383, 42, 7, 8, 5, 6, 7, 200, 201, 0, 0, 0, 0];
-    let mask: Vec<i32> = vec![1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0];
-    let dims = [BATCH, LEN];
-    let extra = [
-        client().buffer_from_host(&tokens, &dims, 0).unwrap(),
-        client().buffer_from_host(&mask, &dims, 0).unwrap(),
-        client().buffer_from_host(&[0.8f32], &[], 0).unwrap(),
-    ];
+    let adapter_bufs = upload_adapter(&adapter);
+    let extra = fixed_inputs();
     let run = |exe: &xla::runtime::Executable, replace: Option<(usize, &Buffer)>| {
         let mut args: Vec<&Buffer> = model.weights().iter().chain(&adapter_bufs).collect();
         if let Some((i, b)) = replace {
@@ -421,8 +465,6 @@ fn adapter_gradients_through_the_decoder_match_finite_differences() {
 /// every projection agree in f32, and so do their gradients with respect to every A and B.
 #[test]
 fn adapters_applied_beside_the_weights_give_the_merged_weights_function_and_gradients() {
-    const BATCH: i64 = 2;
-    const LEN: i64 = 9;
     for (family, seed) in [("llama", 11), ("qwen2", 12), ("qwen3", 13)] {
         let w = base(family);
         let config = w.config.clone();
@@ -434,46 +476,18 @@ fn adapters_applied_beside_the_weights_give_the_merged_weights_function_and_grad
         };
         let adapter = with_random_b(LoraAdapter::init(&config, &lora, seed), seed + 1);
         let specs = lora_param_table(&config, &adapter.lora);
-        let g = Graph::new("lora_applied_vs_merged");
-        let p = DecoderParams::declare(&g, &config, DType::F32);
-        let adapters: Vec<Tensor> = specs
-            .iter()
-            .map(|s| g.parameter(&s.name, DType::F32, &s.dims()))
-            .collect();
-        let tokens = g.parameter("tokens", DType::I32, &[BATCH, LEN]);
-        let mask = g.parameter("mask", DType::I32, &[BATCH, LEN]);
-        let temp = g.parameter("temperature", DType::F32, &[]);
-        let merged_loss = |args: &[Tensor]| {
-            let merged = merge_params(&config, &adapter.lora, &p.all, args);
-            let dp = DecoderParams::from_tensors(&config, &merged).unwrap();
-            logprobs_graph(&g, &dp, &tokens, &mask, &temp).0.sum_all()
-        };
-        let applied_loss = |args: &[Tensor]| {
-            let dp = p.clone().with_adapters(&adapter.lora, args).unwrap();
-            logprobs_graph(&g, &dp, &tokens, &mask, &temp).0.sum_all()
-        };
-        let wrt: Vec<usize> = (0..adapters.len()).collect();
-        let (lm, gm) = value_and_grad(merged_loss, &adapters, &wrt).unwrap();
-        let (la, ga) = value_and_grad(applied_loss, &adapters, &wrt).unwrap();
+        let a = LogProbArgs::declare("lora_applied_vs_merged", &config, &specs);
+        let merged_loss = |args: &[Tensor]| a.merged_loss(&config, &adapter.lora, args);
+        let applied_loss = |args: &[Tensor]| a.loss(&a.p.clone().with_adapters(&adapter.lora, args).unwrap());
+        let wrt: Vec<usize> = (0..a.adapters.len()).collect();
+        let (lm, gm) = value_and_grad(merged_loss, &a.adapters, &wrt).unwrap();
+        let (la, ga) = value_and_grad(applied_loss, &a.adapters, &wrt).unwrap();
         let mut outs = vec![&lm, &la];
         outs.extend(gm.iter().chain(ga.iter()));
-        let exe = g.build(&outs).unwrap().compile(client()).unwrap();
+        let exe = a.g.build(&outs).unwrap().compile(client()).unwrap();
         let model = DeviceModel::upload(client(), &w, DType::F32, 0).unwrap();
-        let adapter_bufs: Vec<Buffer> = adapter
-            .tensors
-            .iter()
-            .map(|t| {
-                let dims: Vec<i64> = t.shape.iter().map(|&d| d as i64).collect();
-                client().buffer_from_host(&t.to_f32_vec(), &dims, 0).unwrap()
-            })
-            .collect();
-        let ids: Vec<i32> = vec![1, 17, 250, 3, 99, 383, 42, 7, 8, 5, 6, 7, 200, 201, 0, 0, 0, 0];
-        let valid: Vec<i32> = vec![1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0];
-        let extra = [
-            client().buffer_from_host(&ids, &[BATCH, LEN], 0).unwrap(),
-            client().buffer_from_host(&valid, &[BATCH, LEN], 0).unwrap(),
-            client().buffer_from_host(&[0.8f32], &[], 0).unwrap(),
-        ];
+        let adapter_bufs = upload_adapter(&adapter);
+        let extra = fixed_inputs();
         let args: Vec<&Buffer> = model
             .weights()
             .iter()

@@ -667,6 +667,19 @@ mod tests {
         assert!(origin.ends_with("configs/none/config.json"), "{origin}");
     }
 
+    /// `plan`'s first row of `role` (for the learner, its `accumulate`), measured as fitting with
+    /// `peak` bytes of which `arguments` are arguments.
+    fn fitting(plan: &Plan, role: Role, peak: u64, arguments: u64) -> (PlannedRow, Measured) {
+        let planned = plan
+            .rows
+            .iter()
+            .find(|x| x.role == role && (role == Role::Rollout || x.label == "accumulate"))
+            .unwrap();
+        let mut row = failing(&planned.label, role, planned.program, peak, arguments);
+        row.1.fits = true;
+        row
+    }
+
     fn failing(label: &str, role: Role, program: usize, peak: u64, arguments: u64) -> (PlannedRow, Measured) {
         (
             PlannedRow {
@@ -774,9 +787,7 @@ mod tests {
             let plan = plan_for(&r);
             assert_eq!(plan.master_bytes_per_device, masters, "{actor}");
             // `--only` a rollout program: the learner state still follows the layout.
-            let rollout = plan.rows.iter().find(|x| x.role == Role::Rollout).unwrap();
-            let mut row = failing(&rollout.label, Role::Rollout, rollout.program, GIB, GIB / 2);
-            row.1.fits = true;
+            let row = fitting(&plan, Role::Rollout, GIB, GIB / 2);
             let t = device_total(&r, &plan, whole / 4, &[row], Some(16 * GIB)).unwrap();
             // Masters, 2 moments, gradient sums when micro-batches accumulate, the bf16 copy.
             let sums = u64::from(plan.rows.iter().any(|x| x.label == "accumulate"));
@@ -793,9 +804,7 @@ mod tests {
             masters > 0 && masters < whole / 16,
             "adapters: {masters} of {whole}"
         );
-        let rollout = plan.rows.iter().find(|x| x.role == Role::Rollout).unwrap();
-        let mut row = failing(&rollout.label, Role::Rollout, rollout.program, GIB, GIB / 2);
-        row.1.fits = true;
+        let row = fitting(&plan, Role::Rollout, GIB, GIB / 2);
         let t = device_total(&r, &plan, whole / 4, &[row], Some(16 * GIB)).unwrap();
         let sums = u64::from(plan.rows.iter().any(|x| x.label == "accumulate"));
         assert_eq!(t.frozen, whole / 8);
@@ -811,9 +820,7 @@ mod tests {
         // copy) and only the f32 adapters beside it.
         let total = |r: &Recipe| {
             let plan = plan_for(r);
-            let rollout = plan.rows.iter().find(|x| x.role == Role::Rollout).unwrap();
-            let mut row = failing(&rollout.label, Role::Rollout, rollout.program, GIB, GIB / 2);
-            row.1.fits = true;
+            let row = fitting(&plan, Role::Rollout, GIB, GIB / 2);
             let t = device_total(r, &plan, whole / 4, &[row], Some(16 * GIB)).unwrap();
             (t, plan.master_bytes_per_device)
         };
@@ -830,16 +837,9 @@ mod tests {
             "{SMALL_DATA}rollout:\n  n: 4\n  max_num_seqs: 16\n  dtype: bf16\nactor:\n  ppo_mini_batch_size: 2\n  ppo_micro_batch_size: 4\n  param_dtype: bf16\n"
         ));
         let plan = plan_for(&r);
-        let acc = plan
-            .rows
-            .iter()
-            .find(|x| x.label == "accumulate")
-            .unwrap()
-            .program;
         // 1 GiB of f32 masters (268M parameters), 10 GiB of temporaries.
-        let mut row = failing("accumulate", Role::Learner, acc, 12 * GIB, 2 * GIB);
+        let mut row = fitting(&plan, Role::Learner, 12 * GIB, 2 * GIB);
         row.1.param_bytes = GIB;
-        row.1.fits = true;
         let measured = [row];
         let params = GIB / 4;
         let t = device_total(&r, &plan, params, &measured, Some(16 * GIB)).unwrap();
@@ -877,15 +877,8 @@ mod tests {
             "{SMALL_DATA}rollout:\n  n: 4\n  max_num_seqs: 16\n  dtype: bf16\nactor:\n  ppo_mini_batch_size: 2\n  ppo_micro_batch_size: 4\n  param_dtype: bf16\n  lora_rank: 4\n  lora_form: merged\n"
         ));
         let lora_plan = plan_for(&lora);
-        let acc = lora_plan
-            .rows
-            .iter()
-            .find(|x| x.label == "accumulate")
-            .unwrap()
-            .program;
-        let mut row = failing("accumulate", Role::Learner, acc, 12 * GIB, 2 * GIB);
+        let mut row = fitting(&lora_plan, Role::Learner, 12 * GIB, 2 * GIB);
         row.1.param_bytes = lora_plan.master_bytes_per_device;
-        row.1.fits = true;
         let lora_measured = [row];
         // A model of 4 G parameters: an 8 GiB bf16 merged copy.
         let big = 4 * GIB;

@@ -225,7 +225,6 @@ impl LocalLearner {
     pub fn rollout_source(&self) -> Result<rollout::SourceParams, UpdateError> {
         let mut update = lock(&self.update);
         let learner = update.learner_mut().learner_mut();
-        let mesh = learner.mesh();
         if let Some(lora) = &self.lora {
             let (merge, model_specs) = (lora.merge()?, &lora.base_specs);
             if learner.devices() <= 1 {
@@ -241,12 +240,8 @@ impl LocalLearner {
                 .map(|d| learner.frozen_params(d))
                 .collect::<Result<Vec<_>, _>>()?;
             let merged = merge.run_spmd(&adapters, &base).map_err(lora_error)?;
-            return Ok(rollout::SourceParams {
-                mesh: mesh.mesh(),
-                per_device: merged.into_iter().map(Arc::from).collect(),
-                shardings: model_specs.iter().map(|p| mesh.param_sharding(p)).collect(),
-                specs: model_specs.clone(),
-            });
+            let merged = merged.into_iter().map(Arc::from).collect();
+            return Ok(on_learner_mesh(learner, merged, model_specs));
         }
         if learner.devices() <= 1 {
             return Ok(rollout::SourceParams::single(
@@ -254,12 +249,11 @@ impl LocalLearner {
                 self.specs.clone(),
             ));
         }
-        Ok(rollout::SourceParams {
-            mesh: mesh.mesh(),
-            per_device: learner.shared_device_params(),
-            shardings: self.specs.iter().map(|p| mesh.param_sharding(p)).collect(),
-            specs: self.specs.clone(),
-        })
+        Ok(on_learner_mesh(
+            learner,
+            learner.shared_device_params(),
+            &self.specs,
+        ))
     }
 
     /// With LoRA, the adapters' f32 masters with their layout over the learner's mesh (shared,
@@ -272,13 +266,11 @@ impl LocalLearner {
         }
         let update = lock(&self.update);
         let learner = update.learner().learner();
-        let mesh = learner.mesh();
-        Ok(rollout::SourceParams {
-            mesh: mesh.mesh(),
-            per_device: learner.shared_device_params(),
-            shardings: self.specs.iter().map(|p| mesh.param_sharding(p)).collect(),
-            specs: self.specs.clone(),
-        })
+        Ok(on_learner_mesh(
+            learner,
+            learner.shared_device_params(),
+            &self.specs,
+        ))
     }
 
     /// With LoRA, the frozen base weights with their layout over the learner's mesh (shared,
@@ -292,18 +284,32 @@ impl LocalLearner {
         };
         let update = lock(&self.update);
         let learner = update.learner().learner();
-        let mesh = learner.mesh();
-        Ok(rollout::SourceParams {
-            mesh: mesh.mesh(),
-            per_device: learner.shared_frozen_params()?,
-            shardings: base_specs.iter().map(|p| mesh.param_sharding(p)).collect(),
-            specs: base_specs.clone(),
-        })
+        Ok(on_learner_mesh(
+            learner,
+            learner.shared_frozen_params()?,
+            base_specs,
+        ))
     }
 
     /// The learner's state (parameters, AdamW moments, step count) read to the host.
     pub fn read_state(&self) -> Result<LearnerState, UpdateError> {
         Ok(lock(&self.update).learner().learner().state()?)
+    }
+}
+
+/// Buffers on the learner's devices (`per_device[d]`, following `specs`) with the layout the
+/// learner's mesh gives tensors of that table: what a handoff to the rollout reads.
+fn on_learner_mesh(
+    learner: &trainer::step::Learner,
+    per_device: Vec<Arc<[Buffer]>>,
+    specs: &[ParamSpec],
+) -> rollout::SourceParams {
+    let mesh = learner.mesh();
+    rollout::SourceParams {
+        mesh: mesh.mesh(),
+        per_device,
+        shardings: specs.iter().map(|p| mesh.param_sharding(p)).collect(),
+        specs: specs.to_vec(),
     }
 }
 
