@@ -485,6 +485,7 @@ fn external_replies() {
     let sample = |response: String| reward::Sample {
         id: 1,
         data_source: "fuzz".into(),
+        prompt: serde_json::Value::Null,
         response,
         ground_truth: "42".into(),
         extra: serde_json::json!({"index": 0}),
@@ -797,6 +798,7 @@ fn worker_rpc_messages() {
                 samples: vec![proto::RewardSample {
                     id: 1,
                     data_source: "grpo/arithmetic".into(),
+                    prompt_json: "[{\"role\": \"user\", \"content\": \"6 x 7?\"}]".into(),
                     response: "<answer>42</answer>".into(),
                     ground_truth: "42".into(),
                     extra_json: "{\"index\": 0}".into(),

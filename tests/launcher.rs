@@ -67,6 +67,7 @@ fn sample() -> Sample {
     Sample {
         id: 7,
         data_source: "grpo/arithmetic".into(),
+        prompt: serde_json::Value::Null,
         response: "#### 42".into(),
         ground_truth: "42".into(),
         extra: serde_json::Value::Null,

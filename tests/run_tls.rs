@@ -52,6 +52,7 @@ fn reward_sample() -> reward::Sample {
     reward::Sample {
         id: 0,
         data_source: "grpo/arithmetic".into(),
+        prompt: serde_json::Value::Null,
         response: "<answer>42</answer>".into(),
         ground_truth: "42".into(),
         extra: serde_json::Value::Null,

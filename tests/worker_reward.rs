@@ -39,6 +39,7 @@ fn samples() -> Vec<Sample> {
                 "openai/gsm8k"
             }
             .into(),
+            prompt: serde_json::Value::Null,
             response: a.to_string(),
             ground_truth: "42".into(),
             extra: serde_json::json!({"index": i}),

@@ -6,6 +6,7 @@ pub mod launcher;
 pub mod prepare;
 pub mod proto;
 pub mod recipe;
+pub mod reward_model;
 pub mod roles;
 pub mod run;
 pub mod setup;

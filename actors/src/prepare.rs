@@ -157,7 +157,9 @@ pub fn prepare(recipe: &Recipe) -> Result<Prepared, PrepareError> {
             Some(&tokenizer),
         )?)
     };
-    let reward = crate::setup::reward_function(recipe).map_err(|e| PrepareError::Reward(e.to_string()))?;
+    let scores_here = recipe.cluster.worker_count(crate::roles::Role::Reward) == 0;
+    let reward = crate::setup::reward_function(recipe, scores_here)
+        .map_err(|e| PrepareError::Reward(e.to_string()))?;
     Ok(Prepared {
         model,
         tokenizer,

@@ -269,6 +269,7 @@ mod tests {
             .map(|(i, a)| Sample {
                 id: i as u64,
                 data_source: "grpo/arithmetic".into(),
+                prompt: serde_json::Value::Null,
                 response: a.to_string(),
                 ground_truth: "42".into(),
                 extra: serde_json::Value::Null,

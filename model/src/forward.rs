@@ -600,9 +600,14 @@ fn trunk(p: &DecoderParams, tokens: &Tensor, mask: &Tensor) -> (Tensor, Vec<(Ten
 /// (padding anywhere; real tokens get positions 0, 1, ... in order). Materialises the full
 /// logits: meant for parity tests and short inputs.
 pub fn full_logits_graph(p: &DecoderParams, tokens: &Tensor, mask: &Tensor) -> Tensor {
+    linear(&hidden_states_graph(p, tokens, mask), p.head())
+}
+
+/// Every position's final hidden state `[B, T, hidden]` (after the final norm, what the output
+/// head reads) for `tokens [B, T]` with a 0/1 `mask [B, T]`, as in [`full_logits_graph`].
+pub fn hidden_states_graph(p: &DecoderParams, tokens: &Tensor, mask: &Tensor) -> Tensor {
     let (h, _) = trunk(p, tokens, mask);
-    let h = rms_norm(&h, &p.final_norm, p.config.rms_norm_eps);
-    linear(&h, p.head())
+    rms_norm(&h, &p.final_norm, p.config.rms_norm_eps)
 }
 
 /// Per-token log-probabilities and entropies over padded sequences.

@@ -4,10 +4,12 @@
 //! random initialisation, Hugging Face checkpoint export, tokenizers (`tokenizer.json` or built
 //! from a GGUF vocabulary) and chat templates rendered with `minijinja`. As compute: the
 //! decoder as graph functions ([`forward`]: prefill, decode over a KV cache, log-probs and
-//! entropies) and those compiled on a device ([`programs`]), reading the host tensors
+//! entropies) and those compiled on a device ([`programs`]); sequence classifiers (reward
+//! models: the trunk with a `score` head, [`classifier`]), reading the host tensors
 //! ([`HostTensor`]) by their Hugging Face names.
 
 pub mod chat;
+pub mod classifier;
 pub mod config;
 pub mod error;
 pub mod forward;
@@ -22,6 +24,7 @@ pub mod tensor;
 pub mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate};
+pub use classifier::{ClassifierConfig, ClassifierWeights, DeviceClassifier};
 pub use config::{Family, ModelConfig, RopeScaling};
 pub use error::ModelError;
 pub use gguf::{GgmlType, GgufFile, GgufValue};

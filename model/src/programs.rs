@@ -24,7 +24,7 @@ use crate::forward::{
     decode_graph, full_logits_graph, logprobs_graph_chunked, prefill_graph, DecoderParams, DEFAULT_HEAD_CHUNK,
 };
 use crate::gguf::GgufFile;
-use crate::params::{param_table, ParamLayout};
+use crate::params::{param_table, ParamLayout, ParamSpec};
 use crate::safetensors_io::{load_hf_checkpoint, ModelWeights};
 use crate::tokenizer::ModelTokenizer;
 
@@ -127,10 +127,54 @@ pub fn upload_params_on(
     mesh: Option<&Mesh>,
     layout: &ParamLayout,
 ) -> Result<Vec<Vec<Buffer>>> {
-    let config = &weights.config;
+    let table = param_table(&weights.config);
+    upload_table_on(
+        client,
+        &table,
+        |name| weights.get(name),
+        dtype,
+        devices,
+        mesh,
+        layout,
+    )
+}
+
+/// Uploads `tensors` (one per entry of `table`, in order) to `device` as `dtype`.
+pub(crate) fn upload_tensors(
+    client: &Client,
+    table: &[ParamSpec],
+    tensors: &[crate::HostTensor],
+    dtype: DType,
+    device: usize,
+) -> Result<Vec<Buffer>> {
+    let by_name: std::collections::HashMap<&str, &crate::HostTensor> =
+        tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+    let lookup = |name: &str| by_name.get(name).copied();
+    Ok(upload_table_on(
+        client,
+        table,
+        lookup,
+        dtype,
+        &[device],
+        None,
+        &ParamLayout::default(),
+    )?
+    .remove(0))
+}
+
+/// [`upload_params_on`] for the tensors of any `table`, found by name with `lookup`.
+fn upload_table_on<'a>(
+    client: &Client,
+    table: &[ParamSpec],
+    lookup: impl Fn(&str) -> Option<&'a crate::HostTensor>,
+    dtype: DType,
+    devices: &[usize],
+    mesh: Option<&Mesh>,
+    layout: &ParamLayout,
+) -> Result<Vec<Vec<Buffer>>> {
     let mut out: Vec<Vec<Buffer>> = devices.iter().map(|_| Vec::new()).collect();
-    for spec in param_table(config) {
-        let t = weights.get(&spec.name).ok_or_else(|| ProgramError::Weights {
+    for spec in table {
+        let t = lookup(&spec.name).ok_or_else(|| ProgramError::Weights {
             name: spec.name.clone(),
             problem: format!("missing (expected shape {:?})", spec.shape),
         })?;
@@ -141,7 +185,7 @@ pub fn upload_params_on(
             });
         }
         let dims = spec.dims();
-        let sharding = layout.sharding(&spec);
+        let sharding = layout.sharding(spec);
         let values = t.to_f32_vec();
         let action = format!("uploading `{}`", spec.name);
         fn put<T: xla::NativeType>(

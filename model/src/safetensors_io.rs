@@ -170,8 +170,22 @@ pub fn read_safetensors(file: &Path) -> Result<HashMap<String, HostTensor>> {
 /// is an error, except `lm_head.weight` in a tied model and `rotary_emb.inv_freq` buffers,
 /// which transformers also ignores. Tensors keep their element type (f32, bf16 or f16).
 pub fn load_safetensors(path: &Path, config: &ModelConfig) -> Result<ModelWeights> {
-    let files = weight_files(path)?;
     let table = param_table(config);
+    Ok(ModelWeights {
+        config: config.clone(),
+        tensors: load_table(path, config, &table)?,
+    })
+}
+
+/// The tensors of `table` from the safetensors weights at `path`, in table order, with
+/// [`load_safetensors`]' checks (`config` names the family in errors and says whether the
+/// head is tied).
+pub(crate) fn load_table(
+    path: &Path,
+    config: &ModelConfig,
+    table: &[crate::ParamSpec],
+) -> Result<Vec<HostTensor>> {
+    let files = weight_files(path)?;
     let expected: HashMap<&str, &[usize]> = table
         .iter()
         .map(|p| (p.name.as_str(), p.shape.as_slice()))
@@ -211,10 +225,7 @@ pub fn load_safetensors(path: &Path, config: &ModelConfig) -> Result<ModelWeight
     } else {
         format!("{} ({} shards)", path.display(), files.len())
     };
-    Ok(ModelWeights {
-        config: config.clone(),
-        tensors: take_by_table(&mut found, &table, &origin)?,
-    })
+    take_by_table(&mut found, table, &origin)
 }
 
 /// Takes the tensors of `table` out of `found`, in table order: a missing one or one of another

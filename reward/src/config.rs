@@ -11,6 +11,7 @@
 //!       kind: weighted
 //!       parts: [{scorer: gsm8k, weight: 0.9}, {scorer: think_format, weight: 0.1}]
 //!     judge: {kind: http, url: "http://127.0.0.1:8000/score", timeout_s: 10, max_in_flight: 8}
+//!     rm: {kind: reward_model, path: models/my-reward-model, max_length: 2048}
 //!   overlong_buffer: {enable: true, len: 512, penalty_factor: 1.0, log: true}
 //!   # or, instead of data_sources and default, a reward file written for VeRL:
 //!   # custom_reward_function: {path: my_reward.py, name: compute_score, reward_kwargs: {}}
@@ -251,6 +252,9 @@ pub enum ScorerSpec {
         #[serde(default = "default_max_in_flight")]
         max_in_flight: usize,
     },
+    /// A discriminative reward model: a `*ForSequenceClassification` checkpoint's score of the
+    /// prompt and response, rendered by its own chat template, on a device of this process.
+    RewardModel(RewardModelSpec),
     /// An HTTP endpoint (POST JSON in, JSON out).
     Http {
         /// `http://host:port/path`.
@@ -262,6 +266,81 @@ pub enum ScorerSpec {
         #[serde(default = "default_max_in_flight")]
         max_in_flight: usize,
     },
+}
+
+/// `kind: reward_model`: a discriminative reward model (VeRL's `reward_model.model.*`,
+/// `max_length`, `micro_batch_size_per_gpu`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RewardModelSpec {
+    /// The checkpoint directory: `config.json` naming a `*ForSequenceClassification`
+    /// architecture with one label, its safetensors, `tokenizer.json` and
+    /// `tokenizer_config.json` with the chat template the model was trained on.
+    pub path: String,
+    /// Most tokens of prompt and response the model reads; longer conversations are cut as
+    /// `truncation` says.
+    #[serde(default = "default_rm_max_length")]
+    pub max_length: usize,
+    /// `right` keeps the beginning (VeRL's default), `left` the end; `error` scores such a
+    /// sample 0 with an error.
+    #[serde(default)]
+    pub truncation: RmTruncation,
+    /// Conversations scored in one program run at most.
+    #[serde(default = "default_rm_micro_batch")]
+    pub micro_batch_size: usize,
+    /// The compute type: `auto` (bf16 where the device computes it natively, else f32), `f32`
+    /// or `bf16`.
+    #[serde(default)]
+    pub dtype: RmDType,
+}
+
+fn default_rm_max_length() -> usize {
+    4096
+}
+fn default_rm_micro_batch() -> usize {
+    8
+}
+
+/// `reward_model` scorers' `truncation`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RmTruncation {
+    /// Keep the first `max_length` tokens.
+    #[default]
+    Right,
+    /// Keep the last `max_length` tokens.
+    Left,
+    /// Score the sample 0 with an error.
+    Error,
+}
+
+/// `reward_model` scorers' `dtype`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RmDType {
+    /// bf16 where the device computes it natively, else f32.
+    #[default]
+    Auto,
+    /// f32.
+    F32,
+    /// bf16.
+    Bf16,
+}
+
+/// Builds the scorers that need a model on a device (`kind: reward_model`), which this crate,
+/// having no compute, cannot: `grpo` passes one to [`RewardConfig::build_with`].
+pub trait ModelScorers {
+    /// The scorer `name` defined by `spec`; the error says what is wrong with the model.
+    fn reward_model(&self, name: &str, spec: &RewardModelSpec) -> Result<Arc<dyn Scorer>, String>;
+}
+
+/// No model scorers: a recipe defining one is refused.
+struct NoModelScorers;
+
+impl ModelScorers for NoModelScorers {
+    fn reward_model(&self, _: &str, _: &RewardModelSpec) -> Result<Arc<dyn Scorer>, String> {
+        Err("a reward model needs a device, which only `grpo run` and `grpo worker` open".into())
+    }
 }
 
 /// One part of a `weighted` scorer.
@@ -324,8 +403,18 @@ impl RewardConfig {
     /// by the penalty unless `overlong_buffer.max_response_length` is set. Each scorer is built
     /// once and shared (one child process per `command` scorer however many sources use it).
     pub fn build(&self, max_response_length: Option<usize>) -> Result<RewardFunction, ConfigError> {
+        self.build_with(max_response_length, &NoModelScorers)
+    }
+
+    /// [`RewardConfig::build`], with `models` building the scorers that run a model.
+    pub fn build_with(
+        &self,
+        max_response_length: Option<usize>,
+        models: &dyn ModelScorers,
+    ) -> Result<RewardFunction, ConfigError> {
         let mut builder = Builder {
             config: self,
+            models,
             built: HashMap::new(),
             in_progress: Vec::new(),
         };
@@ -457,6 +546,7 @@ fn seconds(key: &str, value: f64) -> Result<Duration, ConfigError> {
 
 struct Builder<'a> {
     config: &'a RewardConfig,
+    models: &'a dyn ModelScorers,
     built: HashMap<String, Arc<dyn Scorer>>,
     in_progress: Vec<String>,
 }
@@ -595,6 +685,17 @@ impl Builder<'_> {
                 let timeout = self.external_timeout(&key("timeout_s"), *timeout_s)?;
                 Arc::new(CommandScorer::new(name, command.clone(), timeout, *max_in_flight))
             }
+            ScorerSpec::RewardModel(spec) => {
+                if spec.max_length == 0 {
+                    return Err(invalid(&key("max_length"), "must be at least 1 token"));
+                }
+                if spec.micro_batch_size == 0 {
+                    return Err(invalid(&key("micro_batch_size"), "must be at least 1"));
+                }
+                self.models
+                    .reward_model(name, spec)
+                    .map_err(|message| invalid(&key("path"), &message))?
+            }
             ScorerSpec::Http {
                 url,
                 timeout_s,
@@ -661,10 +762,73 @@ mod tests {
         serde_yaml::from_str(yaml)
     }
 
+    /// A `reward_model` scorer's keys and defaults; built by the caller's [`ModelScorers`]
+    /// (here one that records what it was asked), refused without one, its limits checked first.
+    #[test]
+    fn reward_model_scorers_are_built_by_the_caller() {
+        let c = parse(
+            "scorers:\n  rm: {kind: reward_model, path: /models/rm}\n  \
+             both: {kind: weighted, parts: [{scorer: rm, weight: 1.0}, {scorer: gsm8k, weight: 0.5}]}\n\
+             default: both\n",
+        )
+        .unwrap();
+        assert_eq!(
+            c.scorers["rm"],
+            ScorerSpec::RewardModel(RewardModelSpec {
+                path: "/models/rm".into(),
+                max_length: 4096,
+                truncation: RmTruncation::Right,
+                micro_batch_size: 8,
+                dtype: RmDType::Auto,
+            })
+        );
+        let e = c.build(None).err().unwrap().to_string();
+        assert!(
+            e.starts_with("`reward.scorers.rm.path`: a reward model needs a device"),
+            "{e}"
+        );
+        struct Constant(std::sync::Mutex<Vec<String>>);
+        impl ModelScorers for Constant {
+            fn reward_model(&self, name: &str, spec: &RewardModelSpec) -> Result<Arc<dyn Scorer>, String> {
+                self.0.lock().unwrap().push(format!("{name} {}", spec.path));
+                Ok(Arc::new(crate::scorer::FnScorer::new(name, |_: &Sample| {
+                    Ok(crate::scorer::Score::new(-2.0))
+                })))
+            }
+        }
+        let models = Constant(Default::default());
+        let reward = c.build_with(None, &models).unwrap();
+        assert_eq!(
+            *models.0.lock().unwrap(),
+            vec!["rm /models/rm".to_string()],
+            "built once"
+        );
+        let s = reward.score(&sample("anything", "#### 3", "3", 2)).unwrap();
+        assert_eq!((s.value, s.extras["rm"], s.extras["gsm8k"]), (-1.5, -2.0, 1.0));
+        for (yaml, message) in [
+            (
+                "max_length: 0",
+                "`reward.scorers.rm.max_length`: must be at least 1 token",
+            ),
+            (
+                "micro_batch_size: 0",
+                "`reward.scorers.rm.micro_batch_size`: must be at least 1",
+            ),
+        ] {
+            let c = parse(&format!(
+                "scorers:\n  rm: {{kind: reward_model, path: x, {yaml}}}\n"
+            ))
+            .unwrap();
+            assert_eq!(c.build_with(None, &models).err().unwrap().to_string(), message);
+        }
+        assert!(parse("scorers:\n  rm: {kind: reward_model, path: x, truncation: middle}\n").is_err());
+    }
+
     fn sample(data_source: &str, response: &str, truth: &str, length: usize) -> Sample {
         Sample {
             id: 1,
             data_source: data_source.into(),
+            prompt: serde_json::Value::Null,
             response: response.into(),
             ground_truth: truth.into(),
             extra: serde_json::Value::Null,

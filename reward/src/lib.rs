@@ -8,7 +8,8 @@
 //! - [`external`]: scorers written in any language (a JSON-lines child process, an HTTP endpoint);
 //! - [`registry`]: the [`RewardFunction`] that picks a scorer by `data_source` (VeRL's names, a
 //!   default, recipe overrides) and applies the overlong penalty;
-//! - [`config`]: the recipe's `reward:` section ([`RewardConfig`]);
+//! - [`config`]: the recipe's `reward:` section ([`RewardConfig`]); scorers that run a model
+//!   (`reward_model`) are built by the caller through [`ModelScorers`];
 //! - [`pool`]: the [`RewardPool`] scoring samples in parallel as they arrive, turning panics,
 //!   crashes, hangs and garbage into a score of 0 plus a counted error.
 //!
@@ -30,7 +31,9 @@ pub mod registry;
 pub mod scorer;
 pub mod turn_scores;
 
-pub use config::{ConfigError, RewardConfig, ScorerSpec};
+pub use config::{
+    ConfigError, ModelScorers, RewardConfig, RewardModelSpec, RmDType, RmTruncation, ScorerSpec,
+};
 pub use pool::{PoolMetrics, PoolOptions, RewardPool, ScoredSample, SubmitError};
 pub use registry::RewardFunction;
 pub use scorer::{Sample, Score, ScoreError, Scorer};

@@ -433,6 +433,7 @@ mod tests {
         Sample {
             id,
             data_source: "test".into(),
+            prompt: serde_json::Value::Null,
             response: response.into(),
             ground_truth: String::new(),
             extra: serde_json::Value::Null,

@@ -13,6 +13,11 @@ pub struct Sample {
     pub id: u64,
     /// The dataset row's `data_source` column; selects the scorer in the registry.
     pub data_source: String,
+    /// The row's prompt as it was rendered for the policy: chat messages (`[{role, content}]`)
+    /// or a plain string; `null` when the caller has none. A reward model reads it with the
+    /// response.
+    #[serde(default)]
+    pub prompt: serde_json::Value,
     /// The decoded response text (special tokens and the trailing EOS already removed).
     pub response: String,
     /// The row's `reward_model.ground_truth`.
@@ -127,6 +132,17 @@ pub enum ScoreError {
         /// What happened.
         message: String,
     },
+    /// A model scorer (a reward model) could not score the sample: the conversation could not
+    /// be rendered or tokenized, is too long, or the device failed.
+    #[error("reward model `{scorer}` failed on sample {sample_id}: {message}")]
+    Model {
+        /// Scorer name.
+        scorer: String,
+        /// Sample id.
+        sample_id: u64,
+        /// What happened and what to do.
+        message: String,
+    },
 }
 
 impl ScoreError {
@@ -139,6 +155,7 @@ impl ScoreError {
             ScoreError::NonFinite { .. } => "non_finite",
             ScoreError::BadGroundTruth { .. } => "bad_ground_truth",
             ScoreError::External { .. } => "external",
+            ScoreError::Model { .. } => "model",
         }
     }
 }
@@ -190,6 +207,7 @@ pub(crate) fn sample(response: &str, ground_truth: &str) -> Sample {
     Sample {
         id: 0,
         data_source: "test".to_string(),
+        prompt: serde_json::Value::Null,
         response: response.to_string(),
         ground_truth: ground_truth.to_string(),
         extra: serde_json::Value::Null,

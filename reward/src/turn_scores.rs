@@ -70,6 +70,7 @@ mod tests {
         Sample {
             id: 1,
             data_source: "d".into(),
+            prompt: serde_json::Value::Null,
             response: "r".into(),
             ground_truth: String::new(),
             extra,

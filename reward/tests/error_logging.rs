@@ -57,6 +57,7 @@ fn first_errors_are_logged_then_only_counted() {
     let samples = (0..5).map(|id| Sample {
         id,
         data_source: format!("unknown/{id}"),
+        prompt: serde_json::Value::Null,
         response: String::new(),
         ground_truth: String::new(),
         extra: serde_json::Value::Null,

@@ -21,6 +21,7 @@ fn sample(id: u64, data_source: &str, response: &str, truth: &str) -> Sample {
     Sample {
         id,
         data_source: data_source.to_string(),
+        prompt: serde_json::Value::Null,
         response: response.to_string(),
         ground_truth: truth.to_string(),
         extra: serde_json::json!({"split": "test"}),

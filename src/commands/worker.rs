@@ -127,7 +127,8 @@ pub fn run(args: WorkerArgs) -> Result<ExitCode> {
     runtime.block_on(async move {
         let worker = match args.role {
             RoleArg::Reward => {
-                let function = setup::reward_function(&recipe).context("building the reward scorers")?;
+                let function =
+                    setup::reward_function(&recipe, true).context("building the reward scorers")?;
                 let local = LocalReward::new(Arc::new(function), setup::reward_pool(&recipe)?);
                 Worker::bind_reward(args.listen, token, local)
                     .await

@@ -1011,6 +1011,20 @@ impl ClusterSection {
             .flatten()
     }
 
+    /// Worker processes of `role` the recipe asks for: `cluster.*_workers` with the local
+    /// launcher, the pools' workers with Ray (0: the role runs in the orchestrator's process).
+    pub fn worker_count(&self, role: crate::roles::Role) -> usize {
+        use crate::roles::Role;
+        match self.launcher {
+            Launcher::Local => match role {
+                Role::Rollout => self.rollout_workers,
+                Role::Reward => self.reward_workers,
+                Role::Learner => self.learner_workers,
+            },
+            Launcher::Ray => self.pool_worker_count(role),
+        }
+    }
+
     /// Workers of `role` over all `cluster.pools` (0: the role runs in the orchestrator's
     /// process).
     pub fn pool_worker_count(&self, role: crate::roles::Role) -> usize {

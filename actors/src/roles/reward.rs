@@ -245,6 +245,11 @@ fn to_proto(s: &Sample) -> proto::RewardSample {
     proto::RewardSample {
         id: s.id,
         data_source: s.data_source.clone(),
+        prompt_json: if s.prompt.is_null() {
+            String::new()
+        } else {
+            s.prompt.to_string()
+        },
         response: s.response.clone(),
         ground_truth: s.ground_truth.clone(),
         extra_json: s.extra.to_string(),
@@ -254,16 +259,21 @@ fn to_proto(s: &Sample) -> proto::RewardSample {
 }
 
 fn sample_from_proto(s: proto::RewardSample) -> Result<Sample, tonic::Status> {
-    let extra = if s.extra_json.is_empty() {
-        serde_json::Value::Null
-    } else {
-        serde_json::from_str(&s.extra_json).map_err(|e| {
-            tonic::Status::invalid_argument(format!("sample {}: extra_json is not JSON: {e}", s.id))
-        })?
+    let json = |text: &str, field: &str| {
+        if text.is_empty() {
+            Ok(serde_json::Value::Null)
+        } else {
+            serde_json::from_str(text).map_err(|e| {
+                tonic::Status::invalid_argument(format!("sample {}: {field} is not JSON: {e}", s.id))
+            })
+        }
     };
+    let extra = json(&s.extra_json, "extra_json")?;
+    let prompt = json(&s.prompt_json, "prompt_json")?;
     Ok(Sample {
         id: s.id,
         data_source: s.data_source,
+        prompt,
         response: s.response,
         ground_truth: s.ground_truth,
         extra,
@@ -329,6 +339,7 @@ mod tests {
             .map(|id| Sample {
                 id,
                 data_source: "grpo/arithmetic".into(),
+                prompt: serde_json::Value::Null,
                 response: "#### 42".into(),
                 ground_truth: "42".into(),
                 extra: serde_json::Value::Null,

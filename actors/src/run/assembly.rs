@@ -9,7 +9,7 @@ use crate::auth::Token;
 use crate::launcher::ray::RaySpec;
 use crate::launcher::{LaunchSpec, Launcher, LocalLauncher, RayLauncher, WorkerInfo};
 use crate::prepare::Prepared;
-use crate::recipe::{ClusterSection, Recipe, TlsSection};
+use crate::recipe::{Recipe, TlsSection};
 use crate::roles::learner::{self, LearnerRole, LearnerWeights, LocalLearner, RemoteLearner, Synced};
 use crate::roles::reward::{LocalReward, RemoteReward, RewardDeadline, RewardRole};
 use crate::roles::rollout::{LocalRollout, RemoteRollout, RolloutRole, UpdateParams, WeightUpdate};
@@ -160,14 +160,14 @@ impl Assembly {
             .map(Arc::new);
         let workers = |role: Role| -> Vec<WorkerInfo> {
             match &launcher {
-                Some(l) if worker_count(cluster, role) > 0 => l.workers(role),
+                Some(l) if cluster.worker_count(role) > 0 => l.workers(role),
                 _ => Vec::new(),
             }
         };
 
         // The learner (with the reference model): in this process, or the learner worker, which
         // is sent the checkpoint's state when the run resumes.
-        let learner_worker = match worker_count(cluster, Role::Learner) {
+        let learner_worker = match cluster.worker_count(Role::Learner) {
             0 => None,
             _ => Some(
                 workers(Role::Learner)
@@ -181,7 +181,7 @@ impl Assembly {
         let rollout_tp = recipe.rollout.tensor_model_parallel_size;
         // With LoRA in the applied form an in-process engine holds the frozen base itself and
         // is handed only the adapters, which it applies beside it.
-        let applied_here = worker_count(cluster, Role::Rollout) == 0
+        let applied_here = cluster.worker_count(Role::Rollout) == 0
             && matches!(setup::lora_form(recipe), Some((model::LoraForm::Applied, _)));
         let mut base: Option<rollout::EngineWeights> = None;
         let role: Arc<dyn LearnerRole> = match &learner_worker {
@@ -246,7 +246,7 @@ impl Assembly {
             copy: recipe.trainer.off_policy_steps > 0,
             tensor_parallel: rollout_tp,
         };
-        let rollout_at = match worker_count(cluster, Role::Rollout) {
+        let rollout_at = match cluster.worker_count(Role::Rollout) {
             0 => in_process,
             _ => WeightsFor::Workers,
         };
@@ -373,7 +373,7 @@ async fn start_workers(
 ) -> Result<Option<Launcher>, RunError> {
     let cluster = &recipe.cluster;
     let roles = [Role::Rollout, Role::Reward, Role::Learner];
-    if roles.iter().all(|&role| worker_count(cluster, role) == 0) {
+    if roles.iter().all(|&role| cluster.worker_count(role) == 0) {
         return Ok(None);
     }
     let token_file = output.join("worker.token");
@@ -392,9 +392,9 @@ async fn start_workers(
     let spec = LaunchSpec::from_cluster(cluster, program, recipe_path, token_file, output);
     let counts = format!(
         "{} rollout, {} reward and {} learner worker process(es)",
-        worker_count(cluster, Role::Rollout),
-        worker_count(cluster, Role::Reward),
-        worker_count(cluster, Role::Learner),
+        cluster.worker_count(Role::Rollout),
+        cluster.worker_count(Role::Reward),
+        cluster.worker_count(Role::Learner),
     );
     let launcher = match cluster.launcher {
         crate::recipe::Launcher::Local => {
@@ -439,19 +439,6 @@ async fn start_workers(
         }
     };
     Ok(Some(launcher))
-}
-
-/// Worker processes of `role` the recipe asks for: `cluster.*_workers` with the local launcher,
-/// the pools' workers with Ray (0: the role runs in this process).
-fn worker_count(cluster: &ClusterSection, role: Role) -> usize {
-    match cluster.launcher {
-        crate::recipe::Launcher::Local => match role {
-            Role::Rollout => cluster.rollout_workers,
-            Role::Reward => cluster.reward_workers,
-            Role::Learner => cluster.learner_workers,
-        },
-        crate::recipe::Launcher::Ray => cluster.pool_worker_count(role),
-    }
 }
 
 /// The error of a failed call to the learner worker `worker`: which worker, why, and where the

@@ -19,6 +19,8 @@ use tokio::task::JoinSet;
 #[derive(Clone, Debug)]
 pub struct PromptMeta {
     pub data_source: String,
+    /// The row's prompt: chat messages `[{role, content}]` or a string (for reward models).
+    pub prompt: serde_json::Value,
     pub ground_truth: String,
     pub extra: serde_json::Value,
 }
@@ -418,6 +420,7 @@ impl Fleet {
                         let id = self.next_reward_id.fetch_add(1, Ordering::Relaxed);
                         let meta = metas.get(&k.0).cloned().unwrap_or(PromptMeta {
                             data_source: String::new(),
+                            prompt: serde_json::Value::Null,
                             ground_truth: String::new(),
                             extra: serde_json::Value::Null,
                         });
@@ -430,6 +433,7 @@ impl Fleet {
                         to_score.push(reward::Sample {
                             id,
                             data_source: meta.data_source,
+                            prompt: meta.prompt,
                             response: s.text.clone(),
                             ground_truth: meta.ground_truth,
                             extra,

@@ -71,24 +71,22 @@ pub(crate) fn build_prompts(
         let id = id_base(i);
         let meta = PromptMeta {
             data_source: ex.data_source.clone().unwrap_or_default(),
+            prompt: match &ex.prompt {
+                data::Prompt::Messages(messages) => messages
+                    .iter()
+                    .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
+                    .collect(),
+                data::Prompt::Text(text) => serde_json::Value::String(text.clone()),
+            },
             ground_truth: ex.ground_truth_text().unwrap_or_default(),
             extra: serde_json::Value::Object(ex.columns.clone()),
         };
         // An agent program starts from the row's prompt as messages (the request holds its ids).
-        let row = match (&recipe.rollout.multi_turn.agent, &ex.prompt) {
-            (None, _) => meta.extra.clone(),
-            (Some(_), prompt) => {
+        let row = match &recipe.rollout.multi_turn.agent {
+            None => meta.extra.clone(),
+            Some(_) => {
                 let mut row = ex.columns.clone();
-                row.insert(
-                    "prompt".into(),
-                    match prompt {
-                        data::Prompt::Messages(messages) => messages
-                            .iter()
-                            .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
-                            .collect(),
-                        data::Prompt::Text(text) => serde_json::Value::String(text.clone()),
-                    },
-                );
+                row.insert("prompt".into(), meta.prompt.clone());
                 serde_json::Value::Object(row)
             }
         };

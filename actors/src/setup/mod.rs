@@ -245,9 +245,16 @@ pub fn sampling_params(recipe: &Recipe, validation: bool) -> SamplingParams {
 }
 
 /// The reward function of the `reward` section, for responses of at most
-/// `data.max_response_length` tokens.
-pub fn reward_function(recipe: &Recipe) -> Result<reward::RewardFunction, reward::ConfigError> {
-    recipe.reward.build(Some(recipe.data.max_response_length))
+/// `data.max_response_length` tokens. Its reward models (`kind: reward_model`) are loaded onto
+/// `cluster.device` now with `load_now` (where the reward role runs), else on first use.
+pub fn reward_function(
+    recipe: &Recipe,
+    load_now: bool,
+) -> Result<reward::RewardFunction, reward::ConfigError> {
+    let models = crate::reward_model::RewardModels { recipe, load_now };
+    recipe
+        .reward
+        .build_with(Some(recipe.data.max_response_length), &models)
 }
 
 /// The reward worker pool's settings (`reward.num_workers`, `reward.time_limit_s`).

@@ -281,7 +281,7 @@ pub const TABLE: &[Entry] = &[
     Entry { key: "custom_reward_function.name", how: How::Rule("-> reward.custom_reward_function.name") },
     Entry { key: "custom_reward_function.reward_kwargs.*", how: How::Rule("-> reward.custom_reward_function.reward_kwargs") },
     Entry { key: "reward_model.*", how: How::NoEffect("read by VeRL only with `reward_model.enable`, which grpo refuses") },
-    Entry { key: "reward_model.enable", how: How::Unsupported("model-based rewards are not in grpo; score with a `custom_reward_function` file or grpo's scorers (recipes/README.md, `reward`)") },
+    Entry { key: "reward_model.enable", how: How::Unsupported("VeRL's reward-model worker is not translated: in a grpo recipe, define the model as a scorer (`reward.scorers.NAME: {kind: reward_model, path: ...}`) and name it in `reward.data_sources` or `reward.default`, alone or weighted with rule scorers (recipes/README.md, `reward`)") },
     Entry { key: "reward_model.reward_manager", how: How::Rule("VeRL's older home of `reward_manager.name`, which reads it by default") },
     Entry { key: "reward_model.sandbox_fusion.*", how: How::Unsupported("code execution in a Sandbox Fusion server is not in grpo; a `custom_reward_function` file can run the code itself") },
     Entry { key: "reward_model.profiler.*", how: PROFILER },

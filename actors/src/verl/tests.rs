@@ -177,8 +177,10 @@ fn errors_name_the_key_and_the_way_out() {
          interactions of `rollout.multi_turn.interaction_config_path`, or your own agent program \
          through an OpenAI-compatible endpoint (`rollout.multi_turn.agent`); VeRL's Python agent loop \
          classes and repeated rollouts are not in grpo\n  reward_model.enable=true: not \
-         supported: model-based rewards are not in grpo; score with a `custom_reward_function` file \
-         or grpo's scorers (recipes/README.md, `reward`)"
+         supported: VeRL's reward-model worker is not translated: in a grpo recipe, define the \
+         model as a scorer (`reward.scorers.NAME: {kind: reward_model, path: ...}`) and name it in \
+         `reward.data_sources` or `reward.default`, alone or weighted with rule scorers \
+         (recipes/README.md, `reward`)"
     );
     assert_eq!(
         err(&["actor_rollout_ref.actor.kl_loss_type=k9"]),

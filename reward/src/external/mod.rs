@@ -3,7 +3,8 @@
 //! Both speak the same JSON. A request (one line for [`command`], the POST body for [`http`]):
 //!
 //! ```json
-//! {"id": 7, "sample_id": 12, "data_source": "openai/gsm8k", "response": "... #### 72",
+//! {"id": 7, "sample_id": 12, "data_source": "openai/gsm8k",
+//!  "prompt": [{"role": "user", "content": "Natalia sold clips to ..."}], "response": "... #### 72",
 //!  "ground_truth": "72", "extra": {"split": "train"}, "response_length": 143, "truncated": false}
 //! ```
 //!
@@ -34,6 +35,8 @@ pub struct ExternalRequest<'a> {
     pub sample_id: u64,
     /// The sample's `data_source`.
     pub data_source: &'a str,
+    /// The row's prompt: chat messages, a string, or `null`.
+    pub prompt: &'a serde_json::Value,
     /// The response text.
     pub response: &'a str,
     /// The ground truth.
@@ -53,6 +56,7 @@ impl<'a> ExternalRequest<'a> {
             id,
             sample_id: sample.id,
             data_source: &sample.data_source,
+            prompt: &sample.prompt,
             response: &sample.response,
             ground_truth: &sample.ground_truth,
             extra: &sample.extra,
