@@ -1,7 +1,7 @@
 //! `grpo run` scored by a discriminative reward model (`reward.scorers.NAME: {kind:
-//! reward_model}`) combined with a rule scorer by a `weighted` scorer: in the orchestrator's
-//! process, and in a reward worker process that is killed with SIGKILL mid-run and replaced
-//! (loading the model again) while the run goes on.
+//! reward_model}`) and a generative judge (`kind: judge`) combined with a rule scorer by a
+//! `weighted` scorer: in the orchestrator's process, and in a reward worker process that is
+//! killed with SIGKILL mid-run and replaced (loading the models again) while the run goes on.
 
 mod common;
 
@@ -10,7 +10,8 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-/// The tiny recipe with its reward replaced: 1.0 x the reward model + 0.5 x the rule, and each
+/// The tiny recipe with its reward replaced: 1.0 x the reward model + 0.5 x the rule + 0.25 x
+/// the judge (the tiny chat model asked whether the answer is right, its P(yes)), and each
 /// step's samples written to `OUTPUT/rollouts`.
 fn recipe(dir: &Path, name: &str, rm: &Path, output: &Path, cluster: &str) -> std::path::PathBuf {
     let (model, train, val) = (
@@ -25,9 +26,12 @@ fn recipe(dir: &Path, name: &str, rm: &Path, output: &Path, cluster: &str) -> st
     let reward = format!(
         "reward:\n  scorers:\n    starts_with_a_word: {{kind: format_regex, pattern: '^\\S'}}\n    \
          rm: {{kind: reward_model, path: {rm}, max_length: 256, dtype: f32}}\n    \
-         rm_and_word: {{kind: weighted, parts: [{{scorer: rm, weight: 1.0}}, {{scorer: starts_with_a_word, weight: 0.5}}]}}\n  \
+         judge: {{kind: judge, path: {judge}, dtype: f32, instruction: \"Question: {{{{ prompt }}}}\\nAnswer: {{{{ response }}}}\\nRight?\", \
+         verdict: {{kind: probability, yes: \"Yes\", no: \"No\"}}}}\n    \
+         rm_and_word: {{kind: weighted, parts: [{{scorer: rm, weight: 1.0}}, {{scorer: starts_with_a_word, weight: 0.5}}, {{scorer: judge, weight: 0.25}}]}}\n  \
          data_sources:\n    grpo/arithmetic: rm_and_word\n",
-        rm = rm.display()
+        rm = rm.display(),
+        judge = dir.join("tiny-smollm2").display(),
     );
     let text = format!("{}{reward}{}", &text[..start], &text[end..]).replace(
         "trainer:\n",
@@ -40,8 +44,17 @@ fn recipe(dir: &Path, name: &str, rm: &Path, output: &Path, cluster: &str) -> st
     path
 }
 
-/// Each sample of `step`'s rollout dump: (output text, score, reward model part, rule part).
-fn scored(output: &Path, step: u64) -> Vec<(String, f64, f64, f64)> {
+/// The last step in `OUTPUT/metrics.jsonl` so far.
+fn metrics_step(output: &Path) -> Option<u64> {
+    let text = std::fs::read_to_string(output.join("metrics.jsonl")).ok()?;
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["step"].as_u64())
+        .max()
+}
+
+/// Each sample of `step`'s rollout dump: (output text, score, reward model part, rule part,
+/// judge part).
+fn scored(output: &Path, step: u64) -> Vec<(String, f64, f64, f64, f64)> {
     let text = std::fs::read_to_string(output.join("rollouts").join(format!("{step}.jsonl"))).unwrap();
     text.lines()
         .map(|l| {
@@ -52,6 +65,7 @@ fn scored(output: &Path, step: u64) -> Vec<(String, f64, f64, f64)> {
                 f("score"),
                 f("rm"),
                 f("starts_with_a_word"),
+                f("judge"),
             )
         })
         .collect()
@@ -81,7 +95,19 @@ fn a_reward_model_scores_the_run_in_process_and_in_a_worker_that_survives_kill_9
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    wait_for_step(&remote, 1, &mut run, Duration::from_secs(300));
+    let started = Instant::now();
+    while metrics_step(&remote) < Some(1) {
+        if run.try_wait().unwrap().is_some() {
+            let mut stderr = String::new();
+            std::io::Read::read_to_string(&mut run.stderr.take().unwrap(), &mut stderr).unwrap();
+            panic!("the run ended before step 1: {stderr}");
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(300),
+            "no step 1 after 300 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let workers = run_worker_pids(&remote, "reward");
     assert_eq!(workers.len(), 1, "{workers:?}");
     assert!(send_signal(workers[0], "KILL"), "kill -9 {}", workers[0]);
@@ -121,11 +147,13 @@ fn a_reward_model_scores_the_run_in_process_and_in_a_worker_that_survives_kill_9
     for step in 1..=4 {
         let samples = scored(&remote, step);
         assert_eq!(samples.len(), 16);
-        for (text, score, rm, word) in &samples {
+        for (text, score, rm, word, judge) in &samples {
             assert!(rm.is_finite() && (*word == 0.0 || *word == 1.0), "{text:?}");
+            assert!(*judge > 0.0 && *judge < 1.0, "{text:?}: P(yes) {judge}");
+            let expected = rm + 0.5 * word + 0.25 * judge;
             assert!(
-                (score - (rm + 0.5 * word)).abs() < 1e-9,
-                "{text:?}: {score} vs {rm} + 0.5 x {word}"
+                (score - expected).abs() < 1e-9,
+                "{text:?}: {score} vs {rm} + 0.5 x {word} + 0.25 x {judge}"
             );
         }
         let rms: Vec<f64> = samples.iter().map(|s| s.2).collect();
@@ -141,11 +169,11 @@ fn a_reward_model_scores_the_run_in_process_and_in_a_worker_that_survives_kill_9
         );
     }
     eprintln!(
-        "step 1 reward model scores: {:?}",
-        scored(&remote, 1).iter().map(|s| s.2).collect::<Vec<_>>()
+        "step 1 (reward model, judge) scores: {:?}",
+        scored(&remote, 1).iter().map(|s| (s.2, s.4)).collect::<Vec<_>>()
     );
     // Step 1 (before the kill, same weights and seeds): the worker, which received each
-    // prompt over gRPC, scored every sample as the orchestrator's own reward model did.
+    // prompt over gRPC, scored every sample as the orchestrator's own models did.
     let (a, b) = (scored(&local, 1), scored(&remote, 1));
     for (x, y) in a.iter().zip(&b) {
         assert_eq!(x.0, y.0);
@@ -156,6 +184,7 @@ fn a_reward_model_scores_the_run_in_process_and_in_a_worker_that_survives_kill_9
             x.2,
             y.2
         );
+        assert!((x.4 - y.4).abs() < 1e-6, "{:?}: judge {} vs {}", x.0, x.4, y.4);
     }
     let mean =
         |m: &std::collections::BTreeMap<u64, serde_json::Value>| m[&1]["critic/score/mean"].as_f64().unwrap();

@@ -130,6 +130,64 @@ impl ClassifierWeights {
     }
 }
 
+impl ClassifierWeights {
+    /// A causal language model read as a classifier over the tokens `labels`: its logits for
+    /// them at each sequence's last token (the rows of its output head as `score.weight`; no
+    /// pad rule: the last token is read whatever it is). What a judge's yes/no verdict is.
+    pub fn from_lm_head(
+        weights: crate::ModelWeights,
+        labels: &[u32],
+    ) -> std::result::Result<ClassifierWeights, ModelError> {
+        let head_name = if weights.config.tie_word_embeddings {
+            "model.embed_tokens.weight"
+        } else {
+            "lm_head.weight"
+        };
+        let head = weights.get(head_name).ok_or_else(|| ModelError::MissingTensor {
+            name: head_name.into(),
+            expected: vec![weights.config.vocab_size, weights.config.hidden_size],
+            origin: "the model's weights".into(),
+        })?;
+        let row = weights.config.hidden_size * head.dtype.size_bytes();
+        let mut bytes = Vec::with_capacity(labels.len() * row);
+        for &label in labels {
+            let start = label as usize * row;
+            let Some(slice) = head.bytes.get(start..start + row) else {
+                return Err(ModelError::Config {
+                    origin: "the model's weights".into(),
+                    key: "vocab_size".into(),
+                    problem: format!(
+                        "label token {label} is outside the vocabulary of {}",
+                        weights.config.vocab_size
+                    ),
+                });
+            };
+            bytes.extend_from_slice(slice);
+        }
+        let score = HostTensor::from_le_bytes(
+            SCORE_WEIGHT,
+            head.dtype,
+            vec![labels.len(), weights.config.hidden_size],
+            bytes,
+        )
+        .expect("whole rows of a consistent tensor");
+        let mut trunk = weights.config.clone();
+        trunk.tie_word_embeddings = true;
+        trunk.pad_token_id = None;
+        let config = ClassifierConfig {
+            trunk,
+            num_labels: labels.len(),
+        };
+        let mut tensors: Vec<HostTensor> = weights
+            .tensors
+            .into_iter()
+            .filter(|t| t.name != "lm_head.weight")
+            .collect();
+        tensors.push(score);
+        Ok(ClassifierWeights { config, tensors })
+    }
+}
+
 /// The position transformers reads a sequence's score at: its last token other than `pad`
 /// (the last token when there is no pad id; 0 when every token is `pad`).
 pub fn score_position(ids: &[u32], pad: Option<u32>) -> usize {

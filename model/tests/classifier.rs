@@ -102,3 +102,37 @@ fn bad_checkpoints_and_inputs_are_named() {
     let e = classifier.score(&[vec![]]).unwrap_err().to_string();
     assert!(e.contains("sequence 0 has no tokens"), "{e}");
 }
+
+/// A causal LM read as a classifier over some tokens gives its logits of those tokens at the
+/// last position: for an untied (llama) and a tied (qwen2) head.
+#[test]
+fn a_language_model_head_reads_as_a_classifier_over_its_tokens() {
+    use model::programs::{DeviceModel, FullLogitsProgram};
+    let client = testkit::cpu_client(1);
+    for family in ["llama", "qwen2"] {
+        let weights =
+            model::safetensors_io::load_hf_checkpoint(&common::fixtures_dir().join("tiny").join(family))
+                .unwrap();
+        let labels = [17u32, 250, 3];
+        let ids: Vec<u32> = vec![1, 17, 250, 3, 99, 383, 42];
+        let device = DeviceModel::upload(client, &weights, DType::F32, 0).unwrap();
+        let full = FullLogitsProgram::compile(&device, 1, ids.len())
+            .unwrap()
+            .run(&device, &ids, &vec![1; ids.len()])
+            .unwrap();
+        let last = &full[(ids.len() - 1) * 384..];
+        let as_classifier = ClassifierWeights::from_lm_head(weights, &labels).unwrap();
+        let got = DeviceClassifier::upload(client, &as_classifier, DType::F32, 0)
+            .unwrap()
+            .score(&[ids])
+            .unwrap()
+            .remove(0);
+        for (g, &label) in got.iter().zip(&labels) {
+            assert!(
+                (g - last[label as usize]).abs() < 1e-5,
+                "{family} token {label}: {g} vs {}",
+                last[label as usize]
+            );
+        }
+    }
+}

@@ -12,6 +12,11 @@
 //!       parts: [{scorer: gsm8k, weight: 0.9}, {scorer: think_format, weight: 0.1}]
 //!     judge: {kind: http, url: "http://127.0.0.1:8000/score", timeout_s: 10, max_in_flight: 8}
 //!     rm: {kind: reward_model, path: models/my-reward-model, max_length: 2048}
+//!     judge_yes:
+//!       kind: judge
+//!       path: models/Qwen2.5-7B-Instruct
+//!       instruction: "Question: {{ prompt }}\nAnswer: {{ response }}\nIs the answer right? Yes or No."
+//!       verdict: {kind: probability, yes: "Yes", no: "No"}
 //!   overlong_buffer: {enable: true, len: 512, penalty_factor: 1.0, log: true}
 //!   # or, instead of data_sources and default, a reward file written for VeRL:
 //!   # custom_reward_function: {path: my_reward.py, name: compute_score, reward_kwargs: {}}
@@ -255,6 +260,9 @@ pub enum ScorerSpec {
     /// A discriminative reward model: a `*ForSequenceClassification` checkpoint's score of the
     /// prompt and response, rendered by its own chat template, on a device of this process.
     RewardModel(RewardModelSpec),
+    /// A generative judge: a chat model asked to grade the response, its reward the
+    /// probability of its "yes" verdict or a number parsed from its greedy answer.
+    Judge(JudgeSpec),
     /// An HTTP endpoint (POST JSON in, JSON out).
     Http {
         /// `http://host:port/path`.
@@ -291,7 +299,7 @@ pub struct RewardModelSpec {
     /// The compute type: `auto` (bf16 where the device computes it natively, else f32), `f32`
     /// or `bf16`.
     #[serde(default)]
-    pub dtype: RmDType,
+    pub dtype: ModelDType,
 }
 
 fn default_rm_max_length() -> usize {
@@ -314,10 +322,10 @@ pub enum RmTruncation {
     Error,
 }
 
-/// `reward_model` scorers' `dtype`.
+/// The compute type of a scorer that runs a model (`reward_model`, `judge`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum RmDType {
+pub enum ModelDType {
     /// bf16 where the device computes it natively, else f32.
     #[default]
     Auto,
@@ -327,19 +335,112 @@ pub enum RmDType {
     Bf16,
 }
 
+/// `kind: judge`: a chat model asked, at temperature 0, to grade each response.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JudgeSpec {
+    /// The judge: a `.gguf` file or a Hugging Face model directory with its tokenizer and chat
+    /// template.
+    pub path: String,
+    /// The judge's user message, a Jinja template over `prompt` (the row's last user message,
+    /// or its string prompt), `messages` (the row's chat messages), `response`,
+    /// `ground_truth` and `extra` (the row's other columns).
+    pub instruction: String,
+    /// A system message put before it.
+    #[serde(default)]
+    pub system: Option<String>,
+    /// How the reward comes out of the judge.
+    pub verdict: Verdict,
+    /// Most tokens of the rendered judge prompt; a longer one scores 0 with an error.
+    #[serde(default = "default_rm_max_length")]
+    pub max_length: usize,
+    /// Judge prompts run together at most (a program's batch, or the engine's sequences).
+    #[serde(default = "default_rm_micro_batch")]
+    pub micro_batch_size: usize,
+    /// The compute type.
+    #[serde(default)]
+    pub dtype: ModelDType,
+}
+
+/// How a `judge` scorer turns the judge's answer into a reward, selected by `kind` (internally
+/// tagged, as the scorers are, so a recipe written back by the run reads the same).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Verdict {
+    /// `P(yes) / (P(yes) + P(no))` of the judge's first answer token: `yes` and `no` must each
+    /// be one token of its tokenizer.
+    Probability {
+        /// The approving answer, e.g. `"Yes"`.
+        yes: String,
+        /// The rejecting answer, e.g. `"No"`.
+        no: String,
+    },
+    /// The judge answers greedily; the reward is `scale` times the number the first capture
+    /// group of `pattern`'s last match holds (no match: 0 with an error).
+    Parse {
+        /// A regular expression with one capture group around the number, e.g.
+        /// `'Score: (\d+(?:\.\d+)?)'`.
+        pattern: String,
+        /// Most tokens of the answer.
+        #[serde(default = "default_judge_tokens")]
+        max_new_tokens: usize,
+        /// Multiplies the parsed number.
+        #[serde(default = "one")]
+        scale: f64,
+    },
+}
+
+fn default_judge_tokens() -> usize {
+    256
+}
+
+/// Why a model scorer could not be built: the scorer's key it is about (`path`,
+/// `instruction`, ...) and what is wrong and what to do.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelScorerError {
+    /// The key under `reward.scorers.NAME`.
+    pub field: String,
+    /// What is wrong and what to do.
+    pub message: String,
+}
+
+impl ModelScorerError {
+    /// An error about `field`.
+    pub fn new(field: &str, message: impl Into<String>) -> ModelScorerError {
+        ModelScorerError {
+            field: field.to_string(),
+            message: message.into(),
+        }
+    }
+}
+
 /// Builds the scorers that need a model on a device (`kind: reward_model`), which this crate,
 /// having no compute, cannot: `grpo` passes one to [`RewardConfig::build_with`].
 pub trait ModelScorers {
     /// The scorer `name` defined by `spec`; the error says what is wrong with the model.
-    fn reward_model(&self, name: &str, spec: &RewardModelSpec) -> Result<Arc<dyn Scorer>, String>;
+    fn reward_model(&self, name: &str, spec: &RewardModelSpec) -> Result<Arc<dyn Scorer>, ModelScorerError>;
+
+    /// The judge `name` defined by `spec` (already checked: limits, `pattern`, distinct
+    /// verdicts); the error says what is wrong with the model.
+    fn judge(&self, name: &str, spec: &JudgeSpec) -> Result<Arc<dyn Scorer>, ModelScorerError>;
 }
 
 /// No model scorers: a recipe defining one is refused.
 struct NoModelScorers;
 
 impl ModelScorers for NoModelScorers {
-    fn reward_model(&self, _: &str, _: &RewardModelSpec) -> Result<Arc<dyn Scorer>, String> {
-        Err("a reward model needs a device, which only `grpo run` and `grpo worker` open".into())
+    fn reward_model(&self, _: &str, _: &RewardModelSpec) -> Result<Arc<dyn Scorer>, ModelScorerError> {
+        Err(ModelScorerError::new(
+            "path",
+            "a reward model needs a device, which only `grpo run` and `grpo worker` open",
+        ))
+    }
+
+    fn judge(&self, _: &str, _: &JudgeSpec) -> Result<Arc<dyn Scorer>, ModelScorerError> {
+        Err(ModelScorerError::new(
+            "path",
+            "a judge needs a device, which only `grpo run` and `grpo worker` open",
+        ))
     }
 }
 
@@ -694,7 +795,54 @@ impl Builder<'_> {
                 }
                 self.models
                     .reward_model(name, spec)
-                    .map_err(|message| invalid(&key("path"), &message))?
+                    .map_err(|e| invalid(&key(&e.field), &e.message))?
+            }
+            ScorerSpec::Judge(spec) => {
+                if spec.max_length == 0 {
+                    return Err(invalid(&key("max_length"), "must be at least 1 token"));
+                }
+                if spec.micro_batch_size == 0 {
+                    return Err(invalid(&key("micro_batch_size"), "must be at least 1"));
+                }
+                match &spec.verdict {
+                    Verdict::Probability { yes, no } => {
+                        if yes.is_empty() || yes == no {
+                            return Err(invalid(
+                                &key("verdict"),
+                                "`yes` and `no` must be two different, non-empty answers",
+                            ));
+                        }
+                    }
+                    Verdict::Parse {
+                        pattern,
+                        max_new_tokens,
+                        scale,
+                    } => {
+                        let groups = regex::Regex::new(pattern)
+                            .map_err(|e| {
+                                invalid(
+                                    &key("verdict.pattern"),
+                                    &format!("is not a valid regular expression: {e}"),
+                                )
+                            })?
+                            .captures_len();
+                        if groups < 2 {
+                            return Err(invalid(
+                                &key("verdict.pattern"),
+                                "needs a capture group around the number, e.g. 'Score: (\\d+)'",
+                            ));
+                        }
+                        if *max_new_tokens == 0 {
+                            return Err(invalid(&key("verdict.max_new_tokens"), "must be at least 1"));
+                        }
+                        if !scale.is_finite() {
+                            return Err(invalid(&key("verdict.scale"), "must be a finite number"));
+                        }
+                    }
+                }
+                self.models
+                    .judge(name, spec)
+                    .map_err(|e| invalid(&key(&e.field), &e.message))?
             }
             ScorerSpec::Http {
                 url,
@@ -779,7 +927,7 @@ mod tests {
                 max_length: 4096,
                 truncation: RmTruncation::Right,
                 micro_batch_size: 8,
-                dtype: RmDType::Auto,
+                dtype: ModelDType::Auto,
             })
         );
         let e = c.build(None).err().unwrap().to_string();
@@ -789,10 +937,21 @@ mod tests {
         );
         struct Constant(std::sync::Mutex<Vec<String>>);
         impl ModelScorers for Constant {
-            fn reward_model(&self, name: &str, spec: &RewardModelSpec) -> Result<Arc<dyn Scorer>, String> {
+            fn reward_model(
+                &self,
+                name: &str,
+                spec: &RewardModelSpec,
+            ) -> Result<Arc<dyn Scorer>, ModelScorerError> {
                 self.0.lock().unwrap().push(format!("{name} {}", spec.path));
                 Ok(Arc::new(crate::scorer::FnScorer::new(name, |_: &Sample| {
                     Ok(crate::scorer::Score::new(-2.0))
+                })))
+            }
+
+            fn judge(&self, name: &str, spec: &JudgeSpec) -> Result<Arc<dyn Scorer>, ModelScorerError> {
+                self.0.lock().unwrap().push(format!("{name} {}", spec.path));
+                Ok(Arc::new(crate::scorer::FnScorer::new(name, |_: &Sample| {
+                    Ok(crate::scorer::Score::new(0.5))
                 })))
             }
         }
@@ -822,6 +981,62 @@ mod tests {
             assert_eq!(c.build_with(None, &models).err().unwrap().to_string(), message);
         }
         assert!(parse("scorers:\n  rm: {kind: reward_model, path: x, truncation: middle}\n").is_err());
+        let judge = |verdict: &str| {
+            parse(&format!(
+                "scorers:\n  j: {{kind: judge, path: /models/j, instruction: 'Grade {{{{ response }}}}', verdict: {verdict}}}\n"
+            ))
+            .unwrap()
+        };
+        let c = judge("{kind: probability, yes: 'Yes', no: 'No'}");
+        let ScorerSpec::Judge(spec) = &c.scorers["j"] else {
+            panic!("{:?}", c.scorers["j"])
+        };
+        assert_eq!(
+            (spec.max_length, spec.micro_batch_size, spec.system.clone()),
+            (4096, 8, None)
+        );
+        assert_eq!(
+            c.build(None).err().unwrap().to_string(),
+            "`reward.scorers.j.path`: a judge needs a device, which only `grpo run` and `grpo worker` open"
+        );
+        c.build_with(None, &models).unwrap();
+        let c = judge("{kind: parse, pattern: 'Score: (\\d+)'}");
+        let ScorerSpec::Judge(spec) = &c.scorers["j"] else {
+            unreachable!()
+        };
+        assert_eq!(
+            spec.verdict,
+            Verdict::Parse {
+                pattern: "Score: (\\d+)".into(),
+                max_new_tokens: 256,
+                scale: 1.0
+            }
+        );
+        for (verdict, message) in [
+            (
+                "{kind: probability, yes: 'A', no: 'A'}",
+                "`reward.scorers.j.verdict`: `yes` and `no` must be two different",
+            ),
+            (
+                "{kind: parse, pattern: 'Score: \\d+'}",
+                "`reward.scorers.j.verdict.pattern`: needs a capture group",
+            ),
+            (
+                "{kind: parse, pattern: '(', max_new_tokens: 3}",
+                "`reward.scorers.j.verdict.pattern`: is not a valid regular expression",
+            ),
+            (
+                "{kind: parse, pattern: '(\\d)', max_new_tokens: 0}",
+                "`reward.scorers.j.verdict.max_new_tokens`: must be at least 1",
+            ),
+        ] {
+            let e = judge(verdict)
+                .build_with(None, &models)
+                .err()
+                .unwrap()
+                .to_string();
+            assert!(e.starts_with(message), "{verdict}: {e}");
+        }
     }
 
     fn sample(data_source: &str, response: &str, truth: &str, length: usize) -> Sample {

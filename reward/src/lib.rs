@@ -32,7 +32,8 @@ pub mod scorer;
 pub mod turn_scores;
 
 pub use config::{
-    ConfigError, ModelScorers, RewardConfig, RewardModelSpec, RmDType, RmTruncation, ScorerSpec,
+    ConfigError, JudgeSpec, ModelDType, ModelScorerError, ModelScorers, RewardConfig, RewardModelSpec,
+    RmTruncation, ScorerSpec, Verdict,
 };
 pub use pool::{PoolMetrics, PoolOptions, RewardPool, ScoredSample, SubmitError};
 pub use registry::RewardFunction;

@@ -251,7 +251,7 @@ pub fn reward_function(
     recipe: &Recipe,
     load_now: bool,
 ) -> Result<reward::RewardFunction, reward::ConfigError> {
-    let models = crate::reward_model::RewardModels { recipe, load_now };
+    let models = crate::scorers::RecipeScorers { recipe, load_now };
     recipe
         .reward
         .build_with(Some(recipe.data.max_response_length), &models)

@@ -1,48 +1,21 @@
-//! Reward models as scorers (`reward.scorers.NAME: {kind: reward_model, ...}`): a
+//! A discriminative reward model (`reward.scorers.NAME: {kind: reward_model, ...}`): a
 //! `*ForSequenceClassification` checkpoint ([`model::classifier`]) scores the row's prompt and
 //! the response, rendered as a conversation by the reward model's own chat template and
 //! tokenizer (as VeRL's reward-model worker re-renders them when the tokenizers differ), read
 //! at the conversation's last token.
-//!
-//! The reward pool calls a scorer from several threads, one sample each; a scorer's samples go
-//! to one device thread, which scores whatever has arrived (up to `micro_batch_size`) in one
-//! program run. The device thread owns the weights: it is started by [`RewardModels`] when the
-//! reward role runs in this process (`load_now`), otherwise by the first sample.
 
 use std::path::PathBuf;
-use std::sync::{mpsc, Arc, Mutex, OnceLock};
+use std::sync::OnceLock;
 
-use model::classifier::{ClassifierConfig, ClassifierWeights, DeviceClassifier};
+use model::classifier::{ClassifierConfig, ClassifierWeights};
 use model::{ChatMessage, ChatTemplate, ModelTokenizer};
-use reward::{RewardModelSpec, RmDType, RmTruncation, Sample, Score, ScoreError, Scorer};
-use serde_json::Value;
+use reward::{RewardModelSpec, RmTruncation, Sample, Score, ScoreError, Scorer};
 use xla::DType;
 
-use crate::recipe::{DTypeName, Recipe};
+use super::{compute_dtype, prompt_messages, ClassifierThread};
+use crate::recipe::Recipe;
 
-/// Builds the `reward_model` scorers of a recipe (see [`reward::ModelScorers`]).
-pub struct RewardModels<'a> {
-    /// The recipe: its `cluster` says which device the models run on.
-    pub recipe: &'a Recipe,
-    /// Load each model onto its device now (the reward role runs in this process), rather than
-    /// when the first sample arrives.
-    pub load_now: bool,
-}
-
-impl reward::ModelScorers for RewardModels<'_> {
-    fn reward_model(&self, name: &str, spec: &RewardModelSpec) -> Result<Arc<dyn Scorer>, String> {
-        let scorer = RewardModelScorer::open(name, spec, self.recipe)?;
-        if self.load_now {
-            scorer.device()?;
-        }
-        Ok(Arc::new(scorer))
-    }
-}
-
-/// One conversation to score and where its score goes.
-type Job = (Vec<u32>, mpsc::Sender<Result<f32, String>>);
-
-struct RewardModelScorer {
+pub(super) struct RewardModelScorer {
     name: String,
     path: PathBuf,
     tokenizer: ModelTokenizer,
@@ -52,14 +25,20 @@ struct RewardModelScorer {
     micro_batch_size: usize,
     dtype: DType,
     recipe: Recipe,
-    /// The device thread's queue, once started (or why it could not start).
-    device: OnceLock<Result<Mutex<mpsc::Sender<Job>>, String>>,
+    /// The model on its device thread, once started (or why it could not start).
+    device: OnceLock<Result<ClassifierThread, String>>,
 }
 
 impl RewardModelScorer {
     /// Reads what scoring needs from the checkpoint directory but its weights: the config (one
-    /// label), the tokenizer and the chat template; errors name the file and what to do.
-    fn open(name: &str, spec: &RewardModelSpec, recipe: &Recipe) -> Result<RewardModelScorer, String> {
+    /// label), the tokenizer and the chat template; errors name the file and what to do. With
+    /// `load_now` the model also goes onto its device now.
+    pub(super) fn open(
+        name: &str,
+        spec: &RewardModelSpec,
+        recipe: &Recipe,
+        load_now: bool,
+    ) -> Result<RewardModelScorer, String> {
         let path = PathBuf::from(&spec.path);
         if !path.is_dir() {
             return Err(format!(
@@ -78,19 +57,14 @@ impl RewardModelScorer {
         }
         let tokenizer = ModelTokenizer::from_file(&path.join("tokenizer.json")).map_err(|e| e.to_string())?;
         tokenizer.check_fits(&config.trunk).map_err(|e| e.to_string())?;
-        let template_file = path.join("tokenizer_config.json");
-        let template = ChatTemplate::from_tokenizer_config(&template_file).map_err(|e| {
-            format!(
-                "{e}: a reward model reads the conversation rendered by the chat template it was \
+        let template =
+            ChatTemplate::from_tokenizer_config(&path.join("tokenizer_config.json")).map_err(|e| {
+                format!(
+                    "{e}: a reward model reads the conversation rendered by the chat template it was \
                  trained with, from its tokenizer_config.json"
-            )
-        })?;
-        let dtype = match spec.dtype {
-            RmDType::F32 => DTypeName::F32,
-            RmDType::Bf16 => DTypeName::Bf16,
-            RmDType::Auto => DTypeName::Auto,
-        };
-        Ok(RewardModelScorer {
+                )
+            })?;
+        let scorer = RewardModelScorer {
             name: name.to_string(),
             path,
             tokenizer,
@@ -98,96 +72,39 @@ impl RewardModelScorer {
             max_length: spec.max_length,
             truncation: spec.truncation,
             micro_batch_size: spec.micro_batch_size,
-            dtype: crate::setup::compute_dtype(dtype, recipe.cluster.device).0,
+            dtype: compute_dtype(spec.dtype, recipe),
             recipe: recipe.clone(),
             device: OnceLock::new(),
-        })
+        };
+        if load_now {
+            scorer.device()?;
+        }
+        Ok(scorer)
     }
 
-    /// The device thread's queue, starting the thread (weights loaded and uploaded) the first
-    /// time.
-    fn device(&self) -> Result<&Mutex<mpsc::Sender<Job>>, String> {
+    /// The model's device thread, started (weights loaded and uploaded) the first time.
+    fn device(&self) -> Result<&ClassifierThread, String> {
         self.device
-            .get_or_init(|| self.start().map(Mutex::new))
+            .get_or_init(|| {
+                let weights = ClassifierWeights::load(&self.path).map_err(|e| e.to_string())?;
+                ClassifierThread::start(
+                    &self.name,
+                    weights,
+                    &self.recipe,
+                    self.dtype,
+                    self.micro_batch_size,
+                )
+                .map_err(|e| format!("reward model {}: {e}", self.path.display()))
+            })
             .as_ref()
             .map_err(Clone::clone)
     }
 
-    fn start(&self) -> Result<mpsc::Sender<Job>, String> {
-        let at = |e: &dyn std::fmt::Display| format!("reward model {}: {e}", self.path.display());
-        let weights = ClassifierWeights::load(&self.path).map_err(|e| at(&e))?;
-        let client = crate::setup::open_client(&self.recipe).map_err(|e| at(&e))?;
-        let mut classifier =
-            DeviceClassifier::upload(&client, &weights, self.dtype, 0).map_err(|e| at(&e))?;
-        drop(weights);
-        let (tx, rx) = mpsc::channel::<Job>();
-        let micro_batch = self.micro_batch_size;
-        std::thread::Builder::new()
-            .name(format!("reward-model-{}", self.name))
-            .spawn(move || {
-                // Ends when the scorer, and with it the queue's sender, is dropped.
-                while let Ok(first) = rx.recv() {
-                    let mut jobs = vec![first];
-                    while jobs.len() < micro_batch {
-                        match rx.try_recv() {
-                            Ok(job) => jobs.push(job),
-                            Err(_) => break,
-                        }
-                    }
-                    let sequences: Vec<Vec<u32>> = jobs.iter().map(|(ids, _)| ids.clone()).collect();
-                    match classifier.score(&sequences) {
-                        Ok(scores) => {
-                            for ((_, reply), score) in jobs.into_iter().zip(scores) {
-                                let _ = reply.send(Ok(score[0]));
-                            }
-                        }
-                        Err(e) => {
-                            for (_, reply) in jobs {
-                                let _ = reply.send(Err(e.to_string()));
-                            }
-                        }
-                    }
-                }
-            })
-            .map_err(|e| at(&e))?;
-        tracing::info!(
-            "reward model `{}` ({}) on {} in {}",
-            self.name,
-            self.path.display(),
-            client.platform_name(),
-            self.dtype
-        );
-        Ok(tx)
-    }
-
-    /// The token ids the model reads for `sample`: the prompt's messages (a string prompt as
-    /// one user message) and the response as the assistant's, rendered by the model's chat
-    /// template, cut to `max_length` as `truncation` says.
+    /// The token ids the model reads for `sample`: the prompt's messages and the response as
+    /// the assistant's, rendered by the model's chat template, cut to `max_length` as
+    /// `truncation` says.
     fn conversation(&self, sample: &Sample) -> Result<Vec<u32>, String> {
-        let mut messages = match &sample.prompt {
-            Value::String(text) => vec![ChatMessage::new("user", text.clone())],
-            Value::Array(items) => items
-                .iter()
-                .enumerate()
-                .map(|(i, m)| {
-                    match (
-                        m.get("role").and_then(Value::as_str),
-                        m.get("content").and_then(Value::as_str),
-                    ) {
-                        (Some(role), Some(content)) => Ok(ChatMessage::new(role, content)),
-                        _ => Err(format!(
-                            "prompt message {i} is not {{role, content}} with string values: {m}"
-                        )),
-                    }
-                })
-                .collect::<Result<_, _>>()?,
-            Value::Null => return Err("the sample carries no prompt, which a reward model reads".into()),
-            other => {
-                return Err(format!(
-                    "the prompt is neither chat messages nor a string: {other}"
-                ))
-            }
-        };
+        let mut messages = prompt_messages(&sample.prompt)?;
         messages.push(ChatMessage::new("assistant", sample.response.clone()));
         let text = self
             .template
@@ -225,26 +142,17 @@ impl Scorer for RewardModelScorer {
             message,
         };
         let ids = self.conversation(sample).map_err(failed)?;
-        let (reply, answer) = mpsc::channel();
-        self.device()
-            .map_err(failed)?
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .send((ids, reply))
-            .map_err(|_| failed("the reward model's device thread has stopped".into()))?;
-        let value = answer
-            .recv()
-            .map_err(|_| failed("the reward model's device thread has stopped".into()))?
-            .map_err(failed)?;
-        Ok(Score::new(value as f64))
+        let logits = self.device().map_err(failed)?.score(ids).map_err(failed)?;
+        Ok(Score::new(logits[0] as f64))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use reward::ModelScorers;
-    use serde_json::json;
+    use model::classifier::DeviceClassifier;
+    use reward::{ModelDType, ModelScorers};
+    use serde_json::{json, Value};
 
     fn recipe() -> Recipe {
         crate::recipe::load_recipe_str(
@@ -260,7 +168,7 @@ mod tests {
             max_length: 512,
             truncation: RmTruncation::Right,
             micro_batch_size: 4,
-            dtype: RmDType::F32,
+            dtype: ModelDType::F32,
         }
     }
 
@@ -288,7 +196,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = testkit::tiny_reward_model(dir.path(), 11);
         let recipe = recipe();
-        let scorer = RewardModels {
+        let scorer = crate::scorers::RecipeScorers {
             recipe: &recipe,
             load_now: true,
         }
@@ -362,6 +270,7 @@ mod tests {
                     ..spec(&path)
                 },
                 &recipe,
+                false,
             )
             .unwrap();
             scorer.conversation(&long)
@@ -376,7 +285,7 @@ mod tests {
             "{e}"
         );
 
-        let scorer = RewardModelScorer::open("rm", &spec(&path), &recipe).unwrap();
+        let scorer = RewardModelScorer::open("rm", &spec(&path), &recipe, false).unwrap();
         let e = scorer.score(&sample(2, Value::Null, "x")).unwrap_err();
         assert_eq!(e.kind(), "model");
         assert!(
@@ -396,7 +305,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = testkit::tiny_reward_model(dir.path(), 11);
         let recipe = recipe();
-        let open = |p: &std::path::Path| RewardModelScorer::open("rm", &spec(p), &recipe).err().unwrap();
+        let open = |p: &std::path::Path| {
+            RewardModelScorer::open("rm", &spec(p), &recipe, false)
+                .err()
+                .unwrap()
+        };
         let e = open(&dir.path().join("tiny-smollm2"));
         assert!(e.contains("LlamaForCausalLM is not a sequence classifier"), "{e}");
         let e = open(&dir.path().join("absent"));
