@@ -25,7 +25,9 @@ fn sequences(count: usize, max_len: usize) -> Vec<Vec<u32>> {
     (0..count)
         .map(|r| {
             let len = max_len / 2 + (37 * r) % (max_len / 2);
-            (0..len).map(|c| ((17 + 7919 * r + 31 * c) % 49000 + 100) as u32).collect()
+            (0..len)
+                .map(|c| ((17 + 7919 * r + 31 * c) % 49000 + 100) as u32)
+                .collect()
         })
         .collect()
 }
@@ -59,7 +61,9 @@ fn make_rm(gguf: &Path, out: &Path) {
     let mut state = 0x9e3779b97f4a7c15u64;
     let score: Vec<f32> = (0..hidden)
         .map(|_| {
-            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
         })
         .collect();
@@ -71,13 +75,19 @@ fn make_rm(gguf: &Path, out: &Path) {
     let weights_f32 = weights.to_dtype(DType::F32);
     model::save_hf_checkpoint(out, &weights_f32, &refs).unwrap();
     weights = weights_f32;
-    weights.tensors.push(HostTensor::from_f32(SCORE_WEIGHT, vec![1, hidden], &score));
+    weights
+        .tensors
+        .push(HostTensor::from_f32(SCORE_WEIGHT, vec![1, hidden], &score));
     model::safetensors_io::write_safetensors(&out.join("model.safetensors"), &weights.tensors).unwrap();
     let mut config = weights.config.to_hf_json();
     config["architectures"] = serde_json::json!(["LlamaForSequenceClassification"]);
     config["id2label"] = serde_json::json!({"0": "LABEL_0"});
     config["label2id"] = serde_json::json!({"LABEL_0": 0});
-    std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&config).unwrap()).unwrap();
+    std::fs::write(
+        out.join("config.json"),
+        serde_json::to_string_pretty(&config).unwrap(),
+    )
+    .unwrap();
     println!("{}", out.display());
 }
 
@@ -103,6 +113,9 @@ fn score(args: &[String]) {
         scores.extend(classifier.score(chunk).unwrap().into_iter().map(|s| s[0]));
     }
     let took = start.elapsed().as_secs_f64();
-    println!("grpo_sequences_per_s {:.2} ({count} sequences in {took:.2} s, batch {batch}, {dtype})", count as f64 / took);
+    println!(
+        "grpo_sequences_per_s {:.2} ({count} sequences in {took:.2} s, batch {batch}, {dtype})",
+        count as f64 / took
+    );
     println!("grpo_first_scores {:?}", &scores[..4]);
 }
