@@ -247,11 +247,13 @@ fn classify(path: &str, message: &str, at: Location, file: &str) -> RecipeError 
         // serde_path_to_error's path stops at the struct holding the unknown key.
         let key = join(parent_of_unknown(path, name), name);
         let parent = key.rsplit_once('.').map(|(p, _)| p).unwrap_or("");
-        return RecipeError::UnknownKey {
-            suggestion: suggest_key(&key, parent, name),
-            key,
-            at,
-        };
+        // serde lists the fields the struct has: the nearest of them first (it also knows the
+        // fields of a map's values and of tagged variants, which the recipe's key table does not).
+        let fields = backticked(rest.split_once("expected").map(|(_, r)| r).unwrap_or(""));
+        let suggestion = closest(name, fields.iter().map(String::as_str))
+            .map(|field| join(parent, &field))
+            .or_else(|| suggest_key(&key, parent, name));
+        return RecipeError::UnknownKey { suggestion, key, at };
     }
     if let Some(rest) = message.strip_prefix("missing field `") {
         let name = rest.split('`').next().unwrap_or_default();
@@ -536,6 +538,19 @@ mod tests {
 
     fn err(text: &str) -> String {
         load_recipe_str(text, "r.yaml").unwrap_err().to_string()
+    }
+
+    #[test]
+    fn unknown_keys_inside_scorer_definitions_suggest_the_scorer_s_own_fields() {
+        let m = err(&format!(
+            "{MINIMAL}reward:\n  scorers:\n    rm: {{kind: reward_model, path: x, max_lenght: 10}}\n"
+        ));
+        assert!(
+            m.contains(
+                "unknown key `reward.scorers.rm.max_lenght`; did you mean `reward.scorers.rm.max_length`?"
+            ),
+            "{m}"
+        );
     }
 
     #[test]
