@@ -56,7 +56,7 @@ fn main() {
 /// `LlamaForSequenceClassification`, with the GGUF's tokenizer files.
 fn make_rm(gguf: &Path, out: &Path) {
     let host = HostModel::load(gguf).expect("load the model");
-    let mut weights = host.weights;
+    let weights = host.weights;
     let hidden = weights.config.hidden_size;
     let mut state = 0x9e3779b97f4a7c15u64;
     let score: Vec<f32> = (0..hidden)
@@ -72,22 +72,10 @@ fn make_rm(gguf: &Path, out: &Path) {
     let gguf_file = model::GgufFile::open(gguf).unwrap();
     let files = model::write_gguf_tokenizer_files(&gguf_file, &weights.config, &files_dir).unwrap();
     let refs: Vec<&Path> = files.iter().map(|p| p.as_path()).collect();
-    let weights_f32 = weights.to_dtype(DType::F32);
-    model::save_hf_checkpoint(out, &weights_f32, &refs).unwrap();
-    weights = weights_f32;
-    weights
-        .tensors
-        .push(HostTensor::from_f32(SCORE_WEIGHT, vec![1, hidden], &score));
-    model::safetensors_io::write_safetensors(&out.join("model.safetensors"), &weights.tensors).unwrap();
-    let mut config = weights.config.to_hf_json();
-    config["architectures"] = serde_json::json!(["LlamaForSequenceClassification"]);
-    config["id2label"] = serde_json::json!({"0": "LABEL_0"});
-    config["label2id"] = serde_json::json!({"LABEL_0": 0});
-    std::fs::write(
-        out.join("config.json"),
-        serde_json::to_string_pretty(&config).unwrap(),
-    )
-    .unwrap();
+    let head = HostTensor::from_f32(SCORE_WEIGHT, vec![1, hidden], &score);
+    ClassifierWeights::with_head(weights.to_dtype(DType::F32), head)
+        .and_then(|rm| rm.save(out, &refs))
+        .expect("save the reward model");
     println!("{}", out.display());
 }
 

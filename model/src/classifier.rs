@@ -131,6 +131,61 @@ impl ClassifierWeights {
 }
 
 impl ClassifierWeights {
+    /// A classifier of `weights`' trunk (its `lm_head`, if any, dropped) and the head `score`
+    /// (`[num_labels, hidden]`, named `score.weight`).
+    pub fn with_head(
+        weights: crate::ModelWeights,
+        score: HostTensor,
+    ) -> std::result::Result<ClassifierWeights, ModelError> {
+        let hidden = weights.config.hidden_size;
+        if score.name != SCORE_WEIGHT
+            || score.shape.len() != 2
+            || score.shape[1] != hidden
+            || score.shape[0] == 0
+        {
+            return Err(ModelError::ShapeMismatch {
+                name: score.name,
+                expected: vec![score.shape.first().copied().unwrap_or(1).max(1), hidden],
+                found: score.shape,
+                origin: format!("a classifier head (named `{SCORE_WEIGHT}`)"),
+            });
+        }
+        let mut trunk = weights.config;
+        trunk.tie_word_embeddings = true;
+        let config = ClassifierConfig {
+            trunk,
+            num_labels: score.shape[0],
+        };
+        let mut tensors: Vec<HostTensor> = weights
+            .tensors
+            .into_iter()
+            .filter(|t| t.name != "lm_head.weight")
+            .collect();
+        tensors.push(score);
+        Ok(ClassifierWeights { config, tensors })
+    }
+
+    /// Writes the classifier as transformers saves a `*ForSequenceClassification` checkpoint
+    /// (`config.json` naming the architecture and the labels, `model.safetensors`), with a copy
+    /// of each of `tokenizer_files`; atomically, as [`crate::save_hf_checkpoint`].
+    pub fn save(&self, dir: &Path, tokenizer_files: &[&Path]) -> std::result::Result<(), ModelError> {
+        let mut config = self.config.trunk.to_hf_json();
+        let architecture = self
+            .config
+            .trunk
+            .family
+            .hf_architecture()
+            .replace("ForCausalLM", "ForSequenceClassification");
+        config["architectures"] = serde_json::json!([architecture]);
+        let labels = 0..self.config.num_labels;
+        config["id2label"] = labels
+            .clone()
+            .map(|i| (i.to_string(), Value::from(format!("LABEL_{i}"))))
+            .collect();
+        config["label2id"] = labels.map(|i| (format!("LABEL_{i}"), Value::from(i))).collect();
+        crate::safetensors_io::save_checkpoint(dir, &self.tensors, config, tokenizer_files)
+    }
+
     /// A causal language model read as a classifier over the tokens `labels`: its logits for
     /// them at each sequence's last token (the rows of its output head as `score.weight`; no
     /// pad rule: the last token is read whatever it is). What a judge's yes/no verdict is.
@@ -171,20 +226,9 @@ impl ClassifierWeights {
             bytes,
         )
         .expect("whole rows of a consistent tensor");
-        let mut trunk = weights.config.clone();
-        trunk.tie_word_embeddings = true;
-        trunk.pad_token_id = None;
-        let config = ClassifierConfig {
-            trunk,
-            num_labels: labels.len(),
-        };
-        let mut tensors: Vec<HostTensor> = weights
-            .tensors
-            .into_iter()
-            .filter(|t| t.name != "lm_head.weight")
-            .collect();
-        tensors.push(score);
-        Ok(ClassifierWeights { config, tensors })
+        let mut classifier = ClassifierWeights::with_head(weights, score)?;
+        classifier.config.trunk.pad_token_id = None;
+        Ok(classifier)
     }
 }
 

@@ -25,7 +25,7 @@ use crate::forward::{
 };
 use crate::gguf::GgufFile;
 use crate::params::{param_table, ParamLayout, ParamSpec};
-use crate::safetensors_io::{load_hf_checkpoint, ModelWeights};
+use crate::safetensors_io::ModelWeights;
 use crate::tokenizer::ModelTokenizer;
 
 /// What went wrong building, compiling or running a model program.
@@ -946,18 +946,48 @@ impl HostModel {
     /// metadata) or a Hugging Face model directory (`config.json`, safetensors,
     /// `tokenizer.json`, and the chat template from `tokenizer_config.json` when present).
     pub fn load(path: &Path) -> Result<HostModel> {
-        let is_gguf = path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
-        if is_gguf {
+        let text = ModelText::load(path)?;
+        let weights = text.load_weights()?;
+        Ok(HostModel {
+            path: text.path,
+            weights,
+            tokenizer: text.tokenizer,
+            chat_template: text.chat_template,
+        })
+    }
+
+    /// Token ids that end a continuation: the config's EOS tokens and the chat template's EOS
+    /// token.
+    pub fn stop_tokens(&self) -> Vec<u32> {
+        stop_tokens(&self.weights.config, &self.tokenizer, self.chat_template.as_ref())
+    }
+}
+
+/// What [`HostModel::load`] reads but the weights: the config, the tokenizer and the chat
+/// template, for work that renders and tokenizes (a judge's prompts) before or without the
+/// weights.
+pub struct ModelText {
+    /// Where it was loaded from.
+    pub path: PathBuf,
+    /// The configuration.
+    pub config: ModelConfig,
+    /// The tokenizer.
+    pub tokenizer: ModelTokenizer,
+    /// The chat template, when the model has one.
+    pub chat_template: Option<ChatTemplate>,
+}
+
+impl ModelText {
+    /// Reads a `.gguf` file's metadata or a model directory's `config.json`, `tokenizer.json`
+    /// and `tokenizer_config.json` (see [`HostModel::load`]).
+    pub fn load(path: &Path) -> Result<ModelText> {
+        if is_gguf(path) {
             let gguf = GgufFile::open(path)?;
-            let config = ModelConfig::from_gguf(&gguf)?;
-            let weights = gguf.load_weights(&config)?;
-            let tokenizer = ModelTokenizer::from_gguf(&gguf)?;
-            let chat_template = ChatTemplate::from_gguf(&gguf).ok();
-            return Ok(HostModel {
+            return Ok(ModelText {
                 path: path.to_path_buf(),
-                weights,
-                tokenizer,
-                chat_template,
+                config: ModelConfig::from_gguf(&gguf)?,
+                tokenizer: ModelTokenizer::from_gguf(&gguf)?,
+                chat_template: ChatTemplate::from_gguf(&gguf).ok(),
             });
         }
         if !path.is_dir() {
@@ -965,38 +995,53 @@ impl HostModel {
                 path: path.to_path_buf(),
             });
         }
-        let weights = load_hf_checkpoint(path)?;
-        let tokenizer = ModelTokenizer::from_file(&path.join("tokenizer.json"))?;
         let tc = path.join("tokenizer_config.json");
-        let chat_template = if tc.is_file() {
-            ChatTemplate::from_tokenizer_config(&tc).ok()
-        } else {
-            None
-        };
-        Ok(HostModel {
+        Ok(ModelText {
             path: path.to_path_buf(),
-            weights,
-            tokenizer,
-            chat_template,
+            config: ModelConfig::from_hf_file(&path.join("config.json"))?,
+            tokenizer: ModelTokenizer::from_file(&path.join("tokenizer.json"))?,
+            chat_template: if tc.is_file() {
+                ChatTemplate::from_tokenizer_config(&tc).ok()
+            } else {
+                None
+            },
         })
     }
 
-    /// Token ids that end a continuation: the config's EOS tokens and the chat template's EOS
-    /// token.
-    pub fn stop_tokens(&self) -> Vec<u32> {
-        let mut stops = self.weights.config.eos_token_ids.clone();
-        if let Some(eos) = self
-            .chat_template
-            .as_ref()
-            .and_then(|c| c.eos_token.as_deref())
-            .and_then(|t| self.tokenizer.token_to_id(t))
-        {
-            if !stops.contains(&eos) {
-                stops.push(eos);
-            }
+    /// The model's weights (dequantised from a GGUF file, or its safetensors).
+    pub fn load_weights(&self) -> Result<ModelWeights> {
+        if is_gguf(&self.path) {
+            Ok(GgufFile::open(&self.path)?.load_weights(&self.config)?)
+        } else {
+            Ok(crate::safetensors_io::load_safetensors(&self.path, &self.config)?)
         }
-        stops
     }
+
+    /// See [`HostModel::stop_tokens`].
+    pub fn stop_tokens(&self) -> Vec<u32> {
+        stop_tokens(&self.config, &self.tokenizer, self.chat_template.as_ref())
+    }
+}
+
+fn is_gguf(path: &Path) -> bool {
+    path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+}
+
+fn stop_tokens(
+    config: &ModelConfig,
+    tokenizer: &ModelTokenizer,
+    template: Option<&ChatTemplate>,
+) -> Vec<u32> {
+    let mut stops = config.eos_token_ids.clone();
+    if let Some(eos) = template
+        .and_then(|c| c.eos_token.as_deref())
+        .and_then(|t| tokenizer.token_to_id(t))
+    {
+        if !stops.contains(&eos) {
+            stops.push(eos);
+        }
+    }
+    stops
 }
 
 #[cfg(test)]

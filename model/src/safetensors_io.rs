@@ -271,11 +271,26 @@ pub fn load_hf_checkpoint(dir: &Path) -> Result<ModelWeights> {
 /// The directory is built beside `dir` under a temporary name and renamed into place, so a
 /// reader never sees a half-written checkpoint; an existing `dir` is replaced.
 pub fn save_hf_checkpoint(dir: &Path, weights: &ModelWeights, tokenizer_files: &[&Path]) -> Result<()> {
+    save_checkpoint(
+        dir,
+        &weights.tensors,
+        weights.config.to_hf_json(),
+        tokenizer_files,
+    )
+}
+
+/// [`save_hf_checkpoint`] for any tensors, with `config_json` as the config (its
+/// `torch_dtype` set from the tensors).
+pub(crate) fn save_checkpoint(
+    dir: &Path,
+    tensors: &[HostTensor],
+    mut config_json: Value,
+    tokenizer_files: &[&Path],
+) -> Result<()> {
     write_dir_atomically(dir, |staging| {
-        write_safetensors(&staging.join(WEIGHTS_FILE), &weights.tensors)?;
+        write_safetensors(&staging.join(WEIGHTS_FILE), tensors)?;
         let config_path = staging.join("config.json");
-        let mut config_json = weights.config.to_hf_json();
-        let dtype = weights.tensors.first().map(|t| t.dtype).unwrap_or(DType::F32);
+        let dtype = tensors.first().map(|t| t.dtype).unwrap_or(DType::F32);
         config_json["torch_dtype"] = Value::from(match dtype {
             DType::F32 => "float32",
             DType::BF16 => "bfloat16",

@@ -136,3 +136,19 @@ fn a_language_model_head_reads_as_a_classifier_over_its_tokens() {
         }
     }
 }
+
+/// A classifier saved by grpo loads back as the same tensors and scores the same.
+#[test]
+fn a_saved_classifier_loads_back_the_same() {
+    let weights = ClassifierWeights::load(&common::fixtures_dir().join("tiny_rm").join("qwen2")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    weights.save(&dir.path().join("rm"), &[]).unwrap();
+    let again = ClassifierWeights::load(&dir.path().join("rm")).unwrap();
+    assert_eq!(again.config, weights.config);
+    assert_eq!(again.tensors, weights.tensors);
+    let trunk = model::safetensors_io::load_hf_checkpoint(&common::fixtures_dir().join("tiny").join("llama"))
+        .unwrap();
+    let bad = model::HostTensor::from_f32("score.weight", vec![1, 3], &[0.0; 3]);
+    let e = ClassifierWeights::with_head(trunk, bad).unwrap_err().to_string();
+    assert!(e.contains("score.weight") && e.contains("[1, 64]"), "{e}");
+}

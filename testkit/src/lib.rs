@@ -133,33 +133,20 @@ pub fn tiny_reward_model(dir: &std::path::Path, seed: u64) -> PathBuf {
     if !policy.is_dir() {
         tiny_chat_model(dir);
     }
-    let mut weights = model::safetensors_io::load_hf_checkpoint(&policy).expect("the tiny chat model");
+    let weights = model::safetensors_io::load_hf_checkpoint(&policy).expect("the tiny chat model");
     let hidden = weights.config.hidden_size;
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let score: Vec<f32> = (0..hidden).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    let head = model::HostTensor::from_f32(model::classifier::SCORE_WEIGHT, vec![1, hidden], &score);
     let out = dir.join("tiny-rm");
     let files: Vec<PathBuf> = ["tokenizer.json", "tokenizer_config.json"]
         .iter()
         .map(|f| policy.join(f))
         .collect();
     let refs: Vec<&std::path::Path> = files.iter().map(|p| p.as_path()).collect();
-    model::save_hf_checkpoint(&out, &weights, &refs).expect("save the tiny reward model");
-    weights.tensors.push(model::HostTensor::from_f32(
-        model::classifier::SCORE_WEIGHT,
-        vec![1, hidden],
-        &score,
-    ));
-    model::safetensors_io::write_safetensors(&out.join("model.safetensors"), &weights.tensors)
-        .expect("write the weights");
-    let mut config = weights.config.to_hf_json();
-    config["architectures"] = serde_json::json!(["LlamaForSequenceClassification"]);
-    config["id2label"] = serde_json::json!({"0": "LABEL_0"});
-    config["label2id"] = serde_json::json!({"LABEL_0": 0});
-    std::fs::write(
-        out.join("config.json"),
-        serde_json::to_string_pretty(&config).unwrap(),
-    )
-    .unwrap();
+    model::classifier::ClassifierWeights::with_head(weights, head)
+        .and_then(|rm| rm.save(&out, &refs))
+        .expect("save the tiny reward model");
     out
 }
 

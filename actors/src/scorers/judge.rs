@@ -12,20 +12,22 @@ use std::sync::{mpsc, Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use model::classifier::ClassifierWeights;
-use model::programs::HostModel;
-use model::{ChatMessage, ChatTemplate, ModelTokenizer, ModelWeights};
+use model::programs::ModelText;
+use model::{ChatMessage, ChatTemplate, ModelWeights};
 use reward::{JudgeSpec, ModelScorerError, Sample, Score, ScoreError, Scorer, Verdict};
 use rollout::{Engine, EngineConfig, EngineControl, EngineOutput, GenerationRequest, SamplingParams};
 use serde_json::json;
 use xla::DType;
 
-use super::{compute_dtype, prompt_messages, ClassifierThread};
+use super::{compute_dtype, model_error, prompt_messages, ClassifierThread};
 use crate::recipe::Recipe;
 
 pub(super) struct JudgeScorer {
     name: String,
     path: PathBuf,
-    tokenizer: ModelTokenizer,
+    /// The judge's config, tokenizer and chat template (its weights are read when its device
+    /// starts).
+    text: ModelText,
     template: ChatTemplate,
     instruction: minijinja::Environment<'static>,
     system: Option<String>,
@@ -33,10 +35,7 @@ pub(super) struct JudgeScorer {
     max_length: usize,
     micro_batch_size: usize,
     dtype: DType,
-    stop_tokens: Vec<u32>,
     recipe: Recipe,
-    /// The weights read by `open`, kept for the device when it starts now.
-    weights: Mutex<Option<ModelWeights>>,
     /// The judge on its device, once started (or why it could not start).
     device: OnceLock<Result<Device, String>>,
 }
@@ -58,7 +57,7 @@ enum Device {
 }
 
 impl JudgeScorer {
-    /// Loads the judge (its weights, tokenizer and chat template), checks the instruction
+    /// Reads the judge's config, tokenizer and chat template, checks the instruction
     /// template and the verdict against it; with `load_now` puts it on its device now.
     pub(super) fn open(
         name: &str,
@@ -67,8 +66,8 @@ impl JudgeScorer {
         load_now: bool,
     ) -> Result<JudgeScorer, ModelScorerError> {
         let path = PathBuf::from(&spec.path);
-        let host = HostModel::load(&path).map_err(|e| ModelScorerError::new("path", e.to_string()))?;
-        let template = host.chat_template.clone().ok_or_else(|| {
+        let text = ModelText::load(&path).map_err(|e| ModelScorerError::new("path", e.to_string()))?;
+        let template = text.chat_template.clone().ok_or_else(|| {
             ModelScorerError::new(
                 "path",
                 format!(
@@ -87,7 +86,7 @@ impl JudgeScorer {
             })?;
         let how = match &spec.verdict {
             Verdict::Probability { yes, no } => {
-                let token = |field: &str, answer: &str| match host.tokenizer.encode(answer, false).as_deref()
+                let token = |field: &str, answer: &str| match text.tokenizer.encode(answer, false).as_deref()
                 {
                     Ok([id]) => Ok(*id),
                     Ok(ids) => Err(ModelScorerError::new(
@@ -116,7 +115,7 @@ impl JudgeScorer {
         let scorer = JudgeScorer {
             name: name.to_string(),
             path,
-            tokenizer: host.tokenizer.clone(),
+            text,
             template,
             instruction,
             system: spec.system.clone(),
@@ -124,9 +123,7 @@ impl JudgeScorer {
             max_length: spec.max_length,
             micro_batch_size: spec.micro_batch_size,
             dtype: compute_dtype(spec.dtype, recipe),
-            stop_tokens: host.stop_tokens(),
             recipe: recipe.clone(),
-            weights: Mutex::new(load_now.then_some(host.weights)),
             device: OnceLock::new(),
         };
         let check = sample_for_check();
@@ -144,14 +141,7 @@ impl JudgeScorer {
         self.device
             .get_or_init(|| {
                 let at = |e: String| format!("judge {}: {e}", self.path.display());
-                let weights = match self.weights.lock().unwrap_or_else(|e| e.into_inner()).take() {
-                    Some(weights) => weights,
-                    None => {
-                        HostModel::load(&self.path)
-                            .map_err(|e| at(e.to_string()))?
-                            .weights
-                    }
-                };
+                let weights = self.text.load_weights().map_err(|e| at(e.to_string()))?;
                 match &self.how {
                     How::Probability(tokens) => {
                         let classifier = ClassifierWeights::from_lm_head(weights, tokens)
@@ -180,14 +170,14 @@ impl JudgeScorer {
         let client = crate::setup::open_client(&self.recipe).map_err(|e| e.to_string())?;
         let buffers = rollout::upload_weights(&client, &weights, self.dtype, 0).map_err(|e| e.to_string())?;
         let mut settings = EngineConfig::new(self.micro_batch_size, self.max_length + max_new_tokens);
-        settings.eos_token_ids = self.stop_tokens.clone();
+        settings.eos_token_ids = self.text.stop_tokens();
         let engine = Engine::new(
             &client,
             &weights.config,
             buffers,
             0,
             settings,
-            Some(self.tokenizer.clone()),
+            Some(self.text.tokenizer.clone()),
         )
         .map_err(|e| e.to_string())?
         .spawn();
@@ -206,7 +196,11 @@ impl JudgeScorer {
     /// assistant's turn opened.
     fn judge_prompt(&self, sample: &Sample) -> Result<Vec<u32>, String> {
         let text = self.judge_text(sample)?;
-        let ids = self.tokenizer.encode(&text, false).map_err(|e| e.to_string())?;
+        let ids = self
+            .text
+            .tokenizer
+            .encode(&text, false)
+            .map_err(|e| e.to_string())?;
         if ids.len() > self.max_length {
             return Err(format!(
                 "the judge's prompt is {} tokens, over `max_length` {}",
@@ -267,11 +261,7 @@ impl Scorer for JudgeScorer {
     }
 
     fn score(&self, sample: &Sample) -> Result<Score, ScoreError> {
-        let failed = |message: String| ScoreError::Model {
-            scorer: self.name.clone(),
-            sample_id: sample.id,
-            message,
-        };
+        let failed = model_error(&self.name, sample);
         let ids = self.judge_prompt(sample).map_err(failed)?;
         match (self.device().map_err(failed)?, &self.how) {
             (Device::Probability(classifier), _) => {
@@ -399,7 +389,7 @@ impl Generator {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use model::programs::{generate, DeviceModel, FullLogitsProgram, GenerateOptions};
+    use model::programs::{generate, DeviceModel, FullLogitsProgram, GenerateOptions, HostModel};
     use reward::ModelDType;
 
     fn recipe() -> Recipe {
@@ -445,6 +435,13 @@ mod tests {
         .collect()
     }
 
+    fn yes_no() -> Verdict {
+        Verdict::Probability {
+            yes: "Yes".into(),
+            no: "No".into(),
+        }
+    }
+
     const GRADE: &str =
         "Question: {{ prompt }}\nAnswer: {{ response }}\nIs the answer correct? Reply Yes or No.";
 
@@ -454,10 +451,7 @@ mod tests {
     #[test]
     fn probability_verdicts_are_deterministic_and_the_judge_s_odds() {
         let recipe = recipe();
-        let verdict = Verdict::Probability {
-            yes: "Yes".into(),
-            no: "No".into(),
-        };
+        let verdict = yes_no();
         let a = JudgeScorer::open("judge", &spec(GRADE, verdict.clone()), &recipe, true).unwrap();
         let samples = samples();
         let together: Vec<f64> = std::thread::scope(|s| {
@@ -556,10 +550,7 @@ mod tests {
     #[test]
     fn bad_instructions_and_verdicts_are_named() {
         let recipe = recipe();
-        let probability = Verdict::Probability {
-            yes: "Yes".into(),
-            no: "No".into(),
-        };
+        let probability = yes_no();
         let open = |instruction: &str, verdict: Verdict| {
             JudgeScorer::open("judge", &spec(instruction, verdict), &recipe, false)
                 .err()
@@ -600,13 +591,7 @@ mod tests {
             "judge",
             &JudgeSpec {
                 path: "/nowhere/judge".into(),
-                ..spec(
-                    GRADE,
-                    Verdict::Probability {
-                        yes: "Yes".into(),
-                        no: "No".into(),
-                    },
-                )
+                ..spec(GRADE, yes_no())
             },
             &recipe,
             false,
@@ -619,13 +604,7 @@ mod tests {
             "judge",
             &JudgeSpec {
                 max_length: 8,
-                ..spec(
-                    GRADE,
-                    Verdict::Probability {
-                        yes: "Yes".into(),
-                        no: "No".into(),
-                    },
-                )
+                ..spec(GRADE, yes_no())
             },
             &recipe,
             false,

@@ -11,7 +11,7 @@ use std::sync::{mpsc, Arc, Mutex};
 
 use model::classifier::{ClassifierWeights, DeviceClassifier};
 use model::ChatMessage;
-use reward::{JudgeSpec, ModelDType, ModelScorerError, RewardModelSpec, Scorer};
+use reward::{JudgeSpec, ModelDType, ModelScorerError, RewardModelSpec, Sample, ScoreError, Scorer};
 use serde_json::Value;
 use xla::DType;
 
@@ -76,6 +76,15 @@ fn prompt_messages(prompt: &Value) -> Result<Vec<ChatMessage>, String> {
         other => Err(format!(
             "the prompt is neither chat messages nor a string: {other}"
         )),
+    }
+}
+
+/// The error of a model scorer `scorer` on `sample`, from what went wrong.
+fn model_error<'a>(scorer: &'a str, sample: &'a Sample) -> impl Fn(String) -> ScoreError + Copy + 'a {
+    move |message| ScoreError::Model {
+        scorer: scorer.to_string(),
+        sample_id: sample.id,
+        message,
     }
 }
 

@@ -12,7 +12,7 @@ use model::{ChatMessage, ChatTemplate, ModelTokenizer};
 use reward::{RewardModelSpec, RmTruncation, Sample, Score, ScoreError, Scorer};
 use xla::DType;
 
-use super::{compute_dtype, prompt_messages, ClassifierThread};
+use super::{compute_dtype, model_error, prompt_messages, ClassifierThread};
 use crate::recipe::Recipe;
 
 pub(super) struct RewardModelScorer {
@@ -136,11 +136,7 @@ impl Scorer for RewardModelScorer {
     }
 
     fn score(&self, sample: &Sample) -> Result<Score, ScoreError> {
-        let failed = |message: String| ScoreError::Model {
-            scorer: self.name.clone(),
-            sample_id: sample.id,
-            message,
-        };
+        let failed = model_error(&self.name, sample);
         let ids = self.conversation(sample).map_err(failed)?;
         let logits = self.device().map_err(failed)?.score(ids).map_err(failed)?;
         Ok(Score::new(logits[0] as f64))
