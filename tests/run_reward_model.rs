@@ -44,14 +44,6 @@ fn recipe(dir: &Path, name: &str, rm: &Path, output: &Path, cluster: &str) -> st
     path
 }
 
-/// The last step in `OUTPUT/metrics.jsonl` so far.
-fn metrics_step(output: &Path) -> Option<u64> {
-    let text = std::fs::read_to_string(output.join("metrics.jsonl")).ok()?;
-    text.lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["step"].as_u64())
-        .max()
-}
-
 /// Each sample of `step`'s rollout dump: (output text, score, reward model part, rule part,
 /// judge part).
 fn scored(output: &Path, step: u64) -> Vec<(String, f64, f64, f64, f64)> {
@@ -95,19 +87,7 @@ fn a_reward_model_scores_the_run_in_process_and_in_a_worker_that_survives_kill_9
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let started = Instant::now();
-    while metrics_step(&remote) < Some(1) {
-        if run.try_wait().unwrap().is_some() {
-            let mut stderr = String::new();
-            std::io::Read::read_to_string(&mut run.stderr.take().unwrap(), &mut stderr).unwrap();
-            panic!("the run ended before step 1: {stderr}");
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(300),
-            "no step 1 after 300 s"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_step(&remote, 1, &mut run, Duration::from_secs(300));
     let workers = run_worker_pids(&remote, "reward");
     assert_eq!(workers.len(), 1, "{workers:?}");
     assert!(send_signal(workers[0], "KILL"), "kill -9 {}", workers[0]);

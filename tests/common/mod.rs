@@ -228,10 +228,13 @@ pub fn wait_for_step(output: &Path, step: u64, child: &mut std::process::Child, 
             return;
         }
         assert!(started.elapsed() < within, "no step {step} after {within:?}");
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "the run ended before step {step}"
-        );
+        if child.try_wait().unwrap().is_some() {
+            let mut stderr = String::new();
+            if let Some(mut pipe) = child.stderr.take() {
+                let _ = std::io::Read::read_to_string(&mut pipe, &mut stderr);
+            }
+            panic!("the run ended before step {step}: {stderr}");
+        }
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
 }
