@@ -865,9 +865,13 @@ fn worker_rpc_messages() {
                     optimizer_steps: 0,
                     total_optimizer_steps: 4,
                     kl_coef: None,
+                    critic_adam_step: 0,
+                    critic_optimizer_steps: 0,
+                    updates: 0,
                 }),
                 part: proto::StatePart::Params as i32,
                 chunk: Some(chunk(vec![0; 64], 0)),
+                critic: false,
             }
             .encode_to_vec()],
         ),

@@ -4,6 +4,10 @@
 //! bias, read at one position per sequence. A discriminative reward model (Skywork-Reward and
 //! the like) is such a classifier with one label, its logit the reward.
 //!
+//! A value model (VeRL's PPO critic) is the per-token sibling, transformers'
+//! `*ForTokenClassification` with one label: the trunk and `score.weight [1, hidden]` with
+//! `score.bias [1]`, read at every position ([`value_model_param_table`], [`values_graph`]).
+//!
 //! The position is transformers' rule: the last token that is not `pad_token_id` (the last
 //! token when the config has no pad id), so a sequence scores the same alone or padded in a
 //! batch.
@@ -25,6 +29,64 @@ use crate::tensor::HostTensor;
 
 /// The name of the classification head.
 pub const SCORE_WEIGHT: &str = "score.weight";
+
+/// The name of a value model's head bias (a token classifier's head has one).
+pub const SCORE_BIAS: &str = "score.bias";
+
+/// A value model's head: `score.weight [1, hidden]` (normal(0, initializer_range) when
+/// initialised, as transformers does) and `score.bias [1]` (zero).
+pub fn value_head_table(config: &ModelConfig) -> Vec<ParamSpec> {
+    vec![
+        ParamSpec::new(SCORE_WEIGHT, vec![1, config.hidden_size], ParamKind::Matrix),
+        ParamSpec::new(SCORE_BIAS, vec![1], ParamKind::Bias),
+    ]
+}
+
+/// A value model's parameter table: the trunk of `config` (no output head: a token classifier
+/// has none) then [`value_head_table`].
+pub fn value_model_param_table(config: &ModelConfig) -> Vec<ParamSpec> {
+    let mut trunk = config.clone();
+    trunk.tie_word_embeddings = true;
+    let mut table = param_table(&trunk);
+    table.extend(value_head_table(config));
+    table
+}
+
+/// A value model's starting point, in [`value_model_param_table`] order: the trunk of
+/// `weights` (its output head, if any, left out) and a new value head, as transformers
+/// initialises a `*ForTokenClassification` head (`score.weight` from normal(0,
+/// initializer_range) seeded by `seed`, `score.bias` zero). VeRL's critic starts so from the
+/// policy's model.
+pub fn value_model_init(
+    weights: &crate::ModelWeights,
+    seed: u64,
+) -> std::result::Result<Vec<HostTensor>, ModelError> {
+    let config = &weights.config;
+    let head = value_head_table(config);
+    let table = value_model_param_table(config);
+    let mut out = Vec::with_capacity(table.len());
+    for spec in &table[..table.len() - head.len()] {
+        let t = weights.get(&spec.name).ok_or_else(|| ModelError::MissingTensor {
+            name: spec.name.clone(),
+            expected: spec.shape.clone(),
+            origin: "the model a value model starts from".into(),
+        })?;
+        out.push(t.clone());
+    }
+    out.extend(crate::init::init_tensors(&head, config.initializer_range, seed));
+    Ok(out)
+}
+
+/// A value model's values `[B, S]` (f32) from final hidden states `h [B, S, hidden]` (after
+/// the final norm): `h · weightᵀ + bias` at every position.
+pub fn values_graph(h: &Tensor, weight: &Tensor, bias: &Tensor) -> Tensor {
+    let (b, s) = (h.dims()[0], h.dims()[1]);
+    let v = linear(h, weight).convert_if_needed(DType::F32).reshape(&[b, s]);
+    &v + &bias
+        .convert_if_needed(DType::F32)
+        .reshape(&[])
+        .broadcast_to(&[b, s])
+}
 
 /// A sequence classifier's configuration: its trunk and how many labels its head scores.
 #[derive(Debug, Clone, PartialEq)]

@@ -714,17 +714,9 @@ pub fn logprobs_graph_span(
     temperature: &Tensor,
     from: i64,
 ) -> (Tensor, Tensor) {
-    let (b, t) = (tokens.dims()[0], tokens.dims()[1]);
-    assert!(from >= 1 && from < t, "span start {from} must be in 1..{t}");
-    let (h, _) = trunk(p, tokens, mask);
-    // Position i predicts token i + 1: positions from-1 .. t-1 predict columns from .. t.
-    let h = rms_norm(
-        &h.slice_axis(1, from - 1, t - 1),
-        &p.final_norm,
-        p.config.rms_norm_eps,
-    );
+    let (h, valid) = span_hidden_graph(p, tokens, mask, from);
     let ids = tokens.convert_if_needed(DType::I32);
-    let span = t - from;
+    let t = tokens.dims()[1];
     let (lp, ent) = head_log_probs(
         g,
         p,
@@ -733,10 +725,26 @@ pub fn logprobs_graph_span(
         temperature,
         DEFAULT_HEAD_CHUNK,
     );
+    (&lp * &valid, &ent * &valid)
+}
+
+/// The final hidden states (after the final norm) that predict columns `from..T` of `tokens
+/// [B, T]` (`1 <= from < T`), `[B, T - from, hidden]`, and where those columns are valid
+/// (`[B, T - from]` f32: the token and its predecessor real): what [`logprobs_graph_span`]'s
+/// head reads, and what a value head reads for the same columns.
+pub fn span_hidden_graph(p: &DecoderParams, tokens: &Tensor, mask: &Tensor, from: i64) -> (Tensor, Tensor) {
+    let t = tokens.dims()[1];
+    assert!(from >= 1 && from < t, "span start {from} must be in 1..{t}");
+    let (h, _) = trunk(p, tokens, mask);
+    // Position i predicts token i + 1: positions from-1 .. t-1 predict columns from .. t.
+    let h = rms_norm(
+        &h.slice_axis(1, from - 1, t - 1),
+        &p.final_norm,
+        p.config.rms_norm_eps,
+    );
     let m = mask.convert_if_needed(DType::F32);
     let valid = &m.slice_axis(1, from, t) * &m.slice_axis(1, from - 1, t - 1);
-    debug_assert_eq!(lp.dims(), &[b, span]);
-    (&lp * &valid, &ent * &valid)
+    (h, valid)
 }
 
 /// Prompts shared by groups of rows, for [`logprobs_graph_shared_prompts`].
@@ -791,6 +799,17 @@ pub fn logprobs_graph_shared_prompts(
     batch: &SharedPrompts,
     temperature: &Tensor,
 ) -> (Tensor, Tensor) {
+    let (h, valid) = shared_prompts_hidden_graph(g, p, batch);
+    let ids = batch.responses.convert_if_needed(DType::I32);
+    let (lp, ent) = head_log_probs(g, p, &h, &ids, temperature, DEFAULT_HEAD_CHUNK);
+    (&lp * &valid, &ent * &valid)
+}
+
+/// The final hidden states (after the final norm) that predict each response column of
+/// `batch`, `[B, L, hidden]`, and where the columns are valid (`[B, L]` f32), as
+/// [`logprobs_graph_shared_prompts`] computes them: what its head reads, and what a value head
+/// reads for the same columns.
+pub fn shared_prompts_hidden_graph(g: &Graph, p: &DecoderParams, batch: &SharedPrompts) -> (Tensor, Tensor) {
     let config = &p.config;
     let eps = config.rms_norm_eps;
     let (u, pl) = (batch.prompts.dims()[0], batch.prompts.dims()[1]);
@@ -898,8 +917,6 @@ pub fn logprobs_graph_shared_prompts(
         last_prompt
     };
     let h = rms_norm(&h, &p.final_norm, eps);
-    let ids = batch.responses.convert_if_needed(DType::I32);
-    let (lp, ent) = head_log_probs(g, p, &h, &ids, temperature, DEFAULT_HEAD_CHUNK);
     // Valid where the token and its predecessor are real (a prompt's last token always is).
     let m = batch.response_mask.convert_if_needed(DType::F32);
     let valid = if l > 1 {
@@ -910,7 +927,7 @@ pub fn logprobs_graph_shared_prompts(
     } else {
         m
     };
-    (&lp * &valid, &ent * &valid)
+    (h, valid)
 }
 
 /// Prefill: runs prompts `tokens [B, T]` (right-padded; `lengths [B]` real lengths, each at

@@ -4,7 +4,7 @@
 use rand::{Rng, SeedableRng};
 
 use crate::config::ModelConfig;
-use crate::params::{param_table, ParamKind};
+use crate::params::{param_table, ParamKind, ParamSpec};
 use crate::safetensors_io::ModelWeights;
 use crate::tensor::HostTensor;
 
@@ -26,23 +26,28 @@ fn fill_normal(rng: &mut impl Rng, std: f64, out: &mut [f32]) {
 
 /// Creates every parameter of `config` in f32; the same seed gives the same weights.
 pub fn random_init(config: &ModelConfig, seed: u64) -> ModelWeights {
+    ModelWeights {
+        config: config.clone(),
+        tensors: init_tensors(&param_table(config), config.initializer_range, seed),
+    }
+}
+
+/// f32 tensors of `specs` initialised by kind (matrices from normal(0, `std`), biases zero, norm
+/// scales one); the same seed gives the same values.
+pub fn init_tensors(specs: &[ParamSpec], std: f64, seed: u64) -> Vec<HostTensor> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let tensors = param_table(config)
-        .into_iter()
+    specs
+        .iter()
         .map(|spec| {
             let mut values = vec![0f32; spec.numel()];
             match spec.kind {
-                ParamKind::Matrix => fill_normal(&mut rng, config.initializer_range, &mut values),
+                ParamKind::Matrix => fill_normal(&mut rng, std, &mut values),
                 ParamKind::Bias => {}
                 ParamKind::NormScale => values.fill(1.0),
             }
-            HostTensor::from_f32(spec.name, spec.shape, &values)
+            HostTensor::from_f32(spec.name.clone(), spec.shape.clone(), &values)
         })
-        .collect();
-    ModelWeights {
-        config: config.clone(),
-        tensors,
-    }
+        .collect()
 }
 
 #[cfg(test)]

@@ -385,6 +385,7 @@ fn main() {
         remat: false,
         lora: None,
         lora_form: Default::default(),
+        head: Default::default(),
     };
     let rows_ref: Vec<(&[u32], &[u32])> = row_ids
         .iter()
@@ -466,6 +467,7 @@ fn main() {
                 response_len: r_len as i64,
                 parallel: Default::default(),
                 frozen: Vec::new(),
+                value_loss: None,
             };
             let name = match (args.length_buckets.len(), bucket) {
                 (1, 0) => format!("ours {dtype}"),

@@ -221,6 +221,52 @@ fn masked_whiten(values: &mut [f64], mask: &[f32]) {
     values.iter_mut().for_each(|v| *v = (*v - mu) * scale);
 }
 
+/// Generalized advantage estimation, VeRL `compute_gae_advantage_return` (core_algos.py;
+/// Schulman et al., arXiv:1506.02438), from the last position back with `V_{t+1}` and `Â_{t+1}`
+/// those of the next token the model wrote (positions with mask 0 (padding, a multi-turn
+/// sample's environment tokens) are skipped: they carry both through unchanged):
+///
+/// ```text
+/// δ_t = r_t + γ V_{t+1} - V_t
+/// Â_t = δ_t + γ λ Â_{t+1}
+/// returns = Â + V;   A = masked_whiten(Â, m)
+/// ```
+/// `values` are the critic's `[batch, response_len]` predictions (0 on padding, as VeRL's
+/// `compute_values` masks them). Returns `(advantages, returns)`, row-major; as in VeRL the
+/// whitened advantages are not masked again (the loss mask does that).
+pub fn gae_advantage_return(
+    token_level_rewards: &[f32],
+    values: &[f32],
+    response_mask: &[f32],
+    response_len: usize,
+    gamma: f64,
+    lam: f64,
+) -> Result<(Vec<f64>, Vec<f64>)> {
+    check_len("critic values", token_level_rewards.len(), values.len(), "token")?;
+    check_len(
+        "response mask",
+        token_level_rewards.len(),
+        response_mask.len(),
+        "token",
+    )?;
+    let l = response_len.max(1);
+    let mut adv = vec![0.0f64; token_level_rewards.len()];
+    for b in 0..token_level_rewards.len() / l {
+        let (mut next_value, mut last) = (0.0f64, 0.0f64);
+        for t in (b * l..(b + 1) * l).rev() {
+            let (v, m) = (values[t] as f64, response_mask[t] as f64);
+            let delta = token_level_rewards[t] as f64 + gamma * next_value - v;
+            let here = delta + gamma * lam * last;
+            next_value = v * m + (1.0 - m) * next_value;
+            last = here * m + (1.0 - m) * last;
+            adv[t] = last;
+        }
+    }
+    let returns: Vec<f64> = adv.iter().zip(values).map(|(a, v)| a + *v as f64).collect();
+    masked_whiten(&mut adv, response_mask);
+    Ok((adv, returns))
+}
+
 /// REINFORCE++'s advantage, VeRL `compute_reinforce_plus_plus_outcome_advantage`
 /// (core_algos.py; arXiv:2501.03262): discounted returns that restart after the response,
 ///
@@ -342,7 +388,8 @@ pub fn remax_advantage(
 pub struct Advantages {
     pub advantages: Vec<f64>,
     /// What VeRL reports as `critic/returns/*`: the advantages themselves for the outcome
-    /// estimators, the discounted returns for `reinforce_plus_plus`.
+    /// estimators, the discounted returns for `reinforce_plus_plus`, and for `gae` the
+    /// critic's regression targets.
     pub returns: Vec<f64>,
 }
 
@@ -350,7 +397,7 @@ pub struct Advantages {
 /// (ray_trainer.py) calls it: from the token-level rewards (the outcome reward on each
 /// response's last token, less any in-reward KL), the response mask and each sample's group
 /// (the prompt it answers); `remax` also needs each sample's reward baseline, the reward of its
-/// prompt's greedy response.
+/// prompt's greedy response; `gae` the critic's values of each response token.
 pub fn compute_advantages<K: Eq + Hash>(
     cfg: &AdvantageConfig,
     token_level_rewards: &[f32],
@@ -358,6 +405,7 @@ pub fn compute_advantages<K: Eq + Hash>(
     response_len: usize,
     group_ids: &[K],
     reward_baselines: Option<&[f64]>,
+    values: Option<&[f32]>,
 ) -> Result<Advantages> {
     check_len(
         "response mask",
@@ -401,6 +449,22 @@ pub fn compute_advantages<K: Eq + Hash>(
             })?;
             let (advantages, returns) =
                 remax_advantage(token_level_rewards, response_mask, response_len, baselines)?;
+            return Ok(Advantages { advantages, returns });
+        }
+        AdvantageEstimator::Gae => {
+            let values = values.ok_or_else(|| TrainerError::Config {
+                key: "algorithm.adv_estimator",
+                value: "gae".into(),
+                message: "needs the critic's values of every response token, which this batch lacks".into(),
+            })?;
+            let (advantages, returns) = gae_advantage_return(
+                token_level_rewards,
+                values,
+                response_mask,
+                response_len,
+                cfg.gamma,
+                cfg.lam,
+            )?;
             return Ok(Advantages { advantages, returns });
         }
         AdvantageEstimator::ReinforcePlusPlusBaseline => {
@@ -670,6 +734,7 @@ mod tests {
             1,
             &["a", "a", "b", "a"],
             None,
+            None,
         )
         .unwrap();
         close(&adv.advantages, &[0.0, -1.5, 5.0, 1.5], 1e-12);
@@ -692,7 +757,7 @@ mod tests {
             estimator: AdvantageEstimator::ReinforcePlusPlus,
             ..Default::default()
         };
-        let adv = compute_advantages(&cfg, &[2.0, 0.0], &[1.0, 0.0], 2, &[1], None).unwrap();
+        let adv = compute_advantages(&cfg, &[2.0, 0.0], &[1.0, 0.0], 2, &[1], None, None).unwrap();
         assert_eq!(adv.advantages, vec![0.0, 0.0]);
         assert_eq!(adv.returns, vec![2.0, 0.0]);
         // GPG: all rewards zero leaves alpha = B / 1.

@@ -161,7 +161,7 @@ impl BucketedLearner {
         let specs = policy.param_specs();
         let p = policy.clone();
         let programs = build_train_programs(&cfg, &specs, &policy.input_specs(), move |params, batch| {
-            p.log_probs(params, batch)
+            p.forward(params, batch)
         })?;
         let learner = Learner::from_state(client, programs, &specs, &cfg, state, max_consecutive_nonfinite)?;
         let buckets = LengthBuckets {
@@ -258,7 +258,7 @@ impl BucketedLearner {
             &self.specs,
             &policy.input_specs(),
             response_len as i64,
-            move |params, batch| p.log_probs(params, batch),
+            move |params, batch| p.forward(params, batch),
         )?;
         let shape = self.learner.add_shape(programs)?;
         self.shapes.insert(key, shape);
@@ -314,12 +314,23 @@ impl BucketedLearner {
         let narrow_opt = |name: &str, v: &Option<Vec<f32>>| -> Result<Option<Vec<f32>>> {
             v.as_deref().map(|v| narrow(name, v)).transpose()
         };
+        let critic = self.cfg.value_loss.is_some();
+        // A value model's micro-batch carries no policy arrays, a policy's no values.
+        let narrow_policy = |name: &str, v: &[f32]| -> Result<Vec<f32>> {
+            if critic {
+                Ok(Vec::new())
+            } else {
+                narrow(name, v)
+            }
+        };
         let narrowed = MicroBatchHost {
-            old_log_probs: narrow("old_log_probs", &host.old_log_probs)?,
-            advantages: narrow("advantages", &host.advantages)?,
+            old_log_probs: narrow_policy("old_log_probs", &host.old_log_probs)?,
+            advantages: narrow_policy("advantages", &host.advantages)?,
             response_mask: narrow("response_mask", &host.response_mask)?,
             ref_log_probs: narrow_opt("ref_log_probs", &host.ref_log_probs)?,
             rollout_is_weights: narrow_opt("rollout_is_weights", &host.rollout_is_weights)?,
+            values: narrow_opt("values", &host.values)?,
+            returns: narrow_opt("returns", &host.returns)?,
             norm: host.norm,
             inputs: mb.packed.inputs(),
         };

@@ -49,6 +49,17 @@ pub enum AdvantageEstimator {
     /// `compute_remax_outcome_advantage`); the run generates that response.
     #[serde(rename = "remax")]
     Remax,
+    /// Generalized advantage estimation over a learned critic's values (VeRL
+    /// `compute_gae_advantage_return`): PPO. Needs [`AdvantageEstimator::needs_critic`].
+    #[serde(rename = "gae")]
+    Gae,
+}
+
+impl AdvantageEstimator {
+    /// Whether the estimator reads a critic's values (the run then trains a value model).
+    pub fn needs_critic(self) -> bool {
+        matches!(self, AdvantageEstimator::Gae)
+    }
 }
 
 /// The advantage side of VeRL's `algorithm.*` keys.
@@ -59,8 +70,11 @@ pub struct AdvantageConfig {
     /// `algorithm.norm_adv_by_std_in_grpo`: divide by the group's standard deviation (`grpo`,
     /// `grpo_passk`; false is Dr. GRPO).
     pub norm_adv_by_std_in_grpo: bool,
-    /// `algorithm.gamma`: the discount of `reinforce_plus_plus`'s token returns.
+    /// `algorithm.gamma`: the discount of `reinforce_plus_plus`'s and `gae`'s token returns.
     pub gamma: f64,
+    /// `algorithm.lam`: GAE's λ, the trade-off between the critic's bootstrap (0) and the
+    /// Monte Carlo return (1).
+    pub lam: f64,
 }
 
 impl Default for AdvantageConfig {
@@ -69,6 +83,7 @@ impl Default for AdvantageConfig {
             estimator: AdvantageEstimator::Grpo,
             norm_adv_by_std_in_grpo: true,
             gamma: 1.0,
+            lam: 1.0,
         }
     }
 }
@@ -164,6 +179,40 @@ pub enum PolicyLossMode {
     /// `compute_policy_loss_cispo`).
     #[serde(rename = "cispo")]
     Cispo,
+}
+
+/// The critic's loss (VeRL's `critic.*`): the clipped value loss of
+/// [`crate::loss::value_loss`]. Defaults are VeRL's.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ValueLossConfig {
+    /// `critic.cliprange_value`: a prediction moves at most this far from the value it had when
+    /// the batch was generated before the clipped term takes over.
+    pub cliprange_value: f64,
+    /// `critic.loss_agg_mode`.
+    pub loss_agg_mode: LossAggMode,
+}
+
+impl Default for ValueLossConfig {
+    fn default() -> Self {
+        ValueLossConfig {
+            cliprange_value: 0.5,
+            loss_agg_mode: LossAggMode::TokenMean,
+        }
+    }
+}
+
+impl ValueLossConfig {
+    /// The first value out of range, as an error naming its key.
+    pub fn validate(&self) -> Result<()> {
+        if !above(self.cliprange_value, 0.0) {
+            return Err(TrainerError::Config {
+                key: "critic.cliprange_value",
+                value: self.cliprange_value.to_string(),
+                message: "must be above 0 (VeRL's default is 0.5)".into(),
+            });
+        }
+        Ok(())
+    }
 }
 
 /// The loss side of the actor config (VeRL's `actor.*` and the rollout-IS keys of
@@ -502,7 +551,9 @@ impl Parallelism {
                     key: "actor.tensor_model_parallel_size",
                     value: tp.to_string(),
                     message: format!(
-                        "tensor parallelism spans several devices; actor.strategy single uses                          one: set actor.strategy dp (parameters whole over the data axis) or                          fsdp (also split over it) with actor.mesh a multiple of {tp}"
+                        "tensor parallelism spans several devices; actor.strategy single uses \
+                         one: set actor.strategy dp (parameters whole over the data axis) or \
+                         fsdp (also split over it) with actor.mesh a multiple of {tp}"
                     ),
                 });
             }

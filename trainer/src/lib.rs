@@ -1,7 +1,8 @@
 //! The GRPO learner: everything between "each sample has a reward" and "the parameters moved".
 //!
 //! - [`advantage`]: host-side advantage estimators (`grpo`, Dr. GRPO, `rloo`, `opo`, `gpg`,
-//!   `grpo_passk`, REINFORCE++ with and without a baseline, ReMax), in-reward KL, the group
+//!   `grpo_passk`, REINFORCE++ with and without a baseline, ReMax, GAE over a critic's values),
+//!   in-reward KL, the group
 //!   filter of dynamic sampling (`filter_groups`, run by the orchestrator) and masking of
 //!   truncated responses.
 //! - [`rollout_correction`]: importance weights and rejection sampling for the gap between the
@@ -9,7 +10,7 @@
 //! - [`loss`]: policy-loss terms as graph functions over [`xla::graph::Tensor`]s: the PPO
 //!   clipped surrogate with dual clip, GSPO, SAPO, GPG, Clip-Cov, KL-Cov, GMPO and CISPO, the
 //!   rollout importance weights on token losses, VeRL's loss aggregation modes, KL estimators
-//!   and the entropy bonus.
+//!   and the entropy bonus; PPO's clipped value loss for the critic.
 //! - [`optim`]: AdamW and global gradient-norm clipping as graph functions, the learning-rate
 //!   schedule on the host.
 //! - [`step`]: the fused `train_step` program builder (forward, loss, backward, clipping,
@@ -17,8 +18,8 @@
 //!   host driver [`step::Learner`] that owns the device buffers.
 //! - [`sharding`]: the learner's SPMD layout (`single`, `dp`, `fsdp` over a one-axis mesh) and
 //!   the host-side splitting and gathering of per-device shards.
-//! - [`policy`]: the decoder model as the policy: its parameters, batch layout and per-token
-//!   log-probs of responses.
+//! - [`policy`]: the decoder model as the policy (or, with a value head, as PPO's critic): its
+//!   parameters, batch layout and per-token log-probs (values) of responses.
 //! - [`bucket`]: length buckets: each micro-batch runs padded to the smallest bucket holding its
 //!   longest prompt and response ([`bucket::BucketedLearner`]), one set of programs per bucket.
 //! - [`update`]: the GRPO update as a whole ([`update::GrpoUpdate`]): non-finite rows left

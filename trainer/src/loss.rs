@@ -1,4 +1,4 @@
-//! Policy-loss terms as graph functions over `[batch, response_len]` tensors of one float type
+//! Policy-loss terms (and the critic's value loss) as graph functions over `[batch, response_len]` tensors of one float type
 //! (f32 in training, f64 in gradient checks): log-probs, old log-probs, advantages and the
 //! response mask (1 on response tokens, 0 on padding). Formulas follow VeRL's
 //! `verl/trainer/ppo/core_algos.py`; each function cites the function it matches.
@@ -11,7 +11,7 @@
 use xla::graph::{random, Tensor};
 use xla::DType;
 
-use crate::config::{KlPenalty, LossAggMode, PolicyLossConfig, PolicyLossMode};
+use crate::config::{KlPenalty, LossAggMode, PolicyLossConfig, PolicyLossMode, ValueLossConfig};
 
 /// VeRL's `masked_mean` denominator guard: `sum(x * mask) / (sum(mask) + 1e-8)`.
 pub const MASKED_MEAN_EPS: f64 = 1e-8;
@@ -533,6 +533,51 @@ pub struct ActorLoss {
     pub kl_loss: Tensor,
     /// `agg_loss(entropy)`, 0 when the policy gives no entropy.
     pub entropy: Tensor,
+}
+
+/// The critic's clipped value loss and its metrics (scalars; each the micro-batch's share of
+/// the mini-batch value).
+#[derive(Clone, Debug)]
+pub struct ValueLoss {
+    /// `vf_loss`: what is differentiated.
+    pub vf_loss: Tensor,
+    /// The share of tokens whose clipped term is the larger one.
+    pub vf_clipfrac: Tensor,
+    /// The mean prediction over the response tokens.
+    pub vpred_mean: Tensor,
+}
+
+/// PPO's clipped value loss, VeRL `compute_value_loss` (core_algos.py, after TRL's PPO
+/// trainer), for predictions `vpreds`, the values `values` the critic gave when the batch was
+/// made and the GAE returns `returns`:
+///
+/// ```text
+/// vclip   = clamp(vpreds, values - cliprange_value, values + cliprange_value)
+/// vf_loss = 0.5 · agg_loss(max((vpreds - returns)², (vclip - returns)²))
+/// ```
+/// `vf_clipfrac = masked_mean((vclip - returns)² > (vpreds - returns)²)`, `vpred_mean =
+/// masked_mean(vpreds)`.
+pub fn value_loss(
+    cfg: &ValueLossConfig,
+    vpreds: &Tensor,
+    values: &Tensor,
+    returns: &Tensor,
+    mask: &Tensor,
+    norm: &Normalizer,
+) -> ValueLoss {
+    let c = cfg.cliprange_value;
+    let clipped = vpreds.min(&(values + c)).max(&(values - c));
+    let d1 = vpreds - returns;
+    let d2 = &clipped - returns;
+    let losses1 = &d1 * &d1;
+    let losses2 = &d2 * &d2;
+    let vf_loss = agg_loss(&losses1.max(&losses2), mask, cfg.loss_agg_mode, norm) * 0.5;
+    let vf_clipfrac = masked_token_mean(&losses2.gt(&losses1).convert(mask.dtype()), mask, norm);
+    ValueLoss {
+        vf_loss,
+        vf_clipfrac,
+        vpred_mean: masked_token_mean(vpreds, mask, norm),
+    }
 }
 
 /// The configured surrogate (one `match` on `actor.policy_loss.loss_mode`, VeRL's

@@ -23,11 +23,28 @@
 //! response's positions continue the prompt's real length, so left padding moves nothing.
 
 use crate::step::{HostArray, InputSpec, PolicyOutput};
-use model::forward::{logprobs_graph_shared_prompts, logprobs_graph_span, DecoderParams, SharedPrompts};
+use model::classifier::{value_head_table, value_model_param_table, values_graph};
+use model::forward::{
+    logprobs_graph_shared_prompts, logprobs_graph_span, shared_prompts_hidden_graph, span_hidden_graph,
+    DecoderParams, SharedPrompts,
+};
 use model::lora::{lora_param_table, merge_params, LoraConfig};
 use model::{param_table, ModelConfig, ParamSpec};
 use xla::graph::Tensor;
 use xla::DType;
+
+/// What reads the decoder's final hidden states.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Head {
+    /// The output head: each response token's log-prob at the sampling temperature (a policy).
+    #[default]
+    LogProbs,
+    /// A value head, `score.weight [1, hidden]` and `score.bias [1]` on the trunk (a value
+    /// model, VeRL's PPO critic, as transformers' `*ForTokenClassification` stores it): each
+    /// response column's value, read at the position that predicts that column's token, as
+    /// VeRL's critic reads `values[:, -response_length - 1 : -1]`.
+    Value,
+}
 
 /// A decoder policy with static training shapes.
 #[derive(Clone, Debug)]
@@ -56,6 +73,9 @@ pub struct DecoderPolicy {
     pub lora: Option<LoraConfig>,
     /// How the forward pass computes with the adapters (read only with [`DecoderPolicy::lora`]).
     pub lora_form: model::LoraForm,
+    /// What the model computes per response column: log-probs (a policy) or values (a critic;
+    /// without LoRA).
+    pub head: Head,
 }
 
 /// One micro-batch of rows packed for [`DecoderPolicy`].
@@ -164,9 +184,10 @@ impl DecoderPolicy {
     /// The trainable parameters: the model's parameter table (Hugging Face names), or with
     /// LoRA the adapters (PEFT's names).
     pub fn param_specs(&self) -> Vec<ParamSpec> {
-        match &self.lora {
-            Some(lora) => lora_param_table(&self.config, lora),
-            None => param_table(&self.config),
+        match (&self.lora, self.head) {
+            (_, Head::Value) => value_model_param_table(&self.config),
+            (Some(lora), Head::LogProbs) => lora_param_table(&self.config, lora),
+            (None, Head::LogProbs) => param_table(&self.config),
         }
     }
 
@@ -207,9 +228,42 @@ impl DecoderPolicy {
         ]
     }
 
-    /// The policy function for [`crate::step::build_train_programs`]: per-token log-probs
-    /// and entropies of the response columns, `[micro_batch_size, L]`.
-    /// With LoRA, `params` are the adapters followed by the frozen base table.
+    /// The model function for [`crate::step::build_train_programs`], by [`DecoderPolicy::head`]:
+    /// [`DecoderPolicy::log_probs`] or [`DecoderPolicy::values`].
+    pub fn forward(&self, params: &[Tensor], batch: &[Tensor]) -> PolicyOutput {
+        match self.head {
+            Head::LogProbs => self.log_probs(params, batch),
+            Head::Value => self.values(params, batch),
+        }
+    }
+
+    /// A value model's per-token values of the response columns, `[micro_batch_size, L]` (in
+    /// [`PolicyOutput::log_probs`]; no entropy), 0 where a column is not valid. `params`
+    /// follow [`model::classifier::value_model_param_table`].
+    pub fn values(&self, params: &[Tensor], batch: &[Tensor]) -> PolicyOutput {
+        let mut trunk = self.config.clone();
+        trunk.tie_word_embeddings = true;
+        let n = params.len() - value_head_table(&self.config).len();
+        let mut p = DecoderParams::from_tensors(&trunk, &params[..n])
+            .expect("parameters follow the value model's table");
+        p.remat = self.remat;
+        let (h, valid) = if self.shares_prompts() {
+            let shared = SharedPrompts::from_inputs(batch, self.blocks.max(1) as i64);
+            shared_prompts_hidden_graph(batch[0].graph(), &p, &shared)
+        } else {
+            let tokens = Tensor::concat(&[&batch[0], &batch[2]], 1);
+            let mask = Tensor::concat(&[&batch[1], &batch[3]], 1);
+            span_hidden_graph(&p, &tokens, &mask, self.prompt_len as i64)
+        };
+        PolicyOutput {
+            log_probs: &values_graph(&h, &params[n], &params[n + 1]) * &valid,
+            entropy: None,
+        }
+    }
+
+    /// The policy's per-token log-probs and entropies of the response columns,
+    /// `[micro_batch_size, L]`. With LoRA, `params` are the adapters followed by the frozen base
+    /// table.
     pub fn log_probs(&self, params: &[Tensor], batch: &[Tensor]) -> PolicyOutput {
         let g = batch[0].graph();
         let table = "parameters follow the parameter table";
@@ -373,6 +427,7 @@ mod tests {
             remat: false,
             lora: None,
             lora_form: model::LoraForm::default(),
+            head: Default::default(),
         }
     }
 

@@ -10,13 +10,19 @@
 //! [`BatchPlan`] is the mini-batch arithmetic (how many optimizer steps a training step takes,
 //! how many micro-batches a mini-batch holds), computed here once for the run loop, the update
 //! and `grpo compile`. [`GrpoUpdate`] owns the device learner and runs the update.
+//!
+//! PPO (`algorithm.adv_estimator: gae`) adds a critic, as VeRL's `fit()` runs it: a value model
+//! ([`crate::policy::Head::Value`]) with its own parameters, optimizer and mini-batches
+//! ([`CriticConfig`]). Its values of the batch are computed with the old log-probs, GAE turns
+//! them and the rewards into advantages and returns, the critic then trains towards the
+//! returns, and the actor only once `trainer.critic_warmup` steps have passed.
 
 use crate::advantage::{
     apply_kl_in_reward, compute_advantages, mask_truncated, outcome_token_scores, sequence_scores,
     Advantages, KlController,
 };
 use crate::bucket::{BucketedLearner, PackedMicroBatch};
-use crate::config::{AdvantageConfig, KlControl, KlPenalty};
+use crate::config::{AdvantageConfig, KlControl, KlPenalty, OptimConfig};
 use crate::optim::learning_rate;
 use crate::policy::{DecoderPolicy, PackError};
 use crate::rollout_correction::{correct, RolloutCorrection};
@@ -179,11 +185,46 @@ fn finite_rows(rows: &[Row]) -> Vec<usize> {
 
 /// What a learner's state does not hold but a resumed run needs: the learning-rate schedule's
 /// clock and the in-reward KL coefficient (None without a KL penalty in the reward: the
-/// recipe's `algorithm.kl_coef` then).
+/// recipe's `algorithm.kl_coef` then), and with a critic its schedule's clock and the updates
+/// so far (`trainer.critic_warmup` counts them).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct UpdateClocks {
     pub optimizer_steps: u64,
     pub kl_coef: Option<f64>,
+    /// The critic's optimizer steps so far (0 without a critic).
+    pub critic_optimizer_steps: u64,
+    /// Updates (training steps) so far.
+    pub updates: u64,
+}
+
+/// The critic of a PPO run (VeRL's `critic.*`): a value model trained beside the policy on the
+/// same rows, with its own optimizer and mini-batches.
+#[derive(Clone, Debug)]
+pub struct CriticConfig {
+    /// Its programs: the value loss ([`StepConfig::value_loss`] set), its optimizer
+    /// (`critic.optim.*`, `critic.grad_clip`), compute type, micro-batch and mesh.
+    pub step: StepConfig,
+    /// Its mini-batch arithmetic (`critic.ppo_mini_batch_size`, `critic.ppo_micro_batch_size`,
+    /// `critic.ppo_epochs`).
+    pub batches: BatchPlan,
+    /// `trainer.critic_warmup`: the actor trains from the update with this 1-based number on
+    /// (VeRL's `critic_warmup <= global_steps`); before it only the critic does.
+    pub warmup: u64,
+}
+
+/// Where a critic starts: its value model and its state (fresh: the trunk of the policy's
+/// model with a new value head; or a checkpoint's).
+pub struct CriticStart {
+    /// The value model ([`crate::policy::Head::Value`]) with the critic's micro-batch.
+    pub model: DecoderPolicy,
+    pub state: LearnerState,
+}
+
+/// A running critic.
+struct Critic {
+    learner: BucketedLearner,
+    config: CriticConfig,
+    optimizer_steps: u64,
 }
 
 /// What an update does beyond one optimizer step: VeRL's `algorithm.*` keys and the actor keys
@@ -215,6 +256,8 @@ pub struct UpdateConfig {
     pub length_bucket: usize,
     /// `actor.max_consecutive_nonfinite`.
     pub max_consecutive_nonfinite: u32,
+    /// The critic, for an estimator that needs one (`gae`).
+    pub critic: Option<CriticConfig>,
 }
 
 impl UpdateConfig {
@@ -235,6 +278,10 @@ pub struct GrpoUpdate {
     kl_ctrl: KlController,
     /// Entries of the learner's compile log already logged.
     compiles_logged: usize,
+    /// The critic, with `gae`.
+    critic: Option<Critic>,
+    /// Updates so far.
+    updates: u64,
 }
 
 impl GrpoUpdate {
@@ -244,7 +291,9 @@ impl GrpoUpdate {
     /// state, and `frozen` (with LoRA the base weights, [`DecoderPolicy::frozen_specs`]; else
     /// empty). The frozen reference, when [`UpdateConfig::needs_reference`], is `initial`, or
     /// with LoRA zero adapters: the base model, with no second copy. `clocks` are the
-    /// schedule's clock and the in-reward KL coefficient at the state.
+    /// schedule's clock and the in-reward KL coefficient at the state. `critic` is where the
+    /// critic starts, exactly when `config.critic` is set.
+    #[allow(clippy::too_many_arguments)]
     pub fn start(
         client: &Client,
         policy: DecoderPolicy,
@@ -253,6 +302,7 @@ impl GrpoUpdate {
         frozen: Vec<Vec<f32>>,
         resume: Option<LearnerState>,
         clocks: UpdateClocks,
+        critic: Option<CriticStart>,
     ) -> Result<GrpoUpdate> {
         let needs_reference = config.needs_reference();
         let (state, reference) = match (resume, policy.base_params()) {
@@ -286,13 +336,42 @@ impl GrpoUpdate {
             control: config.kl_ctrl,
             value: clocks.kl_coef.unwrap_or(config.kl_coef),
         };
+        let critic = match (&config.critic, critic) {
+            (None, None) => None,
+            (Some(cfg), Some(start)) => Some(Critic {
+                learner: BucketedLearner::from_state(
+                    client,
+                    start.model,
+                    cfg.step.clone(),
+                    &start.state,
+                    config.length_bucket,
+                    config.max_consecutive_nonfinite,
+                )?,
+                config: cfg.clone(),
+                optimizer_steps: clocks.critic_optimizer_steps,
+            }),
+            (cfg, _) => {
+                return Err(UpdateError::Batch(format!(
+                    "the update {} a critic but {} given one",
+                    if cfg.is_some() { "needs" } else { "has no use for" },
+                    if cfg.is_some() { "was not" } else { "was" }
+                )))
+            }
+        };
         Ok(GrpoUpdate {
             learner,
             config,
             optimizer_steps: clocks.optimizer_steps,
             kl_ctrl,
             compiles_logged: 0,
+            critic,
+            updates: clocks.updates,
         })
+    }
+
+    /// The critic's device learner, with `gae`.
+    pub fn critic(&self) -> Option<&BucketedLearner> {
+        self.critic.as_ref().map(|c| &c.learner)
     }
 
     /// The device learner (parameters, optimizer state, programs).
@@ -316,6 +395,8 @@ impl GrpoUpdate {
         UpdateClocks {
             optimizer_steps: self.optimizer_steps,
             kl_coef: self.config.use_kl_in_reward.then_some(self.kl_ctrl.value),
+            critic_optimizer_steps: self.critic.as_ref().map_or(0, |c| c.optimizer_steps),
+            updates: self.updates,
         }
     }
 
@@ -351,10 +432,89 @@ impl GrpoUpdate {
             .chunks(mb)
             .map(|chunk| self.learner.pack(&pairs(chunk)))
             .collect::<std::result::Result<Vec<_>, _>>()?;
-        let batch = self.token_arrays(&rows, &packed, &mut report)?;
-        self.optimize(&rows, &packed, &batch, &mut report)?;
+        let critic_packed = match &self.critic {
+            Some(c) => rows
+                .chunks(c.learner.policy().micro_batch_size)
+                .map(|chunk| c.learner.pack(&pairs(chunk)))
+                .collect::<std::result::Result<Vec<_>, _>>()?,
+            None => Vec::new(),
+        };
+        let batch = self.token_arrays(&rows, &packed, &critic_packed, &mut report)?;
+        // VeRL's order: the critic, then the actor once the warm-up is over.
+        self.update_critic(&rows, &critic_packed, &batch, &mut report)?;
+        let warmup = self.critic.as_ref().map_or(0, |c| c.config.warmup);
+        if self.updates + 1 >= warmup {
+            self.optimize(&rows, &packed, &batch, &mut report)?;
+        } else {
+            report.metrics.insert("actor/update_skipped".into(), 1.0);
+        }
+        self.updates += 1;
         self.log_compiles();
         Ok(report)
+    }
+
+    /// The critic's values of every packed micro-batch, the real rows of each in order,
+    /// `[rows, L]`.
+    fn values(&mut self, packed: &[PackedMicroBatch], rows: usize) -> Result<Vec<f32>> {
+        let critic = self.critic.as_mut().expect("a critic");
+        let (l, mb) = (
+            critic.learner.policy().response_len,
+            critic.learner.policy().micro_batch_size,
+        );
+        let mut all = Vec::with_capacity(rows * l);
+        for (k, p) in packed.iter().enumerate() {
+            let v = critic.learner.log_probs(p, false)?;
+            let real = (rows - k * mb).min(mb);
+            all.extend_from_slice(&v[..real * l]);
+        }
+        Ok(all)
+    }
+
+    /// `critic.ppo_epochs` passes over the critic's mini-batches towards the returns; its step
+    /// metrics averaged over the steps go into `report` as `critic/*`.
+    fn update_critic(
+        &mut self,
+        rows: &[&Row],
+        packed: &[PackedMicroBatch],
+        batch: &TokenArrays,
+        report: &mut UpdateReport,
+    ) -> Result<()> {
+        let Some(critic) = self.critic.as_mut() else {
+            return Ok(());
+        };
+        let (values, returns) = (
+            batch.values.as_ref().expect("values with a critic"),
+            batch.returns.as_ref().expect("returns with a critic"),
+        );
+        let t = Instant::now();
+        // The report's token counts are the policy's.
+        let passes = mini_batches(
+            &mut critic.learner,
+            &critic.config.batches,
+            &critic.config.step.optim,
+            &mut critic.optimizer_steps,
+            rows,
+            packed,
+            &batch.loss_mask,
+            |slice| MicroBatchHost {
+                response_mask: slice(&batch.loss_mask),
+                values: Some(slice(values)),
+                returns: Some(slice(returns)),
+                ..Default::default()
+            },
+        )?;
+        let m = &mut report.metrics;
+        m.insert("timing_s/update_critic".into(), t.elapsed().as_secs_f64());
+        for (name, sum) in passes.sums {
+            let key = match name {
+                // The critic's loss is its value loss, reported as `vf_loss`.
+                "loss" => continue,
+                "update_applied" => "critic/update_applied_frac".to_string(),
+                other => format!("critic/{other}"),
+            };
+            m.insert(key, sum / passes.steps.max(1) as f64);
+        }
+        Ok(())
     }
 
     /// Log-probs of every packed micro-batch under the policy (or the reference), the real rows
@@ -379,6 +539,7 @@ impl GrpoUpdate {
         &mut self,
         rows: &[&Row],
         packed: &[PackedMicroBatch],
+        critic_packed: &[PackedMicroBatch],
         report: &mut UpdateReport,
     ) -> Result<TokenArrays> {
         let l = self.learner.policy().response_len;
@@ -414,6 +575,21 @@ impl GrpoUpdate {
         } else {
             None
         };
+        // The critic's values of the response tokens (0 elsewhere, as VeRL's compute_values).
+        let values = if self.critic.is_some() {
+            let t = Instant::now();
+            let mut v = self.values(critic_packed, n_rows)?;
+            for (v, m) in v.iter_mut().zip(&response_mask) {
+                *v *= m;
+            }
+            report
+                .metrics
+                .insert("timing_s/values".into(), t.elapsed().as_secs_f64());
+            Some(v)
+        } else {
+            None
+        };
+        let m = &mut report.metrics;
 
         // The rollout/learner mismatch: importance weights, rejected tokens, rollout_corr/*.
         let corrected = correct(
@@ -454,8 +630,12 @@ impl GrpoUpdate {
             l,
             &groups,
             baselines.as_deref(),
+            values.as_deref(),
         )?;
         add_critic_metrics(m, &sequence_scores(&token_scores, l), &adv, &response_mask);
+        if let Some(v) = &values {
+            add_value_metrics(m, v, &adv.returns, &response_mask);
+        }
         let mut loss_mask = response_mask;
         if self.config.mask_truncated_responses {
             let truncated: Vec<bool> = rows.iter().map(|x| x.truncated).collect();
@@ -483,6 +663,10 @@ impl GrpoUpdate {
             is_weights: corrected.weights,
             advantages,
             loss_mask,
+            returns: values
+                .is_some()
+                .then(|| adv.returns.iter().map(|r| *r as f32).collect()),
+            values,
         })
     }
 
@@ -495,65 +679,31 @@ impl GrpoUpdate {
         batch: &TokenArrays,
         report: &mut UpdateReport,
     ) -> Result<()> {
-        let l = self.learner.policy().response_len;
-        let mb = self.learner.policy().micro_batch_size;
-        let n_rows = rows.len();
         let t = Instant::now();
-        let mini = self.config.batches.mini_batch_samples();
-        let mut sums: BTreeMap<&'static str, f64> = BTreeMap::new();
-        let mut steps = 0u64;
-        let slice = |v: &[f32], rows: std::ops::Range<usize>| {
-            let mut v = v[rows.start * l..rows.end * l].to_vec();
-            v.resize(mb * l, 0.0);
-            v
-        };
-        for _epoch in 0..self.config.batches.epochs.max(1) {
-            let mut start = 0;
-            while start < n_rows {
-                let end = (start + mini).min(n_rows);
-                let norm = mini_batch_normalizer(&batch.loss_mask[start * l..end * l], l);
-                let mut micro = Vec::new();
-                let mut s = start;
-                while s < end {
-                    let e = (s + mb).min(end);
-                    // The packing of these rows from above (micro-batches align with
-                    // mini-batches), else a fresh one.
-                    let fresh;
-                    let p = match packed.get(s / mb) {
-                        Some(p) if s % mb == 0 && p.rows == e - s => p,
-                        _ => {
-                            fresh = self.learner.pack(&pairs(&rows[s..e]))?;
-                            &fresh
-                        }
-                    };
-                    let host = MicroBatchHost {
-                        old_log_probs: slice(&batch.old_lp, s..e),
-                        advantages: slice(&batch.advantages, s..e),
-                        response_mask: slice(&batch.loss_mask, s..e),
-                        ref_log_probs: batch.ref_lp.as_ref().map(|v| slice(v, s..e)),
-                        rollout_is_weights: batch.is_weights.as_ref().map(|v| slice(v, s..e)),
-                        norm,
-                        inputs: Vec::new(),
-                    };
-                    micro.push(self.learner.upload(micro.len(), p, &host)?);
-                    report.processed_tokens += (e - s) * p.width();
-                    s = e;
-                }
-                let lr = learning_rate(&self.config.step.optim, self.optimizer_steps);
-                let metrics = self.learner.step(&micro, lr)?;
-                self.optimizer_steps += 1;
-                steps += 1;
-                for (name, v) in &metrics.values {
-                    *sums.entry(name).or_default() += v;
-                }
-                report.trained_tokens += norm.0 as usize;
-                start = end;
-            }
-        }
+        let passes = mini_batches(
+            &mut self.learner,
+            &self.config.batches,
+            &self.config.step.optim,
+            &mut self.optimizer_steps,
+            rows,
+            packed,
+            &batch.loss_mask,
+            |slice| MicroBatchHost {
+                old_log_probs: slice(&batch.old_lp),
+                advantages: slice(&batch.advantages),
+                response_mask: slice(&batch.loss_mask),
+                ref_log_probs: batch.ref_lp.as_deref().map(slice),
+                rollout_is_weights: batch.is_weights.as_deref().map(slice),
+                ..Default::default()
+            },
+        )?;
+        report.optimizer_steps = passes.steps;
+        report.trained_tokens = passes.trained_tokens;
+        report.processed_tokens = passes.processed_tokens;
         let m = &mut report.metrics;
         m.insert("timing_s/update_actor".into(), t.elapsed().as_secs_f64());
-        for (name, sum) in sums {
-            let v = sum / steps.max(1) as f64;
+        for (name, sum) in passes.sums {
+            let v = sum / passes.steps.max(1) as f64;
             let key = match name {
                 "update_applied" => "actor/update_applied_frac".to_string(),
                 other => format!("actor/{other}"),
@@ -568,7 +718,6 @@ impl GrpoUpdate {
         if let Some(kl) = kl {
             m.insert("actor/kl".into(), kl);
         }
-        report.optimizer_steps = steps;
         Ok(())
     }
 
@@ -617,6 +766,83 @@ struct TokenArrays {
     is_weights: Option<Vec<f32>>,
     advantages: Vec<f32>,
     loss_mask: Vec<f32>,
+    /// With a critic: its values when the batch was made, and GAE's returns.
+    values: Option<Vec<f32>>,
+    returns: Option<Vec<f32>>,
+}
+
+/// What [`mini_batches`] did: each step metric summed over its optimizer steps, how many it
+/// took, and the tokens it trained on and processed (as [`UpdateReport`] counts them).
+#[derive(Default)]
+struct Passes {
+    sums: BTreeMap<&'static str, f64>,
+    steps: u64,
+    trained_tokens: usize,
+    processed_tokens: usize,
+}
+
+/// `plan.epochs` passes over mini-batches of `rows` (the same loop for the actor and the
+/// critic), one optimizer step of `learner` each at the learning rate of `optim`'s schedule at
+/// `clock` (advanced per step); `host` builds a micro-batch's per-token arrays from a function
+/// that cuts a `[rows, L]` array to the micro-batch's rows (padded to the micro-batch).
+#[allow(clippy::too_many_arguments)]
+fn mini_batches(
+    learner: &mut BucketedLearner,
+    plan: &BatchPlan,
+    optim: &OptimConfig,
+    clock: &mut u64,
+    rows: &[&Row],
+    packed: &[PackedMicroBatch],
+    loss_mask: &[f32],
+    host: impl Fn(&dyn Fn(&[f32]) -> Vec<f32>) -> MicroBatchHost,
+) -> Result<Passes> {
+    let l = learner.policy().response_len;
+    let mb = learner.policy().micro_batch_size;
+    let n_rows = rows.len();
+    let mini = plan.mini_batch_samples();
+    let mut out = Passes::default();
+    for _epoch in 0..plan.epochs.max(1) {
+        let mut start = 0;
+        while start < n_rows {
+            let end = (start + mini).min(n_rows);
+            let norm = mini_batch_normalizer(&loss_mask[start * l..end * l], l);
+            let mut micro = Vec::new();
+            let mut s = start;
+            while s < end {
+                let e = (s + mb).min(end);
+                // The packing of these rows from above (micro-batches align with
+                // mini-batches), else a fresh one.
+                let fresh;
+                let p = match packed.get(s / mb) {
+                    Some(p) if s % mb == 0 && p.rows == e - s => p,
+                    _ => {
+                        fresh = learner.pack(&pairs(&rows[s..e]))?;
+                        &fresh
+                    }
+                };
+                let slice = |v: &[f32]| {
+                    let mut v = v[s * l..e * l].to_vec();
+                    v.resize(mb * l, 0.0);
+                    v
+                };
+                let mut arrays = host(&slice);
+                arrays.norm = norm;
+                micro.push(learner.upload(micro.len(), p, &arrays)?);
+                out.processed_tokens += (e - s) * p.width();
+                s = e;
+            }
+            let lr = learning_rate(optim, *clock);
+            let metrics = learner.step(&micro, lr)?;
+            *clock += 1;
+            out.steps += 1;
+            for (name, v) in &metrics.values {
+                *out.sums.entry(name).or_default() += v;
+            }
+            out.trained_tokens += norm.0 as usize;
+            start = end;
+        }
+    }
+    Ok(out)
 }
 
 fn pairs<'a>(rows: &[&'a Row]) -> Vec<(&'a [u32], &'a [u32])> {
@@ -660,6 +886,43 @@ fn add_critic_metrics(
     };
     put("advantages", &mut on_tokens(&adv.advantages).into_iter());
     put("returns", &mut on_tokens(&adv.returns).into_iter());
+}
+
+/// VeRL's critic metrics of a batch (`compute_data_metrics` with a critic): the values over
+/// the response tokens, and how much of the returns' variance they explain,
+/// `1 - var(returns - values) / (var(returns) + 1e-5)` (unbiased variances, as torch's).
+fn add_value_metrics(m: &mut BTreeMap<String, f64>, values: &[f32], returns: &[f64], response_mask: &[f32]) {
+    let on: Vec<(f64, f64)> = values
+        .iter()
+        .zip(returns)
+        .zip(response_mask)
+        .filter(|(_, m)| **m != 0.0)
+        .map(|((v, r), _)| (*v as f64, *r))
+        .collect();
+    if on.is_empty() {
+        return;
+    }
+    let n = on.len() as f64;
+    let var = |x: &dyn Fn(&(f64, f64)) -> f64| {
+        let mean = on.iter().map(x).sum::<f64>() / n;
+        on.iter().map(|p| (x(p) - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0)
+    };
+    m.insert(
+        "critic/values/mean".into(),
+        on.iter().map(|p| p.0).sum::<f64>() / n,
+    );
+    m.insert(
+        "critic/values/max".into(),
+        on.iter().map(|p| p.0).fold(f64::NEG_INFINITY, f64::max),
+    );
+    m.insert(
+        "critic/values/min".into(),
+        on.iter().map(|p| p.0).fold(f64::INFINITY, f64::min),
+    );
+    m.insert(
+        "critic/vf_explained_var".into(),
+        1.0 - var(&|p| p.1 - p.0) / (var(&|p| p.1) + 1e-5),
+    );
 }
 
 #[cfg(test)]

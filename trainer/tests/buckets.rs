@@ -50,6 +50,7 @@ fn policy() -> DecoderPolicy {
         remat: false,
         lora: None,
         lora_form: Default::default(),
+        head: Default::default(),
     }
 }
 
@@ -67,6 +68,7 @@ fn step_cfg(loss: PolicyLossConfig, parallel: Parallelism) -> StepConfig {
         response_len: RESPONSE as i64,
         parallel,
         frozen: Vec::new(),
+        value_loss: None,
     }
 }
 
@@ -167,6 +169,8 @@ fn step(l: &mut BucketedLearner, rows: &[&Sample]) -> (StepMetrics, Vec<f32>) {
                 rollout_is_weights: Some(per_token(chunk, |s, j| s.is_weights[j])),
                 norm,
                 inputs: Vec::new(),
+                values: None,
+                returns: None,
             };
             l.upload(k, p, &host).unwrap()
         })

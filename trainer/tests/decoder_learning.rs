@@ -83,6 +83,7 @@ fn train(seed: u64, steps: usize, check_alignment: bool) -> Vec<f64> {
         remat: false,
         lora: None,
         lora_form: Default::default(),
+        head: Default::default(),
     };
     let specs = policy.param_specs();
     let cfg = StepConfig {
@@ -98,6 +99,7 @@ fn train(seed: u64, steps: usize, check_alignment: bool) -> Vec<f64> {
         response_len: 1,
         parallel: Default::default(),
         frozen: Vec::new(),
+        value_loss: None,
     };
     let programs =
         build_train_programs(&cfg, &specs, &policy.input_specs(), |p, b| policy.log_probs(p, b)).unwrap();

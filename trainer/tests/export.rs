@@ -83,6 +83,7 @@ fn trained_checkpoint(output: &Path, model_path: &Path) -> (PathBuf, Vec<Vec<f32
         remat: false,
         lora: None,
         lora_form: Default::default(),
+        head: Default::default(),
     };
     let specs = policy.param_specs();
     let params: Vec<Vec<f32>> = source

@@ -1,13 +1,15 @@
 //! The gradient of the full GRPO actor loss (PPO clip with clip-higher and dual clip,
 //! truncated importance weights, k3 KL to a reference, entropy bonus, seq-mean-token-mean
 //! aggregation), and of the same loss with every other surrogate, through a tiny
-//! embedding/tanh/projection policy, against central finite differences in f64.
+//! embedding/tanh/projection policy, against central finite differences in f64; and the
+//! critic's clipped value loss through a tiny embedding/tanh/value-head model.
 
 mod support;
 
 use support::{client, tiny_policy, Rng};
+use trainer::config::ValueLossConfig;
 use trainer::config::{KlPenalty, LossAggMode, PolicyLossConfig, PolicyLossMode};
-use trainer::loss::{actor_loss, LossInputs, Normalizer};
+use trainer::loss::{actor_loss, value_loss, LossInputs, Normalizer};
 use xla::graph::{grad, Graph, Tensor};
 use xla::runtime::Buffer;
 use xla::DType;
@@ -194,4 +196,100 @@ fn check_gradient(cfg: &PolicyLossConfig) -> Vec<Vec<f64>> {
     eprintln!("max |ad - fd| = {max_err:e}, max |fd| = {max_g}");
     assert!(max_g > 1e-3, "the gradient is trivially small");
     res
+}
+
+fn value_loss_graph(with_grad: bool, cfg: &ValueLossConfig) -> xla::graph::Program {
+    let g = Graph::new(if with_grad {
+        "value_loss_grad"
+    } else {
+        "value_loss"
+    });
+    let emb = g.parameter("emb", DType::F64, &[V, H]);
+    let head = g.parameter("head", DType::F64, &[H, 1]);
+    let ids = g.parameter("ids", DType::I32, &[B, L]);
+    let bl = [B, L];
+    let values = g.parameter("values", DType::F64, &bl);
+    let returns = g.parameter("returns", DType::F64, &bl);
+    let mask = g.parameter("mask", DType::F64, &bl);
+    let vpreds = emb.take(&ids, 0).tanh().matmul(&head).reshape(&bl);
+    let loss = value_loss(cfg, &vpreds, &values, &returns, &mask, &Normalizer::local(&mask));
+    let mut outs = vec![loss.vf_loss.clone(), loss.vf_clipfrac.clone()];
+    if with_grad {
+        outs.extend(grad(&loss.vf_loss, &[&emb, &head]).unwrap());
+    }
+    let refs: Vec<&Tensor> = outs.iter().collect();
+    g.build(&refs).unwrap()
+}
+
+/// The clipped value loss in every aggregation mode, with some predictions beyond the clip
+/// (where the clipped term, constant in the parameters, takes over) and some inside.
+#[test]
+fn value_loss_gradient_matches_finite_differences() {
+    for agg in [
+        LossAggMode::TokenMean,
+        LossAggMode::SeqMeanTokenSum,
+        LossAggMode::SeqMeanTokenMean,
+        LossAggMode::SeqMeanTokenSumNorm,
+    ] {
+        let cfg = ValueLossConfig {
+            cliprange_value: 0.2,
+            loss_agg_mode: agg,
+        };
+        let mut rng = Rng::new(11);
+        let n = (B * L) as usize;
+        let mut params = [
+            rng.vec((V * H) as usize, -1.0, 1.0),
+            rng.vec(H as usize, -1.0, 1.0),
+        ];
+        let ids: Vec<i32> = (0..n).map(|_| rng.below(V as u64) as i32).collect();
+        let values = rng.vec(n, -1.0, 1.0);
+        let returns = rng.vec(n, -1.5, 1.5);
+        let mask = vec![1., 1., 1., 1., 1., 1., 0., 0., 1., 1., 1., 0.];
+        let c = client();
+        let up = |v: &[f64], d: &[i64]| c.buffer_from_host(v, d, 0).unwrap();
+        let fixed = [
+            c.buffer_from_host(&ids, &[B, L], 0).unwrap(),
+            up(&values, &[B, L]),
+            up(&returns, &[B, L]),
+            up(&mask, &[B, L]),
+        ];
+        let with_grad = value_loss_graph(true, &cfg).compile(c).unwrap();
+        let loss_only = value_loss_graph(false, &cfg).compile(c).unwrap();
+        let run = |exe: &xla::runtime::Executable, p: &[Vec<f64>; 2]| -> Vec<Vec<f64>> {
+            let (e, h) = (up(&p[0], &[V, H]), up(&p[1], &[H, 1]));
+            let mut args: Vec<&Buffer> = vec![&e, &h];
+            args.extend(fixed.iter());
+            exe.execute(&args)
+                .unwrap()
+                .iter()
+                .map(|b| b.to_host::<f64>().unwrap())
+                .collect()
+        };
+        let res = run(&with_grad, &params);
+        let clipfrac = res[1][0];
+        assert!(
+            clipfrac > 0.0 && clipfrac < 1.0,
+            "{agg:?}: clip fraction {clipfrac}: the data must clip some tokens and not others"
+        );
+        let eps = 1e-6;
+        let mut max_g: f64 = 0.0;
+        for which in 0..2 {
+            for i in 0..params[which].len() {
+                let orig = params[which][i];
+                params[which][i] = orig + eps;
+                let plus = run(&loss_only, &params)[0][0];
+                params[which][i] = orig - eps;
+                let minus = run(&loss_only, &params)[0][0];
+                params[which][i] = orig;
+                let fd = (plus - minus) / (2.0 * eps);
+                let ad = res[2 + which][i];
+                max_g = max_g.max(fd.abs());
+                assert!(
+                    (ad - fd).abs() <= 1e-7 + 1e-6 * fd.abs(),
+                    "{agg:?}: param {which} element {i}: autodiff {ad}, finite difference {fd}"
+                );
+            }
+        }
+        assert!(max_g > 1e-3, "{agg:?}: the gradient is trivially small");
+    }
 }

@@ -57,6 +57,7 @@ fn train(seed: u64, steps: usize) -> Vec<f64> {
         response_len: 1,
         parallel: Default::default(),
         frozen: Vec::new(),
+        value_loss: None,
     };
     let programs = build_train_programs(&cfg, &specs, &inputs, |p, b| {
         let (lp, ent) = tiny_policy(p, b);

@@ -76,6 +76,7 @@ fn policy_in_blocks(config: &ModelConfig, lora: Option<LoraConfig>, blocks: usiz
         remat: false,
         lora,
         lora_form: Default::default(),
+        head: Default::default(),
     }
 }
 
@@ -107,6 +108,7 @@ fn learner_over(
         response_len: 2,
         parallel,
         frozen: policy.frozen_specs(),
+        value_loss: None,
     };
     let specs = policy.param_specs();
     let programs =
@@ -281,6 +283,7 @@ fn the_reference_is_the_base_without_adapters() {
             response_len: 2,
             parallel: Default::default(),
             frozen: lora_policy.frozen_specs(),
+            value_loss: None,
         };
         let specs = lora_policy.param_specs();
         let programs = build_train_programs(&cfg, &specs, &lora_policy.input_specs(), |p, b| {

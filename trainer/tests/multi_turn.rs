@@ -40,6 +40,7 @@ fn update() -> GrpoUpdate {
         remat: false,
         lora: None,
         lora_form: Default::default(),
+        head: Default::default(),
     };
     let config = UpdateConfig {
         step: StepConfig {
@@ -53,6 +54,7 @@ fn update() -> GrpoUpdate {
             response_len: RESPONSE as i64,
             parallel: Parallelism::default(),
             frozen: Vec::new(),
+            value_loss: None,
         },
         batches: BatchPlan {
             prompts_per_step: 2,
@@ -71,6 +73,7 @@ fn update() -> GrpoUpdate {
         rollout_correction: RolloutCorrection::default(),
         length_bucket: 0,
         max_consecutive_nonfinite: 3,
+        critic: None,
     };
     let initial: Vec<Vec<f32>> = random_init(&tiny_llama(), 5)
         .tensors
@@ -85,6 +88,7 @@ fn update() -> GrpoUpdate {
         Vec::new(),
         None,
         UpdateClocks::default(),
+        None,
     )
     .unwrap()
 }

@@ -52,6 +52,7 @@ fn policy(config: &ModelConfig, group_size: usize, remat: bool) -> DecoderPolicy
         remat,
         lora: None,
         lora_form: Default::default(),
+        head: Default::default(),
     }
 }
 

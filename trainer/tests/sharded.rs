@@ -77,6 +77,7 @@ fn policy_of(config: &ModelConfig, micro_batch_size: usize, blocks: usize) -> De
         remat: false,
         lora: None,
         lora_form: Default::default(),
+        head: Default::default(),
     }
 }
 
@@ -103,6 +104,7 @@ fn step_cfg_as(micro_batch_size: usize, parallel: Parallelism, compute_dtype: DT
         response_len: RESPONSE as i64,
         parallel,
         frozen: Vec::new(),
+        value_loss: None,
     }
 }
 
@@ -180,6 +182,8 @@ fn micro(b: &Batch, start: usize, rows: usize, blocks: usize) -> MicroBatchHost 
         rollout_is_weights: None,
         norm: mini_batch_normalizer(&b.response_mask, RESPONSE),
         inputs: packed.inputs(),
+        values: None,
+        returns: None,
     }
 }
 

@@ -84,6 +84,7 @@ fn step_cfg(loss: PolicyLossConfig, grad_clip: Option<f64>, rows: i64, dtype: DT
         response_len: L,
         parallel: Default::default(),
         frozen: Vec::new(),
+        value_loss: None,
     }
 }
 
@@ -155,6 +156,8 @@ fn micro(d: &Data, start: usize, rows: usize) -> MicroBatchHost {
             HostArray::I32(d.ids[a..b].to_vec()),
             HostArray::I32(d.targets[a..b].to_vec()),
         ],
+        values: None,
+        returns: None,
     }
 }
 

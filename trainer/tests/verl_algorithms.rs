@@ -1,4 +1,5 @@
-//! Every advantage estimator and policy loss against VeRL's own function on the same inputs:
+//! Every advantage estimator (GAE included), policy loss and the critic's value loss against
+//! VeRL's own function on the same inputs:
 //! `fixtures/verl_algorithms.json` holds VeRL's outputs, made by
 //! `fixtures/make_verl_algorithms.py` (VeRL commit recorded in the fixture).
 //!
@@ -11,8 +12,9 @@ mod support;
 use serde_json::Value;
 use support::{assert_close, eval, In};
 use trainer::advantage::compute_advantages;
+use trainer::config::ValueLossConfig;
 use trainer::config::{AdvantageConfig, AdvantageEstimator, LossAggMode, PolicyLossConfig, PolicyLossMode};
-use trainer::loss::{policy_loss, Normalizer};
+use trainer::loss::{policy_loss, value_loss, Normalizer};
 
 const VERL_COMMIT: &str = "b178a3cd56f58b2d502255daba591e92833930a7";
 
@@ -46,6 +48,7 @@ fn every_estimator_matches_verls() {
             estimator,
             norm_adv_by_std_in_grpo: case["norm_adv_by_std_in_grpo"].as_bool().unwrap(),
             gamma: case["gamma"].as_f64().unwrap(),
+            lam: case.get("lam").and_then(Value::as_f64).unwrap_or(1.0),
         };
         let rewards: Vec<f32> = floats(&case["token_level_rewards"])
             .iter()
@@ -60,7 +63,19 @@ fn every_estimator_matches_verls() {
             .collect();
         let l = mask.len() / index.len();
         let baselines = (!case["reward_baselines"].is_null()).then(|| floats(&case["reward_baselines"]));
-        let got = compute_advantages(&cfg, &rewards, &mask, l, &index, baselines.as_deref()).unwrap();
+        let values: Option<Vec<f32>> = case
+            .get("values")
+            .map(|v| floats(v).iter().map(|x| *x as f32).collect());
+        let got = compute_advantages(
+            &cfg,
+            &rewards,
+            &mask,
+            l,
+            &index,
+            baselines.as_deref(),
+            values.as_deref(),
+        )
+        .unwrap();
         let what = format!("case {k} ({})", case["estimator"]);
         assert_close(
             &format!("{what} advantages"),
@@ -76,6 +91,7 @@ fn every_estimator_matches_verls() {
         );
     }
     let want = [
+        "gae",
         "gpg",
         "grpo",
         "grpo_passk",
@@ -152,4 +168,47 @@ fn every_policy_loss_matches_verls() {
         "cispo", "clip_cov", "geo_mean", "gpg", "kl_cov", "sapo", "vanilla",
     ];
     assert_eq!(seen.into_iter().collect::<Vec<_>>(), want);
+}
+
+#[test]
+fn the_value_loss_matches_verls() {
+    let f = fixture();
+    let cases = f["value_losses"].as_array().unwrap();
+    let mut modes = std::collections::BTreeSet::new();
+    for (k, case) in cases.iter().enumerate() {
+        let agg: LossAggMode = name(&case["loss_agg_mode"]);
+        modes.insert(case["loss_agg_mode"].as_str().unwrap().to_string());
+        let cfg = ValueLossConfig {
+            cliprange_value: case["cliprange_value"].as_f64().unwrap(),
+            loss_agg_mode: agg,
+        };
+        let mask = floats(&case["response_mask"]);
+        let rows = 12i64;
+        let dims = [rows, mask.len() as i64 / rows];
+        let (vpreds, values, returns) = (
+            floats(&case["vpreds"]),
+            floats(&case["values"]),
+            floats(&case["returns"]),
+        );
+        let inputs = [
+            In::F64(&vpreds, &dims),
+            In::F64(&values, &dims),
+            In::F64(&returns, &dims),
+            In::F64(&mask, &dims),
+        ];
+        let out = eval(&inputs, |_, t| {
+            let v = value_loss(&cfg, &t[0], &t[1], &t[2], &t[3], &Normalizer::local(&t[3]));
+            vec![v.vf_loss, v.vf_clipfrac]
+        });
+        let what = format!("case {k} ({agg:?}, cliprange_value {})", cfg.cliprange_value);
+        let want = |key: &str| [case[key].as_f64().unwrap()];
+        assert_close(&format!("{what} vf_loss"), &out[0], &want("vf_loss"), 1e-8);
+        assert_close(
+            &format!("{what} vf_clipfrac"),
+            &out[1],
+            &want("vf_clipfrac"),
+            1e-8,
+        );
+    }
+    assert_eq!(modes.len(), 4, "every aggregation mode is covered");
 }

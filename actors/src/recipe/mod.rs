@@ -39,6 +39,9 @@ pub struct Recipe {
     pub algorithm: AlgorithmSection,
     #[serde(default)]
     pub actor: ActorSection,
+    /// `critic:` PPO's value model (read with `algorithm.adv_estimator: gae`).
+    #[serde(default)]
+    pub critic: CriticSection,
     #[serde(default)]
     pub trainer: TrainerSection,
     #[serde(default)]
@@ -273,9 +276,13 @@ pub struct AlgorithmSection {
     /// Divide GRPO advantages by the group's standard deviation (false: Dr. GRPO).
     #[serde(default = "default_true")]
     pub norm_adv_by_std_in_grpo: bool,
-    /// Discount of `reinforce_plus_plus`'s token returns.
+    /// Discount of `reinforce_plus_plus`'s and `gae`'s token returns.
     #[serde(default = "default_gamma")]
     pub gamma: f64,
+    /// GAE's λ (`adv_estimator: gae`): 1 the Monte Carlo return, 0 the critic's one-step
+    /// bootstrap.
+    #[serde(default = "default_lam")]
+    pub lam: f64,
     /// Subtract `kl_coef` x KL(policy || reference) from the token rewards.
     #[serde(default)]
     pub use_kl_in_reward: bool,
@@ -637,6 +644,53 @@ impl Recipe {
     }
 }
 
+/// `critic:` PPO's value model (VeRL's `critic.*`): a copy of the policy's trunk (or
+/// `model.path`'s) with a value head, trained towards GAE's returns with its own optimizer and
+/// mini-batches. Read only with `algorithm.adv_estimator: gae`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CriticSection {
+    /// The critic's model.
+    #[serde(default)]
+    pub model: CriticModelSection,
+    /// AdamW and its schedule for the critic (the keys and defaults of `actor.optim`).
+    #[serde(default)]
+    pub optim: OptimSection,
+    /// Clip the critic's global gradient norm to this value (null: `actor.grad_clip`).
+    #[serde(default)]
+    pub grad_clip: Option<f64>,
+    /// How far a value prediction may move from the batch's value before the clipped term
+    /// takes over.
+    #[serde(default = "default_cliprange_value")]
+    pub cliprange_value: f64,
+    /// How token value losses are averaged (null: `actor.loss_agg_mode`).
+    #[serde(default)]
+    pub loss_agg_mode: Option<LossAggMode>,
+    /// Prompts per critic optimizer step (null: `actor.ppo_mini_batch_size`).
+    #[serde(default)]
+    pub ppo_mini_batch_size: Option<usize>,
+    /// Samples per critic forward/backward pass (null: `actor.ppo_micro_batch_size`).
+    #[serde(default)]
+    pub ppo_micro_batch_size: Option<usize>,
+    /// Passes over each step's samples (null: `actor.ppo_epochs`).
+    #[serde(default)]
+    pub ppo_epochs: Option<usize>,
+}
+
+/// `critic.model`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct CriticModelSection {
+    /// The model whose trunk the critic starts from (a Hugging Face directory or GGUF file with
+    /// the policy's vocabulary; null: `model.path`). Its value head starts fresh.
+    #[serde(default)]
+    pub path: Option<String>,
+    /// Recompute each layer in the critic's backward pass (null:
+    /// `model.enable_gradient_checkpointing`).
+    #[serde(default)]
+    pub enable_gradient_checkpointing: Option<bool>,
+}
+
 /// `actor.optim`: AdamW and its schedule.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -737,6 +791,10 @@ pub struct TrainerSection {
     /// 1 overlaps generation of step k+1 with the update of step k.
     #[serde(default)]
     pub off_policy_steps: usize,
+    /// PPO (`algorithm.adv_estimator: gae`): the first steps in which only the critic trains;
+    /// the actor trains from step `critic_warmup` on (VeRL's rule).
+    #[serde(default)]
+    pub critic_warmup: u64,
     /// Where checkpoints, metrics and plots go (`--output` overrides).
     #[serde(default = "default_output_dir")]
     pub output_dir: String,
@@ -1158,6 +1216,12 @@ fn default_rollout_is_threshold() -> f64 {
 fn default_gamma() -> f64 {
     trainer::config::AdvantageConfig::default().gamma
 }
+fn default_lam() -> f64 {
+    trainer::config::AdvantageConfig::default().lam
+}
+fn default_cliprange_value() -> f64 {
+    trainer::config::ValueLossConfig::default().cliprange_value
+}
 fn default_lr() -> f64 {
     optim_defaults().lr
 }
@@ -1252,6 +1316,7 @@ default_from_serde!(
     AlgorithmSection,
     RolloutCorrectionSection,
     ActorSection,
+    CriticSection,
     OptimSection,
     PolicyLossSection,
     TrainerSection,

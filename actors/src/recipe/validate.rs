@@ -368,6 +368,7 @@ pub(crate) fn validate(r: &Recipe, text: &str, file: &str, overrides: &[String])
         );
     }
     check_algorithm_knobs(&mut c, r);
+    check_critic(&mut c, r);
     check_lora(&mut c, r);
     check_multi_turn(&mut c, r);
     check_rollout_correction(&mut c, r);
@@ -1130,6 +1131,133 @@ fn check_lora(c: &mut Checker, r: &Recipe) {
     );
 }
 
+/// PPO's critic: its section and warm-up are read only with `gae`, and its sizes obey the
+/// actor's rules.
+fn check_critic(c: &mut Checker, r: &Recipe) {
+    let (cr, a) = (&r.critic, &r.actor);
+    if !r.algorithm.adv_estimator.needs_critic() {
+        let unset = super::CriticSection::default();
+        let sections: [(&str, bool); 9] = [
+            ("critic.model", cr.model == unset.model),
+            ("critic.optim", cr.optim == unset.optim),
+            ("critic.grad_clip", cr.grad_clip == unset.grad_clip),
+            (
+                "critic.cliprange_value",
+                cr.cliprange_value == unset.cliprange_value,
+            ),
+            ("critic.loss_agg_mode", cr.loss_agg_mode == unset.loss_agg_mode),
+            (
+                "critic.ppo_mini_batch_size",
+                cr.ppo_mini_batch_size == unset.ppo_mini_batch_size,
+            ),
+            (
+                "critic.ppo_micro_batch_size",
+                cr.ppo_micro_batch_size == unset.ppo_micro_batch_size,
+            ),
+            ("critic.ppo_epochs", cr.ppo_epochs == unset.ppo_epochs),
+            ("trainer.critic_warmup", r.trainer.critic_warmup == 0),
+        ];
+        for (key, unset) in sections {
+            c.check(
+                unset,
+                key,
+                "(set)",
+                "is read only with algorithm.adv_estimator: gae (PPO's critic)",
+            );
+        }
+        return;
+    }
+    let (mini, micro) = (
+        cr.ppo_mini_batch_size.unwrap_or(a.ppo_mini_batch_size),
+        cr.ppo_micro_batch_size.unwrap_or(a.ppo_micro_batch_size),
+    );
+    c.check(
+        mini >= 1,
+        "critic.ppo_mini_batch_size",
+        mini,
+        "must be at least 1",
+    );
+    c.check(
+        micro >= 1,
+        "critic.ppo_micro_batch_size",
+        micro,
+        "must be at least 1",
+    );
+    c.check(
+        cr.ppo_epochs.unwrap_or(1) >= 1,
+        "critic.ppo_epochs",
+        cr.ppo_epochs.unwrap_or(1),
+        "must be at least 1",
+    );
+    let train = r.data.train_batch_size;
+    if mini >= 1 && train >= 1 {
+        c.check(
+            train.is_multiple_of(mini),
+            "critic.ppo_mini_batch_size",
+            mini,
+            &format!("must divide data.train_batch_size ({train}) so every mini-batch is full"),
+        );
+    }
+    let seqs = mini * r.rollout.n;
+    if micro >= 1 && seqs >= 1 {
+        c.check(
+            seqs.is_multiple_of(micro),
+            "critic.ppo_micro_batch_size",
+            micro,
+            &format!(
+                "must divide the sequences of a critic mini-batch (critic.ppo_mini_batch_size x \
+                 rollout.n = {mini} x {} = {seqs})",
+                r.rollout.n
+            ),
+        );
+    }
+    if let Ok(data) = a
+        .parallelism(&r.cluster)
+        .data_devices(a.ppo_micro_batch_size as i64)
+    {
+        if micro >= 1 && data > 1 {
+            c.check(
+                micro.is_multiple_of(data),
+                "critic.ppo_micro_batch_size",
+                micro,
+                &format!(
+                    "must divide by {data}, the learner's data devices: the critic splits each \
+                     micro-batch's rows over them as the actor does"
+                ),
+            );
+        }
+    }
+    c.check(
+        cr.cliprange_value > 0.0,
+        "critic.cliprange_value",
+        cr.cliprange_value,
+        "must be above 0",
+    );
+    let grad_clip = cr.grad_clip.unwrap_or(a.grad_clip);
+    c.check(
+        grad_clip >= 0.0,
+        "critic.grad_clip",
+        grad_clip,
+        "must be 0 (none) or more",
+    );
+    let optim = super::ActorSection {
+        optim: cr.optim.clone(),
+        ..a.clone()
+    }
+    .optim_config(1);
+    for v in optim.violations() {
+        if let trainer::TrainerError::Config { key, value, message } = v {
+            c.check(false, &key.replacen("actor.", "critic.", 1), value, &message);
+        }
+    }
+    c.check(
+        cr.optim.weight_decay >= 0.0,
+        "critic.optim.weight_decay",
+        cr.optim.weight_decay,
+        "must be 0 or more",
+    );
+}
+
 /// The knobs of one estimator or loss set while another is chosen would silently do nothing;
 /// each is refused unless its owner is chosen (VeRL reads them only there too).
 fn check_algorithm_knobs(c: &mut Checker, r: &Recipe) {
@@ -1137,13 +1265,23 @@ fn check_algorithm_knobs(c: &mut Checker, r: &Recipe) {
     let defaults = trainer::config::PolicyLossConfig::default();
     let mode = a.policy_loss.loss_mode;
     let unset = |v: f64, d: f64| v == d;
-    let owned: [(&str, f64, f64, bool, &str); 8] = [
+    let owned: [(&str, f64, f64, bool, &str); 9] = [
         (
             "algorithm.gamma",
             al.gamma,
             trainer::config::AdvantageConfig::default().gamma,
-            al.adv_estimator == AdvantageEstimator::ReinforcePlusPlus,
-            "algorithm.adv_estimator: reinforce_plus_plus",
+            matches!(
+                al.adv_estimator,
+                AdvantageEstimator::ReinforcePlusPlus | AdvantageEstimator::Gae
+            ),
+            "algorithm.adv_estimator: reinforce_plus_plus or gae",
+        ),
+        (
+            "algorithm.lam",
+            al.lam,
+            trainer::config::AdvantageConfig::default().lam,
+            al.adv_estimator == AdvantageEstimator::Gae,
+            "algorithm.adv_estimator: gae",
         ),
         (
             "actor.tau_pos",
@@ -1208,6 +1346,12 @@ fn check_algorithm_knobs(c: &mut Checker, r: &Recipe) {
         "algorithm.gamma",
         al.gamma,
         "a discount: must be in [0, 1]",
+    );
+    c.check(
+        (0.0..=1.0).contains(&al.lam),
+        "algorithm.lam",
+        al.lam,
+        "GAE's lambda: must be in [0, 1]",
     );
     c.check(
         al.adv_estimator != AdvantageEstimator::GrpoPassk || r.rollout.n >= 2,
@@ -1302,6 +1446,35 @@ mod tests {
     }
 
     #[test]
+    fn the_critic_is_read_only_with_gae_and_sized_like_the_actor() {
+        assert_eq!(
+            violations("algorithm:\n  lam: 0.9\ncritic:\n  cliprange_value: 0.2\ntrainer:\n  critic_warmup: 2\n"),
+            [
+                "r.yaml:6:3: `algorithm.lam` = 0.9: is read only with algorithm.adv_estimator: gae",
+                "r.yaml:8:3: `critic.cliprange_value` = (set): is read only with algorithm.adv_estimator: gae (PPO's critic)",
+                "r.yaml:10:3: `trainer.critic_warmup` = (set): is read only with algorithm.adv_estimator: gae (PPO's critic)",
+            ]
+        );
+        assert_eq!(
+            violations(
+                "algorithm:\n  adv_estimator: gae\n  lam: 1.5\ncritic:\n  ppo_mini_batch_size: 3\n  \
+                 ppo_micro_batch_size: 5\n  cliprange_value: 0\n  optim:\n    lr: -1\n"
+            ),
+            [
+                "r.yaml:7:3: `algorithm.lam` = 1.5: GAE's lambda: must be in [0, 1]",
+                "r.yaml:9:3: `critic.ppo_mini_batch_size` = 3: must divide data.train_batch_size (1024) so every mini-batch is full",
+                "r.yaml:10:3: `critic.ppo_micro_batch_size` = 5: must divide the sequences of a critic mini-batch (critic.ppo_mini_batch_size x rollout.n = 3 x 4 = 12)",
+                "r.yaml:11:3: `critic.cliprange_value` = 0: must be above 0",
+                "r.yaml:13:5: `critic.optim.lr` = -1: must be a finite number > 0",
+            ]
+        );
+        assert!(
+            violations("algorithm:\n  adv_estimator: gae\n  lam: 0.95\ntrainer:\n  critic_warmup: 3\n")
+                .is_empty()
+        );
+    }
+
+    #[test]
     fn estimator_and_loss_knobs_need_their_owner() {
         assert_eq!(
             violations(
@@ -1309,7 +1482,7 @@ mod tests {
                  clip_cov_ub: 3\n    kl_cov_ratio: 0\n"
             ),
             [
-                "r.yaml:6:3: `algorithm.gamma` = 0.9: is read only with algorithm.adv_estimator: reinforce_plus_plus",
+                "r.yaml:6:3: `algorithm.gamma` = 0.9: is read only with algorithm.adv_estimator: reinforce_plus_plus or gae",
                 "r.yaml:8:3: `actor.tau_pos` = 2: is read only with actor.policy_loss.loss_mode: sapo",
                 "r.yaml:11:5: `actor.policy_loss.clip_cov_ub` = 3: is read only with actor.policy_loss.loss_mode: clip_cov",
                 "r.yaml:12:5: `actor.policy_loss.kl_cov_ratio` = 0: a share of the tokens: must be in (0, 1]",

@@ -10,7 +10,9 @@ use crate::launcher::ray::RaySpec;
 use crate::launcher::{LaunchSpec, Launcher, LocalLauncher, RayLauncher, WorkerInfo};
 use crate::prepare::Prepared;
 use crate::recipe::{Recipe, TlsSection};
-use crate::roles::learner::{self, LearnerRole, LearnerWeights, LocalLearner, RemoteLearner, Synced};
+use crate::roles::learner::{
+    self, LearnerRole, LearnerStates, LearnerWeights, LocalLearner, RemoteLearner, Synced,
+};
 use crate::roles::reward::{LocalReward, RemoteReward, RewardDeadline, RewardRole};
 use crate::roles::rollout::{LocalRollout, RemoteRollout, RolloutRole, UpdateParams, WeightUpdate};
 use crate::roles::{Role, RoleError};
@@ -19,7 +21,6 @@ use model::ParamSpec;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
-use trainer::step::LearnerState;
 use trainer::update::{Row, UpdateClocks, UpdateReport};
 use xla::runtime::{Client, TransferStats};
 use xla::DType;
@@ -93,8 +94,8 @@ impl LearnerHandle {
         result.map_err(|e| self.failed(e, last_checkpoint))
     }
 
-    /// The learner's state, for a checkpoint.
-    pub async fn state(&self, last_checkpoint: Option<&Path>) -> Result<LearnerState, RunError> {
+    /// The learner's state (the critic's with it), for a checkpoint.
+    pub async fn state(&self, last_checkpoint: Option<&Path>) -> Result<LearnerStates, RunError> {
         let result = self.role.state().await;
         result.map_err(|e| self.failed(e, last_checkpoint))
     }
@@ -143,6 +144,7 @@ impl Assembly {
         prepared: &mut Prepared,
         client: &Client,
         specs: &[ParamSpec],
+        critic_specs: Option<&[ParamSpec]>,
         start: &mut super::checkpoint::Start,
         total_optimizer_steps: u64,
     ) -> Result<Assembly, RunError> {
@@ -177,6 +179,7 @@ impl Assembly {
             ),
         };
         let resume = start.state.take();
+        let critic_resume = start.critic_state.take();
         let rollout_dtype = setup::rollout_dtype(recipe);
         let rollout_tp = recipe.rollout.tensor_model_parallel_size;
         // With LoRA in the applied form an in-process engine holds the frozen base itself and
@@ -194,7 +197,7 @@ impl Assembly {
                 // The worker loads the model itself; this process needs no host copy of it.
                 prepared.model.weights.tensors = Vec::new();
                 let tls = cluster.tls.as_ref();
-                let remote = RemoteLearner::with_timeout(
+                let mut remote = RemoteLearner::with_timeout(
                     &w.address,
                     &dialer.token,
                     tls,
@@ -202,6 +205,13 @@ impl Assembly {
                     specs.to_vec(),
                     model::param_table(&prepared.model.weights.config),
                 )?;
+                if let Some(critic_specs) = critic_specs {
+                    remote = remote.with_critic(critic_specs.to_vec());
+                }
+                let resume = resume.map(|policy| LearnerStates {
+                    policy,
+                    critic: critic_resume,
+                });
                 remote
                     .start(resume, start.clocks, total_optimizer_steps)
                     .await
@@ -218,6 +228,7 @@ impl Assembly {
                     &prepared.model.weights.config,
                     initial,
                     resume,
+                    critic_resume,
                     start.clocks,
                     total_optimizer_steps,
                 )?;

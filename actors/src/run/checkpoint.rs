@@ -7,13 +7,15 @@ use crate::recipe::{Recipe, ResumeMode};
 use model::ParamSpec;
 use std::path::{Path, PathBuf};
 use trainer::checkpoint::{latest_checkpoint, load_checkpoint, save_checkpoint, TrainerState};
-use trainer::step::LearnerState;
+use trainer::step::{LearnerState, CRITIC_STATE_FILES};
 use trainer::update::UpdateClocks;
 
 /// The keys under which a checkpoint records the optimizer-step clock and the in-reward KL
 /// coefficient.
 const OPTIMIZER_STEPS_KEY: &str = "optimizer_steps";
 const KL_COEF_KEY: &str = "kl_coef";
+/// ... and PPO's critic's optimizer-step clock.
+const CRITIC_OPTIMIZER_STEPS_KEY: &str = "critic_optimizer_steps";
 /// The key under which a checkpoint records the recipe it was saved under (defaults resolved).
 const RECIPE_KEY: &str = "recipe";
 
@@ -65,6 +67,8 @@ pub(crate) struct Start {
     pub checkpoint: Option<PathBuf>,
     /// The learner's state in that checkpoint.
     pub state: Option<LearnerState>,
+    /// PPO's critic's state in that checkpoint.
+    pub critic_state: Option<LearnerState>,
     /// The last step done (0 for a new run).
     pub step: u64,
     /// The weight version at that step.
@@ -80,6 +84,7 @@ pub(crate) fn resume(
     recipe: &Recipe,
     output: &Path,
     specs: &[ParamSpec],
+    critic_specs: Option<&[ParamSpec]>,
     sampler: &mut data::Sampler,
 ) -> Result<Start, RunError> {
     let checkpoint = match recipe.trainer.resume_mode {
@@ -98,6 +103,9 @@ pub(crate) fn resume(
                 ),
             }
             let state = LearnerState::from_checkpoint(&ck, specs)?;
+            let critic_state = critic_specs
+                .map(|specs| LearnerState::from_checkpoint_as(&ck, specs, CRITIC_STATE_FILES))
+                .transpose()?;
             let position: data::SamplerState = serde_json::from_value(ck.state.sampler_position.clone())
                 .map_err(|e| RunError::Other(format!("{}: bad sampler position: {e}", dir.display())))?;
             sampler.restore(position)?;
@@ -109,11 +117,20 @@ pub(crate) fn resume(
                     .and_then(|v| v.as_u64())
                     .unwrap_or(0),
                 kl_coef: ck.state.extra.get(KL_COEF_KEY).and_then(|v| v.as_f64()),
+                critic_optimizer_steps: ck
+                    .state
+                    .extra
+                    .get(CRITIC_OPTIMIZER_STEPS_KEY)
+                    .and_then(|v| v.as_u64())
+                    .unwrap_or(0),
+                // One update per step.
+                updates: ck.state.step,
             };
             tracing::info!("resuming from {} (step {})", dir.display(), ck.state.step);
             Start {
                 checkpoint: Some(dir),
                 state: Some(state),
+                critic_state,
                 step: ck.state.step,
                 version: ck.state.weight_version,
                 clocks,
@@ -122,6 +139,7 @@ pub(crate) fn resume(
         None => Start {
             checkpoint: None,
             state: None,
+            critic_state: None,
             step: 0,
             version: 0,
             clocks: UpdateClocks::default(),
@@ -258,6 +276,7 @@ pub(crate) fn save(
     output: &Path,
     specs: &[ParamSpec],
     learner: LearnerState,
+    critic: Option<(&[ParamSpec], LearnerState)>,
     clocks: Clocks,
 ) -> Result<PathBuf, RunError> {
     let state = TrainerState {
@@ -270,11 +289,15 @@ pub(crate) fn save(
             trainer::export::LORA_KEY: recipe.actor.lora().map(|l| l.to_peft_json(&recipe.model.path)),
             OPTIMIZER_STEPS_KEY: clocks.update.optimizer_steps,
             KL_COEF_KEY: clocks.update.kl_coef,
+            CRITIC_OPTIMIZER_STEPS_KEY: clocks.update.critic_optimizer_steps,
             RECIPE_KEY: serde_json::to_value(recipe).map_err(|e| RunError::Other(e.to_string()))?,
         }),
     };
-    let files = learner.to_tensor_files(specs);
+    let mut files = learner.to_tensor_files(specs);
     drop(learner);
+    if let Some((specs, state)) = critic {
+        files.extend(state.to_tensor_files_as(specs, CRITIC_STATE_FILES));
+    }
     Ok(save_checkpoint(
         output,
         &state,

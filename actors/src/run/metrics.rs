@@ -144,7 +144,7 @@ pub(crate) fn step_metrics(o: &StepOutcome, step: u64, limits: MetricLimits) -> 
         "timing_per_token_ms/gen".into(),
         per_token(g.gen_s, response_tokens),
     );
-    for name in ["ref", "update_actor"] {
+    for name in ["ref", "values", "update_critic", "update_actor"] {
         if let Some(&seconds) = m.get(&format!("timing_s/{name}")) {
             m.insert(
                 format!("timing_per_token_ms/{name}"),

@@ -213,7 +213,10 @@ async fn train_async(
     };
     // The parameter table: the order of every weight stream and checkpoint.
     let specs = setup::policy(recipe, &config).param_specs();
-    let mut start = checkpoint::resume(recipe, &output, &specs, &mut sampler)?;
+    let critic_specs = setup::critic_model_config(recipe, &config)
+        .map_err(RunError::Other)?
+        .map(|c| setup::critic(recipe, &c).param_specs());
+    let mut start = checkpoint::resume(recipe, &output, &specs, critic_specs.as_deref(), &mut sampler)?;
     let resumed_from = start.step;
     let summary = |last_checkpoint| RunSummary {
         output: output.clone(),
@@ -232,6 +235,7 @@ async fn train_async(
         &mut prepared,
         &client,
         &specs,
+        critic_specs.as_deref(),
         &mut start,
         total_optimizer_steps,
     )
@@ -256,6 +260,7 @@ async fn train_async(
         prepared: &prepared,
         output: &output,
         specs: &specs,
+        critic_specs: critic_specs.as_deref(),
     };
     let result = tokio::select! {
         r = run.fit(steps, start_step, header, options) => r,
@@ -274,6 +279,8 @@ struct Run<'a> {
     prepared: &'a Prepared,
     output: &'a Path,
     specs: &'a [model::ParamSpec],
+    /// PPO's critic's parameter table.
+    critic_specs: Option<&'a [model::ParamSpec]>,
 }
 
 impl Run<'_> {
@@ -354,15 +361,26 @@ impl Run<'_> {
             if self.save_due(step, total_steps) {
                 progress.phase("saving a checkpoint");
                 let t = Instant::now();
-                let state = steps.learner().state(steps.last_checkpoint.as_deref()).await?;
+                let states = steps.learner().state(steps.last_checkpoint.as_deref()).await?;
+                let (state, critic) = match (self.critic_specs, states.critic) {
+                    (Some(specs), Some(critic)) => (states.policy, Some((specs, critic))),
+                    (None, None) => (states.policy, None),
+                    (want, _) => {
+                        return Err(RunError::Other(format!(
+                            "the learner {} a critic but the recipe {} one",
+                            if want.is_some() { "holds no" } else { "holds" },
+                            if want.is_some() { "needs" } else { "has no use for" }
+                        )))
+                    }
+                };
                 let clocks = Clocks {
                     step,
                     weight_version: outcome.version,
                     update: steps.learner().clocks(),
                     sampler: outcome.sampler,
                 };
-                let dir = checkpoint::save(self.recipe, self.output, self.specs, state, clocks).map_err(
-                    |e| match e {
+                let dir = checkpoint::save(self.recipe, self.output, self.specs, state, critic, clocks)
+                    .map_err(|e| match e {
                         RunError::Checkpoint(error) => RunError::Save {
                             step,
                             error,
@@ -370,8 +388,7 @@ impl Run<'_> {
                             resume: resume_point(steps.last_checkpoint.as_deref()),
                         },
                         other => other,
-                    },
-                )?;
+                    })?;
                 tracing::info!("saved {} in {:.1}s", dir.display(), t.elapsed().as_secs_f64());
                 steps.last_checkpoint = Some(dir);
             }

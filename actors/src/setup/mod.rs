@@ -18,7 +18,7 @@ use rollout::{Engine, EngineConfig, SamplingParams};
 use std::path::Path;
 use trainer::policy::DecoderPolicy;
 use trainer::step::StepConfig;
-use trainer::update::{BatchPlan, UpdateConfig};
+use trainer::update::{BatchPlan, CriticConfig, UpdateConfig};
 use xla::runtime::{CacheConfig, Client, ClientOptions, OptionValue};
 
 /// The client for `cluster.device` (plugin from `cluster.plugin_path` or discovered). On CPU it
@@ -306,6 +306,7 @@ pub fn policy(recipe: &Recipe, config: &model::ModelConfig) -> DecoderPolicy {
         remat: recipe.model.enable_gradient_checkpointing,
         lora: recipe.actor.lora(),
         lora_form: lora_form(recipe).map(|(form, _)| form).unwrap_or_default(),
+        head: trainer::policy::Head::LogProbs,
     }
 }
 
@@ -372,6 +373,7 @@ pub fn update_config(recipe: &Recipe, policy: &DecoderPolicy, total_optimizer_st
         micro_batch_size: a.ppo_micro_batch_size as i64,
         response_len: recipe.data.max_response_length as i64,
         frozen: policy.frozen_specs(),
+        value_loss: None,
     };
     UpdateConfig {
         step,
@@ -380,6 +382,7 @@ pub fn update_config(recipe: &Recipe, policy: &DecoderPolicy, total_optimizer_st
             estimator: alg.adv_estimator,
             norm_adv_by_std_in_grpo: alg.norm_adv_by_std_in_grpo,
             gamma: alg.gamma,
+            lam: alg.lam,
         },
         use_kl_in_reward: alg.use_kl_in_reward,
         kl_coef: alg.kl_coef,
@@ -390,7 +393,139 @@ pub fn update_config(recipe: &Recipe, policy: &DecoderPolicy, total_optimizer_st
         rollout_correction: alg.rollout_correction.correction(),
         length_bucket: a.length_bucket,
         max_consecutive_nonfinite: a.max_consecutive_nonfinite as u32,
+        critic: critic_update(recipe, total_optimizer_steps),
     }
+}
+
+/// The model PPO's critic starts from (`critic.model.path`, else the policy's model), read
+/// without its weights when it is another model: its configuration, which must share the
+/// policy's vocabulary. `None` when the estimator needs no critic.
+pub fn critic_model_config(
+    recipe: &Recipe,
+    policy_config: &model::ModelConfig,
+) -> Result<Option<model::ModelConfig>, String> {
+    if !recipe.algorithm.adv_estimator.needs_critic() {
+        return Ok(None);
+    }
+    let Some(path) = critic_model_path(recipe) else {
+        return Ok(Some(policy_config.clone()));
+    };
+    let text =
+        model::programs::ModelText::load(Path::new(path)).map_err(|e| format!("critic.model.path: {e}"))?;
+    if text.config.vocab_size != policy_config.vocab_size {
+        return Err(format!(
+            "critic.model.path {path} has a vocabulary of {} tokens and the policy {} of {}: the \
+             critic reads the policy's token ids, so it needs a model of the same tokenizer",
+            text.config.vocab_size, recipe.model.path, policy_config.vocab_size
+        ));
+    }
+    Ok(Some(text.config))
+}
+
+/// `critic.model.path` when it names a model other than the policy's.
+fn critic_model_path(recipe: &Recipe) -> Option<&str> {
+    recipe
+        .critic
+        .model
+        .path
+        .as_deref()
+        .filter(|p| *p != recipe.model.path)
+}
+
+/// The critic's starting tensors ([`model::classifier::value_model_init`]: the trunk of the
+/// policy's model, `weights`, or of `critic.model.path`'s, and a value head seeded by
+/// `trainer.seed`) as f32 in its parameter-table order. `None` without a critic.
+pub fn critic_initial(
+    recipe: &Recipe,
+    weights: &model::ModelWeights,
+) -> Result<Option<Vec<Vec<f32>>>, String> {
+    if !recipe.algorithm.adv_estimator.needs_critic() {
+        return Ok(None);
+    }
+    let other;
+    let from = match critic_model_path(recipe) {
+        Some(path) => {
+            other = model::programs::HostModel::load(Path::new(path))
+                .map_err(|e| format!("critic.model.path: {e}"))?
+                .weights;
+            &other
+        }
+        None => weights,
+    };
+    let tensors =
+        model::classifier::value_model_init(from, recipe.trainer.seed).map_err(|e| format!("critic: {e}"))?;
+    Ok(Some(tensors.iter().map(|t| t.to_f32_vec()).collect()))
+}
+
+/// PPO's critic over a model of `config` ([`critic_model_config`]): the policy's packing of
+/// rows with the critic's micro-batch, a value head and no LoRA.
+pub fn critic(recipe: &Recipe, config: &model::ModelConfig) -> DecoderPolicy {
+    let c = &recipe.critic;
+    let micro_batch_size = c
+        .ppo_micro_batch_size
+        .unwrap_or(recipe.actor.ppo_micro_batch_size);
+    DecoderPolicy {
+        micro_batch_size,
+        blocks: recipe
+            .actor
+            .parallelism(&recipe.cluster)
+            .data_devices(micro_batch_size as i64)
+            .unwrap_or(1),
+        remat: c
+            .model
+            .enable_gradient_checkpointing
+            .unwrap_or(recipe.model.enable_gradient_checkpointing),
+        lora: None,
+        head: trainer::policy::Head::Value,
+        ..policy(recipe, config)
+    }
+}
+
+/// The critic's mini-batch arithmetic: `critic.ppo_*`, each defaulting to the actor's.
+pub fn critic_batch_plan(recipe: &Recipe) -> BatchPlan {
+    let c = &recipe.critic;
+    let actor = batch_plan(recipe);
+    BatchPlan {
+        mini_batch_prompts: c.ppo_mini_batch_size.unwrap_or(actor.mini_batch_prompts),
+        micro_batch_size: c.ppo_micro_batch_size.unwrap_or(actor.micro_batch_size),
+        epochs: c.ppo_epochs.unwrap_or(actor.epochs),
+        ..actor
+    }
+}
+
+/// The critic's update (`critic.*`, `trainer.critic_warmup`) when the estimator needs one: its
+/// schedule as long as the actor's in training steps (`total_optimizer_steps` is the actor's).
+fn critic_update(recipe: &Recipe, total_optimizer_steps: u64) -> Option<CriticConfig> {
+    if !recipe.algorithm.adv_estimator.needs_critic() {
+        return None;
+    }
+    let (a, c) = (&recipe.actor, &recipe.critic);
+    let batches = critic_batch_plan(recipe);
+    let training_steps = total_optimizer_steps / batch_plan(recipe).optimizer_steps_per_step().max(1);
+    let mut optim = crate::recipe::ActorSection {
+        optim: c.optim.clone(),
+        grad_clip: c.grad_clip.unwrap_or(a.grad_clip),
+        ..a.clone()
+    }
+    .optim_config(batches.total_optimizer_steps(training_steps));
+    optim.grad_clip = optim.grad_clip.filter(|g| *g > 0.0);
+    Some(CriticConfig {
+        step: StepConfig {
+            loss: a.policy_loss(&recipe.algorithm),
+            optim,
+            compute_dtype: actor_dtype(recipe),
+            parallel: a.parallelism(&recipe.cluster),
+            micro_batch_size: batches.micro_batch_size as i64,
+            response_len: recipe.data.max_response_length as i64,
+            frozen: Vec::new(),
+            value_loss: Some(trainer::config::ValueLossConfig {
+                cliprange_value: c.cliprange_value,
+                loss_agg_mode: c.loss_agg_mode.unwrap_or(a.loss_agg_mode),
+            }),
+        },
+        batches,
+        warmup: recipe.trainer.critic_warmup,
+    })
 }
 
 #[cfg(test)]

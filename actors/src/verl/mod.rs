@@ -263,18 +263,6 @@ impl Translator {
             if PATH_KEYS.contains(&entry.key) {
                 value = expand_home(value);
             }
-            if entry.key == "algorithm.adv_estimator"
-                && value == json!("gae")
-                && !self.config.origin.contains_key(entry.key)
-            {
-                self.unsupported.push((
-                    "algorithm.adv_estimator=gae (VeRL's default)".into(),
-                    "GAE needs a critic, which grpo does not have yet: set \
-                     algorithm.adv_estimator=grpo, as VeRL's GRPO scripts do"
-                        .into(),
-                ));
-                continue;
-            }
             let origin = self.origin(entry.key);
             self.b.set(to, value, origin)?;
         }
@@ -289,8 +277,159 @@ impl Translator {
         self.reward()?;
         self.kl_in_reward()?;
         self.owned_knobs()?;
+        self.critic()?;
         self.trainer()?;
         Ok(())
+    }
+
+    /// PPO's critic (`algorithm.adv_estimator=gae`, VeRL's `need_critic`): `critic.*` to the
+    /// recipe's `critic` section. Without gae VeRL builds no critic and its keys change nothing
+    /// (notes for the ones set, from `classify` and here).
+    fn critic(&mut self) -> Result<(), VerlError> {
+        let gae = self.get("algorithm.adv_estimator")? == json!("gae");
+        let enable = self.get("critic.enable")?;
+        if enable == json!(!gae) {
+            self.unsupported.push((
+                format!("critic.enable={}", compact(&enable)),
+                if gae {
+                    "GAE reads the critic's values; leave it null (VeRL trains a critic exactly for gae)"
+                } else {
+                    "grpo trains a critic only for algorithm.adv_estimator=gae, the one estimator \
+                     that reads it; leave it null"
+                }
+                .into(),
+            ));
+        }
+        if !gae {
+            let rules = table::TABLE
+                .iter()
+                .filter(|e| e.key.starts_with("critic.") && e.key != "critic.enable")
+                .filter(|e| matches!(e.how, How::Rule(_)));
+            for key in rules.map(|e| e.key) {
+                let value = self.get(key)?;
+                // Set by the user (several defaults are interpolations of the actor's keys).
+                if self.config.origin.contains_key(key) && self.config.defaults.get(key) != Some(&value) {
+                    self.notes.push(format!(
+                        "{key}={} has no effect: VeRL builds a critic only with algorithm.adv_estimator=gae",
+                        compact(&value)
+                    ));
+                }
+            }
+            return Ok(());
+        }
+        for (key, to) in CRITIC_KEYS {
+            let from = format!("critic.{key}");
+            let value = self.get(&from)?;
+            let o = self.origin(&from);
+            self.b.set(to, value, o)?;
+        }
+        let style = self.get("critic.optim.warmup_style")?;
+        if !style.is_null() {
+            let o = self.origin("critic.optim.warmup_style");
+            self.b.set("critic.optim.lr_scheduler_type", style, o)?;
+        }
+        let warmup = self.get("critic.optim.lr_warmup_steps")?.as_i64().unwrap_or(-1);
+        let ratio = self
+            .get("critic.optim.lr_warmup_steps_ratio")?
+            .as_f64()
+            .unwrap_or(0.0);
+        if warmup >= 0 {
+            let o = self.origin("critic.optim.lr_warmup_steps");
+            self.b.set("critic.optim.lr_warmup_steps", json!(warmup), o)?;
+        } else if ratio > 0.0 {
+            let Some(total) = self.get("trainer.total_training_steps")?.as_u64() else {
+                return Err(VerlError::Value {
+                    origin: self.origin("critic.optim.lr_warmup_steps_ratio"),
+                    message: "a warmup ratio needs the run's length before the data is read: set \
+                              trainer.total_training_steps, or critic.optim.lr_warmup_steps"
+                        .into(),
+                });
+            };
+            let batch = self.get("data.train_batch_size")?.as_u64().unwrap_or(1);
+            let mini = self
+                .get("critic.ppo_mini_batch_size")?
+                .as_u64()
+                .unwrap_or(1)
+                .max(1);
+            let epochs = self.get("critic.ppo_epochs")?.as_u64().unwrap_or(1);
+            let steps = total * batch.div_ceil(mini) * epochs;
+            let o = self.origin("critic.optim.lr_warmup_steps_ratio");
+            self.b.set(
+                "critic.optim.lr_warmup_steps",
+                json!((ratio * steps as f64) as u64),
+                o,
+            )?;
+        }
+        let clip_grad = self.get("critic.optim.clip_grad")?;
+        let grad_clip = self.get("critic.grad_clip")?;
+        let (value, key) = match (clip_grad.as_f64(), grad_clip.as_f64()) {
+            (Some(c), Some(g)) if c != 1.0 && g != 1.0 && c != g => {
+                return Err(VerlError::Value {
+                    origin: self.origin("critic.optim.clip_grad"),
+                    message: format!("it and `critic.grad_clip` = {g} disagree; set one of them"),
+                })
+            }
+            (Some(c), _) if c != 1.0 => (c, "critic.optim.clip_grad"),
+            (_, Some(g)) => (g, "critic.grad_clip"),
+            _ => (1.0, "critic.grad_clip"),
+        };
+        let o = self.origin(key);
+        self.b.set("critic.grad_clip", json!(value), o)?;
+        if self.config.origin.contains_key("critic.model.path") {
+            let path = expand_home(self.get("critic.model.path")?);
+            let o = self.origin("critic.model.path");
+            self.b.set("critic.model.path", path, o)?;
+        } else {
+            self.notes.push(
+                "critic.model.path is VeRL's placeholder default: the critic starts from the actor's \
+                 model (actor_rollout_ref.model.path)"
+                    .into(),
+            );
+        }
+        self.critic_micro_batch()
+    }
+
+    /// The critic's sequences per pass, by the actor's size rule: per device (or from the token
+    /// budget with `use_dynamic_bsz`) times the devices, fitted to divide each device's share of
+    /// a mini-batch; null keeps the actor's.
+    fn critic_micro_batch(&mut self) -> Result<(), VerlError> {
+        let devices = self.get("trainer.n_gpus_per_node")?.as_u64().unwrap_or(1).max(1);
+        let n = self
+            .get("actor_rollout_ref.rollout.n")?
+            .as_u64()
+            .unwrap_or(1)
+            .max(1);
+        let mini = self.get("critic.ppo_mini_batch_size")?.as_u64().unwrap_or(1);
+        let share = (mini * n / devices).max(1);
+        let dynamic = self.get("critic.use_dynamic_bsz")?.as_bool().unwrap_or(false);
+        let (per_device, from) = if dynamic {
+            let tokens = self
+                .get("critic.ppo_max_token_len_per_gpu")?
+                .as_u64()
+                .unwrap_or(32768);
+            let len = self.get("data.max_prompt_length")?.as_u64().unwrap_or(512)
+                + self.get("data.max_response_length")?.as_u64().unwrap_or(512);
+            ((tokens / len.max(1)).max(1), "critic.ppo_max_token_len_per_gpu")
+        } else if let Some(m) = self.get("critic.ppo_micro_batch_size_per_gpu")?.as_u64() {
+            (m.max(1), "critic.ppo_micro_batch_size_per_gpu")
+        } else if let Some(m) = self.get("critic.ppo_micro_batch_size")?.as_u64() {
+            ((m / devices).max(1), "critic.ppo_micro_batch_size")
+        } else {
+            return Ok(());
+        };
+        let fitted = (1..=per_device.min(share))
+            .rev()
+            .find(|d| share.is_multiple_of(*d))
+            .unwrap_or(1);
+        if fitted != per_device {
+            self.notes.push(format!(
+                "size rule: {per_device} critic sequences per device per pass (from {from}) made \
+                 {fitted}, the most that divides each device's {share} sequences of a mini-batch"
+            ));
+        }
+        let o = self.origin(from);
+        self.b
+            .set("critic.ppo_micro_batch_size", json!(fitted * devices), o)
     }
 
     /// `algorithm.kl_penalty` and `algorithm.kl_ctrl`, which VeRL reads only with
@@ -298,16 +437,18 @@ impl Translator {
     /// Keys read only by one estimator or loss: mapped when their owner is chosen, else a note
     /// when set (VeRL ignores them then; a grpo recipe would refuse them).
     fn owned_knobs(&mut self) -> Result<(), VerlError> {
-        for (key, to, owner_key, owner) in OWNED_KNOBS {
-            let chosen = self.get(owner_key)? == json!(owner);
+        for (key, to, owner_key, owners) in OWNED_KNOBS {
+            let owner = self.get(owner_key)?;
+            let chosen = owners.split('|').any(|o| owner == json!(o));
             let value = self.get(key)?;
             if chosen {
                 let o = self.origin(key);
                 self.b.set(to, value, o)?;
             } else if self.config.defaults.get(*key) != Some(&value) {
                 self.notes.push(format!(
-                    "{key}={} has no effect: VeRL reads it only with {owner_key}={owner}",
-                    compact(&value)
+                    "{key}={} has no effect: VeRL reads it only with {owner_key}={}",
+                    compact(&value),
+                    owners.replace('|', " or ")
                 ));
             }
         }
@@ -664,14 +805,38 @@ impl Translator {
     }
 }
 
-/// `(VeRL key, recipe key, the key choosing its owner, the owner)`: the knobs of one
-/// estimator or loss (see `Translator::owned_knobs`).
+/// `(critic.KEY, recipe key)`: the critic's keys that go over as they are with gae.
+const CRITIC_KEYS: &[(&str, &str)] = &[
+    ("optim.lr", "critic.optim.lr"),
+    ("optim.betas", "critic.optim.betas"),
+    ("optim.weight_decay", "critic.optim.weight_decay"),
+    ("optim.min_lr_ratio", "critic.optim.min_lr_ratio"),
+    ("optim.lr_scheduler_type", "critic.optim.lr_scheduler_type"),
+    ("cliprange_value", "critic.cliprange_value"),
+    ("loss_agg_mode", "critic.loss_agg_mode"),
+    ("ppo_mini_batch_size", "critic.ppo_mini_batch_size"),
+    ("ppo_epochs", "critic.ppo_epochs"),
+    (
+        "model.enable_gradient_checkpointing",
+        "critic.model.enable_gradient_checkpointing",
+    ),
+];
+
+/// `(VeRL key, recipe key, the key choosing its owner, the owners separated by `|`)`: the
+/// knobs of one estimator or loss (see `Translator::owned_knobs`).
 const OWNED_KNOBS: &[(&str, &str, &str, &str)] = &[
     (
         "algorithm.gamma",
         "algorithm.gamma",
         "algorithm.adv_estimator",
-        "reinforce_plus_plus",
+        "reinforce_plus_plus|gae",
+    ),
+    ("algorithm.lam", "algorithm.lam", "algorithm.adv_estimator", "gae"),
+    (
+        "trainer.critic_warmup",
+        "trainer.critic_warmup",
+        "algorithm.adv_estimator",
+        "gae",
     ),
     (
         "actor_rollout_ref.actor.tau_pos",

@@ -41,8 +41,13 @@ const REF: How = How::NoEffect(
      log-probs are computed in the learner's micro-batches (`actor.ppo_micro_batch_size`)",
 );
 const CRITIC: How = How::NoEffect(
-    "GRPO takes its baseline from the group's rewards and has no critic (VeRL builds one only \
-     for `algorithm.adv_estimator: gae`, which grpo does not have)",
+    "a setting of VeRL's critic worker (FSDP wrapping and offload, profiling, checkpoint contents, \
+     shuffling, forward batch sizes); grpo's critic (`adv_estimator=gae`) runs on the learner's \
+     devices and mesh, and its checkpoint is part of each checkpoint",
+);
+const CRITIC_RULE: How = How::Rule(
+    "with `algorithm.adv_estimator=gae` -> the recipe's `critic` key of the same name (else no \
+     effect: VeRL builds a critic only for gae)",
 );
 const LOG_PROB_BATCH: How = How::NoEffect(
     "log-probs are computed in the learner's micro-batches (`actor.ppo_micro_batch_size`, from \
@@ -287,6 +292,32 @@ pub const TABLE: &[Entry] = &[
     Entry { key: "reward_model.profiler.*", how: PROFILER },
     // critic
     Entry { key: "critic.*", how: CRITIC },
+    Entry { key: "critic.enable", how: How::Rule("null: a critic exactly for `adv_estimator=gae` (VeRL's `need_critic`); True without gae or False with it is refused") },
+    Entry { key: "critic.optim.optimizer", how: How::Unsupported("grpo's optimizer is AdamW") },
+    Entry { key: "critic.optim.lr", how: CRITIC_RULE },
+    Entry { key: "critic.optim.betas", how: CRITIC_RULE },
+    Entry { key: "critic.optim.weight_decay", how: CRITIC_RULE },
+    Entry { key: "critic.optim.min_lr_ratio", how: CRITIC_RULE },
+    Entry { key: "critic.optim.lr_scheduler_type", how: CRITIC_RULE },
+    Entry { key: "critic.optim.warmup_style", how: How::Rule("with gae, VeRL's older name of `lr_scheduler_type`; when set, -> critic.optim.lr_scheduler_type") },
+    Entry { key: "critic.optim.lr_warmup_steps", how: How::Rule("with gae: -1 -> from `lr_warmup_steps_ratio`; else -> critic.optim.lr_warmup_steps") },
+    Entry { key: "critic.optim.lr_warmup_steps_ratio", how: How::Rule("with gae and `lr_warmup_steps: -1`, warmup = ratio x the critic's optimizer steps of the run (needs `trainer.total_training_steps`) -> critic.optim.lr_warmup_steps") },
+    Entry { key: "critic.optim.clip_grad", how: How::Rule("with gae -> critic.grad_clip (with `critic.grad_clip`, whichever is not VeRL's default 1.0)") },
+    Entry { key: "critic.optim.num_cycles", how: How::Unsupported("grpo's cosine schedule runs half a cycle (VeRL's default 0.5)") },
+    Entry { key: "critic.optim.override_optimizer_config", how: How::Unsupported("grpo's AdamW takes lr, betas, weight_decay and eps (`critic.optim` in a recipe)") },
+    Entry { key: "critic.grad_clip", how: How::Rule("with gae -> critic.grad_clip (with `critic.optim.clip_grad`)") },
+    Entry { key: "critic.cliprange_value", how: CRITIC_RULE },
+    Entry { key: "critic.loss_agg_mode", how: CRITIC_RULE },
+    Entry { key: "critic.ppo_mini_batch_size", how: CRITIC_RULE },
+    Entry { key: "critic.ppo_epochs", how: CRITIC_RULE },
+    Entry { key: "critic.ppo_micro_batch_size", how: How::Rule("with gae, size rule: global sequences per pass (VeRL's older form of `ppo_micro_batch_size_per_gpu`)") },
+    Entry { key: "critic.ppo_micro_batch_size_per_gpu", how: How::Rule("with gae, size rule: x devices -> critic.ppo_micro_batch_size (null: the actor's)") },
+    Entry { key: "critic.use_dynamic_bsz", how: How::Rule("with gae, size rule: sequences per pass from `ppo_max_token_len_per_gpu` / (max prompt + response length) -> critic.ppo_micro_batch_size") },
+    Entry { key: "critic.ppo_max_token_len_per_gpu", how: How::Rule("with gae and `use_dynamic_bsz`, size rule (see `use_dynamic_bsz`)") },
+    Entry { key: "critic.model.path", how: How::Rule("with gae, when set -> critic.model.path (VeRL's placeholder default: the critic starts from the actor's model)") },
+    Entry { key: "critic.model.enable_gradient_checkpointing", how: CRITIC_RULE },
+    Entry { key: "critic.model.lora_rank", how: How::Unsupported("grpo trains the critic's every weight; a LoRA critic is not in grpo") },
+    Entry { key: "critic.model.tokenizer_path", how: How::NoEffect("the critic reads the policy's token ids; `critic.model.path` must share its vocabulary") },
     // algorithm
     Entry { key: "algorithm.rollout_correction.rollout_is", how: How::Map("algorithm.rollout_correction.rollout_is") },
     Entry { key: "algorithm.rollout_correction.rollout_is_threshold", how: How::Map("algorithm.rollout_correction.rollout_is_threshold") },
@@ -295,8 +326,8 @@ pub const TABLE: &[Entry] = &[
     Entry { key: "algorithm.rollout_correction.bypass_mode", how: How::Map("actor.use_rollout_log_probs") },
     Entry { key: "algorithm.rollout_correction.loss_type", how: How::Unsupported("grpo's bypass mode (`actor.use_rollout_log_probs`) is PPO's clip on the rollout's log-probs; the `reinforce` loss type is not in grpo") },
     Entry { key: "algorithm.rollout_correction.rollout_is_batch_normalize", how: How::Map("algorithm.rollout_correction.rollout_is_batch_normalize") },
-    Entry { key: "algorithm.gamma", how: How::Rule("with `adv_estimator=reinforce_plus_plus` -> algorithm.gamma (else no effect: VeRL's GAE also reads it, which grpo does not have)") },
-    Entry { key: "algorithm.lam", how: How::NoEffect("read only by GAE, which grpo does not have") },
+    Entry { key: "algorithm.gamma", how: How::Rule("with `adv_estimator=reinforce_plus_plus` or `gae` -> algorithm.gamma (else no effect)") },
+    Entry { key: "algorithm.lam", how: How::Rule("with `adv_estimator=gae` -> algorithm.lam (else no effect)") },
     Entry { key: "algorithm.adv_estimator", how: How::Map("algorithm.adv_estimator") },
     Entry { key: "algorithm.norm_adv_by_std_in_grpo", how: How::Map("algorithm.norm_adv_by_std_in_grpo") },
     Entry { key: "algorithm.use_kl_in_reward", how: How::Map("algorithm.use_kl_in_reward") },
@@ -326,12 +357,12 @@ pub const TABLE: &[Entry] = &[
     Entry { key: "trainer.val_before_train", how: How::Map("trainer.val_before_train") },
     Entry { key: "trainer.val_only", how: How::Map("trainer.val_only") },
     Entry { key: "trainer.test_freq", how: How::Map("trainer.test_freq") },
-    Entry { key: "trainer.critic_warmup", how: How::NoEffect("GRPO has no critic to warm up") },
+    Entry { key: "trainer.critic_warmup", how: How::Rule("with `adv_estimator=gae` -> trainer.critic_warmup (else no effect)") },
     Entry { key: "trainer.default_hdfs_dir", how: How::Unsupported("grpo saves to local paths (`default_local_dir`); copy them to HDFS yourself") },
     Entry { key: "trainer.del_local_ckpt_after_load", how: How::NoEffect("grpo keeps checkpoints by `max_actor_ckpt_to_keep`") },
     Entry { key: "trainer.default_local_dir", how: How::Map("trainer.output_dir") },
     Entry { key: "trainer.max_actor_ckpt_to_keep", how: How::Map("trainer.max_checkpoints_to_keep") },
-    Entry { key: "trainer.max_critic_ckpt_to_keep", how: CRITIC },
+    Entry { key: "trainer.max_critic_ckpt_to_keep", how: How::NoEffect("the critic's state is part of each checkpoint, kept by `max_actor_ckpt_to_keep`") },
     Entry { key: "trainer.ray_wait_register_center_timeout", how: How::NoEffect("grpo verl starts no Ray workers") },
     Entry { key: "trainer.device", how: How::Rule("cuda / cpu / tpu -> cluster.device (npu is refused)") },
     Entry { key: "trainer.use_legacy_worker_impl", how: How::NoEffect("grpo has one learner") },

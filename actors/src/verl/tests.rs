@@ -1,5 +1,6 @@
 use super::table::{self, How, ADDED_KEYS, TABLE};
 use super::*;
+use trainer::config::AdvantageEstimator;
 
 /// What every test command line starts with: VeRL's GRPO scripts set these (VeRL's own
 /// defaults are GAE on 8 GPUs).
@@ -189,11 +190,85 @@ fn errors_name_the_key_and_the_way_out() {
     );
     assert!(err(&["trainer.logger=console,wandb"]).contains("sweep over"));
     assert!(err(&["+trainer.my_key=1"]).contains("not a key grpo verl knows VeRL to read"));
-    let gae = translate(&VerlInput::default()).unwrap_err().to_string();
+}
+
+#[test]
+fn gae_brings_the_critic_over() {
+    // VeRL's defaults are PPO: GAE with a critic.
+    let t = translate(&VerlInput {
+        overrides: BASE[1..].iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    })
+    .unwrap();
+    let r = &t.recipe;
+    assert_eq!(r.algorithm.adv_estimator, AdvantageEstimator::Gae);
+    assert_eq!(r.critic.optim.lr, 1e-5, "VeRL's critic learning rate");
+    assert_eq!(r.critic.optim.weight_decay, 0.01);
+    assert_eq!(r.critic.cliprange_value, 0.5);
+    assert_eq!(r.critic.grad_clip, Some(1.0));
+    assert_eq!(r.critic.model.path, None);
+    assert!(t
+        .notes
+        .iter()
+        .any(|n| n.contains("critic.model.path is VeRL's placeholder")));
+
+    let t = translate(&VerlInput {
+        overrides: [
+            "trainer.n_gpus_per_node=2",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+            "algorithm.lam=0.95",
+            "algorithm.gamma=0.99",
+            "trainer.critic_warmup=3",
+            "critic.optim.lr=2e-5",
+            "critic.optim.clip_grad=0.5",
+            "critic.ppo_micro_batch_size_per_gpu=4",
+            "critic.ppo_epochs=2",
+            "critic.cliprange_value=0.2",
+            "critic.model.path=/models/critic",
+            "critic.model.enable_gradient_checkpointing=False",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect(),
+        ..Default::default()
+    })
+    .unwrap();
+    let r = &t.recipe;
+    assert_eq!((r.algorithm.lam, r.algorithm.gamma), (0.95, 0.99));
+    assert_eq!(r.trainer.critic_warmup, 3);
+    assert_eq!(r.critic.optim.lr, 2e-5);
+    assert_eq!(r.critic.grad_clip, Some(0.5));
+    assert_eq!(r.critic.ppo_micro_batch_size, Some(8), "4 per device x 2 devices");
+    assert_eq!(r.critic.ppo_epochs, Some(2));
+    assert_eq!(r.critic.cliprange_value, 0.2);
+    assert_eq!(r.critic.model.path.as_deref(), Some("/models/critic"));
+    assert_eq!(r.critic.model.enable_gradient_checkpointing, Some(false));
+
+    // Without gae VeRL builds no critic: its keys are notes, and forcing one on is refused.
+    let t = translate_with(&["critic.optim.lr=3e-5", "algorithm.lam=0.9"]).unwrap();
+    assert_eq!(t.recipe.critic, crate::recipe::CriticSection::default());
     assert!(
-        gae.contains("algorithm.adv_estimator=gae (VeRL's default)"),
-        "{gae}"
+        t.notes
+            .iter()
+            .any(|n| n.starts_with("critic.optim.lr=0.00003 has no effect")),
+        "{:?}",
+        t.notes
     );
+    assert_eq!(
+        t.notes.iter().filter(|n| n.starts_with("critic.")).count(),
+        1,
+        "{:?}",
+        t.notes
+    );
+    assert!(
+        t.notes
+            .iter()
+            .any(|n| n.starts_with("algorithm.lam=0.9 has no effect")),
+        "{:?}",
+        t.notes
+    );
+    let err = translate_with(&["critic.enable=True"]).unwrap_err().to_string();
+    assert!(err.contains("critic.enable=true"), "{err}");
 }
 
 #[test]

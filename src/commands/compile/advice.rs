@@ -245,6 +245,8 @@ pub(super) struct DeviceTotal {
     pub(super) optimizer: u64,
     /// The frozen tensors (with LoRA the base model, in the compute type).
     pub(super) frozen: u64,
+    /// PPO's critic's parameters and optimizer state, as the learner's.
+    pub(super) critic: u64,
     pub(super) kv_cache: u64,
     pub(super) rollout_weights: u64,
     pub(super) largest: String,
@@ -259,17 +261,22 @@ impl DeviceTotal {
     }
 
     pub(super) fn learner_state(&self) -> u64 {
-        self.learner_params + self.optimizer + self.frozen
+        self.learner_params + self.optimizer + self.frozen + self.critic
     }
 
     pub(super) fn describe(&self) -> String {
         format!(
-            "each device over the run (learner and rollout share it): parameters {} + optimizer state {}{} + KV \
+            "each device over the run (learner and rollout share it): parameters {} + optimizer state {}{}{} + KV \
              cache {}{} + the largest temporaries ({}, {}) = {} of {}: {}",
             bytes(self.learner_params),
             bytes(self.optimizer),
             if self.frozen > 0 {
                 format!(" + frozen base {}", bytes(self.frozen))
+            } else {
+                String::new()
+            },
+            if self.critic > 0 {
+                format!(" + critic and its optimizer state {}", bytes(self.critic))
             } else {
                 String::new()
             },
@@ -302,10 +309,11 @@ pub(super) fn device_total(
     let accumulating = plan.rows.iter().any(|r| r.label == "accumulate");
     // What one device holds (a shard under FSDP): from a compiled learner program, else from
     // the learner's layout.
+    // The policy's programs (the critic's hold the critic's parameters).
     let learner_max = |of: fn(&Measured) -> u64, layout: u64| {
         measured
             .iter()
-            .filter(|(r, _)| r.role == Role::Learner)
+            .filter(|(r, _)| r.role == Role::Learner && !r.label.starts_with("critic"))
             .map(|(_, m)| of(m))
             .max()
             .unwrap_or(layout)
@@ -315,6 +323,8 @@ pub(super) fn device_total(
     let learner_params = masters + if bf16 { masters / 2 } else { 0 };
     let optimizer = masters * (2 + u64::from(accumulating));
     let frozen = learner_max(|m| m.frozen_bytes, plan.frozen_bytes_per_device);
+    let critic_masters = plan.critic_bytes_per_device;
+    let critic = critic_masters * (3 + u64::from(accumulating)) + if bf16 { critic_masters / 2 } else { 0 };
     let rollout_weights = rollout_resident_bytes(recipe, &plan.config, num_parameters);
     let (largest, largest_temporaries) = measured
         .iter()
@@ -325,11 +335,18 @@ pub(super) fn device_total(
         learner_params,
         optimizer,
         frozen,
+        critic,
         kv_cache,
         rollout_weights,
         largest,
         largest_temporaries,
-        total: learner_params + optimizer + frozen + kv_cache + rollout_weights + largest_temporaries,
+        total: learner_params
+            + optimizer
+            + frozen
+            + critic
+            + kv_cache
+            + rollout_weights
+            + largest_temporaries,
         memory,
     })
 }

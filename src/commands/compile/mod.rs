@@ -52,7 +52,8 @@ use xla::runtime::{
         for the training group size rollout.n and for validation) and decode \
         steps (one per KV-cache length), and the learner's train_step, accumulate + apply (when \
         actor.ppo_micro_batch_size splits a mini-batch), log_probs (the policy's old log-probs and, \
-        with a KL term, the reference's).\n\n\
+        with a KL term, the reference's); with algorithm.adv_estimator: gae also PPO's critic's \
+        values and its train_step or accumulate + apply, its state counted in the device total.\n\n\
         With --topology, each is compiled by libtpu for that TPU slice on this machine (deviceless: \
         `pip install libtpu`, no TPU needed); with --device cpu|cuda, by that PJRT plugin.\n\n\
         The model: only its architecture is read, from model.path's config.json (or a .gguf \
@@ -765,6 +766,55 @@ mod tests {
             "{a:?}"
         );
         assert!(advice(&r, &plan, 1, &small, None).is_empty());
+    }
+
+    #[test]
+    fn ppo_plans_the_critics_programs_and_counts_its_state() {
+        const GIB: u64 = 1 << 30;
+        let r = recipe(&format!(
+            "{SMALL_DATA}rollout:\n  n: 4\n  max_num_seqs: 16\nalgorithm:\n  adv_estimator: gae\n\
+             critic:\n  ppo_micro_batch_size: 2\n  ppo_epochs: 2\n"
+        ));
+        let plan = plan_for(&r);
+        let runs = |label: &str| {
+            plan.rows
+                .iter()
+                .find(|x| x.label == label)
+                .unwrap_or_else(|| {
+                    panic!(
+                        "no {label} row in {:?}",
+                        plan.rows.iter().map(|x| &x.label).collect::<Vec<_>>()
+                    )
+                })
+                .runs_per_step
+        };
+        // The critic's micro-batches of 2 over the step's samples, once for the values and twice
+        // (two epochs) for its update, which accumulates over its mini-batches.
+        let samples = (r.data.train_batch_size * r.rollout.n) as f64;
+        assert_eq!(runs("critic values"), samples / 2.0);
+        assert_eq!(runs("critic accumulate"), 2.0 * samples / 2.0);
+        assert!(runs("critic apply") > 0.0);
+        // The critic is the trunk and a value head: no output head of its own.
+        let whole = 4 * tiny().num_parameters() as u64;
+        let head = 4 * (tiny().hidden_size as u64 + 1);
+        assert_eq!(
+            plan.critic_bytes_per_device,
+            whole + head
+                - if tiny().tie_word_embeddings {
+                    0
+                } else {
+                    4 * (tiny().vocab_size * tiny().hidden_size) as u64
+                }
+        );
+        let row = fitting(&plan, Role::Rollout, GIB, GIB / 2);
+        let t = device_total(&r, &plan, whole / 4, &[row], Some(16 * GIB)).unwrap();
+        let sums = u64::from(plan.rows.iter().any(|x| x.label == "critic accumulate"));
+        assert_eq!(t.critic, plan.critic_bytes_per_device * (3 + sums));
+        assert!(
+            t.describe().contains("critic and its optimizer state"),
+            "{}",
+            t.describe()
+        );
     }
 
     #[test]

@@ -33,6 +33,8 @@ pub(super) struct Plan {
     pub(super) master_bytes_per_device: u64,
     /// Likewise the frozen tensors' bytes (with LoRA the base model in the compute type).
     pub(super) frozen_bytes_per_device: u64,
+    /// Likewise PPO's critic's f32 master weights (0 without a critic).
+    pub(super) critic_bytes_per_device: u64,
     /// With `model.enable_gradient_checkpointing`: the label of the learner's gradient
     /// program (`train_step` or `accumulate`) and that program traced without
     /// rematerialisation, compiled beside it to report what remat saves and costs.
@@ -72,12 +74,16 @@ impl Plan {
             ),
             master_bytes_per_device: 0,
             frozen_bytes_per_device: 0,
+            critic_bytes_per_device: 0,
             without_remat: None,
             config: config.clone(),
             trained_tokens_per_step: 0.0,
         };
-        (plan.master_bytes_per_device, plan.frozen_bytes_per_device) =
-            learner_bytes_per_device(recipe, config)?;
+        (
+            plan.master_bytes_per_device,
+            plan.frozen_bytes_per_device,
+            plan.critic_bytes_per_device,
+        ) = learner_bytes_per_device(recipe, config)?;
         plan_rollout(&mut plan, recipe, config)?;
         plan_learner(&mut plan, recipe, config)?;
         Ok(plan)
@@ -274,19 +280,18 @@ pub(super) fn plan_learner(
     let total_steps = recipe.trainer.total_training_steps.unwrap_or(1).max(1) as u64;
     let update = update_config(recipe, &policy, batches.total_optimizer_steps(total_steps));
     let specs = policy.param_specs();
-    let build = |policy: &DecoderPolicy| {
-        let p = policy.clone();
-        build_train_programs(
-            &update.step,
-            &specs,
-            &policy.input_specs(),
-            move |params, batch| p.log_probs(params, batch),
-        )
-        .map_err(|e| CompileError::Build {
-            role: "learner",
-            message: e.to_string(),
-        })
-    };
+    let build_with =
+        |step: &trainer::step::StepConfig, specs: &[model::ParamSpec], policy: &DecoderPolicy| {
+            let p = policy.clone();
+            build_train_programs(step, specs, &policy.input_specs(), move |params, batch| {
+                p.forward(params, batch)
+            })
+            .map_err(|e| CompileError::Build {
+                role: "learner",
+                message: e.to_string(),
+            })
+        };
+    let build = |policy: &DecoderPolicy| build_with(&update.step, &specs, policy);
     let programs = build(&policy)?;
     let micro = batches.micro_batch_size.max(1);
     let epochs = batches.epochs.max(1) as f64;
@@ -359,16 +364,74 @@ pub(super) fn plan_learner(
             format!("the reference model's log-probs for the KL term ({purpose_mb})"),
         );
     }
+    if let Some(critic) = &update.critic {
+        let model = critic_model(recipe, config)?;
+        let programs = build_with(&critic.step, &model.param_specs(), &model)?;
+        let b = &critic.batches;
+        let (mini_batches, epochs) = (b.mini_batches_per_step() as f64, b.epochs.max(1) as f64);
+        let micro_per_mini = b.micro_batches_per_mini_batch();
+        let purpose_mb = format!(
+            "{} responses of {} tokens after {} prompts of {}",
+            model.micro_batch_size,
+            model.response_len,
+            model.prompt_slots(),
+            model.prompt_len
+        );
+        if micro_per_mini > 1 {
+            plan.add(
+                Role::Learner,
+                "critic accumulate".into(),
+                programs.accumulate,
+                mini_batches * micro_per_mini as f64 * epochs,
+                format!("PPO's critic: forward and backward of one micro-batch ({purpose_mb})"),
+            );
+            plan.add(
+                Role::Learner,
+                "critic apply".into(),
+                programs.apply,
+                mini_batches * epochs,
+                "PPO's critic: clip and AdamW, once per mini-batch".into(),
+            );
+        } else {
+            plan.add(
+                Role::Learner,
+                "critic train_step".into(),
+                programs.train_step,
+                mini_batches * epochs,
+                format!("PPO's critic: forward, backward and AdamW on one micro-batch ({purpose_mb})"),
+            );
+        }
+        plan.add(
+            Role::Learner,
+            "critic values".into(),
+            programs.log_probs,
+            b.micro_batches_per_step() as f64,
+            format!("PPO's critic's values of the batch ({purpose_mb})"),
+        );
+    }
     Ok(())
 }
 
-/// Bytes one learner device holds of the f32 master weights (what it trains) and of the frozen
-/// tensors (with LoRA the base, in the compute type): each tensor whole, or its share where the
-/// learner's mesh splits it (`fsdp`, tensor parallelism).
+/// PPO's critic's value model, over `critic.model.path`'s configuration when it names another
+/// model.
+fn critic_model(recipe: &Recipe, config: &ModelConfig) -> Result<DecoderPolicy, CompileError> {
+    let critic_config = actors::setup::critic_model_config(recipe, config)
+        .map_err(|message| CompileError::Build {
+            role: "learner",
+            message,
+        })?
+        .unwrap_or_else(|| config.clone());
+    Ok(actors::setup::critic(recipe, &critic_config))
+}
+
+/// Bytes one learner device holds of the f32 master weights (what it trains), of the frozen
+/// tensors (with LoRA the base, in the compute type) and of PPO's critic's f32 master weights:
+/// each tensor whole, or its share where the learner's mesh splits it (`fsdp`, tensor
+/// parallelism).
 pub(super) fn learner_bytes_per_device(
     recipe: &Recipe,
     config: &ModelConfig,
-) -> Result<(u64, u64), CompileError> {
+) -> Result<(u64, u64, u64), CompileError> {
     let a = &recipe.actor;
     let mesh =
         trainer::sharding::LearnerMesh::new(&a.parallelism(&recipe.cluster), a.ppo_micro_batch_size as i64)
@@ -392,7 +455,15 @@ pub(super) fn learner_bytes_per_device(
     };
     let p = policy(recipe, config);
     let compute = if a.param_dtype == DTypeName::Bf16 { 2 } else { 4 };
-    Ok((local(&p.param_specs(), 4), local(&p.frozen_specs(), compute)))
+    let critic = match recipe.algorithm.adv_estimator.needs_critic() {
+        true => local(&critic_model(recipe, config)?.param_specs(), 4),
+        false => 0,
+    };
+    Ok((
+        local(&p.param_specs(), 4),
+        local(&p.frozen_specs(), compute),
+        critic,
+    ))
 }
 
 /// The model's architecture, from `--model-config`, `model.path`, or the configs folder beside

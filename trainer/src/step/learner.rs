@@ -12,7 +12,7 @@ use crate::{Result, TrainerError};
 use model::{HostTensor, ParamSpec};
 
 use super::programs::{ShapePrograms, TrainPrograms};
-use super::{InputSpec, StepConfig, StepLayout, METRIC_NAMES, NUM_SUMMED_METRICS};
+use super::{InputSpec, StepConfig, StepLayout, NUM_SUMMED_METRICS};
 
 /// A micro-batch's device buffers in layout order: the loss inputs
 /// ([`StepLayout::loss_inputs`]) then the policy's batch inputs, for each device of the
@@ -66,6 +66,11 @@ pub struct MicroBatchHost {
     /// Rollout importance weights (required with `rollout_is_weights`; see
     /// [`crate::rollout_correction`]).
     pub rollout_is_weights: Option<Vec<f32>>,
+    /// A value model's values when the batch was made (required by a value model's programs;
+    /// the policy's arrays are then empty).
+    pub values: Option<Vec<f32>>,
+    /// A value model's regression targets, GAE's returns (required with `values`).
+    pub returns: Option<Vec<f32>>,
     /// The mini-batch normaliser, from [`mini_batch_normalizer`].
     pub norm: (f32, f32),
     /// The policy's batch inputs in [`StepLayout::batch_inputs`] order.
@@ -84,7 +89,7 @@ pub fn mini_batch_normalizer(response_mask: &[f32], response_len: usize) -> (f32
 pub struct StepMetrics {
     /// The optimizer step this was (0-based count of attempted updates).
     pub step: u64,
-    /// `METRIC_NAMES[i]` -> value.
+    /// Metric name ([`StepConfig::metric_names`]) -> value.
     pub values: Vec<(&'static str, f64)>,
     /// Whether the parameters moved (false when a term was not finite).
     pub update_applied: bool,
@@ -264,6 +269,11 @@ fn run(exe: &Executable, args: &[Vec<&Buffer>], what: &str) -> Result<Vec<Vec<Bu
     }
 }
 
+/// The checkpoint files of the policy's learner state (parameters, optimizer).
+pub const POLICY_STATE_FILES: [&str; 2] = ["params", "optimizer"];
+/// The checkpoint files of PPO's critic's state.
+pub const CRITIC_STATE_FILES: [&str; 2] = ["critic_params", "critic_optimizer"];
+
 /// The learner's state on the host (for checkpoints): parameters and Adam moments as f32
 /// arrays in [`ParamSpec`] order, and the AdamW step count.
 #[derive(Clone, Debug, PartialEq)]
@@ -295,6 +305,16 @@ impl LearnerState {
     /// f32 `[1]` tensor, exact up to 2^24 steps). Pass them to
     /// [`crate::checkpoint::save_checkpoint`].
     pub fn to_tensor_files(&self, specs: &[ParamSpec]) -> Vec<(&'static str, Vec<HostTensor>)> {
+        self.to_tensor_files_as(specs, POLICY_STATE_FILES)
+    }
+
+    /// [`LearnerState::to_tensor_files`] under the file stems `files` (parameters, optimizer):
+    /// a second learner of a run (PPO's critic, [`CRITIC_STATE_FILES`]) beside the policy's.
+    pub fn to_tensor_files_as(
+        &self,
+        specs: &[ParamSpec],
+        files: [&'static str; 2],
+    ) -> Vec<(&'static str, Vec<HostTensor>)> {
         let params = specs
             .iter()
             .zip(&self.params)
@@ -318,7 +338,7 @@ impl LearnerState {
             vec![1],
             &[self.adam_step as f32],
         ));
-        vec![("params", params), ("optimizer", opt)]
+        vec![(files[0], params), (files[1], opt)]
     }
 
     /// Reads the state [`LearnerState::to_tensor_files`] saved, checking every tensor's
@@ -327,6 +347,16 @@ impl LearnerState {
         ck: &Checkpoint,
         specs: &[ParamSpec],
     ) -> std::result::Result<LearnerState, CheckpointError> {
+        Self::from_checkpoint_as(ck, specs, POLICY_STATE_FILES)
+    }
+
+    /// [`LearnerState::from_checkpoint`] from the file stems `files`.
+    pub fn from_checkpoint_as(
+        ck: &Checkpoint,
+        specs: &[ParamSpec],
+        files: [&'static str; 2],
+    ) -> std::result::Result<LearnerState, CheckpointError> {
+        let [params_file, optimizer_file] = files;
         let get =
             |stem: &str, name: &str, want: &[usize]| -> std::result::Result<Vec<f32>, CheckpointError> {
                 let path = ck.dir.join(format!("{stem}.safetensors"));
@@ -352,15 +382,15 @@ impl LearnerState {
             adam_step: 0,
         };
         for p in specs {
-            state.params.push(get("params", &p.name, &p.shape)?);
+            state.params.push(get(params_file, &p.name, &p.shape)?);
             state
                 .m
-                .push(get("optimizer", &format!("adam_m.{}", p.name), &p.shape)?);
+                .push(get(optimizer_file, &format!("adam_m.{}", p.name), &p.shape)?);
             state
                 .v
-                .push(get("optimizer", &format!("adam_v.{}", p.name), &p.shape)?);
+                .push(get(optimizer_file, &format!("adam_v.{}", p.name), &p.shape)?);
         }
-        state.adam_step = get("optimizer", "adam_step", &[1])?[0] as i32;
+        state.adam_step = get(optimizer_file, "adam_step", &[1])?[0] as i32;
         Ok(state)
     }
 }
@@ -842,6 +872,8 @@ impl Learner {
                 "response_mask" => push_bl(name, Some(&mb.response_mask), &mut per_tensor)?,
                 "ref_log_probs" => push_bl(name, mb.ref_log_probs.as_ref(), &mut per_tensor)?,
                 "rollout_is_weights" => push_bl(name, mb.rollout_is_weights.as_ref(), &mut per_tensor)?,
+                "values" => push_bl(name, mb.values.as_ref(), &mut per_tensor)?,
+                "returns" => push_bl(name, mb.returns.as_ref(), &mut per_tensor)?,
                 "norm_tokens" => per_tensor.push(upload_split(
                     &self.client,
                     &[mb.norm.0],
@@ -1159,13 +1191,15 @@ impl Learner {
             .expect("device 0's outputs")
             .to_host::<f32>()
             .map_err(rt("reading the step metrics"))?;
-        let values: Vec<(&'static str, f64)> = METRIC_NAMES
+        let values: Vec<(&'static str, f64)> = layout
+            .metric_names
             .iter()
             .zip(&raw)
+            .filter(|(n, _)| !n.is_empty())
             .map(|(n, v)| (*n, *v as f64))
             .collect();
         let update_applied = raw[8] != 0.0;
-        let nonfinite_terms = ["loss", "pg_loss", "kl_loss", "entropy", "grad_norm"]
+        let nonfinite_terms = ["loss", "pg_loss", "vf_loss", "kl_loss", "entropy", "grad_norm"]
             .into_iter()
             .filter(|name| values.iter().any(|(n, v)| n == name && !v.is_finite()))
             .collect();

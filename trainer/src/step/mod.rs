@@ -49,7 +49,7 @@ mod programs;
 
 pub use learner::{
     mini_batch_normalizer, CompileRecord, HostArray, Learner, LearnerState, MicroBatch, MicroBatchHost,
-    NonFiniteGuard, StepMetrics,
+    NonFiniteGuard, StepMetrics, CRITIC_STATE_FILES, POLICY_STATE_FILES,
 };
 pub use programs::{build_shape_programs, build_train_programs, ShapePrograms, TrainPrograms};
 
@@ -57,7 +57,7 @@ pub use programs::{build_shape_programs, build_train_programs, ShapePrograms, Tr
 /// programs (`grpo compile` counts their bytes by it).
 pub const FROZEN_PREFIX: &str = "frozen.";
 
-use crate::config::{OptimConfig, Parallelism, PolicyLossConfig};
+use crate::config::{OptimConfig, Parallelism, PolicyLossConfig, ValueLossConfig};
 use model::ParamSpec;
 use xla::graph::Tensor;
 use xla::DType;
@@ -77,7 +77,8 @@ pub struct InputSpec {
 /// What the policy function returns: `[batch, response_len]` tensors.
 #[derive(Clone, Debug)]
 pub struct PolicyOutput {
-    /// Per-token log-probs of the response tokens (any float type; converted to f32).
+    /// Per-token log-probs of the response tokens (any float type; converted to f32); for a
+    /// value model ([`StepConfig::value_loss`]) its per-token values.
     pub log_probs: Tensor,
     /// Per-token entropy of the policy's distribution, needed for the entropy bonus and metric.
     pub entropy: Option<Tensor>,
@@ -110,6 +111,21 @@ pub struct StepConfig {
     /// the batch inputs, and the policy function receives them after the trainable parameters.
     /// Empty for a full fine-tune.
     pub frozen: Vec<ParamSpec>,
+    /// `Some` for a value model's programs (VeRL's critic): the model function's per-token
+    /// output is its value prediction, the loss [`crate::loss::value_loss`] against the
+    /// micro-batch's `returns`, clipped around its `values` (`loss` is then not read, and the
+    /// metrics are [`VALUE_METRIC_NAMES`]).
+    pub value_loss: Option<ValueLossConfig>,
+}
+
+impl StepConfig {
+    /// The names of the metrics vector's entries for these programs.
+    pub fn metric_names(&self) -> [&'static str; 10] {
+        match self.value_loss {
+            Some(_) => VALUE_METRIC_NAMES,
+            None => METRIC_NAMES,
+        }
+    }
 }
 
 /// Names of the entries of the metrics vector every update program returns (f32).
@@ -126,6 +142,21 @@ pub const METRIC_NAMES: [&str; 10] = [
     "lr",
 ];
 
+/// The metrics vector of a value model's programs: the same layout, `""` for the summed slots
+/// it leaves 0 (not reported).
+pub const VALUE_METRIC_NAMES: [&str; 10] = [
+    "loss",
+    "vf_loss",
+    "vf_clipfrac",
+    "vpred_mean",
+    "",
+    "",
+    "",
+    "grad_norm",
+    "update_applied",
+    "lr",
+];
+
 /// How many leading metrics are sums over micro-batches (the loss terms).
 pub const NUM_SUMMED_METRICS: usize = 7;
 
@@ -134,9 +165,12 @@ pub const NUM_SUMMED_METRICS: usize = 7;
 pub struct StepLayout {
     /// Number of parameter tensors `P`.
     pub num_params: usize,
+    /// The names of the metrics vector's entries ([`StepConfig::metric_names`]).
+    pub metric_names: [&'static str; 10],
     /// Names of the per-micro-batch loss inputs in argument order: `old_log_probs`,
     /// `advantages`, `response_mask`, then `ref_log_probs` (with `use_kl_loss`),
     /// `rollout_is_weights` (with `rollout_is_weights`), then the scalars `norm_tokens`,
+    /// `norm_seqs`; a value model's: `values`, `returns`, `response_mask`, `norm_tokens`,
     /// `norm_seqs`.
     pub loss_inputs: Vec<&'static str>,
     /// The policy's batch inputs, after the loss inputs.

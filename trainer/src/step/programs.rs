@@ -4,8 +4,7 @@
 use xla::graph::{grad, BuildOptions, Graph, Program, Sharding, Tensor};
 use xla::DType;
 
-use crate::config::PolicyLossConfig;
-use crate::loss::{actor_loss, ActorLoss, LossInputs, Normalizer};
+use crate::loss::{actor_loss, value_loss, ActorLoss, LossInputs, Normalizer};
 use crate::optim::{clip_by_global_norm, global_grad_norm, AdamW};
 use crate::sharding::LearnerMesh;
 use crate::{Result, TrainerError};
@@ -40,7 +39,8 @@ fn graph_err(program: &'static str) -> impl Fn(xla::graph::GraphError) -> Traine
     move |source| TrainerError::Graph { program, source }
 }
 
-/// The declared loss inputs of one micro-batch, as traced tensors.
+/// The declared loss inputs of one micro-batch, as traced tensors (a value model's `values`
+/// in `old` and `returns` in `adv`).
 struct LossArgs {
     old: Tensor,
     adv: Tensor,
@@ -51,7 +51,11 @@ struct LossArgs {
     seqs: Tensor,
 }
 
-fn loss_input_names(cfg: &PolicyLossConfig) -> Vec<&'static str> {
+fn loss_input_names(step: &StepConfig) -> Vec<&'static str> {
+    if step.value_loss.is_some() {
+        return vec!["values", "returns", "response_mask", "norm_tokens", "norm_seqs"];
+    }
+    let cfg = &step.loss;
     let mut names = vec!["old_log_probs", "advantages", "response_mask"];
     if cfg.use_kl_loss {
         names.push("ref_log_probs");
@@ -83,11 +87,14 @@ fn new_graph(name: &str, mesh: &LearnerMesh) -> Graph {
 fn declare_loss_args(g: &Graph, cfg: &StepConfig, response_len: i64, mesh: &LearnerMesh) -> LossArgs {
     let bl = [cfg.micro_batch_size, response_len];
     let rows = |name: &str| declare(g, name, DType::F32, &bl, mesh.batch_sharding(2));
-    let old = rows("old_log_probs");
-    let adv = rows("advantages");
+    let names = loss_input_names(cfg);
+    let old = rows(names[0]);
+    let adv = rows(names[1]);
     let mask = rows("response_mask");
-    let reference = cfg.loss.use_kl_loss.then(|| rows("ref_log_probs"));
-    let is_weights = cfg.loss.rollout_is_weights.then(|| rows("rollout_is_weights"));
+    let reference = names.contains(&"ref_log_probs").then(|| rows("ref_log_probs"));
+    let is_weights = names
+        .contains(&"rollout_is_weights")
+        .then(|| rows("rollout_is_weights"));
     let tokens = g.parameter("norm_tokens", DType::F32, &[]);
     let seqs = g.parameter("norm_seqs", DType::F32, &[]);
     LossArgs {
@@ -143,8 +150,9 @@ fn build_options(donate: &[(usize, usize)], result_shardings: Vec<(usize, Shardi
     }
 }
 
-/// Traces the policy and the actor loss on `masters` and returns the loss terms and the
-/// gradients with respect to the f32 masters.
+/// Traces the model function and its loss (the actor loss, or a value model's value loss) on
+/// `masters` and returns the summed metric terms (the loss first, [`StepConfig::metric_names`]
+/// order) and the gradients with respect to the f32 masters.
 fn trace_loss_and_grads<F>(
     cfg: &StepConfig,
     masters: &[Tensor],
@@ -152,29 +160,48 @@ fn trace_loss_and_grads<F>(
     args: &LossArgs,
     batch: &[Tensor],
     policy: &F,
-) -> std::result::Result<(ActorLoss, Vec<Tensor>), xla::graph::GraphError>
+) -> std::result::Result<(Vec<Tensor>, Vec<Tensor>), xla::graph::GraphError>
 where
     F: Fn(&[Tensor], &[Tensor]) -> PolicyOutput,
 {
     let out = policy(&policy_params(cfg, masters, frozen), batch);
-    let inputs = LossInputs {
-        log_probs: out.log_probs.convert_if_needed(DType::F32),
-        entropy: out.entropy.map(|e| e.convert_if_needed(DType::F32)),
-        old_log_probs: args.old.clone(),
-        advantages: args.adv.clone(),
-        response_mask: args.mask.clone(),
-        ref_log_probs: args.reference.clone(),
-        rollout_is_weights: args.is_weights.clone(),
-        norm: Normalizer {
-            tokens: args.tokens.clone(),
-            seqs: args.seqs.clone(),
-            response_len: Some(cfg.response_len as f64),
-        },
+    let norm = Normalizer {
+        tokens: args.tokens.clone(),
+        seqs: args.seqs.clone(),
+        response_len: Some(cfg.response_len as f64),
     };
-    let loss = actor_loss(&cfg.loss, &inputs);
+    let terms = match &cfg.value_loss {
+        Some(value_cfg) => {
+            let vpreds = out.log_probs.convert_if_needed(DType::F32);
+            let v = value_loss(value_cfg, &vpreds, &args.old, &args.adv, &args.mask, &norm);
+            let zero = v.vf_loss.zeros_like();
+            vec![
+                v.vf_loss.clone(),
+                v.vf_loss,
+                v.vf_clipfrac,
+                v.vpred_mean,
+                zero.clone(),
+                zero.clone(),
+                zero,
+            ]
+        }
+        None => {
+            let inputs = LossInputs {
+                log_probs: out.log_probs.convert_if_needed(DType::F32),
+                entropy: out.entropy.map(|e| e.convert_if_needed(DType::F32)),
+                old_log_probs: args.old.clone(),
+                advantages: args.adv.clone(),
+                response_mask: args.mask.clone(),
+                ref_log_probs: args.reference.clone(),
+                rollout_is_weights: args.is_weights.clone(),
+                norm,
+            };
+            loss_terms(&actor_loss(&cfg.loss, &inputs))
+        }
+    };
     let refs: Vec<&Tensor> = masters.iter().collect();
-    let grads = grad(&loss.loss, &refs)?;
-    Ok((loss, grads))
+    let grads = grad(&terms[0], &refs)?;
+    Ok((terms, grads))
 }
 
 /// What the policy function receives as its parameters: the trainable ones in the compute
@@ -288,7 +315,10 @@ pub struct ShapePrograms {
 
 /// Checks what every program of the learner relies on and returns the mesh.
 fn check_step_config(cfg: &StepConfig, params: &[ParamSpec], inputs: &[InputSpec]) -> Result<LearnerMesh> {
-    cfg.loss.validate()?;
+    match &cfg.value_loss {
+        Some(value) => value.validate()?,
+        None => cfg.loss.validate()?,
+    }
     cfg.optim.validate()?;
     if !matches!(cfg.compute_dtype, DType::F32 | DType::BF16) {
         return Err(TrainerError::Config {
@@ -361,9 +391,9 @@ where
     let args = declare_loss_args(&g, cfg, response_len, &mesh);
     let batch = batch_args(&g, inputs, &mesh);
     let frozen = declare_frozen(&g, cfg, &mesh);
-    let (loss, grads) = trace_loss_and_grads(cfg, &masters, &frozen, &args, &batch, &policy)
+    let (terms, grads) = trace_loss_and_grads(cfg, &masters, &frozen, &args, &batch, &policy)
         .map_err(graph_err("train_step"))?;
-    let results = trace_update(cfg, &masters, &m, &v, &step, &lr, &grads, &loss_terms(&loss));
+    let results = trace_update(cfg, &masters, &m, &v, &step, &lr, &grads, &terms);
     let refs: Vec<&Tensor> = results.iter().collect();
     let donate: Vec<(usize, usize)> = (0..=3 * n).map(|i| (i, i)).collect();
     let mut shardings: Vec<(usize, Sharding)> = (0..3)
@@ -384,10 +414,10 @@ where
     let args = declare_loss_args(&g, cfg, response_len, &mesh);
     let batch = batch_args(&g, inputs, &mesh);
     let frozen = declare_frozen(&g, cfg, &mesh);
-    let (loss, grads) = trace_loss_and_grads(cfg, &masters, &frozen, &args, &batch, &policy)
+    let (terms, grads) = trace_loss_and_grads(cfg, &masters, &frozen, &args, &batch, &policy)
         .map_err(graph_err("accumulate"))?;
     let mut results: Vec<Tensor> = acc.iter().zip(&grads).map(|(a, g)| a + g).collect();
-    let terms: Vec<Tensor> = loss_terms(&loss).iter().map(scalar1).collect();
+    let terms: Vec<Tensor> = terms.iter().map(scalar1).collect();
     let term_refs: Vec<&Tensor> = terms.iter().collect();
     results.push(&metric_acc + &Tensor::concat(&term_refs, 0));
     let refs: Vec<&Tensor> = results.iter().collect();
@@ -415,7 +445,7 @@ where
         log_probs,
         response_len,
         batch_inputs: inputs.to_vec(),
-        loss_inputs: loss_input_names(&cfg.loss),
+        loss_inputs: loss_input_names(cfg),
         partitions: mesh.devices(),
     })
 }
@@ -441,6 +471,7 @@ where
     let n = params.len();
     let layout = StepLayout {
         num_params: n,
+        metric_names: cfg.metric_names(),
         loss_inputs: shape.loss_inputs.clone(),
         batch_inputs: inputs.to_vec(),
         bf16_outputs: cfg.compute_dtype != DType::F32,

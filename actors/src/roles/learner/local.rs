@@ -2,7 +2,7 @@
 //! update algorithm and the device learner), with its parameter buffers shared with an
 //! in-process rollout engine.
 
-use super::{LearnerRole, LearnerWeights, Synced};
+use super::{LearnerRole, LearnerStates, LearnerWeights, Synced};
 use crate::recipe::Recipe;
 use crate::roles::{BoxFuture, RoleError};
 use crate::setup;
@@ -47,17 +47,21 @@ pub fn initial_weights(
     recipe: &Recipe,
     weights: &mut model::ModelWeights,
 ) -> Result<InitialWeights, UpdateError> {
+    // PPO's critic copies the trunk before the policy's tensors move out.
+    let critic = setup::critic_initial(recipe, weights).map_err(UpdateError::Batch)?;
     let policy = setup::policy(recipe, &weights.config);
     let Some(lora) = &policy.lora else {
         return Ok(InitialWeights {
             trainable: initial_params(&policy.param_specs(), weights)?,
             frozen: Vec::new(),
+            critic,
         });
     };
     let adapter = initial_adapter(recipe, &weights.config, lora)?;
     Ok(InitialWeights {
         trainable: adapter.tensors.iter().map(|t| t.to_f32_vec()).collect(),
         frozen: initial_params(&policy.frozen_specs(), weights)?,
+        critic,
     })
 }
 
@@ -105,6 +109,8 @@ pub struct InitialWeights {
     pub trainable: Vec<Vec<f32>>,
     /// The frozen tensors: with LoRA the model's weights, else none.
     pub frozen: Vec<Vec<f32>>,
+    /// PPO's critic's parameters (`setup::critic_initial`), when the estimator needs one.
+    pub critic: Option<Vec<Vec<f32>>>,
 }
 
 /// The learner role in this process. Its parameter buffers are shared with an in-process
@@ -146,19 +152,40 @@ impl LocalLearner {
     /// The learner of a run as the orchestrator and a learner worker both build it (see
     /// [`GrpoUpdate::start`]): from `initial` (the policy's starting point, see
     /// [`initial_weights`]) or the checkpoint state `resume` with its `clocks`, in a schedule of
-    /// `total_optimizer_steps`.
+    /// `total_optimizer_steps`; PPO's critic from `initial.critic` or its checkpoint state
+    /// `critic_resume`.
+    #[allow(clippy::too_many_arguments)]
     pub fn start(
         client: &Client,
         recipe: &Recipe,
         config: &model::ModelConfig,
         initial: InitialWeights,
         resume: Option<LearnerState>,
+        critic_resume: Option<LearnerState>,
         clocks: UpdateClocks,
         total_optimizer_steps: u64,
     ) -> Result<LocalLearner, UpdateError> {
         let policy = setup::policy(recipe, config);
         let specs = policy.param_specs();
         let update_config = setup::update_config(recipe, &policy, total_optimizer_steps);
+        let critic = match setup::critic_model_config(recipe, config).map_err(UpdateError::Batch)? {
+            Some(critic_config) => {
+                let state = match (critic_resume, initial.critic) {
+                    (Some(state), _) => state,
+                    (None, Some(params)) => LearnerState::fresh(params),
+                    (None, None) => {
+                        return Err(UpdateError::Batch(
+                            "PPO's critic has neither a checkpoint state nor initial weights".into(),
+                        ))
+                    }
+                };
+                Some(trainer::update::CriticStart {
+                    model: setup::critic(recipe, &critic_config),
+                    state,
+                })
+            }
+            None => None,
+        };
         let lora = policy.lora.clone();
         let policy_form = policy.lora_form;
         let base_specs = policy.frozen_specs();
@@ -170,6 +197,7 @@ impl LocalLearner {
             initial.frozen,
             resume,
             clocks,
+            critic,
         )?;
         let lora = match &lora {
             Some(_) if policy_form == model::LoraForm::Applied => Some(LoraParts {
@@ -291,10 +319,19 @@ impl LocalLearner {
         ))
     }
 
-    /// The learner's state (parameters, AdamW moments, step count) read to the host.
-    pub fn read_state(&self) -> Result<LearnerState, UpdateError> {
-        Ok(lock(&self.update).learner().learner().state()?)
+    /// The learner's state (parameters, AdamW moments, step count) read to the host, the
+    /// critic's with it.
+    pub fn read_state(&self) -> Result<LearnerStates, UpdateError> {
+        read_states(&lock(&self.update))
     }
+}
+
+/// The policy's and the critic's states read to the host.
+fn read_states(update: &GrpoUpdate) -> Result<LearnerStates, UpdateError> {
+    Ok(LearnerStates {
+        policy: update.learner().learner().state()?,
+        critic: update.critic().map(|c| c.learner().state()).transpose()?,
+    })
 }
 
 /// Buffers on the learner's devices (`per_device[d]`, following `specs`) with the layout the
@@ -368,13 +405,13 @@ impl LearnerRole for LocalLearner {
         })
     }
 
-    fn state(&self) -> BoxFuture<'_, Result<LearnerState, RoleError>> {
+    fn state(&self) -> BoxFuture<'_, Result<LearnerStates, RoleError>> {
         let update = self.update.clone();
         Box::pin(async move {
-            tokio::task::spawn_blocking(move || lock(&update).learner().learner().state())
+            tokio::task::spawn_blocking(move || read_states(&lock(&update)))
                 .await
                 .map_err(|e| RoleError::Invalid(format!("learner: the state reader failed: {e}")))?
-                .map_err(|e| role_error(e.into()))
+                .map_err(role_error)
         })
     }
 

@@ -24,6 +24,14 @@ use trainer::step::LearnerState;
 use trainer::update::{Row, UpdateClocks, UpdateReport};
 use xla::DType;
 
+/// What a checkpoint holds of the learner: the policy's state and, with PPO
+/// (`algorithm.adv_estimator: gae`), the critic's.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LearnerStates {
+    pub policy: LearnerState,
+    pub critic: Option<LearnerState>,
+}
+
 /// The learner's current parameters, as the rollout side gets them.
 pub enum LearnerWeights {
     /// The learner's own device buffers in this process (shared, not copied) with their
@@ -62,8 +70,9 @@ pub trait LearnerRole: Send + Sync {
         what: Synced,
     ) -> BoxFuture<'_, Result<LearnerWeights, RoleError>>;
 
-    /// The state a checkpoint holds: f32 parameters, AdamW moments and step count.
-    fn state(&self) -> BoxFuture<'_, Result<LearnerState, RoleError>>;
+    /// The state a checkpoint holds: f32 parameters, AdamW moments and step count, of the
+    /// policy and, with PPO, of the critic.
+    fn state(&self) -> BoxFuture<'_, Result<LearnerStates, RoleError>>;
 
     /// Optimizer steps so far (the learning-rate schedule's clock) and the in-reward KL
     /// coefficient: what a checkpoint keeps besides the state.

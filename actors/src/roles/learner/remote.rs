@@ -7,7 +7,7 @@
 //! ([`crate::roles::rollout`]); the conversions between the learner's types and the protobuf
 //! messages live here and the server side ([`super::LearnerService`]) uses them too.
 
-use super::{LearnerRole, LearnerWeights, Synced};
+use super::{LearnerRole, LearnerStates, LearnerWeights, Synced};
 use crate::auth::{Attach, Token};
 use crate::proto;
 use crate::recipe::TlsSection;
@@ -38,6 +38,8 @@ pub struct RemoteLearner {
     specs: Vec<ParamSpec>,
     /// The model's parameter table: the weights'.
     model_specs: Vec<ParamSpec>,
+    /// With PPO, the critic's parameter table: its state's.
+    critic_specs: Option<Vec<ParamSpec>>,
     clocks: Mutex<UpdateClocks>,
 }
 
@@ -71,8 +73,15 @@ impl RemoteLearner {
             client,
             specs,
             model_specs,
+            critic_specs: None,
             clocks: Mutex::new(UpdateClocks::default()),
         })
+    }
+
+    /// This client for a learner that trains PPO's critic of the parameter table `specs` too.
+    pub fn with_critic(mut self, specs: Vec<ParamSpec>) -> RemoteLearner {
+        self.critic_specs = Some(specs);
+        self
     }
 
     fn error(&self, status: tonic::Status) -> RoleError {
@@ -87,25 +96,31 @@ impl RemoteLearner {
     }
 
     /// Builds the learner in the worker: from the recipe's model with zero optimizer state
-    /// (`resume` is `None`), or from a checkpoint's state, which is streamed to it.
-    /// `clocks` are the schedule's clock and the KL coefficient at that state,
+    /// (`resume` is `None`), or from a checkpoint's state (the critic's too), which is streamed
+    /// to it. `clocks` are the schedule's clock and the KL coefficient at that state,
     /// `total_optimizer_steps` the schedule's length. Resolves once the worker has compiled its
     /// programs and holds the state.
     pub async fn start(
         &self,
-        resume: Option<LearnerState>,
+        resume: Option<LearnerStates>,
         clocks: UpdateClocks,
         total_optimizer_steps: u64,
     ) -> Result<(), RoleError> {
         let optimizer_steps = clocks.optimizer_steps;
         let counters = proto::LearnerCounters {
-            adam_step: resume.as_ref().map_or(0, |s| s.adam_step),
+            adam_step: resume.as_ref().map_or(0, |s| s.policy.adam_step),
             optimizer_steps,
             total_optimizer_steps,
             kl_coef: clocks.kl_coef,
+            critic_adam_step: resume
+                .as_ref()
+                .and_then(|s| s.critic.as_ref())
+                .map_or(0, |c| c.adam_step),
+            critic_optimizer_steps: clocks.critic_optimizer_steps,
+            updates: clocks.updates,
         };
         let (messages, stream) = tokio::sync::mpsc::channel(CHUNKS_IN_FLIGHT);
-        let specs = self.specs.clone();
+        let (specs, critic_specs) = (self.specs.clone(), self.critic_specs.clone());
         let producer = tokio::task::spawn_blocking(move || {
             let first = proto::LearnerStateMessage {
                 counters: Some(counters),
@@ -114,8 +129,8 @@ impl RemoteLearner {
             if messages.blocking_send(first).is_err() {
                 return;
             }
-            if let Some(state) = resume {
-                state_chunks(optimizer_steps, &specs, &state, |m| {
+            if let Some(states) = resume {
+                states_chunks(optimizer_steps, &specs, critic_specs.as_deref(), &states, |m| {
                     messages.blocking_send(m).is_ok()
                 });
             }
@@ -132,7 +147,7 @@ impl RemoteLearner {
         check_table(&self.specs, &status.tensors, &self.address)?;
         *self.lock_clocks() = UpdateClocks {
             optimizer_steps: status.optimizer_steps,
-            kl_coef: clocks.kl_coef,
+            ..clocks
         };
         Ok(())
     }
@@ -183,15 +198,35 @@ const PARTS: [proto::StatePart; 3] = [
     proto::StatePart::AdamV,
 ];
 
+/// [`state_chunks`] of the policy's state, then of the critic's (tagged `critic`) when
+/// `critic_specs` and the states have one. Returns false when `send` did.
+pub(crate) fn states_chunks(
+    version: u64,
+    specs: &[ParamSpec],
+    critic_specs: Option<&[ParamSpec]>,
+    states: &LearnerStates,
+    mut send: impl FnMut(proto::LearnerStateMessage) -> bool,
+) -> bool {
+    if !state_chunks(version, specs, &states.policy, false, &mut send) {
+        return false;
+    }
+    match (critic_specs, &states.critic) {
+        (Some(specs), Some(critic)) => state_chunks(version, specs, critic, true, send),
+        _ => true,
+    }
+}
+
 /// Cuts `state`'s parameters and moments into checksummed f32 chunks of about [`CHUNK_BYTES`],
-/// stamped `version`, and hands them to `send` in order. Stops when `send` returns false (the
-/// call ended; its status says why).
+/// stamped `version` (and tagged as the critic's with `critic`), and hands them to `send` in
+/// order. Stops when `send` returns false (the call ended; its status says why), and returns
+/// false then.
 pub(crate) fn state_chunks(
     version: u64,
     specs: &[ParamSpec],
     state: &LearnerState,
+    critic: bool,
     mut send: impl FnMut(proto::LearnerStateMessage) -> bool,
-) {
+) -> bool {
     let per_chunk = CHUNK_BYTES / 4;
     for (part, values) in PARTS.into_iter().zip([&state.params, &state.m, &state.v]) {
         for (index, (spec, tensor)) in specs.iter().zip(values.iter()).enumerate() {
@@ -214,9 +249,10 @@ pub(crate) fn state_chunks(
                     counters: None,
                     part: part as i32,
                     chunk: Some(chunk),
+                    critic,
                 };
                 if !send(message) {
-                    return;
+                    return false;
                 }
                 start = end;
                 if start >= tensor.len() {
@@ -225,32 +261,95 @@ pub(crate) fn state_chunks(
             }
         }
     }
+    true
 }
 
 /// Puts a learner state stream back together, checking every chunk against the parameter
-/// table: the counters first, then any number of chunks of the three parts.
+/// tables: the counters first, then any number of chunks of the three parts of the policy's
+/// state and, with a critic table, of the critic's.
 pub(crate) struct StateReceiver<'a> {
     counters: Option<proto::LearnerCounters>,
+    policy: PartsAssembly<'a>,
+    critic: Option<PartsAssembly<'a>>,
+}
+
+/// The three parts of one learner's state as they arrive.
+struct PartsAssembly<'a> {
     parts: Vec<Assembly<'a>>,
     values: Vec<Vec<Option<Vec<f32>>>>,
     chunks: usize,
 }
 
-impl<'a> StateReceiver<'a> {
-    /// A receiver for states of the parameter table `table` (from [`chunk_table`] with f32).
-    pub(crate) fn new(table: &'a [(String, Vec<i64>, u64)]) -> StateReceiver<'a> {
-        StateReceiver {
-            counters: None,
+impl<'a> PartsAssembly<'a> {
+    fn new(table: &'a [(String, Vec<i64>, u64)]) -> PartsAssembly<'a> {
+        PartsAssembly {
             parts: PARTS.iter().map(|_| Assembly::new(table, DType::F32)).collect(),
             values: PARTS.iter().map(|_| vec![None; table.len()]).collect(),
             chunks: 0,
         }
     }
 
+    fn add(&mut self, part: usize, chunk: proto::WeightChunk) -> Result<(), String> {
+        self.chunks += 1;
+        let name = PARTS[part].as_str_name();
+        if let Some((index, bytes)) = self.parts[part].add(chunk).map_err(|e| format!("{name}: {e}"))? {
+            let values = bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            self.values[part][index] = Some(values);
+        }
+        Ok(())
+    }
+
+    /// The state, when any chunk arrived (every part must then be complete).
+    fn finish(self, adam_step: i32, whose: &str) -> Result<Option<LearnerState>, String> {
+        if self.chunks == 0 {
+            return Ok(None);
+        }
+        for (part, assembly) in self.parts.iter().enumerate() {
+            assembly
+                .finish()
+                .map_err(|e| format!("{whose}{}: {e}", PARTS[part].as_str_name()))?;
+        }
+        let mut parts = self.values.into_iter().map(|tensors| {
+            tensors
+                .into_iter()
+                .map(|t| t.expect("finish() checked every tensor"))
+                .collect()
+        });
+        let (params, m, v) = (
+            parts.next().expect("three parts"),
+            parts.next().expect("three parts"),
+            parts.next().expect("three parts"),
+        );
+        Ok(Some(LearnerState {
+            params,
+            m,
+            v,
+            adam_step,
+        }))
+    }
+}
+
+impl<'a> StateReceiver<'a> {
+    /// A receiver for states of the parameter table `table` (from [`chunk_table`] with f32),
+    /// and of a critic's `critic` when the learner has one.
+    pub(crate) fn new(
+        table: &'a [(String, Vec<i64>, u64)],
+        critic: Option<&'a [(String, Vec<i64>, u64)]>,
+    ) -> StateReceiver<'a> {
+        StateReceiver {
+            counters: None,
+            policy: PartsAssembly::new(table),
+            critic: critic.map(PartsAssembly::new),
+        }
+    }
+
     /// Takes one message of the stream.
     pub(crate) fn add(&mut self, message: proto::LearnerStateMessage) -> Result<(), String> {
         if let Some(c) = message.counters {
-            if self.counters.is_some() || self.chunks > 0 {
+            if self.counters.is_some() || self.policy.chunks > 0 {
                 return Err("the counters must come once, in the first message".into());
             }
             self.counters = Some(c);
@@ -265,50 +364,25 @@ impl<'a> StateReceiver<'a> {
             .iter()
             .position(|p| *p as i32 == message.part)
             .ok_or_else(|| format!("a chunk of an unknown part of the state ({})", message.part))?;
-        self.chunks += 1;
-        let name = PARTS[part].as_str_name();
-        if let Some((index, bytes)) = self.parts[part].add(chunk).map_err(|e| format!("{name}: {e}"))? {
-            let values = bytes
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect();
-            self.values[part][index] = Some(values);
+        match (message.critic, self.critic.as_mut()) {
+            (false, _) => self.policy.add(part, chunk),
+            (true, Some(critic)) => critic.add(part, chunk).map_err(|e| format!("critic {e}")),
+            (true, None) => Err("a chunk of a critic's state, but this learner has no critic".into()),
         }
-        Ok(())
     }
 
-    /// The counters, and the state when any chunk arrived (every part must then be complete).
-    pub(crate) fn finish(self) -> Result<(proto::LearnerCounters, Option<LearnerState>), String> {
+    /// The counters, and the policy's and the critic's states when any of their chunks
+    /// arrived (every part must then be complete).
+    pub(crate) fn finish(
+        self,
+    ) -> Result<(proto::LearnerCounters, Option<LearnerState>, Option<LearnerState>), String> {
         let counters = self.counters.ok_or("the stream held no counters")?;
-        if self.chunks == 0 {
-            return Ok((counters, None));
-        }
-        for (part, assembly) in self.parts.iter().enumerate() {
-            assembly
-                .finish()
-                .map_err(|e| format!("{}: {e}", PARTS[part].as_str_name()))?;
-        }
-        let adam_step = counters.adam_step;
-        let mut parts = self.values.into_iter().map(|tensors| {
-            tensors
-                .into_iter()
-                .map(|t| t.expect("finish() checked every tensor"))
-                .collect()
-        });
-        let (params, m, v) = (
-            parts.next().expect("three parts"),
-            parts.next().expect("three parts"),
-            parts.next().expect("three parts"),
-        );
-        Ok((
-            counters,
-            Some(LearnerState {
-                params,
-                m,
-                v,
-                adam_step,
-            }),
-        ))
+        let policy = self.policy.finish(counters.adam_step, "")?;
+        let critic = match self.critic {
+            Some(c) => c.finish(counters.critic_adam_step, "critic ")?,
+            None => None,
+        };
+        Ok((counters, policy, critic))
     }
 }
 
@@ -356,6 +430,8 @@ pub(crate) fn report_to_proto(r: UpdateReport, clocks: UpdateClocks) -> proto::L
         optimizer_steps: r.optimizer_steps,
         total_optimizer_steps: clocks.optimizer_steps,
         kl_coef: clocks.kl_coef,
+        critic_optimizer_steps: clocks.critic_optimizer_steps,
+        updates: clocks.updates,
     }
 }
 
@@ -385,6 +461,8 @@ impl LearnerRole for RemoteLearner {
             *self.lock_clocks() = UpdateClocks {
                 optimizer_steps: reply.total_optimizer_steps,
                 kl_coef: reply.kl_coef,
+                critic_optimizer_steps: reply.critic_optimizer_steps,
+                updates: reply.updates,
             };
             Ok(report_from_proto(reply))
         })
@@ -443,7 +521,7 @@ impl LearnerRole for RemoteLearner {
         })
     }
 
-    fn state(&self) -> BoxFuture<'_, Result<LearnerState, RoleError>> {
+    fn state(&self) -> BoxFuture<'_, Result<LearnerStates, RoleError>> {
         Box::pin(async move {
             let mut stream = self
                 .client
@@ -453,16 +531,23 @@ impl LearnerRole for RemoteLearner {
                 .map_err(|s| self.error(s))?
                 .into_inner();
             let table = chunk_table(&self.specs, DType::F32);
-            let mut receiver = StateReceiver::new(&table);
+            let critic_table = self.critic_specs.as_deref().map(|s| chunk_table(s, DType::F32));
+            let mut receiver = StateReceiver::new(&table, critic_table.as_deref());
             while let Some(message) = stream.message().await.map_err(|s| self.error(s))? {
                 receiver.add(message).map_err(|e| self.bad_stream("state", e))?;
             }
-            let (counters, state) = receiver.finish().map_err(|e| self.bad_stream("state", e))?;
+            let (counters, policy, critic) = receiver.finish().map_err(|e| self.bad_stream("state", e))?;
             *self.lock_clocks() = UpdateClocks {
                 optimizer_steps: counters.optimizer_steps,
                 kl_coef: counters.kl_coef,
+                critic_optimizer_steps: counters.critic_optimizer_steps,
+                updates: counters.updates,
             };
-            state.ok_or_else(|| self.bad_stream("state", "the stream held no tensors"))
+            let policy = policy.ok_or_else(|| self.bad_stream("state", "the stream held no tensors"))?;
+            if self.critic_specs.is_some() && critic.is_none() {
+                return Err(self.bad_stream("state", "the stream held no critic state"));
+            }
+            Ok(LearnerStates { policy, critic })
         })
     }
 
@@ -513,6 +598,9 @@ mod tests {
                 optimizer_steps: 9,
                 total_optimizer_steps: 40,
                 kl_coef: Some(0.0123),
+                critic_adam_step: 5,
+                critic_optimizer_steps: 6,
+                updates: 3,
             }),
             ..Default::default()
         }
@@ -522,18 +610,19 @@ mod tests {
     fn a_state_survives_the_chunk_stream_exactly() {
         let specs = specs();
         let mut messages = vec![counters()];
-        state_chunks(9, &specs, &state(), |m| {
+        state_chunks(9, &specs, &state(), false, |m| {
             messages.push(m);
             true
         });
         // Three parts: a, b (empty: one empty chunk), c (two chunks).
         assert_eq!(messages.len(), 1 + 3 * 4);
         let table = chunk_table(&specs, DType::F32);
-        let mut receiver = StateReceiver::new(&table);
+        let mut receiver = StateReceiver::new(&table, None);
         for m in messages {
             receiver.add(m).unwrap();
         }
-        let (counters, back) = receiver.finish().unwrap();
+        let (counters, back, critic) = receiver.finish().unwrap();
+        assert!(critic.is_none());
         assert_eq!(
             (
                 counters.optimizer_steps,
@@ -550,13 +639,54 @@ mod tests {
     }
 
     #[test]
+    fn a_critic_state_travels_after_the_policy_state() {
+        let (specs, critic_specs) = (specs(), specs()[..2].to_vec());
+        let mut critic = state();
+        critic.params.truncate(2);
+        critic.m.truncate(2);
+        critic.v.truncate(2);
+        critic.adam_step = 5;
+        let states = LearnerStates {
+            policy: state(),
+            critic: Some(critic.clone()),
+        };
+        let mut messages = vec![counters()];
+        assert!(states_chunks(9, &specs, Some(&critic_specs), &states, |m| {
+            messages.push(m);
+            true
+        }));
+        assert_eq!(messages.iter().filter(|m| m.critic).count(), 3 * 2);
+        let (table, critic_table) = (
+            chunk_table(&specs, DType::F32),
+            chunk_table(&critic_specs, DType::F32),
+        );
+        let mut receiver = StateReceiver::new(&table, Some(&critic_table));
+        for m in messages.iter().cloned() {
+            receiver.add(m).unwrap();
+        }
+        let (counters, policy, back) = receiver.finish().unwrap();
+        assert_eq!((counters.critic_optimizer_steps, counters.updates), (6, 3));
+        assert_eq!(policy.unwrap(), state());
+        assert_eq!(back.unwrap(), critic);
+
+        // A learner without a critic refuses a critic's chunks.
+        let mut receiver = StateReceiver::new(&table, None);
+        let e = messages
+            .into_iter()
+            .map(|m| receiver.add(m))
+            .find_map(Result::err)
+            .unwrap();
+        assert_eq!(e, "a chunk of a critic's state, but this learner has no critic");
+    }
+
+    #[test]
     fn counters_alone_mean_a_fresh_start() {
         let table = chunk_table(&specs(), DType::F32);
-        let mut receiver = StateReceiver::new(&table);
+        let mut receiver = StateReceiver::new(&table, None);
         receiver.add(counters()).unwrap();
-        let (counters, state) = receiver.finish().unwrap();
+        let (counters, state, critic) = receiver.finish().unwrap();
         assert_eq!(counters.adam_step, 17);
-        assert!(state.is_none());
+        assert!(state.is_none() && critic.is_none());
     }
 
     #[test]
@@ -564,13 +694,13 @@ mod tests {
         let specs = specs();
         let table = chunk_table(&specs, DType::F32);
         let mut chunks = Vec::new();
-        state_chunks(9, &specs, &state(), |m| {
+        state_chunks(9, &specs, &state(), false, |m| {
             chunks.push(m);
             true
         });
 
         // A flipped bit in the second moments.
-        let mut receiver = StateReceiver::new(&table);
+        let mut receiver = StateReceiver::new(&table, None);
         receiver.add(counters()).unwrap();
         let mut corrupt = chunks[8].clone();
         let chunk = corrupt.chunk.as_mut().unwrap();
@@ -589,7 +719,7 @@ mod tests {
         );
 
         // A stream cut short: the first moments' last tensor never arrives whole.
-        let mut receiver = StateReceiver::new(&table);
+        let mut receiver = StateReceiver::new(&table, None);
         receiver.add(counters()).unwrap();
         for m in chunks[..7].iter().cloned() {
             receiver.add(m).unwrap();
@@ -601,18 +731,18 @@ mod tests {
         );
 
         // Chunks before the counters, and no counters at all.
-        let mut receiver = StateReceiver::new(&table);
+        let mut receiver = StateReceiver::new(&table, None);
         assert_eq!(
             receiver.add(chunks[0].clone()).unwrap_err(),
             "a chunk arrived before the counters"
         );
         assert_eq!(
-            StateReceiver::new(&table).finish().unwrap_err(),
+            StateReceiver::new(&table, None).finish().unwrap_err(),
             "the stream held no counters"
         );
         let mut unknown = chunks[0].clone();
         unknown.part = 9;
-        let mut receiver = StateReceiver::new(&table);
+        let mut receiver = StateReceiver::new(&table, None);
         receiver.add(counters()).unwrap();
         assert_eq!(
             receiver.add(unknown).unwrap_err(),
@@ -645,6 +775,7 @@ mod tests {
         let clocks = UpdateClocks {
             optimizer_steps: 12,
             kl_coef: Some(0.0123),
+            ..UpdateClocks::default()
         };
         let reply = report_to_proto(report.clone(), clocks);
         assert_eq!((reply.total_optimizer_steps, reply.kl_coef), (12, Some(0.0123)));

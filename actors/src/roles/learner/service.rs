@@ -4,7 +4,7 @@
 
 use super::local::{initial_weights, role_error, InitialWeights, LocalLearner};
 use super::remote::{
-    chunk_table, report_to_proto, row_from_proto, state_chunks, StateReceiver, MAX_MESSAGE_BYTES,
+    chunk_table, report_to_proto, row_from_proto, states_chunks, StateReceiver, MAX_MESSAGE_BYTES,
 };
 use super::LearnerRole;
 use crate::proto;
@@ -28,6 +28,8 @@ pub struct LearnerService {
     recipe: Recipe,
     config: model::ModelConfig,
     specs: Vec<ParamSpec>,
+    /// With PPO, the critic's parameter table.
+    critic_specs: Option<Vec<ParamSpec>>,
     /// A new run's start (and the reference).
     initial: InitialWeights,
     learner: Mutex<Option<Arc<LocalLearner>>>,
@@ -49,12 +51,16 @@ impl LearnerService {
         weights: &mut model::ModelWeights,
     ) -> Result<LearnerService, trainer::update::UpdateError> {
         let specs = crate::setup::policy(recipe, config).param_specs();
+        let critic_specs = crate::setup::critic_model_config(recipe, config)
+            .map_err(trainer::update::UpdateError::Batch)?
+            .map(|c| crate::setup::critic(recipe, &c).param_specs());
         let initial = initial_weights(recipe, weights)?;
         Ok(LearnerService {
             client,
             recipe: recipe.clone(),
             config: config.clone(),
             specs,
+            critic_specs,
             initial,
             learner: Mutex::new(None),
             in_flight: AtomicU64::new(0),
@@ -119,13 +125,14 @@ impl proto::learner_server::Learner for Arc<LearnerService> {
     ) -> Result<Response<proto::LearnerStatus>, Status> {
         let mut stream = request.into_inner();
         let table = chunk_table(&self.specs, DType::F32);
-        let mut receiver = StateReceiver::new(&table);
+        let critic_table = self.critic_specs.as_deref().map(|s| chunk_table(s, DType::F32));
+        let mut receiver = StateReceiver::new(&table, critic_table.as_deref());
         while let Some(message) = stream.message().await? {
             receiver.add(message).map_err(|e| {
                 Status::invalid_argument(format!("the learner state stream was refused: {e}"))
             })?;
         }
-        let (counters, resume) = receiver
+        let (counters, resume, critic_resume) = receiver
             .finish()
             .map_err(|e| Status::data_loss(format!("the learner state stream was refused: {e}")))?;
         let service = self.clone();
@@ -136,9 +143,12 @@ impl proto::learner_server::Learner for Arc<LearnerService> {
                 &service.config,
                 service.initial.clone(),
                 resume,
+                critic_resume,
                 UpdateClocks {
                     optimizer_steps: counters.optimizer_steps,
                     kl_coef: counters.kl_coef,
+                    critic_optimizer_steps: counters.critic_optimizer_steps,
+                    updates: counters.updates,
                 },
                 counters.total_optimizer_steps,
             )
@@ -232,10 +242,10 @@ impl proto::learner_server::Learner for Arc<LearnerService> {
 
     async fn state(&self, _: Request<proto::LearnerStateRequest>) -> Result<Response<StateStream>, Status> {
         let learner = self.learner()?;
-        let specs = self.specs.clone();
+        let (specs, critic_specs) = (self.specs.clone(), self.critic_specs.clone());
         let (out, stream) = tokio::sync::mpsc::channel(MESSAGES_IN_FLIGHT);
         tokio::task::spawn_blocking(move || {
-            let state = match learner.read_state() {
+            let states = match learner.read_state() {
                 Ok(s) => s,
                 Err(e) => {
                     let _ =
@@ -247,17 +257,22 @@ impl proto::learner_server::Learner for Arc<LearnerService> {
             let steps = clocks.optimizer_steps;
             let first = proto::LearnerStateMessage {
                 counters: Some(proto::LearnerCounters {
-                    adam_step: state.adam_step,
+                    adam_step: states.policy.adam_step,
                     optimizer_steps: steps,
                     total_optimizer_steps: 0,
                     kl_coef: clocks.kl_coef,
+                    critic_adam_step: states.critic.as_ref().map_or(0, |c| c.adam_step),
+                    critic_optimizer_steps: clocks.critic_optimizer_steps,
+                    updates: clocks.updates,
                 }),
                 ..Default::default()
             };
             if out.blocking_send(Ok(first)).is_err() {
                 return;
             }
-            state_chunks(steps, &specs, &state, |m| out.blocking_send(Ok(m)).is_ok());
+            states_chunks(steps, &specs, critic_specs.as_deref(), &states, |m| {
+                out.blocking_send(Ok(m)).is_ok()
+            });
         });
         Ok(Response::new(StateStream::new(stream)))
     }
