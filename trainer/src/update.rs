@@ -453,23 +453,6 @@ impl GrpoUpdate {
         Ok(report)
     }
 
-    /// The critic's values of every packed micro-batch, the real rows of each in order,
-    /// `[rows, L]`.
-    fn values(&mut self, packed: &[PackedMicroBatch], rows: usize) -> Result<Vec<f32>> {
-        let critic = self.critic.as_mut().expect("a critic");
-        let (l, mb) = (
-            critic.learner.policy().response_len,
-            critic.learner.policy().micro_batch_size,
-        );
-        let mut all = Vec::with_capacity(rows * l);
-        for (k, p) in packed.iter().enumerate() {
-            let v = critic.learner.log_probs(p, false)?;
-            let real = (rows - k * mb).min(mb);
-            all.extend_from_slice(&v[..real * l]);
-        }
-        Ok(all)
-    }
-
     /// `critic.ppo_epochs` passes over the critic's mini-batches towards the returns; its step
     /// metrics averaged over the steps go into `report` as `critic/*`.
     fn update_critic(
@@ -517,22 +500,6 @@ impl GrpoUpdate {
         Ok(())
     }
 
-    /// Log-probs of every packed micro-batch under the policy (or the reference), the real rows
-    /// of each in order, `[rows, L]`.
-    fn log_probs(&mut self, packed: &[PackedMicroBatch], rows: usize, reference: bool) -> Result<Vec<f32>> {
-        let (l, mb) = (
-            self.learner.policy().response_len,
-            self.learner.policy().micro_batch_size,
-        );
-        let mut all = Vec::with_capacity(rows * l);
-        for (k, p) in packed.iter().enumerate() {
-            let lp = self.learner.log_probs(p, reference)?;
-            let real = (rows - k * mb).min(mb);
-            all.extend_from_slice(&lp[..real * l]);
-        }
-        Ok(all)
-    }
-
     /// The `[rows, L]` arrays of the loss: old, reference and rollout log-probs, advantages
     /// per token and the loss mask, from rewards through the optional KL penalty.
     fn token_arrays(
@@ -555,7 +522,7 @@ impl GrpoUpdate {
         let old_lp = if self.config.use_rollout_log_probs {
             rollout_lp.clone()
         } else {
-            self.log_probs(packed, n_rows, false)?
+            per_row(&mut self.learner, packed, n_rows, false)?
         };
         m.insert("timing_s/old_log_prob".into(), t.elapsed().as_secs_f64());
         // How far the trainer's and the rollout's probabilities are apart (same weights).
@@ -569,16 +536,16 @@ impl GrpoUpdate {
         m.insert("rollout/log_prob_diff_mean".into(), diff / cnt.max(1.0));
         let ref_lp = if self.config.needs_reference() {
             let t = Instant::now();
-            let lp = self.log_probs(packed, n_rows, true)?;
+            let lp = per_row(&mut self.learner, packed, n_rows, true)?;
             m.insert("timing_s/ref".into(), t.elapsed().as_secs_f64());
             Some(lp)
         } else {
             None
         };
         // The critic's values of the response tokens (0 elsewhere, as VeRL's compute_values).
-        let values = if self.critic.is_some() {
+        let values = if let Some(critic) = self.critic.as_mut() {
             let t = Instant::now();
-            let mut v = self.values(critic_packed, n_rows)?;
+            let mut v = per_row(&mut critic.learner, critic_packed, n_rows, false)?;
             for (v, m) in v.iter_mut().zip(&response_mask) {
                 *v *= m;
             }
@@ -843,6 +810,25 @@ fn mini_batches(
         }
     }
     Ok(out)
+}
+
+/// The per-token outputs of `learner` (the policy's log-probs, or the reference's with
+/// `reference`; a critic's values) for every packed micro-batch, the real rows of each in
+/// order, `[rows, L]`.
+fn per_row(
+    learner: &mut BucketedLearner,
+    packed: &[PackedMicroBatch],
+    rows: usize,
+    reference: bool,
+) -> Result<Vec<f32>> {
+    let (l, mb) = (learner.policy().response_len, learner.policy().micro_batch_size);
+    let mut all = Vec::with_capacity(rows * l);
+    for (k, p) in packed.iter().enumerate() {
+        let out = learner.log_probs(p, reference)?;
+        let real = (rows - k * mb).min(mb);
+        all.extend_from_slice(&out[..real * l]);
+    }
+    Ok(all)
 }
 
 fn pairs<'a>(rows: &[&'a Row]) -> Vec<(&'a [u32], &'a [u32])> {

@@ -6,8 +6,10 @@
 //! the model's) must move the parameters differently, so the check can fail. The update's
 //! token counts count only the model's tokens.
 
-use model::{random_init, ModelConfig};
-use testkit::TinyLlama;
+mod support;
+
+use model::random_init;
+use support::tiny_llama;
 use trainer::config::{AdvantageConfig, KlControl, KlPenalty, OptimConfig, Parallelism, PolicyLossConfig};
 use trainer::policy::DecoderPolicy;
 use trainer::rollout_correction::RolloutCorrection;
@@ -18,15 +20,6 @@ use xla::DType;
 const PROMPT: usize = 6;
 const RESPONSE: usize = 12;
 const GROUP: usize = 2;
-
-fn tiny_llama() -> ModelConfig {
-    TinyLlama {
-        vocab: 23,
-        max_positions: 32,
-        ..TinyLlama::default()
-    }
-    .config()
-}
 
 fn update() -> GrpoUpdate {
     let policy = DecoderPolicy {

@@ -7,9 +7,8 @@ mod support;
 
 use model::classifier::{value_model_init, value_model_param_table, values_graph};
 use model::forward::{hidden_states_graph, DecoderParams};
-use model::{random_init, HostTensor, ModelConfig};
-use support::{eval, In};
-use testkit::TinyLlama;
+use model::{random_init, HostTensor};
+use support::{eval, tiny_llama, In};
 use trainer::config::{
     AdvantageConfig, AdvantageEstimator, KlControl, KlPenalty, OptimConfig, Parallelism, PolicyLossConfig,
     ValueLossConfig,
@@ -24,15 +23,6 @@ const PROMPT: usize = 6;
 const RESPONSE: usize = 8;
 const GROUP: usize = 2;
 const MICRO: usize = 4;
-
-fn tiny_llama() -> ModelConfig {
-    TinyLlama {
-        vocab: 23,
-        max_positions: 32,
-        ..TinyLlama::default()
-    }
-    .config()
-}
 
 fn model(head: Head) -> DecoderPolicy {
     DecoderPolicy {

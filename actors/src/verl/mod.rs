@@ -323,58 +323,7 @@ impl Translator {
             let o = self.origin(&from);
             self.b.set(to, value, o)?;
         }
-        let style = self.get("critic.optim.warmup_style")?;
-        if !style.is_null() {
-            let o = self.origin("critic.optim.warmup_style");
-            self.b.set("critic.optim.lr_scheduler_type", style, o)?;
-        }
-        let warmup = self.get("critic.optim.lr_warmup_steps")?.as_i64().unwrap_or(-1);
-        let ratio = self
-            .get("critic.optim.lr_warmup_steps_ratio")?
-            .as_f64()
-            .unwrap_or(0.0);
-        if warmup >= 0 {
-            let o = self.origin("critic.optim.lr_warmup_steps");
-            self.b.set("critic.optim.lr_warmup_steps", json!(warmup), o)?;
-        } else if ratio > 0.0 {
-            let Some(total) = self.get("trainer.total_training_steps")?.as_u64() else {
-                return Err(VerlError::Value {
-                    origin: self.origin("critic.optim.lr_warmup_steps_ratio"),
-                    message: "a warmup ratio needs the run's length before the data is read: set \
-                              trainer.total_training_steps, or critic.optim.lr_warmup_steps"
-                        .into(),
-                });
-            };
-            let batch = self.get("data.train_batch_size")?.as_u64().unwrap_or(1);
-            let mini = self
-                .get("critic.ppo_mini_batch_size")?
-                .as_u64()
-                .unwrap_or(1)
-                .max(1);
-            let epochs = self.get("critic.ppo_epochs")?.as_u64().unwrap_or(1);
-            let steps = total * batch.div_ceil(mini) * epochs;
-            let o = self.origin("critic.optim.lr_warmup_steps_ratio");
-            self.b.set(
-                "critic.optim.lr_warmup_steps",
-                json!((ratio * steps as f64) as u64),
-                o,
-            )?;
-        }
-        let clip_grad = self.get("critic.optim.clip_grad")?;
-        let grad_clip = self.get("critic.grad_clip")?;
-        let (value, key) = match (clip_grad.as_f64(), grad_clip.as_f64()) {
-            (Some(c), Some(g)) if c != 1.0 && g != 1.0 && c != g => {
-                return Err(VerlError::Value {
-                    origin: self.origin("critic.optim.clip_grad"),
-                    message: format!("it and `critic.grad_clip` = {g} disagree; set one of them"),
-                })
-            }
-            (Some(c), _) if c != 1.0 => (c, "critic.optim.clip_grad"),
-            (_, Some(g)) => (g, "critic.grad_clip"),
-            _ => (1.0, "critic.grad_clip"),
-        };
-        let o = self.origin(key);
-        self.b.set("critic.grad_clip", json!(value), o)?;
+        self.schedule_and_clip("critic", "critic")?;
         if self.config.origin.contains_key("critic.model.path") {
             let path = expand_home(self.get("critic.model.path")?);
             let o = self.origin("critic.model.path");
@@ -400,36 +349,13 @@ impl Translator {
             .unwrap_or(1)
             .max(1);
         let mini = self.get("critic.ppo_mini_batch_size")?.as_u64().unwrap_or(1);
-        let share = (mini * n / devices).max(1);
-        let dynamic = self.get("critic.use_dynamic_bsz")?.as_bool().unwrap_or(false);
-        let (per_device, from) = if dynamic {
-            let tokens = self
-                .get("critic.ppo_max_token_len_per_gpu")?
-                .as_u64()
-                .unwrap_or(32768);
-            let len = self.get("data.max_prompt_length")?.as_u64().unwrap_or(512)
-                + self.get("data.max_response_length")?.as_u64().unwrap_or(512);
-            ((tokens / len.max(1)).max(1), "critic.ppo_max_token_len_per_gpu")
-        } else if let Some(m) = self.get("critic.ppo_micro_batch_size_per_gpu")?.as_u64() {
-            (m.max(1), "critic.ppo_micro_batch_size_per_gpu")
-        } else if let Some(m) = self.get("critic.ppo_micro_batch_size")?.as_u64() {
-            ((m / devices).max(1), "critic.ppo_micro_batch_size")
-        } else {
-            return Ok(());
-        };
-        let fitted = (1..=per_device.min(share))
-            .rev()
-            .find(|d| share.is_multiple_of(*d))
-            .unwrap_or(1);
-        if fitted != per_device {
-            self.notes.push(format!(
-                "size rule: {per_device} critic sequences per device per pass (from {from}) made \
-                 {fitted}, the most that divides each device's {share} sequences of a mini-batch"
-            ));
-        }
-        let o = self.origin(from);
-        self.b
-            .set("critic.ppo_micro_batch_size", json!(fitted * devices), o)
+        self.micro_batch_rule(
+            "critic",
+            mini * n / devices,
+            devices,
+            "critic.ppo_micro_batch_size",
+        )?;
+        Ok(())
     }
 
     /// `algorithm.kl_penalty` and `algorithm.kl_ctrl`, which VeRL reads only with
@@ -507,63 +433,71 @@ impl Translator {
         self.b.set("algorithm.kl_ctrl", ctrl, o)
     }
 
-    fn optimizer(&mut self) -> Result<(), VerlError> {
-        let a = "actor_rollout_ref.actor";
-        let steps = self
-            .get(&format!("{a}.optim.lr_warmup_steps"))?
-            .as_i64()
-            .unwrap_or(-1);
+    /// `SECTION.optim`'s warmup and schedule type and the gradient clip of one of VeRL's
+    /// optimizers (`section` the actor's or the critic's) to `to.optim.*` and `to.grad_clip`:
+    /// `lr_warmup_steps` when set (not -1), else `lr_warmup_steps_ratio` x the optimizer steps of
+    /// the run; `warmup_style`, VeRL's older name of `lr_scheduler_type`, when set; the clip
+    /// from `optim.clip_grad` (VeRL's newer engine) or `grad_clip` (its older), whichever is set
+    /// away from their shared default 1.0.
+    fn schedule_and_clip(&mut self, section: &str, to: &str) -> Result<(), VerlError> {
+        let key = |k: &str| format!("{section}.{k}");
+        let steps = self.get(&key("optim.lr_warmup_steps"))?.as_i64().unwrap_or(-1);
         let ratio = self
-            .get(&format!("{a}.optim.lr_warmup_steps_ratio"))?
+            .get(&key("optim.lr_warmup_steps_ratio"))?
             .as_f64()
             .unwrap_or(0.0);
         if steps >= 0 {
-            let o = self.origin(&format!("{a}.optim.lr_warmup_steps"));
-            self.b.set("actor.optim.lr_warmup_steps", json!(steps), o)?;
+            let o = self.origin(&key("optim.lr_warmup_steps"));
+            self.b
+                .set(&format!("{to}.optim.lr_warmup_steps"), json!(steps), o)?;
         } else if ratio > 0.0 {
-            let total = self.get("trainer.total_training_steps")?.as_u64();
+            let Some(total) = self.get("trainer.total_training_steps")?.as_u64() else {
+                return Err(VerlError::Value {
+                    origin: self.origin(&key("optim.lr_warmup_steps_ratio")),
+                    message: format!(
+                        "a warmup ratio needs the run's length before the data is read: set \
+                         trainer.total_training_steps, or {section}.optim.lr_warmup_steps"
+                    ),
+                });
+            };
             let batch = self.get("data.train_batch_size")?.as_u64().unwrap_or(1);
             let mini = self
-                .get(&format!("{a}.ppo_mini_batch_size"))?
+                .get(&key("ppo_mini_batch_size"))?
                 .as_u64()
                 .unwrap_or(1)
                 .max(1);
-            let epochs = self.get(&format!("{a}.ppo_epochs"))?.as_u64().unwrap_or(1);
-            let Some(total) = total else {
-                return Err(VerlError::Value {
-                    origin: self.origin(&format!("{a}.optim.lr_warmup_steps_ratio")),
-                    message: "a warmup ratio needs the run's length before the data is read: set \
-                              trainer.total_training_steps, or actor_rollout_ref.actor.optim.lr_warmup_steps"
-                        .into(),
-                });
-            };
+            let epochs = self.get(&key("ppo_epochs"))?.as_u64().unwrap_or(1);
             let optimizer_steps = total * batch.div_ceil(mini) * epochs;
             let warmup = (ratio * optimizer_steps as f64) as u64;
-            let o = self.origin(&format!("{a}.optim.lr_warmup_steps_ratio"));
-            self.b.set("actor.optim.lr_warmup_steps", json!(warmup), o)?;
+            let o = self.origin(&key("optim.lr_warmup_steps_ratio"));
+            self.b
+                .set(&format!("{to}.optim.lr_warmup_steps"), json!(warmup), o)?;
         }
-        // VeRL reads `optim.clip_grad` in its newer engine and `actor.grad_clip` in the older;
-        // a value set away from the shared default 1.0 in either is the one meant.
-        let clip_grad = self.get(&format!("{a}.optim.clip_grad"))?;
-        let grad_clip = self.get(&format!("{a}.grad_clip"))?;
-        let (value, key) = match (clip_grad.as_f64(), grad_clip.as_f64()) {
+        let style = self.get(&key("optim.warmup_style"))?;
+        if !style.is_null() {
+            let o = self.origin(&key("optim.warmup_style"));
+            self.b.set(&format!("{to}.optim.lr_scheduler_type"), style, o)?;
+        }
+        let clip_grad = self.get(&key("optim.clip_grad"))?;
+        let grad_clip = self.get(&key("grad_clip"))?;
+        let (value, from) = match (clip_grad.as_f64(), grad_clip.as_f64()) {
             (Some(c), Some(g)) if c != 1.0 && g != 1.0 && c != g => {
                 return Err(VerlError::Value {
-                    origin: self.origin(&format!("{a}.optim.clip_grad")),
-                    message: format!("it and `{a}.grad_clip` = {g} disagree; set one of them"),
+                    origin: self.origin(&key("optim.clip_grad")),
+                    message: format!("it and `{section}.grad_clip` = {g} disagree; set one of them"),
                 })
             }
-            (Some(c), _) if c != 1.0 => (c, format!("{a}.optim.clip_grad")),
-            (_, Some(g)) => (g, format!("{a}.grad_clip")),
-            _ => (1.0, format!("{a}.grad_clip")),
+            (Some(c), _) if c != 1.0 => (c, key("optim.clip_grad")),
+            (_, Some(g)) => (g, key("grad_clip")),
+            _ => (1.0, key("grad_clip")),
         };
-        let o = self.origin(&key);
-        self.b.set("actor.grad_clip", json!(value), o)?;
-        let style = self.get(&format!("{a}.optim.warmup_style"))?;
-        if !style.is_null() {
-            let o = self.origin(&format!("{a}.optim.warmup_style"));
-            self.b.set("actor.optim.lr_scheduler_type", style, o)?;
-        }
+        let o = self.origin(&from);
+        self.b.set(&format!("{to}.grad_clip"), json!(value), o)
+    }
+
+    fn optimizer(&mut self) -> Result<(), VerlError> {
+        let a = "actor_rollout_ref.actor";
+        self.schedule_and_clip(a, "actor")?;
         // VeRL's `clip_ratio` fills in a null `clip_ratio_low` / `clip_ratio_high`.
         let clip = self.get(&format!("{a}.clip_ratio"))?;
         for side in ["low", "high"] {
@@ -677,34 +611,47 @@ impl Translator {
                 ),
             });
         }
-        let share = seqs / devices;
-        let dynamic = self
-            .get(&format!("{a}.use_dynamic_bsz"))?
-            .as_bool()
-            .unwrap_or(false);
-        let (per_device, from) = if dynamic {
-            let tokens = self
-                .get(&format!("{a}.ppo_max_token_len_per_gpu"))?
-                .as_u64()
-                .unwrap_or(16384);
-            let len = self.get("data.max_prompt_length")?.as_u64().unwrap_or(512)
-                + self.get("data.max_response_length")?.as_u64().unwrap_or(512);
-            (
-                (tokens / len.max(1)).max(1),
-                format!("{a}.ppo_max_token_len_per_gpu"),
-            )
-        } else if let Some(m) = self.get(&format!("{a}.ppo_micro_batch_size_per_gpu"))?.as_u64() {
-            (m.max(1), format!("{a}.ppo_micro_batch_size_per_gpu"))
-        } else if let Some(m) = self.get(&format!("{a}.ppo_micro_batch_size"))?.as_u64() {
-            ((m / devices).max(1), format!("{a}.ppo_micro_batch_size"))
-        } else {
+        if !self.micro_batch_rule(a, seqs / devices, devices, "actor.ppo_micro_batch_size")? {
             return Err(VerlError::Value {
                 origin: format!("`{a}.ppo_micro_batch_size_per_gpu`"),
                 message: "unset: set it (or use_dynamic_bsz=True with ppo_max_token_len_per_gpu); \
                           VeRL requires it too"
                     .into(),
             });
+        }
+        Ok(())
+    }
+
+    /// The size rule's sequences per pass of `section` (the actor's or the critic's) to the
+    /// recipe key `to`: per device from `use_dynamic_bsz`'s token budget over the longest row,
+    /// or `ppo_micro_batch_size_per_gpu`, or the older global `ppo_micro_batch_size` over the
+    /// devices; fitted down to divide each device's `share` of a mini-batch; times the devices.
+    /// False when none of them is set.
+    fn micro_batch_rule(
+        &mut self,
+        section: &str,
+        share: u64,
+        devices: u64,
+        to: &str,
+    ) -> Result<bool, VerlError> {
+        let key = |k: &str| format!("{section}.{k}");
+        let dynamic = self.get(&key("use_dynamic_bsz"))?.as_bool().unwrap_or(false);
+        let (per_device, from) = if dynamic {
+            let tokens = self
+                .get(&key("ppo_max_token_len_per_gpu"))?
+                .as_u64()
+                .unwrap_or(16384);
+            let len = self.get("data.max_prompt_length")?.as_u64().unwrap_or(512)
+                + self.get("data.max_response_length")?.as_u64().unwrap_or(512);
+            ((tokens / len.max(1)).max(1), key("ppo_max_token_len_per_gpu"))
+        } else if let Some(m) = self.get(&key("ppo_micro_batch_size_per_gpu"))?.as_u64() {
+            (m.max(1), key("ppo_micro_batch_size_per_gpu"))
+        } else if let Some(m) = self.get(&key("ppo_micro_batch_size"))?.as_u64() {
+            ((m / devices).max(1), key("ppo_micro_batch_size"))
+        } else {
+            return Ok(false);
         };
+        let share = share.max(1);
         let fitted = (1..=per_device.min(share))
             .rev()
             .find(|d| share.is_multiple_of(*d))
@@ -716,9 +663,8 @@ impl Translator {
             ));
         }
         let o = self.origin(&from);
-        self.b
-            .set("actor.ppo_micro_batch_size", json!(fitted * devices), o)?;
-        Ok(())
+        self.b.set(to, json!(fitted * devices), o)?;
+        Ok(true)
     }
 
     fn sampling(&mut self) -> Result<(), VerlError> {

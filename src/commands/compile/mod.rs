@@ -533,6 +533,20 @@ mod tests {
             .collect()
     }
 
+    /// The runs per step of `plan`'s row `label`.
+    fn runs_per_step(plan: &Plan, label: &str) -> f64 {
+        plan.rows
+            .iter()
+            .find(|x| x.label == label)
+            .unwrap_or_else(|| {
+                panic!(
+                    "no {label} row in {:?}",
+                    plan.rows.iter().map(|x| &x.label).collect::<Vec<_>>()
+                )
+            })
+            .runs_per_step
+    }
+
     #[test]
     fn plans_the_programs_a_run_compiles_with_their_runs_per_step() {
         // 4 prompts x n=4 = 16 rows; mini-batch 2 prompts = 8 rows; micro-batch 4 rows.
@@ -540,18 +554,7 @@ mod tests {
             "{SMALL_DATA}rollout:\n  n: 4\n  max_num_seqs: 16\nactor:\n  ppo_mini_batch_size: 2\n  ppo_micro_batch_size: 4\n  use_kl_loss: true\n"
         ));
         let plan = plan_for(&r);
-        let runs = |label: &str| {
-            plan.rows
-                .iter()
-                .find(|x| x.label == label)
-                .unwrap_or_else(|| {
-                    panic!(
-                        "{label} in {:?}",
-                        plan.rows.iter().map(|x| &x.label).collect::<Vec<_>>()
-                    )
-                })
-                .runs_per_step
-        };
+        let runs = |label: &str| runs_per_step(&plan, label);
         // Buckets 16, 32, 64 (max_model_len 64); a prompt of 40 tokens prefills 39 in bucket 64;
         // width 4, each group prefilled alone (the engine's default `prefill_batch` of 1).
         let prefill = labels(&plan, "rollout_prefill");
@@ -776,18 +779,7 @@ mod tests {
              critic:\n  ppo_micro_batch_size: 2\n  ppo_epochs: 2\n"
         ));
         let plan = plan_for(&r);
-        let runs = |label: &str| {
-            plan.rows
-                .iter()
-                .find(|x| x.label == label)
-                .unwrap_or_else(|| {
-                    panic!(
-                        "no {label} row in {:?}",
-                        plan.rows.iter().map(|x| &x.label).collect::<Vec<_>>()
-                    )
-                })
-                .runs_per_step
-        };
+        let runs = |label: &str| runs_per_step(&plan, label);
         // The critic's micro-batches of 2 over the step's samples, once for the values and twice
         // (two epochs) for its update, which accumulates over its mini-batches.
         let samples = (r.data.train_batch_size * r.rollout.n) as f64;

@@ -130,3 +130,13 @@ pub fn tiny_policy(params: &[Tensor], batch: &[Tensor]) -> (Tensor, Tensor) {
         });
     (logits.token_log_probs(&batch[1]), logits.entropy())
 }
+
+/// The tiny Llama of the update tests: a 23-token vocabulary, 32 positions.
+pub fn tiny_llama() -> model::ModelConfig {
+    testkit::TinyLlama {
+        vocab: 23,
+        max_positions: 32,
+        ..testkit::TinyLlama::default()
+    }
+    .config()
+}
