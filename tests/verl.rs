@@ -149,6 +149,68 @@ fn verls_own_grpo_scripts_run_and_train() {
     assert!(text.contains("kl_loss_type: low_var_kl"), "{text}");
 }
 
+/// VeRL's own PPO example (`examples/ppo_trainer/run_deepseek7b_llm.sh`): GAE with a critic of
+/// the actor's model, the critic's keys carried over (its learning rate, micro-batch and
+/// gradient checkpointing); two steps train both and checkpoint the critic beside the policy.
+#[test]
+fn verls_own_ppo_script_trains_a_critic() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_chat_model(dir.path());
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    arithmetic(&data, "train", 1, 32);
+    arithmetic(&data, "test", 2, 8);
+    let script_name = "ppo_run_deepseek7b_llm.sh";
+    let output = dir.path().join("ppo");
+    let stderr = run_script(script_name, dir.path(), &model, &output);
+    assert_eq!(
+        stderr
+            .matches("note: critic.model.use_remove_padding=true has no effect in grpo")
+            .count(),
+        1,
+        "{stderr}"
+    );
+    let m = metrics(&output);
+    assert_eq!(m.keys().copied().filter(|s| *s > 0).collect::<Vec<_>>(), [1, 2]);
+    for step in [1, 2] {
+        let s = &m[&step];
+        for key in [
+            "actor/pg_loss",
+            "critic/vf_loss",
+            "critic/values/mean",
+            "critic/vf_explained_var",
+            "critic/grad_norm",
+        ] {
+            assert!(
+                s[key].as_f64().is_some_and(f64::is_finite),
+                "step {step}: {key} in {s}"
+            );
+        }
+        // The script's critic.optim.lr.
+        assert!((s["critic/lr"].as_f64().unwrap() - 1e-5).abs() < 1e-12, "{s}");
+    }
+    let ck = output.join("checkpoints/step_2");
+    assert!(ck.join("critic_params.safetensors").is_file(), "{}", ck.display());
+    assert!(ck.join("critic_optimizer.safetensors").is_file());
+    // The recipe the command line makes says so.
+    let out = script(script_name, dir.path(), &model, &dir.path().join("printed"))
+        .arg("--print-recipe")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let recipe: serde_yaml::Value = serde_yaml::from_slice(&out.stdout).unwrap();
+    let at = |path: &str| {
+        path.split('.')
+            .fold(&recipe, |v, k| &v[k])
+            .clone()
+    };
+    assert_eq!(at("algorithm.adv_estimator"), "gae");
+    assert_eq!(at("critic.optim.lr").as_f64(), Some(1e-5));
+    assert_eq!(at("critic.model.enable_gradient_checkpointing"), true);
+    // 32 per GPU, fitted to each device's share of a mini-batch (2 prompts x 1 response).
+    assert_eq!(at("critic.ppo_micro_batch_size").as_u64(), Some(2));
+}
+
 #[test]
 fn bad_command_lines_say_what_and_how_to_fix_it() {
     let fail = |args: &[&str]| {
