@@ -199,11 +199,7 @@ fn verls_own_ppo_script_trains_a_critic() {
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let recipe: serde_yaml::Value = serde_yaml::from_slice(&out.stdout).unwrap();
-    let at = |path: &str| {
-        path.split('.')
-            .fold(&recipe, |v, k| &v[k])
-            .clone()
-    };
+    let at = |path: &str| path.split('.').fold(&recipe, |v, k| &v[k]).clone();
     assert_eq!(at("algorithm.adv_estimator"), "gae");
     assert_eq!(at("critic.optim.lr").as_f64(), Some(1e-5));
     assert_eq!(at("critic.model.enable_gradient_checkpointing"), true);

@@ -10,7 +10,9 @@
 //! - `log_probs` (current and reference parameters) and `shared_params` (device 0's replica
 //!   under `dp`, all-gathered under `fsdp`) agree with the single-device learner;
 //! - a micro-batch that does not split over the mesh, prompt slots that do not, and a mesh
-//!   larger than the client, are refused by name.
+//!   larger than the client, are refused by name;
+//! - PPO's critic (a value model and its clipped value loss) under `dp` and `fsdp` over 2
+//!   devices gives the single-device values and, after three steps, state.
 //!
 //! - tensor parallelism (`actor.tensor_model_parallel_size`) for tiny Llama, Qwen2 and Qwen3
 //!   models: TP=2, TP=4 (more devices than KV heads) and FSDP=2 x TP=2, with and without
@@ -379,6 +381,55 @@ fn dp_and_fsdp_on_2_and_4_devices_match_one_device_and_fsdp_memory_falls_as_1_ov
                 shared, got.params,
                 "{what}: shared_params are the whole parameters"
             );
+        }
+    }
+}
+
+/// PPO's critic (a value model: the trunk and a value head, the clipped value loss) laid out
+/// by `parallel`, from the tiny model's trunk and a seeded head.
+fn critic_learner(parallel: Parallelism) -> Learner {
+    let config = tiny_llama();
+    let mut cfg = step_cfg(ROWS, parallel);
+    cfg.value_loss = Some(trainer::config::ValueLossConfig::default());
+    let mut p = policy_of(&config, ROWS, parallel.data_devices(ROWS as i64).unwrap());
+    p.head = trainer::policy::Head::Value;
+    let specs = p.param_specs();
+    let programs = build_train_programs(&cfg, &specs, &p.input_specs(), |w, b| p.forward(w, b))
+        .unwrap_or_else(|e| panic!("{parallel:?}: {e}"));
+    let initial: Vec<Vec<f32>> = model::classifier::value_model_init(&random_init(&config, 7), 9)
+        .unwrap()
+        .iter()
+        .map(|t| t.to_f32_vec())
+        .collect();
+    Learner::new(client4(), programs, &specs, &cfg, &initial, 3).unwrap()
+}
+
+#[test]
+fn a_critic_under_dp_and_fsdp_matches_one_device() {
+    let train_critic = |l: &mut Learner| {
+        let blocks = l.mesh().data_devices();
+        let mut values = Vec::new();
+        for step in 0..STEPS {
+            let b = batch(step as u64 + 1);
+            // Old values and returns from the batch's arrays (any numbers the loss clips).
+            let mut host = micro(&b, 0, ROWS, blocks);
+            host.values = Some(b.old.iter().map(|v| v + 2.0).collect());
+            host.returns = Some(b.advantages.clone());
+            values.push(l.log_probs(&host.inputs, false).unwrap());
+            let mb = l.upload_micro_batch(0, &host).unwrap();
+            let m = l.step(&[mb], 0.01).unwrap();
+            assert!(m.update_applied, "step {step}: {m:?}");
+            assert!(m.get("vf_loss").is_some_and(f64::is_finite), "{m:?}");
+        }
+        (l.state().unwrap(), values)
+    };
+    let (want, want_values) = train_critic(&mut critic_learner(Parallelism::default()));
+    for strategy in [Strategy::Dp, Strategy::Fsdp] {
+        let what = format!("critic, {} over 2", strategy.name());
+        let (got, values) = train_critic(&mut critic_learner(Parallelism::new(strategy, 2)));
+        assert_same_state(&what, &got, &want);
+        for (step, (a, b)) in values.iter().zip(&want_values).enumerate() {
+            assert!(max_diff(a, b) <= 1e-4, "{what}: values before step {step}");
         }
     }
 }
