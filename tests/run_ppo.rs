@@ -179,3 +179,37 @@ fn critic_keys_without_gae_are_refused() {
     );
     assert!(!out.exists(), "a refused recipe did no work");
 }
+
+/// A LoRA policy (adapters on a frozen base) beside a critic that trains every weight of its
+/// own copy of the trunk: the critic starts from the base model, not from the adapters.
+#[test]
+fn a_lora_policy_trains_beside_a_full_critic() {
+    let dir = tempfile::tempdir().unwrap();
+    let inputs = tiny_inputs(dir.path(), 16, 2);
+    let out = dir.path().join("lora");
+    let o = run(
+        dir.path(),
+        &inputs,
+        &out,
+        2,
+        &["--set", "actor.lora_rank=4", "--set", "trainer.critic_warmup=0"],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let m = metrics(&out);
+    for key in ["actor/pg_loss", "critic/vf_loss", "critic/grad_norm"] {
+        let v = metric_series(&m, key);
+        assert_eq!(v.len(), 2, "{key}: {v:?}");
+        assert!(v.iter().all(|x| x.is_finite() && *x != 0.0), "{key}: {v:?}");
+    }
+    let last = out.join("checkpoints/step_2");
+    let params = tensors(&last, "params");
+    assert!(
+        params.iter().all(|(n, _)| n.contains("lora_")),
+        "the policy's state is its adapters"
+    );
+    let critic = tensors(&last, "critic_params");
+    assert!(
+        critic.iter().any(|(n, _)| n == "model.embed_tokens.weight"),
+        "the critic trains its trunk"
+    );
+}
