@@ -213,3 +213,56 @@ fn a_lora_policy_trains_beside_a_full_critic() {
         "the critic trains its trunk"
     );
 }
+
+/// `critic.model.path` names another model: the critic is its trunk (here wider and deeper
+/// than the policy) with a fresh head; a model of another vocabulary is refused before any
+/// work, naming the key.
+#[test]
+fn the_critic_may_start_from_another_model_of_the_same_vocabulary() {
+    let dir = tempfile::tempdir().unwrap();
+    let inputs = tiny_inputs(dir.path(), 16, 2);
+    let policy_config = model::ModelConfig::from_hf_file(&inputs.0.join("config.json")).unwrap();
+    let tokenizer_files: Vec<PathBuf> = ["tokenizer.json", "tokenizer_config.json"]
+        .iter()
+        .map(|f| inputs.0.join(f))
+        .filter(|p| p.is_file())
+        .collect();
+    let tokenizer_refs: Vec<&Path> = tokenizer_files.iter().map(|p| p.as_path()).collect();
+    let other = |name: &str, vocab: usize| {
+        let mut config = policy_config.clone();
+        config.hidden_size = 48;
+        config.num_hidden_layers = 3;
+        config.intermediate_size = 96;
+        config.head_dim = 12;
+        config.vocab_size = vocab;
+        let path = dir.path().join(name);
+        model::save_hf_checkpoint(&path, &model::random_init(&config, 11), &tokenizer_refs).unwrap();
+        path
+    };
+    let critic = other("critic-model", policy_config.vocab_size);
+    let out = dir.path().join("out");
+    let path = format!("critic.model.path={}", critic.display());
+    let o = run(dir.path(), &inputs, &out, 2, &["--set", &path]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let head = tensors(&out.join("checkpoints/step_2"), "critic_params")
+        .into_iter()
+        .find(|(n, _)| n == "score.weight")
+        .unwrap();
+    assert_eq!(head.1.len(), 48, "the critic is the other model's trunk");
+
+    let wrong = other("wrong-vocabulary", policy_config.vocab_size + 1);
+    let path = format!("critic.model.path={}", wrong.display());
+    let o = run(
+        dir.path(),
+        &inputs,
+        &dir.path().join("wrong"),
+        2,
+        &["--set", &path],
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("critic.model.path") && err.contains("same tokenizer"),
+        "{err}"
+    );
+}
