@@ -60,14 +60,19 @@ fn run_script(name: &str, dir: &Path, model: &Path, output: &Path) -> String {
     stderr
 }
 
-#[test]
-fn verls_own_grpo_scripts_run_and_train() {
-    let dir = tempfile::tempdir().unwrap();
-    let model = tiny_chat_model(dir.path());
-    let data = dir.path().join("data");
+/// What the scripts read in `dir`: the tiny chat model (returned) and `data/{train,test}.parquet`.
+fn script_inputs(dir: &Path) -> std::path::PathBuf {
+    let data = dir.join("data");
     std::fs::create_dir_all(&data).unwrap();
     arithmetic(&data, "train", 1, 32);
     arithmetic(&data, "test", 2, 8);
+    tiny_chat_model(dir)
+}
+
+#[test]
+fn verls_own_grpo_scripts_run_and_train() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = script_inputs(dir.path());
     for script in [
         "run_qwen2-7b.sh",
         "run_deepseek7b_llm.sh",
@@ -155,11 +160,7 @@ fn verls_own_grpo_scripts_run_and_train() {
 #[test]
 fn verls_own_ppo_script_trains_a_critic() {
     let dir = tempfile::tempdir().unwrap();
-    let model = tiny_chat_model(dir.path());
-    let data = dir.path().join("data");
-    std::fs::create_dir_all(&data).unwrap();
-    arithmetic(&data, "train", 1, 32);
-    arithmetic(&data, "test", 2, 8);
+    let model = script_inputs(dir.path());
     let script_name = "ppo_run_deepseek7b_llm.sh";
     let output = dir.path().join("ppo");
     let stderr = run_script(script_name, dir.path(), &model, &output);

@@ -432,16 +432,20 @@ impl GrpoUpdate {
             .chunks(mb)
             .map(|chunk| self.learner.pack(&pairs(chunk)))
             .collect::<std::result::Result<Vec<_>, _>>()?;
-        let critic_packed = match &self.critic {
-            Some(c) => rows
-                .chunks(c.learner.policy().micro_batch_size)
-                .map(|chunk| c.learner.pack(&pairs(chunk)))
-                .collect::<std::result::Result<Vec<_>, _>>()?,
-            None => Vec::new(),
+        // The critic packs rows as the policy does (same lengths, groups and devices), so with
+        // the same micro-batch it takes the policy's packings.
+        let repacked = match &self.critic {
+            Some(c) if c.learner.policy().micro_batch_size != mb => Some(
+                rows.chunks(c.learner.policy().micro_batch_size)
+                    .map(|chunk| c.learner.pack(&pairs(chunk)))
+                    .collect::<std::result::Result<Vec<_>, _>>()?,
+            ),
+            _ => None,
         };
-        let batch = self.token_arrays(&rows, &packed, &critic_packed, &mut report)?;
+        let critic_packed = repacked.as_deref().unwrap_or(&packed);
+        let batch = self.token_arrays(&rows, &packed, critic_packed, &mut report)?;
         // VeRL's order: the critic, then the actor once the warm-up is over.
-        self.update_critic(&rows, &critic_packed, &batch, &mut report)?;
+        self.update_critic(&rows, critic_packed, &batch, &mut report)?;
         let warmup = self.critic.as_ref().map_or(0, |c| c.config.warmup);
         if self.updates + 1 >= warmup {
             self.optimize(&rows, &packed, &batch, &mut report)?;
