@@ -9,8 +9,8 @@
 //! largest (`accumulate`) on v6e:2x2, the decode step at the full cache on v5e:2x2, v5p:2x2x1 and
 //! tpu7x:2x2x1, the Llama-3.1-8B recipe's tensor-parallel decode step on 8 devices of each chip
 //! kind, and the oversized recipe's `accumulate` (refused quickly). BENCHMARKS.md records
-//! the full tables. On the CPU plugin: the quickstart's `apply`, and its `train_step` with and
-//! without rematerialisation.
+//! the full tables. On the CPU plugin: the quickstart's `apply`, and its `train_step`
+//! rematerialised and scanned, each beside one trace per layer keeping every activation.
 //!
 //! libtpu must be installed (scripts/setup.sh does it); set GRPO_SKIP_TPU_TESTS=1 to skip the
 //! TPU tests explicitly.
@@ -497,41 +497,52 @@ fn a_multi_turn_recipe_compiles_its_extend_programs_in_place() {
     }
 }
 
-/// With `model.enable_gradient_checkpointing` the learner's gradient program is compiled with
-/// and without it, and the report says what remat saves.
+/// With `model.enable_gradient_checkpointing` or `model.scan_layers` the learner's gradient
+/// program is also compiled one trace per layer keeping every activation, and the report says
+/// what the recipe's way saves and costs, compile time included.
 #[test]
-fn remat_is_compiled_beside_the_plain_program_and_saves_temporaries() {
-    let o = grpo(&[
-        "compile",
-        "recipes/quickstart.yaml",
-        "--device",
-        "cpu",
-        "--only",
-        "train_step",
-        "--json",
-        "--set",
-        "model.enable_gradient_checkpointing=true",
-    ]);
-    let (stdout, stderr) = (text(&o.stdout), text(&o.stderr));
-    assert_eq!(o.status.code(), Some(0), "{stdout}\n{stderr}");
-    assert!(
-        stderr.contains("without rematerialisation, for comparison"),
-        "{stderr}"
-    );
-    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
-    let remat = &report["remat"];
-    assert_eq!(remat["program"], "train_step", "{report}");
-    assert_eq!(
-        remat["temp_bytes"], report["programs"][0]["temp_bytes"],
-        "{report}"
-    );
-    let (with, without) = (
-        remat["temp_bytes"].as_u64().unwrap(),
-        remat["temp_bytes_without"].as_u64().unwrap(),
-    );
-    // SmolLM2-135M, 32 rows of 48 + 16 tokens: 1.5 GB with, 2.4 GB without (measured).
-    assert!(with * 5 < without * 4, "{report}");
-    // Without the key nothing is compiled twice.
+fn remat_and_scanned_layers_are_compiled_beside_the_plain_program_and_save_temporaries() {
+    for key in ["model.enable_gradient_checkpointing", "model.scan_layers"] {
+        let set = format!("{key}=true");
+        let o = grpo(&[
+            "compile",
+            "recipes/quickstart.yaml",
+            "--device",
+            "cpu",
+            "--only",
+            "train_step",
+            "--json",
+            "--set",
+            &set,
+        ]);
+        let (stdout, stderr) = (text(&o.stdout), text(&o.stderr));
+        assert_eq!(o.status.code(), Some(0), "{stdout}\n{stderr}");
+        assert!(
+            stderr.contains("with one trace per layer, keeping every activation, for comparison"),
+            "{stderr}"
+        );
+        let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        let layers = &report["layers"];
+        assert_eq!(layers["program"], "train_step", "{report}");
+        assert_eq!(layers["keys"], serde_json::json!([key]), "{report}");
+        assert_eq!(
+            layers["temp_bytes"], report["programs"][0]["temp_bytes"],
+            "{report}"
+        );
+        assert!(layers["compile_seconds"].as_f64().unwrap() > 0.0, "{report}");
+        assert!(
+            layers["compile_seconds_without"].as_f64().unwrap() > 0.0,
+            "{report}"
+        );
+        let (with, without) = (
+            layers["temp_bytes"].as_u64().unwrap(),
+            layers["temp_bytes_without"].as_u64().unwrap(),
+        );
+        // SmolLM2-135M, 32 rows of 48 + 16 tokens: remat 1.5 GB, 2.4 GB kept (measured); a
+        // scan keeps one layer's activations too.
+        assert!(with * 5 < without * 4, "{key}: {report}");
+    }
+    // Without either key nothing is compiled twice.
     let o = grpo(&[
         "compile",
         "recipes/quickstart.yaml",
@@ -543,7 +554,7 @@ fn remat_is_compiled_beside_the_plain_program_and_saves_temporaries() {
     ]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
     let report: serde_json::Value = serde_json::from_str(&text(&o.stdout)).unwrap();
-    assert!(report["remat"].is_null(), "{report}");
+    assert!(report["layers"].is_null(), "{report}");
 }
 
 #[test]

@@ -140,6 +140,11 @@ pub struct DecoderParams {
     /// ([`Graph::checkpoint`]): the backward pass recomputes a layer's activations instead of
     /// keeping them (`model.enable_gradient_checkpointing`). Off by [`DecoderParams::from_tensors`].
     pub remat: bool,
+    /// Trace the layers of the differentiable forwards once, as a loop over their stacked
+    /// parameters ([`Graph::scan`], `model.scan_layers`), instead of once per layer: compile
+    /// time stops growing with depth. The backward pass then recomputes each layer from its
+    /// input, as with [`DecoderParams::remat`]. Off by [`DecoderParams::from_tensors`].
+    pub scan: bool,
 }
 
 impl DecoderParams {
@@ -227,6 +232,7 @@ impl DecoderParams {
             lm_head: take("lm_head.weight"),
             all: tensors.to_vec(),
             remat: false,
+            scan: false,
         })
     }
 
@@ -286,8 +292,130 @@ impl DecoderParams {
         }
     }
 
+    /// The hidden states after every layer, each computed by `layer_fn(layer, h)`: one traced
+    /// layer per layer (rematerialised with [`DecoderParams::remat`]), or one scanned over the
+    /// layers' stacked parameters with [`DecoderParams::scan`].
+    fn run_layers(&self, h: Tensor, layer_fn: impl Fn(&LayerParams, &Tensor) -> Tensor) -> Tensor {
+        if !self.scan {
+            return self
+                .layers
+                .iter()
+                .fold(h, |h, layer| self.layer(|| layer_fn(layer, &h)));
+        }
+        let per_layer: Vec<Vec<Tensor>> = self.layers.iter().map(LayerParams::tensors).collect();
+        let stacked: Vec<Tensor> = (0..per_layer[0].len())
+            .map(|j| {
+                let rows: Vec<Tensor> = per_layer
+                    .iter()
+                    .map(|ts| {
+                        let mut dims = vec![1];
+                        dims.extend_from_slice(ts[j].dims());
+                        ts[j].reshape(&dims)
+                    })
+                    .collect();
+                Tensor::concat(&rows.iter().collect::<Vec<_>>(), 0)
+            })
+            .collect();
+        let (carry, _) = self.graph().scan(&[h], &stacked, false, |h, slices| {
+            let layer = self.layers[0].with_tensors(slices);
+            (vec![layer_fn(&layer, &h[0])], Vec::new())
+        });
+        carry.into_iter().next().expect("one carried value")
+    }
+
     fn graph(&self) -> &Graph {
         self.embed.graph()
+    }
+}
+
+impl LayerParams {
+    /// Every tensor of the layer in a fixed order (the optional ones and adapters where set).
+    fn tensors(&self) -> Vec<Tensor> {
+        let a = &self.adapters;
+        let adapters = [&a.q, &a.k, &a.v, &a.o, &a.gate, &a.up, &a.down];
+        [
+            Some(&self.input_norm),
+            Some(&self.q_proj),
+            self.q_bias.as_ref(),
+            Some(&self.k_proj),
+            self.k_bias.as_ref(),
+            Some(&self.v_proj),
+            self.v_bias.as_ref(),
+            Some(&self.o_proj),
+            self.o_bias.as_ref(),
+            self.q_norm.as_ref(),
+            self.k_norm.as_ref(),
+            Some(&self.post_norm),
+            Some(&self.gate_proj),
+            Some(&self.up_proj),
+            Some(&self.down_proj),
+        ]
+        .into_iter()
+        .flatten()
+        .cloned()
+        .chain(
+            adapters
+                .into_iter()
+                .flatten()
+                .flat_map(|ad| [ad.a.clone(), ad.b.clone()]),
+        )
+        .collect()
+    }
+
+    /// A layer shaped like this one whose tensors are `ts`, in [`LayerParams::tensors`] order.
+    fn with_tensors(&self, ts: &[Tensor]) -> LayerParams {
+        let mut it = ts.iter().cloned();
+        let mut next = || it.next().expect("one tensor per field");
+        let input_norm = next();
+        let q_proj = next();
+        let q_bias = self.q_bias.as_ref().map(|_| next());
+        let k_proj = next();
+        let k_bias = self.k_bias.as_ref().map(|_| next());
+        let v_proj = next();
+        let v_bias = self.v_bias.as_ref().map(|_| next());
+        let o_proj = next();
+        let o_bias = self.o_bias.as_ref().map(|_| next());
+        let q_norm = self.q_norm.as_ref().map(|_| next());
+        let k_norm = self.k_norm.as_ref().map(|_| next());
+        let post_norm = next();
+        let gate_proj = next();
+        let up_proj = next();
+        let down_proj = next();
+        let a = &self.adapters;
+        let mut adapter = |o: &Option<Adapter>| {
+            o.as_ref().map(|ad| Adapter {
+                a: next(),
+                b: next(),
+                scale: ad.scale,
+            })
+        };
+        let adapters = LayerAdapters {
+            q: adapter(&a.q),
+            k: adapter(&a.k),
+            v: adapter(&a.v),
+            o: adapter(&a.o),
+            gate: adapter(&a.gate),
+            up: adapter(&a.up),
+            down: adapter(&a.down),
+        };
+        LayerParams {
+            input_norm,
+            q_proj,
+            q_bias,
+            k_proj,
+            k_bias,
+            v_proj,
+            v_bias,
+            o_proj,
+            o_bias,
+            q_norm,
+            k_norm,
+            post_norm,
+            gate_proj,
+            up_proj,
+            down_proj,
+            adapters,
+        }
     }
 }
 
@@ -575,9 +703,23 @@ fn causal_padding_mask(mask: &Tensor) -> Tensor {
         .reshape(&[b, 1, 1, t, t])
 }
 
-/// Runs every layer over full sequences. Returns the final hidden states (before the final
-/// norm) `[B, T, hidden]` and each layer's keys and values `[B, kv_heads, T, head_dim]`.
-fn trunk(p: &DecoderParams, tokens: &Tensor, mask: &Tensor) -> (Tensor, Vec<(Tensor, Tensor)>) {
+/// Runs every layer over full sequences: the final hidden states (before the final norm)
+/// `[B, T, hidden]`.
+fn trunk(p: &DecoderParams, tokens: &Tensor, mask: &Tensor) -> Tensor {
+    let config = &p.config;
+    let positions = positions_from_mask(mask);
+    let (cos, sin) = rope_tables(config, &positions);
+    let allowed = causal_padding_mask(mask);
+    p.run_layers(embed(p, tokens), |layer, h| {
+        let normed = rms_norm(h, &layer.input_norm, config.rms_norm_eps);
+        let (attn, _, _) = self_attention(config, layer, &normed, &cos, &sin, &allowed);
+        finish_layer(config, layer, h, &attn)
+    })
+}
+
+/// [`trunk`], also returning each layer's keys and values `[B, kv_heads, T, head_dim]` (for
+/// prefill; always one traced layer per layer).
+fn trunk_with_kv(p: &DecoderParams, tokens: &Tensor, mask: &Tensor) -> (Tensor, Vec<(Tensor, Tensor)>) {
     let config = &p.config;
     let positions = positions_from_mask(mask);
     let (cos, sin) = rope_tables(config, &positions);
@@ -585,12 +727,9 @@ fn trunk(p: &DecoderParams, tokens: &Tensor, mask: &Tensor) -> (Tensor, Vec<(Ten
     let mut h = embed(p, tokens);
     let mut kvs = Vec::with_capacity(p.layers.len());
     for layer in &p.layers {
-        let (next, k, v) = p.layer(|| {
-            let normed = rms_norm(&h, &layer.input_norm, config.rms_norm_eps);
-            let (attn, k, v) = self_attention(config, layer, &normed, &cos, &sin, &allowed);
-            (finish_layer(config, layer, &h, &attn), k, v)
-        });
-        h = next;
+        let normed = rms_norm(&h, &layer.input_norm, config.rms_norm_eps);
+        let (attn, k, v) = self_attention(config, layer, &normed, &cos, &sin, &allowed);
+        h = finish_layer(config, layer, &h, &attn);
         kvs.push((k, v));
     }
     (h, kvs)
@@ -606,7 +745,7 @@ pub fn full_logits_graph(p: &DecoderParams, tokens: &Tensor, mask: &Tensor) -> T
 /// Every position's final hidden state `[B, T, hidden]` (after the final norm, what the output
 /// head reads) for `tokens [B, T]` with a 0/1 `mask [B, T]`, as in [`full_logits_graph`].
 pub fn hidden_states_graph(p: &DecoderParams, tokens: &Tensor, mask: &Tensor) -> Tensor {
-    let (h, _) = trunk(p, tokens, mask);
+    let h = trunk(p, tokens, mask);
     rms_norm(&h, &p.final_norm, p.config.rms_norm_eps)
 }
 
@@ -641,7 +780,7 @@ pub fn logprobs_graph_chunked(
     chunk: i64,
 ) -> (Tensor, Tensor) {
     let (b, t) = (tokens.dims()[0], tokens.dims()[1]);
-    let (h, _) = trunk(p, tokens, mask);
+    let h = trunk(p, tokens, mask);
     let h = rms_norm(&h, &p.final_norm, p.config.rms_norm_eps);
     let zero_col = g.zeros(DType::F32, &[b, 1]);
     if t < 2 {
@@ -735,7 +874,7 @@ pub fn logprobs_graph_span(
 pub fn span_hidden_graph(p: &DecoderParams, tokens: &Tensor, mask: &Tensor, from: i64) -> (Tensor, Tensor) {
     let t = tokens.dims()[1];
     assert!(from >= 1 && from < t, "span start {from} must be in 1..{t}");
-    let (h, _) = trunk(p, tokens, mask);
+    let h = trunk(p, tokens, mask);
     // Position i predicts token i + 1: positions from-1 .. t-1 predict columns from .. t.
     let h = rms_norm(
         &h.slice_axis(1, from - 1, t - 1),
@@ -885,13 +1024,13 @@ pub fn shared_prompts_hidden_graph(g: &Graph, p: &DecoderParams, batch: &SharedP
         |prompt: &Tensor, response: &Tensor| Tensor::concat(&[&flat(prompt, np), &flat(response, nr)], 0);
     let cos = both(&p_cos, &r_cos);
     let sin = both(&p_sin, &r_sin);
-    let mut h = both(&embed(p, batch.prompts), &embed(p, batch.responses));
     // `[N, heads, hd]` -> the prompts' `[U, P, heads, hd]` or the responses' `[B, L, heads, hd]`.
     let prompts_of = |x: &Tensor| x.slice_axis(0, 0, np).reshape(&[u, pl, x.dims()[1], hd]);
     let responses_of = |x: &Tensor| x.slice_axis(0, np, np + nr).reshape(&[b, l, x.dims()[1], hd]);
-    for layer in &p.layers {
-        h = p.layer(|| {
-            let normed = rms_norm(&h, &layer.input_norm, eps);
+    let h = p.run_layers(
+        both(&embed(p, batch.prompts), &embed(p, batch.responses)),
+        |layer, h| {
+            let normed = rms_norm(h, &layer.input_norm, eps);
             let (q, k, v) = qkv(config, layer, &normed, &cos, &sin);
             // Prompts over themselves; responses over their prompt's keys, then their own.
             let k_p = prompts_of(&k).transpose(&[0, 2, 1, 3]);
@@ -900,9 +1039,9 @@ pub fn shared_prompts_hidden_graph(g: &Graph, p: &DecoderParams, batch: &SharedP
             let k_r = Tensor::concat(&[&per_row(&k_p), &responses_of(&k).transpose(&[0, 2, 1, 3])], 2);
             let v_r = Tensor::concat(&[&per_row(&v_p), &responses_of(&v).transpose(&[0, 2, 1, 3])], 2);
             let attn_r = attend(config, layer, &responses_of(&q), &k_r, &v_r, &r_allowed);
-            finish_layer(config, layer, &h, &both(&attn_p, &attn_r))
-        });
-    }
+            finish_layer(config, layer, h, &both(&attn_p, &attn_r))
+        },
+    );
     let h_p = h
         .slice_axis(0, 0, np)
         .reshape(&[u, pl, config.hidden_size as i64]);
@@ -994,7 +1133,7 @@ pub fn prefill_kv_graph(
         .iota(DType::I32, &[b, t], 1)
         .lt(&lengths.reshape(&[b, 1]).broadcast_to(&[b, t]));
     let mask = real.convert(DType::I32);
-    let (h, kvs) = trunk(p, tokens, &mask);
+    let (h, kvs) = trunk_with_kv(p, tokens, &mask);
 
     // Last real position of each prompt: row b*T + length-1 of [B*T, hidden].
     let hidden = config.hidden_size as i64;

@@ -383,6 +383,7 @@ fn main() {
         group_size: args.group,
         blocks: 1,
         remat: false,
+        scan: false,
         lora: None,
         lora_form: Default::default(),
         head: Default::default(),

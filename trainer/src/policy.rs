@@ -65,6 +65,9 @@ pub struct DecoderPolicy {
     /// Recompute each decoder layer's activations in the backward pass instead of keeping
     /// them ([`DecoderParams::remat`]; `model.enable_gradient_checkpointing`).
     pub remat: bool,
+    /// Trace the decoder layers once, as a loop over their stacked parameters
+    /// ([`DecoderParams::scan`]; `model.scan_layers`).
+    pub scan: bool,
     /// Train LoRA adapters on a frozen base instead of every weight (`actor.lora_rank`): the
     /// trainable parameters are the adapters ([`model::lora::lora_param_table`]), the base
     /// weights are the learner's frozen tensors ([`DecoderPolicy::frozen_specs`]), and the
@@ -247,6 +250,7 @@ impl DecoderPolicy {
         let mut p = DecoderParams::from_tensors(&trunk, &params[..n])
             .expect("parameters follow the value model's table");
         p.remat = self.remat;
+        p.scan = self.scan;
         let (h, valid) = if self.shares_prompts() {
             let shared = SharedPrompts::from_inputs(batch, self.blocks.max(1) as i64);
             shared_prompts_hidden_graph(batch[0].graph(), &p, &shared)
@@ -283,6 +287,7 @@ impl DecoderPolicy {
             None => DecoderParams::from_tensors(&self.config, params).expect(table),
         };
         p.remat = self.remat;
+        p.scan = self.scan;
         let temperature = g.scalar(self.temperature as f64, DType::F32);
         if !self.shares_prompts() {
             // Rows whole: prompt columns then response columns.
@@ -425,6 +430,7 @@ mod tests {
             group_size: 1,
             blocks: 1,
             remat: false,
+            scan: false,
             lora: None,
             lora_form: model::LoraForm::default(),
             head: Default::default(),
@@ -451,6 +457,7 @@ mod tests {
             group_size: 4,
             blocks: 2,
             remat: false,
+            scan: false,
             ..policy()
         };
         assert_eq!(p.prompt_slots(), 2);

@@ -48,6 +48,7 @@ fn policy() -> DecoderPolicy {
         group_size: 1,
         blocks: 1,
         remat: false,
+        scan: false,
         lora: None,
         lora_form: Default::default(),
         head: Default::default(),
@@ -117,6 +118,7 @@ fn learner(loss: PolicyLossConfig, parallel: Parallelism, multiple: usize) -> Bu
     let policy = DecoderPolicy {
         blocks: parallel.devices(MICRO as i64).unwrap(),
         remat: false,
+        scan: false,
         ..policy()
     };
     let mut l =

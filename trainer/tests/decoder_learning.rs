@@ -81,6 +81,7 @@ fn train(seed: u64, steps: usize, check_alignment: bool) -> Vec<f64> {
         group_size: GROUP,
         blocks: 1,
         remat: false,
+        scan: false,
         lora: None,
         lora_form: Default::default(),
         head: Default::default(),

@@ -81,6 +81,7 @@ fn trained_checkpoint(output: &Path, model_path: &Path) -> (PathBuf, Vec<Vec<f32
         group_size: 1,
         blocks: 1,
         remat: false,
+        scan: false,
         lora: None,
         lora_form: Default::default(),
         head: Default::default(),

@@ -74,6 +74,7 @@ fn policy_in_blocks(config: &ModelConfig, lora: Option<LoraConfig>, blocks: usiz
         group_size: GROUP,
         blocks,
         remat: false,
+        scan: false,
         lora,
         lora_form: Default::default(),
         head: Default::default(),

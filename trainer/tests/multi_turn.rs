@@ -31,6 +31,7 @@ fn update() -> GrpoUpdate {
         group_size: GROUP,
         blocks: 1,
         remat: false,
+        scan: false,
         lora: None,
         lora_form: Default::default(),
         head: Default::default(),

@@ -34,6 +34,7 @@ fn model(head: Head) -> DecoderPolicy {
         group_size: GROUP,
         blocks: 1,
         remat: false,
+        scan: false,
         lora: None,
         lora_form: Default::default(),
         head,

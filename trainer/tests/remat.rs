@@ -1,8 +1,10 @@
-//! Rematerialisation (`model.enable_gradient_checkpointing`): the policy's log-probs and their
-//! gradients with every decoder layer recomputed in the backward pass equal those of the plain
-//! trace (f32, 1e-5) for Llama, Qwen2 and Qwen3, through the shared-prompt packing and the
-//! whole-row path, and the program really recomputes (more products, behind optimization
-//! barriers).
+//! Rematerialisation (`model.enable_gradient_checkpointing`) and scanned layers
+//! (`model.scan_layers`): the policy's log-probs and their gradients with every decoder layer
+//! recomputed in the backward pass, and with the layers traced once as a loop over their
+//! stacked weights, equal those of the plain trace (f32, 1e-5) for Llama, Qwen2 and Qwen3,
+//! through the shared-prompt packing and the whole-row path; the remat program really
+//! recomputes (more products, behind optimization barriers) and the scanned one holds each
+//! layer's products once.
 
 mod support;
 
@@ -40,7 +42,15 @@ fn config() -> ModelConfig {
     .config()
 }
 
-fn policy(config: &ModelConfig, group_size: usize, remat: bool) -> DecoderPolicy {
+/// How the layers are traced: one trace each, rematerialised, or scanned.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Layers {
+    Plain,
+    Remat,
+    Scan,
+}
+
+fn policy(config: &ModelConfig, group_size: usize, layers: Layers) -> DecoderPolicy {
     DecoderPolicy {
         config: config.clone(),
         prompt_len: 5,
@@ -49,7 +59,8 @@ fn policy(config: &ModelConfig, group_size: usize, remat: bool) -> DecoderPolicy
         temperature: 0.9,
         group_size,
         blocks: 1,
-        remat,
+        remat: layers == Layers::Remat,
+        scan: layers == Layers::Scan,
         lora: None,
         lora_form: Default::default(),
         head: Default::default(),
@@ -83,7 +94,7 @@ fn log_probs_and_grads(
 }
 
 #[test]
-fn recomputed_layers_give_the_plain_log_probs_and_gradients() {
+fn recomputed_and_scanned_layers_give_the_plain_log_probs_and_gradients() {
     for config in configs() {
         let params: Vec<Vec<f32>> = random_init(&config, 3)
             .tensors
@@ -102,8 +113,16 @@ fn recomputed_layers_give_the_plain_log_probs_and_gradients() {
             (p2, responses[2]),
             (p2, responses[3]),
         ];
-        for group in [2, 1] {
-            let (plain, remat) = (policy(&config, group, false), policy(&config, group, true));
+        for (group, layers) in [
+            (2, Layers::Remat),
+            (1, Layers::Remat),
+            (2, Layers::Scan),
+            (1, Layers::Scan),
+        ] {
+            let (plain, other) = (
+                policy(&config, group, Layers::Plain),
+                policy(&config, group, layers),
+            );
             assert_eq!(plain.shares_prompts(), group == 2);
             let batch: Vec<Vec<i32>> = plain
                 .pack(&rows)
@@ -116,7 +135,7 @@ fn recomputed_layers_give_the_plain_log_probs_and_gradients() {
                 })
                 .collect();
             let want = log_probs_and_grads(&plain, &params, &batch, &weights);
-            let got = log_probs_and_grads(&remat, &params, &batch, &weights);
+            let got = log_probs_and_grads(&other, &params, &batch, &weights);
             assert!(want[0].iter().any(|&x| x != 0.0));
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 let what = if i == 0 {
@@ -124,16 +143,21 @@ fn recomputed_layers_give_the_plain_log_probs_and_gradients() {
                 } else {
                     format!("gradient of parameter {}", i - 1)
                 };
-                assert_close(&format!("{}, group {group}: {what}", config.family), g, w, 1e-5);
+                assert_close(
+                    &format!("{}, {layers:?}, group {group}: {what}", config.family),
+                    g,
+                    w,
+                    1e-5,
+                );
             }
         }
     }
 }
 
 #[test]
-fn the_remat_program_recomputes_each_layer_behind_a_barrier() {
-    let mlir = |remat: bool| {
-        let policy = policy(&config(), 2, remat);
+fn the_remat_program_recomputes_each_layer_and_the_scanned_one_traces_one() {
+    let mlir = |layers: Layers| {
+        let policy = policy(&config(), 2, layers);
         let g = Graph::new("remat_check");
         let params: Vec<Tensor> = policy
             .param_specs()
@@ -152,7 +176,7 @@ fn the_remat_program_recomputes_each_layer_behind_a_barrier() {
             .mlir()
             .to_string()
     };
-    let (plain, remat) = (mlir(false), mlir(true));
+    let (plain, remat, scan) = (mlir(Layers::Plain), mlir(Layers::Remat), mlir(Layers::Scan));
     let dots = |m: &str| m.matches("dot_general").count();
     let barriers = |m: &str| m.matches("optimization_barrier").count();
     // One more barrier per layer (3), and the layers' forward products traced a second time.
@@ -163,4 +187,7 @@ fn the_remat_program_recomputes_each_layer_behind_a_barrier() {
         dots(&remat),
         dots(&plain)
     );
+    // One loop forward, one backward; the three layers' products appear once in each.
+    assert_eq!(scan.matches("stablehlo.while").count(), 2, "{scan}");
+    assert!(dots(&scan) < dots(&plain), "{} vs {}", dots(&scan), dots(&plain));
 }

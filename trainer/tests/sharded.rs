@@ -16,7 +16,7 @@
 //!
 //! - tensor parallelism (`actor.tensor_model_parallel_size`) for tiny Llama, Qwen2 and Qwen3
 //!   models: TP=2, TP=4 (more devices than KV heads) and FSDP=2 x TP=2, with and without
-//!   rematerialisation, give the single-device log-probs (1e-5), metrics and, after three
+//!   rematerialisation and with scanned layers, give the single-device log-probs (1e-5), metrics and, after three
 //!   on-policy steps, parameters and Adam moments (1e-5), and device 0 holds its shards only.
 //!
 //! Pairs of consecutive rows share a prompt, packed once per block of rows (one block per
@@ -77,6 +77,7 @@ fn policy_of(config: &ModelConfig, micro_batch_size: usize, blocks: usize) -> De
         group_size: GROUP,
         blocks,
         remat: false,
+        scan: false,
         lora: None,
         lora_form: Default::default(),
         head: Default::default(),
@@ -206,31 +207,49 @@ fn learner(micro_batch_size: usize, parallel: Parallelism) -> Learner {
 }
 
 fn learner_as(micro_batch_size: usize, parallel: Parallelism, compute_dtype: DType) -> Learner {
-    learner_of(&tiny_llama(), micro_batch_size, parallel, compute_dtype, false)
+    learner_of(
+        &tiny_llama(),
+        micro_batch_size,
+        parallel,
+        compute_dtype,
+        Layers::Plain,
+    )
 }
 
 /// A learner of a `config` model laid out by `parallel` (one block of rows per data device),
-/// its layers recomputed in the backward pass when `remat`.
+/// its layers traced as `layers` says.
 fn learner_of(
     config: &ModelConfig,
     micro_batch_size: usize,
     parallel: Parallelism,
     compute_dtype: DType,
-    remat: bool,
+    layers: Layers,
 ) -> Learner {
     let cfg = step_cfg_as(micro_batch_size, parallel, compute_dtype);
-    learner_with(config, cfg, remat)
+    learner_with(config, cfg, layers)
+}
+
+/// How a learner's decoder layers are traced.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Layers {
+    /// One trace per layer.
+    Plain,
+    /// Recomputed in the backward pass (`model.enable_gradient_checkpointing`).
+    Remat,
+    /// One loop over the stacked layers (`model.scan_layers`).
+    Scan,
 }
 
 /// A learner of a `config` model with the step configuration `cfg`.
-fn learner_with(config: &ModelConfig, cfg: StepConfig, remat: bool) -> Learner {
+fn learner_with(config: &ModelConfig, cfg: StepConfig, layers: Layers) -> Learner {
     let (micro_batch_size, parallel) = (cfg.micro_batch_size as usize, cfg.parallel);
     let mut p = policy_of(
         config,
         micro_batch_size,
         parallel.data_devices(micro_batch_size as i64).unwrap(),
     );
-    p.remat = remat;
+    p.remat = layers == Layers::Remat;
+    p.scan = layers == Layers::Scan;
     let specs = p.param_specs();
     let programs = build_train_programs(&cfg, &specs, &p.input_specs(), |w, b| p.log_probs(w, b))
         .unwrap_or_else(|e| panic!("{parallel:?}: {e}"));
@@ -449,11 +468,15 @@ fn covariance_losses_under_fsdp_match_one_device() {
             c
         };
         let (want, want_metrics) = train(
-            &mut learner_with(&tiny_llama(), cfg(Parallelism::default()), false),
+            &mut learner_with(&tiny_llama(), cfg(Parallelism::default()), Layers::Plain),
             1,
         );
         let (got, metrics) = train(
-            &mut learner_with(&tiny_llama(), cfg(Parallelism::new(Strategy::Fsdp, 2)), false),
+            &mut learner_with(
+                &tiny_llama(),
+                cfg(Parallelism::new(Strategy::Fsdp, 2)),
+                Layers::Plain,
+            ),
             1,
         );
         let what = format!("{mode:?} under fsdp over 2");
@@ -684,27 +707,27 @@ fn replay(l: &mut Learner, batches: &[Batch]) -> (LearnerState, StepMetrics) {
 fn tensor_parallel_learners_match_one_device_for_llama_qwen2_and_qwen3() {
     for config in tensor_parallel_configs() {
         let family = config.family;
-        let mut single = learner_of(&config, ROWS, Parallelism::default(), DType::F32, false);
+        let mut single = learner_of(&config, ROWS, Parallelism::default(), DType::F32, Layers::Plain);
         let probe = |blocks| micro(&batch(9), 0, ROWS, blocks).inputs;
         let lp_single = single.log_probs(&probe(1), false).unwrap();
         let (batches, want, want_metrics) = train_on_policy(&mut single);
         let lp_after = single.log_probs(&probe(1), false).unwrap();
         let full_bytes = param_bytes(&single, 0);
         // TP=2 alone, TP=4 (more devices than KV heads: replicated), FSDP=2 x TP=2, and the
-        // same with every layer recomputed in the backward pass.
-        for (strategy, mesh, tp, remat) in [
-            (Strategy::Dp, 2, 2, false),
-            (Strategy::Dp, 4, 4, false),
-            (Strategy::Fsdp, 4, 2, false),
-            (Strategy::Fsdp, 4, 2, true),
+        // same with every layer recomputed in the backward pass, and scanned.
+        for (strategy, mesh, tp, layers) in [
+            (Strategy::Dp, 2, 2, Layers::Plain),
+            (Strategy::Dp, 4, 4, Layers::Plain),
+            (Strategy::Fsdp, 4, 2, Layers::Plain),
+            (Strategy::Fsdp, 4, 2, Layers::Remat),
+            (Strategy::Fsdp, 4, 2, Layers::Scan),
         ] {
             let what = format!(
-                "{family} {} over {mesh}, tensor parallel {tp}{}",
+                "{family} {} over {mesh}, tensor parallel {tp}, layers {layers:?}",
                 strategy.name(),
-                if remat { ", remat" } else { "" }
             );
             let parallel = Parallelism::new(strategy, mesh).with_tensor_parallel(tp);
-            let mut l = learner_of(&config, ROWS, parallel, DType::F32, remat);
+            let mut l = learner_of(&config, ROWS, parallel, DType::F32, layers);
             let data = mesh / tp;
             assert_eq!((l.devices(), l.mesh().data_devices()), (mesh, data), "{what}");
             let lp = l.log_probs(&probe(data), false).unwrap();

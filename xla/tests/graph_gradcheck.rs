@@ -365,6 +365,30 @@ fn table() -> Vec<Row> {
                 &b[0] * &b[1].exp()
             }
         ),
+        row!(
+            "scan",
+            |r| {
+                let (n, k) = (d(r), d(r));
+                vec![
+                    F(vec![n], -1.0, 1.0),
+                    F(vec![3, n, n], -1.0, 1.0),
+                    F(vec![k, n], -1.0, 1.0),
+                ]
+            },
+            |g, x| {
+                // A carry, stacked weights, a captured value and per-iteration outputs.
+                let (carry, ys) = g.scan(&[x[0].clone()], &[x[1].clone()], false, |h, s| {
+                    let next = (&s[0]
+                        .matmul(&h[0].reshape(&[h[0].dims()[0], 1]))
+                        .reshape(h[0].dims())
+                        + &h[0])
+                        .tanh();
+                    let y = x[2].matmul(&next.reshape(&[next.dims()[0], 1]));
+                    (vec![next], vec![y])
+                });
+                &carry[0].sum_all() + &ys[0].sin().sum_all()
+            }
+        ),
         // ---- composites ----
         row!("softmax", |r| vec![F(vec![d(r), d2(r)], -3.0, 3.0)], |g, x| x[0]
             .softmax(-1)),

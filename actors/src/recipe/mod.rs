@@ -70,6 +70,13 @@ pub struct ModelSection {
     /// `grpo compile` reports both sides.
     #[serde(default)]
     pub enable_gradient_checkpointing: bool,
+    /// Trace the learner's decoder layers once, as a loop over their stacked weights
+    /// (`stablehlo.while`; MaxText's `scan_layers`), instead of once per layer: the programs
+    /// compile in a time that does not grow with depth. The backward pass then recomputes each
+    /// layer from its input, as `enable_gradient_checkpointing` does, and each step stacks the
+    /// layers' weights once (a copy). The rollout's programs stay one trace per layer.
+    #[serde(default)]
+    pub scan_layers: bool,
     /// A PEFT LoRA adapter directory (`adapter_config.json`, `adapter_model.safetensors`) to
     /// continue training from (VeRL's `lora_adapter_path`): with `actor.lora_rank` set to the
     /// adapter's `r`, its `lora_alpha` and `target_modules` must match the recipe's.

@@ -59,6 +59,7 @@ const RESUME_MAY_CHANGE: &[&str] = &[
     "rollout.max_num_seqs",
     "rollout.tensor_model_parallel_size",
     "model.enable_gradient_checkpointing",
+    "model.scan_layers",
 ];
 
 /// The point a run starts from.

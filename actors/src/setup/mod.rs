@@ -304,6 +304,7 @@ pub fn policy(recipe: &Recipe, config: &model::ModelConfig) -> DecoderPolicy {
             .data_devices(micro_batch_size as i64)
             .unwrap_or(1),
         remat: recipe.model.enable_gradient_checkpointing,
+        scan: recipe.model.scan_layers,
         lora: recipe.actor.lora(),
         lora_form: lora_form(recipe).map(|(form, _)| form).unwrap_or_default(),
         head: trainer::policy::Head::LogProbs,

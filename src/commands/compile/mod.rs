@@ -289,18 +289,65 @@ pub fn run(args: CompileArgs) -> Result<ExitCode> {
             (r.clone(), m)
         })
         .collect();
-    let remat = match &plan.without_remat {
+    let mut measured = measured;
+    let mut loop_estimates = Vec::new();
+    for probe in &plan.layer_probes {
+        if !measured.iter().any(|(r, _)| probe.labels.contains(&r.label)) {
+            continue;
+        }
+        eprint!(
+            "[+] compiling {} for 1 and 2 layers, one layer's cost for the scan's other iterations ... ",
+            probe.labels[0]
+        );
+        let (one, two) = (target.compile(&probe.one)?, target.compile(&probe.two)?);
+        eprintln!("{:.1} s", one.seconds + two.seconds);
+        let extra = (probe.layers as f64 - 1.0).max(0.0);
+        let delta = |f: fn(&xla::runtime::CostAnalysis) -> Option<f64>| match (&one.cost, &two.cost) {
+            (Some(a), Some(b)) => Some((f(b).unwrap_or(0.0) - f(a).unwrap_or(0.0)).max(0.0) * extra),
+            _ => None,
+        };
+        let (flops, bytes_accessed) = (delta(|c| c.flops), delta(|c| c.bytes_accessed));
+        for (row, m) in measured
+            .iter_mut()
+            .filter(|(r, _)| probe.labels.contains(&r.label))
+        {
+            m.flops = m.flops.zip(flops).map(|(a, b)| a + b);
+            m.bytes_accessed = m.bytes_accessed.zip(bytes_accessed).map(|(a, b)| a + b);
+            m.seconds = target.estimate_seconds(&xla::runtime::CostAnalysis {
+                flops: m.flops,
+                bytes_accessed: m.bytes_accessed,
+                transcendentals: None,
+                properties: Vec::new(),
+            });
+            for (kind, c2) in &two.collectives {
+                let c1 = one.collectives.get(kind).cloned().unwrap_or_default();
+                let c = m.collectives.entry(*kind).or_default();
+                c.count += (c2.count.saturating_sub(c1.count) as f64 * extra) as u64;
+                c.bytes += (c2.bytes.saturating_sub(c1.bytes) as f64 * extra) as u64;
+            }
+            loop_estimates.push(row.label.clone());
+        }
+    }
+    let layers = match &plan.plain_layers {
         Some((label, program)) => match measured.iter().find(|(r, _)| &r.label == label) {
             Some((_, with)) => {
                 eprint!(
-                    "[+] compiling {} without rematerialisation, for comparison ... ",
+                    "[+] compiling {} with one trace per layer, keeping every activation, for comparison ... ",
                     program.name()
                 );
                 let c = target.compile(program)?;
                 eprintln!("{:.1} s", c.seconds);
                 let without = measure(program, &c, &target, &plan.param_names);
-                Some(RematEffect {
+                let keys = [
+                    (
+                        recipe.model.enable_gradient_checkpointing,
+                        "model.enable_gradient_checkpointing",
+                    ),
+                    (recipe.model.scan_layers, "model.scan_layers"),
+                ];
+                Some(LayersEffect {
                     program: label.clone(),
+                    keys: keys.iter().filter(|(on, _)| *on).map(|(_, k)| *k).collect(),
                     with: with.clone(),
                     without,
                 })
@@ -390,12 +437,16 @@ pub fn run(args: CompileArgs) -> Result<ExitCode> {
                 "role": role.name(), "kind": kind, "count": c.count, "bytes_per_device": c.bytes,
             })).collect::<Vec<_>>(),
             "learner_mfu_estimate": mfu,
-            "remat": remat.as_ref().map(|e| serde_json::json!({
+            "loop_estimates": loop_estimates,
+            "layers": layers.as_ref().map(|e| serde_json::json!({
                 "program": e.program,
+                "keys": e.keys,
                 "temp_bytes": e.with.temp_bytes,
                 "temp_bytes_without": e.without.temp_bytes,
                 "flops": e.with.flops,
                 "flops_without": e.without.flops,
+                "compile_seconds": e.with.compile_seconds,
+                "compile_seconds_without": e.without.compile_seconds,
                 "fits_without": e.without.fits,
             })),
             "advice": advice,
@@ -446,7 +497,14 @@ pub fn run(args: CompileArgs) -> Result<ExitCode> {
         if let Some(t) = &total {
             println!("{}", t.describe());
         }
-        if let Some(e) = &remat {
+        if !loop_estimates.is_empty() {
+            println!(
+                "{} loop over the layers (model.scan_layers): XLA's cost analysis counts a loop's body once, so their GFLOP, time and collectives include the other {} layers' cost, measured as the difference of the same program traced for 2 and for 1 layer (estimates)",
+                loop_estimates.join(", "),
+                config.num_hidden_layers.saturating_sub(1)
+            );
+        }
+        if let Some(e) = &layers {
             println!("{}", e.describe());
         }
         if all_fit {

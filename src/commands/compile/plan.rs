@@ -35,10 +35,15 @@ pub(super) struct Plan {
     pub(super) frozen_bytes_per_device: u64,
     /// Likewise PPO's critic's f32 master weights (0 without a critic).
     pub(super) critic_bytes_per_device: u64,
-    /// With `model.enable_gradient_checkpointing`: the label of the learner's gradient
-    /// program (`train_step` or `accumulate`) and that program traced without
-    /// rematerialisation, compiled beside it to report what remat saves and costs.
-    pub(super) without_remat: Option<(String, Program)>,
+    /// With `model.enable_gradient_checkpointing` or `model.scan_layers`: the label of the
+    /// learner's gradient program (`train_step` or `accumulate`) and that program traced one
+    /// layer at a time keeping every activation, compiled beside it to report what the recipe's
+    /// way of tracing the layers saves and costs.
+    pub(super) plain_layers: Option<(String, Program)>,
+    /// With `model.scan_layers`: what one decoder layer costs in each scanned learner program.
+    /// XLA's cost analysis (and the collectives read from the optimized HLO) count a loop's
+    /// body once, so the report adds `layers - 1` more of this (an estimate).
+    pub(super) layer_probes: Vec<LayerProbe>,
     /// The model's architecture.
     pub(super) config: ModelConfig,
     /// Tokens the learner's forward and backward passes process per step (prompts once per
@@ -75,7 +80,8 @@ impl Plan {
             master_bytes_per_device: 0,
             frozen_bytes_per_device: 0,
             critic_bytes_per_device: 0,
-            without_remat: None,
+            plain_layers: None,
+            layer_probes: Vec::new(),
             config: config.clone(),
             trained_tokens_per_step: 0.0,
         };
@@ -269,6 +275,17 @@ pub(super) fn plan_rollout(
     Ok(())
 }
 
+/// A scanned learner program's labels and the same program traced one layer at a time
+/// (rematerialised, as the scan's backward pass recomputes) for a 1-layer and a 2-layer model:
+/// their difference is one layer's cost.
+pub(super) struct LayerProbe {
+    pub(super) labels: Vec<String>,
+    pub(super) one: Program,
+    pub(super) two: Program,
+    /// The model's layers: the loop runs this many times, its body is counted once.
+    pub(super) layers: usize,
+}
+
 /// The learner's programs and their runs per step (see `actors::roles::learner`).
 pub(super) fn plan_learner(
     plan: &mut Plan,
@@ -298,15 +315,53 @@ pub(super) fn plan_learner(
     let mini_batches = batches.mini_batches_per_step() as f64;
     let micro_per_mini = batches.micro_batches_per_mini_batch();
     let accumulating = micro_per_mini > 1;
-    if policy.remat {
+    if policy.remat || policy.scan {
         let plain = build(&DecoderPolicy {
             remat: false,
+            scan: false,
             ..policy.clone()
         })?;
-        plan.without_remat = Some(if accumulating {
+        plan.plain_layers = Some(if accumulating {
             ("accumulate".to_string(), plain.accumulate)
         } else {
             ("train_step".to_string(), plain.train_step)
+        });
+    }
+    if policy.scan {
+        let mut probes = Vec::new();
+        for layers in [1, 2] {
+            let mut shallow = DecoderPolicy {
+                remat: true,
+                scan: false,
+                ..policy.clone()
+            };
+            shallow.config.num_hidden_layers = layers;
+            let step = update_config(recipe, &shallow, 1).step;
+            probes.push(build_with(&step, &shallow.param_specs(), &shallow)?);
+        }
+        let two = probes.pop().expect("two probes");
+        let one = probes.pop().expect("two probes");
+        let layers = policy.config.num_hidden_layers;
+        let gradient = if accumulating { "accumulate" } else { "train_step" };
+        plan.layer_probes.push(LayerProbe {
+            labels: vec![gradient.to_string()],
+            one: if accumulating {
+                one.accumulate
+            } else {
+                one.train_step
+            },
+            two: if accumulating {
+                two.accumulate
+            } else {
+                two.train_step
+            },
+            layers,
+        });
+        plan.layer_probes.push(LayerProbe {
+            labels: vec!["log_probs".to_string(), "log_probs (reference)".to_string()],
+            one: one.log_probs,
+            two: two.log_probs,
+            layers,
         });
     }
     let micro_batches = batches.micro_batches_per_step() as f64;

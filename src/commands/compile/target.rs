@@ -340,16 +340,20 @@ pub(super) fn topology_with_devices(generation: &str, devices: usize) -> Option<
         .map(|(_, t)| t)
 }
 
-/// What rematerialisation (`model.enable_gradient_checkpointing`) does to the learner's
-/// gradient program: the compiled program and the same program traced without it.
-pub(super) struct RematEffect {
+/// What the recipe's way of tracing the decoder layers (rematerialised with
+/// `model.enable_gradient_checkpointing`, scanned with `model.scan_layers`) does to the
+/// learner's gradient program: the compiled program and the same program traced one layer at a
+/// time keeping every activation.
+pub(super) struct LayersEffect {
     pub(super) program: String,
+    /// The keys that made the difference, e.g. `model.scan_layers`.
+    pub(super) keys: Vec<&'static str>,
     pub(super) with: Measured,
     pub(super) without: Measured,
 }
 
-impl RematEffect {
-    /// One line: temporaries saved and flops added.
+impl LayersEffect {
+    /// One line: temporaries saved, flops added, compile time.
     pub(super) fn describe(&self) -> String {
         let temps = match (self.with.temp_bytes, self.without.temp_bytes) {
             (Some(w), Some(wo)) => format!(
@@ -374,8 +378,11 @@ impl RematEffect {
             _ => "flops not reported".to_string(),
         };
         format!(
-            "rematerialisation (model.enable_gradient_checkpointing) in {}: {temps}; {flops}{}",
+            "{} in {}: {temps}; {flops}; compiled in {:.1} s ({:.1} s without){}",
+            self.keys.join(" and "),
             self.program,
+            self.with.compile_seconds,
+            self.without.compile_seconds,
             if self.without.fits {
                 ""
             } else {

@@ -6,13 +6,15 @@
 //! Only nodes that lead to a result are emitted, in the order they were recorded; a node that
 //! repeats an earlier one (same primitive, same operands) reuses its value.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt::Write;
+use std::ops::Range;
 
 use sha2::{Digest, Sha256};
 
-use crate::graph::builder::{Graph, Tensor, TensorType, ValueRef};
-use crate::graph::ops::Op;
+use crate::graph::builder::{Graph, Node, Tensor, TensorType, ValueRef};
+use crate::graph::ops::{Literal, Op};
+use crate::graph::scan::ScanBody;
 use crate::graph::sharding::{Mesh, Sharding};
 use crate::graph::GraphError;
 
@@ -154,6 +156,368 @@ fn build_error(message: String) -> GraphError {
     GraphError::Build(message)
 }
 
+/// Writes nodes as StableHLO statements, numbering values in emission order.
+struct Emitter<'a> {
+    program: &'a str,
+    nodes: &'a [Node],
+    mesh: Option<&'a Mesh>,
+    /// Every value some node or result reads (a scan's unread outputs are not accumulated).
+    used: HashSet<ValueRef>,
+    counter: usize,
+}
+
+/// The names visible in one region: the function's body or a scan's loop body, which sees
+/// outer values only through its block arguments (constants it re-emits).
+#[derive(Default)]
+struct Scope {
+    names: HashMap<ValueRef, String>,
+    /// Statements already emitted here, by primitive and operands (emitted once).
+    emitted: HashMap<String, Vec<String>>,
+    in_body: bool,
+}
+
+impl Emitter<'_> {
+    fn fresh(&mut self) -> String {
+        let k = self.counter;
+        self.counter += 1;
+        format!("%v{k}")
+    }
+
+    fn internal(&self, message: String) -> GraphError {
+        build_error(format!("{}: internal: {message}", self.program))
+    }
+
+    /// Node ids that lead to `roots`, in recording order; within a scan body only its own nodes.
+    fn live(&self, roots: impl Iterator<Item = ValueRef>, within: Option<&Range<usize>>) -> Vec<usize> {
+        let mut live = HashSet::new();
+        let mut stack: Vec<usize> = roots.map(|v| v.node).collect();
+        while let Some(id) = stack.pop() {
+            if within.is_some_and(|r| !r.contains(&id)) || !live.insert(id) {
+                continue;
+            }
+            stack.extend(self.nodes[id].inputs.iter().map(|v| v.node));
+        }
+        let mut ids: Vec<usize> = live.into_iter().collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    /// The name of `v` in `scope`; a loop body emits an outer constant where it is first read.
+    fn value(
+        &mut self,
+        scope: &mut Scope,
+        v: ValueRef,
+        out: &mut String,
+        indent: &str,
+    ) -> Result<String, GraphError> {
+        if !scope.names.contains_key(&v) {
+            if !(scope.in_body && ScanBody::is_constant(&self.nodes[v.node].op)) {
+                return Err(self.internal(format!("value %{}#{} is used out of its scope", v.node, v.output)));
+            }
+            self.node(scope, v.node, out, indent)?;
+        }
+        Ok(scope.names[&v].clone())
+    }
+
+    fn node(
+        &mut self,
+        scope: &mut Scope,
+        id: usize,
+        out: &mut String,
+        indent: &str,
+    ) -> Result<(), GraphError> {
+        let node = &self.nodes[id];
+        if scope.names.contains_key(&ValueRef { node: id, output: 0 }) {
+            return Ok(());
+        }
+        match &node.op {
+            Op::StopGradient => {
+                let name = self.value(scope, node.inputs[0], out, indent)?;
+                scope.names.insert(ValueRef { node: id, output: 0 }, name);
+                return Ok(());
+            }
+            Op::Poison => return Err(self.internal("a failed op reached emission".to_string())),
+            Op::Parameter { .. } | Op::LoopArg { .. } => {
+                return Err(self.internal(format!("argument node {id} has no name in this scope")))
+            }
+            Op::ShardingConstraint(s) => {
+                let ty = &self.nodes[node.inputs[0].node].outputs[node.inputs[0].output];
+                let checked = match self.mesh {
+                    Some(m) => s.validate(&ty.dims, m),
+                    None => Err("the graph has no mesh (Graph::set_mesh)".to_string()),
+                };
+                checked.map_err(|e| {
+                    build_error(format!("{}: sharding constraint on {ty}: {e}", self.program))
+                })?;
+            }
+            Op::Scan(body) => return self.scan(scope, id, body, out, indent),
+            _ => {}
+        }
+        let ins: Vec<String> = node
+            .inputs
+            .iter()
+            .map(|v| self.value(scope, *v, out, indent))
+            .collect::<Result<_, _>>()?;
+        let in_tys: Vec<&TensorType> = node
+            .inputs
+            .iter()
+            .map(|v| &self.nodes[v.node].outputs[v.output])
+            .collect();
+        let cse_key = format!("{:?}|{}", node.op, ins.join(","));
+        let these = match scope.emitted.get(&cse_key) {
+            Some(existing) => existing.clone(),
+            None => {
+                let v = self.fresh();
+                let (result, these) = if node.outputs.len() == 1 {
+                    (v.clone(), vec![v])
+                } else {
+                    (
+                        format!("{v}:{}", node.outputs.len()),
+                        (0..node.outputs.len()).map(|j| format!("{v}#{j}")).collect(),
+                    )
+                };
+                let text = node.op.lower(&result, &ins, &in_tys, &node.outputs);
+                let _ = writeln!(out, "{indent}{}", text.replace("\n  ", &format!("\n{indent}")));
+                scope.emitted.insert(cse_key, these.clone());
+                these
+            }
+        };
+        for (output, name) in these.into_iter().enumerate() {
+            scope.names.insert(ValueRef { node: id, output }, name);
+        }
+        Ok(())
+    }
+
+    /// A statement of `op` (single result) on named operands; returns the result's name.
+    fn stmt(
+        &mut self,
+        op: Op,
+        ins: &[(&str, &TensorType)],
+        result: &TensorType,
+        out: &mut String,
+        indent: &str,
+    ) -> String {
+        let v = self.fresh();
+        let names: Vec<String> = ins.iter().map(|(n, _)| n.to_string()).collect();
+        let tys: Vec<&TensorType> = ins.iter().map(|(_, t)| *t).collect();
+        let _ = writeln!(
+            out,
+            "{indent}{}",
+            op.lower(&v, &names, &tys, std::slice::from_ref(result))
+        );
+        v
+    }
+
+    /// A scan as `stablehlo.while` over `[i, carry, accumulated outputs, inputs, captures]`.
+    fn scan(
+        &mut self,
+        scope: &mut Scope,
+        id: usize,
+        body: &ScanBody,
+        out: &mut String,
+        indent: &str,
+    ) -> Result<(), GraphError> {
+        let node = &self.nodes[id];
+        let ins: Vec<String> = node
+            .inputs
+            .iter()
+            .map(|v| self.value(scope, *v, out, indent))
+            .collect::<Result<_, _>>()?;
+        let in_tys: Vec<TensorType> = node
+            .inputs
+            .iter()
+            .map(|v| self.nodes[v.node].outputs[v.output].clone())
+            .collect();
+        let (nc, nx) = (body.carry, body.inputs);
+        let ny = body.num_ys();
+        let i32t = TensorType::new(crate::DType::I32, &[]);
+        let int = |v: i64| Op::Constant {
+            literal: Literal::splat(v as f64, crate::DType::I32),
+            dims: vec![],
+        };
+        // Stacked results that something reads: the outputs (`nc..nc+ny`), the saved carries.
+        let accumulated: Vec<usize> = (nc..nc + ny + nc)
+            .filter(|&o| self.used.contains(&ValueRef { node: id, output: o }))
+            .collect();
+        let mut operands = vec![self.stmt(int(0), &[], &i32t, out, indent)];
+        let mut types = vec![i32t.clone()];
+        operands.extend(ins[..nc].iter().cloned());
+        types.extend(in_tys[..nc].iter().cloned());
+        for &o in &accumulated {
+            let ty = &node.outputs[o];
+            let zero = Op::Constant {
+                literal: Literal::splat(0.0, ty.dtype),
+                dims: ty.dims.clone(),
+            };
+            operands.push(self.stmt(zero, &[], ty, out, indent));
+            types.push(ty.clone());
+        }
+        operands.extend(ins[nc..].iter().cloned());
+        types.extend(in_tys[nc..].iter().cloned());
+        let acc0 = 1 + nc;
+        let xs0 = acc0 + accumulated.len();
+        let caps0 = xs0 + nx;
+
+        let w = self.fresh();
+        let all_tys = types.iter().map(|t| t.mlir()).collect::<Vec<_>>().join(", ");
+        let args = |prefix: &str| {
+            types
+                .iter()
+                .enumerate()
+                .map(|(j, t)| format!("{w}{prefix}{j}: {}", t.mlir()))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let inner = format!("{indent}  ");
+        let mut text = String::new();
+        let _ = writeln!(
+            text,
+            "{indent}{w}:{} = \"stablehlo.while\"({}) ({{",
+            types.len(),
+            operands.join(", ")
+        );
+        let _ = writeln!(text, "{indent}^bb0({}):", args("_c"));
+        let limit = self.stmt(int(body.length), &[], &i32t, &mut text, &inner);
+        let more = self.fresh();
+        let _ = writeln!(
+            text,
+            "{inner}{more} = stablehlo.compare LT, {w}_c0, {limit}, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>"
+        );
+        let _ = writeln!(text, "{inner}\"stablehlo.return\"({more}) : (tensor<i1>) -> ()");
+        let _ = writeln!(text, "{indent}}}, {{");
+        let _ = writeln!(text, "{indent}^bb0({}):", args("_b"));
+        let arg = |j: usize| format!("{w}_b{j}");
+
+        let mut local = Scope {
+            in_body: true,
+            ..Scope::default()
+        };
+        let i = arg(0);
+        let index = if body.reverse {
+            let last = self.stmt(int(body.length - 1), &[], &i32t, &mut text, &inner);
+            self.stmt(
+                Op::Binary(crate::graph::BinaryOp::Sub),
+                &[(&last, &i32t), (&i, &i32t)],
+                &i32t,
+                &mut text,
+                &inner,
+            )
+        } else {
+            i.clone()
+        };
+        let zero = self.stmt(int(0), &[], &i32t, &mut text, &inner);
+        let at = |rank: usize| -> Vec<(String, TensorType)> {
+            let mut v = vec![(index.clone(), i32t.clone())];
+            v.extend((1..rank).map(|_| (zero.clone(), i32t.clone())));
+            v
+        };
+        for j in 0..nc {
+            local.names.insert(
+                ValueRef {
+                    node: body.nodes.start + j,
+                    output: 0,
+                },
+                arg(1 + j),
+            );
+        }
+        for j in 0..nx {
+            let stack = &types[xs0 + j];
+            let mut sizes = stack.dims.clone();
+            sizes[0] = 1;
+            let one = TensorType::new(stack.dtype, &sizes);
+            let mut operands = vec![(arg(xs0 + j), stack.clone())];
+            operands.extend(at(stack.rank()));
+            let refs: Vec<(&str, &TensorType)> = operands.iter().map(|(n, t)| (n.as_str(), t)).collect();
+            let slice = self.stmt(Op::DynamicSlice { sizes }, &refs, &one, &mut text, &inner);
+            let ty = TensorType::new(stack.dtype, &stack.dims[1..]);
+            let x = self.stmt(
+                Op::Reshape {
+                    dims: ty.dims.clone(),
+                },
+                &[(&slice, &one)],
+                &ty,
+                &mut text,
+                &inner,
+            );
+            local.names.insert(
+                ValueRef {
+                    node: body.nodes.start + nc + j,
+                    output: 0,
+                },
+                x,
+            );
+        }
+        for (k, c) in body.captures.iter().enumerate() {
+            local.names.insert(*c, arg(caps0 + k));
+        }
+        for id in self.live(body.results.iter().copied(), Some(&body.nodes)) {
+            self.node(&mut local, id, &mut text, &inner)?;
+        }
+        let results: Vec<String> = body
+            .results
+            .iter()
+            .map(|v| self.value(&mut local, *v, &mut text, &inner))
+            .collect::<Result<_, _>>()?;
+        let one = self.stmt(int(1), &[], &i32t, &mut text, &inner);
+        let mut next = vec![self.stmt(
+            Op::Binary(crate::graph::BinaryOp::Add),
+            &[(&i, &i32t), (&one, &i32t)],
+            &i32t,
+            &mut text,
+            &inner,
+        )];
+        next.extend(results[..nc].iter().cloned());
+        for (a, &o) in accumulated.iter().enumerate() {
+            // An output of this iteration, or the carry it started from.
+            let (value, vty) = if o < nc + ny {
+                (
+                    results[o].clone(),
+                    self.nodes[body.results[o].node].outputs[body.results[o].output].clone(),
+                )
+            } else {
+                (arg(1 + o - nc - ny), types[1 + o - nc - ny].clone())
+            };
+            let acc_ty = &types[acc0 + a];
+            let mut dims = vty.dims.clone();
+            dims.insert(0, 1);
+            let row_ty = TensorType::new(vty.dtype, &dims);
+            let row = self.stmt(
+                Op::Reshape { dims },
+                &[(&value, &vty)],
+                &row_ty,
+                &mut text,
+                &inner,
+            );
+            let mut operands = vec![(arg(acc0 + a), acc_ty.clone()), (row, row_ty)];
+            operands.extend(at(acc_ty.rank()));
+            let refs: Vec<(&str, &TensorType)> = operands.iter().map(|(n, t)| (n.as_str(), t)).collect();
+            next.push(self.stmt(Op::DynamicUpdateSlice, &refs, acc_ty, &mut text, &inner));
+        }
+        next.extend((xs0..types.len()).map(arg));
+        let _ = writeln!(
+            text,
+            "{inner}\"stablehlo.return\"({}) : ({all_tys}) -> ()",
+            next.join(", ")
+        );
+        let _ = writeln!(text, "{indent}}}) : ({all_tys}) -> ({all_tys})");
+        out.push_str(&text);
+
+        for o in 0..node.outputs.len() {
+            let j = if o < nc {
+                Some(1 + o)
+            } else {
+                accumulated.iter().position(|&a| a == o).map(|a| acc0 + a)
+            };
+            if let Some(j) = j {
+                scope
+                    .names
+                    .insert(ValueRef { node: id, output: o }, format!("{w}#{j}"));
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Graph {
     /// Emits the program computing `outputs` (results in this order) from the parameters.
     pub fn build(&self, outputs: &[&Tensor]) -> Result<Program, GraphError> {
@@ -255,79 +619,36 @@ impl Graph {
             }
         }
 
-        // Live nodes.
-        let mut live = vec![false; nodes.len()];
-        let mut stack: Vec<usize> = outputs.iter().map(|o| o.value.node).collect();
-        while let Some(id) = stack.pop() {
-            if live[id] {
-                continue;
-            }
-            live[id] = true;
-            stack.extend(nodes[id].inputs.iter().map(|v| v.node));
-        }
-
-        // Value names.
-        let mut names: Vec<Vec<String>> = vec![Vec::new(); nodes.len()];
-        let name_of = |names: &Vec<Vec<String>>, v: &ValueRef| names[v.node][v.output].clone();
-        let mut body = String::new();
-        let mut counter = 0usize;
-        let mut emitted: HashMap<String, Vec<String>> = HashMap::new();
-        for (id, node) in nodes.iter().enumerate() {
-            if !live[id] {
-                continue;
-            }
-            match &node.op {
-                Op::Parameter { index } => {
-                    names[id] = vec![format!("%arg{index}")];
-                    continue;
-                }
-                Op::StopGradient => {
-                    names[id] = vec![name_of(&names, &node.inputs[0])];
-                    continue;
-                }
-                Op::Poison => {
-                    return Err(build_error(format!(
-                        "{name}: internal: a failed op reached emission"
-                    )))
-                }
-                Op::ShardingConstraint(s) => {
-                    let ty = &nodes[node.inputs[0].node].outputs[node.inputs[0].output];
-                    let checked = match &mesh {
-                        Some(m) => s.validate(&ty.dims, m),
-                        None => Err("the graph has no mesh (Graph::set_mesh)".to_string()),
-                    };
-                    checked.map_err(|e| build_error(format!("{name}: sharding constraint on {ty}: {e}")))?;
-                }
-                _ => {}
-            }
-            let ins: Vec<String> = node.inputs.iter().map(|v| name_of(&names, v)).collect();
-            let in_tys: Vec<&TensorType> = node
-                .inputs
+        let mut emitter = Emitter {
+            program: &name,
+            nodes,
+            mesh: mesh.as_ref(),
+            used: nodes
                 .iter()
-                .map(|v| &nodes[v.node].outputs[v.output])
-                .collect();
-            // Common subexpressions (same primitive, same operands) are emitted once.
-            let cse_key = format!("{:?}|{}", node.op, ins.join(","));
-            if let Some(existing) = emitted.get(&cse_key) {
-                names[id] = existing.clone();
-                continue;
-            }
-            // Values are numbered in emission order, so dead nodes leave no gaps.
-            let k = counter;
-            counter += 1;
-            let (out, these) = if node.outputs.len() == 1 {
-                (format!("%v{k}"), vec![format!("%v{k}")])
-            } else {
-                (
-                    format!("%v{k}:{}", node.outputs.len()),
-                    (0..node.outputs.len()).map(|j| format!("%v{k}#{j}")).collect(),
-                )
-            };
-            let text = node.op.lower(&out, &ins, &in_tys, &node.outputs);
-            let _ = writeln!(body, "    {}", text.replace("\n  ", "\n    "));
-            emitted.insert(cse_key, these.clone());
-            names[id] = these;
+                .flat_map(|n| n.inputs.iter().copied())
+                .chain(outputs.iter().map(|o| o.value))
+                .collect(),
+            counter: 0,
+        };
+        let mut top = Scope::default();
+        for (index, p) in params.iter().enumerate() {
+            top.names.insert(
+                ValueRef {
+                    node: p.node,
+                    output: 0,
+                },
+                format!("%arg{index}"),
+            );
         }
+        let mut body = String::new();
+        let live = emitter.live(outputs.iter().map(|o| o.value), None);
+        for id in live {
+            emitter.node(&mut top, id, &mut body, "    ")?;
+        }
+        let ret_names: Vec<String> = outputs
+            .iter()
+            .map(|o| emitter.value(&mut top, o.value, &mut body, "    "))
+            .collect::<Result<_, _>>()?;
 
         // Signature.
         let mut sig = Vec::new();
@@ -363,7 +684,6 @@ impl Graph {
         } else {
             format!("({})", results.join(", "))
         };
-        let ret_names: Vec<String> = outputs.iter().map(|o| name_of(&names, &o.value)).collect();
         let ret_tys: Vec<String> = result_types.iter().map(|t| t.mlir()).collect();
 
         let mut text = String::new();

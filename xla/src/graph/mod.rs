@@ -39,6 +39,7 @@ mod composite;
 mod emit;
 pub mod ops;
 pub mod random;
+mod scan;
 mod sharding;
 mod tensor;
 
@@ -46,6 +47,7 @@ pub use autodiff::{grad, value_and_grad, vjp};
 pub use builder::{Graph, Tensor, TensorType};
 pub use emit::{BuildOptions, Program};
 pub use ops::{BinaryOp, Comparison, DotDims, ReduceKind, UnaryOp};
+pub use scan::ScanBody;
 pub use sharding::{assemble_host, holders, shard_host, Mesh, Refinement, Sharding};
 
 /// What went wrong while tracing, differentiating or emitting a graph.

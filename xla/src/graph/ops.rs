@@ -12,6 +12,7 @@ use std::fmt::Write;
 
 use crate::dtype::DType;
 use crate::graph::builder::{Tensor, TensorType};
+use crate::graph::scan::ScanBody;
 use crate::graph::sharding::Sharding;
 
 /// Element-wise one-operand primitives.
@@ -422,6 +423,13 @@ pub enum Op {
     OptimizationBarrier,
     /// Identity that pins its operand's layout over the mesh.
     ShardingConstraint(Sharding),
+    /// A loop over stacked values ([`crate::graph::Graph::scan`]); its body is recorded in the
+    /// graph before it, described by [`ScanBody`].
+    Scan(Box<ScanBody>),
+    /// Argument `index` of a scan body (carry values, then the current slices).
+    LoopArg {
+        index: usize,
+    },
     /// Placeholder result of a failed op (never emitted: the graph is in error).
     Poison,
 }
@@ -641,6 +649,8 @@ impl Op {
             Op::StopGradient => "stop_gradient",
             Op::OptimizationBarrier => "optimization_barrier",
             Op::ShardingConstraint(_) => "sharding_constraint",
+            Op::Scan(_) => "scan",
+            Op::LoopArg { .. } => "loop_arg",
             Op::Poison => "poison",
         }
     }
@@ -650,6 +660,7 @@ impl Op {
     pub(crate) fn num_outputs(&self) -> usize {
         match self {
             Op::Sort { .. } => 2,
+            Op::Scan(body) => body.outputs.len(),
             _ => 1,
         }
     }
@@ -676,7 +687,21 @@ impl Op {
         };
         let one = |t: TensorType| Ok(vec![t]);
         match self {
-            Op::Parameter { .. } | Op::Poison => Err("is not built through infer".to_string()),
+            Op::Parameter { .. } | Op::LoopArg { .. } | Op::Poison => {
+                Err("is not built through infer".to_string())
+            }
+            Op::Scan(body) => {
+                let n = body.carry + body.inputs + body.captures.len();
+                arity(n)?;
+                let carry_ok = ins[..body.carry].iter().zip(&body.outputs).all(|(a, b)| *a == b);
+                let inputs_ok = ins[body.carry..body.carry + body.inputs]
+                    .iter()
+                    .all(|t| t.dims.first() == Some(&body.length));
+                if !carry_ok || !inputs_ok {
+                    return Err("operands do not match the traced body".to_string());
+                }
+                Ok(body.outputs.clone())
+            }
             Op::Constant { literal, dims } => {
                 arity(0)?;
                 if let Some(d) = dims.iter().find(|d| **d < 0) {
@@ -1091,7 +1116,9 @@ impl Op {
             )
         };
         match self {
-            Op::Parameter { .. } | Op::Poison | Op::StopGradient => String::new(),
+            Op::Parameter { .. } | Op::Poison | Op::StopGradient | Op::LoopArg { .. } => String::new(),
+            // Emitted with its body as a `stablehlo.while` by `emit.rs`.
+            Op::Scan(_) => String::new(),
             Op::Constant { literal, dims } => {
                 format!("{out} = stablehlo.constant {} : {}", literal.mlir(dims), o.mlir())
             }
@@ -1370,8 +1397,10 @@ impl Op {
             | Op::Cumsum { .. }
             | Op::Sort { .. }
             | Op::OptimizationBarrier
-            | Op::ShardingConstraint(_) => true,
+            | Op::ShardingConstraint(_)
+            | Op::Scan(_) => true,
             Op::Parameter { .. }
+            | Op::LoopArg { .. }
             | Op::Constant { .. }
             | Op::Iota { .. }
             | Op::Compare(_)
@@ -1594,8 +1623,10 @@ impl Op {
             Op::Cumsum { dim, reverse } => vec![Some(g0.cumsum(*dim as i64, !*reverse))],
             Op::Sort { .. } => vec![Some(scatter_last_axis(g0, &y[1]))],
             Op::OptimizationBarrier => g.iter().map(|t| Some(t.clone())).collect(),
+            Op::Scan(body) => crate::graph::scan::vjp(body, x, y, g),
             Op::ShardingConstraint(_) => vec![Some(g0.clone())],
             Op::Parameter { .. }
+            | Op::LoopArg { .. }
             | Op::Constant { .. }
             | Op::Iota { .. }
             | Op::Compare(_)
@@ -1795,6 +1826,7 @@ pub fn differentiable_primitive_names() -> Vec<&'static str> {
         Op::Sort { descending: false },
         Op::OptimizationBarrier,
         Op::ShardingConstraint(Sharding::replicated(0)),
+        Op::Scan(Box::default()),
     ]);
     ops.into_iter()
         .filter(|o| o.is_differentiable())
