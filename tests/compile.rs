@@ -502,9 +502,8 @@ fn a_multi_turn_recipe_compiles_its_extend_programs_in_place() {
 /// what the recipe's way saves and costs, compile time included.
 #[test]
 fn remat_and_scanned_layers_are_compiled_beside_the_plain_program_and_save_temporaries() {
-    for key in ["model.enable_gradient_checkpointing", "model.scan_layers"] {
-        let set = format!("{key}=true");
-        let o = grpo(&[
+    let train_step = |set: &[&str]| {
+        let mut args = vec![
             "compile",
             "recipes/quickstart.yaml",
             "--device",
@@ -512,9 +511,13 @@ fn remat_and_scanned_layers_are_compiled_beside_the_plain_program_and_save_tempo
             "--only",
             "train_step",
             "--json",
-            "--set",
-            &set,
-        ]);
+        ];
+        args.extend_from_slice(set);
+        grpo(&args)
+    };
+    for key in ["model.enable_gradient_checkpointing", "model.scan_layers"] {
+        let set = format!("{key}=true");
+        let o = train_step(&["--set", &set]);
         let (stdout, stderr) = (text(&o.stdout), text(&o.stderr));
         assert_eq!(o.status.code(), Some(0), "{stdout}\n{stderr}");
         assert!(
@@ -543,15 +546,7 @@ fn remat_and_scanned_layers_are_compiled_beside_the_plain_program_and_save_tempo
         assert!(with * 5 < without * 4, "{key}: {report}");
     }
     // Without either key nothing is compiled twice.
-    let o = grpo(&[
-        "compile",
-        "recipes/quickstart.yaml",
-        "--device",
-        "cpu",
-        "--only",
-        "train_step",
-        "--json",
-    ]);
+    let o = train_step(&[]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
     let report: serde_json::Value = serde_json::from_str(&text(&o.stdout)).unwrap();
     assert!(report["layers"].is_null(), "{report}");

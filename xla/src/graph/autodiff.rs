@@ -210,26 +210,40 @@ fn recompute(
     let mut map: HashMap<ValueRef, ValueRef> =
         inputs.iter().zip(&through).map(|(v, t)| (*v, t.value)).collect();
     for id in region {
-        let node = &nodes[id];
+        graph.replay(id, &nodes[id], &mut map, loc);
+    }
+    map
+}
+
+impl Graph {
+    /// Traces `node` (recorded as `id`) again on its operands renamed by `map` (others kept)
+    /// and maps its results to the new values. Constants and iotas (no operands) are not
+    /// traced again: the originals serve.
+    pub(crate) fn replay(
+        &self,
+        id: usize,
+        node: &Node,
+        map: &mut HashMap<ValueRef, ValueRef>,
+        loc: &'static Location<'static>,
+    ) {
         if node.inputs.is_empty() {
-            continue;
+            return;
         }
         let args: Vec<Tensor> = node
             .inputs
             .iter()
-            .map(|v| graph.tensor(map.get(v).copied().unwrap_or(*v)))
+            .map(|v| self.tensor(map.get(v).copied().unwrap_or(*v)))
             .collect();
         let arg_refs: Vec<&Tensor> = args.iter().collect();
         let outs = match &node.op {
             // Built directly (variadic), as `Graph::optimization_barrier` does.
-            Op::OptimizationBarrier => graph.optimization_barrier(&arg_refs),
-            op => graph.add(op.clone(), &arg_refs, loc),
+            Op::OptimizationBarrier => self.optimization_barrier(&arg_refs),
+            op => self.add(op.clone(), &arg_refs, loc),
         };
         for (output, t) in outs.iter().enumerate() {
             map.insert(ValueRef { node: id, output }, t.value);
         }
     }
-    map
 }
 
 /// The gradient of a scalar floating-point `loss` with respect to each of `wrt`.

@@ -207,21 +207,8 @@ impl Graph {
         let nested = body.nested(&nodes);
         let first = body.nodes.start + body.carry + body.inputs;
         for (id, node) in nodes.iter().enumerate().take(body.nodes.end).skip(first) {
-            if nested.iter().any(|r| r.contains(&id)) {
-                continue;
-            }
-            let ins: Vec<Tensor> = node
-                .inputs
-                .iter()
-                .map(|v| self.tensor(map.get(v).copied().unwrap_or(*v)))
-                .collect();
-            let refs: Vec<&Tensor> = ins.iter().collect();
-            let outs = match &node.op {
-                Op::OptimizationBarrier => self.optimization_barrier(&refs),
-                op => self.add(op.clone(), &refs, loc),
-            };
-            for (output, t) in outs.iter().enumerate() {
-                map.insert(ValueRef { node: id, output }, t.value);
+            if !nested.iter().any(|r| r.contains(&id)) {
+                self.replay(id, node, &mut map, loc);
             }
         }
         body.results
