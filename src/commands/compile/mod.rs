@@ -277,7 +277,7 @@ pub fn run(args: CompileArgs) -> Result<ExitCode> {
         );
         compiled.insert(index, c);
     }
-    let measured: Vec<(PlannedRow, Measured)> = rows
+    let mut measured: Vec<(PlannedRow, Measured)> = rows
         .iter()
         .map(|r| {
             let m = measure(
@@ -289,45 +289,7 @@ pub fn run(args: CompileArgs) -> Result<ExitCode> {
             (r.clone(), m)
         })
         .collect();
-    let mut measured = measured;
-    let mut loop_estimates = Vec::new();
-    for probe in &plan.layer_probes {
-        if !measured.iter().any(|(r, _)| probe.labels.contains(&r.label)) {
-            continue;
-        }
-        eprint!(
-            "[+] compiling {} for 1 and 2 layers, one layer's cost for the scan's other iterations ... ",
-            probe.labels[0]
-        );
-        let (one, two) = (target.compile(&probe.one)?, target.compile(&probe.two)?);
-        eprintln!("{:.1} s", one.seconds + two.seconds);
-        let extra = (probe.layers as f64 - 1.0).max(0.0);
-        let delta = |f: fn(&xla::runtime::CostAnalysis) -> Option<f64>| match (&one.cost, &two.cost) {
-            (Some(a), Some(b)) => Some((f(b).unwrap_or(0.0) - f(a).unwrap_or(0.0)).max(0.0) * extra),
-            _ => None,
-        };
-        let (flops, bytes_accessed) = (delta(|c| c.flops), delta(|c| c.bytes_accessed));
-        for (row, m) in measured
-            .iter_mut()
-            .filter(|(r, _)| probe.labels.contains(&r.label))
-        {
-            m.flops = m.flops.zip(flops).map(|(a, b)| a + b);
-            m.bytes_accessed = m.bytes_accessed.zip(bytes_accessed).map(|(a, b)| a + b);
-            m.seconds = target.estimate_seconds(&xla::runtime::CostAnalysis {
-                flops: m.flops,
-                bytes_accessed: m.bytes_accessed,
-                transcendentals: None,
-                properties: Vec::new(),
-            });
-            for (kind, c2) in &two.collectives {
-                let c1 = one.collectives.get(kind).cloned().unwrap_or_default();
-                let c = m.collectives.entry(*kind).or_default();
-                c.count += (c2.count.saturating_sub(c1.count) as f64 * extra) as u64;
-                c.bytes += (c2.bytes.saturating_sub(c1.bytes) as f64 * extra) as u64;
-            }
-            loop_estimates.push(row.label.clone());
-        }
-    }
+    let loop_estimates = add_loop_iterations(&plan, &mut measured, &target)?;
     let layers = match &plan.plain_layers {
         Some((label, program)) => match measured.iter().find(|(r, _)| &r.label == label) {
             Some((_, with)) => {
@@ -533,6 +495,55 @@ pub fn run(args: CompileArgs) -> Result<ExitCode> {
         return Ok(ExitCode::from(1));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Adds to each scanned learner program's flops, bytes, roofline time and collectives the loop
+/// iterations XLA's cost analysis leaves out (it counts a loop's body once): `layers - 1`
+/// times one layer's cost, from the plan's 1- and 2-layer probes. Returns the rows corrected.
+fn add_loop_iterations(
+    plan: &Plan,
+    measured: &mut [(PlannedRow, Measured)],
+    target: &Target,
+) -> Result<Vec<String>, CompileError> {
+    let mut loop_estimates = Vec::new();
+    for probe in &plan.layer_probes {
+        if !measured.iter().any(|(r, _)| probe.labels.contains(&r.label)) {
+            continue;
+        }
+        eprint!(
+            "[+] compiling {} for 1 and 2 layers, one layer's cost for the scan's other iterations ... ",
+            probe.labels[0]
+        );
+        let (one, two) = (target.compile(&probe.one)?, target.compile(&probe.two)?);
+        eprintln!("{:.1} s", one.seconds + two.seconds);
+        let extra = (probe.layers as f64 - 1.0).max(0.0);
+        let delta = |f: fn(&xla::runtime::CostAnalysis) -> Option<f64>| match (&one.cost, &two.cost) {
+            (Some(a), Some(b)) => Some((f(b).unwrap_or(0.0) - f(a).unwrap_or(0.0)).max(0.0) * extra),
+            _ => None,
+        };
+        let (flops, bytes_accessed) = (delta(|c| c.flops), delta(|c| c.bytes_accessed));
+        for (row, m) in measured
+            .iter_mut()
+            .filter(|(r, _)| probe.labels.contains(&r.label))
+        {
+            m.flops = m.flops.zip(flops).map(|(a, b)| a + b);
+            m.bytes_accessed = m.bytes_accessed.zip(bytes_accessed).map(|(a, b)| a + b);
+            m.seconds = target.estimate_seconds(&xla::runtime::CostAnalysis {
+                flops: m.flops,
+                bytes_accessed: m.bytes_accessed,
+                transcendentals: None,
+                properties: Vec::new(),
+            });
+            for (kind, c2) in &two.collectives {
+                let c1 = one.collectives.get(kind).cloned().unwrap_or_default();
+                let c = m.collectives.entry(*kind).or_default();
+                c.count += (c2.count.saturating_sub(c1.count) as f64 * extra) as u64;
+                c.bytes += (c2.bytes.saturating_sub(c1.bytes) as f64 * extra) as u64;
+            }
+            loop_estimates.push(row.label.clone());
+        }
+    }
+    Ok(loop_estimates)
 }
 
 #[cfg(test)]
