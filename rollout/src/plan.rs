@@ -32,11 +32,12 @@ pub struct DecodeKey {
     pub rows: usize,
 }
 
-/// The fewest rows a slot bucket runs. Matrix products of few rows may take other kernels
-/// whose last bits differ (on the CPU plugin: below 8 rows for SmolLM2's sizes, below 16 for
-/// a 64-wide test model); the engine keeps only the buckets whose step gives the bits of
-/// the full step ([`crate::Engine::new`] checks each), so that a sample's tokens never depend
-/// on how many others are still generating.
+/// The fewest rows a slot bucket runs. Operations of few rows may take other kernels whose
+/// last bits differ (on the CPU plugin: matrix products below 8 rows for SmolLM2's sizes,
+/// below 16 for a 64-wide test model; the attention softmax of a 32-wide model with
+/// SmolLM2's vocabulary at 8 rows of 16 on some CPUs); the engine keeps only the buckets
+/// whose step gives the bits of the full step ([`crate::Engine::new`] checks each), so that
+/// a sample's tokens never depend on how many others are still generating.
 pub const MIN_SLOT_BUCKET: usize = 8;
 
 /// The fewest tokens an extend program ([`crate::programs::EnvExtend`]) is compiled for:

@@ -42,9 +42,10 @@
 //! that keep the live ones in a larger bucket than their count needs, the live samples above
 //! the smaller bucket are moved down into the holes: their cache rows are copied on the
 //! device ([`SlotMoves`]). A sample's keys name its request, sample and token, never its
-//! slot, and a row's arithmetic is the same in every bucket from 8 rows up, so a sample's
-//! tokens and log-probs do not depend on the bucket it ran in; a step's cost follows the
-//! samples still generating instead of `max_num_seqs`.
+//! slot, and the engine keeps only the buckets whose rows compute the full step's bits (a
+//! probe when the engine is built), so a sample's tokens and log-probs do not depend on the
+//! bucket it ran in, nor on how a step's requests were split over rollout workers; a step's
+//! cost follows the samples still generating instead of `max_num_seqs`.
 //!
 //! Several devices: weights on devices `0..N` ([`EngineWeights`]) make an engine whose
 //! programs run SPMD over a mesh of those devices: data parallel over the slots, which are
@@ -269,13 +270,17 @@ impl Engine {
         Ok(engine)
     }
 
-    /// Keeps the slot buckets whose decode step gives, row for row, the tokens and log-prob
-    /// bits of the step over every slot, and drops the others (see
-    /// [`crate::plan::MIN_SLOT_BUCKET`]). Each runs a probe of [`PROBE_STEPS`] steps: every
-    /// row a different token at positions 0, 1, ..., sampled at temperature 1 with its own
-    /// keys, attending to the keys and values its own earlier steps wrote. Only before the
-    /// first request: the probe writes the first positions of the rows it runs, which every
-    /// prefill rewrites.
+    /// Keeps the slot buckets whose decode steps give, row for row, the tokens and log-prob
+    /// bits of the steps over every slot, and drops the others (see
+    /// [`crate::plan::MIN_SLOT_BUCKET`]): a library may take over an operation above a size
+    /// (XLA CPU hands large element-wise and reduce fusions to YNNPACK, which rounds
+    /// otherwise), so a small bucket can round differently from the full step. For every
+    /// decode chunk count, a probe of [`PROBE_STEPS`] steps: every row a different token at
+    /// the last positions those chunks hold, sampled at temperature 1 with its own keys, so
+    /// attention reads every chunk and sums over every position (the fresh cache's zero keys
+    /// before the probe's own give as many equal, non-zero weights). Only before the first
+    /// request: a sample writes each position before it attends to it, so what the probe
+    /// leaves in the cache is never read.
     fn check_slot_buckets(&mut self) -> Result<()> {
         let full = self.plan.cache.local_slots();
         let buckets: Vec<usize> = self
@@ -289,41 +294,49 @@ impl Engine {
             return Ok(());
         }
         let groups = self.plan.cache.slot_groups();
-        let reference = self.probe(full)?;
-        for rows in buckets {
-            let got = self.probe(rows)?;
-            let same = got.iter().zip(&reference).all(|(got, reference)| {
-                (0..groups).all(|g| got[g * rows..(g + 1) * rows] == reference[g * full..g * full + rows])
-            });
-            if !same {
-                tracing::debug!(
-                    rows,
-                    "slot bucket dropped: its step's last bits differ from the full step's"
-                );
-                self.plan.drop_slot_bucket(rows);
-                self.decode.retain(|k, _| k.rows != rows);
+        for chunks in self.plan.decode_chunk_counts(0) {
+            let reference = self.probe(full, chunks)?;
+            for &rows in &buckets {
+                if !self.plan.slot_buckets().contains(&rows) {
+                    continue;
+                }
+                let got = self.probe(rows, chunks)?;
+                let same = got.iter().zip(&reference).all(|(got, reference)| {
+                    (0..groups).all(|g| got[g * rows..(g + 1) * rows] == reference[g * full..g * full + rows])
+                });
+                if !same {
+                    tracing::debug!(
+                        rows,
+                        chunks,
+                        "slot bucket dropped: its step's last bits differ from the full step's"
+                    );
+                    self.plan.drop_slot_bucket(rows);
+                    self.decode.retain(|k, _| k.rows != rows);
+                }
             }
         }
         Ok(())
     }
 
     /// The (token, log-prob bits) of every row of each step of [`Engine::check_slot_buckets`]'s
-    /// probe in the slot bucket of `rows` rows.
-    fn probe(&mut self, rows: usize) -> Result<Vec<Vec<(i32, u32)>>> {
+    /// probe in the slot bucket of `rows` rows, reading `chunks` cache chunks.
+    fn probe(&mut self, rows: usize, chunks: usize) -> Result<Vec<Vec<(i32, u32)>>> {
         let s = self.plan.cache.slot_groups() * rows;
         let key = DecodeKey {
             truncate: false,
-            chunks: self.plan.decode_chunks(PROBE_STEPS),
+            chunks,
             rows,
         };
         self.ensure_decode(key)?;
+        let end = (chunks * self.plan.cache.chunk).min(self.plan.cache.max_len);
+        let first = end.saturating_sub(PROBE_STEPS);
         let vocab = self.config.vocab_size;
         let mut tokens: Vec<i32> = (0..s).map(|i| ((i % rows * 7919 + 13) % vocab) as i32).collect();
         let mut steps = Vec::new();
-        for step in 0..PROBE_STEPS {
+        for step in 0..PROBE_STEPS.min(end) {
             let inputs = DecodeInputs {
                 tokens: tokens.clone(),
-                positions: vec![step as i32; s],
+                positions: vec![(first + step) as i32; s],
                 temperature: vec![1.0; s],
                 top_k: vec![0; s],
                 top_p: vec![1.0; s],
