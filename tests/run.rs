@@ -356,10 +356,17 @@ fn rollout_and_reward_in_worker_processes_give_the_same_metrics_and_survive_kill
     let o = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{stderr}");
-    // Every step trained on all its prompts' samples, exactly once each.
+    // Every step trained on all its prompts' samples, exactly once each, and alike: a sample's
+    // tokens and log-probs do not depend on which worker drew it or beside how many others
+    // (two workers draw half a step each until one dies, then one draws it all).
     let c = metrics(&killed);
     assert_eq!(metric_series(&c, "batch/samples"), vec![16.0; 4], "{stderr}");
-    assert_eq!(prompts_seen(&local), prompts_seen(&killed));
+    assert_same_training(&local, &killed, "one engine vs two workers, one killed");
+    assert_eq!(
+        metric_series(&metrics(&remote), "rollout/log_prob_diff_mean"),
+        metric_series(&c, "rollout/log_prob_diff_mean"),
+        "the rollout's log-probs: one worker vs two, one killed"
+    );
     let failures = metric_series(&c, "workers/failures_total")
         .last()
         .copied()
