@@ -642,27 +642,15 @@ fn compacting_live_samples_into_slot_buckets_keeps_every_token_and_log_prob() {
 
 /// A request's samples keep every bit whether the engine runs it beside one other request (8
 /// live samples: the 8-row slot bucket, when kept) or beside three (16: the full step). The
-/// model is the chaos soak's (`tests/chaos.rs`): SmolLM2's vocabulary over a 32-wide trunk,
+/// model is the chaos soak's (`tests/chaos.rs`, [`testkit::tiny_chat_weights`]): SmolLM2's
+/// vocabulary over a 32-wide trunk,
 /// where XLA CPU may give the 16-row step's attention softmax to YNNPACK and not the 8-row
 /// step's, so a probe that reads only a few cache positions keeps a bucket that rounds
 /// otherwise, and a run's samples then depend on how its requests were split over rollout
 /// workers.
 #[test]
 fn a_requests_samples_do_not_depend_on_how_many_others_share_the_engine() {
-    let gguf = model::GgufFile::open(&testkit::smollm2_gguf()).unwrap();
-    let mut config = ModelConfig::from_gguf(&gguf).unwrap();
-    (
-        config.hidden_size,
-        config.intermediate_size,
-        config.num_hidden_layers,
-    ) = (32, 64, 2);
-    (
-        config.num_attention_heads,
-        config.num_key_value_heads,
-        config.head_dim,
-    ) = (4, 2, 8);
-    config.initializer_range = 0.05;
-    let weights = random_init(&config, 7);
+    let weights = testkit::tiny_chat_weights();
     let requests: Vec<GenerationRequest> = (1..=4u64)
         .map(|id| {
             let prompt: Vec<u32> = (0..40).map(|t| (id as u32 * 977 + t * 131) % 49152).collect();

@@ -102,9 +102,9 @@ pub fn asset(file: &str) -> PathBuf {
     path
 }
 
-/// A Hugging Face model directory `dir/tiny-smollm2`: SmolLM2's tokenizer and chat template on
-/// a 2-layer, 32-wide Llama with random weights (seed 7).
-pub fn tiny_chat_model(dir: &std::path::Path) -> PathBuf {
+/// The weights of [`tiny_chat_model`]: SmolLM2's configuration (vocabulary, special tokens,
+/// rope) on a 2-layer, 32-wide trunk, random (seed 7).
+pub fn tiny_chat_weights() -> model::ModelWeights {
     let gguf = model::GgufFile::open(&smollm2_gguf()).expect("open the GGUF");
     let mut config = model::ModelConfig::from_gguf(&gguf).expect("GGUF config");
     config.hidden_size = 32;
@@ -114,10 +114,18 @@ pub fn tiny_chat_model(dir: &std::path::Path) -> PathBuf {
     config.num_key_value_heads = 2;
     config.head_dim = 8;
     config.initializer_range = 0.05;
+    model::random_init(&config, 7)
+}
+
+/// A Hugging Face model directory `dir/tiny-smollm2`: SmolLM2's tokenizer and chat template on
+/// [`tiny_chat_weights`].
+pub fn tiny_chat_model(dir: &std::path::Path) -> PathBuf {
+    let gguf = model::GgufFile::open(&smollm2_gguf()).expect("open the GGUF");
+    let weights = tiny_chat_weights();
     let files_dir = dir.join("tokenizer-files");
     std::fs::create_dir_all(&files_dir).unwrap();
-    let files = model::write_gguf_tokenizer_files(&gguf, &config, &files_dir).expect("tokenizer files");
-    let weights = model::random_init(&config, 7);
+    let files =
+        model::write_gguf_tokenizer_files(&gguf, &weights.config, &files_dir).expect("tokenizer files");
     let out = dir.join("tiny-smollm2");
     let refs: Vec<&std::path::Path> = files.iter().map(|p| p.as_path()).collect();
     model::save_hf_checkpoint(&out, &weights, &refs).expect("save the tiny model");

@@ -283,23 +283,21 @@ impl Engine {
     /// leaves in the cache is never read.
     fn check_slot_buckets(&mut self) -> Result<()> {
         let full = self.plan.cache.local_slots();
-        let buckets: Vec<usize> = self
-            .plan
-            .slot_buckets()
-            .iter()
-            .copied()
-            .filter(|&b| b < full)
-            .collect();
-        if buckets.is_empty() {
-            return Ok(());
-        }
         let groups = self.plan.cache.slot_groups();
         for chunks in self.plan.decode_chunk_counts(0) {
+            // The buckets still kept: one dropped at a smaller chunk count is not probed again.
+            let buckets: Vec<usize> = self
+                .plan
+                .slot_buckets()
+                .iter()
+                .copied()
+                .filter(|&b| b < full)
+                .collect();
+            if buckets.is_empty() {
+                break;
+            }
             let reference = self.probe(full, chunks)?;
-            for &rows in &buckets {
-                if !self.plan.slot_buckets().contains(&rows) {
-                    continue;
-                }
+            for rows in buckets {
                 let got = self.probe(rows, chunks)?;
                 let same = got.iter().zip(&reference).all(|(got, reference)| {
                     (0..groups).all(|g| got[g * rows..(g + 1) * rows] == reference[g * full..g * full + rows])
