@@ -248,6 +248,22 @@ fn bad_command_lines_say_what_and_how_to_fix_it() {
         malformed.contains("error: data.train_batch_size: expected key=value (Hydra's override syntax)"),
         "{malformed}"
     );
+    // VeRL's default device is cuda; this machine has no CUDA plugin, and the error names the
+    // key that runs the command line here.
+    let out = run_grpo(&[
+        "verl",
+        "algorithm.adv_estimator=grpo",
+        "trainer.n_gpus_per_node=1",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+    ]);
+    let no_gpu = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        no_gpu.contains("`trainer.device` is VeRL's default, cuda, and this machine has no CUDA plugin")
+            && no_gpu.contains("add `trainer.device=cpu` to the command line"),
+        "{no_gpu}"
+    );
     let keys = run_grpo(&["verl", "--keys"]);
     assert!(keys.status.success());
     let doc =
@@ -257,4 +273,298 @@ fn bad_command_lines_say_what_and_how_to_fix_it() {
         doc,
         "docs/verl-keys.md is `grpo verl --keys`"
     );
+}
+
+/// What `grpo verl` must make of one of VeRL's current `examples/grpo_trainer` scripts.
+enum Outcome {
+    /// A recipe.
+    Recipe,
+    /// A refusal naming a capability grpo lacks: text the error must contain.
+    Lacks(&'static str),
+    /// The script stops before it runs VeRL (it says where the example moved).
+    NotReached,
+}
+
+const MULTI_HOST: Outcome = Outcome::Lacks(
+    "a learner spanning several hosts (one program over every host's devices) is not in grpo yet",
+);
+const MOE: Outcome = Outcome::Lacks("mixture-of-experts models");
+const VISION: Outcome = Outcome::Lacks("vision, video and audio input is not in grpo");
+
+/// Every script of tests/fixtures/verl/1dda039b/ (VeRL's, unchanged) and what grpo verl makes of
+/// it, run as the issue's user ran them (`trainer.device=cpu --print-recipe`, no other cut). No
+/// script is refused for a key's spelling or a config file's location.
+const TODAYS_SCRIPTS: &[(&str, Outcome)] = &[
+    ("run_deepseek_v3_671b_megatron.sh", MULTI_HOST),
+    ("run_deepseek_v4_flash_megatron.sh", MOE),
+    ("run_deepseek_v4_megatron_lite.sh", Outcome::NotReached),
+    ("run_deepseek_v4_veomni.sh", MOE),
+    ("run_glm4_1v_9b_fsdp.sh", VISION),
+    // VeRL's own Hydra refuses this script at 1dda039b too: `+...fsdp_config.model_dtype` over
+    // its default `fp32` ("Could not append to config. An item is already at ...").
+    (
+        "run_gpt_oss_20b_fsdp.sh",
+        Outcome::Lacks("is already in VeRL's config with a value"),
+    ),
+    ("run_hy_v3_megatron.sh", MULTI_HOST),
+    // Megatron-Lite's actor config comes from another package (`hydra.searchpath`).
+    (
+        "run_kimi_k2_6_glm5_1_megatron_lite.sh",
+        Outcome::Lacks("not one of the configs VeRL ships"),
+    ),
+    (
+        "run_minicpm_o_2_6_fsdp.sh",
+        Outcome::Lacks("grpo reads VeRL's Parquet schema"),
+    ),
+    (
+        "run_mistral_nemo_12b_skyworkrm_fsdp.sh",
+        Outcome::Lacks("VeRL's reward-model worker is not translated"),
+    ),
+    ("run_moonlight_16b_a3b_megatron.sh", MULTI_HOST),
+    ("run_nemotron_nano_v3_30b_a3b_megatron.sh", MOE),
+    ("run_qwen2-7b_math_megatron_fsdp.sh", Outcome::Recipe),
+    ("run_qwen2_5_32b_fsdp.sh", MULTI_HOST),
+    ("run_qwen2_5_vl_7b_fsdp.sh", VISION),
+    ("run_qwen2_5_vl_7b_megatron.sh", VISION),
+    ("run_qwen3_235b_a22b_megatron.sh", MOE),
+    ("run_qwen3_30b_a3b_fsdp.sh", Outcome::Recipe),
+    ("run_qwen3_30b_a3b_megatron.sh", MOE),
+    ("run_qwen3_30b_veomni.sh", MOE),
+    ("run_qwen3_4b_fsdp.sh", Outcome::Recipe),
+    ("run_qwen3_5-122b-a10b_veomni.sh", MOE),
+    ("run_qwen3_5_122b_a10b_megatron.sh", MULTI_HOST),
+    ("run_qwen3_5_27b_fsdp.sh", VISION),
+    ("run_qwen3_5_27b_fsdp_turbo.sh", VISION),
+    ("run_qwen3_5_2b_openr1_fsdp.sh", VISION),
+    ("run_qwen3_5_2b_video_fsdp.sh", VISION),
+    ("run_qwen3_5_35b_a3b_veomni.sh", MULTI_HOST),
+    ("run_qwen3_5_35b_fsdp.sh", VISION),
+    ("run_qwen3_5_35b_fsdp_turbo.sh", MOE),
+    ("run_qwen3_5_35b_megatron.sh", MOE),
+    (
+        "run_qwen3_5_35b_megatron_lite.sh",
+        Outcome::Lacks("not one of the configs VeRL ships"),
+    ),
+    ("run_qwen3_5_397b_megatron.sh", MOE),
+    ("run_qwen3_8b_fsdp.sh", Outcome::Recipe),
+    ("run_qwen3_8b_megatron.sh", Outcome::Recipe),
+    ("run_qwen3_next_80b_a3b_fsdp.sh", MULTI_HOST),
+    ("run_qwen3_vl_235b_a22b_megatron.sh", MULTI_HOST),
+    ("run_qwen3_vl_30b_a3b_fsdp.sh", VISION),
+    ("run_qwen3_vl_30b_a3b_megatron.sh", MOE),
+    ("run_qwen3_vl_30b_moe_veomni.sh", VISION),
+    ("run_qwen3_vl_8b_fsdp.sh", VISION),
+    ("run_qwen3_vl_8b_megatron.sh", VISION),
+    ("run_seed_oss_36b_fsdp.sh", Outcome::Recipe),
+];
+
+/// `bash tests/fixtures/verl/1dda039b/SCRIPT ARGS...` as a user runs it from a VeRL checkout:
+/// in `home` (`$HOME`, holding `data/`), `MODEL_PATH` the tiny model, `VERL_USE_UV=0`, the
+/// variables some scripts require, and on `PATH` a `python3` / `python` that runs `grpo verl`
+/// for `-m verl.trainer.main_ppo` and the real interpreter for anything else (and an `hf` that
+/// downloads nothing).
+fn todays_script(name: &str, home: &Path, model: &Path, args: &[String]) -> std::process::Command {
+    use std::os::unix::fs::PermissionsExt;
+    let shim = home.join("shim");
+    if !shim.is_dir() {
+        std::fs::create_dir_all(&shim).unwrap();
+        for exe in ["python3", "python"] {
+            let path = shim.join(exe);
+            std::fs::write(
+                &path,
+                "#!/bin/sh\nif [ \"$1\" = -m ] && [ \"$2\" = verl.trainer.main_ppo ]; then\n  \
+                 shift 2\n  exec \"$GRPO\" verl \"$@\"\nfi\nexec \"$REAL_PYTHON\" \"$@\"\n",
+            )
+            .unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        // One script downloads its model with Hugging Face's `hf` first; MODEL_PATH is here.
+        let hf = shim.join("hf");
+        std::fs::write(&hf, "#!/bin/sh\nexit 0\n").unwrap();
+        std::fs::set_permissions(&hf, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let mut c = std::process::Command::new("bash");
+    c.arg(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/verl/1dda039b")
+            .join(name),
+    )
+    .args(args)
+    .current_dir(home)
+    .env("HOME", home)
+    .env("MODEL_PATH", model)
+    .env("VERL_USE_UV", "0")
+    // What some scripts require a user to set (they stop with `unbound variable` otherwise).
+    .env("INFER_BACKEND", "vllm")
+    .env("DATA_ROOT", home.join("data"))
+    .env("RAY_DATA_HOME", home)
+    .env("HDFS_ROOT", home)
+    .env("GRPO", env!("CARGO_BIN_EXE_grpo"))
+    .env("REAL_PYTHON", {
+        static PYTHON: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+        PYTHON.get_or_init(python)
+    })
+    .env(
+        "PATH",
+        format!("{}:{}", shim.display(), std::env::var("PATH").unwrap_or_default()),
+    );
+    c
+}
+
+/// `$HOME/data/{gsm8k,math}/{train,test}.parquet` (the data VeRL's GRPO scripts read) and the
+/// tiny chat model, under `home`.
+fn todays_inputs(home: &Path) -> std::path::PathBuf {
+    for (set, seed) in [("gsm8k", 1), ("math", 3)] {
+        let data = home.join("data").join(set);
+        std::fs::create_dir_all(&data).unwrap();
+        arithmetic(&data, "train", seed, 32);
+        arithmetic(&data, "test", seed + 1, 8);
+    }
+    tiny_chat_model(home)
+}
+
+#[test]
+fn every_one_of_verls_current_grpo_scripts_translates_or_names_what_grpo_lacks() {
+    let home = tempfile::tempdir().unwrap();
+    let model = todays_inputs(home.path());
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/verl/1dda039b");
+    let mut scripts: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .filter(|n| n.ends_with(".sh"))
+        .collect();
+    scripts.sort();
+    let listed: Vec<&str> = TODAYS_SCRIPTS.iter().map(|(s, _)| *s).collect();
+    assert_eq!(scripts, listed, "every committed script has its expected outcome");
+    let args: Vec<String> = ["trainer.device=cpu", "--print-recipe"]
+        .map(String::from)
+        .to_vec();
+    let mut report = String::new();
+    for (name, outcome) in TODAYS_SCRIPTS {
+        let out = todays_script(name, home.path(), &model, &args).output().unwrap();
+        // Some scripts `tee` VeRL's output to a log: grpo's messages may be on either stream.
+        let said = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stderr),
+            String::from_utf8_lossy(&out.stdout)
+        );
+        // The lines grpo printed (the scripts trace themselves with `set -x`).
+        let grpo: Vec<&str> = said
+            .lines()
+            .filter(|l| l.starts_with("note: ") || l.starts_with("error: ") || l.starts_with("  "))
+            .collect();
+        report.push_str(&format!("== {name}: {}\n{}\n", out.status, grpo.join("\n")));
+        match outcome {
+            Outcome::Recipe => {
+                assert!(
+                    out.status.success(),
+                    "{name} should translate:\n{}",
+                    grpo.join("\n")
+                );
+                let recipe: serde_yaml::Value = serde_yaml::from_slice(&out.stdout).unwrap();
+                // The script's model (MODEL_PATH, where the script reads it).
+                assert!(
+                    recipe["model"]["path"].as_str().is_some_and(|p| !p.is_empty()),
+                    "{name}"
+                );
+                assert!(
+                    said.contains("note: read as VeRL 0.7.1 and later"),
+                    "{name}: {said}"
+                );
+            }
+            Outcome::Lacks(why) => {
+                assert!(
+                    !out.status.success(),
+                    "{name} should be refused:\n{}",
+                    grpo.join("\n")
+                );
+                assert!(
+                    said.contains(why),
+                    "{name}: expected `{why}` in\n{}",
+                    grpo.join("\n")
+                );
+            }
+            Outcome::NotReached => {
+                assert!(!out.status.success(), "{name}");
+                assert!(!said.contains("note: read as"), "{name} ran grpo verl: {said}");
+            }
+        }
+        for spelling in [
+            "is not a key of VeRL's config",
+            "not a key grpo verl knows",
+            "no such file",
+        ] {
+            assert!(
+                !said.contains(spelling),
+                "{name}: {spelling}:\n{}",
+                grpo.join("\n")
+            );
+        }
+    }
+    if let Ok(path) = std::env::var("GRPO_VERL_REPORT") {
+        std::fs::write(path, report).unwrap();
+    }
+}
+
+/// Two of today's scripts train two steps on the tiny model: one FSDP, one Megatron (its
+/// tensor and pipeline sizes cut to this machine's one device).
+#[test]
+fn todays_fsdp_and_megatron_scripts_train() {
+    let home = tempfile::tempdir().unwrap();
+    let model = todays_inputs(home.path());
+    for (name, extra) in [
+        ("run_qwen3_8b_fsdp.sh", &[][..]),
+        (
+            "run_qwen3_8b_megatron.sh",
+            &[
+                "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+                "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1",
+            ][..],
+        ),
+    ] {
+        let output = home.path().join(name.trim_end_matches(".sh"));
+        let mut args: Vec<String> = [
+            "trainer.device=cpu",
+            "trainer.n_gpus_per_node=1",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+            "data.train_batch_size=4",
+            "data.max_prompt_length=96",
+            "data.max_response_length=12",
+            "data.val_max_samples=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.actor.optim.lr=1e-3",
+            "trainer.total_training_steps=2",
+            "trainer.test_freq=2",
+            "trainer.save_freq=2",
+            "trainer.logger=['console']",
+        ]
+        .map(String::from)
+        .to_vec();
+        args.extend(extra.iter().map(|s| s.to_string()));
+        args.push(format!("trainer.default_local_dir={}", output.display()));
+        let out = todays_script(name, home.path(), &model, &args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{name}:\n{stderr}");
+        let m = metrics(&output);
+        assert_eq!(
+            m.keys().copied().filter(|s| *s > 0).collect::<Vec<_>>(),
+            [1, 2],
+            "{name}"
+        );
+        for step in [1, 2] {
+            let s = &m[&step];
+            for key in [
+                "critic/score/mean",
+                "actor/pg_loss",
+                "actor/kl_loss",
+                "actor/grad_norm",
+            ] {
+                assert!(
+                    s[key].as_f64().is_some_and(f64::is_finite),
+                    "{name} step {step}: {key} in {s}"
+                );
+            }
+        }
+        assert!(output.join("checkpoints/step_2").is_dir(), "{name}");
+    }
 }

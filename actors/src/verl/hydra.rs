@@ -1,30 +1,14 @@
 //! VeRL's config as `python3 -m verl.trainer.main_ppo` builds it with Hydra: VeRL's defaults
-//! (`verl_defaults.tsv`), then a `--config-path/--config-name` file, then the command line's
-//! overrides (`key=value`, `+key=value`, `++key=value`, `~key`), with OmegaConf's `${...}`
-//! interpolations resolved when a value is read. The config is held flat, one entry per leaf.
+//! (one [`super::version::VerlVersion`]'s, for one engine), then a `--config-path/--config-name`
+//! file, then the command line's overrides (`key=value`, `+key=value`, `++key=value`, `~key`),
+//! with OmegaConf's `${...}` interpolations resolved when a value is read. The config is held
+//! flat, one entry per leaf.
 
 use super::VerlError;
 use crate::recipe::closest;
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::Path;
-
-const DEFAULTS: &str = include_str!("verl_defaults.tsv");
-
-/// VeRL's defaults, leaf by leaf.
-pub fn defaults() -> BTreeMap<String, Value> {
-    DEFAULTS
-        .lines()
-        .filter(|l| !l.starts_with('#') && !l.is_empty())
-        .map(|l| {
-            let (key, value) = l.split_once('\t').expect("verl_defaults.tsv: key<TAB>json");
-            (
-                key.to_string(),
-                serde_json::from_str(value).expect("verl_defaults.tsv: json"),
-            )
-        })
-        .collect()
-}
 
 /// One command-line override, in Hydra's grammar.
 #[derive(Debug, Clone, PartialEq)]
@@ -94,39 +78,190 @@ impl Override {
     }
 }
 
-/// A value as Hydra reads it: YAML's scalars, `[a,b]` lists and `{k: v}` maps; an empty value is
-/// the empty string. A top-level comma is a sweep, which only `--multirun` takes.
+/// A value in Hydra's override grammar (`hydra/grammar/OverrideParser.g4`): a quoted string, a
+/// list `[a, b]`, a dict `{k: v}`, or an unquoted primitive (`null`, a bool, an int, a float,
+/// else a string, with `\` escaping the grammar's own characters and `${...}` kept whole); an
+/// empty value is the empty string. A top-level comma is a sweep, which only `--multirun` takes.
 fn parse_value(text: &str) -> Result<Value, String> {
-    if text.is_empty() {
-        return Ok(Value::String(String::new()));
+    let chars: Vec<char> = text.chars().collect();
+    let mut p = ValueParser { chars: &chars, at: 0 };
+    let value = p
+        .element(&[','])
+        .map_err(|e| format!("`{text}` is not a value Hydra reads: {e}"))?;
+    p.spaces();
+    match p.peek() {
+        None => Ok(value),
+        Some(',') => Err(format!(
+            "`{text}` is a list of values to sweep over, which runs several jobs (Hydra's \
+             --multirun, not supported); for one list value write it in brackets: `[{text}]`"
+        )),
+        Some(c) => Err(format!(
+            "`{text}` is not a value Hydra reads: unexpected `{c}` (quote the whole override for \
+             the shell: 'key=[\"a\",\"b\"]')"
+        )),
     }
-    let (mut depth, mut quote) = (0i32, None::<char>);
-    for c in text.chars() {
-        match (quote, c) {
-            (Some(q), c) if c == q => quote = None,
-            (Some(_), _) => {}
-            (None, '\'' | '"') => quote = Some(c),
-            (None, '[' | '{' | '(') => depth += 1,
-            (None, ']' | '}' | ')') => depth -= 1,
-            (None, ',') if depth == 0 => {
-                return Err(format!(
-                    "`{text}` is a list of values to sweep over, which runs several jobs \
-                     (Hydra's --multirun, not supported); for one list value write it in \
-                     brackets: `[{text}]`"
-                ))
-            }
-            _ => {}
+}
+
+struct ValueParser<'a> {
+    chars: &'a [char],
+    at: usize,
+}
+
+impl ValueParser<'_> {
+    fn peek(&self) -> Option<char> {
+        self.chars.get(self.at).copied()
+    }
+
+    fn spaces(&mut self) {
+        while self.peek().is_some_and(|c| c == ' ' || c == '\t') {
+            self.at += 1;
         }
     }
-    if quote.is_some() || depth != 0 {
-        return Err(format!(
-            "`{text}` has an unclosed quote or bracket (quote the whole override for the shell: \
-             'key=[\"a\",\"b\"]')"
-        ));
+
+    /// One element, ending before any of `stops` (at depth 0) or a closing bracket.
+    fn element(&mut self, stops: &[char]) -> Result<Value, String> {
+        self.spaces();
+        match self.peek() {
+            Some('[') => {
+                self.at += 1;
+                let mut items = Vec::new();
+                self.spaces();
+                if self.peek() == Some(']') {
+                    self.at += 1;
+                    return Ok(Value::Array(items));
+                }
+                loop {
+                    items.push(self.element(&[','])?);
+                    self.spaces();
+                    match self.peek() {
+                        Some(',') => self.at += 1,
+                        Some(']') => {
+                            self.at += 1;
+                            return Ok(Value::Array(items));
+                        }
+                        _ => return Err("an unclosed quote or bracket (quote the whole override for the shell: 'key=[\"a\",\"b\"]')".into()),
+                    }
+                }
+            }
+            Some('{') => {
+                self.at += 1;
+                let mut map = serde_json::Map::new();
+                self.spaces();
+                if self.peek() == Some('}') {
+                    self.at += 1;
+                    return Ok(Value::Object(map));
+                }
+                loop {
+                    let key = match self.element(&[':', ','])? {
+                        Value::String(s) => s,
+                        other => other.to_string(),
+                    };
+                    if self.peek() != Some(':') {
+                        return Err(format!("the dict key `{key}` has no `:` and value"));
+                    }
+                    self.at += 1;
+                    let value = self.element(&[','])?;
+                    map.insert(key, value);
+                    self.spaces();
+                    match self.peek() {
+                        Some(',') => self.at += 1,
+                        Some('}') => {
+                            self.at += 1;
+                            return Ok(Value::Object(map));
+                        }
+                        _ => return Err("an unclosed quote or bracket (quote the whole override for the shell: 'key=[\"a\",\"b\"]')".into()),
+                    }
+                }
+            }
+            Some(q @ ('\'' | '"')) => {
+                self.at += 1;
+                let mut out = String::new();
+                loop {
+                    match self.peek() {
+                        None => return Err("an unclosed quote or bracket (quote the whole override for the shell: 'key=[\"a\",\"b\"]')".into()),
+                        Some('\\') if self.chars.get(self.at + 1) == Some(&q) => {
+                            out.push(q);
+                            self.at += 2;
+                        }
+                        Some(c) if c == q => {
+                            self.at += 1;
+                            return Ok(Value::String(out));
+                        }
+                        Some(c) => {
+                            out.push(c);
+                            self.at += 1;
+                        }
+                    }
+                }
+            }
+            _ => self.primitive(stops),
+        }
     }
-    let yaml: serde_yaml::Value =
-        serde_yaml::from_str(text).map_err(|e| format!("`{text}` is not a value Hydra reads: {e}"))?;
-    serde_json::to_value(&yaml).map_err(|e| format!("`{text}`: {e}"))
+
+    /// Unquoted text up to a stop, a bracket or the end; typed as Hydra types it.
+    fn primitive(&mut self, stops: &[char]) -> Result<Value, String> {
+        let mut out = String::new();
+        let mut escaped = false;
+        while let Some(c) = self.peek() {
+            if c == '\\' {
+                match self.chars.get(self.at + 1) {
+                    Some(&next) if "\\()[]{}:=, \t".contains(next) => {
+                        out.push(next);
+                        escaped = true;
+                        self.at += 2;
+                        continue;
+                    }
+                    _ => {}
+                }
+            } else if c == '$' && self.chars.get(self.at + 1) == Some(&'{') {
+                // An interpolation, kept as written.
+                let mut depth = 0;
+                while let Some(c) = self.peek() {
+                    out.push(c);
+                    self.at += 1;
+                    match c {
+                        '{' => depth += 1,
+                        '}' => {
+                            depth -= 1;
+                            if depth == 0 {
+                                break;
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                if depth != 0 {
+                    return Err("an unclosed `${`".into());
+                }
+                continue;
+            } else if stops.contains(&c) || "[]{}".contains(c) || (c == '\'' || c == '"') {
+                if "[{'\"".contains(c) {
+                    return Err(format!("an unexpected `{c}` inside a value (quote the value)"));
+                }
+                break;
+            }
+            out.push(c);
+            self.at += 1;
+        }
+        let text = out.trim();
+        if escaped {
+            return Ok(Value::String(text.to_string()));
+        }
+        Ok(match text {
+            "null" | "NULL" | "Null" => Value::Null,
+            t if t.eq_ignore_ascii_case("true") => Value::Bool(true),
+            t if t.eq_ignore_ascii_case("false") => Value::Bool(false),
+            t => match t.replace('_', "").parse::<i64>() {
+                Ok(n) if !t.starts_with('_') => Value::from(n),
+                _ => match t.parse::<f64>() {
+                    Ok(f) if t.chars().any(|c| c.is_ascii_digit()) => serde_json::Number::from_f64(f)
+                        .map(Value::Number)
+                        .unwrap_or(Value::String(t.into())),
+                    _ => Value::String(t.to_string()),
+                },
+            },
+        })
+    }
 }
 
 /// The leaves of a value under `prefix` (a non-empty mapping is a section, anything else a leaf).
@@ -146,6 +281,59 @@ pub fn flatten(prefix: &str, value: &Value, out: &mut Vec<(String, Value)>) {
     }
 }
 
+/// A `--config-path/--config-name` file: its Hydra `defaults` list and its keys.
+pub struct ConfigFile {
+    pub file: String,
+    /// `defaults` entries as `(group, option)`: `ppo_trainer` is `("ppo_trainer", None)`,
+    /// `model_engine: megatron` is `("model_engine", Some("megatron"))`, and Hydra's
+    /// `override model_engine: megatron` the same.
+    pub defaults: Vec<(String, Option<String>)>,
+    /// Everything else in it but Hydra's own `hydra` section.
+    pub body: Value,
+}
+
+impl ConfigFile {
+    pub fn read(path: &Path) -> Result<ConfigFile, VerlError> {
+        let file = path.display().to_string();
+        let bad = |message: String| VerlError::ConfigFile {
+            file: file.clone(),
+            message,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| bad(format!("cannot read it: {e}")))?;
+        let yaml: serde_yaml::Value =
+            serde_yaml::from_str(&text).map_err(|e| bad(format!("this is not valid YAML: {e}")))?;
+        let mut body = serde_json::to_value(&yaml).map_err(|e| bad(e.to_string()))?;
+        let Some(map) = body.as_object_mut() else {
+            return Err(bad("expected a mapping of VeRL's config sections".into()));
+        };
+        let mut defaults = Vec::new();
+        for item in map
+            .remove("defaults")
+            .as_ref()
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            match item {
+                Value::String(name) => defaults.push((name.clone(), None)),
+                Value::Object(choice) if choice.len() == 1 => {
+                    let (group, option) = choice.iter().next().expect("one entry");
+                    let group = group.strip_prefix("override ").unwrap_or(group).trim();
+                    defaults.push((group.to_string(), option.as_str().map(str::to_string)));
+                }
+                other => {
+                    return Err(bad(format!(
+                        "`defaults` entry {other}: expected a config name or `group: option`"
+                    )))
+                }
+            }
+        }
+        // Hydra's own settings (search paths, run directories) say nothing about the run.
+        map.remove("hydra");
+        Ok(ConfigFile { file, defaults, body })
+    }
+}
+
 /// VeRL's config, flat: leaf key -> value, and where each value the user gave came from.
 pub struct Config {
     pub values: BTreeMap<String, Value>,
@@ -155,8 +343,8 @@ pub struct Config {
 }
 
 impl Config {
-    pub fn new() -> Config {
-        let defaults = defaults();
+    /// VeRL's config before any file or override: `defaults`, leaf by leaf.
+    pub fn new(defaults: BTreeMap<String, Value>) -> Config {
         Config {
             values: defaults.clone(),
             defaults,
@@ -176,13 +364,21 @@ impl Config {
         self.values.contains_key(key) || self.is_section(key)
     }
 
-    fn remove(&mut self, key: &str) {
+    pub fn remove(&mut self, key: &str) {
         self.values.retain(|k, _| !super::table::within(k, key));
         self.origin.retain(|k, _| !super::table::within(k, key));
     }
 
+    /// Sets `key` to `value`; a non-empty dict merges into what is there, as OmegaConf's
+    /// `update(merge=True)` and a config file's merge do.
     fn put(&mut self, key: &str, value: &Value, origin: &str) {
-        self.remove(key);
+        match value {
+            Value::Object(map) if !map.is_empty() && !key.is_empty() => {
+                self.values.remove(key);
+                self.origin.remove(key);
+            }
+            _ => self.remove(key),
+        }
         let mut leaves = Vec::new();
         flatten(key, value, &mut leaves);
         for (k, v) in leaves {
@@ -191,45 +387,38 @@ impl Config {
         }
     }
 
-    /// A `--config-path/--config-name` file: its `defaults` list may name VeRL's own
-    /// `ppo_trainer` and `_self_` (what a user's config composes onto); its keys are merged over
-    /// VeRL's defaults.
-    pub fn merge_file(&mut self, path: &Path) -> Result<(), VerlError> {
-        let file = path.display().to_string();
-        let bad = |message: String| VerlError::ConfigFile {
-            file: file.clone(),
-            message,
-        };
-        let text = std::fs::read_to_string(path).map_err(|e| bad(format!("cannot read it: {e}")))?;
-        let yaml: serde_yaml::Value =
-            serde_yaml::from_str(&text).map_err(|e| bad(format!("this is not valid YAML: {e}")))?;
-        let mut tree = serde_json::to_value(&yaml).map_err(|e| bad(e.to_string()))?;
-        let Some(map) = tree.as_object_mut() else {
-            return Err(bad("expected a mapping of VeRL's config sections".into()));
-        };
-        if let Some(list) = map.remove("defaults") {
-            for item in list.as_array().into_iter().flatten() {
-                match item.as_str() {
-                    Some("ppo_trainer" | "_self_") => {}
-                    _ => {
-                        return Err(bad(format!(
-                            "`defaults` entry {item}: grpo verl composes VeRL's `ppo_trainer` \
-                             config only; choosing other config groups (megatron, other \
-                             workers) is not supported"
-                        )))
-                    }
-                }
-            }
+    /// A config file's keys, merged over what is there.
+    pub fn merge(&mut self, file: &ConfigFile) {
+        if file.body.as_object().is_some_and(|m| m.is_empty()) {
+            return;
         }
-        // Hydra's own settings (search paths, run directories) say nothing about the run.
-        map.remove("hydra");
         let mut leaves = Vec::new();
-        flatten("", &tree, &mut leaves);
+        flatten("", &file.body, &mut leaves);
         for (key, value) in leaves {
-            let origin = format!("{file}: {key}");
+            let origin = format!("{}: {key}", file.file);
             self.put(&key, &value, &origin);
         }
-        Ok(())
+    }
+
+    /// Moves the leaves under `from` to `to` (a leaf or a section), keeping where each came
+    /// from; what was at `to` is replaced.
+    pub fn rename(&mut self, from: &str, to: &str) {
+        let moved: Vec<(String, Value)> = self
+            .values
+            .iter()
+            .filter(|(k, _)| super::table::within(k, from))
+            .map(|(k, v)| (format!("{to}{}", &k[from.len()..]), v.clone()))
+            .collect();
+        let origins: Vec<(String, String)> = self
+            .origin
+            .iter()
+            .filter(|(k, _)| super::table::within(k, from))
+            .map(|(k, o)| (format!("{to}{}", &k[from.len()..]), o.clone()))
+            .collect();
+        self.remove(from);
+        self.remove(to);
+        self.values.extend(moved);
+        self.origin.extend(origins);
     }
 
     /// One command-line override, as Hydra applies it to VeRL's (struct-mode) config.
@@ -240,15 +429,23 @@ impl Config {
                 raw: o.raw.clone(),
                 key: o.key.clone(),
                 suggestion: closest(&o.key, self.values.keys().map(String::as_str)),
+                layout: String::new(),
             }),
-            Op::Add if exists => Err(VerlError::BadOverride {
-                raw: o.raw.clone(),
-                message: format!(
-                    "`{}` is already in VeRL's config; `+` adds a key it lacks (Hydra refuses \
-                     this too): drop the `+`, or write `++` to set it either way",
-                    o.key
-                ),
-            }),
+            Op::Add
+                if exists
+                    && !matches!(o.value, Some(Value::Object(_) | Value::Array(_)))
+                    && !matches!(self.get(&o.key)?, Some(Value::Null)) =>
+            {
+                Err(VerlError::BadOverride {
+                    raw: o.raw.clone(),
+                    message: format!(
+                        "`{}` is already in VeRL's config with a value; `+` adds a key it lacks or \
+                     one that is null (Hydra refuses this too): drop the `+`, or write `++` to \
+                     set it either way",
+                        o.key
+                    ),
+                })
+            }
             Op::Delete if !exists => Err(VerlError::BadOverride {
                 raw: o.raw.clone(),
                 message: format!(
@@ -372,6 +569,11 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    /// VeRL 0.7.0's FSDP config, whose values these tests name.
+    fn config() -> Config {
+        Config::new(super::super::version::VERSIONS[1].defaults("dp").unwrap())
+    }
+
     #[test]
     fn hydra_values() {
         let v = |raw: &str| Override::parse(raw).unwrap().value.unwrap();
@@ -389,6 +591,54 @@ mod tests {
     }
 
     #[test]
+    fn hydras_grammar() {
+        let v = |raw: &str| Override::parse(raw).unwrap().value.unwrap();
+        // Escapes of the grammar's own characters, `*` unquoted, nested dicts.
+        assert_eq!(
+            v(r"a.b={model.visual.blocks.\{*\}:{},lm_head:{}}"),
+            json!({"model.visual.blocks.{*}": {}, "lm_head": {}})
+        );
+        assert_eq!(v("a.b=[full]"), json!(["full"]));
+        assert_eq!(v("a.b=uv -v run --frozen"), json!("uv -v run --frozen"));
+        assert_eq!(v("a.b=${oc.env:HOME}/x"), json!("${oc.env:HOME}/x"));
+        assert_eq!(v("a.b=3e-4"), json!(3e-4));
+        assert_eq!(v("a.b=1_000"), json!(1000));
+        assert_eq!(v("a.b=TRUE"), json!(true));
+        assert_eq!(v(r"a.b='it\'s'"), json!("it's"));
+    }
+
+    #[test]
+    fn plus_adds_over_null_and_dicts_merge() {
+        let mut c = Config::new(super::super::version::VERSIONS[0].defaults("megatron").unwrap());
+        let key = "actor_rollout_ref.actor.megatron.override_transformer_config";
+        // Hydra's `+` takes a key whose value is null (VeRL's Megatron scripts rely on it).
+        c.apply(&Override::parse(&format!("+{key}.recompute_method=uniform")).unwrap())
+            .unwrap();
+        assert_eq!(
+            c.get(&format!("{key}.recompute_method")).unwrap(),
+            Some(json!("uniform"))
+        );
+        let err = c
+            .apply(&Override::parse(&format!("+{key}.attention_backend=fused")).unwrap())
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("already in VeRL's config with a value"),
+            "{err}"
+        );
+        // A dict merges into the section, as OmegaConf's update(merge=True).
+        c.apply(&Override::parse(&format!("{key}={{recompute_num_layers: 2}}")).unwrap())
+            .unwrap();
+        assert_eq!(
+            c.get(&format!("{key}.recompute_num_layers")).unwrap(),
+            Some(json!(2))
+        );
+        assert_eq!(
+            c.get(&format!("{key}.recompute_method")).unwrap(),
+            Some(json!("uniform"))
+        );
+    }
+
+    #[test]
     fn malformed_overrides_say_why() {
         let err = |raw: &str| Override::parse(raw).unwrap_err().to_string();
         assert!(
@@ -403,7 +653,7 @@ mod tests {
 
     #[test]
     fn interpolations_resolve() {
-        let mut c = Config::new();
+        let mut c = config();
         let project = Override::parse("trainer.project_name=p").unwrap();
         c.apply(&project).unwrap();
         assert_eq!(
@@ -429,7 +679,7 @@ mod tests {
 
     #[test]
     fn struct_mode_as_hydra() {
-        let mut c = Config::new();
+        let mut c = config();
         let err = c
             .apply(&Override::parse("data.train_batch_sise=4").unwrap())
             .unwrap_err();

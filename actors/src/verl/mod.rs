@@ -1,17 +1,22 @@
 //! `grpo verl`: a VeRL command line (`python3 -m verl.trainer.main_ppo KEY=VALUE...`) made into a
 //! grpo recipe.
 //!
-//! The config is built as VeRL builds it ([`hydra`]: VeRL's defaults at the commit below, a
-//! `--config-name` file, Hydra overrides), then every leaf is looked up in one [`table`]: mapped
-//! keys go to their recipe keys (VeRL's defaults included, so an unset key means what it means
-//! in VeRL), rules turn VeRL's per-GPU sizes into grpo's devices and micro-batches, keys with no
-//! effect here give a note when set away from VeRL's default, and unsupported ones an error. The
-//! recipe is then checked as any recipe is, and an error names the VeRL key behind it.
+//! The config is built as VeRL builds it ([`compose`]: the defaults of the VeRL release the
+//! command line follows and of its `model_engine` ([`version`]), a `--config-name` file or
+//! VeRL's own config of that name, Hydra overrides ([`hydra`])), then every leaf is looked up in
+//! one [`table`]: mapped keys go to their recipe keys (VeRL's defaults included, so an unset key
+//! means what it means in VeRL), rules turn VeRL's per-GPU sizes and each engine's parallel
+//! sizes ([`engine`]) into grpo's devices and micro-batches, keys with no effect here give a
+//! note when set away from VeRL's default, and unsupported ones an error. The recipe is then
+//! checked as any recipe is, and an error names the VeRL key behind it.
 //!
 //! The size rule is [`SIZE_RULE`].
 
+mod compose;
+mod engine;
 mod hydra;
 pub mod table;
+pub mod version;
 
 pub use hydra::{Op, Override};
 
@@ -21,17 +26,19 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use table::How;
 
-/// The VeRL commit whose config `grpo verl` reads (`verl_defaults.tsv`).
-pub const VERL_COMMIT: &str = "b178a3cd56f58b2d502255daba591e92833930a7";
-
 /// How VeRL's per-GPU sizes become grpo's devices and micro-batches (printed by `--keys`).
 pub const SIZE_RULE: &str = "VeRL's devices are `trainer.nnodes` x `trainer.n_gpus_per_node` \
 (one host: `nnodes` must be 1) of kind `trainer.device` (cuda, cpu or tpu). More than one device \
 shards the learner over them (`actor.strategy: fsdp`, `actor.mesh`); on cpu the CPU client opens \
-that many devices (`cluster.cpu_device_count`). grpo's `actor.ppo_micro_batch_size` counts the \
-sequences of one pass over all devices, so it is VeRL's `ppo_micro_batch_size_per_gpu` x \
-devices, lowered to the largest per-device count that divides each device's share of the \
-mini-batch (`ppo_mini_batch_size` x `rollout.n` / devices; a note says so). With \
+that many devices (`cluster.cpu_device_count`). The engine's tensor-parallel size (Megatron's \
+`tensor_model_parallel_size`, TorchTitan's `tensor_parallel_size`) becomes \
+`actor.tensor_model_parallel_size`, and the data devices are the devices over it. grpo neither \
+pipelines nor splits a sequence over devices: pipeline stages and context / Ulysses sizes give \
+their devices to FSDP instead (a note says so); expert-parallel sizes above 1 are refused (no \
+mixture-of-experts models yet). grpo's `actor.ppo_micro_batch_size` counts the sequences of one \
+pass over all data devices, so it is VeRL's `ppo_micro_batch_size_per_gpu` x data devices, \
+lowered to the largest per-device count that divides each data device's share of the \
+mini-batch (`ppo_mini_batch_size` x `rollout.n` / data devices; a note says so). With \
 `use_dynamic_bsz`, the per-device count is `ppo_max_token_len_per_gpu` / (`max_prompt_length` + \
 `max_response_length`), the most whole sequences that token budget holds (grpo pads each \
 micro-batch to length buckets instead of packing). `rollout.max_num_seqs` is capped at one \
@@ -44,8 +51,12 @@ pub struct VerlInput {
     pub overrides: Vec<String>,
     /// `--config-path`: the directory of `--config-name`.
     pub config_path: Option<PathBuf>,
-    /// `--config-name`: a YAML file (without `.yaml`) composed over VeRL's defaults.
+    /// `--config-name`: a YAML file (without `.yaml`) composed over VeRL's defaults, or one
+    /// of VeRL's own configs.
     pub config_name: Option<String>,
+    /// `--verl-version`: the release whose config layout the command line follows; None
+    /// detects it from the keys.
+    pub verl_version: Option<String>,
 }
 
 /// The recipe a VeRL command line makes, and the notes about keys that change nothing here.
@@ -53,6 +64,9 @@ pub struct VerlInput {
 pub struct Translation {
     pub recipe: Recipe,
     pub notes: Vec<String>,
+    /// `trainer.device` was left at VeRL's default (`cuda`): on a machine without the CUDA
+    /// plugin, `grpo verl` names `trainer.device=cpu` (or `tpu`) as the fix.
+    pub device_is_verls_default: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -60,7 +74,7 @@ pub enum VerlError {
     #[error("{raw}: {message}")]
     BadOverride { raw: String, message: String },
     #[error(
-        "{raw}: `{key}` is not a key of VeRL's config (VeRL's Hydra would refuse it too: \
+        "{raw}: `{key}` is not a key of VeRL's config{layout} (VeRL's Hydra would refuse it too: \
          Key '{key}' is not in struct){}; a key VeRL reads without listing it is added with \
          `+{key}=...`",
         suggestion.as_ref().map(|s| format!("; did you mean `{s}`?")).unwrap_or_default()
@@ -69,6 +83,8 @@ pub enum VerlError {
         raw: String,
         key: String,
         suggestion: Option<String>,
+        /// ` as of RELEASES, model_engine=ENGINE`: the config it was checked against.
+        layout: String,
     },
     #[error("{file}: {message}")]
     ConfigFile { file: String, message: String },
@@ -132,27 +148,12 @@ impl Builder {
 
 /// Builds the config as VeRL would and makes it a recipe.
 pub fn translate(input: &VerlInput) -> Result<Translation, VerlError> {
-    let mut config = hydra::Config::new();
-    if let Some(name) = &input.config_name {
-        let dir = input.config_path.clone().unwrap_or_else(|| PathBuf::from("."));
-        let file = if name.ends_with(".yaml") {
-            name.clone()
-        } else {
-            format!("{name}.yaml")
-        };
-        config.merge_file(&dir.join(file))?;
-    } else if let Some(dir) = &input.config_path {
-        return Err(VerlError::ConfigFile {
-            file: dir.display().to_string(),
-            message: "--config-path names the directory of --config-name; give --config-name too".into(),
-        });
-    }
-    for raw in &input.overrides {
-        config.apply(&Override::parse(raw)?)?;
-    }
+    let composed = compose::compose(input)?;
     let mut t = Translator {
-        config,
-        notes: Vec::new(),
+        config: composed.config,
+        version: composed.version,
+        engine: composed.engine,
+        notes: composed.notes,
         unsupported: Vec::new(),
         b: Builder {
             tree: serde_yaml::Value::Mapping(Default::default()),
@@ -194,11 +195,15 @@ pub fn translate(input: &VerlInput) -> Result<Translation, VerlError> {
     Ok(Translation {
         recipe,
         notes: t.notes,
+        device_is_verls_default: !t.config.origin.contains_key("trainer.device"),
     })
 }
 
 struct Translator {
     config: hydra::Config,
+    version: &'static version::VerlVersion,
+    /// VeRL's `model_engine`: dp (FSDP), megatron, veomni or torchtitan.
+    engine: &'static str,
     notes: Vec<String>,
     unsupported: Vec<(String, String)>,
     b: Builder,
@@ -229,12 +234,19 @@ impl Translator {
     /// VeRL's default.
     fn classify(&mut self) -> Result<(), VerlError> {
         for (key, value) in &self.config.values {
+            let origin = self.config.origin.get(key).cloned().unwrap_or(key.clone());
             let Some(entry) = table::entry(key) else {
+                // Hydra takes `+key` / `++key` for a key VeRL's config lacks; VeRL's code reads
+                // such a key or not, and grpo knows of no reader.
+                if origin.starts_with('+') && !self.config.defaults.contains_key(key) {
+                    self.notes.push(format!(
+                        "{origin} has no effect in grpo: it adds a key VeRL's config does not                          have ({}), and grpo knows of no VeRL code that reads it",
+                        self.version.describe()
+                    ));
+                    continue;
+                }
                 return Err(VerlError::Value {
-                    origin: format!(
-                        "`{}`",
-                        self.config.origin.get(key).cloned().unwrap_or(key.clone())
-                    ),
+                    origin: format!("`{origin}`"),
                     message: format!(
                         "`{key}` is not a key grpo verl knows VeRL to read, so it cannot say what \
                          it would do; `grpo verl --keys` lists them"
@@ -245,7 +257,13 @@ impl Translator {
             if !changed {
                 continue;
             }
-            let shown = format!("{key}={}", compact(value));
+            let shown = match self.config.origin.get(key) {
+                // A key VeRL 0.7.1 moved (compose): named as the user wrote it.
+                Some(o) if !o.contains(": ") && !o.trim_start_matches('+').starts_with(key.as_str()) => {
+                    format!("{o} (read as {key})")
+                }
+                _ => format!("{key}={}", compact(value)),
+            };
             match entry.how {
                 How::NoEffect(why) => self.notes.push(format!("{shown} has no effect in grpo: {why}")),
                 How::Unsupported(why) => self.unsupported.push((shown, why.to_string())),
@@ -259,6 +277,10 @@ impl Translator {
     fn map_keys(&mut self) -> Result<(), VerlError> {
         for entry in table::TABLE {
             let How::Map(to) = entry.how else { continue };
+            // A key of another engine or layout than this command line's.
+            if !self.config.values.contains_key(entry.key) {
+                continue;
+            }
             let mut value = self.get(entry.key)?;
             if PATH_KEYS.contains(&entry.key) {
                 value = expand_home(value);
@@ -270,7 +292,9 @@ impl Translator {
     }
 
     fn rules(&mut self) -> Result<(), VerlError> {
+        self.multimodal();
         self.optimizer()?;
+        self.megatron_lora()?;
         self.dtypes()?;
         self.sizes()?;
         self.sampling()?;
@@ -319,6 +343,9 @@ impl Translator {
         }
         for (key, to) in CRITIC_KEYS {
             let from = format!("critic.{key}");
+            if !self.config.values.contains_key(&from) {
+                continue;
+            }
             let value = self.get(&from)?;
             let o = self.origin(&from);
             self.b.set(to, value, o)?;
@@ -342,7 +369,7 @@ impl Translator {
     /// budget with `use_dynamic_bsz`) times the devices, fitted to divide each device's share of
     /// a mini-batch; null keeps the actor's.
     fn critic_micro_batch(&mut self) -> Result<(), VerlError> {
-        let devices = self.get("trainer.n_gpus_per_node")?.as_u64().unwrap_or(1).max(1);
+        let devices = self.data_devices()?;
         let n = self
             .get("actor_rollout_ref.rollout.n")?
             .as_u64()
@@ -366,7 +393,10 @@ impl Translator {
         for (key, to, owner_key, owners) in OWNED_KNOBS {
             let owner = self.get(owner_key)?;
             let chosen = owners.split('|').any(|o| owner == json!(o));
-            let value = self.get(key)?;
+            let mut value = self.get(key)?;
+            if PATH_KEYS.contains(key) {
+                value = expand_home(value);
+            }
             if chosen {
                 let o = self.origin(key);
                 self.b.set(to, value, o)?;
@@ -433,12 +463,12 @@ impl Translator {
         self.b.set("algorithm.kl_ctrl", ctrl, o)
     }
 
-    /// `SECTION.optim`'s warmup and schedule type and the gradient clip of one of VeRL's
-    /// optimizers (`section` the actor's or the critic's) to `to.optim.*` and `to.grad_clip`:
+    /// `SECTION.optim`'s warmup and schedule and the gradient clip of one of VeRL's optimizers
+    /// (`section` the actor's or the critic's) to `to.optim.*` and `to.grad_clip`:
     /// `lr_warmup_steps` when set (not -1), else `lr_warmup_steps_ratio` x the optimizer steps of
-    /// the run; `warmup_style`, VeRL's older name of `lr_scheduler_type`, when set; the clip
-    /// from `optim.clip_grad` (VeRL's newer engine) or `grad_clip` (its older), whichever is set
-    /// away from their shared default 1.0.
+    /// the run; the schedule by [`Translator::schedule`]; the clip from `optim.clip_grad` (VeRL's
+    /// newer engine) or `grad_clip` (its older), whichever is set away from their shared
+    /// default 1.0.
     fn schedule_and_clip(&mut self, section: &str, to: &str) -> Result<(), VerlError> {
         let key = |k: &str| format!("{section}.{k}");
         let steps = self.get(&key("optim.lr_warmup_steps"))?.as_i64().unwrap_or(-1);
@@ -473,11 +503,7 @@ impl Translator {
             self.b
                 .set(&format!("{to}.optim.lr_warmup_steps"), json!(warmup), o)?;
         }
-        let style = self.get(&key("optim.warmup_style"))?;
-        if !style.is_null() {
-            let o = self.origin(&key("optim.warmup_style"));
-            self.b.set(&format!("{to}.optim.lr_scheduler_type"), style, o)?;
-        }
+        self.schedule(section, to)?;
         let clip_grad = self.get(&key("optim.clip_grad"))?;
         let grad_clip = self.get(&key("grad_clip"))?;
         let (value, from) = match (clip_grad.as_f64(), grad_clip.as_f64()) {
@@ -495,6 +521,45 @@ impl Translator {
         self.b.set(&format!("{to}.grad_clip"), json!(value), o)
     }
 
+    /// The schedule after warmup, in the engine's words ([`engine::Schedule`]): `constant` or
+    /// `cosine` (FSDP's `warmup_style`, its older name, when set), down to a floor given as a
+    /// fraction of `lr` or as a learning rate.
+    fn schedule(&mut self, section: &str, to: &str) -> Result<(), VerlError> {
+        let schedule = &engine::engine(self.engine).schedule;
+        let key = |k: &str| format!("{section}.optim.{k}");
+        let mut kind_key = key(schedule.kind);
+        if self.engine == "dp" && !self.get(&key("warmup_style"))?.is_null() {
+            kind_key = key("warmup_style");
+        }
+        let kind = self.get(&kind_key)?;
+        let ours = match kind.as_str() {
+            Some("constant") => "constant",
+            Some("cosine") => "cosine",
+            _ => {
+                self.unsupported.push((
+                    format!("{kind_key}={}", compact(&kind)),
+                    "grpo's learning-rate schedules are constant and cosine (VeRL's \
+                     get_cosine_schedule_with_warmup) after a linear warmup"
+                        .into(),
+                ));
+                return Ok(());
+            }
+        };
+        let o = self.origin(&kind_key);
+        self.b
+            .set(&format!("{to}.optim.lr_scheduler_type"), json!(ours), o)?;
+        let (floor_key, ratio) = match schedule.floor {
+            engine::Floor::Ratio(k) => (key(k), self.get(&key(k))?.as_f64().unwrap_or(0.0)),
+            engine::Floor::Absolute(k) => {
+                let lr = self.get(&key("lr"))?.as_f64().unwrap_or(0.0);
+                let floor = self.get(&key(k))?.as_f64().unwrap_or(0.0);
+                (key(k), if lr > 0.0 { floor / lr } else { 0.0 })
+            }
+        };
+        let o = self.origin(&floor_key);
+        self.b.set(&format!("{to}.optim.min_lr_ratio"), json!(ratio), o)
+    }
+
     fn optimizer(&mut self) -> Result<(), VerlError> {
         let a = "actor_rollout_ref.actor";
         self.schedule_and_clip(a, "actor")?;
@@ -507,26 +572,109 @@ impl Translator {
             }
         }
         let strategy = self.get(&format!("{a}.strategy"))?;
-        if !matches!(strategy.as_str(), Some("fsdp" | "fsdp2")) {
+        let expected: &[&str] = match self.engine {
+            // fsdp_turbo is FSDP2 with fused kernels and a sharding plan: the same
+            // computation.
+            "dp" => &["fsdp", "fsdp2", "fsdp_turbo"],
+            other => &[other],
+        };
+        if !strategy.as_str().is_some_and(|s| expected.contains(&s)) {
             self.unsupported.push((
                 format!("{a}.strategy={}", compact(&strategy)),
-                "grpo's learner shards like FSDP (fsdp, fsdp2); for Megatron's tensor parallelism \
-                 set actor.tensor_model_parallel_size in a recipe"
-                    .into(),
+                format!(
+                    "with model_engine={} VeRL's actor strategy is {}; grpo's learner shards \
+                     like FSDP, with tensor parallelism from the engine's size keys",
+                    self.engine,
+                    expected.join(" or ")
+                ),
             ));
         }
         Ok(())
     }
 
+    /// A script that names its images', video's or audio's column (even as VeRL's default
+    /// `images`) trains on them; grpo's models are text-only, so it is refused rather than run
+    /// on the text alone.
+    fn multimodal(&mut self) {
+        for key in MULTIMODAL_KEYS {
+            if let Some(origin) = self.config.origin.get(*key) {
+                self.unsupported.push((
+                    format!("{key}={}", compact(&self.config.values[*key])),
+                    format!(
+                        "vision, video and audio input is not in grpo: it trains text-only \
+                         models, and would drop what `{origin}` names from every prompt"
+                    ),
+                ));
+            }
+        }
+    }
+
+    /// Megatron-Bridge's LoRA (`actor_rollout_ref.model.lora.*`, read by VeRL's Megatron
+    /// engine) to grpo's, its module names to the Hugging Face projections they are.
+    fn megatron_lora(&mut self) -> Result<(), VerlError> {
+        let m = "actor_rollout_ref.model.lora";
+        let rank = self.get(&format!("{m}.rank"))?.as_u64().unwrap_or(0);
+        if rank == 0 {
+            return Ok(());
+        }
+        if self.engine != "megatron" {
+            self.notes.push(format!(
+                "{m}.rank={rank} has no effect: VeRL's Megatron engine reads it; with \
+                 model_engine={} LoRA is `actor_rollout_ref.model.lora_rank`",
+                self.engine
+            ));
+            return Ok(());
+        }
+        let o = self.origin(&format!("{m}.rank"));
+        self.b.set("actor.lora_rank", json!(rank), o)?;
+        let alpha = self.get(&format!("{m}.alpha"))?;
+        let o = self.origin(&format!("{m}.alpha"));
+        self.b.set("actor.lora_alpha", alpha, o)?;
+        let targets = self.get(&format!("{m}.target_modules"))?;
+        let mut ours = Vec::new();
+        for t in targets.as_array().into_iter().flatten() {
+            let names: &[&str] = match t.as_str() {
+                Some("linear_qkv") => &["q_proj", "k_proj", "v_proj"],
+                Some("linear_proj") => &["o_proj"],
+                Some("linear_fc1") => &["gate_proj", "up_proj"],
+                Some("linear_fc2") => &["down_proj"],
+                _ => {
+                    self.unsupported.push((
+                        format!("{m}.target_modules={}", compact(&targets)),
+                        format!(
+                            "{t} is not one of Megatron's linear_qkv, linear_proj, linear_fc1, \
+                             linear_fc2, the layers grpo's LoRA adapts"
+                        ),
+                    ));
+                    return Ok(());
+                }
+            };
+            ours.extend(names.iter().map(|n| json!(n)));
+        }
+        let o = self.origin(&format!("{m}.target_modules"));
+        self.b.set("actor.target_modules", Value::Array(ours), o)?;
+        let adapter = expand_home(self.get(&format!("{m}.adapter_path"))?);
+        if !adapter.is_null() {
+            let o = self.origin(&format!("{m}.adapter_path"));
+            self.b.set("model.lora_adapter_path", adapter, o)?;
+        }
+        Ok(())
+    }
+
     fn dtypes(&mut self) -> Result<(), VerlError> {
+        let actor = match engine::engine(self.engine).dtype {
+            engine::Dtype::Name(k) | engine::Dtype::MixedPrecision(k) => {
+                format!("actor_rollout_ref.actor.{k}")
+            }
+        };
         for (verl, recipe) in [
-            ("actor_rollout_ref.actor.fsdp_config.dtype", "actor.param_dtype"),
+            (actor.as_str(), "actor.param_dtype"),
             ("actor_rollout_ref.rollout.dtype", "rollout.dtype"),
         ] {
             let value = self.get(verl)?;
-            let ours = match value.as_str() {
-                Some("bfloat16" | "bf16") => "auto",
-                Some("float32" | "fp32") => "f32",
+            let ours = match (value.as_str(), value.as_bool()) {
+                (Some("bfloat16" | "bf16"), _) | (_, Some(true)) => "auto",
+                (Some("float32" | "fp32"), _) | (_, Some(false)) => "f32",
                 _ => {
                     self.unsupported.push((
                         format!("{verl}={}", compact(&value)),
@@ -547,8 +695,10 @@ impl Translator {
         if nnodes != 1 {
             self.unsupported.push((
                 format!("trainer.nnodes={nnodes}"),
-                "grpo verl runs on one host; for several, write a recipe with \
-                 `cluster.launcher: ray` and `cluster.pools` (recipes/README.md)"
+                "a learner spanning several hosts (one program over every host's devices) is \
+                 not in grpo yet (docs/multihost.md); on one host set trainer.nnodes=1, or spread \
+                 rollout and reward workers over hosts with a recipe's `cluster.launcher: ray` \
+                 and `cluster.pools` (recipes/README.md)"
                     .into(),
             ));
             return Ok(());
@@ -578,6 +728,8 @@ impl Translator {
             self.b.set("actor.strategy", json!("fsdp"), gpus_origin.clone())?;
             self.b.set("actor.mesh", json!(devices), gpus_origin.clone())?;
         }
+        self.engine_sizes(devices)?;
+        let data = self.data_devices()?;
         let tp = self
             .get("actor_rollout_ref.rollout.tensor_model_parallel_size")?
             .as_u64()
@@ -601,17 +753,17 @@ impl Translator {
             .as_u64()
             .unwrap_or(1);
         let seqs = mini * n;
-        if !seqs.is_multiple_of(devices) {
+        if !seqs.is_multiple_of(data) {
             return Err(VerlError::Value {
                 origin: self.origin(&format!("{a}.ppo_mini_batch_size")),
                 message: format!(
                     "a mini-batch of {mini} prompts x {n} responses = {seqs} sequences does not \
-                     split evenly over {devices} devices (trainer.n_gpus_per_node); VeRL refuses \
-                     this too"
+                     split evenly over {data} data devices (trainer.n_gpus_per_node over the \
+                     tensor-parallel size); VeRL refuses this too"
                 ),
             });
         }
-        if !self.micro_batch_rule(a, seqs / devices, devices, "actor.ppo_micro_batch_size")? {
+        if !self.micro_batch_rule(a, seqs / data, data, "actor.ppo_micro_batch_size")? {
             return Err(VerlError::Value {
                 origin: format!("`{a}.ppo_micro_batch_size_per_gpu`"),
                 message: "unset: set it (or use_dynamic_bsz=True with ppo_max_token_len_per_gpu); \
@@ -620,6 +772,105 @@ impl Translator {
             });
         }
         Ok(())
+    }
+
+    /// The engine's parallel sizes on grpo's mesh: tensor parallelism as it is; pipeline
+    /// stages and sequence splits (which grpo does not have) become FSDP over the same devices,
+    /// with a note; expert parallelism is refused (no mixture-of-experts models yet).
+    fn engine_sizes(&mut self, devices: u64) -> Result<(), VerlError> {
+        let eng = engine::engine(self.engine);
+        let a = "actor_rollout_ref.actor";
+        let strategy = self.get(&format!("{a}.strategy"))?;
+        let reads = |k: &str| eng.reads(k, strategy.as_str().unwrap_or_default());
+        if let Some(k) = eng.tensor.filter(|k| reads(k)) {
+            let key = format!("{a}.{k}");
+            let tp = self.size(&key)?;
+            if !devices.is_multiple_of(tp) {
+                return Err(VerlError::Value {
+                    origin: self.origin(&key),
+                    message: format!(
+                        "{tp} tensor-parallel devices do not divide the run's {devices} \
+                         (trainer.n_gpus_per_node); VeRL refuses this too"
+                    ),
+                });
+            }
+            if tp > 1 {
+                let o = self.origin(&key);
+                self.b.set("actor.tensor_model_parallel_size", json!(tp), o)?;
+            }
+        }
+        let tp = self.tensor_parallel()?;
+        let layout = format!(
+            "the learner's {devices} devices are FSDP over {} x tensor parallelism over {tp}",
+            devices / tp
+        );
+        for k in eng.pipeline.iter().filter(|k| reads(k)) {
+            let key = format!("{a}.{k}");
+            let size = self.size(&key)?;
+            if size > 1 {
+                self.notes.push(format!(
+                    "{key}={size}: grpo does not pipeline (split the layers into stages); \
+                     {layout}, every layer sharded over them and gathered when it runs"
+                ));
+            }
+        }
+        for k in eng.sequence.iter().filter(|k| reads(k)) {
+            let key = format!("{a}.{k}");
+            let size = self.size(&key)?;
+            if size > 1 {
+                self.notes.push(format!(
+                    "{key}={size}: grpo does not split a sequence over devices; {layout}, each \
+                     data device holding whole sequences"
+                ));
+            }
+        }
+        for k in eng.expert.iter().filter(|k| reads(k)) {
+            let key = format!("{a}.{k}");
+            let size = self.size(&key)?;
+            if size > 1 {
+                self.unsupported.push((
+                    format!("{key}={size}"),
+                    "expert parallelism splits a mixture-of-experts model's experts over \
+                     devices; grpo does not train mixture-of-experts models yet"
+                        .into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// A parallel size: a number, or 1 when null (VeRL's unset).
+    fn size(&self, key: &str) -> Result<u64, VerlError> {
+        let value = self.get(key)?;
+        match value {
+            Value::Null => Ok(1),
+            other => other
+                .as_u64()
+                .filter(|n| *n >= 1)
+                .ok_or_else(|| VerlError::Value {
+                    origin: self.origin(key),
+                    message: format!("{other} is not a device count (1 or more)"),
+                }),
+        }
+    }
+
+    /// The engine's tensor-parallel size (1 where it has none).
+    fn tensor_parallel(&self) -> Result<u64, VerlError> {
+        let eng = engine::engine(self.engine);
+        let strategy = self.get("actor_rollout_ref.actor.strategy")?;
+        match eng
+            .tensor
+            .filter(|k| eng.reads(k, strategy.as_str().unwrap_or_default()))
+        {
+            Some(k) => self.size(&format!("actor_rollout_ref.actor.{k}")),
+            None => Ok(1),
+        }
+    }
+
+    /// The devices a mini-batch is split over: all of them over the tensor-parallel size.
+    fn data_devices(&self) -> Result<u64, VerlError> {
+        let devices = self.get("trainer.n_gpus_per_node")?.as_u64().unwrap_or(1).max(1);
+        Ok((devices / self.tensor_parallel()?).max(1))
     }
 
     /// The size rule's sequences per pass of `section` (the actor's or the critic's) to the
@@ -682,47 +933,83 @@ impl Translator {
         Ok(())
     }
 
+    /// The reward manager and custom reward function, from wherever this layout keeps them
+    /// ([`RewardKeys`]). `naive` and `batch` are grpo's managers; `dapo` is `naive` plus the
+    /// overlong penalty of its `reward_kwargs.overlong_buffer_cfg`, which becomes
+    /// `reward.overlong_buffer`.
     fn reward(&mut self) -> Result<(), VerlError> {
-        let manager = self.get("reward_manager.name")?;
-        let manager_origin = self.origin("reward_manager.name");
-        if !matches!(manager.as_str(), Some("naive" | "batch")) {
-            self.unsupported.push((
-                format!("reward_manager.name={}", compact(&manager)),
-                "grpo's reward managers are naive and batch (VeRL's dapo, prime and others are \
-                 not in grpo; overlong penalties are `reward.overlong_buffer` in a recipe)"
-                    .into(),
-            ));
-        }
-        let path = expand_home(self.get("custom_reward_function.path")?);
+        let k = if self.version.has_reward_section() {
+            RewardKeys::SECTION
+        } else {
+            RewardKeys::TOP_LEVEL
+        };
+        let manager = self.get(k.manager)?;
+        let manager_origin = self.origin(k.manager);
+        let ours = match manager.as_str() {
+            Some(m @ ("naive" | "batch")) => m,
+            Some("dapo") => {
+                self.overlong_buffer(k.manager_kwargs)?;
+                "naive"
+            }
+            _ => {
+                self.unsupported.push((
+                    format!("{}={}", k.manager, compact(&manager)),
+                    "grpo's reward managers are naive, batch and dapo (naive with DAPO's overlong \
+                     penalty); VeRL's prime and others are not in grpo"
+                        .into(),
+                ));
+                "naive"
+            }
+        };
+        let path = expand_home(self.get(k.path)?);
         if path.is_null() {
             if manager != json!("naive")
-                && self.config.values.get("reward_manager.name")
-                    != self.config.defaults.get("reward_manager.name")
+                && manager != json!("dapo")
+                && self.config.values.get(k.manager) != self.config.defaults.get(k.manager)
             {
                 self.notes.push(format!(
-                    "reward_manager.name={} has no effect without custom_reward_function.path: \
-                     grpo's built-in scorers serve VeRL's data sources",
-                    compact(&manager)
+                    "{}={} has no effect without {}: grpo's built-in scorers serve VeRL's data \
+                     sources",
+                    k.manager,
+                    compact(&manager),
+                    k.path
                 ));
             }
             return Ok(());
         }
-        let name = self.get("custom_reward_function.name")?;
+        let name = self.get(k.name)?;
         let mut kwargs = serde_json::Map::new();
-        let prefix = "custom_reward_function.reward_kwargs.";
-        for key in self.config.values.keys().filter(|k| k.starts_with(prefix)) {
+        let prefix = format!("{}.", k.function_kwargs);
+        for key in self.config.values.keys().filter(|key| key.starts_with(&prefix)) {
             kwargs.insert(key[prefix.len()..].to_string(), self.get(key)?);
         }
-        let origin = format!(
-            "{} with {manager_origin}",
-            self.origin("custom_reward_function.path")
-        );
+        let origin = format!("{} with {manager_origin}", self.origin(k.path));
         self.b.set(
             "reward.custom_reward_function",
-            json!({ "path": path, "name": name, "reward_kwargs": kwargs, "reward_manager": manager }),
+            json!({ "path": path, "name": name, "reward_kwargs": kwargs, "reward_manager": ours }),
             origin,
         )?;
         Ok(())
+    }
+
+    /// DAPO's `overlong_buffer_cfg` and `max_resp_len` (under `kwargs`, the reward manager's
+    /// keyword arguments) to `reward.overlong_buffer`.
+    fn overlong_buffer(&mut self, kwargs: &str) -> Result<(), VerlError> {
+        let cfg = format!("{kwargs}.overlong_buffer_cfg");
+        let get = |t: &Self, k: &str| t.get(&format!("{cfg}.{k}"));
+        if get(self, "enable")?.as_bool() != Some(true) {
+            return Ok(());
+        }
+        let max = self.get(&format!("{kwargs}.max_resp_len"))?;
+        let buffer = json!({
+            "enable": true,
+            "len": get(self, "len")?,
+            "penalty_factor": get(self, "penalty_factor")?.as_f64().unwrap_or(1.0),
+            "log": get(self, "log")?.as_bool().unwrap_or(false),
+            "max_response_length": max,
+        });
+        let o = self.origin(&format!("{cfg}.enable"));
+        self.b.set("reward.overlong_buffer", buffer, o)
     }
 
     fn trainer(&mut self) -> Result<(), VerlError> {
@@ -751,13 +1038,41 @@ impl Translator {
     }
 }
 
+/// Where a layout keeps its reward manager and custom reward function.
+struct RewardKeys {
+    manager: &'static str,
+    path: &'static str,
+    name: &'static str,
+    /// The section of the keyword arguments passed to the custom reward function.
+    function_kwargs: &'static str,
+    /// The section of the reward manager's keyword arguments (DAPO's overlong buffer).
+    manager_kwargs: &'static str,
+}
+
+impl RewardKeys {
+    /// VeRL 0.7.1 and later (`reward.*`).
+    const SECTION: RewardKeys = RewardKeys {
+        manager: "reward.reward_manager.name",
+        path: "reward.custom_reward_function.path",
+        name: "reward.custom_reward_function.name",
+        function_kwargs: "reward.custom_reward_function.reward_kwargs",
+        manager_kwargs: "reward.reward_kwargs",
+    };
+    /// VeRL 0.7.0 and earlier.
+    const TOP_LEVEL: RewardKeys = RewardKeys {
+        manager: "reward_manager.name",
+        path: "custom_reward_function.path",
+        name: "custom_reward_function.name",
+        function_kwargs: "custom_reward_function.reward_kwargs",
+        manager_kwargs: "reward_model.reward_kwargs",
+    };
+}
+
 /// `(critic.KEY, recipe key)`: the critic's keys that go over as they are with gae.
 const CRITIC_KEYS: &[(&str, &str)] = &[
     ("optim.lr", "critic.optim.lr"),
     ("optim.betas", "critic.optim.betas"),
     ("optim.weight_decay", "critic.optim.weight_decay"),
-    ("optim.min_lr_ratio", "critic.optim.min_lr_ratio"),
-    ("optim.lr_scheduler_type", "critic.optim.lr_scheduler_type"),
     ("cliprange_value", "critic.cliprange_value"),
     ("loss_agg_mode", "critic.loss_agg_mode"),
     ("ppo_mini_batch_size", "critic.ppo_mini_batch_size"),
@@ -771,6 +1086,12 @@ const CRITIC_KEYS: &[(&str, &str)] = &[
 /// `(VeRL key, recipe key, the key choosing its owner, the owners separated by `|`)`: the
 /// knobs of one estimator or loss (see `Translator::owned_knobs`).
 const OWNED_KNOBS: &[(&str, &str, &str, &str)] = &[
+    (
+        "trainer.resume_from_path",
+        "trainer.resume_from_path",
+        "trainer.resume_mode",
+        "resume_path",
+    ),
     (
         "algorithm.gamma",
         "algorithm.gamma",
@@ -829,6 +1150,15 @@ const OWNED_KNOBS: &[(&str, &str, &str, &str)] = &[
 ];
 
 const LOSS_MODE: &str = "actor_rollout_ref.actor.policy_loss.loss_mode";
+
+/// The data keys that say a dataset has images, video or audio ([`Translator::multimodal`]).
+const MULTIMODAL_KEYS: &[&str] = &[
+    "data.image_key",
+    "data.video_key",
+    "data.audio_key",
+    "data.image_patch_size",
+    "data.mm_processor_kwargs",
+];
 
 /// VeRL keys holding paths, where `~/` means the home directory as in VeRL.
 const PATH_KEYS: &[&str] = &[

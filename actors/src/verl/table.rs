@@ -1,7 +1,9 @@
 //! What `grpo verl` does with each key of VeRL's trainer config: one table, one entry per key or
-//! per section (`critic.*`), the most specific entry deciding. `grpo verl --keys` prints it, and
-//! a test checks it against `verl_defaults.tsv` (every VeRL key covered, no entry for a key VeRL
-//! does not have, every mapped key reaching the recipe).
+//! per section (`critic.*`), the most specific entry deciding. It covers the keys of every
+//! release and engine in [`super::version::VERSIONS`] (a key only some of them have is read only
+//! where it exists). `grpo verl --keys` prints it, and a test checks it against their defaults
+//! (every VeRL key covered, no entry for a key no VeRL config has, every mapped key reaching the
+//! recipe).
 
 /// What becomes of one VeRL key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -26,7 +28,12 @@ pub struct Entry {
 }
 
 /// Keys VeRL reads that its config does not list: users add them with Hydra's `+key=value`.
-pub const ADDED_KEYS: &[&str] = &["custom_reward_function.reward_kwargs.*"];
+pub const ADDED_KEYS: &[&str] = &[
+    "custom_reward_function.reward_kwargs.*",
+    "reward.custom_reward_function.reward_kwargs.*",
+    "reward.reward_kwargs.*",
+    "reward_model.reward_kwargs.*",
+];
 
 const PROFILER: How = How::NoEffect(
     "PyTorch / Nsight / NPU profiling; grpo reports each phase's time as `timing_s/*` metrics, and \
@@ -73,12 +80,75 @@ const NEVER_RETOKENIZED: How = How::NoEffect(
     "grpo never renders or tokenizes a finished turn again: it trains on the ids it sampled, \
      joined with the tool messages' ids rendered once",
 );
-const ULYSSES: How = How::Unsupported(
-    "Ulysses sequence parallelism is not in grpo; a long sequence is split over devices by \
-     tensor parallelism instead (`rollout.tensor_model_parallel_size`, \
-     `actor.tensor_model_parallel_size` in a recipe)",
+const SEQUENCE_SPLIT: How = How::Rule(
+    "size rule: grpo does not split a sequence over devices (Ulysses, context parallelism); the \
+     devices go to FSDP, each data device holding whole sequences (a note says so)",
+);
+const PIPELINE: How = How::Rule(
+    "size rule: grpo does not pipeline; the devices go to FSDP, every layer sharded over them and \
+     gathered when it runs (a note says so)",
+);
+const EXPERT_SPLIT: How = How::Rule(
+    "size rule: above 1, refused: expert parallelism is for mixture-of-experts models, which grpo \
+     does not train yet",
+);
+const TENSOR: How = How::Rule("size rule: -> actor.tensor_model_parallel_size (must divide the devices)");
+const DTYPE: How = How::Rule(
+    "bfloat16 (VeRL's default) -> actor.param_dtype: auto (bf16 where the device computes bf16 \
+     natively, f32 elsewhere: an AVX2 CPU emulates bf16, slower than f32); float32/fp32 -> f32",
+);
+const MEGATRON: How = How::NoEffect(
+    "a setting of Megatron-LM (offload, distributed optimizer and checkpoints, bridge, padding, \
+     kernels); grpo's learner is sharded by XLA over the devices of the size rule, keeping f32 \
+     master weights; recomputation is `enable_gradient_checkpointing`",
+);
+const VEOMNI: How = How::NoEffect(
+    "a setting of VeOmni (offload, sharding, kernel implementations); grpo's learner is sharded by \
+     XLA over the devices of the size rule, keeping f32 master weights",
+);
+const TORCHTITAN: How = How::NoEffect(
+    "a setting of TorchTitan (sharding, offload, compile, attention kernel); grpo's learner is \
+     sharded by XLA over the devices of the size rule, keeping f32 master weights",
+);
+const QAT: How = How::NoEffect("read only with `qat.enable`, which grpo refuses");
+const QAT_ENABLE: How =
+    How::Unsupported("quantization-aware training is not in grpo; it trains in bf16 or f32");
+const MOE: How = How::Unsupported(
+    "router replay and expert balance are for mixture-of-experts models, which grpo does not train yet",
+);
+const SCHEDULE: How = How::Rule(
+    "-> actor.optim.lr_scheduler_type (constant or cosine; others are refused), with the cosine's \
+     floor -> actor.optim.min_lr_ratio (an absolute floor over `lr`)",
+);
+const FIXED_WARMUP: How = How::Unsupported(
+    "grpo's warmup rises linearly from 0 (constant) or the cosine's floor, and the cosine decays \
+     over all the run's optimizer steps after it",
+);
+const MASTER_F32: How = How::Unsupported("grpo keeps gradients and AdamW's moments in f32");
+const MUON: How =
+    How::NoEffect("read only with Megatron's `optimizer: muon`, which grpo refuses (its optimizer is AdamW)");
+const DISTILLATION: How = How::NoEffect("read only with `distillation.enabled`, which grpo refuses");
+const TRANSFER_QUEUE: How = How::NoEffect("read only with `transfer_queue.enable`, which grpo refuses");
+const SKIP: How = How::Unsupported(
+    "grpo generates every step's rollouts; a run's samples are a function of the recipe and the step",
+);
+const V1_TRAINER: How = How::NoEffect(
+    "a setting of VeRL's v1 trainer (its sync and async modes, replay sampler); grpo's own loop \
+     overlaps rollout and update by `trainer.off_policy_steps` in a recipe",
+);
+const REWARD_ROLLOUT: How =
+    How::NoEffect("read by VeRL only with a reward model (`reward_model.enable`), which grpo verl refuses");
+const SANDBOX: How = How::Unsupported("code execution in a Sandbox Fusion server is not in grpo; a `custom_reward_function` file can run the code itself");
+const MEGATRON_LORA: How = How::Rule(
+    "with model_engine=megatron and `rank` > 0 -> actor.lora_rank / lora_alpha / target_modules \
+     (linear_qkv -> q,k,v_proj; linear_proj -> o_proj; linear_fc1 -> gate,up_proj; linear_fc2 -> \
+     down_proj); VeRL's FSDP engine reads `lora_rank` instead",
 );
 const TEXT_ONLY: How = How::NoEffect("grpo trains text-only models; image and video columns are not read");
+const MULTIMODAL: How = How::Rule(
+    "set on the command line (to any value), refused: it says the data has images, video or audio, \
+     and grpo trains text-only models (it would drop them and train a different task)",
+);
 const ENTROPY: How = How::NoEffect(
     "grpo computes the entropy from the logits it already holds, without chunking or recomputing",
 );
@@ -95,17 +165,94 @@ pub const TABLE: &[Entry] = &[
     Entry { key: "actor_rollout_ref.actor.optim.lr_warmup_steps", how: How::Rule("-1 -> from `lr_warmup_steps_ratio`; else -> actor.optim.lr_warmup_steps") },
     Entry { key: "actor_rollout_ref.actor.optim.betas", how: How::Map("actor.optim.betas") },
     Entry { key: "actor_rollout_ref.actor.optim.clip_grad", how: How::Rule("-> actor.grad_clip (with `actor.grad_clip`, whichever is not VeRL's default 1.0)") },
-    Entry { key: "actor_rollout_ref.actor.optim.min_lr_ratio", how: How::Map("actor.optim.min_lr_ratio") },
+    Entry { key: "actor_rollout_ref.actor.optim.min_lr_ratio", how: SCHEDULE },
     Entry { key: "actor_rollout_ref.actor.optim.num_cycles", how: How::Unsupported("grpo's cosine schedule runs half a cycle (VeRL's default 0.5)") },
-    Entry { key: "actor_rollout_ref.actor.optim.lr_scheduler_type", how: How::Map("actor.optim.lr_scheduler_type") },
+    Entry { key: "actor_rollout_ref.actor.optim.lr_scheduler_type", how: SCHEDULE },
+    // The optimizer keys of the Megatron, VeOmni and TorchTitan engines.
+    Entry { key: "actor_rollout_ref.actor.optim.lr_decay_style", how: SCHEDULE },
+    Entry { key: "actor_rollout_ref.actor.optim.min_lr", how: SCHEDULE },
+    Entry { key: "actor_rollout_ref.actor.optim.lr_min", how: SCHEDULE },
+    Entry { key: "actor_rollout_ref.actor.optim.decay_type", how: SCHEDULE },
+    Entry { key: "actor_rollout_ref.actor.optim.min_lr_factor", how: SCHEDULE },
+    Entry { key: "actor_rollout_ref.actor.optim.lr_warmup_init", how: FIXED_WARMUP },
+    Entry { key: "actor_rollout_ref.actor.optim.lr_start", how: FIXED_WARMUP },
+    Entry { key: "actor_rollout_ref.actor.optim.lr_decay_steps", how: FIXED_WARMUP },
+    Entry { key: "actor_rollout_ref.actor.optim.lr_decay_ratio", how: FIXED_WARMUP },
+    Entry { key: "actor_rollout_ref.actor.optim.lr_wsd_decay_style", how: How::NoEffect("read only with `lr_decay_style: WSD`, which grpo refuses") },
+    Entry { key: "actor_rollout_ref.actor.optim.lr_wsd_decay_steps", how: How::NoEffect("read only with `lr_decay_style: WSD`, which grpo refuses") },
+    Entry { key: "actor_rollout_ref.actor.optim.weight_decay_incr_style", how: How::Unsupported("grpo's weight decay is constant") },
+    Entry { key: "actor_rollout_ref.actor.optim.zero_indexed_step", how: How::NoEffect("grpo counts optimizer steps from 0, as torch's LambdaLR does") },
+    Entry { key: "actor_rollout_ref.actor.load_weight", how: How::NoEffect("grpo always starts from the weights at `model.path`") },
+    Entry { key: "actor_rollout_ref.rollout.layer_name_map.*", how: VLLM },
+    Entry { key: "actor_rollout_ref.actor.optim.use_checkpoint_opt_param_scheduler", how: How::NoEffect("a grpo checkpoint always holds the optimizer state and the schedule's step") },
+    Entry { key: "actor_rollout_ref.actor.optim.use_precision_aware_optimizer", how: How::NoEffect("grpo keeps gradients and AdamW's moments in f32 (the dtypes below)") },
+    Entry { key: "actor_rollout_ref.actor.optim.main_grads_dtype", how: MASTER_F32 },
+    Entry { key: "actor_rollout_ref.actor.optim.exp_avg_dtype", how: MASTER_F32 },
+    Entry { key: "actor_rollout_ref.actor.optim.exp_avg_sq_dtype", how: MASTER_F32 },
+    Entry { key: "actor_rollout_ref.actor.optim.use_layer_wise_distributed_optimizer", how: How::NoEffect("grpo's optimizer state is sharded with the weights (FSDP)") },
+    Entry { key: "actor_rollout_ref.actor.optim.name", how: How::Unsupported("grpo's optimizer is AdamW") },
+    Entry { key: "actor_rollout_ref.actor.optim.eps", how: How::Map("actor.optim.eps") },
+    Entry { key: "actor_rollout_ref.actor.optim.muon_momentum", how: MUON },
+    Entry { key: "actor_rollout_ref.actor.optim.muon_nesterov", how: MUON },
+    Entry { key: "actor_rollout_ref.actor.optim.muon_split_qkv", how: MUON },
+    Entry { key: "actor_rollout_ref.actor.optim.muon_scale_mode", how: MUON },
+    Entry { key: "actor_rollout_ref.actor.optim.muon_coefficient_type", how: MUON },
+    Entry { key: "actor_rollout_ref.actor.optim.muon_num_ns_steps", how: MUON },
+    Entry { key: "actor_rollout_ref.actor.optim.muon_tp_mode", how: MUON },
+    Entry { key: "actor_rollout_ref.actor.optim.muon_fp32_matmul_prec", how: MUON },
+    Entry { key: "actor_rollout_ref.actor.optim.muon_extra_scale_factor", how: MUON },
+    Entry { key: "actor_rollout_ref.actor.optim.muon_scalar_optimizer", how: MUON },
+    Entry { key: "actor_rollout_ref.actor.optim.muon_match_adamw_update_rms", how: MUON },
     Entry { key: "actor_rollout_ref.actor.optim.warmup_style", how: How::Rule("VeRL's older name of `lr_scheduler_type`; when set, -> actor.optim.lr_scheduler_type") },
     Entry { key: "actor_rollout_ref.actor.optim.override_optimizer_config", how: How::Unsupported("grpo's AdamW takes lr, betas, weight_decay and eps (`actor.optim` in a recipe)") },
     // actor_rollout_ref.actor
     Entry { key: "actor_rollout_ref.actor.fsdp_config.*", how: FSDP },
-    Entry { key: "actor_rollout_ref.actor.fsdp_config.dtype", how: How::Rule("bfloat16 (VeRL's default) -> actor.param_dtype: auto (bf16 where the device computes bf16 natively, f32 elsewhere: an AVX2 CPU emulates bf16, slower than f32); float32/fp32 -> f32") },
-    Entry { key: "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size", how: ULYSSES },
+    Entry { key: "actor_rollout_ref.actor.fsdp_config.dtype", how: DTYPE },
+    Entry { key: "actor_rollout_ref.actor.fsdp_config.turbo_config.distributed.tensor_parallel_size", how: How::Rule("with `strategy: fsdp_turbo`: size rule -> actor.tensor_model_parallel_size (must divide the devices)") },
+    Entry { key: "actor_rollout_ref.actor.fsdp_config.turbo_config.distributed.ulysses_parallel_size", how: SEQUENCE_SPLIT },
+    Entry { key: "actor_rollout_ref.actor.fsdp_config.turbo_config.distributed.expert_parallel_size", how: EXPERT_SPLIT },
+    Entry { key: "actor_rollout_ref.actor.fsdp_config.qat.*", how: QAT },
+    Entry { key: "actor_rollout_ref.actor.fsdp_config.qat.enable", how: QAT_ENABLE },
+    // model_engine=megatron
+    Entry { key: "actor_rollout_ref.actor.megatron.*", how: MEGATRON },
+    Entry { key: "actor_rollout_ref.actor.megatron.dtype", how: DTYPE },
+    Entry { key: "actor_rollout_ref.actor.megatron.tensor_model_parallel_size", how: TENSOR },
+    Entry { key: "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size", how: PIPELINE },
+    Entry { key: "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size", how: PIPELINE },
+    Entry { key: "actor_rollout_ref.actor.megatron.context_parallel_size", how: SEQUENCE_SPLIT },
+    Entry { key: "actor_rollout_ref.actor.megatron.expert_model_parallel_size", how: EXPERT_SPLIT },
+    Entry { key: "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size", how: EXPERT_SPLIT },
+    Entry { key: "actor_rollout_ref.actor.megatron.router_replay.*", how: MOE },
+    Entry { key: "actor_rollout_ref.actor.megatron.qat.*", how: QAT },
+    Entry { key: "actor_rollout_ref.actor.megatron.qat.enable", how: QAT_ENABLE },
+    Entry { key: "actor_rollout_ref.actor.megatron.entropy_from_logits_with_chunking", how: ENTROPY },
+    Entry { key: "actor_rollout_ref.actor.megatron.entropy_from_logits_chunk_size", how: ENTROPY },
+    // model_engine=veomni
+    Entry { key: "actor_rollout_ref.actor.veomni.*", how: VEOMNI },
+    Entry { key: "actor_rollout_ref.actor.veomni.mixed_precision", how: How::Rule("true (VeRL's default) -> actor.param_dtype: auto (bf16 compute with f32 master weights where the device computes bf16 natively); false -> f32") },
+    Entry { key: "actor_rollout_ref.actor.veomni.ulysses_parallel_size", how: SEQUENCE_SPLIT },
+    Entry { key: "actor_rollout_ref.actor.veomni.expert_parallel_size", how: EXPERT_SPLIT },
+    Entry { key: "actor_rollout_ref.actor.veomni.router_replay.*", how: MOE },
+    Entry { key: "actor_rollout_ref.actor.veomni.entropy_from_logits_with_chunking", how: ENTROPY },
+    Entry { key: "actor_rollout_ref.actor.veomni.entropy_checkpointing", how: ENTROPY },
+    // model_engine=torchtitan
+    Entry { key: "actor_rollout_ref.actor.torchtitan.*", how: TORCHTITAN },
+    Entry { key: "actor_rollout_ref.actor.torchtitan.dtype", how: DTYPE },
+    Entry { key: "actor_rollout_ref.actor.torchtitan.tensor_parallel_size", how: TENSOR },
+    Entry { key: "actor_rollout_ref.actor.torchtitan.pipeline_parallel_size", how: PIPELINE },
+    Entry { key: "actor_rollout_ref.actor.torchtitan.context_parallel_size", how: SEQUENCE_SPLIT },
+    Entry { key: "actor_rollout_ref.actor.torchtitan.expert_parallel_size", how: EXPERT_SPLIT },
+    Entry { key: "actor_rollout_ref.actor.torchtitan.entropy_from_logits_with_chunking", how: ENTROPY },
+    Entry { key: "actor_rollout_ref.actor.torchtitan.entropy_from_logits_chunk_size", how: ENTROPY },
+    Entry { key: "actor_rollout_ref.actor.torchtitan.entropy_checkpointing", how: ENTROPY },
+    Entry { key: "actor_rollout_ref.actor.qat.*", how: QAT },
+    Entry { key: "actor_rollout_ref.actor.qat.enable", how: QAT_ENABLE },
+    Entry { key: "actor_rollout_ref.actor.entropy_from_logits_chunk_size", how: ENTROPY },
+    Entry { key: "actor_rollout_ref.actor.pad_to_length", how: How::NoEffect("grpo pads each micro-batch to a length bucket (`actor.length_bucket`)") },
+    Entry { key: "actor_rollout_ref.actor.policy_loss.dro_beta", how: How::NoEffect("read only with `loss_mode: dro`, which grpo does not have (its loss modes are refused by name)") },
+    Entry { key: "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size", how: SEQUENCE_SPLIT },
     Entry { key: "actor_rollout_ref.actor.rollout_n", how: How::NoEffect("VeRL copies it from `rollout.n`, which grpo reads") },
-    Entry { key: "actor_rollout_ref.actor.strategy", how: How::Rule("fsdp / fsdp2 -> the learner is sharded over the devices of the size rule; megatron is refused") },
+    Entry { key: "actor_rollout_ref.actor.strategy", how: How::Rule("the engine's own (fsdp, fsdp2 or fsdp_turbo with model_engine=dp, else the engine's name) -> the learner is sharded over the devices of the size rule") },
     Entry { key: "actor_rollout_ref.actor.ppo_mini_batch_size", how: How::Map("actor.ppo_mini_batch_size") },
     Entry { key: "actor_rollout_ref.actor.ppo_micro_batch_size", how: How::Rule("size rule: global sequences per pass (VeRL's older form of `ppo_micro_batch_size_per_gpu`)") },
     Entry { key: "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", how: How::Rule("size rule: x devices -> actor.ppo_micro_batch_size") },
@@ -139,9 +286,9 @@ pub const TABLE: &[Entry] = &[
     Entry { key: "actor_rollout_ref.actor.checkpoint.*", how: How::NoEffect("a grpo checkpoint always holds the weights, the optimizer state and the data position, written atomically") },
     Entry { key: "actor_rollout_ref.actor.use_fused_kernels", how: How::NoEffect("XLA fuses grpo's programs") },
     Entry { key: "actor_rollout_ref.actor.profiler.*", how: PROFILER },
-    Entry { key: "actor_rollout_ref.actor.router_replay.*", how: How::Unsupported("router replay is for mixture-of-experts models, which grpo does not train") },
+    Entry { key: "actor_rollout_ref.actor.router_replay.*", how: MOE },
     Entry { key: "actor_rollout_ref.actor.grad_clip", how: How::Rule("-> actor.grad_clip (with `optim.clip_grad`, whichever is not VeRL's default 1.0)") },
-    Entry { key: "actor_rollout_ref.actor.ulysses_sequence_parallel_size", how: ULYSSES },
+    Entry { key: "actor_rollout_ref.actor.ulysses_sequence_parallel_size", how: SEQUENCE_SPLIT },
     Entry { key: "actor_rollout_ref.actor.entropy_from_logits_with_chunking", how: ENTROPY },
     Entry { key: "actor_rollout_ref.actor.entropy_checkpointing", how: ENTROPY },
     Entry { key: "actor_rollout_ref.actor.use_remove_padding", how: How::NoEffect("grpo packs each group's prompt once and pads only to length buckets (`actor.length_bucket`)") },
@@ -168,7 +315,7 @@ pub const TABLE: &[Entry] = &[
     Entry { key: "actor_rollout_ref.rollout.cudagraph_capture_sizes", how: VLLM },
     Entry { key: "actor_rollout_ref.rollout.free_cache_engine", how: VLLM },
     Entry { key: "actor_rollout_ref.rollout.tensor_model_parallel_size", how: How::Map("rollout.tensor_model_parallel_size") },
-    Entry { key: "actor_rollout_ref.rollout.data_parallel_size", how: How::Unsupported("a grpo rollout engine spreads its sequences over all the devices it is given (slot groups); no separate data-parallel size") },
+    Entry { key: "actor_rollout_ref.rollout.data_parallel_size", how: How::NoEffect("a grpo rollout engine spreads its sequences over all the devices it is given, in groups of `tensor_model_parallel_size` (its data parallelism is the devices over that); a sample does not depend on which group runs it") },
     Entry { key: "actor_rollout_ref.rollout.expert_parallel_size", how: How::Unsupported("expert parallelism is for mixture-of-experts models, which grpo does not train") },
     Entry { key: "actor_rollout_ref.rollout.pipeline_model_parallel_size", how: How::Unsupported("pipeline parallelism is not in grpo; use `rollout.tensor_model_parallel_size`") },
     Entry { key: "actor_rollout_ref.rollout.max_num_batched_tokens", how: VLLM },
@@ -214,7 +361,14 @@ pub const TABLE: &[Entry] = &[
     Entry { key: "actor_rollout_ref.rollout.skip_rollout", how: How::Unsupported("grpo generates every step's rollouts") },
     Entry { key: "actor_rollout_ref.rollout.skip_dump_dir", how: How::NoEffect("read only with `skip_rollout`") },
     Entry { key: "actor_rollout_ref.rollout.skip_tokenizer_init", how: VLLM },
-    Entry { key: "actor_rollout_ref.rollout.enable_rollout_routing_replay", how: How::Unsupported("router replay is for mixture-of-experts models, which grpo does not train") },
+    Entry { key: "actor_rollout_ref.rollout.enable_rollout_routing_replay", how: MOE },
+    Entry { key: "actor_rollout_ref.rollout.moe_load_balance_metrics_interval", how: MOE },
+    Entry { key: "actor_rollout_ref.rollout.disaggregation.*", how: VLLM },
+    Entry { key: "actor_rollout_ref.rollout.full_determinism", how: How::NoEffect("grpo's rollouts are always deterministic: a run's samples are a function of the recipe and the step") },
+    Entry { key: "actor_rollout_ref.rollout.seed", how: How::NoEffect("grpo seeds sampling from `trainer.seed`, the step and the sample, so a resumed run samples alike") },
+    Entry { key: "actor_rollout_ref.rollout.nnodes", how: How::NoEffect("the size of a separate rollout pool in VeRL's async trainers; grpo's rollout shares the learner's devices unless a recipe gives it `cluster.rollout_workers`") },
+    Entry { key: "actor_rollout_ref.rollout.n_gpus_per_node", how: How::NoEffect("the size of a separate rollout pool in VeRL's async trainers; grpo's rollout shares the learner's devices unless a recipe gives it `cluster.rollout_workers`") },
+    Entry { key: "actor_rollout_ref.rollout.qat", how: How::NoEffect("VeRL copies it from the actor's `qat`, which grpo refuses when enabled") },
     Entry { key: "actor_rollout_ref.rollout.profiler.*", how: PROFILER },
     Entry { key: "actor_rollout_ref.rollout.prometheus.*", how: How::NoEffect("grpo's engine reports to the run's metrics, not Prometheus") },
     Entry { key: "actor_rollout_ref.rollout.quantization", how: How::Unsupported("quantized rollouts are not in grpo; the engine computes in `rollout.dtype` (bf16 or f32)") },
@@ -243,6 +397,16 @@ pub const TABLE: &[Entry] = &[
     Entry { key: "actor_rollout_ref.model.fused_kernel_options.*", how: How::NoEffect("XLA fuses grpo's programs") },
     Entry { key: "actor_rollout_ref.model.tiled_mlp.*", how: How::NoEffect("XLA schedules the MLP's memory; `enable_gradient_checkpointing` is how grpo saves activation memory") },
     Entry { key: "actor_rollout_ref.model.mtp.*", how: MTP },
+    Entry { key: "actor_rollout_ref.model.lora.*", how: How::Unsupported("Megatron-Bridge LoRA settings grpo's LoRA does not have (rank, alpha, target modules and an adapter path are all it takes)") },
+    Entry { key: "actor_rollout_ref.model.lora.rank", how: MEGATRON_LORA },
+    Entry { key: "actor_rollout_ref.model.lora.alpha", how: MEGATRON_LORA },
+    Entry { key: "actor_rollout_ref.model.lora.target_modules", how: MEGATRON_LORA },
+    Entry { key: "actor_rollout_ref.model.lora.adapter_path", how: MEGATRON_LORA },
+    Entry { key: "actor_rollout_ref.model.lora.merge", how: How::NoEffect("grpo chooses merged or applied adapters per device (`actor.lora_form` in a recipe)") },
+    Entry { key: "actor_rollout_ref.model.lora.dtype", how: How::NoEffect("grpo's adapters train in f32 beside the base weights' compute type") },
+    Entry { key: "actor_rollout_ref.model.lora.freeze_vision_model", how: TEXT_ONLY },
+    Entry { key: "actor_rollout_ref.model.lora.freeze_vision_projection", how: TEXT_ONLY },
+    Entry { key: "actor_rollout_ref.model.lora.a2a_experimental", how: How::NoEffect("a Megatron communication setting") },
     Entry { key: "actor_rollout_ref.hybrid_engine", how: How::NoEffect("grpo's rollout shares the learner's devices unless a recipe gives it `cluster.rollout_workers`") },
     Entry { key: "actor_rollout_ref.nccl_timeout", how: How::NoEffect("grpo's collectives are XLA's, inside its programs") },
     // data
@@ -265,27 +429,46 @@ pub const TABLE: &[Entry] = &[
     Entry { key: "data.shuffle", how: How::Map("data.shuffle") },
     Entry { key: "data.seed", how: How::Rule("-> data.seed (null: 1, as VeRL falls back to)") },
     Entry { key: "data.dataloader_num_workers", how: How::NoEffect("grpo reads and tokenizes the dataset once, when the run starts") },
-    Entry { key: "data.image_patch_size", how: TEXT_ONLY },
+    Entry { key: "data.image_patch_size", how: MULTIMODAL },
     Entry { key: "data.validation_shuffle", how: How::Map("data.validation_shuffle") },
     Entry { key: "data.filter_overlong_prompts", how: How::Map("data.filter_overlong_prompts") },
     Entry { key: "data.filter_overlong_prompts_workers", how: How::NoEffect("grpo filters while it tokenizes, once") },
     Entry { key: "data.truncation", how: How::Map("data.truncation") },
-    Entry { key: "data.image_key", how: TEXT_ONLY },
-    Entry { key: "data.video_key", how: TEXT_ONLY },
+    Entry { key: "data.image_key", how: MULTIMODAL },
+    Entry { key: "data.video_key", how: MULTIMODAL },
     Entry { key: "data.trust_remote_code", how: How::NoEffect("grpo runs no Python code from a checkpoint") },
     Entry { key: "data.custom_cls.*", how: How::Unsupported("grpo reads VeRL's Parquet schema (or TRL's prompt-only one) itself; `grpo preprocess` converts other data") },
     Entry { key: "data.return_multi_modal_inputs", how: TEXT_ONLY },
     Entry { key: "data.sampler.*", how: How::Unsupported("grpo draws batches in order or shuffled (`data.shuffle`); curriculum samplers are not in grpo") },
     Entry { key: "data.datagen.*", how: How::Unsupported("grpo trains on the Parquet files it is given; generated datasets are not in grpo") },
+    Entry { key: "data.gen_batch_size", how: How::Map("data.gen_batch_size") },
+    Entry { key: "data.audio_key", how: MULTIMODAL },
+    Entry { key: "data.mm_processor_kwargs", how: MULTIMODAL },
+    Entry { key: "data.function_tool_path", how: MULTI_TURN },
     Entry { key: "data.apply_chat_template_kwargs.*", how: How::Unsupported("grpo renders the chat template with the prompt's messages and `add_generation_prompt` only; a template that needs other variables needs a file of its own (`model.chat_template`)") },
     // reward
-    Entry { key: "reward_manager.source", how: How::Unsupported("grpo's reward managers are VeRL's registered `naive` and `batch`") },
-    Entry { key: "reward_manager.name", how: How::Rule("naive / batch -> reward.custom_reward_function.reward_manager; others are refused") },
+    // reward, VeRL 0.7.0 and earlier (top-level sections)
+    Entry { key: "reward_manager.source", how: How::Unsupported("grpo's reward managers are VeRL's registered `naive`, `batch` and `dapo`") },
+    Entry { key: "reward_manager.name", how: How::Rule("naive / batch -> reward.custom_reward_function.reward_manager; dapo -> naive, with `reward_model.reward_kwargs.overlong_buffer_cfg` -> reward.overlong_buffer; others are refused") },
     Entry { key: "reward_manager.module.*", how: How::Unsupported("custom reward-manager classes are not in grpo; a `custom_reward_function` file is") },
-    Entry { key: "custom_reward_function.path", how: How::Rule("-> reward.custom_reward_function.path (null: grpo's built-in scorers for VeRL's data sources)") },
+    Entry { key: "custom_reward_function.path", how: How::Rule("-> reward.custom_reward_function.path (null: grpo's built-in scorers for VeRL's data sources); VeRL 0.7.1 moved it to `reward.custom_reward_function.path`, where grpo reads it then") },
     Entry { key: "custom_reward_function.name", how: How::Rule("-> reward.custom_reward_function.name") },
     Entry { key: "custom_reward_function.reward_kwargs.*", how: How::Rule("-> reward.custom_reward_function.reward_kwargs") },
-    Entry { key: "reward_model.*", how: How::NoEffect("read by VeRL only with `reward_model.enable`, which grpo refuses") },
+    Entry { key: "reward_model.*", how: How::NoEffect("read by VeRL only with `reward_model.enable`, which grpo refuses (VeRL 0.7.1 moved the ones it reads to `reward.*`, and grpo reads them there)") },
+    Entry { key: "reward_model.reward_kwargs.*", how: How::Rule("the reward manager's keyword arguments: with `dapo`, `overlong_buffer_cfg.{enable,len,penalty_factor,log}` and `max_resp_len` -> reward.overlong_buffer") },
+    Entry { key: "sandbox_fusion.*", how: SANDBOX },
+    // reward, VeRL 0.7.1 and later
+    Entry { key: "reward.num_workers", how: How::Map("reward.num_workers") },
+    Entry { key: "reward.custom_reward_function.path", how: How::Rule("-> reward.custom_reward_function.path (null: grpo's built-in scorers for VeRL's data sources)") },
+    Entry { key: "reward.custom_reward_function.name", how: How::Rule("-> reward.custom_reward_function.name") },
+    Entry { key: "reward.custom_reward_function.reward_kwargs.*", how: How::Rule("-> reward.custom_reward_function.reward_kwargs") },
+    Entry { key: "reward.reward_kwargs.*", how: How::Rule("the reward manager's keyword arguments: with `dapo`, `overlong_buffer_cfg.{enable,len,penalty_factor,log}` and `max_resp_len` -> reward.overlong_buffer") },
+    Entry { key: "reward.reward_manager.name", how: How::Rule("naive / batch -> reward.custom_reward_function.reward_manager; dapo -> naive, with `reward.reward_kwargs.overlong_buffer_cfg` -> reward.overlong_buffer; others are refused") },
+    Entry { key: "reward.reward_manager.source", how: How::Unsupported("grpo's reward managers are VeRL's registered `naive`, `batch` and `dapo`") },
+    Entry { key: "reward.reward_manager.module.*", how: How::Unsupported("custom reward-manager classes are not in grpo; a `custom_reward_function` file is") },
+    Entry { key: "reward.reward_model.*", how: REWARD_ROLLOUT },
+    Entry { key: "reward.reward_model.enable", how: How::Unsupported("VeRL's reward-model worker is not translated: in a grpo recipe, define the model as a scorer (`reward.scorers.NAME: {kind: reward_model, path: ...}`) and name it in `reward.data_sources` or `reward.default`, alone or weighted with rule scorers (recipes/README.md, `reward`)") },
+    Entry { key: "reward.sandbox_fusion.*", how: SANDBOX },
     Entry { key: "reward_model.enable", how: How::Unsupported("VeRL's reward-model worker is not translated: in a grpo recipe, define the model as a scorer (`reward.scorers.NAME: {kind: reward_model, path: ...}`) and name it in `reward.data_sources` or `reward.default`, alone or weighted with rule scorers (recipes/README.md, `reward`)") },
     Entry { key: "reward_model.reward_manager", how: How::Rule("VeRL's older home of `reward_manager.name`, which reads it by default") },
     Entry { key: "reward_model.sandbox_fusion.*", how: How::Unsupported("code execution in a Sandbox Fusion server is not in grpo; a `custom_reward_function` file can run the code itself") },
@@ -336,6 +519,10 @@ pub const TABLE: &[Entry] = &[
     Entry { key: "algorithm.kl_ctrl.kl_coef", how: How::Map("algorithm.kl_coef") },
     Entry { key: "algorithm.kl_ctrl.horizon", how: How::Rule("-> algorithm.kl_ctrl.horizon with `type: adaptive`") },
     Entry { key: "algorithm.kl_ctrl.target_kl", how: How::Rule("-> algorithm.kl_ctrl.target_kl with `type: adaptive`") },
+    Entry { key: "algorithm.filter_groups.enable", how: How::Map("algorithm.filter_groups.enable") },
+    Entry { key: "algorithm.filter_groups.metric", how: How::Map("algorithm.filter_groups.metric") },
+    Entry { key: "algorithm.filter_groups.max_num_gen_batches", how: How::Map("algorithm.filter_groups.max_num_gen_batches") },
+    Entry { key: "algorithm.filter_groups.max_inflight_gen_batches", how: How::NoEffect("grpo generates a step's extra rounds one after another; the samples are the same") },
     Entry { key: "algorithm.use_pf_ppo", how: How::Unsupported("preference-feedback PPO reweighting is not in grpo") },
     Entry { key: "algorithm.pf_ppo.*", how: How::NoEffect("read only with `algorithm.use_pf_ppo`") },
     // trainer
@@ -353,7 +540,7 @@ pub const TABLE: &[Entry] = &[
     Entry { key: "trainer.save_freq", how: How::Map("trainer.save_freq") },
     Entry { key: "trainer.esi_redundant_time", how: How::NoEffect("for VeRL's elastic-instance shutdown; grpo saves on `save_freq` and resumes from the newest checkpoint") },
     Entry { key: "trainer.resume_mode", how: How::Map("trainer.resume_mode") },
-    Entry { key: "trainer.resume_from_path", how: How::Map("trainer.resume_from_path") },
+    Entry { key: "trainer.resume_from_path", how: How::Rule("with `resume_mode=resume_path` -> trainer.resume_from_path (else no effect, as in VeRL)") },
     Entry { key: "trainer.val_before_train", how: How::Map("trainer.val_before_train") },
     Entry { key: "trainer.val_only", how: How::Map("trainer.val_only") },
     Entry { key: "trainer.test_freq", how: How::Map("trainer.test_freq") },
@@ -366,7 +553,13 @@ pub const TABLE: &[Entry] = &[
     Entry { key: "trainer.ray_wait_register_center_timeout", how: How::NoEffect("grpo verl starts no Ray workers") },
     Entry { key: "trainer.device", how: How::Rule("cuda / cpu / tpu -> cluster.device (npu is refused)") },
     Entry { key: "trainer.use_legacy_worker_impl", how: How::NoEffect("grpo has one learner") },
+    Entry { key: "trainer.use_v1", how: V1_TRAINER },
+    Entry { key: "trainer.v1.*", how: V1_TRAINER },
     Entry { key: "global_profiler.*", how: PROFILER },
+    Entry { key: "skip.*", how: SKIP },
+    Entry { key: "distillation.*", how: DISTILLATION },
+    Entry { key: "distillation.enabled", how: How::Unsupported("on-policy distillation from a teacher model is not in grpo") },
+    Entry { key: "transfer_queue.*", how: TRANSFER_QUEUE },
     Entry { key: "transfer_queue.enable", how: How::Unsupported("grpo passes batches between its roles itself (in process, or over gRPC to workers)") },
     Entry { key: "ray_kwargs.*", how: How::NoEffect("grpo verl runs on this host without Ray; a Ray cluster is a recipe's `cluster.launcher: ray`") },
 ];

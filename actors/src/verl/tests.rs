@@ -29,24 +29,36 @@ fn recipe_value(recipe: &Recipe, key: &str) -> serde_yaml::Value {
 
 #[test]
 fn the_table_covers_every_verl_key_and_no_other() {
-    let defaults = hydra::defaults();
-    assert_eq!(defaults.len(), 507, "verl_defaults.tsv lost or gained keys");
-    for key in defaults.keys() {
-        let entry = table::entry(key).unwrap_or_else(|| panic!("no table entry for VeRL's `{key}`"));
-        assert!(
-            !ADDED_KEYS.contains(&entry.key),
-            "`{key}` is VeRL's, not an added key"
-        );
+    let mut all = std::collections::BTreeSet::new();
+    for v in version::VERSIONS {
+        for engine in v.engines() {
+            let defaults = v.defaults(engine).unwrap();
+            assert!(
+                defaults.len() > 500,
+                "{} {engine}: {} keys",
+                v.commit,
+                defaults.len()
+            );
+            for key in defaults.keys() {
+                let entry = table::entry(key)
+                    .unwrap_or_else(|| panic!("no table entry for `{key}` (VeRL {} {engine})", v.commit));
+                assert!(
+                    !ADDED_KEYS.contains(&entry.key),
+                    "`{key}` is VeRL's, not an added key"
+                );
+            }
+            all.extend(defaults.into_keys());
+        }
     }
     for e in TABLE {
-        let covers = defaults.keys().any(|k| match e.key.strip_suffix(".*") {
+        let covers = all.iter().any(|k| match e.key.strip_suffix(".*") {
             Some(section) => table::within(k, section),
             None => k == e.key,
         });
         assert_eq!(
             covers,
             !ADDED_KEYS.contains(&e.key),
-            "table entry `{}` names no key of VeRL's config (or an added key names one)",
+            "table entry `{}` names no key of any VeRL config (or an added key names one)",
             e.key
         );
         assert_eq!(
@@ -58,38 +70,64 @@ fn the_table_covers_every_verl_key_and_no_other() {
     }
 }
 
+/// For every release and engine: each mapped key of its config, VeRL's default, reaches its
+/// recipe key unchanged.
 #[test]
 fn mapped_keys_reach_their_recipe_keys() {
-    let t = translate_with(&[]).unwrap();
-    let config = {
-        let mut c = hydra::Config::new();
-        for raw in BASE {
-            c.apply(&Override::parse(raw).unwrap()).unwrap();
-        }
-        c
-    };
-    for e in TABLE {
-        let How::Map(to) = e.how else { continue };
-        let verl = config.get(e.key).unwrap().unwrap();
-        let verl = if PATH_KEYS.contains(&e.key) {
-            expand_home(verl)
-        } else {
-            verl
-        };
-        let ours = recipe_value(&t.recipe, to);
-        let ours = serde_json::to_value(&ours).unwrap();
-        // Numbers compare as numbers (1 and 1.0), one-or-many as the list.
-        let same = match (&verl, &ours) {
-            // `all-linear` names the seven projections the recipe lists.
-            _ if to == "actor.target_modules" => {
-                serde_json::from_value::<model::TargetModules>(verl.clone()).unwrap()
-                    == serde_json::from_value::<model::TargetModules>(ours.clone()).unwrap()
+    for v in version::VERSIONS {
+        for engine in v.engines() {
+            let mut overrides: Vec<String> = BASE.iter().map(|s| s.to_string()).collect();
+            overrides.push(format!("model_engine={engine}"));
+            if engine == "torchtitan" {
+                // TorchTitan's default schedule (linear decay) is not grpo's.
+                overrides.push("actor_rollout_ref.actor.optim.decay_type=cosine".into());
             }
-            (Value::Number(a), Value::Number(b)) => a.as_f64() == b.as_f64(),
-            (Value::String(a), Value::Array(b)) => b == &vec![json!(a)],
-            (a, b) => a == b,
-        };
-        assert!(same, "`{}` = {verl} became `{to}` = {ours}", e.key);
+            if !v.has_reward_section() {
+                overrides.retain(|o| !o.starts_with("model_engine"));
+            }
+            let input = VerlInput {
+                overrides,
+                config_name: (!v.has_reward_section() && engine == "megatron")
+                    .then(|| "ppo_megatron_trainer".to_string()),
+                verl_version: Some(v.commit.to_string()),
+                ..Default::default()
+            };
+            let t = translate(&input).unwrap_or_else(|e| panic!("VeRL {} {engine}: {e}", &v.commit[..8]));
+            let mut config = hydra::Config::new(v.defaults(engine).unwrap());
+            for raw in BASE {
+                config.apply(&Override::parse(raw).unwrap()).unwrap();
+            }
+            for e in TABLE {
+                let How::Map(to) = e.how else { continue };
+                let Some(verl) = config.get(e.key).unwrap() else {
+                    continue;
+                };
+                let verl = if PATH_KEYS.contains(&e.key) {
+                    expand_home(verl)
+                } else {
+                    verl
+                };
+                let ours = recipe_value(&t.recipe, to);
+                let ours = serde_json::to_value(&ours).unwrap();
+                // Numbers compare as numbers (1 and 1.0), one-or-many as the list.
+                let same = match (&verl, &ours) {
+                    // `all-linear` names the seven projections the recipe lists.
+                    _ if to == "actor.target_modules" => {
+                        serde_json::from_value::<model::TargetModules>(verl.clone()).unwrap()
+                            == serde_json::from_value::<model::TargetModules>(ours.clone()).unwrap()
+                    }
+                    (Value::Number(a), Value::Number(b)) => a.as_f64() == b.as_f64(),
+                    (Value::String(a), Value::Array(b)) => b == &vec![json!(a)],
+                    (a, b) => a == b,
+                };
+                assert!(
+                    same,
+                    "VeRL {} {engine}: `{}` = {verl} became `{to}` = {ours}",
+                    &v.commit[..8],
+                    e.key
+                );
+            }
+        }
     }
 }
 
@@ -153,7 +191,7 @@ fn the_size_rule() {
     ])
     .unwrap_err()
     .to_string();
-    assert!(err.contains("does not split evenly over 3 devices"), "{err}");
+    assert!(err.contains("does not split evenly over 3 data devices"), "{err}");
 }
 
 #[test]
@@ -162,7 +200,8 @@ fn errors_name_the_key_and_the_way_out() {
     assert_eq!(
         err(&["actor_rollout_ref.actor.optim.lr_rate=1e-6"]),
         "actor_rollout_ref.actor.optim.lr_rate=1e-6: `actor_rollout_ref.actor.optim.lr_rate` is not \
-         a key of VeRL's config (VeRL's Hydra would refuse it too: Key \
+         a key of VeRL's config as of VeRL 0.7.1 and later (config of 1dda039b, 2026-08-22), \
+         model_engine=dp (VeRL's Hydra would refuse it too: Key \
          'actor_rollout_ref.actor.optim.lr_rate' is not in struct); did you mean \
          `actor_rollout_ref.actor.optim.lr`?; a key VeRL reads without listing it is added with \
          `+actor_rollout_ref.actor.optim.lr_rate=...`"
@@ -177,7 +216,8 @@ fn errors_name_the_key_and_the_way_out() {
          `rollout.multi_turn.tool_config_path` (built-ins, JSON-lines commands, HTTP endpoints) and the \
          interactions of `rollout.multi_turn.interaction_config_path`, or your own agent program \
          through an OpenAI-compatible endpoint (`rollout.multi_turn.agent`); VeRL's Python agent loop \
-         classes and repeated rollouts are not in grpo\n  reward_model.enable=true: not \
+         classes and repeated rollouts are not in grpo\n  reward_model.enable=True (read as \
+         reward.reward_model.enable): not \
          supported: VeRL's reward-model worker is not translated: in a grpo recipe, define the \
          model as a scorer (`reward.scorers.NAME: {kind: reward_model, path: ...}`) and name it in \
          `reward.data_sources` or `reward.default`, alone or weighted with rule scorers \
@@ -189,7 +229,16 @@ fn errors_name_the_key_and_the_way_out() {
          variant `k9`, expected one of `k1`, `kl`, `abs`, `k2`, `mse`, `k3`, `low_var_kl`"
     );
     assert!(err(&["trainer.logger=console,wandb"]).contains("sweep over"));
-    assert!(err(&["+trainer.my_key=1"]).contains("not a key grpo verl knows VeRL to read"));
+    // Hydra adds a key with `+`; VeRL's code may read it, grpo knows of no reader: a note.
+    let added = translate_with(&["+trainer.my_key=1"]).unwrap();
+    assert!(
+        added
+            .notes
+            .iter()
+            .any(|n| n.starts_with("+trainer.my_key=1 has no effect in grpo: it adds a key")),
+        "{:?}",
+        added.notes
+    );
 }
 
 #[test]
@@ -383,6 +432,7 @@ fn reward_functions_and_config_files() {
             .collect(),
         config_path: Some(dir.path().to_path_buf()),
         config_name: Some("mine".into()),
+        verl_version: None,
     })
     .unwrap();
     assert_eq!(t.recipe.data.train_batch_size, 16);
@@ -390,19 +440,39 @@ fn reward_functions_and_config_files() {
     assert_eq!(f.path, format!("{}/score.py", std::env::var("HOME").unwrap()));
     assert_eq!(f.name, "compute_score");
     assert_eq!(f.reward_kwargs["scale"], json!(2));
+    // A file whose defaults choose VeRL's Megatron config composes it.
     std::fs::write(
-        dir.path().join("megatron.yaml"),
-        "defaults:\n  - override actor_rollout_ref/actor: megatron_actor\n",
+        dir.path().join("mine_megatron.yaml"),
+        "defaults:\n  - ppo_megatron_trainer\n  - _self_\n",
+    )
+    .unwrap();
+    let t = translate(&VerlInput {
+        overrides: BASE.iter().map(|s| s.to_string()).collect(),
+        config_path: Some(dir.path().to_path_buf()),
+        config_name: Some("mine_megatron".into()),
+        verl_version: None,
+    })
+    .unwrap();
+    assert!(
+        t.notes.iter().any(|n| n.contains("model_engine=megatron")),
+        "{:?}",
+        t.notes
+    );
+    // A config group from another package is an engine grpo does not have.
+    std::fs::write(
+        dir.path().join("other.yaml"),
+        "defaults:\n  - override actor@actor_rollout_ref.actor: mlite_actor\n",
     )
     .unwrap();
     let err = translate(&VerlInput {
         overrides: Vec::new(),
         config_path: Some(dir.path().to_path_buf()),
-        config_name: Some("megatron".into()),
+        config_name: Some("other".into()),
+        verl_version: None,
     })
     .unwrap_err()
     .to_string();
-    assert!(err.contains("composes VeRL's `ppo_trainer` config only"), "{err}");
+    assert!(err.contains("not one of the configs VeRL ships"), "{err}");
 }
 
 #[test]
@@ -448,4 +518,186 @@ fn kl_in_the_reward() {
             .contains("algorithm.kl_penalty=full: not supported"),
         "{err}"
     );
+}
+
+#[test]
+fn todays_reward_section_and_the_legacy_keys_it_replaced() {
+    // VeRL 0.7.1's `reward` section.
+    let t = translate_with(&[
+        "reward.num_workers=4",
+        "reward.custom_reward_function.path=/r/score.py",
+        "reward.custom_reward_function.name=my_score",
+        "+reward.custom_reward_function.reward_kwargs.scale=2",
+        "reward.reward_manager.name=batch",
+    ])
+    .unwrap();
+    assert!(
+        t.notes.iter().any(|n| n.contains("read as VeRL 0.7.1 and later")),
+        "{:?}",
+        t.notes
+    );
+    let f = t.recipe.reward.custom_reward_function.unwrap();
+    assert_eq!((f.path.as_str(), f.name.as_str()), ("/r/score.py", "my_score"));
+    assert_eq!(f.reward_kwargs["scale"], json!(2));
+    // The top-level keys 0.7.1 still lists, moved where its releases moved them; DAPO's manager
+    // brings its overlong penalty.
+    let t = translate_with(&[
+        "custom_reward_function.path=/r/score.py",
+        "reward_model.reward_manager=dapo",
+        "+reward_model.reward_kwargs.max_resp_len=512",
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.len=128",
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.5",
+    ])
+    .unwrap();
+    assert!(
+        t.notes
+            .iter()
+            .any(|n| n.contains("reward_model.reward_manager -> reward.reward_manager.name")),
+        "{:?}",
+        t.notes
+    );
+    let f = t.recipe.reward.custom_reward_function.clone().unwrap();
+    assert_eq!(
+        (f.path.as_str(), f.name.as_str()),
+        ("/r/score.py", "compute_score")
+    );
+    let o = &t.recipe.reward.overlong_buffer;
+    assert!(o.enable);
+    assert_eq!(
+        (o.len, o.penalty_factor, o.max_response_length),
+        (128, 0.5, Some(512))
+    );
+    // The two layouts' own keys together are refused, naming one of each.
+    let err = translate_with(&["reward_manager.name=batch", "reward.num_workers=2"])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("mixes VeRL's layouts"), "{err}");
+    assert!(
+        err.contains("`reward_manager.name`") && err.contains("`reward.num_workers`"),
+        "{err}"
+    );
+    // --verl-version names the layout a key is checked against.
+    let err = translate(&VerlInput {
+        overrides: BASE
+            .iter()
+            .chain(&["reward.num_workers=2"])
+            .map(|s| s.to_string())
+            .collect(),
+        verl_version: Some("0.7.0".into()),
+        ..Default::default()
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("as of VeRL 0.7.0 and earlier"), "{err}");
+}
+
+#[test]
+fn megatron_sizes_on_grpos_mesh() {
+    let eight = [
+        "model_engine=megatron",
+        "trainer.n_gpus_per_node=8",
+        "trainer.device=cpu",
+        "data.train_batch_size=16",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+        "actor_rollout_ref.actor.megatron.context_parallel_size=2",
+    ];
+    let t = translate_with(&eight).unwrap();
+    let r = &t.recipe;
+    assert_eq!(r.actor.tensor_model_parallel_size, 2);
+    assert_eq!(r.actor.mesh, Some(8));
+    // 4 data devices x the per-device 8 sequences (fitted to each device's 8 of 32).
+    assert_eq!(r.actor.ppo_micro_batch_size, 32);
+    for note in ["grpo does not pipeline", "grpo does not split a sequence"] {
+        assert!(
+            t.notes
+                .iter()
+                .any(|n| n.contains(note) && n.contains("FSDP over 4 x tensor parallelism over 2")),
+            "{note}: {:?}",
+            t.notes
+        );
+    }
+    // Megatron's schedule words: cosine down to an absolute floor.
+    let r = translate_with(&[
+        "model_engine=megatron",
+        "actor_rollout_ref.actor.optim.lr=1e-5",
+        "actor_rollout_ref.actor.optim.lr_decay_style=cosine",
+        "actor_rollout_ref.actor.optim.min_lr=1e-6",
+    ])
+    .unwrap()
+    .recipe;
+    assert_eq!(
+        r.actor.optim.lr_scheduler_type,
+        trainer::config::LrSchedule::Cosine
+    );
+    assert!((r.actor.optim.min_lr_ratio - 0.1).abs() < 1e-12);
+    // Expert parallelism needs experts.
+    let err = translate_with(&[
+        "model_engine=megatron",
+        "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+    ])
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("does not train mixture-of-experts models yet"),
+        "{err}"
+    );
+    // VeRL's own Megatron config by name, without a file here.
+    let t = translate(&VerlInput {
+        overrides: BASE.iter().map(|s| s.to_string()).collect(),
+        config_path: Some("config".into()),
+        config_name: Some("ppo_megatron_trainer.yaml".into()),
+        verl_version: None,
+    })
+    .unwrap();
+    assert!(
+        t.notes
+            .iter()
+            .any(|n| n.contains("VeRL's own `ppo_megatron_trainer` is composed")),
+        "{:?}",
+        t.notes
+    );
+    assert!(
+        t.notes
+            .iter()
+            .any(|n| n.contains("model_engine=megatron (from `--config-name=")),
+        "{:?}",
+        t.notes
+    );
+}
+
+#[test]
+fn keys_hydra_accepts_and_verl_never_reads_pass_with_a_note() {
+    let t = translate_with(&[
+        "+actor_rollout_ref.rollout.enable_sleep_mode=False",
+        "ray_kwargs.ray_init.runtime_env.py_executable=uv run",
+        "hydra.run.dir=/tmp/outputs",
+    ])
+    .unwrap();
+    for note in [
+        "+actor_rollout_ref.rollout.enable_sleep_mode=False has no effect in grpo: it adds a key",
+        "ray_kwargs.ray_init.runtime_env.py_executable=uv run has no effect in grpo",
+        "hydra.run.dir=/tmp/outputs has no effect in grpo",
+    ] {
+        assert!(
+            t.notes.iter().any(|n| n.starts_with(note)),
+            "{note}: {:?}",
+            t.notes
+        );
+    }
+    // Without the `+`, Hydra refuses a key the config lacks, and so does grpo verl.
+    let err = translate_with(&["actor_rollout_ref.rollout.enable_sleep_mode=False"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("is not a key of VeRL's config as of VeRL 0.7.1 and later"),
+        "{err}"
+    );
+    let err = translate_with(&["data.train_batch_sise=8"])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("did you mean `data.train_batch_size`"), "{err}");
 }
