@@ -21,6 +21,8 @@ pub enum PrepareError {
     Tokenizer { path: String, message: String },
     #[error("model.chat_template {path}: {message}")]
     ChatTemplate { path: String, message: String },
+    #[error("data.apply_chat_template_kwargs: {message}")]
+    ChatTemplateKwargs { message: String },
     #[error(transparent)]
     Data(#[from] data::DataError),
     #[error("reward: {0}")]
@@ -58,6 +60,49 @@ impl PromptTokenizer for ChatTokenizer {
                 Ok(self.tokenizer.encode(&text, false)?)
             }
         }
+    }
+}
+
+/// The run's chat template: `model.chat_template`'s file (with the special tokens of the
+/// model's own template), else the model's own; with `data.apply_chat_template_kwargs` passed to
+/// every render.
+fn chat_template(recipe: &Recipe, own: Option<ChatTemplate>) -> Result<Option<ChatTemplate>, PrepareError> {
+    let template = match &recipe.model.chat_template {
+        None => own,
+        Some(p) => {
+            let err = |message: String| PrepareError::ChatTemplate {
+                path: p.clone(),
+                message,
+            };
+            let source = std::fs::read_to_string(p).map_err(|e| err(e.to_string()))?;
+            let token = |f: fn(&ChatTemplate) -> &Option<String>| own.as_ref().and_then(|t| f(t).clone());
+            Some(
+                ChatTemplate::new(
+                    &source,
+                    p,
+                    token(|t| &t.bos_token),
+                    token(|t| &t.eos_token),
+                    token(|t| &t.pad_token),
+                )
+                .map_err(|e| err(e.to_string()))?,
+            )
+        }
+    };
+    let kwargs = &recipe.data.apply_chat_template_kwargs;
+    match template {
+        Some(t) if !kwargs.is_empty() => {
+            t.with_variables(kwargs.clone())
+                .map(Some)
+                .map_err(|e| PrepareError::ChatTemplateKwargs {
+                    message: e.to_string(),
+                })
+        }
+        None if !kwargs.is_empty() => Err(PrepareError::ChatTemplateKwargs {
+            message: "the model has no chat template to pass them to; set `model.chat_template` \
+                      to a Jinja template file that reads them"
+                .into(),
+        }),
+        t => Ok(t),
     }
 }
 
@@ -111,28 +156,7 @@ pub fn prepare(recipe: &Recipe) -> Result<Prepared, PrepareError> {
         })?;
     let stop_token_ids = model.stop_tokens();
     // The template moves into the tokenizer that renders prompts with it.
-    let template = match &recipe.model.chat_template {
-        None => model.chat_template.take(),
-        Some(p) => {
-            let err = |message: String| PrepareError::ChatTemplate {
-                path: p.clone(),
-                message,
-            };
-            let source = std::fs::read_to_string(p).map_err(|e| err(e.to_string()))?;
-            let base = model.chat_template.as_ref();
-            let token = |f: fn(&ChatTemplate) -> &Option<String>| base.and_then(|t| f(t).clone());
-            Some(
-                ChatTemplate::new(
-                    &source,
-                    p,
-                    token(|t| &t.bos_token),
-                    token(|t| &t.eos_token),
-                    token(|t| &t.pad_token),
-                )
-                .map_err(|e| err(e.to_string()))?,
-            )
-        }
-    };
+    let template = chat_template(recipe, model.chat_template.take())?;
     let mut tools = serde_json::Map::new();
     let environment =
         crate::setup::environment(recipe, &tokenizer, template.as_ref()).map_err(PrepareError::MultiTurn)?;
@@ -169,4 +193,60 @@ pub fn prepare(recipe: &Recipe) -> Result<Prepared, PrepareError> {
         reward,
         environment: environment.map(|env| env.handler),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Qwen3's template, with `enable_thinking: false` from the recipe, renders the empty
+    /// thinking block after the generation prompt; a variable the template does not read, or
+    /// kwargs without a template, are refused.
+    #[test]
+    fn chat_template_kwargs_reach_every_render() {
+        let qwen3 =
+            ChatTemplate::from_tokenizer_config(&testkit::asset("qwen3/tokenizer_config.json")).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("qwen3.jinja");
+        std::fs::write(&file, qwen3.source()).unwrap();
+        let recipe = |kwargs: &str| {
+            crate::recipe::load_recipe_str(
+                &format!(
+                    "model:\n  path: m\n  chat_template: {}\ndata:\n  train_files: t.parquet\n  \
+                     apply_chat_template_kwargs: {kwargs}\n",
+                    file.display()
+                ),
+                "r.yaml",
+            )
+            .unwrap()
+        };
+        let messages = serde_json::json!([{"role": "user", "content": "2+2?"}]);
+        let render = |r: &Recipe| {
+            chat_template(r, None)
+                .unwrap()
+                .unwrap()
+                .render_with(&messages, true, &serde_json::Map::new())
+                .unwrap()
+        };
+        let thinking = render(&recipe("{}"));
+        let not = render(&recipe("{enable_thinking: false}"));
+        assert!(!thinking.contains("<think>"), "{thinking}");
+        assert!(
+            not.ends_with("<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+            "{not}"
+        );
+        let err = chat_template(&recipe("{enable_thinkin: false}"), None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("data.apply_chat_template_kwargs: ")
+                && err.contains("does not read the variable `enable_thinkin`")
+                && err.contains("`enable_thinking`"),
+            "{err}"
+        );
+        let mut bare = recipe("{enable_thinking: false}");
+        bare.model.chat_template = None;
+        let err = chat_template(&bare, None).unwrap_err().to_string();
+        assert!(err.contains("the model has no chat template"), "{err}");
+    }
 }

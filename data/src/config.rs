@@ -74,6 +74,9 @@ pub struct DataConfig {
     pub train_max_samples: i64,
     /// Use at most this many validation rows, a seeded random subset; -1 means all.
     pub val_max_samples: i64,
+    /// Variables passed to the chat template with every prompt and turn it renders, as
+    /// transformers' `apply_chat_template(**kwargs)` takes them (Qwen3's `enable_thinking`).
+    pub apply_chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
 }
 
 impl Default for DataConfig {
@@ -96,6 +99,7 @@ impl Default for DataConfig {
             truncation: Truncation::Error,
             train_max_samples: -1,
             val_max_samples: -1,
+            apply_chat_template_kwargs: serde_json::Map::new(),
         }
     }
 }

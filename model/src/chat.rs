@@ -45,6 +45,10 @@ pub struct ChatTemplate {
     pub eos_token: Option<String>,
     /// The padding token string, if any.
     pub pad_token: Option<String>,
+    /// Variables every render passes to the template, as `apply_chat_template(**kwargs)` does
+    /// in transformers (VeRL's `data.apply_chat_template_kwargs`, such as Qwen3's
+    /// `enable_thinking`); a render's own extra variables take precedence.
+    variables: serde_json::Map<String, Value>,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -54,6 +58,7 @@ impl std::fmt::Debug for ChatTemplate {
             .field("bos_token", &self.bos_token)
             .field("eos_token", &self.eos_token)
             .field("pad_token", &self.pad_token)
+            .field("variables", &self.variables)
             .finish()
     }
 }
@@ -204,7 +209,48 @@ impl ChatTemplate {
             bos_token,
             eos_token,
             pad_token,
+            variables: serde_json::Map::new(),
         })
+    }
+
+    /// The template with `variables` passed to every render (the struct's `variables`).
+    /// A variable the template never reads is an error naming the ones it does: passing it
+    /// would change nothing.
+    pub fn with_variables(mut self, variables: serde_json::Map<String, Value>) -> Result<ChatTemplate> {
+        let template = self.env.get_template("chat").expect("added at construction");
+        let read = template.undeclared_variables(false);
+        if let Some(unread) = variables.keys().find(|k| !read.contains(*k)) {
+            let given = [
+                "messages",
+                "add_generation_prompt",
+                "bos_token",
+                "eos_token",
+                "pad_token",
+            ];
+            let mut names: Vec<&String> = read
+                .iter()
+                .filter(|n| !given.contains(&n.as_str()) && !self.env.globals().any(|(g, _)| g == n.as_str()))
+                .collect();
+            names.sort();
+            return Err(ModelError::ChatTemplate {
+                origin: self.origin.clone(),
+                detail: format!(
+                    "does not read the variable `{unread}`, so passing it would change nothing; \
+                     the variables it reads besides the messages and special tokens: {}",
+                    if names.is_empty() {
+                        "none".to_string()
+                    } else {
+                        names
+                            .iter()
+                            .map(|n| format!("`{n}`"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    }
+                ),
+            });
+        }
+        self.variables = variables;
+        Ok(self)
     }
 
     /// The template of a `tokenizer_config.json` (`chat_template` as a string, or the entry
@@ -329,7 +375,7 @@ impl ChatTemplate {
                 context.insert(key.into(), Value::String(t.clone()));
             }
         }
-        for (k, v) in extra {
+        for (k, v) in self.variables.iter().chain(extra) {
             context.insert(k.clone(), v.clone());
         }
         let template = self.env.get_template("chat").expect("added at construction");

@@ -293,6 +293,7 @@ impl Translator {
 
     fn rules(&mut self) -> Result<(), VerlError> {
         self.multimodal();
+        self.chat_template_kwargs()?;
         self.optimizer()?;
         self.megatron_lora()?;
         self.dtypes()?;
@@ -607,6 +608,26 @@ impl Translator {
                 ));
             }
         }
+    }
+
+    /// `data.apply_chat_template_kwargs.NAME` (added with `+`) to the recipe's map of the same
+    /// name.
+    fn chat_template_kwargs(&mut self) -> Result<(), VerlError> {
+        let section = "data.apply_chat_template_kwargs";
+        let prefix = format!("{section}.");
+        let keys: Vec<String> = self
+            .config
+            .values
+            .keys()
+            .filter(|k| k.starts_with(&prefix))
+            .cloned()
+            .collect();
+        for key in keys {
+            let value = self.get(&key)?;
+            let o = self.origin(&key);
+            self.b.set(&key, value, o)?;
+        }
+        Ok(())
     }
 
     /// Megatron-Bridge's LoRA (`actor_rollout_ref.model.lora.*`, read by VeRL's Megatron

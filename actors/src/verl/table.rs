@@ -445,7 +445,7 @@ pub const TABLE: &[Entry] = &[
     Entry { key: "data.audio_key", how: MULTIMODAL },
     Entry { key: "data.mm_processor_kwargs", how: MULTIMODAL },
     Entry { key: "data.function_tool_path", how: MULTI_TURN },
-    Entry { key: "data.apply_chat_template_kwargs.*", how: How::Unsupported("grpo renders the chat template with the prompt's messages and `add_generation_prompt` only; a template that needs other variables needs a file of its own (`model.chat_template`)") },
+    Entry { key: "data.apply_chat_template_kwargs.*", how: How::Rule("each keyword -> data.apply_chat_template_kwargs, the variables every prompt and turn passes to the chat template (Qwen3's `enable_thinking`); one the template does not read is refused when the run starts") },
     // reward
     // reward, VeRL 0.7.0 and earlier (top-level sections)
     Entry { key: "reward_manager.source", how: How::Unsupported("grpo's reward managers are VeRL's registered `naive`, `batch` and `dapo`") },

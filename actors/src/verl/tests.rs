@@ -593,6 +593,17 @@ fn todays_reward_section_and_the_legacy_keys_it_replaced() {
 }
 
 #[test]
+fn chat_template_kwargs_come_over() {
+    let r = translate_with(&["+data.apply_chat_template_kwargs.enable_thinking=False"])
+        .unwrap()
+        .recipe;
+    assert_eq!(
+        r.data.apply_chat_template_kwargs.get("enable_thinking"),
+        Some(&json!(false))
+    );
+}
+
+#[test]
 fn megatron_sizes_on_grpos_mesh() {
     let eight = [
         "model_engine=megatron",
