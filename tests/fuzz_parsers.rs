@@ -776,6 +776,7 @@ fn worker_rpc_messages() {
             temperature: 1.0,
             top_k: 0,
             top_p: 1.0,
+            min_p: 0.0,
             max_new_tokens: 4,
             stop_token_ids: vec![0],
             stop_strings: vec!["\n".into()],

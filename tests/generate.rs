@@ -32,7 +32,7 @@ fn prompts_file_with_n_gives_json_lines_per_sample() {
     let dir = tempfile::tempdir().unwrap();
     let prompts = dir.path().join("prompts.txt");
     std::fs::write(&prompts, "What is 2 + 3?\n\nName a color.\n").unwrap();
-    let run = |temperature: &str| {
+    let run = |sampling: &[&str]| {
         let o = Command::new(env!("CARGO_BIN_EXE_grpo"))
             .args([
                 "generate",
@@ -44,7 +44,8 @@ fn prompts_file_with_n_gives_json_lines_per_sample() {
                 "--seed",
                 "5",
             ])
-            .args(["--temperature", temperature, "--prompts-file"])
+            .args(sampling)
+            .arg("--prompts-file")
             .arg(&prompts)
             .arg("--model")
             .arg(gguf())
@@ -59,7 +60,7 @@ fn prompts_file_with_n_gives_json_lines_per_sample() {
         lines.sort_by_key(|v| (v["prompt_index"].as_u64(), v["sample_index"].as_u64()));
         lines
     };
-    let greedy = run("0");
+    let greedy = run(&["--temperature", "0"]);
     assert_eq!(
         greedy.len(),
         4,
@@ -74,7 +75,13 @@ fn prompts_file_with_n_gives_json_lines_per_sample() {
     // Greedy samples of one prompt are identical; sampled ones repeat for the same seed.
     assert_eq!(greedy[0]["response_ids"], greedy[1]["response_ids"]);
     assert_eq!(greedy[2]["response_ids"], greedy[3]["response_ids"]);
-    assert_eq!(run("1"), run("1"));
+    assert_eq!(run(&["--temperature", "1"]), run(&["--temperature", "1"]));
+    // min-p 1 keeps only the most likely token: sampling at temperature 1 then draws the
+    // greedy answers.
+    let ids = |lines: &[serde_json::Value]| -> Vec<serde_json::Value> {
+        lines.iter().map(|v| v["response_ids"].clone()).collect()
+    };
+    assert_eq!(ids(&run(&["--temperature", "1", "--min-p", "1"])), ids(&greedy));
 }
 
 /// `grpo generate --adapter DIR` with SmolLM2 and a PEFT adapter written by grpo: a fresh one

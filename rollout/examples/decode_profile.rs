@@ -264,6 +264,7 @@ fn main() {
         temperature: vec![1.0; seqs],
         top_k: vec![0; seqs],
         top_p: vec![1.0; seqs],
+        min_p: vec![0.0; seqs],
         keys: (0..2 * seqs as u32).collect(),
     };
     let tb = client.buffer_from_host(&inputs.tokens, &[s], 0).unwrap();

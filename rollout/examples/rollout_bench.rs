@@ -79,11 +79,13 @@ fn measure_sampler(client: &Client, slots: usize, vocab: usize, kind: SamplerKin
     let temperature = g.parameter("temperature", DType::F32, &[s]);
     let top_k = g.parameter("top_k", DType::I32, &[s]);
     let top_p = g.parameter("top_p", DType::F32, &[s]);
+    let min_p = g.parameter("min_p", DType::F32, &[s]);
     let keys = g.parameter("keys", DType::U32, &[s, 2]);
     let inputs = SamplerInputs {
         temperature: &temperature,
         top_k: &top_k,
         top_p: &top_p,
+        min_p: &min_p,
         keys: &keys,
     };
     let (tokens, logprobs) = sample_graph_with(&logits, &inputs, false, kind);
@@ -95,12 +97,13 @@ fn measure_sampler(client: &Client, slots: usize, vocab: usize, kind: SamplerKin
     let tb = client.buffer_from_host(&vec![1.0f32; slots], &[s], 0).unwrap();
     let kb = client.buffer_from_host(&vec![0i32; slots], &[s], 0).unwrap();
     let pb = client.buffer_from_host(&vec![1.0f32; slots], &[s], 0).unwrap();
+    let mb = client.buffer_from_host(&vec![0.0f32; slots], &[s], 0).unwrap();
     let keys: Vec<u32> = (0..2 * slots as u32).collect();
     let keyb = client.buffer_from_host(&keys, &[s, 2], 0).unwrap();
     let mut times: Vec<f64> = (0..7)
         .map(|_| {
             let t = Instant::now();
-            let out = exe.execute(&[&lb, &tb, &kb, &pb, &keyb]).unwrap();
+            let out = exe.execute(&[&lb, &tb, &kb, &pb, &mb, &keyb]).unwrap();
             out[0].to_host::<i32>().unwrap();
             t.elapsed().as_secs_f64()
         })

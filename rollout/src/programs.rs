@@ -800,6 +800,8 @@ pub struct DecodeInputs {
     pub top_k: Vec<i32>,
     /// Top-p (1 = off).
     pub top_p: Vec<f32>,
+    /// Min-p (0 = off).
+    pub min_p: Vec<f32>,
     /// Threefry key words, `2 * slots`.
     pub keys: Vec<u32>,
 }
@@ -1069,6 +1071,7 @@ impl DecodeSample {
         let temp = up_f(&inputs.temperature, "temperatures")?;
         let kb = up_i(&inputs.top_k, "top_k")?;
         let ppb = up_f(&inputs.top_p, "top_p")?;
+        let mpb = up_f(&inputs.min_p, "min_p")?;
         let keys = upload_on(
             client,
             devices,
@@ -1078,7 +1081,7 @@ impl DecodeSample {
             &format!("keys for {what}"),
         )?;
         let args: Vec<Vec<&Buffer>> = (0..devices.len())
-            .map(|d| vec![&tb[d], &pb[d], &temp[d], &kb[d], &ppb[d], &keys[d]])
+            .map(|d| vec![&tb[d], &pb[d], &temp[d], &kb[d], &ppb[d], &mpb[d], &keys[d]])
             .collect();
         let out = run_donating_on(&self.exe, weights, cache, &args, 2, what)?;
         let tokens: Vec<&Buffer> = out.iter().map(|o| &o[0]).collect();
@@ -1118,6 +1121,7 @@ fn decode_sample_program(
     let temperature = cache.slot_parameter(&g, "temperature", DType::F32, &[s]);
     let top_k = cache.slot_parameter(&g, "top_k", DType::I32, &[s]);
     let top_p = cache.slot_parameter(&g, "top_p", DType::F32, &[s]);
+    let min_p = cache.slot_parameter(&g, "min_p", DType::F32, &[s]);
     let keys = cache.slot_parameter(&g, "keys", DType::U32, &[s, 2]);
     let bucketed = rows < cache.local_slots();
     // In place on one slot group, every bucket alike (the full one too: its products then
@@ -1153,6 +1157,7 @@ fn decode_sample_program(
         temperature: &temperature,
         top_k: &top_k,
         top_p: &top_p,
+        min_p: &min_p,
         keys: &keys,
     };
     let (next, logprobs) = sample_graph_with(&logits, &inputs, truncate, sampler);

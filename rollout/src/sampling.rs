@@ -8,13 +8,13 @@
 //!
 //! The sampler ([`SamplerKind::InverseCdf`]) draws by inverse CDF: the first token whose
 //! running sum of `exp(logits / T - max)` reaches `u` times the total, an exact draw from
-//! `softmax(logits / T)` up to f32 rounding; top-k and top-p zero the mass outside the kept
-//! set first. Temperature 0 is greedy (the first maximum of the logits). The Gumbel-max
+//! `softmax(logits / T)` up to f32 rounding; min-p, top-k and top-p zero the mass outside the
+//! kept set first. Temperature 0 is greedy (the first maximum of the logits). The Gumbel-max
 //! sampler ([`SamplerKind::GumbelMax`], one uniform per vocabulary entry from
 //! `threefry2x32(key, [0, v])`, see [`draw_uniform`]) is kept to compare against.
 //!
 //! The reported log-probability of a sampled token is taken under the temperature-scaled
-//! *full* distribution `log_softmax(logits / T)`, before top-k/top-p truncation (what VeRL and
+//! *full* distribution `log_softmax(logits / T)`, before min-p/top-k/top-p truncation (what VeRL and
 //! vLLM report, and what the trainer recomputes with `logprobs` at the same temperature). Under
 //! greedy decoding it is `log_softmax(logits)` (temperature 1).
 
@@ -33,8 +33,11 @@ pub struct SamplingParams {
     /// Keep only the `top_k` most likely tokens (0 = no limit).
     pub top_k: usize,
     /// Keep the smallest set of most likely tokens whose probability reaches `top_p`
-    /// (applied after top-k, on the renormalised top-k distribution); 1.0 = no limit.
+    /// (applied after top-k and min-p, on their renormalised distribution); 1.0 = no limit.
     pub top_p: f32,
+    /// Keep only tokens whose probability is at least `min_p` times the most likely token's,
+    /// under `softmax(logits / temperature)` (vLLM's min-p, applied before top-p); 0 = off.
+    pub min_p: f32,
     /// Most tokens to generate per sample.
     pub max_new_tokens: usize,
     /// Token ids that end a sample (kept as the last response token), in addition to the
@@ -51,6 +54,7 @@ impl Default for SamplingParams {
             temperature: 1.0,
             top_k: 0,
             top_p: 1.0,
+            min_p: 0.0,
             max_new_tokens: 256,
             stop_token_ids: Vec::new(),
             stop_strings: Vec::new(),
@@ -79,6 +83,9 @@ impl SamplingParams {
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
         }
+        if !(self.min_p >= 0.0 && self.min_p <= 1.0) {
+            return Err(format!("min_p must be in [0, 1] (0 = off), got {}", self.min_p));
+        }
         if self.max_new_tokens == 0 {
             return Err("max_new_tokens must be at least 1".to_string());
         }
@@ -88,9 +95,9 @@ impl SamplingParams {
         Ok(())
     }
 
-    /// Whether this request needs the sorting (top-k / top-p) sampler.
+    /// Whether this request needs the sorting (top-k / top-p / min-p) sampler.
     pub fn needs_truncation(&self) -> bool {
-        self.temperature > 0.0 && (self.top_k > 0 || self.top_p < 1.0)
+        self.temperature > 0.0 && (self.top_k > 0 || self.top_p < 1.0 || self.min_p > 0.0)
     }
 }
 
@@ -179,6 +186,8 @@ pub struct SamplerInputs<'a> {
     pub top_k: &'a Tensor,
     /// Top-p per row (f32; >= 1 = off). Used only when `truncate`.
     pub top_p: &'a Tensor,
+    /// Min-p per row (f32; <= 0 = off). Used only when `truncate`.
+    pub min_p: &'a Tensor,
     /// Threefry key per row.
     pub keys: &'a Tensor,
 }
@@ -210,8 +219,8 @@ pub fn row_uniform(key: [u32; 2]) -> f32 {
 }
 
 /// Samples one token per row of `logits [S, V]` (f32) with the default
-/// [`SamplerKind::InverseCdf`]. `truncate` compiles the top-k / top-p path (a sort over the
-/// vocabulary); without it those inputs are ignored. Returns `(tokens [S] i32, logprobs [S]
+/// [`SamplerKind::InverseCdf`]. `truncate` compiles the top-k / top-p / min-p path (a sort
+/// over the vocabulary); without it those inputs are ignored. Returns `(tokens [S] i32, logprobs [S]
 /// f32)`; see the module comment for what the log-probability is.
 pub fn sample_graph(logits: &Tensor, inputs: &SamplerInputs<'_>, truncate: bool) -> (Tensor, Tensor) {
     sample_graph_with(logits, inputs, truncate, SamplerKind::default())
@@ -247,7 +256,12 @@ pub fn sample_graph_with(
             .le(&g.zeros(DType::I32, &[s]))
             .or(&top_k.gt(&g.full(v as f64, DType::I32, &[s])));
         let k_eff = k_off.select(&g.full(v as f64, DType::I32, &[s]), &top_k);
-        let in_k = rank.lt(&row(&k_eff));
+        // min-p keeps the tokens within ln(min_p) of the best in `scaled`: p >= min_p * p_max.
+        let min_p = inputs.min_p.convert_if_needed(DType::F32);
+        let floor = min_p
+            .gt(&g.zeros(DType::F32, &[s]))
+            .select(&(&max + &min_p.log()), &g.full(REMOVED_LOGIT, DType::F32, &[s]));
+        let in_k = rank.lt(&row(&k_eff)).and(&sorted.ge(&row(&floor)));
         let probs_k = in_k.select(&sorted, &removed).softmax(-1);
         let before = &probs_k.cumsum(1, false) - &probs_k;
         let top_p = inputs.top_p.convert_if_needed(DType::F32);
@@ -347,8 +361,8 @@ fn inverse_cdf(mass: &Tensor, u: &Tensor) -> Tensor {
 }
 
 /// The distribution the sampler draws from, computed on the host in f64 from one row of
-/// logits: `softmax(logits / T)` restricted to top-k then top-p (renormalised), or a point
-/// mass on the first maximum when `T == 0`. For tests and for checking the device sampler.
+/// logits: `softmax(logits / T)` restricted to top-k and min-p, then top-p (renormalised), or a
+/// point mass on the first maximum when `T == 0`. For tests and for checking the device sampler.
 pub fn reference_distribution(logits: &[f32], params: &SamplingParams) -> Vec<f64> {
     let v = logits.len();
     let mut out = vec![0.0; v];
@@ -374,8 +388,20 @@ pub fn reference_distribution(logits: &[f32], params: &SamplingParams) -> Vec<f6
     } else {
         params.top_k
     };
+    let max = logits[order[0]] as f64 / t;
+    // min-p: p_i >= min_p * p_max, i.e. logit_i / T >= max + ln(min_p).
+    let k = if params.min_p > 0.0 {
+        let floor = max + (params.min_p as f64).ln();
+        k.min(
+            order
+                .iter()
+                .take_while(|&&i| logits[i] as f64 / t >= floor)
+                .count(),
+        )
+    } else {
+        k
+    };
     let kept = &order[..k];
-    let max = logits[kept[0]] as f64 / t;
     let w: Vec<f64> = kept.iter().map(|&i| (logits[i] as f64 / t - max).exp()).collect();
     let total: f64 = w.iter().sum();
     let mut mass = 0.0;
@@ -546,5 +572,38 @@ mod tests {
         assert!((p7[1] - 0.375).abs() < 1e-6 && p7[2] == 0.0);
         let greedy = reference_distribution(&logits, &SamplingParams::greedy(1));
         assert_eq!(greedy, vec![1.0, 0.0, 0.0, 0.0]);
+        // min-p 0.5: tokens of probability >= 0.25 (half the best's 0.5) stay.
+        let m = |min_p, top_p| {
+            reference_distribution(
+                &logits,
+                &SamplingParams {
+                    temperature: 1.0,
+                    top_p,
+                    min_p,
+                    ..Default::default()
+                },
+            )
+        };
+        let m5 = m(0.5, 1.0);
+        assert!((m5[0] - 0.625).abs() < 1e-6 && (m5[1] - 0.375).abs() < 1e-6 && m5[2] == 0.0);
+        // Before top-p, as vLLM: min-p 0.2 keeps 0.5, 0.3, 0.15 (>= 0.1), renormalised to
+        // 0.526, 0.316, 0.158; top-p 0.8 then keeps the first two (0.526 < 0.8, 0.842 >= 0.8).
+        let m2 = m(0.2, 0.8);
+        assert!(
+            (m2[0] - 0.625).abs() < 1e-6 && m2[2] == 0.0 && m2[3] == 0.0,
+            "{m2:?}"
+        );
+        assert!(SamplingParams {
+            min_p: 0.1,
+            ..Default::default()
+        }
+        .needs_truncation());
+        assert!(SamplingParams {
+            min_p: 1.5,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap_err()
+        .contains("min_p"));
     }
 }

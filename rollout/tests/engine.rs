@@ -361,6 +361,15 @@ fn sampled_token_frequencies_match_the_analytic_distribution() {
         sampled(1.0, 6, 1.0, 1),
         sampled(1.5, 0, 0.75, 1),
         sampled(1.0, 10, 0.8, 1),
+        // vLLM's min-p, alone and before top-p.
+        SamplingParams {
+            min_p: 0.3,
+            ..sampled(1.0, 0, 1.0, 1)
+        },
+        SamplingParams {
+            min_p: 0.1,
+            ..sampled(1.5, 0, 0.8, 1)
+        },
     ];
     let mut engine = engine_with(&weights, 16, 16, None);
     let groups = 50;
@@ -377,6 +386,18 @@ fn sampled_token_frequencies_match_the_analytic_distribution() {
             counts[s.response_ids[0] as usize] += 1;
         }
         let p = reference_distribution(last, params);
+        if params.min_p > 0.0 {
+            // The test has power: min-p leaves tokens out that plain sampling keeps.
+            let full = reference_distribution(
+                last,
+                &SamplingParams {
+                    min_p: 0.0,
+                    ..params.clone()
+                },
+            );
+            let kept = |d: &[f64]| d.iter().filter(|&&x| x > 0.0).count();
+            assert!(kept(&p) < kept(&full), "config {c}: min-p removed nothing: {p:?}");
+        }
         for (t, (&o, &pt)) in counts.iter().zip(&p).enumerate() {
             assert!(
                 pt > 0.0 || o == 0,

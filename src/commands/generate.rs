@@ -94,6 +94,11 @@ pub struct GenerateArgs {
     #[arg(long, value_name = "P", default_value_t = 1.0)]
     pub top_p: f32,
 
+    /// Keep only tokens at least this likely relative to the most likely one (vLLM's min-p,
+    /// before top-p); 0 keeps all. Example: `--min-p 0.05`.
+    #[arg(long, value_name = "P", default_value_t = 0.0)]
+    pub min_p: f32,
+
     /// Seed of the sampler; prompt i uses seed + i. Example: `--seed 42`.
     #[arg(long, value_name = "S", default_value_t = 0)]
     pub seed: u64,
@@ -255,6 +260,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
                 temperature: args.temperature,
                 top_k: args.top_k,
                 top_p: args.top_p,
+                min_p: args.min_p,
                 max_new_tokens: args.max_new_tokens,
                 ..Default::default()
             },
@@ -315,6 +321,7 @@ mod tests {
             temperature,
             top_k: 0,
             top_p: 1.0,
+            min_p: 0.0,
             seed: 0,
             max_num_seqs: 4,
             device: "cpu".to_string(),

@@ -251,6 +251,8 @@ impl Server {
         };
         let temperature = float("temperature", 1.0, |t| t.is_finite() && t >= 0.0, "a number >= 0")?;
         let top_p = float("top_p", 1.0, |p| p > 0.0 && p <= 1.0, "a number in (0, 1]")?;
+        // vLLM's extra sampling parameter.
+        let min_p = float("min_p", 0.0, |p| (0.0..=1.0).contains(&p), "a number in [0, 1]")?;
         let top_k = match number("top_k") {
             None => 0,
             Some(v) => v
@@ -305,6 +307,7 @@ impl Server {
                 temperature,
                 top_k,
                 top_p,
+                min_p,
                 max_new_tokens: max_tokens,
                 stop_strings,
                 ..Default::default()

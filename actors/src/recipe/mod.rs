@@ -100,6 +100,10 @@ pub struct RolloutSection {
     /// Keep the smallest set of tokens whose probability reaches p; 1.0 keeps all.
     #[serde(default = "default_one")]
     pub top_p: f64,
+    /// Keep only tokens at least this likely relative to the most likely one (vLLM's min-p,
+    /// before top-p); 0 keeps all.
+    #[serde(default)]
+    pub min_p: f64,
     /// Sequences decoded at once (KV-cache slots).
     #[serde(default = "default_max_num_seqs")]
     pub max_num_seqs: usize,
@@ -260,6 +264,9 @@ pub struct ValKwargs {
     /// Top-p when sampling.
     #[serde(default = "default_one")]
     pub top_p: f64,
+    /// Min-p when sampling (0 keeps all).
+    #[serde(default)]
+    pub min_p: f64,
 }
 
 /// Element types a recipe can name.

@@ -153,6 +153,19 @@ pub(crate) fn validate(r: &Recipe, text: &str, file: &str, overrides: &[String])
         "must be -1 (all tokens) or at least 1",
     );
     c.check(
+        (0.0..=1.0).contains(&ro.min_p),
+        "rollout.min_p",
+        ro.min_p,
+        "must be in [0, 1] (0 keeps all tokens)",
+    );
+    c.check(
+        ro.min_p == 0.0 || ro.temperature > 0.0,
+        "rollout.min_p",
+        ro.min_p,
+        "trims what sampling draws from, and with `rollout.temperature: 0` decoding is greedy; \
+         set a temperature or leave min_p at 0",
+    );
+    c.check(
         ro.max_num_seqs >= 1,
         "rollout.max_num_seqs",
         ro.max_num_seqs,
@@ -177,6 +190,19 @@ pub(crate) fn validate(r: &Recipe, text: &str, file: &str, overrides: &[String])
         "rollout.val_kwargs.top_p",
         vk.top_p,
         "must be in (0, 1]",
+    );
+    c.check(
+        (0.0..=1.0).contains(&vk.min_p),
+        "rollout.val_kwargs.min_p",
+        vk.min_p,
+        "must be in [0, 1] (0 keeps all tokens)",
+    );
+    c.check(
+        vk.min_p == 0.0 || (vk.do_sample && vk.temperature > 0.0),
+        "rollout.val_kwargs.min_p",
+        vk.min_p,
+        "trims what sampling draws from; validation samples only with `do_sample: true` and a \
+         temperature above 0",
     );
     c.check(
         vk.top_k == -1 || vk.top_k > 0,
@@ -1914,6 +1940,16 @@ mod tests {
         );
         let v = violations("rollout:\n  top_p: 0\n");
         assert_eq!(v, vec!["r.yaml:6:3: `rollout.top_p` = 0: must be in (0, 1]"]);
+        // min-p trims sampling: it has nothing to do under greedy decoding.
+        let v = violations("rollout:\n  temperature: 0\n  min_p: 0.1\n");
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert!(
+            v[0].contains("`rollout.min_p` = 0.1: trims what sampling draws from"),
+            "{v:?}"
+        );
+        assert!(violations("rollout:\n  min_p: 0.1\n").is_empty());
+        let v = violations("rollout:\n  val_kwargs:\n    min_p: 0.1\n");
+        assert!(v[0].contains("`rollout.val_kwargs.min_p` = 0.1"), "{v:?}");
     }
 
     #[test]

@@ -227,17 +227,19 @@ pub fn upload_rollout_weights(
 /// The sampling settings of the recipe's training (or, with `validation`, validation) requests.
 pub fn sampling_params(recipe: &Recipe, validation: bool) -> SamplingParams {
     let r = &recipe.rollout;
-    let (temperature, top_k, top_p) = if !validation {
-        (r.temperature, r.top_k, r.top_p)
-    } else if r.val_kwargs.do_sample {
-        (r.val_kwargs.temperature, r.val_kwargs.top_k, r.val_kwargs.top_p)
+    let v = &r.val_kwargs;
+    let (temperature, top_k, top_p, min_p) = if !validation {
+        (r.temperature, r.top_k, r.top_p, r.min_p)
+    } else if v.do_sample {
+        (v.temperature, v.top_k, v.top_p, v.min_p)
     } else {
-        (0.0, -1, 1.0)
+        (0.0, -1, 1.0, 0.0)
     };
     SamplingParams {
         temperature: temperature as f32,
         top_k: if top_k <= 0 { 0 } else { top_k as usize },
         top_p: top_p as f32,
+        min_p: min_p as f32,
         max_new_tokens: recipe.data.max_response_length,
         stop_token_ids: Vec::new(),
         stop_strings: r.stop.clone(),

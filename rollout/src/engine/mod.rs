@@ -338,6 +338,7 @@ impl Engine {
                 temperature: vec![1.0; s],
                 top_k: vec![0; s],
                 top_p: vec![1.0; s],
+                min_p: vec![0.0; s],
                 keys: (0..s)
                     .flat_map(|i| draw_key(0x5eed, (i % rows) as u32, step as u32))
                     .collect(),
@@ -940,6 +941,7 @@ impl Engine {
             temperature: vec![0.0; s],
             top_k: vec![0; s],
             top_p: vec![1.0; s],
+            min_p: vec![0.0; s],
             keys: vec![0; 2 * s],
         };
         let mut truncate = false;
@@ -953,6 +955,7 @@ impl Engine {
                 inputs.temperature[i] = p.temperature;
                 inputs.top_k[i] = p.top_k.min(i32::MAX as usize) as i32;
                 inputs.top_p[i] = p.top_p;
+                inputs.min_p[i] = p.min_p;
                 let key = draw_key(a.request.seed, a.sample_index as u32, a.response.len() as u32);
                 inputs.keys[2 * i] = key[0];
                 inputs.keys[2 * i + 1] = key[1];
