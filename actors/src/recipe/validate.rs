@@ -394,6 +394,7 @@ pub(crate) fn validate(r: &Recipe, text: &str, file: &str, overrides: &[String])
         );
     }
     check_algorithm_knobs(&mut c, r);
+    check_cpu_device_count(&mut c, r);
     check_critic(&mut c, r);
     check_lora(&mut c, r);
     check_multi_turn(&mut c, r);
@@ -1284,6 +1285,24 @@ fn check_critic(c: &mut Checker, r: &Recipe) {
     );
 }
 
+/// `cluster.cpu_device_count` sizes the CPU plugin's client, which a run opens only where a
+/// role runs on the CPU (`cluster.device`, a worker's device, a Ray pool's).
+fn check_cpu_device_count(c: &mut Checker, r: &Recipe) {
+    let cl = &r.cluster;
+    use super::DeviceKind;
+    let cpu = cl.device == DeviceKind::Cpu
+        || (cl.rollout_workers > 0 && cl.rollout_device_kind() == DeviceKind::Cpu)
+        || (cl.learner_workers > 0 && cl.learner_device_kind() == DeviceKind::Cpu)
+        || cl.pools.iter().any(|p| p.device == super::PoolDevice::Cpu);
+    c.check(
+        cpu || cl.cpu_device_count == 1,
+        "cluster.cpu_device_count",
+        cl.cpu_device_count,
+        "sizes the CPU plugin's client, and no role of this run is on the CPU (cluster.device, \
+         cluster.rollout_device and cluster.learner_device of the workers); remove it",
+    );
+}
+
 /// The knobs of one estimator or loss set while another is chosen would silently do nothing;
 /// each is refused unless its owner is chosen (VeRL reads them only there too).
 fn check_algorithm_knobs(c: &mut Checker, r: &Recipe) {
@@ -1291,7 +1310,34 @@ fn check_algorithm_knobs(c: &mut Checker, r: &Recipe) {
     let defaults = trainer::config::PolicyLossConfig::default();
     let mode = a.policy_loss.loss_mode;
     let unset = |v: f64, d: f64| v == d;
-    let owned: [(&str, f64, f64, bool, &str); 9] = [
+    // The dual clip is vanilla PPO's; sapo (its soft gates), gpg (no ratio) and kl_cov (a KL
+    // penalty on chosen tokens) clip nothing.
+    let clips = !matches!(
+        mode,
+        PolicyLossMode::Sapo | PolicyLossMode::Gpg | PolicyLossMode::KlCov
+    );
+    let owned: [(&str, f64, f64, bool, &str); 12] = [
+        (
+            "actor.clip_ratio_c",
+            a.clip_ratio_c,
+            defaults.clip_ratio_c,
+            mode == PolicyLossMode::Vanilla,
+            "actor.policy_loss.loss_mode: vanilla (PPO's dual clip)",
+        ),
+        (
+            "actor.clip_ratio_low",
+            a.clip_ratio_low,
+            defaults.clip_ratio_low,
+            clips,
+            "a loss that clips the ratio (vanilla, gspo, cispo, geo_mean, clip_cov)",
+        ),
+        (
+            "actor.clip_ratio_high",
+            a.clip_ratio_high,
+            defaults.clip_ratio_high,
+            clips,
+            "a loss that clips the ratio (vanilla, gspo, cispo, geo_mean, clip_cov)",
+        ),
         (
             "algorithm.gamma",
             al.gamma,
@@ -1948,6 +1994,28 @@ mod tests {
             "{v:?}"
         );
         assert!(violations("rollout:\n  min_p: 0.1\n").is_empty());
+        // Keys a mode does not read are refused in it (they would do nothing).
+        let v = violations("actor:\n  clip_ratio_c: 10\n  policy_loss:\n    loss_mode: gspo\n");
+        assert!(
+            v[0].contains(
+                "`actor.clip_ratio_c` = 10: is read only with actor.policy_loss.loss_mode: vanilla"
+            ),
+            "{v:?}"
+        );
+        let v = violations("actor:\n  clip_ratio_high: 0.28\n  policy_loss:\n    loss_mode: sapo\n");
+        assert!(
+            v[0].contains("`actor.clip_ratio_high` = 0.28: is read only with a loss that clips"),
+            "{v:?}"
+        );
+        assert!(
+            violations("actor:\n  clip_ratio_high: 0.28\n  policy_loss:\n    loss_mode: gspo\n").is_empty()
+        );
+        let v = violations("cluster:\n  device: cuda\n  cpu_device_count: 4\n");
+        assert!(
+            v.iter()
+                .any(|v| v.contains("`cluster.cpu_device_count` = 4: sizes the CPU plugin's client")),
+            "{v:?}"
+        );
         let v = violations("rollout:\n  val_kwargs:\n    min_p: 0.1\n");
         assert!(v[0].contains("`rollout.val_kwargs.min_p` = 0.1"), "{v:?}");
     }

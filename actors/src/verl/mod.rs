@@ -192,9 +192,11 @@ pub fn translate(input: &VerlInput) -> Result<Translation, VerlError> {
                 .collect(),
         ));
     }
+    let mut seen = std::collections::HashSet::new();
+    let notes = t.notes.into_iter().filter(|n| seen.insert(n.clone())).collect();
     Ok(Translation {
         recipe,
-        notes: t.notes,
+        notes,
         device_is_verls_default: !t.config.origin.contains_key("trainer.device"),
     })
 }
@@ -522,6 +524,59 @@ impl Translator {
         self.b.set(&format!("{to}.grad_clip"), json!(value), o)
     }
 
+    /// The ratio's clip bounds, for the losses that read them (VeRL's sapo, gpg and kl_cov clip
+    /// nothing, and the dual clip `clip_ratio_c` is vanilla's): `clip_ratio_low` /
+    /// `clip_ratio_high`, VeRL's `clip_ratio` where one is null. Set for a loss that does not
+    /// read them, a note (a grpo recipe refuses them there).
+    fn clips(&mut self) -> Result<(), VerlError> {
+        let a = "actor_rollout_ref.actor";
+        let mode = self.get(LOSS_MODE)?;
+        let mode = mode.as_str().unwrap_or("vanilla");
+        let clips = !matches!(mode, "sapo" | "gpg" | "kl_cov");
+        let changed = |t: &Self, k: &str| t.config.values.get(k) != t.config.defaults.get(k);
+        let clip_ratio = format!("{a}.clip_ratio");
+        let mut clip_ratio_read = false;
+        for side in ["low", "high"] {
+            let key = format!("{a}.clip_ratio_{side}");
+            let value = self.get(&key)?;
+            let from = if value.is_null() {
+                clip_ratio_read = true;
+                clip_ratio.clone()
+            } else {
+                key
+            };
+            if clips {
+                let value = self.get(&from)?;
+                let o = self.origin(&from);
+                self.b.set(&format!("actor.clip_ratio_{side}"), value, o)?;
+            } else if changed(self, &from) {
+                self.notes.push(format!(
+                    "{from}={} has no effect: VeRL's {mode} loss does not clip the ratio",
+                    compact(&self.get(&from)?)
+                ));
+            }
+        }
+        if clips && !clip_ratio_read && changed(self, &clip_ratio) {
+            self.notes.push(format!(
+                "{clip_ratio}={} has no effect: VeRL reads it only where clip_ratio_low or \
+                 clip_ratio_high is null, and both are set (VeRL's defaults are 0.2); set those",
+                compact(&self.get(&clip_ratio)?)
+            ));
+        }
+        let key = format!("{a}.clip_ratio_c");
+        let value = self.get(&key)?;
+        if mode == "vanilla" {
+            let o = self.origin(&key);
+            self.b.set("actor.clip_ratio_c", value, o)?;
+        } else if changed(self, &key) {
+            self.notes.push(format!(
+                "{key}={} has no effect: VeRL reads it only with {LOSS_MODE}=vanilla (PPO's dual clip)",
+                compact(&value)
+            ));
+        }
+        Ok(())
+    }
+
     /// The schedule after warmup, in the engine's words ([`engine::Schedule`]): `constant` or
     /// `cosine` (FSDP's `warmup_style`, its older name, when set), down to a floor given as a
     /// fraction of `lr` or as a learning rate.
@@ -564,14 +619,7 @@ impl Translator {
     fn optimizer(&mut self) -> Result<(), VerlError> {
         let a = "actor_rollout_ref.actor";
         self.schedule_and_clip(a, "actor")?;
-        // VeRL's `clip_ratio` fills in a null `clip_ratio_low` / `clip_ratio_high`.
-        let clip = self.get(&format!("{a}.clip_ratio"))?;
-        for side in ["low", "high"] {
-            if self.get(&format!("{a}.clip_ratio_{side}"))?.is_null() {
-                let o = self.origin(&format!("{a}.clip_ratio"));
-                self.b.set(&format!("actor.clip_ratio_{side}"), clip.clone(), o)?;
-            }
-        }
+        self.clips()?;
         let strategy = self.get(&format!("{a}.strategy"))?;
         let expected: &[&str] = match self.engine {
             // fsdp_turbo is FSDP2 with fused kernels and a sharding plan: the same

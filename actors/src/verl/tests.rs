@@ -593,6 +593,58 @@ fn todays_reward_section_and_the_legacy_keys_it_replaced() {
 }
 
 #[test]
+fn clip_bounds_go_only_to_the_losses_that_clip() {
+    // VeRL's Qwen3.5 GSPO scripts set the dual clip, which only vanilla reads.
+    let t = translate_with(&[
+        "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+        "actor_rollout_ref.actor.clip_ratio_low=3e-4",
+        "actor_rollout_ref.actor.clip_ratio_high=4e-4",
+        "actor_rollout_ref.actor.clip_ratio_c=10.0",
+    ])
+    .unwrap();
+    assert_eq!(
+        (t.recipe.actor.clip_ratio_low, t.recipe.actor.clip_ratio_high),
+        (3e-4, 4e-4)
+    );
+    assert_eq!(t.recipe.actor.clip_ratio_c, 3.0);
+    assert!(
+        t.notes
+            .iter()
+            .any(|n| n.starts_with("actor_rollout_ref.actor.clip_ratio_c=10.0 has no effect")),
+        "{:?}",
+        t.notes
+    );
+    let t = translate_with(&[
+        "actor_rollout_ref.actor.policy_loss.loss_mode=sapo",
+        "actor_rollout_ref.actor.clip_ratio_high=0.3",
+    ])
+    .unwrap();
+    assert!(
+        t.notes
+            .iter()
+            .any(|n| n.contains("clip_ratio_high=0.3 has no effect: VeRL's sapo loss does not clip")),
+        "{:?}",
+        t.notes
+    );
+    // `clip_ratio` fills only a null bound, and VeRL's are 0.2.
+    let t = translate_with(&["actor_rollout_ref.actor.clip_ratio=0.3"]).unwrap();
+    assert_eq!(t.recipe.actor.clip_ratio_high, 0.2);
+    assert!(
+        t.notes
+            .iter()
+            .any(|n| n.contains("clip_ratio=0.3 has no effect: VeRL reads it only where")),
+        "{:?}",
+        t.notes
+    );
+    let t = translate_with(&[
+        "actor_rollout_ref.actor.clip_ratio=0.3",
+        "actor_rollout_ref.actor.clip_ratio_high=null",
+    ])
+    .unwrap();
+    assert_eq!(t.recipe.actor.clip_ratio_high, 0.3);
+}
+
+#[test]
 fn chat_template_kwargs_come_over() {
     let r = translate_with(&["+data.apply_chat_template_kwargs.enable_thinking=False"])
         .unwrap()
