@@ -70,9 +70,13 @@ fn script_inputs(dir: &Path) -> std::path::PathBuf {
 }
 
 /// `output`'s metrics after a two-step run: both steps there, each with a finite score, policy
-/// and KL loss, response length and generation time, and a gradient (VeRL's scripts use the KL
-/// loss, and the update had one).
-fn trained_two_steps(output: &Path, script: &str) -> std::collections::BTreeMap<u64, serde_json::Value> {
+/// loss (and KL loss, for the scripts that use it), response length and generation time, and a
+/// gradient.
+fn trained_two_steps(
+    output: &Path,
+    script: &str,
+    kl_loss: bool,
+) -> std::collections::BTreeMap<u64, serde_json::Value> {
     let m = metrics(output);
     assert_eq!(
         m.keys().copied().filter(|s| *s > 0).collect::<Vec<_>>(),
@@ -81,13 +85,13 @@ fn trained_two_steps(output: &Path, script: &str) -> std::collections::BTreeMap<
     );
     for step in [1, 2] {
         let s = &m[&step];
-        for key in [
+        let keys = [
             "critic/score/mean",
             "actor/pg_loss",
-            "actor/kl_loss",
             "response_length/mean",
             "timing_s/gen",
-        ] {
+        ];
+        for key in keys.iter().chain(kl_loss.then_some(&"actor/kl_loss")) {
             assert!(
                 s[key].as_f64().is_some_and(f64::is_finite),
                 "{script} step {step}: {key} in {s}"
@@ -117,7 +121,7 @@ fn verls_own_grpo_scripts_run_and_train() {
         ] {
             assert_eq!(stderr.matches(note).count(), 1, "{script}: {note}\n{stderr}");
         }
-        let m = trained_two_steps(&output, script);
+        let m = trained_two_steps(&output, script, true);
         // Validation ran at step 2 (VeRL's core metric of the data source), and before
         // training unless the script says otherwise (seq_balance sets val_before_train=False).
         assert!(
@@ -323,10 +327,7 @@ const TODAYS_SCRIPTS: &[(&str, Outcome)] = &[
         "run_minicpm_o_2_6_fsdp.sh",
         Outcome::Lacks("grpo reads VeRL's Parquet schema"),
     ),
-    (
-        "run_mistral_nemo_12b_skyworkrm_fsdp.sh",
-        Outcome::Lacks("VeRL's reward-model worker is not translated"),
-    ),
+    ("run_mistral_nemo_12b_skyworkrm_fsdp.sh", Outcome::Recipe),
     ("run_moonlight_16b_a3b_megatron.sh", MULTI_HOST),
     ("run_nemotron_nano_v3_30b_a3b_megatron.sh", MOE),
     ("run_qwen2-7b_math_megatron_fsdp.sh", Outcome::Recipe),
@@ -537,7 +538,37 @@ fn todays_fsdp_and_megatron_scripts_train() {
         let out = todays_script(name, home.path(), &model, &args).output().unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{name}:\n{stderr}");
-        trained_two_steps(&output, name);
+        trained_two_steps(&output, name, true);
         assert!(output.join("checkpoints/step_2").is_dir(), "{name}");
     }
+}
+
+/// VeRL's GRPO script with a reward model (Mistral-Nemo scored by Skywork's reward model) trains
+/// two steps with the tiny model and a tiny reward model beside it: VeRL's reward-model worker
+/// becomes a `reward_model` scorer of every sample.
+#[test]
+fn todays_reward_model_script_trains() {
+    let home = tempfile::tempdir().unwrap();
+    let model = todays_inputs(home.path());
+    let rm = testkit::tiny_reward_model(home.path(), 3);
+    let name = "run_mistral_nemo_12b_skyworkrm_fsdp.sh";
+    let output = home.path().join("rm");
+    let mut args = cut_sizes(&output);
+    args.push("trainer.logger=['console']".into());
+    let data = home.path().join("data/gsm8k");
+    let out = todays_script(name, home.path(), &model, &args)
+        .env("REWARD_MODEL_PATH", &rm)
+        .env("TRAIN_FILE", data.join("train.parquet"))
+        .env("TEST_FILE", data.join("test.parquet"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{name}:\n{stderr}");
+    let m = trained_two_steps(&output, name, false);
+    // The reward model's scores are not the arithmetic rule's 0 / 0.2 / 1.
+    let scores: Vec<f64> = [1, 2]
+        .iter()
+        .map(|s| m[s]["critic/score/mean"].as_f64().unwrap())
+        .collect();
+    assert!(scores.iter().all(|s| ![0.0, 0.2, 1.0].contains(s)), "{scores:?}");
 }

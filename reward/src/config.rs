@@ -18,7 +18,10 @@
 //!       instruction: "Question: {{ prompt }}\nAnswer: {{ response }}\nIs the answer right? Yes or No."
 //!       verdict: {kind: probability, yes: "Yes", no: "No"}
 //!   overlong_buffer: {enable: true, len: 512, penalty_factor: 1.0, log: true}
-//!   # or, instead of data_sources and default, a reward file written for VeRL:
+//!   # or, instead of data_sources and default, one scorer for every sample (VeRL with a
+//!   # reward model scores every sample with it):
+//!   # scorer: rm
+//!   # or a reward file written for VeRL:
 //!   # custom_reward_function: {path: my_reward.py, name: compute_score, reward_kwargs: {}}
 //!   num_workers: 8
 //!   time_limit_s: 30
@@ -92,6 +95,10 @@ pub struct RewardConfig {
     /// Named scorer definitions; a name may shadow a built-in scorer everywhere it is used.
     #[serde(default)]
     pub scorers: BTreeMap<String, ScorerSpec>,
+    /// The one scorer of every sample, whatever its `data_source` (VeRL's table is not used);
+    /// instead of `data_sources` and `default`.
+    #[serde(default)]
+    pub scorer: Option<String>,
     /// DAPO's overlong penalty.
     #[serde(default)]
     pub overlong_buffer: OverlongBufferConfig,
@@ -144,6 +151,7 @@ impl Default for RewardConfig {
             default: None,
             data_sources: BTreeMap::new(),
             scorers: BTreeMap::new(),
+            scorer: None,
             overlong_buffer: OverlongBufferConfig::default(),
             num_workers: default_num_workers(),
             time_limit_s: default_time_limit_s(),
@@ -499,7 +507,7 @@ impl RewardConfig {
     }
 
     /// Builds the reward function: VeRL's data-source table, then `data_sources`, `default`
-    /// (or instead of those three `custom_reward_function`, for every data source) and the
+    /// (or instead of those three `scorer` or `custom_reward_function`, for every data source) and the
     /// overlong penalty. `max_response_length` is the run's `data.max_response_length`, used
     /// by the penalty unless `overlong_buffer.max_response_length` is set. Each scorer is built
     /// once and shared (one child process per `command` scorer however many sources use it).
@@ -519,9 +527,25 @@ impl RewardConfig {
             built: HashMap::new(),
             in_progress: Vec::new(),
         };
-        let mut reward = match &self.custom_reward_function {
-            Some(custom) => RewardFunction::new().with_default(self.custom_function(custom)?),
-            None => self.by_data_source(&mut builder)?,
+        let mut reward = match (&self.custom_reward_function, &self.scorer) {
+            (Some(_), Some(_)) => {
+                return Err(invalid(
+                    "reward.scorer",
+                    "and `reward.custom_reward_function` each score every sample: keep one",
+                ))
+            }
+            (Some(custom), None) => RewardFunction::new().with_default(self.custom_function(custom)?),
+            (None, Some(name)) => {
+                if !self.data_sources.is_empty() || self.default.is_some() {
+                    return Err(invalid(
+                        "reward.scorer",
+                        "scores every sample, so `reward.data_sources` and `reward.default` must \
+                         stay empty with it; to choose by data source, use those instead",
+                    ));
+                }
+                RewardFunction::new().with_default(builder.scorer(name, "reward.scorer")?)
+            }
+            (None, None) => self.by_data_source(&mut builder)?,
         };
         // Scorers defined but not referenced are still checked.
         for name in self.scorers.keys() {
@@ -1098,6 +1122,36 @@ time_limit_s: 1.5
             (options.num_workers, options.time_limit),
             (2, Duration::from_millis(1500))
         );
+    }
+
+    /// `scorer` scores every sample, VeRL's data sources and their prefixes too.
+    #[test]
+    fn one_scorer_for_every_sample() {
+        let config = parse("scorer: arithmetic\n").unwrap();
+        let reward = config.build(Some(100)).unwrap();
+        for source in ["openai/gsm8k", "aime2024", "my/dataset"] {
+            let score = reward.score(&sample(source, "12", "12", 3)).unwrap();
+            assert_eq!(score.value, 1.0, "{source}");
+        }
+        // gsm8k's scorer would have wanted `#### 12`.
+        let gsm8k = parse("{}").unwrap().build(Some(100)).unwrap();
+        assert_eq!(
+            gsm8k.score(&sample("openai/gsm8k", "12", "12", 3)).unwrap().value,
+            0.0
+        );
+        for clash in [
+            "scorer: arithmetic\ndefault: gsm8k\n",
+            "scorer: arithmetic\ndata_sources: {a: gsm8k}\n",
+        ] {
+            let Err(err) = parse(clash).unwrap().build(Some(100)) else {
+                panic!("{clash}: accepted")
+            };
+            let err = err.to_string();
+            assert!(
+                err.contains("reward.scorer") && err.contains("must stay empty"),
+                "{err}"
+            );
+        }
     }
 
     #[test]

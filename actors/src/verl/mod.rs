@@ -1012,6 +1012,9 @@ impl Translator {
         } else {
             RewardKeys::TOP_LEVEL
         };
+        if self.get(k.rm_enable)? == json!(true) {
+            return self.reward_model(&k);
+        }
         let manager = self.get(k.manager)?;
         let manager_origin = self.origin(k.manager);
         let ours = match manager.as_str() {
@@ -1059,6 +1062,72 @@ impl Translator {
             origin,
         )?;
         Ok(())
+    }
+
+    /// VeRL's reward-model worker: a `*ForSequenceClassification` checkpoint whose score is every
+    /// sample's reward (VeRL uses it for every data source when no custom function is given,
+    /// and 0.7.0 returned its scores even with one), as grpo's `reward_model` scorer and
+    /// `reward.scorer`. VeRL 0.7.1's custom function beside it reaches the model through VeRL's
+    /// router, which grpo does not have.
+    fn reward_model(&mut self, k: &RewardKeys) -> Result<(), VerlError> {
+        let path = expand_home(self.get(k.rm_path)?);
+        if path.is_null() {
+            return Err(VerlError::Value {
+                origin: self.origin(k.rm_path),
+                message: format!("{} needs the reward model's checkpoint here", k.rm_enable),
+            });
+        }
+        let custom = self.get(k.path)?;
+        if !custom.is_null() {
+            if self.version.has_reward_section() {
+                self.unsupported.push((
+                    format!("{}={}", k.path, compact(&custom)),
+                    format!(
+                        "a custom reward function beside VeRL's reward model ({}) calls it \
+                         through VeRL's reward router, which grpo does not have; in a grpo recipe \
+                         weigh a `reward_model` scorer with rule scorers (`kind: weighted`)",
+                        k.rm_enable
+                    ),
+                ));
+                return Ok(());
+            }
+            self.notes.push(format!(
+                "{}={} has no effect: with {}, VeRL 0.7.0 returns the reward model's scores",
+                k.path,
+                compact(&custom),
+                k.rm_enable
+            ));
+        }
+        let manager = self.get(k.manager)?;
+        if !matches!(manager.as_str(), Some("naive" | "batch")) {
+            self.unsupported.push((
+                format!("{}={}", k.manager, compact(&manager)),
+                "VeRL's reward model scores the samples itself; its other reward managers \
+                 beside it are not translated"
+                    .into(),
+            ));
+            return Ok(());
+        }
+        let mut scorer = json!({ "kind": "reward_model", "path": path });
+        let max_length = if self.version.has_reward_section() {
+            let len = |t: &Self, k: &str| t.get(&format!("reward.reward_model.rollout.{k}"));
+            match (
+                len(self, "prompt_length")?.as_u64(),
+                len(self, "response_length")?.as_u64(),
+            ) {
+                (Some(p), Some(r)) => Some(p + r),
+                _ => None,
+            }
+        } else {
+            self.get("reward_model.max_length")?.as_u64()
+        };
+        if let Some(m) = max_length {
+            scorer["max_length"] = json!(m);
+        }
+        let o = format!("{} with {}", self.origin(k.rm_enable), self.origin(k.rm_path));
+        self.b
+            .set("reward.scorers.verl_reward_model", scorer, o.clone())?;
+        self.b.set("reward.scorer", json!("verl_reward_model"), o)
     }
 
     /// DAPO's `overlong_buffer_cfg` and `max_resp_len` (under `kwargs`, the reward manager's
@@ -1116,6 +1185,9 @@ struct RewardKeys {
     function_kwargs: &'static str,
     /// The section of the reward manager's keyword arguments (DAPO's overlong buffer).
     manager_kwargs: &'static str,
+    /// Whether VeRL's reward-model worker scores the samples, and its checkpoint.
+    rm_enable: &'static str,
+    rm_path: &'static str,
 }
 
 impl RewardKeys {
@@ -1126,6 +1198,8 @@ impl RewardKeys {
         name: "reward.custom_reward_function.name",
         function_kwargs: "reward.custom_reward_function.reward_kwargs",
         manager_kwargs: "reward.reward_kwargs",
+        rm_enable: "reward.reward_model.enable",
+        rm_path: "reward.reward_model.model_path",
     };
     /// VeRL 0.7.0 and earlier.
     const TOP_LEVEL: RewardKeys = RewardKeys {
@@ -1134,6 +1208,8 @@ impl RewardKeys {
         name: "custom_reward_function.name",
         function_kwargs: "custom_reward_function.reward_kwargs",
         manager_kwargs: "reward_model.reward_kwargs",
+        rm_enable: "reward_model.enable",
+        rm_path: "reward_model.model.path",
     };
 }
 

@@ -137,7 +137,14 @@ const V1_TRAINER: How = How::NoEffect(
      overlaps rollout and update by `trainer.off_policy_steps` in a recipe",
 );
 const REWARD_ROLLOUT: How =
-    How::NoEffect("read by VeRL only with a reward model (`reward_model.enable`), which grpo verl refuses");
+    How::NoEffect("the reward model's serving settings (vLLM / SGLang, its resource pool); grpo runs it as a `reward_model` scorer on the run's devices");
+const REWARD_MODEL: How = How::Rule(
+    "true -> a `reward_model` scorer (`reward.scorers.verl_reward_model`) that scores every sample \
+     (`reward.scorer`), as VeRL's reward model does without a custom function; beside VeRL 0.7.1's \
+     custom function (which calls it through VeRL's router) or a reward manager other than naive \
+     and batch, refused",
+);
+const REWARD_MODEL_PATH: How = How::Rule("with the reward model enabled -> the scorer's path");
 const SANDBOX: How = How::Unsupported("code execution in a Sandbox Fusion server is not in grpo; a `custom_reward_function` file can run the code itself");
 const MEGATRON_LORA: How = How::Rule(
     "with model_engine=megatron and `rank` > 0 -> actor.lora_rank / lora_alpha / target_modules \
@@ -454,7 +461,9 @@ pub const TABLE: &[Entry] = &[
     Entry { key: "custom_reward_function.path", how: How::Rule("-> reward.custom_reward_function.path (null: grpo's built-in scorers for VeRL's data sources); VeRL 0.7.1 moved it to `reward.custom_reward_function.path`, where grpo reads it then") },
     Entry { key: "custom_reward_function.name", how: How::Rule("-> reward.custom_reward_function.name") },
     Entry { key: "custom_reward_function.reward_kwargs.*", how: How::Rule("-> reward.custom_reward_function.reward_kwargs") },
-    Entry { key: "reward_model.*", how: How::NoEffect("read by VeRL only with `reward_model.enable`, which grpo refuses (VeRL 0.7.1 moved the ones it reads to `reward.*`, and grpo reads them there)") },
+    Entry { key: "reward_model.*", how: How::NoEffect("the reward-model worker's FSDP, batching and serving settings; grpo runs the model as a `reward_model` scorer (VeRL 0.7.1 moved the keys it reads to `reward.*`, and grpo reads them there)") },
+    Entry { key: "reward_model.model.path", how: REWARD_MODEL_PATH },
+    Entry { key: "reward_model.max_length", how: How::Rule("with `reward_model.enable` -> the scorer's max_length (null: grpo's 4096)") },
     Entry { key: "reward_model.reward_kwargs.*", how: How::Rule("the reward manager's keyword arguments: with `dapo`, `overlong_buffer_cfg.{enable,len,penalty_factor,log}` and `max_resp_len` -> reward.overlong_buffer") },
     Entry { key: "sandbox_fusion.*", how: SANDBOX },
     // reward, VeRL 0.7.1 and later
@@ -467,9 +476,12 @@ pub const TABLE: &[Entry] = &[
     Entry { key: "reward.reward_manager.source", how: How::Unsupported("grpo's reward managers are VeRL's registered `naive`, `batch` and `dapo`") },
     Entry { key: "reward.reward_manager.module.*", how: How::Unsupported("custom reward-manager classes are not in grpo; a `custom_reward_function` file is") },
     Entry { key: "reward.reward_model.*", how: REWARD_ROLLOUT },
-    Entry { key: "reward.reward_model.enable", how: How::Unsupported("VeRL's reward-model worker is not translated: in a grpo recipe, define the model as a scorer (`reward.scorers.NAME: {kind: reward_model, path: ...}`) and name it in `reward.data_sources` or `reward.default`, alone or weighted with rule scorers (recipes/README.md, `reward`)") },
+    Entry { key: "reward.reward_model.enable", how: REWARD_MODEL },
+    Entry { key: "reward.reward_model.model_path", how: REWARD_MODEL_PATH },
+    Entry { key: "reward.reward_model.rollout.prompt_length", how: How::Rule("with `reward.reward_model.enable`, + `response_length` -> the scorer's max_length") },
+    Entry { key: "reward.reward_model.rollout.response_length", how: How::Rule("with `reward.reward_model.enable`, + `prompt_length` -> the scorer's max_length") },
     Entry { key: "reward.sandbox_fusion.*", how: SANDBOX },
-    Entry { key: "reward_model.enable", how: How::Unsupported("VeRL's reward-model worker is not translated: in a grpo recipe, define the model as a scorer (`reward.scorers.NAME: {kind: reward_model, path: ...}`) and name it in `reward.data_sources` or `reward.default`, alone or weighted with rule scorers (recipes/README.md, `reward`)") },
+    Entry { key: "reward_model.enable", how: REWARD_MODEL },
     Entry { key: "reward_model.reward_manager", how: How::Rule("VeRL's older home of `reward_manager.name`, which reads it by default") },
     Entry { key: "reward_model.sandbox_fusion.*", how: How::Unsupported("code execution in a Sandbox Fusion server is not in grpo; a `custom_reward_function` file can run the code itself") },
     Entry { key: "reward_model.profiler.*", how: PROFILER },

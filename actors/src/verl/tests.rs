@@ -209,19 +209,16 @@ fn errors_name_the_key_and_the_way_out() {
     assert_eq!(
         err(&[
             "actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts=3",
-            "reward_model.enable=True"
+            "sandbox_fusion.url=http://127.0.0.1:8080"
         ]),
         "2 VeRL settings grpo cannot honour:\n  actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts=3: \
          not supported: grpo's multi-turn rollouts run the tools of `rollout.multi_turn.tools` and \
          `rollout.multi_turn.tool_config_path` (built-ins, JSON-lines commands, HTTP endpoints) and the \
          interactions of `rollout.multi_turn.interaction_config_path`, or your own agent program \
          through an OpenAI-compatible endpoint (`rollout.multi_turn.agent`); VeRL's Python agent loop \
-         classes and repeated rollouts are not in grpo\n  reward_model.enable=True (read as \
-         reward.reward_model.enable): not \
-         supported: VeRL's reward-model worker is not translated: in a grpo recipe, define the \
-         model as a scorer (`reward.scorers.NAME: {kind: reward_model, path: ...}`) and name it in \
-         `reward.data_sources` or `reward.default`, alone or weighted with rule scorers \
-         (recipes/README.md, `reward`)"
+         classes and repeated rollouts are not in grpo\n  sandbox_fusion.url=http://127.0.0.1:8080 \
+         (read as reward.sandbox_fusion.url): not supported: code execution in a Sandbox Fusion \
+         server is not in grpo; a `custom_reward_function` file can run the code itself"
     );
     assert_eq!(
         err(&["actor_rollout_ref.actor.kl_loss_type=k9"]),
@@ -642,6 +639,55 @@ fn clip_bounds_go_only_to_the_losses_that_clip() {
     ])
     .unwrap();
     assert_eq!(t.recipe.actor.clip_ratio_high, 0.3);
+}
+
+#[test]
+fn verls_reward_model_scores_every_sample() {
+    for (layout, rm) in [
+        (
+            None,
+            [
+                "reward.reward_model.enable=True",
+                "reward.reward_model.model_path=/rm",
+            ],
+        ),
+        (
+            Some("0.7.0"),
+            ["reward_model.enable=True", "reward_model.model.path=/rm"],
+        ),
+    ] {
+        let t = translate(&VerlInput {
+            overrides: BASE.iter().chain(&rm).map(|s| s.to_string()).collect(),
+            verl_version: layout.map(String::from),
+            ..Default::default()
+        })
+        .unwrap();
+        let r = &t.recipe.reward;
+        assert_eq!(r.scorer.as_deref(), Some("verl_reward_model"), "{layout:?}");
+        match &r.scorers["verl_reward_model"] {
+            reward::config::ScorerSpec::RewardModel(spec) => {
+                assert_eq!(spec.path, "/rm");
+                // VeRL 0.7.1 reads prompt and response of 2048 tokens each.
+                if layout.is_none() {
+                    assert_eq!(spec.max_length, 4096);
+                }
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    // VeRL 0.7.1's custom function beside the model calls it through VeRL's router.
+    let err = translate_with(&[
+        "reward.reward_model.enable=True",
+        "reward.reward_model.model_path=/rm",
+        "reward.custom_reward_function.path=/r.py",
+    ])
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("through VeRL's reward router"), "{err}");
+    let err = translate_with(&["reward.reward_model.enable=True"])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("needs the reward model's checkpoint"), "{err}");
 }
 
 #[test]
