@@ -509,6 +509,30 @@ fn every_one_of_verls_current_grpo_scripts_translates_or_names_what_grpo_lacks()
             );
         }
     }
+    // docs/from-verl.md's command: the script's `python3` renamed `grpo verl` by sed, the rest
+    // unchanged (`-m verl.trainer.main_ppo` is taken), `grpo` on PATH.
+    let bin = home.path().join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_grpo"), bin.join("grpo")).unwrap();
+    let out = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "sed 's/^LAUNCH=(python3)/LAUNCH=(grpo verl)/' {} | bash -s -- trainer.device=cpu --print-recipe",
+            dir.join("run_qwen3_8b_fsdp.sh").display()
+        ))
+        .current_dir(home.path())
+        .env("HOME", home.path())
+        .env("MODEL_PATH", &model)
+        .env("VERL_USE_UV", "0")
+        .env(
+            "PATH",
+            format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default()),
+        )
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let recipe: serde_yaml::Value = serde_yaml::from_slice(&out.stdout).unwrap();
+    assert_eq!(recipe["model"]["path"].as_str(), model.to_str());
     if let Ok(path) = std::env::var("GRPO_VERL_REPORT") {
         std::fs::write(path, report).unwrap();
     }

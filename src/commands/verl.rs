@@ -25,6 +25,7 @@ use std::process::ExitCode;
         grpo verl model_engine=megatron actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2 ...\n  \
         grpo verl --verl-version 0.7.0 reward_model.reward_manager=dapo ...\n  \
         grpo verl ... --print-recipe > my.yaml && grpo run my.yaml\n  \
+        sed 's/^LAUNCH=(python3)/LAUNCH=(grpo verl)/' run_qwen3_8b_fsdp.sh | bash   # VeRL's script, its python3 renamed\n  \
         grpo verl --keys"
 )]
 pub struct VerlArgs {
@@ -40,6 +41,11 @@ pub struct VerlArgs {
     /// from its keys, else the newest layout).
     #[arg(long = "verl-version", value_name = "RELEASE")]
     pub verl_version: Option<String>,
+
+    /// `-m verl.trainer.main_ppo`, as a script passes it to python3: accepted, so that a script
+    /// whose `python3` (or `LAUNCH`) became `grpo verl` runs unchanged otherwise.
+    #[arg(short = 'm', value_name = "MODULE")]
+    pub module: Option<String>,
 
     /// Print the grpo recipe made from the command line and exit.
     #[arg(long)]
@@ -59,6 +65,12 @@ pub struct VerlArgs {
 }
 
 pub fn run(args: VerlArgs) -> Result<ExitCode> {
+    if let Some(module) = args.module.as_deref().filter(|m| *m != "verl.trainer.main_ppo") {
+        anyhow::bail!(
+            "-m {module}: grpo verl runs what `python3 -m verl.trainer.main_ppo` runs; {module} is \
+             another of VeRL's entry points, which grpo does not have"
+        );
+    }
     if args.keys {
         println!("What `grpo verl` does with each key of VeRL's trainer config");
         println!("(`verl/trainer/config/_generated_ppo*_trainer.yaml`, every `model_engine`), for:");
