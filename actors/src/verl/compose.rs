@@ -131,10 +131,14 @@ pub fn compose(input: &VerlInput) -> Result<Composed, VerlError> {
         });
     };
     let engine = version.engines().find(|e| *e == name).expect("defaults found");
-    notes.push(format!(
-        "read as {} ({why}); model_engine={engine} ({origin})",
-        version.describe()
-    ));
+    // First: the notes below are read against it.
+    notes.insert(
+        0,
+        format!(
+            "read as {} ({why}); model_engine={engine} ({origin})",
+            version.describe()
+        ),
+    );
     let mut config = Config::new(defaults);
     if let Some(f) = &file {
         config.merge(f);
