@@ -28,7 +28,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-const STEPS: u64 = 40;
+/// Steps per run: room for the eight faults of a seed, each injected after the run recovered
+/// from the one before and at a random moment up to 1.5 s later; a fault still pending when the
+/// run ends fails the seed.
+const STEPS: u64 = 60;
 /// `cluster.worker_timeout_s`: a worker silent this long is dead.
 const TIMEOUT_S: u64 = 2;
 /// How long a freeze or a stalled connection lasts: past the deadline.
