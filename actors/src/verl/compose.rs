@@ -3,6 +3,7 @@
 //! one a `--config-name` composes), a config file, the overrides; then the reward keys VeRL 0.7.1
 //! left at the top moved to its `reward` section, as its releases did.
 
+use super::engine::ENGINES;
 use super::hydra::{Config, ConfigFile, Override};
 use super::version::{detect, VerlVersion};
 use super::{VerlError, VerlInput};
@@ -20,9 +21,6 @@ pub struct Composed {
 /// The configs VeRL ships in its package that `--config-name` may name without a file here, and
 /// the engine each composes.
 const VERL_CONFIGS: &[(&str, &str)] = &[("ppo_trainer", "dp"), ("ppo_megatron_trainer", "megatron")];
-
-/// VeRL's training engines, the options of its `model_engine` group.
-const ENGINES: &[&str] = &["dp", "megatron", "veomni", "torchtitan"];
 
 /// The config groups of VeRL's `ppo_trainer` defaults list (a key without dots naming one, or
 /// `group@package`, is a choice of a config file, not a value).
@@ -176,7 +174,7 @@ struct EngineChoice {
 
 impl EngineChoice {
     fn set(&mut self, engine: &str, origin: &str) -> Result<(), VerlError> {
-        let Some(known) = ENGINES.iter().copied().find(|e| *e == engine) else {
+        let Some(known) = ENGINES.iter().map(|e| e.name).find(|e| *e == engine) else {
             return Err(VerlError::Value {
                 origin: format!("`{origin}`"),
                 message: format!(
@@ -203,7 +201,7 @@ impl EngineChoice {
                 Some((_, suffix)) => match engine_of(suffix) {
                     Some("${model_engine}") => Ok(()),
                     Some(engine)
-                        if ENGINES.contains(&engine)
+                        if ENGINES.iter().any(|e| e.name == engine)
                             && self.chosen.as_ref().is_none_or(|(e, _)| *e == engine) =>
                     {
                         self.set(engine, origin)

@@ -851,8 +851,7 @@ impl Translator {
         let a = "actor_rollout_ref.actor";
         let strategy = self.get(&format!("{a}.strategy"))?;
         let reads = |k: &str| eng.reads(k, strategy.as_str().unwrap_or_default());
-        if let Some(k) = eng.tensor.filter(|k| reads(k)) {
-            let key = format!("{a}.{k}");
+        if let Some(key) = self.tensor_key()? {
             let tp = self.size(&key)?;
             if !devices.is_multiple_of(tp) {
                 return Err(VerlError::Value {
@@ -923,15 +922,20 @@ impl Translator {
         }
     }
 
-    /// The engine's tensor-parallel size (1 where it has none).
-    fn tensor_parallel(&self) -> Result<u64, VerlError> {
+    /// The key of the engine's tensor-parallel size, where it has one VeRL reads.
+    fn tensor_key(&self) -> Result<Option<String>, VerlError> {
         let eng = engine::engine(self.engine);
         let strategy = self.get("actor_rollout_ref.actor.strategy")?;
-        match eng
+        Ok(eng
             .tensor
             .filter(|k| eng.reads(k, strategy.as_str().unwrap_or_default()))
-        {
-            Some(k) => self.size(&format!("actor_rollout_ref.actor.{k}")),
+            .map(|k| format!("actor_rollout_ref.actor.{k}")))
+    }
+
+    /// The engine's tensor-parallel size (1 where it has none).
+    fn tensor_parallel(&self) -> Result<u64, VerlError> {
+        match self.tensor_key()? {
+            Some(key) => self.size(&key),
             None => Ok(1),
         }
     }
