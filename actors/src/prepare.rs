@@ -29,6 +29,8 @@ pub enum PrepareError {
     Reward(String),
     #[error("{0}")]
     MultiTurn(String),
+    #[error("{0}")]
+    ModelFeature(String),
 }
 
 /// Renders chat prompts with the model's template and tokenizes them, as rollout will.
@@ -106,6 +108,35 @@ fn chat_template(recipe: &Recipe, own: Option<ChatTemplate>) -> Result<Option<Ch
     }
 }
 
+/// The recipe's model-side settings that this model's architecture cannot honour: a LoRA target
+/// no layer has (PEFT refuses it alike), and one scanned layer body over layers that differ.
+fn check_model_features(recipe: &Recipe, config: &model::ModelConfig) -> Result<(), String> {
+    if let Some(lora) = recipe.actor.lora() {
+        let table = model::lora::lora_table(config, &lora);
+        if let Some(t) = lora
+            .targets
+            .iter()
+            .find(|t| !table.iter().any(|s| s.target == **t))
+        {
+            return Err(format!(
+                "actor.target_modules: `{}` names no module of this {} model: its mixture-of-experts                  layers keep their experts as stacked tensors, not linear modules, and LoRA on experts                  is not in grpo yet; adapt the attention (q_proj, k_proj, v_proj, o_proj) instead",
+                t.module(),
+                config.family
+            ));
+        }
+    }
+    let moe_layers = (0..config.num_hidden_layers)
+        .filter(|&l| config.is_moe_layer(l))
+        .count();
+    if recipe.model.scan_layers && moe_layers > 0 && moe_layers < config.num_hidden_layers {
+        return Err(format!(
+            "model.scan_layers: {moe_layers} of this model's {} layers are mixtures of experts and the              rest dense (mlp_only_layers / decoder_sparse_step), so no one scanned layer body runs them              all; set model.scan_layers: false",
+            config.num_hidden_layers
+        ));
+    }
+    Ok(())
+}
+
 /// A run, ready for its first step.
 pub struct Prepared {
     /// The model; its chat template has moved into `tokenizer`.
@@ -130,6 +161,7 @@ pub fn prepare(recipe: &Recipe) -> Result<Prepared, PrepareError> {
     if recipe.model.random_init {
         model.weights = model::random_init(&model.weights.config, recipe.trainer.seed);
     }
+    check_model_features(recipe, &model.weights.config).map_err(PrepareError::ModelFeature)?;
     let tokenizer = match &recipe.model.tokenizer {
         None => model.tokenizer.clone(),
         Some(p) => {

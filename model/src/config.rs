@@ -1,4 +1,4 @@
-//! Model configurations of the supported decoder families (Llama, Qwen2, Qwen3), parsed from a
+//! Model configurations of the supported decoder families (Llama, Qwen2, Qwen3, Qwen3-MoE), parsed from a
 //! Hugging Face `config.json` or from GGUF metadata, and written back as a `config.json`.
 
 use std::path::Path;
@@ -17,11 +17,13 @@ pub enum Family {
     Qwen2,
     /// Qwen3: RMSNorm over each head of q and k, no projection bias.
     Qwen3,
+    /// Qwen3-MoE: Qwen3 attention; the MLP of most layers a mixture of experts ([`MoeConfig`]).
+    Qwen3Moe,
 }
 
 /// Architecture names accepted, as listed in error messages.
 pub const SUPPORTED_ARCHITECTURES: &str =
-    "llama (LlamaForCausalLM), qwen2 (Qwen2ForCausalLM), qwen3 (Qwen3ForCausalLM)";
+    "llama (LlamaForCausalLM), qwen2 (Qwen2ForCausalLM), qwen3 (Qwen3ForCausalLM), qwen3_moe (Qwen3MoeForCausalLM)";
 
 impl Family {
     /// The Hugging Face `model_type` (also the GGUF `general.architecture`).
@@ -30,6 +32,7 @@ impl Family {
             Family::Llama => "llama",
             Family::Qwen2 => "qwen2",
             Family::Qwen3 => "qwen3",
+            Family::Qwen3Moe => "qwen3_moe",
         }
     }
 
@@ -39,6 +42,7 @@ impl Family {
             Family::Llama => "LlamaForCausalLM",
             Family::Qwen2 => "Qwen2ForCausalLM",
             Family::Qwen3 => "Qwen3ForCausalLM",
+            Family::Qwen3Moe => "Qwen3MoeForCausalLM",
         }
     }
 
@@ -48,6 +52,7 @@ impl Family {
             "llama" | "LlamaForCausalLM" => Some(Family::Llama),
             "qwen2" | "Qwen2ForCausalLM" => Some(Family::Qwen2),
             "qwen3" | "Qwen3ForCausalLM" => Some(Family::Qwen3),
+            "qwen3_moe" | "Qwen3MoeForCausalLM" => Some(Family::Qwen3Moe),
             _ => None,
         }
     }
@@ -103,6 +108,40 @@ impl RopeScaling {
     }
 }
 
+/// The mixture-of-experts MLP of a family that has one (Qwen3-MoE), as transformers'
+/// `Qwen3MoeSparseMoeBlock` computes it: a router `Linear(hidden, num_experts)`, softmax in f32,
+/// the top `experts_per_token`, renormalised to sum to one when `norm_topk_prob`, and that
+/// weighted sum of SwiGLU experts of width `expert_intermediate_size`. Layers it leaves dense
+/// keep the family's SwiGLU MLP of `intermediate_size`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    /// Experts per MoE layer (`num_experts`; transformers 5 writes `num_local_experts`).
+    pub num_experts: usize,
+    /// Experts each token goes to (`num_experts_per_tok`, the k of top-k).
+    pub experts_per_token: usize,
+    /// Width of one expert's SwiGLU (`moe_intermediate_size`).
+    pub expert_intermediate_size: usize,
+    /// Renormalise the k chosen probabilities to sum to one (`norm_topk_prob`; transformers'
+    /// config class defaults it off, every published Qwen3-MoE checkpoint sets it).
+    pub norm_topk_prob: bool,
+    /// Layers whose MLP is dense whatever the step (`mlp_only_layers`).
+    pub mlp_only_layers: Vec<usize>,
+    /// Every this-many-th layer is sparse (`decoder_sparse_step`: layer `i` when `(i + 1) % step == 0`).
+    pub decoder_sparse_step: usize,
+    /// Weight of the load-balancing loss in the learner's objective (`router_aux_loss_coef`);
+    /// RL recipes set it 0, as VeRL does, and then it only reports.
+    pub router_aux_loss_coef: f64,
+}
+
+impl MoeConfig {
+    /// Whether layer `layer`'s MLP is a mixture of experts (transformers' rule).
+    pub fn is_sparse(&self, layer: usize) -> bool {
+        !self.mlp_only_layers.contains(&layer)
+            && self.num_experts > 0
+            && (layer + 1).is_multiple_of(self.decoder_sparse_step.max(1))
+    }
+}
+
 /// Everything the forward pass and the weight loaders need to know about a model.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
@@ -146,6 +185,8 @@ pub struct ModelConfig {
     pub pad_token_id: Option<u32>,
     /// Standard deviation of random initialisation.
     pub initializer_range: f64,
+    /// The mixture-of-experts MLP (`None`: every layer dense).
+    pub moe: Option<MoeConfig>,
 }
 
 /// Reads typed keys out of a JSON object, with errors naming the key and the file.
@@ -246,6 +287,67 @@ fn parse_rope_scaling(keys: &JsonKeys<'_>, key: &str) -> Result<Option<RopeScali
     }
 }
 
+/// The [`MoeConfig`] keys of a Qwen3-MoE `config.json`, with transformers' defaults.
+fn parse_moe(keys: &JsonKeys<'_>) -> Result<MoeConfig> {
+    let num_experts = match keys.usize_opt("num_experts")? {
+        Some(n) => n,
+        None => keys.usize("num_local_experts").map_err(|_| {
+            keys.error(
+                "num_experts",
+                "missing (nor is transformers 5's num_local_experts there)",
+            )
+        })?,
+    };
+    let mlp_only_layers = match keys.present("mlp_only_layers") {
+        None => Vec::new(),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| v.as_u64().map(|x| x as usize))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| keys.error("mlp_only_layers", "expected a list of layer indices"))?,
+        Some(v) => {
+            return Err(keys.error(
+                "mlp_only_layers",
+                format!("expected a list of layer indices, found {v}"),
+            ))
+        }
+    };
+    let moe = MoeConfig {
+        num_experts,
+        experts_per_token: keys.usize("num_experts_per_tok")?,
+        expert_intermediate_size: keys.usize("moe_intermediate_size")?,
+        norm_topk_prob: keys.bool_or("norm_topk_prob", false)?,
+        mlp_only_layers,
+        decoder_sparse_step: keys.usize_opt("decoder_sparse_step")?.unwrap_or(1),
+        router_aux_loss_coef: keys.f64_or("router_aux_loss_coef", 0.001)?,
+    };
+    if moe.experts_per_token == 0 || moe.experts_per_token > moe.num_experts {
+        return Err(keys.error(
+            "num_experts_per_tok",
+            format!(
+                "{} must be between 1 and num_experts ({})",
+                moe.experts_per_token, moe.num_experts
+            ),
+        ));
+    }
+    if moe.num_experts > 256 {
+        return Err(keys.error(
+            "num_experts",
+            format!(
+                "{} experts: grpo records each token's experts in one byte, so at most 256",
+                moe.num_experts
+            ),
+        ));
+    }
+    if moe.decoder_sparse_step == 0 {
+        return Err(keys.error("decoder_sparse_step", "must be positive, found 0"));
+    }
+    if moe.expert_intermediate_size == 0 {
+        return Err(keys.error("moe_intermediate_size", "must be positive, found 0"));
+    }
+    Ok(moe)
+}
+
 impl ModelConfig {
     /// A 2-layer Llama, 32 wide, with a 32-token vocabulary and 4 query / 2 key-value heads,
     /// whose random weights ([`crate::random_init`], `initializer_range` 0.4) spread the logits
@@ -273,6 +375,7 @@ impl ModelConfig {
             eos_token_ids: vec![],
             pad_token_id: None,
             initializer_range: 0.4,
+            moe: None,
         }
     }
 
@@ -365,7 +468,11 @@ impl ModelConfig {
         let (attention_bias, o_proj_bias, qk_norm) = match family {
             Family::Llama => (attention_bias_key, attention_bias_key, false),
             Family::Qwen2 => (true, false, false),
-            Family::Qwen3 => (attention_bias_key, attention_bias_key, true),
+            Family::Qwen3 | Family::Qwen3Moe => (attention_bias_key, attention_bias_key, true),
+        };
+        let moe = match family {
+            Family::Qwen3Moe => Some(parse_moe(&keys)?),
+            _ => None,
         };
         let eos_token_ids = keys.token_ids("eos_token_id")?;
         let single_id = |key: &str| -> Result<Option<u32>> { Ok(keys.token_ids(key)?.first().copied()) };
@@ -390,6 +497,7 @@ impl ModelConfig {
             eos_token_ids,
             pad_token_id: single_id("pad_token_id")?,
             initializer_range: keys.f64_or("initializer_range", 0.02)?,
+            moe,
         };
         config.validate(origin)?;
         Ok(config)
@@ -500,7 +608,7 @@ impl ModelConfig {
             tie_word_embeddings: gguf.tensor_info("output.weight").is_none(),
             attention_bias: family == Family::Qwen2 || has_bias,
             o_proj_bias: gguf.tensor_info("blk.0.attn_output.bias").is_some(),
-            qk_norm: family == Family::Qwen3,
+            qk_norm: matches!(family, Family::Qwen3 | Family::Qwen3Moe),
             max_position_embeddings: match gguf.metadata(&key("context_length")) {
                 Some(_) => gguf.metadata_usize(&key("context_length"))?,
                 None => 2048,
@@ -509,9 +617,15 @@ impl ModelConfig {
             eos_token_ids: id_key("tokenizer.ggml.eos_token_id")?.into_iter().collect(),
             pad_token_id: id_key("tokenizer.ggml.padding_token_id")?,
             initializer_range: 0.02,
+            moe: None,
         };
         config.validate(&path.display().to_string())?;
         Ok(config)
+    }
+
+    /// Whether layer `layer`'s MLP is a mixture of experts.
+    pub fn is_moe_layer(&self, layer: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.is_sparse(layer))
     }
 
     /// The first end-of-sequence token, if any.
@@ -576,10 +690,19 @@ impl ModelConfig {
             Family::Qwen2 => {
                 object.insert("use_sliding_window".into(), json!(false));
             }
-            Family::Qwen3 => {
+            Family::Qwen3 | Family::Qwen3Moe => {
                 object.insert("attention_bias".into(), json!(self.attention_bias));
                 object.insert("use_sliding_window".into(), json!(false));
             }
+        }
+        if let Some(m) = &self.moe {
+            object.insert("num_experts".into(), json!(m.num_experts));
+            object.insert("num_experts_per_tok".into(), json!(m.experts_per_token));
+            object.insert("moe_intermediate_size".into(), json!(m.expert_intermediate_size));
+            object.insert("norm_topk_prob".into(), json!(m.norm_topk_prob));
+            object.insert("mlp_only_layers".into(), json!(m.mlp_only_layers));
+            object.insert("decoder_sparse_step".into(), json!(m.decoder_sparse_step));
+            object.insert("router_aux_loss_coef".into(), json!(m.router_aux_loss_coef));
         }
         let scaling = match &self.rope_scaling {
             None => Value::Null,

@@ -71,14 +71,52 @@ pub struct LayerParams {
     pub k_norm: Option<Tensor>,
     /// `post_attention_layernorm.weight` `[hidden]`.
     pub post_norm: Tensor,
-    /// `mlp.gate_proj.weight` `[ffn, hidden]`.
-    pub gate_proj: Tensor,
-    /// `mlp.up_proj.weight` `[ffn, hidden]`.
-    pub up_proj: Tensor,
-    /// `mlp.down_proj.weight` `[hidden, ffn]`.
-    pub down_proj: Tensor,
+    /// The MLP: dense SwiGLU, or a mixture of experts.
+    pub mlp: Mlp,
     /// LoRA adapters applied beside the projections ([`DecoderParams::with_adapters`]).
     pub adapters: LayerAdapters,
+}
+
+/// A decoder layer's MLP.
+#[derive(Clone, Debug)]
+pub enum Mlp {
+    /// SwiGLU: `mlp.gate_proj.weight`, `mlp.up_proj.weight` `[ffn, hidden]` and
+    /// `mlp.down_proj.weight` `[hidden, ffn]`.
+    Dense {
+        gate_proj: Tensor,
+        up_proj: Tensor,
+        down_proj: Tensor,
+    },
+    /// A mixture of experts ([`crate::moe`]).
+    Experts(crate::moe::Experts),
+}
+
+impl Mlp {
+    fn tensors(&self) -> [&Tensor; 3] {
+        match self {
+            Mlp::Dense {
+                gate_proj,
+                up_proj,
+                down_proj,
+            } => [gate_proj, up_proj, down_proj],
+            Mlp::Experts(e) => [&e.router, &e.gate_up, &e.down],
+        }
+    }
+
+    fn with_tensors(&self, [a, b, c]: [Tensor; 3]) -> Mlp {
+        match self {
+            Mlp::Dense { .. } => Mlp::Dense {
+                gate_proj: a,
+                up_proj: b,
+                down_proj: c,
+            },
+            Mlp::Experts(_) => Mlp::Experts(crate::moe::Experts {
+                router: a,
+                gate_up: b,
+                down: c,
+            }),
+        }
+    }
 }
 
 /// A LoRA adapter applied beside its frozen weight `W [out, in]`: the projection is
@@ -218,9 +256,19 @@ impl DecoderParams {
                 q_norm: take(&p("self_attn.q_norm.weight")),
                 k_norm: take(&p("self_attn.k_norm.weight")),
                 post_norm: need(&p("post_attention_layernorm.weight"))?,
-                gate_proj: need(&p("mlp.gate_proj.weight"))?,
-                up_proj: need(&p("mlp.up_proj.weight"))?,
-                down_proj: need(&p("mlp.down_proj.weight"))?,
+                mlp: if config.is_moe_layer(l) {
+                    Mlp::Experts(crate::moe::Experts {
+                        router: need(&p("mlp.gate.weight"))?,
+                        gate_up: need(&p("mlp.experts.gate_up_proj"))?,
+                        down: need(&p("mlp.experts.down_proj"))?,
+                    })
+                } else {
+                    Mlp::Dense {
+                        gate_proj: need(&p("mlp.gate_proj.weight"))?,
+                        up_proj: need(&p("mlp.up_proj.weight"))?,
+                        down_proj: need(&p("mlp.down_proj.weight"))?,
+                    }
+                },
                 adapters: LayerAdapters::default(),
             });
         }
@@ -264,10 +312,9 @@ impl DecoderParams {
                 ));
             }
         }
-        let per_layer = lora.targets.len();
-        for (k, pair) in adapters.chunks_exact(2).enumerate() {
-            let (layer, target) = (k / per_layer, lora.targets[k % per_layer]);
-            *self.layers[layer].adapters.slot(target) = Some(Adapter {
+        let table = crate::lora::lora_table(&self.config, lora);
+        for (spec, pair) in table.iter().zip(adapters.chunks_exact(2)) {
+            *self.layers[spec.layer].adapters.slot(spec.target) = Some(Adapter {
                 a: pair[0].clone(),
                 b: pair[1].clone(),
                 scale: lora.scale(),
@@ -346,12 +393,10 @@ impl LayerParams {
             self.q_norm.as_ref(),
             self.k_norm.as_ref(),
             Some(&self.post_norm),
-            Some(&self.gate_proj),
-            Some(&self.up_proj),
-            Some(&self.down_proj),
         ]
         .into_iter()
         .flatten()
+        .chain(self.mlp.tensors())
         .cloned()
         .chain(
             adapters
@@ -378,9 +423,7 @@ impl LayerParams {
         let q_norm = self.q_norm.as_ref().map(|_| next());
         let k_norm = self.k_norm.as_ref().map(|_| next());
         let post_norm = next();
-        let gate_proj = next();
-        let up_proj = next();
-        let down_proj = next();
+        let mlp = self.mlp.with_tensors([next(), next(), next()]);
         let a = &self.adapters;
         let mut adapter = |o: &Option<Adapter>| {
             o.as_ref().map(|ad| Adapter {
@@ -411,9 +454,7 @@ impl LayerParams {
             q_norm,
             k_norm,
             post_norm,
-            gate_proj,
-            up_proj,
-            down_proj,
+            mlp,
             adapters,
         }
     }
@@ -486,12 +527,24 @@ pub fn rope_tables(config: &ModelConfig, positions: &Tensor) -> (Tensor, Tensor)
     (tables[0].clone(), tables[1].clone())
 }
 
-/// The SwiGLU MLP: `down(silu(gate(x)) * up(x))`.
-fn mlp(layer: &LayerParams, x: &Tensor) -> Tensor {
-    let ad = &layer.adapters;
-    let gate = project(x, &layer.gate_proj, None, ad.gate.as_ref()).silu();
-    let up = project(x, &layer.up_proj, None, ad.up.as_ref());
-    project(&(&gate * &up), &layer.down_proj, None, ad.down.as_ref())
+/// The layer's MLP: SwiGLU `down(silu(gate(x)) * up(x))`, or its mixture of experts.
+fn mlp(config: &ModelConfig, layer: &LayerParams, x: &Tensor) -> Tensor {
+    match &layer.mlp {
+        Mlp::Dense {
+            gate_proj,
+            up_proj,
+            down_proj,
+        } => {
+            let ad = &layer.adapters;
+            let gate = project(x, gate_proj, None, ad.gate.as_ref()).silu();
+            let up = project(x, up_proj, None, ad.up.as_ref());
+            project(&(&gate * &up), down_proj, None, ad.down.as_ref())
+        }
+        Mlp::Experts(experts) => {
+            let moe = config.moe.as_ref().expect("an experts layer has a MoE config");
+            crate::moe::moe_mlp(moe, experts, x, None).0
+        }
+    }
 }
 
 /// q, k, v of a batch of positions `x [..., hidden]`: q `[..., heads, head_dim]`, k and v
@@ -583,7 +636,7 @@ fn finish_layer(config: &ModelConfig, layer: &LayerParams, h: &Tensor, attn: &Te
         layer.adapters.o.as_ref(),
     );
     let normed = rms_norm(&h, &layer.post_norm, config.rms_norm_eps);
-    &h + &mlp(layer, &normed)
+    &h + &mlp(config, layer, &normed)
 }
 
 /// Attention of a full sequence over itself.
@@ -1760,6 +1813,7 @@ mod tests {
             eos_token_ids: vec![],
             pad_token_id: None,
             initializer_range: 0.1,
+            moe: None,
         }
     }
 

@@ -77,6 +77,7 @@ pub(crate) mod tests_support {
             eos_token_ids: vec![1],
             pad_token_id: None,
             initializer_range: 0.05,
+            moe: None,
         }
     }
 }

@@ -16,6 +16,7 @@ pub mod forward;
 pub mod gguf;
 pub mod init;
 pub mod lora;
+pub mod moe;
 pub mod params;
 pub mod programs;
 pub mod quants;
@@ -25,7 +26,7 @@ pub mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate};
 pub use classifier::{ClassifierConfig, ClassifierWeights, DeviceClassifier};
-pub use config::{Family, ModelConfig, RopeScaling};
+pub use config::{Family, ModelConfig, MoeConfig, RopeScaling};
 pub use error::ModelError;
 pub use gguf::{GgmlType, GgufFile, GgufValue};
 pub use init::random_init;

@@ -283,6 +283,10 @@ impl LoraConfig {
 /// One adapted projection: its base weight and the adapter's two matrices.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoraSpec {
+    /// The decoder layer.
+    pub layer: usize,
+    /// The adapted projection.
+    pub target: Target,
     /// The base weight's Hugging Face name (`model.layers.0.self_attn.q_proj.weight`).
     pub base: String,
     /// `A [r, in]`, named as PEFT saves it. Under tensor parallelism it splits with the base's
@@ -299,7 +303,9 @@ fn peft_name(base: &str, matrix: &str) -> String {
 }
 
 /// The adapters of `config` under `lora`, layer by layer, each layer's in [`Target::ALL`]
-/// order.
+/// order. As in PEFT, a target names modules: a layer without one is not adapted (the MLP
+/// targets skip mixture-of-experts layers, whose experts are stacked parameters, not linear
+/// modules, in transformers 5).
 pub fn lora_table(config: &ModelConfig, lora: &LoraConfig) -> Vec<LoraSpec> {
     let base: HashMap<String, ParamSpec> = param_table(config)
         .into_iter()
@@ -309,7 +315,9 @@ pub fn lora_table(config: &ModelConfig, lora: &LoraConfig) -> Vec<LoraSpec> {
     for layer in 0..config.num_hidden_layers {
         for &t in &lora.targets {
             let name = t.weight_name(layer);
-            let w = &base[&name];
+            let Some(w) = base.get(&name) else {
+                continue;
+            };
             let (o, i) = (w.shape[0], w.shape[1]);
             let mut a = ParamSpec::new(peft_name(&name, "lora_A"), vec![lora.rank, i], ParamKind::Matrix);
             let mut b = ParamSpec::new(peft_name(&name, "lora_B"), vec![o, lora.rank], ParamKind::Matrix);
@@ -318,7 +326,13 @@ pub fn lora_table(config: &ModelConfig, lora: &LoraConfig) -> Vec<LoraSpec> {
                 Some(ModelSplit { dim: 1, unit }) => a = a.split_by_model(1, unit),
                 _ => {}
             }
-            out.push(LoraSpec { base: name, a, b });
+            out.push(LoraSpec {
+                layer,
+                target: t,
+                base: name,
+                a,
+                b,
+            });
         }
     }
     out

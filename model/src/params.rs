@@ -172,9 +172,30 @@ pub fn param_table(config: &ModelConfig) -> Vec<ParamSpec> {
             vec![h],
             NormScale,
         ));
-        table.push(ParamSpec::new(p("mlp.gate_proj.weight"), vec![ffn, h], Matrix).split_by_model(0, 1));
-        table.push(ParamSpec::new(p("mlp.up_proj.weight"), vec![ffn, h], Matrix).split_by_model(0, 1));
-        table.push(ParamSpec::new(p("mlp.down_proj.weight"), vec![h, ffn], Matrix).split_by_model(1, 1));
+        match config.moe.as_ref().filter(|m| m.is_sparse(layer)) {
+            // Stacked experts (transformers 5's layout), whole over the `model` axis: FSDP
+            // splits their first dimension, so each device keeps whole experts.
+            Some(m) => {
+                let (e, f) = (m.num_experts, m.expert_intermediate_size);
+                table.push(ParamSpec::new(p("mlp.gate.weight"), vec![e, h], Matrix));
+                table.push(ParamSpec::new(
+                    p("mlp.experts.gate_up_proj"),
+                    vec![e, 2 * f, h],
+                    Matrix,
+                ));
+                table.push(ParamSpec::new(p("mlp.experts.down_proj"), vec![e, h, f], Matrix));
+            }
+            None => {
+                table.push(
+                    ParamSpec::new(p("mlp.gate_proj.weight"), vec![ffn, h], Matrix).split_by_model(0, 1),
+                );
+                table
+                    .push(ParamSpec::new(p("mlp.up_proj.weight"), vec![ffn, h], Matrix).split_by_model(0, 1));
+                table.push(
+                    ParamSpec::new(p("mlp.down_proj.weight"), vec![h, ffn], Matrix).split_by_model(1, 1),
+                );
+            }
+        }
     }
     table.push(ParamSpec::new("model.norm.weight", vec![h], NormScale));
     if !config.tie_word_embeddings {
@@ -210,6 +231,7 @@ mod tests {
             eos_token_ids: vec![2],
             pad_token_id: Some(2),
             initializer_range: 0.02,
+            moe: None,
         }
     }
 

@@ -168,7 +168,8 @@ pub fn read_safetensors(file: &Path) -> Result<HashMap<String, HostTensor>> {
 ///
 /// Every tensor of the parameter table must be present with its exact shape; any other tensor
 /// is an error, except `lm_head.weight` in a tied model and `rotary_emb.inv_freq` buffers,
-/// which transformers also ignores. Tensors keep their element type (f32, bf16 or f16).
+/// which transformers also ignores. Experts load from either layout: transformers 5's stacked
+/// tensors or the published checkpoints' per-expert ones, stacked here. Tensors keep their element type (f32, bf16 or f16).
 pub fn load_safetensors(path: &Path, config: &ModelConfig) -> Result<ModelWeights> {
     let table = param_table(config);
     Ok(ModelWeights {
@@ -191,11 +192,16 @@ pub(crate) fn load_table(
         .map(|p| (p.name.as_str(), p.shape.as_slice()))
         .collect();
     let mut found: HashMap<String, HostTensor> = HashMap::new();
+    let mut per_expert: HashMap<String, HostTensor> = HashMap::new();
     for file in &files {
         let origin = file.display().to_string();
         let mut tensors: Vec<(String, HostTensor)> = read_safetensors(file)?.into_iter().collect();
         tensors.sort_by(|a, b| a.0.cmp(&b.0));
         for (name, tensor) in tensors {
+            if crate::moe::is_per_expert_tensor(config, &name) {
+                per_expert.insert(name, tensor);
+                continue;
+            }
             let Some(expected_shape) = expected.get(name.as_str()) else {
                 let ignorable = name.ends_with("rotary_emb.inv_freq")
                     || (name == "lm_head.weight" && config.tie_word_embeddings);
@@ -225,6 +231,7 @@ pub(crate) fn load_table(
     } else {
         format!("{} ({} shards)", path.display(), files.len())
     };
+    crate::moe::stack_per_expert(config, per_expert, &mut found, &origin)?;
     take_by_table(&mut found, table, &origin)
 }
 
@@ -406,6 +413,7 @@ mod tests {
             eos_token_ids: vec![1],
             pad_token_id: None,
             initializer_range: 0.02,
+            moe: None,
         }
     }
 

@@ -1,5 +1,5 @@
 //! The gradient of the summed log-probabilities (`logprobs_graph`, at a temperature, over a
-//! padded batch) with respect to sampled parameters of the tiny Llama, Qwen2 and Qwen3 models
+//! padded batch) with respect to sampled parameters of the tiny Llama, Qwen2, Qwen3 and Qwen3-MoE models
 //! matches central finite differences along random unit directions, in f32.
 //!
 //! Tolerance: |analytic - numeric| <= 1e-2 * max(|analytic|, |numeric|) + 2e-3, with step
@@ -167,6 +167,30 @@ fn qwen3_logprob_gradients_match_finite_differences() {
             "model.layers.0.mlp.up_proj.weight",
             "model.layers.1.post_attention_layernorm.weight",
             "lm_head.weight",
+        ],
+    );
+}
+
+/// The router gets its gradient through the chosen experts' probabilities (the choice itself is
+/// piecewise constant); the stacked experts through the chosen ones; layer 1 is dense.
+#[test]
+fn qwen3_moe_logprob_gradients_match_finite_differences() {
+    gradient_matches_finite_differences(
+        "qwen3_moe",
+        &[
+            "model.layers.0.mlp.gate.weight",
+            "model.layers.0.mlp.experts.gate_up_proj",
+            "model.layers.2.mlp.experts.down_proj",
+            "model.layers.2.mlp.gate.weight",
+            "model.layers.1.mlp.down_proj.weight",
+            "model.layers.2.self_attn.k_norm.weight",
+        ],
+    );
+    gradient_matches_finite_differences(
+        "qwen3_moe_legacy",
+        &[
+            "model.layers.1.mlp.gate.weight",
+            "model.layers.3.mlp.experts.gate_up_proj",
         ],
     );
 }

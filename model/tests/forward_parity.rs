@@ -1,6 +1,7 @@
 //! Parity of the compiled decoder with Hugging Face transformers on the tiny random-weight
 //! Llama (Llama 3 RoPE scaling, untied head), Qwen2 (QKV bias, tied head) and Qwen3 (q/k norm,
-//! head_dim != hidden/heads) fixtures made by `model/scripts/make_tiny_models.py`:
+//! head_dim != hidden/heads) fixtures made by `model/scripts/make_tiny_models.py`, and the
+//! Qwen3-MoE ones of `model/scripts/make_tiny_moe.py`:
 //! - every position's logits within 1e-4 (right- and left-padded batches);
 //! - log-probabilities and entropies at a temperature against the reference logits;
 //! - prefill + step-by-step decode (in a multi-slot cache, other slots busy) equals the
@@ -67,6 +68,10 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 }
 
 fn full_logits_match(family: &str) {
+    full_logits_within(family, TOL)
+}
+
+fn full_logits_within(family: &str, tol: f32) {
     let model = load(family);
     let vocab = model.config().vocab_size;
     let refs = reference(family);
@@ -90,7 +95,7 @@ fn full_logits_match(family: &str) {
             let got = &logits[start..start + ids.len() * vocab];
             let d = max_abs_diff(got, want);
             assert!(
-                d < TOL,
+                d < tol,
                 "{family} sequence {b} (left padded: {left_pad}): max |logit - transformers| = {d}"
             );
         }
@@ -234,6 +239,25 @@ fn qwen2_full_logits_match_transformers() {
 #[test]
 fn qwen3_full_logits_match_transformers() {
     full_logits_match("qwen3");
+}
+
+/// Qwen3-MoE, both checkpoint layouts (stacked experts with `norm_topk_prob` and a dense layer;
+/// per-expert tensors without it, every other layer sparse): the 1e-5 in f32.
+#[test]
+fn qwen3_moe_full_logits_match_transformers() {
+    full_logits_within("qwen3_moe", 1e-5);
+    full_logits_within("qwen3_moe_legacy", 1e-5);
+}
+
+#[test]
+fn qwen3_moe_logprobs_and_entropy_match_transformers() {
+    logprobs_match("qwen3_moe", Some(3));
+}
+
+#[test]
+fn qwen3_moe_decode_step_by_step_equals_prefill() {
+    decode_matches_prefill("qwen3_moe");
+    decode_matches_prefill("qwen3_moe_legacy");
 }
 
 #[test]

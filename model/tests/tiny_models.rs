@@ -1,4 +1,4 @@
-//! The committed tiny Llama / Qwen2 / Qwen3 checkpoints made by transformers
+//! The committed tiny Llama / Qwen2 / Qwen3 (and Qwen3-MoE) checkpoints made by transformers
 //! (`model/scripts/make_tiny_models.py`): their configs parse, their tensors match the parameter
 //! tables exactly, a direct evaluation of the loaded weights reproduces transformers' logits, and
 //! load -> save -> load is the identity.
@@ -50,6 +50,7 @@ fn configs_parse_as_written_by_transformers() {
             Family::Qwen3 => {
                 assert!(!c.tie_word_embeddings && !c.attention_bias && c.qk_norm && c.head_dim == 32)
             }
+            Family::Qwen3Moe => unreachable!("the MoE fixtures have their own test"),
         }
         assert!(w.tensors.iter().all(|t| t.dtype == DType::F32));
         assert_eq!(w.num_parameters(), c.num_parameters());
@@ -104,4 +105,103 @@ fn load_save_load_is_identity() {
         save_hf_checkpoint(&target, &bf16, &[]).unwrap();
         assert_eq!(load_hf_checkpoint(&target).unwrap(), bf16);
     }
+}
+
+/// The Qwen3-MoE fixtures (`model/scripts/make_tiny_moe.py`): transformers 5's config keys
+/// (`num_local_experts`), both expert layouts, and the bad checkpoints a user meets.
+#[test]
+fn qwen3_moe_configs_layouts_and_bad_checkpoints() {
+    let dir = |name: &str| common::fixtures_dir().join("tiny").join(name);
+    let stacked = load_hf_checkpoint(&dir("qwen3_moe")).unwrap();
+    let c = &stacked.config;
+    let m = c.moe.as_ref().expect("a MoE config");
+    assert_eq!(c.family, Family::Qwen3Moe);
+    assert_eq!(
+        (
+            m.num_experts,
+            m.experts_per_token,
+            m.expert_intermediate_size,
+            m.norm_topk_prob
+        ),
+        (8, 2, 32, true)
+    );
+    assert_eq!(
+        (0..3).map(|l| c.is_moe_layer(l)).collect::<Vec<_>>(),
+        [true, false, true]
+    );
+    assert_eq!(stacked.num_parameters(), 241_280); // as transformers counts it
+    let legacy = load_hf_checkpoint(&dir("qwen3_moe_legacy")).unwrap();
+    let lc = &legacy.config;
+    assert_eq!(
+        (0..4).map(|l| lc.is_moe_layer(l)).collect::<Vec<_>>(),
+        [false, true, false, true]
+    );
+    assert!(!lc.moe.as_ref().unwrap().norm_topk_prob && lc.tie_word_embeddings);
+    assert_eq!(legacy.num_parameters(), 259_904);
+    // Loaded per-expert, saved stacked (transformers 5's layout), loaded again: the same.
+    let out = tempfile::tempdir().unwrap();
+    save_hf_checkpoint(&out.path().join("m"), &legacy, &[]).unwrap();
+    assert_eq!(load_hf_checkpoint(&out.path().join("m")).unwrap(), legacy);
+    assert_eq!(
+        model::ModelConfig::from_hf_json(&lc.to_hf_json(), "x").unwrap(),
+        *lc
+    );
+
+    // A config whose expert count disagrees with the checkpoint: the stacked tensor is named.
+    let bad = out.path().join("bad");
+    std::fs::create_dir(&bad).unwrap();
+    std::fs::copy(
+        dir("qwen3_moe").join("model.safetensors"),
+        bad.join("model.safetensors"),
+    )
+    .unwrap();
+    let mut json = c.to_hf_json();
+    json["num_experts"] = 16.into();
+    std::fs::write(bad.join("config.json"), json.to_string()).unwrap();
+    let e = load_hf_checkpoint(&bad).unwrap_err().to_string();
+    assert!(
+        e.contains("tensor `model.layers.0.mlp.experts.down_proj`")
+            && e.contains("[8, 64, 32], expected [16, 64, 32]"),
+        "{e}"
+    );
+    // Per-expert: one expert's tensor missing, or an expert past the count.
+    let mut json = lc.to_hf_json();
+    std::fs::write(bad.join("config.json"), json.to_string()).unwrap();
+    let mut tensors: Vec<_> =
+        model::safetensors_io::read_safetensors(&dir("qwen3_moe_legacy").join("model.safetensors"))
+            .unwrap()
+            .into_values()
+            .collect();
+    tensors.retain(|t| t.name != "model.layers.3.mlp.experts.5.up_proj.weight");
+    model::safetensors_io::write_safetensors(&bad.join("model.safetensors"), &tensors).unwrap();
+    let e = load_hf_checkpoint(&bad).unwrap_err().to_string();
+    assert!(
+        e.contains(
+            "tensor `model.layers.3.mlp.experts.5.up_proj.weight` (expected shape [32, 64]) is missing"
+        ),
+        "{e}"
+    );
+    let mut extra = tensors
+        .iter()
+        .find(|t| t.name == "model.layers.3.mlp.experts.5.down_proj.weight")
+        .unwrap()
+        .clone();
+    extra.name = "model.layers.3.mlp.experts.8.down_proj.weight".into();
+    tensors.push(extra);
+    model::safetensors_io::write_safetensors(&bad.join("model.safetensors"), &tensors).unwrap();
+    let e = load_hf_checkpoint(&bad).unwrap_err().to_string();
+    assert!(
+        e.contains("unexpected tensor `model.layers.3.mlp.experts.8.down_proj.weight`")
+            && e.contains("qwen3_moe (8 experts)"),
+        "{e}"
+    );
+    json["num_experts"] = 4.into();
+    json["num_experts_per_tok"] = 5.into();
+    let e = model::ModelConfig::from_hf_json(&json, "c.json")
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        e,
+        "config c.json: key `num_experts_per_tok`: 5 must be between 1 and num_experts (4)"
+    );
 }

@@ -118,9 +118,17 @@ fn main() {
                 let v = linear(&h, &layer.v_proj);
                 let kv = Tensor::concat(&[&k, &v, &k], 1);
                 let a = linear(&(&q + &kv), &layer.o_proj);
-                let gate = linear(&a, &layer.gate_proj);
-                let up = linear(&a, &layer.up_proj);
-                h = &h + &linear(&(&gate * &up), &layer.down_proj);
+                let model::forward::Mlp::Dense {
+                    gate_proj,
+                    up_proj,
+                    down_proj,
+                } = &layer.mlp
+                else {
+                    panic!("the profile's GEMM breakdown is of dense models");
+                };
+                let gate = linear(&a, gate_proj);
+                let up = linear(&a, up_proj);
+                h = &h + &linear(&(&gate * &up), down_proj);
             }
             (h.reduce_sum(&[1]), kv.clone())
         } else if name == "attn-nt" || name == "attn-nn" {

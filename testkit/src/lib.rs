@@ -132,6 +132,33 @@ pub fn tiny_chat_model(dir: &std::path::Path) -> PathBuf {
     out
 }
 
+/// A Hugging Face model directory `dir/tiny-smollm2-moe`: SmolLM2's tokenizer and chat template
+/// on a 2-layer Qwen3-MoE trunk, 32 wide, of 4 experts (16 wide, top 2, renormalised), random
+/// (seed 7).
+pub fn tiny_moe_chat_model(dir: &std::path::Path) -> PathBuf {
+    let gguf = model::GgufFile::open(&smollm2_gguf()).expect("open the GGUF");
+    let mut config = tiny_chat_weights().config;
+    config.family = model::Family::Qwen3Moe;
+    config.qk_norm = true;
+    config.moe = Some(model::MoeConfig {
+        num_experts: 4,
+        experts_per_token: 2,
+        expert_intermediate_size: 16,
+        norm_topk_prob: true,
+        mlp_only_layers: Vec::new(),
+        decoder_sparse_step: 1,
+        router_aux_loss_coef: 0.0,
+    });
+    let weights = model::random_init(&config, 7);
+    let files_dir = dir.join("tokenizer-files-moe");
+    std::fs::create_dir_all(&files_dir).unwrap();
+    let files = model::write_gguf_tokenizer_files(&gguf, &config, &files_dir).expect("tokenizer files");
+    let out = dir.join("tiny-smollm2-moe");
+    let refs: Vec<&std::path::Path> = files.iter().map(|p| p.as_path()).collect();
+    model::save_hf_checkpoint(&out, &weights, &refs).expect("save the tiny MoE model");
+    out
+}
+
 /// A reward model directory `dir/tiny-rm` beside [`tiny_chat_model`]'s (written too when
 /// absent): its trunk, SmolLM2's tokenizer and chat template, and a random one-label `score`
 /// head (seed `seed`), saved as transformers saves a `LlamaForSequenceClassification`.

@@ -1,0 +1,269 @@
+//! The mixture-of-experts MLP as three named steps, each a graph function:
+//!
+//! 1. [`route`]: the router's logits, softmax in f32, the chosen experts (top-k of the live
+//!    probabilities, or a recorded choice replayed) and each token's combine weights over all
+//!    experts, zero where not chosen. The weights are a function of the live probabilities
+//!    whichever experts are chosen, so the router gets gradients under replay too.
+//! 2. dispatch: which tokens reach which expert. The dense lowering ([`experts_dense`]) sends
+//!    every token to every expert and lets the zero combine weights drop what was not chosen:
+//!    dropless, exact, and `experts` times the FLOPs of the chosen experts, which is what a
+//!    plugin without a grouped matrix product runs.
+//! 3. expert computation: each expert's SwiGLU over its tokens, weighted and summed.
+//!
+//! A family is a [`crate::MoeConfig`] plus, where it differs, a line here: Qwen3-MoE's router
+//! is a bias-free linear with softmax-then-top-k; a shared expert or a dense branch beside the
+//! experts (DeepSeek, Gemma 4) is one more term in [`moe_mlp`].
+//!
+//! Sharding: the stacked expert tensors are `[experts, ...]`; FSDP splits their first
+//! dimension, the expert axis, so each device stores whole experts
+//! ([`crate::ParamLayout::sharding`]); the dense lowering then gathers them as it gathers any
+//! FSDP parameter.
+
+use xla::graph::{DotDims, Tensor};
+use xla::DType;
+
+use crate::config::MoeConfig;
+
+/// The traced parameters of one mixture-of-experts MLP, in transformers 5's stacked layout.
+#[derive(Clone, Debug)]
+pub struct Experts {
+    /// `mlp.gate.weight` `[experts, hidden]`: the router.
+    pub router: Tensor,
+    /// `mlp.experts.gate_up_proj` `[experts, 2*ffn, hidden]`: each expert's gate rows, then its
+    /// up rows.
+    pub gate_up: Tensor,
+    /// `mlp.experts.down_proj` `[experts, hidden, ffn]`.
+    pub down: Tensor,
+}
+
+/// What [`route`] decided for a batch of tokens `[..]` (the input's leading dimensions).
+#[derive(Clone, Debug)]
+pub struct Routing {
+    /// `[.., experts]` f32: the router's logits.
+    pub logits: Tensor,
+    /// `[.., experts]` f32: the router's softmax.
+    pub probs: Tensor,
+    /// `[.., k]` i32: the chosen experts, in top-k order (or as replayed).
+    pub chosen: Tensor,
+    /// `[.., experts]` f32: each expert's combine weight, zero where not chosen.
+    pub weights: Tensor,
+}
+
+/// Step 1: routes `x [.., hidden]` through `router` `[experts, hidden]`. With `replay`
+/// (`[.., k]`, any integer type) those experts are used instead of the router's top-k.
+pub fn route(config: &MoeConfig, router: &Tensor, x: &Tensor, replay: Option<&Tensor>) -> Routing {
+    let logits = crate::forward::linear(
+        &x.convert_if_needed(DType::F32),
+        &router.convert_if_needed(DType::F32),
+    );
+    let probs = logits.softmax(-1);
+    let chosen = match replay {
+        Some(r) => r.convert_if_needed(DType::I32),
+        None => probs.stop_gradient().top_k(config.experts_per_token as i64).1,
+    };
+    let weights = combine_weights(config, &probs, &chosen);
+    Routing {
+        logits,
+        probs,
+        chosen,
+        weights,
+    }
+}
+
+/// `probs` `[.., E]` kept where `chosen` `[.., k]` names the expert, renormalised over the
+/// chosen ones when `norm_topk_prob`: transformers' top-k values scattered to all experts.
+fn combine_weights(config: &MoeConfig, probs: &Tensor, chosen: &Tensor) -> Tensor {
+    let g = probs.graph();
+    let e = config.num_experts as i64;
+    let rank = chosen.rank();
+    let mut dims = chosen.dims().to_vec();
+    dims.push(e);
+    // [.., k, E]: one-hot of each choice, summed over k: a 0/1 mask of the chosen experts.
+    let experts = g.iota(DType::I32, &dims, rank);
+    let hit = chosen.keep_axis(rank).broadcast_to(&dims).eq(&experts);
+    let mask = hit
+        .select(&g.full(1.0, DType::F32, &[]), &g.full(0.0, DType::F32, &[]))
+        .sum_axis(rank as i64 - 1, false);
+    let kept = probs * &mask;
+    if config.norm_topk_prob {
+        &kept / &kept.sum_axis(-1, true)
+    } else {
+        kept
+    }
+}
+
+/// Steps 2 and 3, the dense lowering: every expert's SwiGLU over every token of `x [N, hidden]`,
+/// combined by `weights [N, experts]` (zero for experts not chosen). The result is f32
+/// `[N, hidden]`. Narrow (bf16/f16) expert weights take narrow operands and give f32 products.
+pub fn experts_dense(experts: &Experts, x: &Tensor, weights: &Tensor) -> Tensor {
+    let narrow = experts.gate_up.dtype();
+    let ffn = experts.down.dims()[2];
+    let operand = |t: &Tensor| t.convert_if_needed(narrow);
+    let acc = (narrow != DType::F32).then_some(DType::F32);
+    // [N, H] . [E, 2F, H] -> [N, E, 2F]
+    let gate_up = operand(x).dot_general(
+        &experts.gate_up,
+        DotDims {
+            lhs_contract: vec![1],
+            rhs_contract: vec![2],
+            ..Default::default()
+        },
+        acc,
+    );
+    let gate = gate_up.slice_axis(2, 0, ffn);
+    let up = gate_up.slice_axis(2, ffn, 2 * ffn);
+    let act = &gate.silu() * &up;
+    let weighted = &act * &weights.keep_axis(2).broadcast_to(act.dims());
+    // [N, E, F] . [E, H, F] -> [N, H], summing over experts and their width at once.
+    operand(&weighted).dot_general(
+        &experts.down,
+        DotDims {
+            lhs_contract: vec![1, 2],
+            rhs_contract: vec![0, 2],
+            ..Default::default()
+        },
+        acc,
+    )
+}
+
+/// The mixture-of-experts MLP of `x [.., hidden]`: routed (or replayed), dispatched densely,
+/// f32 `[.., hidden]`, with the routing for metrics, losses and recording.
+pub fn moe_mlp(
+    config: &MoeConfig,
+    experts: &Experts,
+    x: &Tensor,
+    replay: Option<&Tensor>,
+) -> (Tensor, Routing) {
+    let dims = x.dims().to_vec();
+    let hidden = dims[dims.len() - 1];
+    let flat = x.reshape(&[-1, hidden]);
+    let replay_flat = replay.map(|r| r.reshape(&[-1, config.experts_per_token as i64]));
+    let routing = route(config, &experts.router, &flat, replay_flat.as_ref());
+    let out = experts_dense(experts, &flat, &routing.weights);
+    let lead = &dims[..dims.len() - 1];
+    let reshape = |t: &Tensor, last: i64| {
+        let mut d = lead.to_vec();
+        d.push(last);
+        t.reshape(&d)
+    };
+    let e = config.num_experts as i64;
+    let routing = Routing {
+        logits: reshape(&routing.logits, e),
+        probs: reshape(&routing.probs, e),
+        chosen: reshape(&routing.chosen, config.experts_per_token as i64),
+        weights: reshape(&routing.weights, e),
+    };
+    (reshape(&out, hidden), routing)
+}
+
+/// The published checkpoints' per-expert tensor `model.layers.{layer}.mlp.experts.{e}.{proj}.weight`:
+/// `(layer, e, proj)`, where `proj` is `gate_proj`, `up_proj` or `down_proj`.
+fn per_expert_name(name: &str) -> Option<(usize, usize, &str)> {
+    let rest = name.strip_prefix("model.layers.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let rest = rest.strip_prefix("mlp.experts.")?;
+    let (e, rest) = rest.split_once('.')?;
+    let proj = rest.strip_suffix(".weight")?;
+    matches!(proj, "gate_proj" | "up_proj" | "down_proj").then_some(())?;
+    Some((layer.parse().ok()?, e.parse().ok()?, proj))
+}
+
+/// Whether `name` is a per-expert tensor of a mixture-of-experts layer of `config`.
+pub(crate) fn is_per_expert_tensor(config: &crate::ModelConfig, name: &str) -> bool {
+    per_expert_name(name).is_some_and(|(layer, _, _)| config.is_moe_layer(layer))
+}
+
+/// Stacks the per-expert tensors in `per_expert` (names accepted by [`is_per_expert_tensor`]) into
+/// transformers 5's `mlp.experts.gate_up_proj` `[E, 2F, H]` (each expert's gate rows, then its up
+/// rows) and `mlp.experts.down_proj` `[E, H, F]`, inserted into `found`. Each expert's tensor
+/// must be there with its shape, and no expert past the config's count.
+pub(crate) fn stack_per_expert(
+    config: &crate::ModelConfig,
+    per_expert: std::collections::HashMap<String, crate::HostTensor>,
+    found: &mut std::collections::HashMap<String, crate::HostTensor>,
+    origin: &str,
+) -> crate::error::Result<()> {
+    use crate::error::ModelError;
+    let Some(moe) = config.moe.as_ref() else {
+        return Ok(());
+    };
+    let mut layers: Vec<usize> = per_expert
+        .keys()
+        .filter_map(|n| per_expert_name(n).map(|(l, _, _)| l))
+        .collect();
+    layers.sort_unstable();
+    layers.dedup();
+    let (e_count, f, h) = (moe.num_experts, moe.expert_intermediate_size, config.hidden_size);
+    if let Some((name, t)) = per_expert
+        .iter()
+        .find(|(n, _)| per_expert_name(n).is_some_and(|(_, e, _)| e >= e_count))
+    {
+        return Err(ModelError::UnexpectedTensor {
+            name: name.clone(),
+            found: t.shape.clone(),
+            origin: origin.to_string(),
+            family: format!("{} ({e_count} experts)", config.family),
+        });
+    }
+    let mut per_expert = per_expert;
+    for layer in layers {
+        let mut take = |e: usize, proj: &str, shape: [usize; 2]| {
+            let name = format!("model.layers.{layer}.mlp.experts.{e}.{proj}.weight");
+            let t = per_expert
+                .remove(&name)
+                .ok_or_else(|| ModelError::MissingTensor {
+                    name: name.clone(),
+                    expected: shape.to_vec(),
+                    origin: origin.to_string(),
+                })?;
+            if t.shape != shape {
+                return Err(ModelError::ShapeMismatch {
+                    name,
+                    expected: shape.to_vec(),
+                    found: t.shape,
+                    origin: origin.to_string(),
+                });
+            }
+            Ok(t)
+        };
+        let (mut gate_up, mut down) = (Vec::new(), Vec::new());
+        let mut dtype = None;
+        for e in 0..e_count {
+            for (proj, shape) in [("gate_proj", [f, h]), ("up_proj", [f, h]), ("down_proj", [h, f])] {
+                let t = take(e, proj, shape)?;
+                let out = if proj == "down_proj" {
+                    &mut down
+                } else {
+                    &mut gate_up
+                };
+                // Mixed element types across experts would need a conversion no checkpoint needs.
+                let t = match dtype {
+                    None => {
+                        dtype = Some(t.dtype);
+                        t
+                    }
+                    Some(d) => t.to_dtype(d),
+                };
+                out.extend_from_slice(&t.bytes);
+            }
+        }
+        let dtype = dtype.expect("at least one expert");
+        let prefix = format!("model.layers.{layer}.mlp.experts");
+        for (name, shape, bytes) in [
+            (format!("{prefix}.gate_up_proj"), vec![e_count, 2 * f, h], gate_up),
+            (format!("{prefix}.down_proj"), vec![e_count, h, f], down),
+        ] {
+            let t =
+                crate::HostTensor::from_le_bytes(&name, dtype, shape, bytes).expect("whole experts stacked");
+            if found.insert(name.clone(), t).is_some() {
+                return Err(ModelError::UnexpectedTensor {
+                    name: format!("{name} (and the per-expert tensors it stacks)"),
+                    found: Vec::new(),
+                    origin: origin.to_string(),
+                    family: format!("{} (one layout per layer)", config.family),
+                });
+            }
+        }
+    }
+    Ok(())
+}
