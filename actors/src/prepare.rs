@@ -119,7 +119,9 @@ fn check_model_features(recipe: &Recipe, config: &model::ModelConfig) -> Result<
             .find(|t| !table.iter().any(|s| s.target == **t))
         {
             return Err(format!(
-                "actor.target_modules: `{}` names no module of this {} model: its mixture-of-experts                  layers keep their experts as stacked tensors, not linear modules, and LoRA on experts                  is not in grpo yet; adapt the attention (q_proj, k_proj, v_proj, o_proj) instead",
+                "actor.target_modules: `{}` names no module of this {} model: its mixture-of-experts \
+                 layers keep their experts as stacked tensors, not linear modules, and LoRA on experts \
+                 is not in grpo yet; adapt the attention (q_proj, k_proj, v_proj, o_proj) instead",
                 t.module(),
                 config.family
             ));
@@ -130,7 +132,9 @@ fn check_model_features(recipe: &Recipe, config: &model::ModelConfig) -> Result<
         .count();
     if recipe.model.scan_layers && moe_layers > 0 && moe_layers < config.num_hidden_layers {
         return Err(format!(
-            "model.scan_layers: {moe_layers} of this model's {} layers are mixtures of experts and the              rest dense (mlp_only_layers / decoder_sparse_step), so no one scanned layer body runs them              all; set model.scan_layers: false",
+            "model.scan_layers: {moe_layers} of this model's {} layers are mixtures of experts and the \
+                 rest dense (mlp_only_layers / decoder_sparse_step), so no one scanned layer body runs them \
+                 all; set model.scan_layers: false",
             config.num_hidden_layers
         ));
     }

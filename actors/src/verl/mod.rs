@@ -34,8 +34,8 @@ that many devices (`cluster.cpu_device_count`). The engine's tensor-parallel siz
 `tensor_model_parallel_size`, TorchTitan's `tensor_parallel_size`) becomes \
 `actor.tensor_model_parallel_size`, and the data devices are the devices over it. grpo neither \
 pipelines nor splits a sequence over devices: pipeline stages and context / Ulysses sizes give \
-their devices to FSDP instead (a note says so); expert-parallel sizes above 1 are refused (no \
-mixture-of-experts models yet). grpo's `actor.ppo_micro_batch_size` counts the sequences of one \
+their devices to FSDP instead (a note says so); expert-parallel sizes above 1 are refused (grpo \
+does not split experts over devices yet). grpo's `actor.ppo_micro_batch_size` counts the sequences of one \
 pass over all data devices, so it is VeRL's `ppo_micro_batch_size_per_gpu` x data devices, \
 lowered to the largest per-device count that divides each data device's share of the \
 mini-batch (`ppo_mini_batch_size` x `rollout.n` / data devices; a note says so). With \
@@ -845,7 +845,7 @@ impl Translator {
 
     /// The engine's parallel sizes on grpo's mesh: tensor parallelism as it is; pipeline
     /// stages and sequence splits (which grpo does not have) become FSDP over the same devices,
-    /// with a note; expert parallelism is refused (no mixture-of-experts models yet).
+    /// with a note; expert parallelism is refused (experts are not split over devices yet).
     fn engine_sizes(&mut self, devices: u64) -> Result<(), VerlError> {
         let eng = engine::engine(self.engine);
         let a = "actor_rollout_ref.actor";
@@ -899,7 +899,8 @@ impl Translator {
                 self.unsupported.push((
                     format!("{key}={size}"),
                     "expert parallelism splits a mixture-of-experts model's experts over \
-                     devices; grpo does not train mixture-of-experts models yet"
+                     devices; grpo trains mixture-of-experts models with each device running every \
+                     expert (FSDP shards their storage) and does not split them yet: set it to 1"
                         .into(),
                 ));
             }

@@ -89,8 +89,8 @@ const PIPELINE: How = How::Rule(
      gathered when it runs (a note says so)",
 );
 const EXPERT_SPLIT: How = How::Rule(
-    "size rule: above 1, refused: expert parallelism is for mixture-of-experts models, which grpo \
-     does not train yet",
+    "size rule: above 1, refused: grpo trains mixture-of-experts models with each device running \
+     every expert (FSDP shards their storage); it does not split experts over devices yet",
 );
 const TENSOR: How = How::Rule("size rule: -> actor.tensor_model_parallel_size (must divide the devices)");
 const DTYPE: How = How::Rule(
@@ -114,7 +114,8 @@ const QAT: How = How::NoEffect("read only with `qat.enable`, which grpo refuses"
 const QAT_ENABLE: How =
     How::Unsupported("quantization-aware training is not in grpo; it trains in bf16 or f32");
 const MOE: How = How::Unsupported(
-    "router replay and expert balance are for mixture-of-experts models, which grpo does not train yet",
+    "router replay and MoE load-balance metrics are not in grpo yet; it trains mixture-of-experts \
+     models without them",
 );
 const SCHEDULE: How = How::Rule(
     "-> actor.optim.lr_scheduler_type (constant or cosine; others are refused), with the cosine's \
@@ -323,7 +324,7 @@ pub const TABLE: &[Entry] = &[
     Entry { key: "actor_rollout_ref.rollout.free_cache_engine", how: VLLM },
     Entry { key: "actor_rollout_ref.rollout.tensor_model_parallel_size", how: How::Map("rollout.tensor_model_parallel_size") },
     Entry { key: "actor_rollout_ref.rollout.data_parallel_size", how: How::NoEffect("a grpo rollout engine spreads its sequences over all the devices it is given, in groups of `tensor_model_parallel_size` (its data parallelism is the devices over that); a sample does not depend on which group runs it") },
-    Entry { key: "actor_rollout_ref.rollout.expert_parallel_size", how: How::Unsupported("expert parallelism is for mixture-of-experts models, which grpo does not train") },
+    Entry { key: "actor_rollout_ref.rollout.expert_parallel_size", how: How::Unsupported("expert parallelism in the rollout is not in grpo yet; each rollout device runs every expert of a mixture-of-experts model") },
     Entry { key: "actor_rollout_ref.rollout.pipeline_model_parallel_size", how: How::Unsupported("pipeline parallelism is not in grpo; use `rollout.tensor_model_parallel_size`") },
     Entry { key: "actor_rollout_ref.rollout.max_num_batched_tokens", how: VLLM },
     Entry { key: "actor_rollout_ref.rollout.max_model_len", how: VLLM },

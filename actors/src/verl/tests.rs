@@ -743,17 +743,14 @@ fn megatron_sizes_on_grpos_mesh() {
         trainer::config::LrSchedule::Cosine
     );
     assert!((r.actor.optim.min_lr_ratio - 0.1).abs() < 1e-12);
-    // Expert parallelism needs experts.
+    // Experts are not split over devices yet.
     let err = translate_with(&[
         "model_engine=megatron",
         "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
     ])
     .unwrap_err()
     .to_string();
-    assert!(
-        err.contains("does not train mixture-of-experts models yet"),
-        "{err}"
-    );
+    assert!(err.contains("does not split them yet: set it to 1"), "{err}");
     // VeRL's own Megatron config by name, without a file here.
     let t = translate(&VerlInput {
         overrides: BASE.iter().map(|s| s.to_string()).collect(),
