@@ -7,13 +7,15 @@ Writes model/fixtures/tiny/<name>/{config.json, model.safetensors, reference.saf
   qwen3_moe_legacy: the per-expert layout of the published checkpoints
                     (`mlp.experts.{e}.{gate,up,down}_proj.weight`), norm_topk_prob false,
                     decoder_sparse_step 2 (layers 1 and 3 sparse), tied head.
+  qwen3_moe_gguf/{model-f32.gguf, model-q8_0.gguf}: llama.cpp's qwen3moe layout of a 2-layer model,
+                    every layer sparse, f32 and with Q8_0 projections and experts.
 All: hidden 64, 4 heads / 2 KV heads, head_dim 32, 8 experts of width 32, top 2, vocab 384, f32.
 Routers are drawn wide (std 0.5) so no token's k-th and (k+1)-th expert are near a tie.
 reference.safetensors holds, for each fixed token sequence i, `input_ids_<i>` (I32, [T]),
 `logits_<i>` (F32, [T, vocab]) and `experts_<i>` (I32, [sparse layers, T, k]): the experts
 transformers' router chose, in its top-k order.
 
-Usage: python3 make_tiny_moe.py      Needs: pip install torch transformers safetensors
+Usage: python3 make_tiny_moe.py      Needs: pip install torch transformers safetensors gguf
 """
 import json, os
 from importlib.metadata import version
@@ -95,3 +97,76 @@ for seed, (name, config) in enumerate(models.items()):
               metadata={'generated_by': f"model/scripts/make_tiny_moe.py with torch {torch.__version__}, transformers {version('transformers')}"})
     print(name, 'params', sum(p.numel() for p in model.parameters()), 'sparse layers', sparse,
           'files', sorted(os.listdir(out)))
+
+
+# llama.cpp's qwen3moe GGUF of a third model, every layer sparse (llama.cpp's qwen3moe has no
+# dense layers): model-f32.gguf with every tensor f32, model-q8_0.gguf with the projections and
+# experts in Q8_0 (as llama.cpp's quantize writes them), and reference.safetensors as above.
+import numpy as np
+import gguf
+from gguf.quants import quantize
+
+config = Qwen3MoeConfig(**common, num_hidden_layers=2, norm_topk_prob=True, tie_word_embeddings=False)
+torch.manual_seed(2002)
+model = Qwen3MoeForCausalLM(config).to(torch.float32).eval()
+with torch.no_grad():
+    for pname, p in model.named_parameters():
+        if pname.endswith('norm.weight'):
+            p.copy_(1.0 + 0.2 * torch.randn_like(p))
+        elif pname.endswith('mlp.gate.weight'):
+            p.copy_(0.5 * torch.randn_like(p))
+out = os.path.join(root, 'qwen3_moe_gguf')
+os.makedirs(out, exist_ok=True)
+names = {'self_attn.q_proj.weight': 'attn_q.weight', 'self_attn.k_proj.weight': 'attn_k.weight',
+         'self_attn.v_proj.weight': 'attn_v.weight', 'self_attn.o_proj.weight': 'attn_output.weight',
+         'self_attn.q_norm.weight': 'attn_q_norm.weight', 'self_attn.k_norm.weight': 'attn_k_norm.weight',
+         'input_layernorm.weight': 'attn_norm.weight', 'post_attention_layernorm.weight': 'ffn_norm.weight',
+         'mlp.gate.weight': 'ffn_gate_inp.weight', 'mlp.experts.down_proj': 'ffn_down_exps.weight'}
+for quant in ['f32', 'q8_0']:
+    w = gguf.GGUFWriter(os.path.join(out, f'model-{quant}.gguf'), 'qwen3moe')
+    w.add_block_count(config.num_hidden_layers)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    w.add_key_length(config.head_dim)
+    w.add_value_length(config.head_dim)
+    w.add_rope_freq_base(config.rope_parameters['rope_theta'])
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_expert_count(config.num_experts)
+    w.add_expert_used_count(config.num_experts_per_tok)
+    w.add_expert_feed_forward_length(config.moe_intermediate_size)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+    def add(name, t):
+        a = t.detach().to(torch.float32).numpy()
+        if quant == 'q8_0' and a.ndim >= 2 and not name.startswith('token_embd'):
+            w.add_tensor(name, quantize(a, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(name, a)
+
+    state = model.state_dict()
+    add('token_embd.weight', state['model.embed_tokens.weight'])
+    for l in range(config.num_hidden_layers):
+        for hf, gg in names.items():
+            add(f'blk.{l}.{gg}', state[f'model.layers.{l}.{hf}'])
+        gate, up = state[f'model.layers.{l}.mlp.experts.gate_up_proj'].chunk(2, dim=1)
+        add(f'blk.{l}.ffn_gate_exps.weight', gate.contiguous())
+        add(f'blk.{l}.ffn_up_exps.weight', up.contiguous())
+    add('output_norm.weight', state['model.norm.weight'])
+    add('output.weight', state['lm_head.weight'])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+ref = {}
+with torch.no_grad():
+    for i, seq in enumerate(sequences):
+        ids = torch.tensor([seq])
+        ref[f'input_ids_{i}'] = ids[0].to(torch.int32).contiguous()
+        ref[f'logits_{i}'] = model(input_ids=ids).logits[0].to(torch.float32).contiguous()
+save_file(ref, os.path.join(out, 'reference.safetensors'),
+          metadata={'generated_by': f"model/scripts/make_tiny_moe.py with torch {torch.__version__}, transformers {version('transformers')}, gguf-py {version('gguf')}"})
+print('qwen3_moe_gguf', sorted(os.listdir(out)))

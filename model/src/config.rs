@@ -52,7 +52,7 @@ impl Family {
             "llama" | "LlamaForCausalLM" => Some(Family::Llama),
             "qwen2" | "Qwen2ForCausalLM" => Some(Family::Qwen2),
             "qwen3" | "Qwen3ForCausalLM" => Some(Family::Qwen3),
-            "qwen3_moe" | "Qwen3MoeForCausalLM" => Some(Family::Qwen3Moe),
+            "qwen3_moe" | "Qwen3MoeForCausalLM" | "qwen3moe" => Some(Family::Qwen3Moe),
             _ => None,
         }
     }
@@ -554,6 +554,21 @@ impl ModelConfig {
             });
         };
         let key = |k: &str| format!("{arch}.{k}");
+        if family != Family::Qwen3Moe
+            && gguf
+                .metadata(&key("expert_count"))
+                .is_some_and(|v| v.as_u64() > Some(0))
+        {
+            return Err(ModelError::Config {
+                origin: path.display().to_string(),
+                key: key("expert_count"),
+                problem: format!(
+                    "a mixture-of-experts `{arch}` GGUF (Mixtral's layout) is not supported; grpo reads \
+                     the mixture-of-experts architecture qwen3moe, and any supported one from its \
+                     Hugging Face checkpoint"
+                ),
+            });
+        }
         let hidden_size = gguf.metadata_usize(&key("embedding_length"))?;
         let num_attention_heads = gguf.metadata_usize(&key("attention.head_count"))?;
         let num_key_value_heads = match gguf.metadata(&key("attention.head_count_kv")) {
@@ -593,6 +608,22 @@ impl ModelConfig {
             }
         };
         let has_bias = gguf.tensor_info("blk.0.attn_q.bias").is_some();
+        // llama.cpp's qwen3moe: every layer sparse, the chosen weights renormalised.
+        let moe = match family {
+            Family::Qwen3Moe => {
+                let experts = gguf.metadata_usize(&key("expert_count"))?;
+                Some(MoeConfig {
+                    num_experts: experts,
+                    experts_per_token: gguf.metadata_usize(&key("expert_used_count"))?,
+                    expert_intermediate_size: gguf.metadata_usize(&key("expert_feed_forward_length"))?,
+                    norm_topk_prob: true,
+                    mlp_only_layers: Vec::new(),
+                    decoder_sparse_step: 1,
+                    router_aux_loss_coef: 0.001,
+                })
+            }
+            _ => None,
+        };
         let config = ModelConfig {
             family,
             hidden_size,
@@ -617,7 +648,7 @@ impl ModelConfig {
             eos_token_ids: id_key("tokenizer.ggml.eos_token_id")?.into_iter().collect(),
             pad_token_id: id_key("tokenizer.ggml.padding_token_id")?,
             initializer_range: 0.02,
-            moe: None,
+            moe,
         };
         config.validate(&path.display().to_string())?;
         Ok(config)

@@ -72,12 +72,46 @@ fn full_logits_match(family: &str) {
 }
 
 fn full_logits_within(family: &str, tol: f32) {
-    let model = load(family);
+    full_logits_of(family, &load(family), tol)
+}
+
+/// llama.cpp's qwen3moe GGUF of a third tiny MoE: f32 to the 1e-5, and with Q8_0
+/// projections and experts to within the quantisation's error.
+#[test]
+fn qwen3_moe_gguf_logits_match_transformers() {
+    let load = |file: &str| {
+        let gguf = model::GgufFile::open(&fixture_dir("qwen3_moe_gguf").join(file)).unwrap();
+        let config = model::ModelConfig::from_gguf(&gguf).unwrap();
+        assert_eq!(config.family, model::Family::Qwen3Moe);
+        gguf.load_weights(&config).unwrap()
+    };
+    let exact = load("model-f32.gguf");
+    let quantised = load("model-q8_0.gguf");
+    for (name, tol) in [("model-f32.gguf", 1e-5), ("model-q8_0.gguf", 0.15)] {
+        let weights = if name.contains("q8") { &quantised } else { &exact };
+        let device = DeviceModel::upload(client(), weights, DType::F32, 0).expect("upload");
+        full_logits_of("qwen3_moe_gguf", &device, tol);
+    }
+    // Q8_0 rounds each value to a step of its 32-block's largest magnitude / 127: within half
+    // a step of the f32 file's, the stacked gate and up halves included.
+    for (q, f) in quantised.tensors.iter().zip(&exact.tensors) {
+        let (q, f, name) = (q.to_f32_vec(), f.to_f32_vec(), &f.name);
+        let step = f.iter().fold(0f32, |m, x| m.max(x.abs())) / 127.0;
+        let worst = q.iter().zip(&f).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(
+            worst <= 0.5 * step * 1.01,
+            "{name}: {worst} off, half a step is {}",
+            0.5 * step
+        );
+    }
+}
+
+fn full_logits_of(family: &str, model: &DeviceModel, tol: f32) {
     let vocab = model.config().vocab_size;
     let refs = reference(family);
     let len = refs.iter().map(|r| r.0.len()).max().unwrap();
     let batch = refs.len();
-    let program = FullLogitsProgram::compile(&model, batch, len).unwrap();
+    let program = FullLogitsProgram::compile(model, batch, len).unwrap();
     for left_pad in [false, true] {
         let mut tokens = vec![0u32; batch * len];
         let mut mask = vec![0i32; batch * len];
@@ -88,7 +122,7 @@ fn full_logits_within(family: &str, tol: f32) {
                 mask[b * len + off + i] = 1;
             }
         }
-        let logits = program.run(&model, &tokens, &mask).unwrap();
+        let logits = program.run(model, &tokens, &mask).unwrap();
         for (b, (ids, want)) in refs.iter().enumerate() {
             let off = if left_pad { len - ids.len() } else { 0 };
             let start = (b * len + off) * vocab;

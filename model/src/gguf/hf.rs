@@ -36,10 +36,24 @@ pub fn hf_name(gguf_name: &str) -> Option<String> {
         "ffn_gate" => "mlp.gate_proj",
         "ffn_up" => "mlp.up_proj",
         "ffn_down" => "mlp.down_proj",
+        "ffn_gate_inp" => "mlp.gate",
+        // Stacked experts: down is the table's own tensor; gate and up are the two halves of
+        // its `gate_up_proj` ([`GATE_EXPS`], [`UP_EXPS`]).
+        "ffn_down_exps" if suffix == "weight" => {
+            return Some(format!("model.layers.{layer}.mlp.experts.down_proj"))
+        }
+        "ffn_gate_exps" if suffix == "weight" => return Some(format!("model.layers.{layer}.{GATE_EXPS}")),
+        "ffn_up_exps" if suffix == "weight" => return Some(format!("model.layers.{layer}.{UP_EXPS}")),
         _ => return None,
     };
     Some(format!("model.layers.{layer}.{hf}.{suffix}"))
 }
+
+/// The name a GGUF `ffn_gate_exps` tensor goes by until it is stacked with `ffn_up_exps` into
+/// the layer's `mlp.experts.gate_up_proj` (each expert's gate rows, then its up rows).
+const GATE_EXPS: &str = "mlp.experts.gate_proj (GGUF ffn_gate_exps)";
+/// The name a GGUF `ffn_up_exps` tensor goes by until it is stacked.
+const UP_EXPS: &str = "mlp.experts.up_proj (GGUF ffn_up_exps)";
 
 /// Undoes llama.cpp's RoPE row permutation of a q or k projection (rows `[n_heads * head_dim]`,
 /// each row `row_len` values): llama.cpp row `h*hd + 2*i + j` is Hugging Face row
@@ -91,8 +105,15 @@ impl GgufFile {
             by_hf.insert(name, info);
         }
         let table_names: std::collections::HashSet<&str> = table.iter().map(|p| p.name.as_str()).collect();
+        let stacked_half = |name: &str| {
+            name.strip_suffix(GATE_EXPS)
+                .or_else(|| name.strip_suffix(UP_EXPS))
+                .is_some_and(|layer| {
+                    table_names.contains(format!("{layer}mlp.experts.gate_up_proj").as_str())
+                })
+        };
         for (name, info) in &by_hf {
-            if !table_names.contains(name.as_str()) {
+            if !table_names.contains(name.as_str()) && !stacked_half(name) {
                 return Err(ModelError::UnexpectedTensor {
                     name: format!("{name} (GGUF {})", info.name),
                     found: info.hf_shape(),
@@ -102,21 +123,36 @@ impl GgufFile {
             }
         }
         let mut jobs = Vec::with_capacity(table.len());
-        for spec in &table {
-            let info = by_hf.get(&spec.name).ok_or_else(|| ModelError::MissingTensor {
-                name: spec.name.clone(),
-                expected: spec.shape.clone(),
+        let find = |name: &str, shape: &[usize]| -> Result<&GgufTensorInfo> {
+            let info = by_hf.get(name).ok_or_else(|| ModelError::MissingTensor {
+                name: name.to_string(),
+                expected: shape.to_vec(),
                 origin: origin.clone(),
             })?;
-            if info.hf_shape() != spec.shape {
+            if info.hf_shape() != shape {
                 return Err(ModelError::ShapeMismatch {
-                    name: format!("{} (GGUF {})", spec.name, info.name),
-                    expected: spec.shape.clone(),
+                    name: format!("{name} (GGUF {})", info.name),
+                    expected: shape.to_vec(),
                     found: info.hf_shape(),
                     origin: origin.clone(),
                 });
             }
             self.check_supported(info)?;
+            Ok(info)
+        };
+        for spec in &table {
+            let infos = match spec.name.strip_suffix("mlp.experts.gate_up_proj") {
+                Some(layer) => {
+                    let mut half = spec.shape.clone();
+                    half[1] /= 2;
+                    vec![
+                        find(&format!("{layer}{GATE_EXPS}"), &half)?,
+                        find(&format!("{layer}{UP_EXPS}"), &half)?,
+                    ]
+                }
+                None => vec![find(&spec.name, &spec.shape)?],
+            };
+            let info = infos[0];
             let permute_heads = if config.family == Family::Llama {
                 match info.name.split('.').nth(2) {
                     Some("attn_q") => Some(config.num_attention_heads),
@@ -126,7 +162,7 @@ impl GgufFile {
             } else {
                 None
             };
-            jobs.push((spec, *info, permute_heads));
+            jobs.push((spec, infos, permute_heads));
         }
         let threads = std::thread::available_parallelism()
             .map(|n| n.get())
@@ -139,10 +175,29 @@ impl GgufFile {
                 .map(|part| {
                     scope.spawn(move || {
                         part.iter()
-                            .map(|(spec, info, permute_heads)| {
-                                let bytes = self.tensor_bytes(info)?;
-                                let mut values = vec![0f32; info.numel() as usize];
-                                info.ggml_type.dequantize(bytes, &mut values);
+                            .map(|(spec, infos, permute_heads)| {
+                                let mut parts = Vec::with_capacity(infos.len());
+                                for info in infos {
+                                    let bytes = self.tensor_bytes(info)?;
+                                    let mut part = vec![0f32; info.numel() as usize];
+                                    info.ggml_type.dequantize(bytes, &mut part);
+                                    parts.push(part);
+                                }
+                                // Stacked halves `[E, F, H]` each: expert e's gate rows, then its up rows.
+                                let mut values = match parts.as_slice() {
+                                    [one] => one.clone(),
+                                    halves => {
+                                        let per_expert = halves[0].len() / spec.shape[0];
+                                        (0..spec.shape[0])
+                                            .flat_map(|e| {
+                                                halves.iter().flat_map(move |h| {
+                                                    &h[e * per_expert..(e + 1) * per_expert]
+                                                })
+                                            })
+                                            .copied()
+                                            .collect()
+                                    }
+                                };
                                 if let Some(heads) = permute_heads {
                                     let row_len = if spec.shape.len() == 2 { spec.shape[1] } else { 1 };
                                     values = unpermute_rows(&values, *heads, row_len);

@@ -1011,6 +1011,21 @@ pub(crate) mod tests {
         write_gguf(
             &path,
             &[],
+            &[("blk.0.ffn_shexp.weight", vec![8], 0, vec![0u8; 32])],
+        );
+        let e = GgufFile::open(&path)
+            .unwrap()
+            .load_weights(&parsed)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("unexpected tensor `blk.0.ffn_shexp.weight` (shape [8])"),
+            "{e}"
+        );
+        // A router in a dense model's file: named by both names.
+        write_gguf(
+            &path,
+            &[],
             &[("blk.0.ffn_gate_inp.weight", vec![8], 0, vec![0u8; 32])],
         );
         let e = GgufFile::open(&path)
@@ -1019,9 +1034,24 @@ pub(crate) mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            e.starts_with("unexpected tensor `blk.0.ffn_gate_inp.weight` (shape [8])"),
+            e.starts_with(
+                "unexpected tensor `model.layers.0.mlp.gate.weight (GGUF blk.0.ffn_gate_inp.weight)`"
+            ),
             "{e}"
         );
+        // Mixtral's layout: a llama GGUF with experts.
+        write_gguf(
+            &path,
+            &[
+                ("general.architecture", 8, gguf_string("llama")),
+                ("llama.expert_count", 4, 8u32.to_le_bytes().to_vec()),
+            ],
+            &[],
+        );
+        let e = ModelConfig::from_gguf(&GgufFile::open(&path).unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("key `llama.expert_count`: a mixture-of-experts `llama` GGUF (Mixtral's layout) is not supported"), "{e}");
         // Llama 3.1 RoPE factors stored as a tensor.
         write_gguf(&path, &[], &[("rope_freqs.weight", vec![8], 0, vec![0u8; 32])]);
         let e = GgufFile::open(&path)
