@@ -12,8 +12,9 @@ Writes model/fixtures/tiny/<name>/{config.json, model.safetensors, reference.saf
 All: hidden 64, 4 heads / 2 KV heads, head_dim 32, 8 experts of width 32, top 2, vocab 384, f32.
 Routers are drawn wide (std 0.5) so no token's k-th and (k+1)-th expert are near a tie.
 reference.safetensors holds, for each fixed token sequence i, `input_ids_<i>` (I32, [T]),
-`logits_<i>` (F32, [T, vocab]) and `experts_<i>` (I32, [sparse layers, T, k]): the experts
-transformers' router chose, in its top-k order.
+`logits_<i>` (F32, [T, vocab]), `experts_<i>` (I32, [sparse layers, T, k]): the experts
+transformers' router chose, in its top-k order, and `aux_loss_<i>` (F32, [1]): its
+load-balancing loss (`output_router_logits=True`, before `router_aux_loss_coef`).
 
 Usage: python3 make_tiny_moe.py      Needs: pip install torch transformers safetensors gguf
 """
@@ -86,9 +87,12 @@ for seed, (name, config) in enumerate(models.items()):
             chosen = []
             hooks = [model.model.layers[l].mlp.gate.register_forward_hook(
                 lambda _m, _i, o: chosen.append(o[2].to(torch.int32))) for l in sparse]
-            logits = model(input_ids=ids).logits[0].to(torch.float32).contiguous()
+            result = model(input_ids=ids, output_router_logits=True)
+            logits = result.logits[0].to(torch.float32).contiguous()
             for h in hooks:
                 h.remove()
+            # transformers' load_balancing_loss_func over the sparse layers (before its coefficient).
+            ref[f'aux_loss_{i}'] = result.aux_loss.reshape(1).to(torch.float32).contiguous()
             ref[f'input_ids_{i}'] = ids[0].to(torch.int32).contiguous()
             ref[f'logits_{i}'] = logits
             ref[f'experts_{i}'] = torch.stack(chosen).contiguous()
@@ -165,8 +169,16 @@ ref = {}
 with torch.no_grad():
     for i, seq in enumerate(sequences):
         ids = torch.tensor([seq])
+        chosen = []
+        hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _i, o: chosen.append(o[2].to(torch.int32)))
+                 for layer in model.model.layers]
+        result = model(input_ids=ids, output_router_logits=True)
+        for h in hooks:
+            h.remove()
         ref[f'input_ids_{i}'] = ids[0].to(torch.int32).contiguous()
-        ref[f'logits_{i}'] = model(input_ids=ids).logits[0].to(torch.float32).contiguous()
+        ref[f'logits_{i}'] = result.logits[0].to(torch.float32).contiguous()
+        ref[f'experts_{i}'] = torch.stack(chosen).contiguous()
+        ref[f'aux_loss_{i}'] = result.aux_loss.reshape(1).to(torch.float32).contiguous()
 save_file(ref, os.path.join(out, 'reference.safetensors'),
           metadata={'generated_by': f"model/scripts/make_tiny_moe.py with torch {torch.__version__}, transformers {version('transformers')}, gguf-py {version('gguf')}"})
 print('qwen3_moe_gguf', sorted(os.listdir(out)))

@@ -31,6 +31,7 @@ use xla::runtime::PluginKind;
 use xla::DType;
 
 use crate::config::ModelConfig;
+use crate::moe::Routing;
 use crate::params::{param_table, ParamLayout};
 
 /// Value used for masked attention scores (finite, so a fully masked row gives a uniform
@@ -75,6 +76,15 @@ pub struct LayerParams {
     pub mlp: Mlp,
     /// LoRA adapters applied beside the projections ([`DecoderParams::with_adapters`]).
     pub adapters: LayerAdapters,
+}
+
+/// What a routed forward pass is given about its positions (all dimensions of the hidden
+/// states but the last): which are real tokens (`valid`, 0/1) and, to replay a recorded
+/// routing, each position's experts in every mixture-of-experts layer (`replay`, `[.., Lm, k]`).
+#[derive(Clone, Copy)]
+pub struct Routed<'a> {
+    pub valid: &'a Tensor,
+    pub replay: Option<&'a Tensor>,
 }
 
 /// A decoder layer's MLP.
@@ -343,31 +353,124 @@ impl DecoderParams {
     /// layer per layer (rematerialised with [`DecoderParams::remat`]), or one scanned over the
     /// layers' stacked parameters with [`DecoderParams::scan`].
     fn run_layers(&self, h: Tensor, layer_fn: impl Fn(&LayerParams, &Tensor) -> Tensor) -> Tensor {
-        if !self.scan {
-            return self
-                .layers
-                .iter()
-                .fold(h, |h, layer| self.layer(|| layer_fn(layer, &h)));
-        }
-        let per_layer: Vec<Vec<Tensor>> = self.layers.iter().map(LayerParams::tensors).collect();
-        let stacked: Vec<Tensor> = (0..per_layer[0].len())
-            .map(|j| {
-                let rows: Vec<Tensor> = per_layer
-                    .iter()
-                    .map(|ts| {
-                        let mut dims = vec![1];
-                        dims.extend_from_slice(ts[j].dims());
-                        ts[j].reshape(&dims)
-                    })
-                    .collect();
-                Tensor::concat(&rows.iter().collect::<Vec<_>>(), 0)
-            })
+        self.run_routed_layers(h, None, |layer, h, _| (layer_fn(layer, h), None))
+            .0
+    }
+
+    /// [`DecoderParams::run_layers`] for layers that may route: `layer_fn(layer, h, replay)`
+    /// also returns a mixture-of-experts layer's [`Routing`]; with `routed` its
+    /// [`crate::moe::Routes`] over the positions of `h` (all but its last dimension) come back,
+    /// and its `replay` choices (`[.., Lm, k]`) are handed to the MoE layers, one `[.., k]` each.
+    fn run_routed_layers(
+        &self,
+        h: Tensor,
+        routed: Option<Routed>,
+        layer_fn: impl Fn(&LayerParams, &Tensor, Option<&Tensor>) -> (Tensor, Option<Routing>),
+    ) -> (Tensor, Option<crate::moe::Routes>) {
+        let lead: Vec<i64> = h.dims()[..h.rank() - 1].to_vec();
+        let k = self.config.moe.as_ref().map_or(0, |m| m.experts_per_token as i64);
+        let moe_layers: Vec<usize> = (0..self.layers.len())
+            .filter(|&l| self.config.is_moe_layer(l))
             .collect();
-        let (carry, _) = self.graph().scan(&[h], &stacked, false, |h, slices| {
-            let layer = self.layers[0].with_tensors(slices);
-            (vec![layer_fn(&layer, &h[0])], Vec::new())
-        });
-        carry.into_iter().next().expect("one carried value")
+        let routed = routed.filter(|_| !moe_layers.is_empty());
+        let valid = routed
+            .as_ref()
+            .map(|r| r.valid.convert_if_needed(DType::F32).reshape(&[-1]));
+        let sums = |routing: &Routing| crate::moe::layer_sums(routing, valid.as_ref().expect("routed"));
+        let mut with_k = lead.clone();
+        with_k.push(k);
+        let replay_of = |j: usize| {
+            routed
+                .as_ref()
+                .and_then(|r| r.replay)
+                .map(|r| r.slice_axis(lead.len(), j as i64, j as i64 + 1).reshape(&with_k))
+        };
+        // Per MoE layer: chosen [.., k], tokens per expert [E], probability sums [E], entropy [].
+        let mut reports: Vec<[Tensor; 4]> = Vec::new();
+        let h = if !self.scan {
+            let mut h = h;
+            for (l, layer) in self.layers.iter().enumerate() {
+                let j = moe_layers.iter().position(|&m| m == l);
+                let replay = j.and_then(replay_of);
+                let (next, report) = self.layer(|| {
+                    let (next, routing) = layer_fn(layer, &h, replay.as_ref());
+                    let report = routing.filter(|_| routed.is_some()).map(|r| {
+                        let (t, p, e) = sums(&r);
+                        [r.chosen, t, p, e]
+                    });
+                    (next, report)
+                });
+                reports.extend(report);
+                h = next;
+            }
+            h
+        } else {
+            assert!(
+                moe_layers.is_empty() || moe_layers.len() == self.layers.len(),
+                "one scanned layer body needs every layer alike (all dense or all mixtures of experts)"
+            );
+            let per_layer: Vec<Vec<Tensor>> = self.layers.iter().map(LayerParams::tensors).collect();
+            let mut stacked: Vec<Tensor> = (0..per_layer[0].len())
+                .map(|j| {
+                    let rows: Vec<Tensor> = per_layer
+                        .iter()
+                        .map(|ts| {
+                            let mut dims = vec![1];
+                            dims.extend_from_slice(ts[j].dims());
+                            ts[j].reshape(&dims)
+                        })
+                        .collect();
+                    Tensor::concat(&rows.iter().collect::<Vec<_>>(), 0)
+                })
+                .collect();
+            let n_params = stacked.len();
+            // The replayed choices scanned with the layers: [.., Lm, k] -> [Lm, .., k].
+            let replay = routed.as_ref().and_then(|r| r.replay).map(|r| {
+                let rank = r.rank();
+                let mut perm = vec![rank - 2];
+                perm.extend(0..rank - 2);
+                perm.push(rank - 1);
+                r.transpose(&perm)
+            });
+            stacked.extend(replay);
+            let (carry, ys) = self.graph().scan(&[h], &stacked, false, |h, slices| {
+                let layer = self.layers[0].with_tensors(&slices[..n_params]);
+                let (next, routing) = layer_fn(&layer, &h[0], slices.get(n_params));
+                let ys = match routing.filter(|_| routed.is_some()) {
+                    Some(r) => {
+                        let (t, p, e) = sums(&r);
+                        vec![r.chosen, t, p, e]
+                    }
+                    None => Vec::new(),
+                };
+                (vec![next], ys)
+            });
+            if let [chosen, t, p, e] = ys.as_slice() {
+                // [Lm, .., k] -> one [.., k] per layer, as the unrolled layers give them.
+                for j in 0..moe_layers.len() as i64 {
+                    let row = |x: &Tensor| {
+                        let dims = x.dims()[1..].to_vec();
+                        x.slice_axis(0, j, j + 1).reshape(&dims)
+                    };
+                    reports.push([row(chosen), row(t), row(p), row(e)]);
+                }
+            }
+            carry.into_iter().next().expect("one carried value")
+        };
+        if reports.is_empty() {
+            return (h, None);
+        }
+        let stack = |i: usize, axis: usize| {
+            let parts: Vec<Tensor> = reports.iter().map(|r| r[i].keep_axis(axis)).collect();
+            Tensor::concat(&parts.iter().collect::<Vec<_>>(), axis)
+        };
+        let routes = crate::moe::Routes {
+            chosen: stack(0, lead.len()),
+            tokens_per_expert: stack(1, 0),
+            prob_sum: stack(2, 0),
+            entropy_sum: stack(3, 0),
+        };
+        (h, Some(routes))
     }
 
     fn graph(&self) -> &Graph {
@@ -527,8 +630,14 @@ pub fn rope_tables(config: &ModelConfig, positions: &Tensor) -> (Tensor, Tensor)
     (tables[0].clone(), tables[1].clone())
 }
 
-/// The layer's MLP: SwiGLU `down(silu(gate(x)) * up(x))`, or its mixture of experts.
-fn mlp(config: &ModelConfig, layer: &LayerParams, x: &Tensor) -> Tensor {
+/// The layer's MLP: SwiGLU `down(silu(gate(x)) * up(x))`, or its mixture of experts (routed by
+/// its router, or by `replay` `[.., k]`, and then its [`Routing`] too).
+fn mlp(
+    config: &ModelConfig,
+    layer: &LayerParams,
+    x: &Tensor,
+    replay: Option<&Tensor>,
+) -> (Tensor, Option<Routing>) {
     match &layer.mlp {
         Mlp::Dense {
             gate_proj,
@@ -538,11 +647,12 @@ fn mlp(config: &ModelConfig, layer: &LayerParams, x: &Tensor) -> Tensor {
             let ad = &layer.adapters;
             let gate = project(x, gate_proj, None, ad.gate.as_ref()).silu();
             let up = project(x, up_proj, None, ad.up.as_ref());
-            project(&(&gate * &up), down_proj, None, ad.down.as_ref())
+            (project(&(&gate * &up), down_proj, None, ad.down.as_ref()), None)
         }
         Mlp::Experts(experts) => {
             let moe = config.moe.as_ref().expect("an experts layer has a MoE config");
-            crate::moe::moe_mlp(moe, experts, x, None).0
+            let (y, routing) = crate::moe::moe_mlp(moe, experts, x, replay);
+            (y, Some(routing))
         }
     }
 }
@@ -629,6 +739,17 @@ fn grouped_values(probs: &Tensor, v: &Tensor) -> Tensor {
 /// The rest of a decoder layer after attention: output projection and residual, then the
 /// post-attention norm, the MLP and its residual.
 fn finish_layer(config: &ModelConfig, layer: &LayerParams, h: &Tensor, attn: &Tensor) -> Tensor {
+    finish_routed_layer(config, layer, h, attn, None).0
+}
+
+/// [`finish_layer`] with a mixture-of-experts MLP's replayed choices and its [`Routing`].
+fn finish_routed_layer(
+    config: &ModelConfig,
+    layer: &LayerParams,
+    h: &Tensor,
+    attn: &Tensor,
+    replay: Option<&Tensor>,
+) -> (Tensor, Option<Routing>) {
     let h = h + &project(
         attn,
         &layer.o_proj,
@@ -636,7 +757,8 @@ fn finish_layer(config: &ModelConfig, layer: &LayerParams, h: &Tensor, attn: &Te
         layer.adapters.o.as_ref(),
     );
     let normed = rms_norm(&h, &layer.post_norm, config.rms_norm_eps);
-    &h + &mlp(config, layer, &normed)
+    let (y, routing) = mlp(config, layer, &normed, replay);
+    (&h + &y, routing)
 }
 
 /// Attention of a full sequence over itself.
@@ -767,6 +889,26 @@ fn trunk(p: &DecoderParams, tokens: &Tensor, mask: &Tensor) -> Tensor {
         let normed = rms_norm(h, &layer.input_norm, config.rms_norm_eps);
         let (attn, _, _) = self_attention(config, layer, &normed, &cos, &sin, &allowed);
         finish_layer(config, layer, h, &attn)
+    })
+}
+
+/// [`trunk`] with its [`crate::moe::Routes`] over `[B, T]` (valid where `mask` is set) and,
+/// given `replay [B, T, Lm, k]`, those experts used.
+fn trunk_routed(
+    p: &DecoderParams,
+    tokens: &Tensor,
+    mask: &Tensor,
+    replay: Option<&Tensor>,
+) -> (Tensor, Option<crate::moe::Routes>) {
+    let config = &p.config;
+    let positions = positions_from_mask(mask);
+    let (cos, sin) = rope_tables(config, &positions);
+    let allowed = causal_padding_mask(mask);
+    let routed = Some(Routed { valid: mask, replay });
+    p.run_routed_layers(embed(p, tokens), routed, |layer, h, replay| {
+        let normed = rms_norm(h, &layer.input_norm, config.rms_norm_eps);
+        let (attn, _, _) = self_attention(config, layer, &normed, &cos, &sin, &allowed);
+        finish_routed_layer(config, layer, h, &attn, replay)
     })
 }
 
@@ -927,7 +1069,29 @@ pub fn logprobs_graph_span(
 pub fn span_hidden_graph(p: &DecoderParams, tokens: &Tensor, mask: &Tensor, from: i64) -> (Tensor, Tensor) {
     let t = tokens.dims()[1];
     assert!(from >= 1 && from < t, "span start {from} must be in 1..{t}");
-    let h = trunk(p, tokens, mask);
+    span_head_input(p, &trunk(p, tokens, mask), mask, from)
+}
+
+/// [`span_hidden_graph`] of a mixture-of-experts model, with its [`crate::moe::Routes`] over
+/// `[B, T]` (valid where `mask` is set) and, given `replay [B, T, Lm, k]`, those experts used.
+pub fn span_hidden_routed(
+    p: &DecoderParams,
+    tokens: &Tensor,
+    mask: &Tensor,
+    from: i64,
+    replay: Option<&Tensor>,
+) -> (Tensor, Tensor, Option<crate::moe::Routes>) {
+    let t = tokens.dims()[1];
+    assert!(from >= 1 && from < t, "span start {from} must be in 1..{t}");
+    let (h, routes) = trunk_routed(p, tokens, mask, replay);
+    let (h, valid) = span_head_input(p, &h, mask, from);
+    (h, valid, routes)
+}
+
+/// The normed hidden states of trunk output `h [B, T, hidden]` that predict columns `from..T`,
+/// and where those columns are valid.
+fn span_head_input(p: &DecoderParams, h: &Tensor, mask: &Tensor, from: i64) -> (Tensor, Tensor) {
+    let t = mask.dims()[1];
     // Position i predicts token i + 1: positions from-1 .. t-1 predict columns from .. t.
     let h = rms_norm(
         &h.slice_axis(1, from - 1, t - 1),
@@ -954,6 +1118,9 @@ pub struct SharedPrompts<'a> {
     pub response_mask: &'a Tensor,
     pub prompt_index: &'a Tensor,
     pub blocks: i64,
+    /// A mixture-of-experts model's experts to replay: the prompts' `[U, P, Lm, k]` and the
+    /// responses' `[B, L, Lm, k]` ([`shared_prompts_routed`]).
+    pub replay: Option<(&'a Tensor, &'a Tensor)>,
 }
 
 impl<'a> SharedPrompts<'a> {
@@ -970,6 +1137,7 @@ impl<'a> SharedPrompts<'a> {
             response_mask,
             prompt_index,
             blocks,
+            replay: None,
         }
     }
 }
@@ -1002,6 +1170,28 @@ pub fn logprobs_graph_shared_prompts(
 /// [`logprobs_graph_shared_prompts`] computes them: what its head reads, and what a value head
 /// reads for the same columns.
 pub fn shared_prompts_hidden_graph(g: &Graph, p: &DecoderParams, batch: &SharedPrompts) -> (Tensor, Tensor) {
+    let (h, valid, _) = shared_prompts_inner(g, p, batch, false);
+    (h, valid)
+}
+
+/// [`shared_prompts_hidden_graph`] of a mixture-of-experts model with its routing: the
+/// [`crate::moe::Routes`] over the prompts' `U * P` positions then the responses' `B * L`
+/// (valid where the masks are set; `chosen` is `[U * P + B * L, Lm, k]`), replaying
+/// `batch.replay` when given.
+pub fn shared_prompts_routed(
+    g: &Graph,
+    p: &DecoderParams,
+    batch: &SharedPrompts,
+) -> (Tensor, Tensor, Option<crate::moe::Routes>) {
+    shared_prompts_inner(g, p, batch, true)
+}
+
+fn shared_prompts_inner(
+    g: &Graph,
+    p: &DecoderParams,
+    batch: &SharedPrompts,
+    routed: bool,
+) -> (Tensor, Tensor, Option<crate::moe::Routes>) {
     let config = &p.config;
     let eps = config.rms_norm_eps;
     let (u, pl) = (batch.prompts.dims()[0], batch.prompts.dims()[1]);
@@ -1080,9 +1270,20 @@ pub fn shared_prompts_hidden_graph(g: &Graph, p: &DecoderParams, batch: &SharedP
     // `[N, heads, hd]` -> the prompts' `[U, P, heads, hd]` or the responses' `[B, L, heads, hd]`.
     let prompts_of = |x: &Tensor| x.slice_axis(0, 0, np).reshape(&[u, pl, x.dims()[1], hd]);
     let responses_of = |x: &Tensor| x.slice_axis(0, np, np + nr).reshape(&[b, l, x.dims()[1], hd]);
-    let h = p.run_layers(
+    let valid_positions = both(
+        &prompt_mask.reshape(&[u, pl, 1]),
+        &response_mask.reshape(&[b, l, 1]),
+    )
+    .reshape(&[-1]);
+    let replay = batch.replay.map(|(prompts, responses)| both(prompts, responses));
+    let routing = routed.then_some(Routed {
+        valid: &valid_positions,
+        replay: replay.as_ref(),
+    });
+    let (h, routes) = p.run_routed_layers(
         both(&embed(p, batch.prompts), &embed(p, batch.responses)),
-        |layer, h| {
+        routing,
+        |layer, h, replay| {
             let normed = rms_norm(h, &layer.input_norm, eps);
             let (q, k, v) = qkv(config, layer, &normed, &cos, &sin);
             // Prompts over themselves; responses over their prompt's keys, then their own.
@@ -1092,7 +1293,7 @@ pub fn shared_prompts_hidden_graph(g: &Graph, p: &DecoderParams, batch: &SharedP
             let k_r = Tensor::concat(&[&per_row(&k_p), &responses_of(&k).transpose(&[0, 2, 1, 3])], 2);
             let v_r = Tensor::concat(&[&per_row(&v_p), &responses_of(&v).transpose(&[0, 2, 1, 3])], 2);
             let attn_r = attend(config, layer, &responses_of(&q), &k_r, &v_r, &r_allowed);
-            finish_layer(config, layer, h, &both(&attn_p, &attn_r))
+            finish_routed_layer(config, layer, h, &both(&attn_p, &attn_r), replay)
         },
     );
     let h_p = h
@@ -1119,7 +1320,7 @@ pub fn shared_prompts_hidden_graph(g: &Graph, p: &DecoderParams, batch: &SharedP
     } else {
         m
     };
-    (h, valid)
+    (h, valid, routes)
 }
 
 /// Prefill: runs prompts `tokens [B, T]` (right-padded; `lengths [B]` real lengths, each at

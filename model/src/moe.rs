@@ -39,6 +39,8 @@ pub struct Experts {
 /// What [`route`] decided for a batch of tokens `[..]` (the input's leading dimensions).
 #[derive(Clone, Debug)]
 pub struct Routing {
+    /// `[.., experts]` f32: 1 where the expert is chosen, else 0.
+    pub selected: Tensor,
     /// `[.., experts]` f32: the router's logits.
     pub logits: Tensor,
     /// `[.., experts]` f32: the router's softmax.
@@ -61,8 +63,15 @@ pub fn route(config: &MoeConfig, router: &Tensor, x: &Tensor, replay: Option<&Te
         Some(r) => r.convert_if_needed(DType::I32),
         None => probs.stop_gradient().top_k(config.experts_per_token as i64).1,
     };
-    let weights = combine_weights(config, &probs, &chosen);
+    let selected = chosen_mask(config, &chosen);
+    let kept = &probs * &selected;
+    let weights = if config.norm_topk_prob {
+        &kept / &kept.sum_axis(-1, true)
+    } else {
+        kept
+    };
     Routing {
+        selected,
         logits,
         probs,
         chosen,
@@ -70,10 +79,11 @@ pub fn route(config: &MoeConfig, router: &Tensor, x: &Tensor, replay: Option<&Te
     }
 }
 
-/// `probs` `[.., E]` kept where `chosen` `[.., k]` names the expert, renormalised over the
-/// chosen ones when `norm_topk_prob`: transformers' top-k values scattered to all experts.
-fn combine_weights(config: &MoeConfig, probs: &Tensor, chosen: &Tensor) -> Tensor {
-    let g = probs.graph();
+/// `[.., E]` f32: 1 where `chosen` `[.., k]` names the expert. The combine weights are the
+/// probabilities kept there (renormalised over the chosen ones when `norm_topk_prob`):
+/// transformers' top-k values scattered to all experts.
+fn chosen_mask(config: &MoeConfig, chosen: &Tensor) -> Tensor {
+    let g = chosen.graph();
     let e = config.num_experts as i64;
     let rank = chosen.rank();
     let mut dims = chosen.dims().to_vec();
@@ -81,15 +91,8 @@ fn combine_weights(config: &MoeConfig, probs: &Tensor, chosen: &Tensor) -> Tenso
     // [.., k, E]: one-hot of each choice, summed over k: a 0/1 mask of the chosen experts.
     let experts = g.iota(DType::I32, &dims, rank);
     let hit = chosen.keep_axis(rank).broadcast_to(&dims).eq(&experts);
-    let mask = hit
-        .select(&g.full(1.0, DType::F32, &[]), &g.full(0.0, DType::F32, &[]))
-        .sum_axis(rank as i64 - 1, false);
-    let kept = probs * &mask;
-    if config.norm_topk_prob {
-        &kept / &kept.sum_axis(-1, true)
-    } else {
-        kept
-    }
+    hit.select(&g.full(1.0, DType::F32, &[]), &g.full(0.0, DType::F32, &[]))
+        .sum_axis(rank as i64 - 1, false)
 }
 
 /// Steps 2 and 3, the dense lowering: every expert's SwiGLU over every token of `x [N, hidden]`,
@@ -148,12 +151,59 @@ pub fn moe_mlp(
     };
     let e = config.num_experts as i64;
     let routing = Routing {
+        selected: reshape(&routing.selected, e),
         logits: reshape(&routing.logits, e),
         probs: reshape(&routing.probs, e),
         chosen: reshape(&routing.chosen, config.experts_per_token as i64),
         weights: reshape(&routing.weights, e),
     };
     (reshape(&out, hidden), routing)
+}
+
+/// A forward pass's routing over positions `[..]` (one list for every MoE layer, in layer
+/// order `Lm`): what the layers chose, and the sums a step's router metrics and the
+/// load-balancing loss are made of, over the positions marked valid.
+#[derive(Clone, Debug)]
+pub struct Routes {
+    /// `[.., Lm, k]` i32: each position's experts in every MoE layer.
+    pub chosen: Tensor,
+    /// `[Lm, E]` f32: valid positions sent to each expert (a position counts once per chosen
+    /// expert, so a layer's row sums to `k` times the valid positions).
+    pub tokens_per_expert: Tensor,
+    /// `[Lm, E]` f32: the router's probabilities summed over valid positions.
+    pub prob_sum: Tensor,
+    /// `[Lm]` f32: the router's entropy summed over valid positions.
+    pub entropy_sum: Tensor,
+}
+
+/// What [`Routes`] sums for one layer, from its [`Routing`] over `[N]` flat positions and their
+/// validity `valid [N]` (f32 0/1): `(tokens_per_expert [E], prob_sum [E], entropy_sum [])`.
+pub fn layer_sums(routing: &Routing, valid: &Tensor) -> (Tensor, Tensor, Tensor) {
+    let e = routing.probs.dims()[routing.probs.rank() - 1];
+    let probs = routing.probs.reshape(&[-1, e]);
+    let n = probs.dims()[0];
+    let v = valid.reshape(&[n, 1]).broadcast_to(&[n, e]);
+    let tokens = (&routing.selected.reshape(&[-1, e]) * &v).sum_axis(0, false);
+    let prob_sum = (&probs * &v).sum_axis(0, false);
+    // Entropy from the log-softmax of the logits: finite where a probability underflows.
+    let log_p = routing.logits.reshape(&[-1, e]).log_softmax(-1);
+    let entropy = (&(&probs * &log_p) * &v).sum_all();
+    (tokens, prob_sum, &entropy * &entropy.scalar_like(-1.0))
+}
+
+/// The load-balancing loss of transformers' `load_balancing_loss_func` over every MoE layer
+/// (Switch Transformer, eqs. 4-6): `E * sum_e f_e * P_e`, with `f_e` the fraction of routed
+/// (position, choice) pairs sent to expert `e` over all layers and `P_e` the mean router
+/// probability of `e`, both over the valid positions of all layers. Under replay `f` counts the
+/// replayed choices. The gradient reaches the routers through `P` only, as in transformers.
+pub fn load_balancing_loss(config: &MoeConfig, routes: &Routes, valid_positions: &Tensor) -> Tensor {
+    let layers = routes.prob_sum.dims()[0] as f64;
+    let valid = valid_positions.convert_if_needed(DType::F32);
+    let rows = (&valid * &valid.scalar_like(layers)).broadcast_to(&[config.num_experts as i64]);
+    let f = &routes.tokens_per_expert.sum_axis(0, false) / &rows;
+    let p = &routes.prob_sum.sum_axis(0, false) / &rows;
+    let loss = (&f.stop_gradient() * &p).sum_all();
+    &loss * &loss.scalar_like(config.num_experts as f64)
 }
 
 /// The published checkpoints' per-expert tensor `model.layers.{layer}.mlp.experts.{e}.{proj}.weight`:
