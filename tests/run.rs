@@ -72,6 +72,11 @@ fn a_tiny_run_trains_validates_checkpoints_and_resumes() {
         );
     }
     assert!(m[&0][VAL_CORE].is_number() && m[&2][VAL_CORE].is_number());
+    let keys = m[&3].as_object().unwrap();
+    assert!(
+        !keys.keys().any(|k| k.contains("router")),
+        "a dense model reports no router: {keys:?}"
+    );
     assert_eq!(m[&3]["training/global_step"], 3.0);
     assert_eq!(m[&3]["weights/version"], 3.0);
     assert_eq!(m[&3]["weights/version_lag"], 0.0);

@@ -26,6 +26,37 @@ fn a_tiny_moe_trains_resumes_exactly_and_runs_in_worker_processes() {
     let m = metrics(&whole);
     assert_eq!(m.keys().copied().collect::<Vec<_>>(), vec![0, 1, 2, 3, 4]);
     assert!(metric_series(&m, "actor/grad_norm").iter().all(|g| *g > 0.0));
+    // The router's metrics: its entropy within (0, ln 4] nats for 4 experts, the busiest
+    // expert's load at least the mean's, and the load-balancing loss at least its balanced
+    // value k = 2 (Switch Transformer's E * sum f P with f summing to k).
+    for step in 1..=4 {
+        let get = |key: &str| {
+            m[&step][key]
+                .as_f64()
+                .unwrap_or_else(|| panic!("{key} at step {step}"))
+        };
+        let entropy = get("actor/router_entropy");
+        assert!(entropy > 0.0 && entropy <= 4f64.ln() + 1e-6, "{entropy}");
+        assert!(get("actor/router_load_max") >= 1.0);
+        assert!(
+            get("actor/router_aux_loss") >= 2.0 - 1e-4,
+            "{}",
+            get("actor/router_aux_loss")
+        );
+    }
+    // With a coefficient the load-balancing loss enters the loss, and so the update.
+    let weighted = dir.path().join("weighted");
+    run(&weighted, 1, &["--set", "actor.router_aux_loss_coef=0.5"]);
+    let w = metrics(&weighted);
+    let (a, b) = (&m[&1], &w[&1]);
+    let loss = |x: &serde_json::Value| {
+        x["actor/pg_loss"].as_f64().unwrap() + 0.5 * x["actor/router_aux_loss"].as_f64().unwrap()
+    };
+    assert_ne!(
+        a["actor/grad_norm"], b["actor/grad_norm"],
+        "the loss's gradient changed"
+    );
+    assert!((b["actor/loss"].as_f64().unwrap() - loss(b)).abs() < 1e-4, "{b}");
 
     // The router and every expert moved; exported, the model loads as a Qwen3-MoE again.
     let exported = dir.path().join("exported");

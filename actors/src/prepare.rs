@@ -109,7 +109,8 @@ fn chat_template(recipe: &Recipe, own: Option<ChatTemplate>) -> Result<Option<Ch
 }
 
 /// The recipe's model-side settings that this model's architecture cannot honour: a LoRA target
-/// no layer has (PEFT refuses it alike), and one scanned layer body over layers that differ.
+/// no layer has (PEFT refuses it alike), a router setting without experts, and one scanned
+/// layer body over layers that differ.
 fn check_model_features(recipe: &Recipe, config: &model::ModelConfig) -> Result<(), String> {
     if let Some(lora) = recipe.actor.lora() {
         let table = model::lora::lora_table(config, &lora);
@@ -126,6 +127,13 @@ fn check_model_features(recipe: &Recipe, config: &model::ModelConfig) -> Result<
                 config.family
             ));
         }
+    }
+    if config.moe.is_none() && recipe.actor.router_aux_loss_coef != 0.0 {
+        return Err(format!(
+            "actor.router_aux_loss_coef: {} weighs a mixture-of-experts model's load-balancing \
+             loss, and this {} model has no experts; remove it",
+            recipe.actor.router_aux_loss_coef, config.family
+        ));
     }
     let moe_layers = (0..config.num_hidden_layers)
         .filter(|&l| config.is_moe_layer(l))

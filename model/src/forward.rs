@@ -1062,6 +1062,32 @@ pub fn logprobs_graph_span(
     (&lp * &valid, &ent * &valid)
 }
 
+/// [`logprobs_graph_span`] of a mixture-of-experts model, with its [`crate::moe::Routes`]
+/// over `[B, T]` and, given `replay [B, T, Lm, k]`, those experts used
+/// ([`span_hidden_routed`]).
+pub fn logprobs_graph_span_routed(
+    g: &Graph,
+    p: &DecoderParams,
+    tokens: &Tensor,
+    mask: &Tensor,
+    temperature: &Tensor,
+    from: i64,
+    replay: Option<&Tensor>,
+) -> (Tensor, Tensor, Option<crate::moe::Routes>) {
+    let (h, valid, routes) = span_hidden_routed(p, tokens, mask, from, replay);
+    let ids = tokens.convert_if_needed(DType::I32);
+    let t = tokens.dims()[1];
+    let (lp, ent) = head_log_probs(
+        g,
+        p,
+        &h,
+        &ids.slice_axis(1, from, t),
+        temperature,
+        DEFAULT_HEAD_CHUNK,
+    );
+    (&lp * &valid, &ent * &valid, routes)
+}
+
 /// The final hidden states (after the final norm) that predict columns `from..T` of `tokens
 /// [B, T]` (`1 <= from < T`), `[B, T - from, hidden]`, and where those columns are valid
 /// (`[B, T - from]` f32: the token and its predecessor real): what [`logprobs_graph_span`]'s
@@ -1163,6 +1189,20 @@ pub fn logprobs_graph_shared_prompts(
     let ids = batch.responses.convert_if_needed(DType::I32);
     let (lp, ent) = head_log_probs(g, p, &h, &ids, temperature, DEFAULT_HEAD_CHUNK);
     (&lp * &valid, &ent * &valid)
+}
+
+/// [`logprobs_graph_shared_prompts`] of a mixture-of-experts model, with its routing
+/// ([`shared_prompts_routed`]).
+pub fn logprobs_graph_shared_prompts_routed(
+    g: &Graph,
+    p: &DecoderParams,
+    batch: &SharedPrompts,
+    temperature: &Tensor,
+) -> (Tensor, Tensor, Option<crate::moe::Routes>) {
+    let (h, valid, routes) = shared_prompts_routed(g, p, batch);
+    let ids = batch.responses.convert_if_needed(DType::I32);
+    let (lp, ent) = head_log_probs(g, p, &h, &ids, temperature, DEFAULT_HEAD_CHUNK);
+    (&lp * &valid, &ent * &valid, routes)
 }
 
 /// The final hidden states (after the final norm) that predict each response column of

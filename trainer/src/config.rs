@@ -261,6 +261,10 @@ pub struct PolicyLossConfig {
     pub kl_cov_ratio: f64,
     /// `actor.policy_loss.ppo_kl_coef`: `kl_cov`'s penalty weight.
     pub ppo_kl_coef: f64,
+    /// `actor.router_aux_loss_coef`: a mixture-of-experts policy adds this times its
+    /// load-balancing loss ([`model::moe::load_balancing_loss`]) to the loss. 0, as VeRL's RL
+    /// recipes set it, reports the loss without training on it.
+    pub router_aux_loss_coef: f64,
 }
 
 impl Default for PolicyLossConfig {
@@ -283,6 +287,7 @@ impl Default for PolicyLossConfig {
             clip_cov_ub: 5.0,
             kl_cov_ratio: 0.0002,
             ppo_kl_coef: 0.1,
+            router_aux_loss_coef: 0.0,
         }
     }
 }
@@ -341,6 +346,13 @@ impl PolicyLossConfig {
                 "actor.policy_loss.clip_cov_ub",
                 self.clip_cov_ub,
                 &format!("must be greater than clip_cov_lb ({})", self.clip_cov_lb),
+            ));
+        }
+        if !(self.router_aux_loss_coef >= 0.0 && self.router_aux_loss_coef.is_finite()) {
+            out.push(bad(
+                "actor.router_aux_loss_coef",
+                self.router_aux_loss_coef,
+                "must be a finite number >= 0",
             ));
         }
         out

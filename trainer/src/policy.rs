@@ -22,11 +22,11 @@
 //! sampling temperature, exactly the quantity the rollout reports for the same token: the
 //! response's positions continue the prompt's real length, so left padding moves nothing.
 
-use crate::step::{HostArray, InputSpec, PolicyOutput};
+use crate::step::{HostArray, InputSpec, PolicyOutput, RouterTerms};
 use model::classifier::{value_head_table, value_model_param_table, values_graph};
 use model::forward::{
-    logprobs_graph_shared_prompts, logprobs_graph_span, shared_prompts_hidden_graph, span_hidden_graph,
-    DecoderParams, SharedPrompts,
+    logprobs_graph_shared_prompts, logprobs_graph_shared_prompts_routed, logprobs_graph_span,
+    logprobs_graph_span_routed, shared_prompts_hidden_graph, span_hidden_graph, DecoderParams, SharedPrompts,
 };
 use model::lora::{lora_param_table, merge_params, LoraConfig};
 use model::{param_table, ModelConfig, ParamSpec};
@@ -262,6 +262,7 @@ impl DecoderPolicy {
         PolicyOutput {
             log_probs: &values_graph(&h, &params[n], &params[n + 1]) * &valid,
             entropy: None,
+            router: None,
         }
     }
 
@@ -289,21 +290,51 @@ impl DecoderPolicy {
         p.remat = self.remat;
         p.scan = self.scan;
         let temperature = g.scalar(self.temperature as f64, DType::F32);
+        let moe = self.config.moe.is_some();
+        let count = |masks: &[&Tensor]| {
+            masks
+                .iter()
+                .map(|m| m.convert_if_needed(DType::F32).sum_all())
+                .reduce(|a, b| &a + &b)
+                .expect("at least one mask")
+        };
         if !self.shares_prompts() {
             // Rows whole: prompt columns then response columns.
             let tokens = Tensor::concat(&[&batch[0], &batch[2]], 1);
             let mask = Tensor::concat(&[&batch[1], &batch[3]], 1);
-            let (lp, ent) = logprobs_graph_span(g, &p, &tokens, &mask, &temperature, self.prompt_len as i64);
+            let from = self.prompt_len as i64;
+            if moe {
+                let (lp, ent, routes) =
+                    logprobs_graph_span_routed(g, &p, &tokens, &mask, &temperature, from, None);
+                let router = routes.map(|r| RouterTerms::of(&self.config, &r, &count(&[&mask])));
+                return PolicyOutput {
+                    log_probs: lp,
+                    entropy: Some(ent),
+                    router,
+                };
+            }
+            let (lp, ent) = logprobs_graph_span(g, &p, &tokens, &mask, &temperature, from);
             return PolicyOutput {
                 log_probs: lp,
                 entropy: Some(ent),
+                router: None,
             };
         }
         let shared = SharedPrompts::from_inputs(batch, self.blocks.max(1) as i64);
+        if moe {
+            let (lp, ent, routes) = logprobs_graph_shared_prompts_routed(g, &p, &shared, &temperature);
+            let router = routes.map(|r| RouterTerms::of(&self.config, &r, &count(&[&batch[1], &batch[3]])));
+            return PolicyOutput {
+                log_probs: lp,
+                entropy: Some(ent),
+                router,
+            };
+        }
         let (lp, ent) = logprobs_graph_shared_prompts(g, &p, &shared, &temperature);
         PolicyOutput {
             log_probs: lp,
             entropy: Some(ent),
+            router: None,
         }
     }
 

@@ -64,6 +64,7 @@ fn train(seed: u64, steps: usize) -> Vec<f64> {
         PolicyOutput {
             log_probs: lp,
             entropy: Some(ent),
+            router: None,
         }
     })
     .unwrap();

@@ -52,6 +52,7 @@ fn policy(params: &[Tensor], batch: &[Tensor]) -> PolicyOutput {
     PolicyOutput {
         log_probs: lp,
         entropy: Some(ent),
+        router: None,
     }
 }
 

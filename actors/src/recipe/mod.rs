@@ -452,6 +452,11 @@ pub struct ActorSection {
     /// Weight of the entropy bonus (subtracted from the loss).
     #[serde(default)]
     pub entropy_coeff: f64,
+    /// Weight of a mixture-of-experts policy's load-balancing loss (transformers'
+    /// `router_aux_loss_coef`, whose value in the model's config is not read): 0, as VeRL's RL
+    /// recipes set it, reports the loss (`actor/router_aux_loss`) without training on it.
+    #[serde(default)]
+    pub router_aux_loss_coef: f64,
     /// SAPO's gate temperature for tokens with a positive advantage (`policy_loss.loss_mode:
     /// sapo`).
     #[serde(default = "default_tau_pos")]
@@ -563,6 +568,7 @@ impl ActorSection {
             clip_cov_ub: self.policy_loss.clip_cov_ub,
             kl_cov_ratio: self.policy_loss.kl_cov_ratio,
             ppo_kl_coef: self.policy_loss.ppo_kl_coef,
+            router_aux_loss_coef: self.router_aux_loss_coef,
         }
     }
 

@@ -500,6 +500,7 @@ impl Learner {
                 train_step: programs.train_step.clone(),
                 accumulate: programs.accumulate.clone(),
                 log_probs: programs.log_probs.clone(),
+                routed: programs.layout.metric_names.contains(&"router_aux_loss"),
                 response_len: cfg.response_len,
                 batch_inputs: programs.layout.batch_inputs.clone(),
                 loss_inputs: programs.layout.loss_inputs.clone(),
@@ -1198,7 +1199,7 @@ impl Learner {
             .filter(|(n, _)| !n.is_empty())
             .map(|(n, v)| (*n, *v as f64))
             .collect();
-        let update_applied = raw[8] != 0.0;
+        let update_applied = raw[NUM_SUMMED_METRICS + 1] != 0.0;
         let nonfinite_terms = ["loss", "pg_loss", "vf_loss", "kl_loss", "entropy", "grad_norm"]
             .into_iter()
             .filter(|name| values.iter().any(|(n, v)| n == name && !v.is_finite()))

@@ -82,6 +82,48 @@ pub struct PolicyOutput {
     pub log_probs: Tensor,
     /// Per-token entropy of the policy's distribution, needed for the entropy bonus and metric.
     pub entropy: Option<Tensor>,
+    /// A mixture-of-experts policy's routing of this micro-batch.
+    pub router: Option<RouterTerms>,
+}
+
+/// What a mixture-of-experts policy's routing adds to a micro-batch's loss and metrics
+/// (scalars over the micro-batch's valid positions, prompts and responses).
+#[derive(Clone, Debug)]
+pub struct RouterTerms {
+    /// The load-balancing loss ([`model::moe::load_balancing_loss`]), before
+    /// `actor.router_aux_loss_coef`.
+    pub aux_loss: Tensor,
+    /// The router's entropy per valid position and MoE layer (nats).
+    pub entropy: Tensor,
+    /// Each MoE layer's busiest expert's tokens over the mean expert's (1: balanced), averaged
+    /// over the layers.
+    pub load_max: Tensor,
+}
+
+impl RouterTerms {
+    /// The terms of `routes`, over `valid_positions` (a scalar count).
+    pub fn of(
+        config: &model::ModelConfig,
+        routes: &model::moe::Routes,
+        valid_positions: &Tensor,
+    ) -> RouterTerms {
+        let moe = config
+            .moe
+            .as_ref()
+            .expect("routes come from a mixture-of-experts model");
+        let layers = routes.entropy_sum.dims()[0] as f64;
+        let count = valid_positions.convert_if_needed(DType::F32);
+        let positions = (&count * &count.scalar_like(layers)).max(&count.scalar_like(1.0));
+        let tokens = &routes.tokens_per_expert;
+        let busiest = tokens.max_axis(1, false);
+        let mean = (&tokens.sum_axis(1, false) * &tokens.scalar_like(1.0 / moe.num_experts as f64))
+            .max(&tokens.scalar_like(1e-30));
+        RouterTerms {
+            aux_loss: model::moe::load_balancing_loss(moe, routes, &count),
+            entropy: &routes.entropy_sum.sum_all() / &positions,
+            load_max: &(&busiest / &mean).sum_all() * &count.scalar_like(1.0 / layers),
+        }
+    }
 }
 
 /// Everything the programs bake in.
@@ -120,16 +162,24 @@ pub struct StepConfig {
 
 impl StepConfig {
     /// The names of the metrics vector's entries for these programs.
-    pub fn metric_names(&self) -> [&'static str; 10] {
-        match self.value_loss {
+    /// `routed`: the policy is a mixture of experts (its router slots are reported).
+    pub fn metric_names(&self, routed: bool) -> [&'static str; NUM_METRICS] {
+        let mut names = match self.value_loss {
             Some(_) => VALUE_METRIC_NAMES,
             None => METRIC_NAMES,
+        };
+        if !routed {
+            names[ROUTER_METRICS].fill("");
         }
+        names
     }
 }
 
+/// Length of the metrics vector.
+pub const NUM_METRICS: usize = 13;
+
 /// Names of the entries of the metrics vector every update program returns (f32).
-pub const METRIC_NAMES: [&str; 10] = [
+pub const METRIC_NAMES: [&str; NUM_METRICS] = [
     "loss",
     "pg_loss",
     "pg_clipfrac",
@@ -137,18 +187,27 @@ pub const METRIC_NAMES: [&str; 10] = [
     "ppo_kl",
     "kl_loss",
     "entropy",
+    "router_aux_loss",
+    "router_entropy",
+    "router_load_max",
     "grad_norm",
     "update_applied",
     "lr",
 ];
 
+/// The slots of a mixture-of-experts policy's [`RouterTerms`] (`""` for a dense one).
+const ROUTER_METRICS: std::ops::Range<usize> = 7..10;
+
 /// The metrics vector of a value model's programs: the same layout, `""` for the summed slots
 /// it leaves 0 (not reported).
-pub const VALUE_METRIC_NAMES: [&str; 10] = [
+pub const VALUE_METRIC_NAMES: [&str; NUM_METRICS] = [
     "loss",
     "vf_loss",
     "vf_clipfrac",
     "vpred_mean",
+    "",
+    "",
+    "",
     "",
     "",
     "",
@@ -158,7 +217,7 @@ pub const VALUE_METRIC_NAMES: [&str; 10] = [
 ];
 
 /// How many leading metrics are sums over micro-batches (the loss terms).
-pub const NUM_SUMMED_METRICS: usize = 7;
+pub const NUM_SUMMED_METRICS: usize = 10;
 
 /// The argument and result positions of the three programs.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -166,7 +225,7 @@ pub struct StepLayout {
     /// Number of parameter tensors `P`.
     pub num_params: usize,
     /// The names of the metrics vector's entries ([`StepConfig::metric_names`]).
-    pub metric_names: [&'static str; 10],
+    pub metric_names: [&'static str; NUM_METRICS],
     /// Names of the per-micro-batch loss inputs in argument order: `old_log_probs`,
     /// `advantages`, `response_mask`, then `ref_log_probs` (with `use_kl_loss`),
     /// `rollout_is_weights` (with `rollout_is_weights`), then the scalars `norm_tokens`,

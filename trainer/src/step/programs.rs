@@ -150,9 +150,19 @@ fn build_options(donate: &[(usize, usize)], result_shardings: Vec<(usize, Shardi
     }
 }
 
+/// What [`trace_loss_and_grads`] traced: the summed metric terms (the loss first,
+/// [`StepConfig::metric_names`] order), the gradients with respect to the f32 masters, and
+/// whether the policy routes (a mixture of experts: its router slots are reported).
+struct TracedLoss {
+    terms: Vec<Tensor>,
+    grads: Vec<Tensor>,
+    routed: bool,
+}
+
 /// Traces the model function and its loss (the actor loss, or a value model's value loss) on
-/// `masters` and returns the summed metric terms (the loss first, [`StepConfig::metric_names`]
-/// order) and the gradients with respect to the f32 masters.
+/// `masters`. A mixture-of-experts policy adds `actor.router_aux_loss_coef` times its
+/// load-balancing loss; its router terms are weighted by the micro-batch's share of the
+/// mini-batch's rows, so the micro-batches' sum is the mini-batch's mean, as the loss is.
 fn trace_loss_and_grads<F>(
     cfg: &StepConfig,
     masters: &[Tensor],
@@ -160,11 +170,12 @@ fn trace_loss_and_grads<F>(
     args: &LossArgs,
     batch: &[Tensor],
     policy: &F,
-) -> std::result::Result<(Vec<Tensor>, Vec<Tensor>), xla::graph::GraphError>
+) -> std::result::Result<TracedLoss, xla::graph::GraphError>
 where
     F: Fn(&[Tensor], &[Tensor]) -> PolicyOutput,
 {
     let out = policy(&policy_params(cfg, masters, frozen), batch);
+    let router = out.router.clone();
     let norm = Normalizer {
         tokens: args.tokens.clone(),
         seqs: args.seqs.clone(),
@@ -199,9 +210,32 @@ where
             loss_terms(&actor_loss(&cfg.loss, &inputs))
         }
     };
+    let mut terms = terms;
+    let routed = router.is_some();
+    match router {
+        Some(r) => {
+            let rows = args
+                .mask
+                .sum_axis(1, false)
+                .gt(&args.mask.zeros_like().sum_axis(1, false));
+            let rows = rows.convert(DType::F32).sum_all();
+            let share = &rows / &args.seqs.convert_if_needed(DType::F32);
+            let weighted = |t: &Tensor| t * &share;
+            let aux = weighted(&r.aux_loss);
+            let coef = cfg.loss.router_aux_loss_coef;
+            if coef != 0.0 {
+                terms[0] = &terms[0] + &(&aux * &aux.scalar_like(coef));
+            }
+            terms.extend([aux, weighted(&r.entropy), weighted(&r.load_max)]);
+        }
+        None => {
+            let zero = terms[0].zeros_like();
+            terms.extend([zero.clone(), zero.clone(), zero]);
+        }
+    }
     let refs: Vec<&Tensor> = masters.iter().collect();
     let grads = grad(&terms[0], &refs)?;
-    Ok((terms, grads))
+    Ok(TracedLoss { terms, grads, routed })
 }
 
 /// What the policy function receives as its parameters: the trainable ones in the compute
@@ -303,6 +337,8 @@ pub struct ShapePrograms {
     pub accumulate: Program,
     /// Forward only: per-token log-probs `[micro_batch_size, response_len]`.
     pub log_probs: Program,
+    /// The policy routes (a mixture of experts): the metrics' router slots are reported.
+    pub routed: bool,
     /// Response columns of this shape.
     pub response_len: i64,
     /// The policy's batch inputs of this shape.
@@ -391,8 +427,9 @@ where
     let args = declare_loss_args(&g, cfg, response_len, &mesh);
     let batch = batch_args(&g, inputs, &mesh);
     let frozen = declare_frozen(&g, cfg, &mesh);
-    let (terms, grads) = trace_loss_and_grads(cfg, &masters, &frozen, &args, &batch, &policy)
-        .map_err(graph_err("train_step"))?;
+    let TracedLoss { terms, grads, routed } =
+        trace_loss_and_grads(cfg, &masters, &frozen, &args, &batch, &policy)
+            .map_err(graph_err("train_step"))?;
     let results = trace_update(cfg, &masters, &m, &v, &step, &lr, &grads, &terms);
     let refs: Vec<&Tensor> = results.iter().collect();
     let donate: Vec<(usize, usize)> = (0..=3 * n).map(|i| (i, i)).collect();
@@ -414,8 +451,9 @@ where
     let args = declare_loss_args(&g, cfg, response_len, &mesh);
     let batch = batch_args(&g, inputs, &mesh);
     let frozen = declare_frozen(&g, cfg, &mesh);
-    let (terms, grads) = trace_loss_and_grads(cfg, &masters, &frozen, &args, &batch, &policy)
-        .map_err(graph_err("accumulate"))?;
+    let TracedLoss { terms, grads, .. } =
+        trace_loss_and_grads(cfg, &masters, &frozen, &args, &batch, &policy)
+            .map_err(graph_err("accumulate"))?;
     let mut results: Vec<Tensor> = acc.iter().zip(&grads).map(|(a, g)| a + g).collect();
     let terms: Vec<Tensor> = terms.iter().map(scalar1).collect();
     let term_refs: Vec<&Tensor> = terms.iter().collect();
@@ -443,6 +481,7 @@ where
         train_step,
         accumulate,
         log_probs,
+        routed,
         response_len,
         batch_inputs: inputs.to_vec(),
         loss_inputs: loss_input_names(cfg),
@@ -471,7 +510,7 @@ where
     let n = params.len();
     let layout = StepLayout {
         num_params: n,
-        metric_names: cfg.metric_names(),
+        metric_names: cfg.metric_names(shape.routed),
         loss_inputs: shape.loss_inputs.clone(),
         batch_inputs: inputs.to_vec(),
         bf16_outputs: cfg.compute_dtype != DType::F32,
