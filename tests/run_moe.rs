@@ -82,6 +82,16 @@ fn a_tiny_moe_trains_resumes_exactly_and_runs_in_worker_processes() {
         assert!(b.iter().zip(&a).any(|(x, y)| x != y), "{name} did not train");
     }
 
+    // bf16 compute (what `auto` chooses on a CPU with bf16 instructions): the experts' products
+    // and their gradients in the form the CPU plugin runs.
+    let bf16 = dir.path().join("bf16");
+    run(
+        &bf16,
+        1,
+        &["--set", "actor.param_dtype=bf16", "--set", "rollout.dtype=bf16"],
+    );
+    assert!(metrics(&bf16)[&1]["actor/grad_norm"].as_f64().unwrap() > 0.0);
+
     let resumed = dir.path().join("resumed");
     run(&resumed, 2, &[]);
     run(&resumed, 4, &[]);

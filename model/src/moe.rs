@@ -19,8 +19,10 @@
 //! ([`crate::ParamLayout::sharding`]); the dense lowering then gathers them as it gathers any
 //! FSDP parameter.
 
-use xla::graph::{DotDims, Tensor};
+use xla::graph::Tensor;
 use xla::DType;
+
+use crate::forward::linear;
 
 use crate::config::MoeConfig;
 
@@ -98,35 +100,26 @@ fn chosen_mask(config: &MoeConfig, chosen: &Tensor) -> Tensor {
 /// Steps 2 and 3, the dense lowering: every expert's SwiGLU over every token of `x [N, hidden]`,
 /// combined by `weights [N, experts]` (zero for experts not chosen). The result is f32
 /// `[N, hidden]`. Narrow (bf16/f16) expert weights take narrow operands and give f32 products.
+///
+/// Both products are plain matrix products over the experts' rows laid side by side (the
+/// stacked tensors reshaped, the down projection's experts moved next to its inner dimension):
+/// the CPU plugin runs a bf16 product with an f32 result only in that form, and the gradients'
+/// products stay in it too.
 pub fn experts_dense(experts: &Experts, x: &Tensor, weights: &Tensor) -> Tensor {
-    let narrow = experts.gate_up.dtype();
-    let ffn = experts.down.dims()[2];
-    let operand = |t: &Tensor| t.convert_if_needed(narrow);
-    let acc = (narrow != DType::F32).then_some(DType::F32);
-    // [N, H] . [E, 2F, H] -> [N, E, 2F]
-    let gate_up = operand(x).dot_general(
-        &experts.gate_up,
-        DotDims {
-            lhs_contract: vec![1],
-            rhs_contract: vec![2],
-            ..Default::default()
-        },
-        acc,
-    );
-    let gate = gate_up.slice_axis(2, 0, ffn);
-    let up = gate_up.slice_axis(2, ffn, 2 * ffn);
+    let [e, two_f, h] = experts.gate_up.dims()[..] else {
+        panic!("stacked experts are [experts, 2 * ffn, hidden]");
+    };
+    let f = two_f / 2;
+    let n = x.dims()[0];
+    // [N, H] . [E * 2F, H]^T -> [N, E, 2F]
+    let gate_up = linear(x, &experts.gate_up.reshape(&[e * two_f, h])).reshape(&[n, e, two_f]);
+    let gate = gate_up.slice_axis(2, 0, f);
+    let up = gate_up.slice_axis(2, f, two_f);
     let act = &gate.silu() * &up;
     let weighted = &act * &weights.keep_axis(2).broadcast_to(act.dims());
-    // [N, E, F] . [E, H, F] -> [N, H], summing over experts and their width at once.
-    operand(&weighted).dot_general(
-        &experts.down,
-        DotDims {
-            lhs_contract: vec![1, 2],
-            rhs_contract: vec![0, 2],
-            ..Default::default()
-        },
-        acc,
-    )
+    // [N, E * F] . ([E, H, F] -> [H, E * F])^T -> [N, H], summing over experts and their width.
+    let down = experts.down.transpose(&[1, 0, 2]).reshape(&[h, e * f]);
+    linear(&weighted.reshape(&[n, e * f]), &down)
 }
 
 /// The mixture-of-experts MLP of `x [.., hidden]`: routed (or replayed), dispatched densely,

@@ -1,7 +1,7 @@
 """Peer of `trainer/examples/update_bench.rs`: the same GRPO update written in plain PyTorch with
 Hugging Face transformers on the CPU.
 
-One update = forward of `LlamaForCausalLM` over the packed rows (prompt + response, f32),
+One update = forward of the model (`AutoModelForCausalLM`) over the packed rows (prompt + response, f32),
 per-token log-probs of the response tokens at the sampling temperature, VeRL's PPO clipped
 surrogate with dual clip (`compute_policy_loss_vanilla`) aggregated `token-mean`, backward,
 `clip_grad_norm_`, `torch.optim.AdamW.step()`, `zero_grad()`; with several micro-batches the
@@ -31,7 +31,7 @@ import time
 
 import torch
 import transformers
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 
 def parse_args():
@@ -72,7 +72,7 @@ def main():
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     cfg = json.load(open(args.batch_json))
-    model = LlamaForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
     model.train()
     model.config.use_cache = False
     optim = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=tuple(cfg["betas"]),
