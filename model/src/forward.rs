@@ -439,7 +439,9 @@ impl DecoderParams {
                 let ys = match routing.filter(|_| routed.is_some()) {
                     Some(r) => {
                         let (t, p, e) = sums(&r);
-                        vec![r.chosen, t, p, e]
+                        // A differentiable scan's outputs are floats: the expert ids go out as
+                        // f32 (exact up to 2^24) and come back as i32 below.
+                        vec![r.chosen.convert(DType::F32).stop_gradient(), t, p, e]
                     }
                     None => Vec::new(),
                 };
@@ -452,7 +454,7 @@ impl DecoderParams {
                         let dims = x.dims()[1..].to_vec();
                         x.slice_axis(0, j, j + 1).reshape(&dims)
                     };
-                    reports.push([row(chosen), row(t), row(p), row(e)]);
+                    reports.push([row(chosen).convert(DType::I32), row(t), row(p), row(e)]);
                 }
             }
             carry.into_iter().next().expect("one carried value")

@@ -764,3 +764,54 @@ fn tensor_parallel_learners_match_one_device_for_llama_qwen2_and_qwen3() {
         }
     }
 }
+
+/// A mixture-of-experts policy (the Qwen3-MoE fixture with every layer sparse, so the scanned
+/// body fits every layer) under the meshes a dense one runs on: FSDP splits the stacked experts
+/// by expert (each device stores whole experts), tensor parallelism splits the attention and
+/// computes the experts whole on every device of the model axis. Log-probs, states after
+/// training and metrics (the router's included) match one device's.
+#[test]
+fn mixture_of_experts_learners_over_fsdp_and_tensor_parallel_match_one_device() {
+    let path = format!(
+        "{}/../model/fixtures/tiny/qwen3_moe/config.json",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let mut config = ModelConfig::from_hf_file(std::path::Path::new(&path)).unwrap();
+    config.moe.as_mut().unwrap().mlp_only_layers.clear();
+    let mut single = learner_of(&config, ROWS, Parallelism::default(), DType::F32, Layers::Plain);
+    let probe = |blocks| micro(&batch(9), 0, ROWS, blocks).inputs;
+    let lp_single = single.log_probs(&probe(1), false).unwrap();
+    let (batches, want, want_metrics) = train_on_policy(&mut single);
+    let routed = |step: &Vec<(&str, f64)>| step.iter().any(|(n, v)| *n == "router_aux_loss" && *v > 0.0);
+    assert!(want_metrics.iter().all(routed), "{want_metrics:?}");
+    let full_bytes = param_bytes(&single, 0);
+    for (strategy, mesh, tp, layers) in [
+        (Strategy::Fsdp, 2, 1, Layers::Plain),
+        (Strategy::Dp, 2, 2, Layers::Plain),
+        (Strategy::Fsdp, 4, 2, Layers::Remat),
+        (Strategy::Fsdp, 4, 2, Layers::Scan),
+    ] {
+        let what = format!(
+            "qwen3_moe {} over {mesh}, tensor parallel {tp}, layers {layers:?}",
+            strategy.name()
+        );
+        let parallel = Parallelism::new(strategy, mesh).with_tensor_parallel(tp);
+        let mut l = learner_of(&config, ROWS, parallel, DType::F32, layers);
+        let data = mesh / tp;
+        let lp = l.log_probs(&probe(data), false).unwrap();
+        assert!(
+            max_diff(&lp, &lp_single) <= 1e-5,
+            "{what}: log_probs before training"
+        );
+        let (got, metrics) = replay(&mut l, &batches);
+        assert_same_state(&what, &got, &want);
+        assert_same_metrics(&what, &metrics, &want_metrics);
+        if strategy == Strategy::Fsdp {
+            let bytes = param_bytes(&l, 0);
+            assert!(
+                bytes * 3 < full_bytes * 2,
+                "{what}: {bytes} parameter bytes on device 0 of {full_bytes}"
+            );
+        }
+    }
+}
