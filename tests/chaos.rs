@@ -12,8 +12,9 @@
 //! run's values), no process of the run is left, and a report lists the faults injected, what
 //! each cost in time and the soak's overhead.
 //!
-//! The tests run seeds 1 to 5; more on demand, e.g.
-//! `GRPO_CHAOS_SEEDS=1-50 cargo test --test chaos -- --nocapture`.
+//! The tests run seeds 1 to 5 on a tiny dense model, then seed 1 on a tiny mixture-of-experts
+//! model; more on demand, e.g. `GRPO_CHAOS_SEEDS=1-50 cargo test --test chaos -- --nocapture`
+//! (`GRPO_CHAOS_MOE_SEEDS` picks the mixture-of-experts seeds alike).
 //! `GRPO_CHAOS_SEEDS` picks the seeds (`5`: seeds 1 to 5, the default; `7-9`; `3,11`),
 //! `GRPO_CHAOS_FAULTS` the faults per seed (default 8: each kind once, in a seeded order, then
 //! seeded picks), `GRPO_CHAOS_REPORT` a file for the report as JSON. A failing seed replays with
@@ -546,8 +547,18 @@ fn soak_seed(seed: u64, dir: &Path, recipe: &Path, faults: usize) -> SeedReport 
 
 /// The seeds `GRPO_CHAOS_SEEDS` names.
 fn seeds() -> Vec<u64> {
-    let spec = std::env::var("GRPO_CHAOS_SEEDS").unwrap_or_else(|_| "5".into());
-    let bad = || panic!("GRPO_CHAOS_SEEDS={spec}: want N (seeds 1 to N), A-B or a list A,B,C");
+    seeds_of("GRPO_CHAOS_SEEDS", "5")
+}
+
+/// The seeds `GRPO_CHAOS_MOE_SEEDS` names, for the mixture-of-experts model.
+fn moe_seeds() -> Vec<u64> {
+    seeds_of("GRPO_CHAOS_MOE_SEEDS", "1")
+}
+
+/// The seeds environment variable `var` names (`default` when unset).
+fn seeds_of(var: &str, default: &str) -> Vec<u64> {
+    let spec = std::env::var(var).unwrap_or_else(|_| default.into());
+    let bad = || panic!("{var}={spec}: want N (seeds 1 to N), A-B or a list A,B,C");
     if let Some((a, b)) = spec.split_once('-') {
         let (a, b): (u64, u64) = (
             a.parse().unwrap_or_else(|_| bad()),
@@ -607,16 +618,30 @@ impl Drop for KeptOnFailure {
 #[test]
 fn a_run_under_random_faults_trains_exactly_as_an_undisturbed_one() {
     let dir = KeptOnFailure(Some(tempfile::tempdir().unwrap()));
-    let model = tiny_chat_model(dir.path());
-    let train = arithmetic(dir.path(), "train", 1, 256);
-    let val = arithmetic(dir.path(), "val", 2, 4);
+    let dense = dir.path().join("dense");
+    std::fs::create_dir_all(&dense).unwrap();
+    let model = tiny_chat_model(&dense);
+    soak(&dense, &model, &seeds(), "");
+    // A mixture-of-experts policy, its router and experts trained and checkpointed through the
+    // same faults (`GRPO_CHAOS_MOE_SEEDS`, default 1).
+    let moe = dir.path().join("moe");
+    std::fs::create_dir_all(&moe).unwrap();
+    let model = testkit::tiny_moe_chat_model(&moe);
+    soak(&moe, &model, &moe_seeds(), "mixture of experts, ");
+}
+
+/// An undisturbed run of `model` in `dir`, then a soak of each seed, each trained exactly as
+/// the undisturbed run; prints the report (`what` names the model in it).
+fn soak(dir: &Path, model: &Path, seeds: &[u64], what: &str) {
+    let train = arithmetic(dir, "train", 1, 256);
+    let val = arithmetic(dir, "val", 2, 4);
     let cluster = format!(
         "cluster:\n  rollout_workers: 2\n  reward_workers: 1\n  learner_workers: 1\n  worker_timeout_s: {TIMEOUT_S}\n"
     );
     let template = tiny_recipe(
-        dir.path(),
+        dir,
         "chaos.yaml",
-        &model,
+        model,
         &train,
         &val,
         Path::new("CHAOS_OUTPUT"),
@@ -625,8 +650,8 @@ fn a_run_under_random_faults_trains_exactly_as_an_undisturbed_one() {
     );
 
     // The undisturbed run: the same recipe, workers and arguments, no proxies, no faults.
-    let reference = dir.path().join("reference");
-    let r_ref = dir.path().join("reference.yaml");
+    let reference = dir.join("reference");
+    let r_ref = dir.join("reference.yaml");
     std::fs::write(
         &r_ref,
         std::fs::read_to_string(&template)
@@ -643,21 +668,21 @@ fn a_run_under_random_faults_trains_exactly_as_an_undisturbed_one() {
         .map(|f| f.parse().expect("GRPO_CHAOS_FAULTS: a count"))
         .unwrap_or(KINDS.len());
     let mut reports = Vec::new();
-    for seed in seeds() {
-        let report = soak_seed(seed, dir.path(), &template, faults);
+    for &seed in seeds {
+        let report = soak_seed(seed, dir, &template, faults);
         assert_identical(
             &reference,
-            &dir.path().join(format!("seed-{seed}")),
-            &format!("seed {seed}"),
+            &dir.join(format!("seed-{seed}")),
+            &format!("{what}seed {seed}"),
         );
         eprintln!(
-            "seed {seed}: identical to the undisturbed run, {} starts, {:.1} s",
+            "{what}seed {seed}: identical to the undisturbed run, {} starts, {:.1} s",
             report.starts, report.wall_s
         );
         reports.push(report);
         // Each seed's output is checked; keep the disk small over a long soak.
         for name in [format!("seed-{seed}"), format!("seed-{seed}-logs")] {
-            let _ = std::fs::remove_dir_all(dir.path().join(name));
+            let _ = std::fs::remove_dir_all(dir.join(name));
         }
     }
     print_report(&reports, reference_s);
