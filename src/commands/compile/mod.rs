@@ -205,8 +205,12 @@ pub fn run(args: CompileArgs) -> Result<ExitCode> {
         eprintln!("{line}");
     }
     let (config, config_origin) = model_config(&recipe, &args.recipe, args.model_config.as_deref())?;
+    let active = match config.moe {
+        Some(_) => format!(", {:.1}M active", config.active_parameters() as f64 / 1e6),
+        None => String::new(),
+    };
     eprintln!(
-        "model: {} ({}, {:.1}M parameters, from {config_origin})",
+        "model: {} ({}, {:.1}M parameters{active}, from {config_origin})",
         recipe.model.path,
         config.family,
         config.num_parameters() as f64 / 1e6
@@ -347,7 +351,7 @@ pub fn run(args: CompileArgs) -> Result<ExitCode> {
     let all_fit = programs_fit && together;
     let collectives = step_collectives(&measured);
     let mfu = estimate
-        .and_then(|(_, learner)| learner_mfu(&target, &plan, &measured, config.num_parameters(), learner));
+        .and_then(|(_, learner)| learner_mfu(&target, &plan, &measured, config.active_parameters(), learner));
     if args.json {
         let rows_json: Vec<serde_json::Value> = measured
             .iter()
@@ -436,10 +440,11 @@ pub fn run(args: CompileArgs) -> Result<ExitCode> {
         }
         if let Some(m) = mfu {
             println!(
-                "learner model-FLOPs utilisation (estimate from the cost model): {:.1}% (6 x {:.2}B parameters x {:.0} \
+                "learner model-FLOPs utilisation (estimate from the cost model): {:.1}% (6 x {:.2}B {}parameters x {:.0} \
                  tokens a step over the learner's roofline time on {} chips at their peak bf16 FLOP/s)",
                 100.0 * m,
-                config.num_parameters() as f64 / 1e9,
+                config.active_parameters() as f64 / 1e9,
+                if config.moe.is_some() { "active " } else { "" },
                 plan.trained_tokens_per_step,
                 learner_chips(&target, &plan, &measured)
             );
@@ -576,6 +581,7 @@ mod tests {
             ("Qwen2.5-7B-Instruct", "qwen2", 7616),
             ("Llama-3.1-8B-Instruct", "llama", 8030),
             ("Qwen3-8B", "qwen3", 8191),
+            ("Qwen3-30B-A3B", "qwen3_moe", 30532),
         ] {
             let path = format!(
                 "{}/recipes/configs/{name}/config.json",
@@ -587,6 +593,14 @@ mod tests {
             let got = (config.num_parameters() as f64 / 1e6).round() as u64;
             assert_eq!(got, millions, "{name}");
         }
+        // The "A3B": 8 of its 128 experts per token.
+        let path = format!(
+            "{}/recipes/configs/Qwen3-30B-A3B/config.json",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let config = ModelConfig::from_hf_file(Path::new(&path)).unwrap();
+        assert_eq!((config.active_parameters() as f64 / 1e6).round() as u64, 3353);
+        // "3.3B activated"
     }
 
     fn plan_for(r: &Recipe) -> Plan {
