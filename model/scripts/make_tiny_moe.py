@@ -62,8 +62,10 @@ def per_expert(state, config):
     return out
 
 
-for seed, (name, config) in enumerate(models.items()):
-    torch.manual_seed(2000 + seed)
+def random_model(config, seed):
+    """A random model whose norms are away from 1 (so a loader that drops them fails) and whose
+    routers are wide (so no token's k-th and (k+1)-th expert are near a tie)."""
+    torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(config).to(torch.float32).eval()
     with torch.no_grad():
         for pname, p in model.named_parameters():
@@ -71,6 +73,11 @@ for seed, (name, config) in enumerate(models.items()):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif pname.endswith('mlp.gate.weight'):
                 p.copy_(0.5 * torch.randn_like(p))
+    return model
+
+
+for seed, (name, config) in enumerate(models.items()):
+    model = random_model(config, 2000 + seed)
     out = os.path.join(root, name)
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
@@ -111,14 +118,7 @@ import gguf
 from gguf.quants import quantize
 
 config = Qwen3MoeConfig(**common, num_hidden_layers=2, norm_topk_prob=True, tie_word_embeddings=False)
-torch.manual_seed(2002)
-model = Qwen3MoeForCausalLM(config).to(torch.float32).eval()
-with torch.no_grad():
-    for pname, p in model.named_parameters():
-        if pname.endswith('norm.weight'):
-            p.copy_(1.0 + 0.2 * torch.randn_like(p))
-        elif pname.endswith('mlp.gate.weight'):
-            p.copy_(0.5 * torch.randn_like(p))
+model = random_model(config, 2002)
 out = os.path.join(root, 'qwen3_moe_gguf')
 os.makedirs(out, exist_ok=True)
 names = {'self_attn.q_proj.weight': 'attn_q.weight', 'self_attn.k_proj.weight': 'attn_k.weight',

@@ -1050,18 +1050,8 @@ pub fn logprobs_graph_span(
     temperature: &Tensor,
     from: i64,
 ) -> (Tensor, Tensor) {
-    let (h, valid) = span_hidden_graph(p, tokens, mask, from);
-    let ids = tokens.convert_if_needed(DType::I32);
-    let t = tokens.dims()[1];
-    let (lp, ent) = head_log_probs(
-        g,
-        p,
-        &h,
-        &ids.slice_axis(1, from, t),
-        temperature,
-        DEFAULT_HEAD_CHUNK,
-    );
-    (&lp * &valid, &ent * &valid)
+    let (lp, ent, _) = logprobs_graph_span_routed(g, p, tokens, mask, temperature, from, None);
+    (lp, ent)
 }
 
 /// [`logprobs_graph_span`] of a mixture-of-experts model, with its [`crate::moe::Routes`]
@@ -1187,10 +1177,8 @@ pub fn logprobs_graph_shared_prompts(
     batch: &SharedPrompts,
     temperature: &Tensor,
 ) -> (Tensor, Tensor) {
-    let (h, valid) = shared_prompts_hidden_graph(g, p, batch);
-    let ids = batch.responses.convert_if_needed(DType::I32);
-    let (lp, ent) = head_log_probs(g, p, &h, &ids, temperature, DEFAULT_HEAD_CHUNK);
-    (&lp * &valid, &ent * &valid)
+    let (lp, ent, _) = logprobs_graph_shared_prompts_routed(g, p, batch, temperature);
+    (lp, ent)
 }
 
 /// [`logprobs_graph_shared_prompts`] of a mixture-of-experts model, with its routing

@@ -173,17 +173,19 @@ pub fn param_table(config: &ModelConfig) -> Vec<ParamSpec> {
             NormScale,
         ));
         match config.moe.as_ref().filter(|m| m.is_sparse(layer)) {
-            // Stacked experts (transformers 5's layout), whole over the `model` axis: FSDP
-            // splits their first dimension, so each device keeps whole experts.
+            // Stacked experts (transformers 5's layout), split by expert over the `model` axis:
+            // each device of a tensor-parallel group computes its share of the experts for
+            // every token, the up projection column-parallel and the down projection
+            // row-parallel (its partial sums reduced over the axis), so no device holds or
+            // runs them all; FSDP then splits each expert's next dimension. The router is
+            // whole everywhere.
             Some(m) => {
                 let (e, f) = (m.num_experts, m.expert_intermediate_size);
                 table.push(ParamSpec::new(p("mlp.gate.weight"), vec![e, h], Matrix));
-                table.push(ParamSpec::new(
-                    p("mlp.experts.gate_up_proj"),
-                    vec![e, 2 * f, h],
-                    Matrix,
-                ));
-                table.push(ParamSpec::new(p("mlp.experts.down_proj"), vec![e, h, f], Matrix));
+                table.push(
+                    ParamSpec::new(p("mlp.experts.gate_up_proj"), vec![e, 2 * f, h], Matrix).split_by_model(0, 1),
+                );
+                table.push(ParamSpec::new(p("mlp.experts.down_proj"), vec![e, h, f], Matrix).split_by_model(0, 1));
             }
             None => {
                 table.push(

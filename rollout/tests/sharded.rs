@@ -342,7 +342,8 @@ fn a_layout_that_does_not_fit_its_mesh_is_refused() {
 }
 
 /// Models whose 4 query heads and 2 KV heads split 2 ways and (query heads only) 4 ways: a
-/// tiny Llama, and the Qwen2 (q/k/v biases) and Qwen3 (q/k norms, untied head) fixtures.
+/// tiny Llama, and the Qwen2 (q/k/v biases), Qwen3 (q/k norms, untied head) and Qwen3-MoE
+/// fixtures.
 fn tensor_parallel_configs() -> Vec<ModelConfig> {
     let fixture = |family: &str| {
         let path = format!(
@@ -376,7 +377,9 @@ fn tensor_parallel_configs() -> Vec<ModelConfig> {
     }
     .config();
     odd_heads.tie_word_embeddings = true;
-    vec![llama, fixture("qwen2"), fixture("qwen3"), odd_heads]
+    // Qwen3-MoE (8 experts, top 2, layer 1 dense): the experts split by expert over the model
+    // axis, each device computing its share for every token.
+    vec![llama, fixture("qwen2"), fixture("qwen3"), odd_heads, fixture("qwen3_moe")]
 }
 
 #[test]
