@@ -183,9 +183,12 @@ pub fn param_table(config: &ModelConfig) -> Vec<ParamSpec> {
                 let (e, f) = (m.num_experts, m.expert_intermediate_size);
                 table.push(ParamSpec::new(p("mlp.gate.weight"), vec![e, h], Matrix));
                 table.push(
-                    ParamSpec::new(p("mlp.experts.gate_up_proj"), vec![e, 2 * f, h], Matrix).split_by_model(0, 1),
+                    ParamSpec::new(p("mlp.experts.gate_up_proj"), vec![e, 2 * f, h], Matrix)
+                        .split_by_model(0, 1),
                 );
-                table.push(ParamSpec::new(p("mlp.experts.down_proj"), vec![e, h, f], Matrix).split_by_model(0, 1));
+                table.push(
+                    ParamSpec::new(p("mlp.experts.down_proj"), vec![e, h, f], Matrix).split_by_model(0, 1),
+                );
             }
             None => {
                 table.push(

@@ -379,7 +379,13 @@ fn tensor_parallel_configs() -> Vec<ModelConfig> {
     odd_heads.tie_word_embeddings = true;
     // Qwen3-MoE (8 experts, top 2, layer 1 dense): the experts split by expert over the model
     // axis, each device computing its share for every token.
-    vec![llama, fixture("qwen2"), fixture("qwen3"), odd_heads, fixture("qwen3_moe")]
+    vec![
+        llama,
+        fixture("qwen2"),
+        fixture("qwen3"),
+        odd_heads,
+        fixture("qwen3_moe"),
+    ]
 }
 
 #[test]
