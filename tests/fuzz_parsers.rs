@@ -886,6 +886,7 @@ fn worker_rpc_messages() {
                 truncated: false,
                 reward_baseline: None,
                 env_spans: vec![0, 1],
+                routes: Vec::new(),
             };
             let edge = |edit: &dyn Fn(&mut proto::LearnerRow)| {
                 let mut r = row.clone();

@@ -111,3 +111,101 @@ fn a_tiny_moe_trains_resumes_exactly_and_runs_in_worker_processes() {
         "rollout and learner workers, stopped and resumed",
     );
 }
+
+/// Routing replay with a bf16 rollout and an f32 learner (VeRL's usual split), whose
+/// forwards round differently: recorded but not replayed, the learner's own experts differ from
+/// the rollout's for some tokens; under R3 every learner pass uses the rollout's (measured: 0
+/// tokens differ) and the rollout/learner log-prob gap shrinks; under R2 the update replays the
+/// old-log-prob pass's. Rollout and learner worker processes carry the routes over gRPC and
+/// train as the in-process run does.
+#[test]
+fn rollout_routing_replay_makes_the_learner_use_the_rollouts_experts() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = testkit::tiny_moe_chat_model(dir.path());
+    let train = arithmetic(dir.path(), "train", 1, 64);
+    let val = arithmetic(dir.path(), "val", 2, 4);
+    let run = |name: &str, extra: &[&str]| {
+        let out = dir.path().join(name);
+        let r = tiny_recipe(dir.path(), "replay.yaml", &model, &train, &val, &out, 2, "");
+        let mut args = vec![
+            "run",
+            r.to_str().unwrap(),
+            "--quiet",
+            "--set",
+            "actor.param_dtype=f32",
+            "--set",
+            "rollout.dtype=bf16",
+        ];
+        for e in extra {
+            args.extend(["--set", e]);
+        }
+        let o = run_grpo(&args);
+        assert!(
+            o.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        out
+    };
+    let series = |out: &Path, key: &str| metric_series(&metrics(out), key);
+    let mean = |v: Vec<f64>| v.iter().sum::<f64>() / v.len() as f64;
+
+    // In f32 on both sides the rollout records exactly the experts the learner chooses, position
+    // for position.
+    let same = run(
+        "recorded_f32",
+        &["rollout.enable_rollout_routing_replay=true", "rollout.dtype=f32"],
+    );
+    assert_eq!(
+        series(&same, "rollout_corr/router_token_mismatch"),
+        vec![0.0, 0.0]
+    );
+    assert!(series(&same, "rollout/log_prob_diff_mean")
+        .iter()
+        .all(|d| *d < 1e-5));
+
+    let free = run("recorded", &["rollout.enable_rollout_routing_replay=true"]);
+    let own = series(&free, "rollout_corr/router_token_mismatch");
+    assert!(own.iter().all(|f| *f > 0.0 && *f < 1.0), "{own:?}");
+    let decisions = series(&free, "rollout_corr/router_decision_mismatch");
+    assert!(
+        decisions.iter().zip(&own).all(|(d, t)| d > &0.0 && d <= t),
+        "{decisions:?}"
+    );
+
+    let r3 = run("r3", &["actor.router_replay.mode=R3"]);
+    assert_eq!(series(&r3, "rollout_corr/router_token_mismatch"), vec![0.0, 0.0]);
+    let (kl_free, kl_r3) = (
+        mean(series(&free, "rollout_corr/k3_kl")),
+        mean(series(&r3, "rollout_corr/k3_kl")),
+    );
+    assert!(
+        kl_r3 < kl_free,
+        "R3's rollout/learner KL {kl_r3} vs {kl_free} without"
+    );
+
+    // R2: the old-log-prob pass chooses, the update replays; the rollout's routes, recorded
+    // here, still measure the learner's own choice.
+    let r2 = run(
+        "r2",
+        &[
+            "actor.router_replay.mode=R2",
+            "rollout.enable_rollout_routing_replay=true",
+        ],
+    );
+    assert_eq!(
+        series(&r2, "rollout_corr/router_token_mismatch")[0],
+        own[0],
+        "step 1 starts from the same weights"
+    );
+
+    let remote = run(
+        "r3_workers",
+        &[
+            "actor.router_replay.mode=R3",
+            "cluster.rollout_workers=1",
+            "cluster.learner_workers=1",
+        ],
+    );
+    assert_same_training(&r3, &remote, "R3 with rollout and learner workers");
+}

@@ -135,9 +135,32 @@ fn check_model_features(recipe: &Recipe, config: &model::ModelConfig) -> Result<
             recipe.actor.router_aux_loss_coef, config.family
         ));
     }
-    let moe_layers = (0..config.num_hidden_layers)
-        .filter(|&l| config.is_moe_layer(l))
-        .count();
+    if config.moe.is_none() {
+        if recipe.actor.router_replay.mode != trainer::config::RouterReplay::Disabled {
+            return Err(format!(
+                "actor.router_replay.mode: {:?} replays a mixture-of-experts model's expert choices, \
+                 and this {} model has no experts; remove it",
+                recipe.actor.router_replay.mode, config.family
+            ));
+        }
+        if recipe.rollout.enable_rollout_routing_replay == Some(true) {
+            return Err(format!(
+                "rollout.enable_rollout_routing_replay: true records a mixture-of-experts model's \
+                 expert choices, and this {} model has no experts; remove it",
+                config.family
+            ));
+        }
+    }
+    if let Some(moe) = config.moe.as_ref() {
+        if recipe.rollout.records_routes(&recipe.actor) && moe.num_experts > 256 {
+            return Err(format!(
+                "rollout.enable_rollout_routing_replay: routes are recorded one byte per expert id, \
+                 and this model has {} experts (at most 256); turn routing replay off",
+                moe.num_experts
+            ));
+        }
+    }
+    let moe_layers = config.moe_layers();
     if recipe.model.scan_layers && moe_layers > 0 && moe_layers < config.num_hidden_layers {
         return Err(format!(
             "model.scan_layers: {moe_layers} of this model's {} layers are mixtures of experts and the \
@@ -292,5 +315,65 @@ mod tests {
         bare.model.chat_template = None;
         let err = chat_template(&bare, None).unwrap_err().to_string();
         assert!(err.contains("the model has no chat template"), "{err}");
+    }
+}
+
+#[cfg(test)]
+mod model_feature_tests {
+    use super::*;
+
+    fn recipe(extra: &str) -> Recipe {
+        crate::recipe::load_recipe_str(
+            &format!("model:\n  path: m\ndata:\n  train_files: t.parquet\n{extra}"),
+            "r.yaml",
+        )
+        .unwrap()
+    }
+
+    fn fixture(name: &str) -> model::ModelConfig {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../model/fixtures/tiny")
+            .join(name)
+            .join("config.json");
+        model::ModelConfig::from_hf_file(&path).unwrap()
+    }
+
+    /// What a dense model cannot honour is named with the key and what to do; the same keys
+    /// pass on a mixture of experts, except one scanned body over mixed layers.
+    #[test]
+    fn router_settings_need_experts_and_scans_need_alike_layers() {
+        let (dense, moe) = (fixture("qwen3"), fixture("qwen3_moe"));
+        for (extra, key) in [
+            (
+                "actor:\n  router_replay:\n    mode: R3\n",
+                "actor.router_replay.mode: R3",
+            ),
+            (
+                "actor:\n  router_replay:\n    mode: R2\n",
+                "actor.router_replay.mode: R2",
+            ),
+            (
+                "rollout:\n  enable_rollout_routing_replay: true\n",
+                "rollout.enable_rollout_routing_replay: true",
+            ),
+            (
+                "actor:\n  router_aux_loss_coef: 0.01\n",
+                "actor.router_aux_loss_coef: 0.01",
+            ),
+        ] {
+            let e = check_model_features(&recipe(extra), &dense).unwrap_err();
+            assert!(
+                e.starts_with(key) && e.contains("has no experts; remove it"),
+                "{e}"
+            );
+            check_model_features(&recipe(extra), &moe).unwrap();
+        }
+        let scanned = crate::recipe::load_recipe_str(
+            "model:\n  path: m\n  scan_layers: true\ndata:\n  train_files: t.parquet\n",
+            "r.yaml",
+        )
+        .unwrap();
+        let e = check_model_features(&scanned, &moe);
+        assert!(e.unwrap_err().contains("set model.scan_layers: false"));
     }
 }

@@ -659,6 +659,13 @@ impl ModelConfig {
         self.moe.as_ref().is_some_and(|m| m.is_sparse(layer))
     }
 
+    /// How many layers are mixtures of experts (`Lm`, the layers a routing record covers).
+    pub fn moe_layers(&self) -> usize {
+        (0..self.num_hidden_layers)
+            .filter(|&l| self.is_moe_layer(l))
+            .count()
+    }
+
     /// The first end-of-sequence token, if any.
     pub fn eos_token_id(&self) -> Option<u32> {
         self.eos_token_ids.first().copied()

@@ -744,6 +744,28 @@ fn finish_layer(config: &ModelConfig, layer: &LayerParams, h: &Tensor, attn: &Te
     finish_routed_layer(config, layer, h, attn, None).0
 }
 
+/// [`finish_layer`] in an inference pass, adding a mixture-of-experts layer's chosen experts
+/// `[.., k]` to `chosen` (what the rollout records for routing replay).
+fn finish_layer_recording(
+    config: &ModelConfig,
+    layer: &LayerParams,
+    h: &Tensor,
+    attn: &Tensor,
+    chosen: &mut Vec<Tensor>,
+) -> Tensor {
+    let (h, routing) = finish_routed_layer(config, layer, h, attn, None);
+    chosen.extend(routing.map(|r| r.chosen));
+    h
+}
+
+/// The experts an inference pass chose, `[.., Lm, k]` i32, from each mixture-of-experts
+/// layer's `[.., k]` in layer order; `None` for a dense model.
+fn stack_choices(chosen: Vec<Tensor>) -> Option<Tensor> {
+    let rank = chosen.first()?.rank();
+    let parts: Vec<Tensor> = chosen.iter().map(|c| c.keep_axis(rank - 1)).collect();
+    Some(Tensor::concat(&parts.iter().collect::<Vec<_>>(), rank - 1))
+}
+
 /// [`finish_layer`] with a mixture-of-experts MLP's replayed choices and its [`Routing`].
 fn finish_routed_layer(
     config: &ModelConfig,
@@ -914,22 +936,27 @@ fn trunk_routed(
     })
 }
 
-/// [`trunk`], also returning each layer's keys and values `[B, kv_heads, T, head_dim]` (for
-/// prefill; always one traced layer per layer).
-fn trunk_with_kv(p: &DecoderParams, tokens: &Tensor, mask: &Tensor) -> (Tensor, Vec<(Tensor, Tensor)>) {
+/// [`trunk`], also returning each layer's keys and values `[B, kv_heads, T, head_dim]` and
+/// the experts chosen `[B, T, Lm, k]` (for prefill; always one traced layer per layer).
+fn trunk_with_kv(
+    p: &DecoderParams,
+    tokens: &Tensor,
+    mask: &Tensor,
+) -> (Tensor, Vec<(Tensor, Tensor)>, Option<Tensor>) {
     let config = &p.config;
     let positions = positions_from_mask(mask);
     let (cos, sin) = rope_tables(config, &positions);
     let allowed = causal_padding_mask(mask);
     let mut h = embed(p, tokens);
     let mut kvs = Vec::with_capacity(p.layers.len());
+    let mut chosen = Vec::new();
     for layer in &p.layers {
         let normed = rms_norm(&h, &layer.input_norm, config.rms_norm_eps);
         let (attn, k, v) = self_attention(config, layer, &normed, &cos, &sin, &allowed);
-        h = finish_layer(config, layer, &h, &attn);
+        h = finish_layer_recording(config, layer, &h, &attn, &mut chosen);
         kvs.push((k, v));
     }
-    (h, kvs)
+    (h, kvs, stack_choices(chosen))
 }
 
 /// Every position's logits `[B, T, vocab]` (f32) for `tokens [B, T]` with a 0/1 `mask [B, T]`
@@ -1374,7 +1401,7 @@ pub fn prefill_graph(
     let b = tokens.dims()[0];
     let t = tokens.dims()[1];
     let slots = slots.convert_if_needed(DType::I32);
-    let (logits, kvs) = prefill_kv_graph(p, tokens, lengths);
+    let (logits, kvs, _) = prefill_kv_graph(p, tokens, lengths);
     let zero = g.scalar(0.0, DType::F32);
     let zero_i = g.scalar(0.0, DType::I32);
     let mut out_cache = Vec::with_capacity(cache.len());
@@ -1403,12 +1430,13 @@ pub fn prefill_graph(
 /// The work of [`prefill_graph`] without the cache write: runs prompts `tokens [B, T]`
 /// (right-padded; `lengths [B]` real lengths) and returns the logits of each prompt's last
 /// real token `[B, vocab]` and each layer's keys and values `[B, kv_heads, T, head_dim]`
-/// (f32; zeros at padding positions), for programs that lay the cache out themselves.
+/// (f32; zeros at padding positions), for programs that lay the cache out themselves, and a
+/// mixture-of-experts model's chosen experts `[B, T, Lm, k]` (i32).
 pub fn prefill_kv_graph(
     p: &DecoderParams,
     tokens: &Tensor,
     lengths: &Tensor,
-) -> (Tensor, Vec<(Tensor, Tensor)>) {
+) -> (Tensor, Vec<(Tensor, Tensor)>, Option<Tensor>) {
     let g = p.graph();
     let config = &p.config;
     let (b, t) = (tokens.dims()[0], tokens.dims()[1]);
@@ -1417,7 +1445,7 @@ pub fn prefill_kv_graph(
         .iota(DType::I32, &[b, t], 1)
         .lt(&lengths.reshape(&[b, 1]).broadcast_to(&[b, t]));
     let mask = real.convert(DType::I32);
-    let (h, kvs) = trunk_with_kv(p, tokens, &mask);
+    let (h, kvs, chosen) = trunk_with_kv(p, tokens, &mask);
 
     // Last real position of each prompt: row b*T + length-1 of [B*T, hidden].
     let hidden = config.hidden_size as i64;
@@ -1434,7 +1462,7 @@ pub fn prefill_kv_graph(
             (keep(k), keep(v))
         })
         .collect();
-    (logits, kvs)
+    (logits, kvs, chosen)
 }
 
 /// How a decode step writes each slot's new key and value into the KV cache.
@@ -1577,20 +1605,21 @@ pub fn decode_graph_with(
     cache: &[Tensor],
     options: DecodeOptions,
 ) -> (Tensor, Vec<Tensor>) {
-    let (h, out_cache) = decode_hidden_graph(p, tokens, positions, cache, options);
+    let (h, out_cache, _) = decode_hidden_graph(p, tokens, positions, cache, options);
     (linear(&h, p.head()), out_cache)
 }
 
 /// [`decode_graph_with`] without the output head: the final-normed hidden states
 /// `[S, hidden]` (f32) and the updated cache, for programs that apply the head themselves
-/// (fused with sampling, or in another precision).
+/// (fused with sampling, or in another precision), and a mixture-of-experts model's chosen
+/// experts `[S, Lm, k]` (i32).
 pub fn decode_hidden_graph(
     p: &DecoderParams,
     tokens: &Tensor,
     positions: &Tensor,
     cache: &[Tensor],
     options: DecodeOptions,
-) -> (Tensor, Vec<Tensor>) {
+) -> (Tensor, Vec<Tensor>, Option<Tensor>) {
     assert!(
         options.bucket.is_none() || options.kv_write == KvWrite::Scatter,
         "a slot bucket is written by a scatter, not {:?}",
@@ -1641,6 +1670,7 @@ pub fn decode_hidden_graph(
 
     let mut h = embed(p, tokens);
     let mut out_cache = Vec::with_capacity(cache.len());
+    let mut chosen = Vec::new();
     for (l, layer) in p.layers.iter().enumerate() {
         let normed = rms_norm(&h, &layer.input_norm, config.rms_norm_eps);
         let (q, k, v) = qkv(config, layer, &normed, &cos, &sin);
@@ -1731,10 +1761,14 @@ pub fn decode_hidden_graph(
         } else {
             pv(&masked.softmax(-1))
         };
-        h = finish_layer(config, layer, &h, &attn.reshape(&[s, heads * hd]));
+        h = finish_layer_recording(config, layer, &h, &attn.reshape(&[s, heads * hd]), &mut chosen);
         out_cache.extend(kv_out);
     }
-    (rms_norm(&h, &p.final_norm, config.rms_norm_eps), out_cache)
+    (
+        rms_norm(&h, &p.final_norm, config.rms_norm_eps),
+        out_cache,
+        stack_choices(chosen),
+    )
 }
 
 /// Where and how a decode step writes each slot's new row into one cache tensor
@@ -1840,7 +1874,8 @@ impl RowWrite {
 /// On [`KvWrite::UpdateSlice`] or [`KvWrite::Skip`], which only the unchunked step has, and
 /// on a bucket with [`KvWrite::Masked`].
 ///
-/// Returns the final-normed hidden states `[S, hidden]` and the updated chunks (same order).
+/// Returns the final-normed hidden states `[S, hidden]`, the updated chunks (same order) and a
+/// mixture-of-experts model's chosen experts `[S, Lm, k]` (i32).
 pub fn decode_hidden_graph_chunked(
     p: &DecoderParams,
     tokens: &Tensor,
@@ -1849,7 +1884,7 @@ pub fn decode_hidden_graph_chunked(
     attend_chunks: usize,
     write: KvWrite,
     bucket: Option<SlotBucket>,
-) -> (Tensor, Vec<Tensor>) {
+) -> (Tensor, Vec<Tensor>, Option<Tensor>) {
     let g = p.graph();
     let config = &p.config;
     let layers = p.layers.len();
@@ -1887,6 +1922,7 @@ pub fn decode_hidden_graph_chunked(
 
     let mut h = embed(p, tokens);
     let mut out_cache = cache.to_vec();
+    let mut chosen = Vec::new();
     for (l, layer) in p.layers.iter().enumerate() {
         let normed = rms_norm(&h, &layer.input_norm, config.rms_norm_eps);
         let (q, k, v) = qkv(config, layer, &normed, &cos, &sin);
@@ -1929,9 +1965,13 @@ pub fn decode_hidden_graph_chunked(
             });
         }
         let attn = attn.expect("at least one chunk").reshape(&[s, heads * hd]);
-        h = finish_layer(config, layer, &h, &attn);
+        h = finish_layer_recording(config, layer, &h, &attn, &mut chosen);
     }
-    (rms_norm(&h, &p.final_norm, config.rms_norm_eps), out_cache)
+    (
+        rms_norm(&h, &p.final_norm, config.rms_norm_eps),
+        out_cache,
+        stack_choices(chosen),
+    )
 }
 
 /// Extend: writes `tokens [K]` into one slot of a KV cache laid out as
@@ -1947,8 +1987,14 @@ pub fn decode_hidden_graph_chunked(
 /// scatter drops them), so a bucket may run past the cache's end.
 ///
 /// Returns the updated cache (same order; the new rows scattered in place and the slot's row
-/// read whole, so a run costs one slot's row per layer besides the tokens' own work).
-pub fn extend_graph(p: &DecoderParams, tokens: &Tensor, place: &Tensor, cache: &[Tensor]) -> Vec<Tensor> {
+/// read whole, so a run costs one slot's row per layer besides the tokens' own work) and a
+/// mixture-of-experts model's chosen experts `[K, Lm, k]` (i32).
+pub fn extend_graph(
+    p: &DecoderParams,
+    tokens: &Tensor,
+    place: &Tensor,
+    cache: &[Tensor],
+) -> (Vec<Tensor>, Option<Tensor>) {
     let g = p.graph();
     let config = &p.config;
     let per_layer = cache.len() / p.layers.len().max(1);
@@ -1988,6 +2034,7 @@ pub fn extend_graph(p: &DecoderParams, tokens: &Tensor, place: &Tensor, cache: &
 
     let mut h = embed(p, tokens);
     let mut out_cache = cache.to_vec();
+    let mut chosen = Vec::new();
     for (l, layer) in p.layers.iter().enumerate() {
         let normed = rms_norm(&h, &layer.input_norm, config.rms_norm_eps);
         let (q, k, v) = qkv(config, layer, &normed, &cos, &sin);
@@ -2012,9 +2059,15 @@ pub fn extend_graph(p: &DecoderParams, tokens: &Tensor, place: &Tensor, cache: &
             &keys_values[1],
             &allowed,
         );
-        h = finish_layer(config, layer, &h, &attn.reshape(&[k_len, heads * hd]));
+        h = finish_layer_recording(
+            config,
+            layer,
+            &h,
+            &attn.reshape(&[k_len, heads * hd]),
+            &mut chosen,
+        );
     }
-    out_cache
+    (out_cache, stack_choices(chosen))
 }
 
 #[cfg(test)]
@@ -2113,7 +2166,8 @@ mod tests {
             assert_eq!(dc.len(), 4);
             let et = g.parameter("et", DType::I32, &[4]);
             let place = g.parameter("place", DType::I32, &[3]);
-            let ec = extend_graph(&p, &et, &place, &cache);
+            let (ec, chosen) = extend_graph(&p, &et, &place, &cache);
+            assert!(chosen.is_none(), "a dense model chooses no experts");
             assert_eq!(ec.len(), 4);
             assert_eq!(ec[1].dims(), &[3, 2, 8, 4]);
             g.check().unwrap();

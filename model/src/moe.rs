@@ -38,6 +38,9 @@ pub struct Experts {
     pub down: Tensor,
 }
 
+/// The replay value of a position with no recorded choice: [`route`] takes the router's own.
+pub const NOT_RECORDED: i32 = -1;
+
 /// What [`route`] decided for a batch of tokens `[..]` (the input's leading dimensions).
 #[derive(Clone, Debug)]
 pub struct Routing {
@@ -54,16 +57,26 @@ pub struct Routing {
 }
 
 /// Step 1: routes `x [.., hidden]` through `router` `[experts, hidden]`. With `replay`
-/// (`[.., k]`, any integer type) those experts are used instead of the router's top-k.
+/// (`[.., k]`, any signed integer type) those experts are used instead of the router's top-k,
+/// position by position: a position whose replayed row starts with a negative id
+/// ([`NOT_RECORDED`]) takes the router's own top-k (a token the rollout never fed through the
+/// model, such as a response's last, or padding).
 pub fn route(config: &MoeConfig, router: &Tensor, x: &Tensor, replay: Option<&Tensor>) -> Routing {
     let logits = crate::forward::linear(
         &x.convert_if_needed(DType::F32),
         &router.convert_if_needed(DType::F32),
     );
     let probs = logits.softmax(-1);
+    let own = probs.stop_gradient().top_k(config.experts_per_token as i64).1;
     let chosen = match replay {
-        Some(r) => r.convert_if_needed(DType::I32),
-        None => probs.stop_gradient().top_k(config.experts_per_token as i64).1,
+        Some(r) => {
+            let r = r.convert_if_needed(DType::I32);
+            let recorded =
+                r.slice_axis(r.rank() - 1, 0, 1)
+                    .ge(&r.zeros_like().slice_axis(r.rank() - 1, 0, 1));
+            recorded.broadcast_to(r.dims()).select(&r, &own)
+        }
+        None => own,
     };
     let selected = chosen_mask(config, &chosen);
     let kept = &probs * &selected;

@@ -182,7 +182,7 @@ fn main() {
             (acc.unwrap().reduce_sum(&[1, 2, 3]), kv.clone())
         } else if name == "head-t" {
             // The head as W [V, hidden] x h^T: logits transposed [V, S].
-            let (h, c) = decode_hidden_graph(&p, &tokens, &positions, &kv, DecodeOptions::default());
+            let (h, c, _) = decode_hidden_graph(&p, &tokens, &positions, &kv, DecodeOptions::default());
             let logits_t = p.head().dot_general(
                 &h.convert_if_needed(p.head().dtype()),
                 DotDims {
@@ -197,7 +197,7 @@ fn main() {
             let (logits, c) = decode_graph_with(&p, &tokens, &positions, &kv, DecodeOptions::default());
             (logits.argmax(-1), c)
         } else {
-            let (h, c) = decode_hidden_graph(&p, &tokens, &positions, &kv, DecodeOptions::default());
+            let (h, c, _) = decode_hidden_graph(&p, &tokens, &positions, &kv, DecodeOptions::default());
             (h.reduce_sum(&[1]), c)
         };
         let mut outs = vec![&out];

@@ -76,6 +76,7 @@ impl ProgramPlan {
         .for_weights(dtype);
         cache.write = settings.kv_write.unwrap_or(KvWrite::for_plugin(plugin));
         cache.adapters = settings.adapters.clone();
+        cache.record_routes = settings.record_routes && config.moe.is_some();
         let local = cache.local_slots();
         // A step that slices its rows out of the cache and writes them back (any write but a
         // scatter on one slot group, `programs::decode_sample_program`) pays for that copy:

@@ -25,8 +25,8 @@
 //! arithmetic is the single-device program's, so the tokens are the same.
 
 use model::forward::{
-    decode_graph_with, decode_hidden_graph_chunked, extend_graph, linear, prefill_kv_graph, DecodeAttention,
-    DecodeOptions, DecoderParams, KvWrite, SlotBucket,
+    decode_hidden_graph, decode_hidden_graph_chunked, extend_graph, linear, prefill_kv_graph,
+    DecodeAttention, DecodeOptions, DecoderParams, KvWrite, SlotBucket,
 };
 use model::{ModelConfig, MODEL_AXIS};
 use xla::graph::{BuildOptions, Graph, Mesh, Program, Sharding, Tensor};
@@ -70,6 +70,10 @@ pub struct CacheShape {
     /// LoRA adapters every program applies beside the weights (their tensors, f32, follow the
     /// weights among the arguments; see [`crate::EngineConfig::adapters`]).
     pub adapters: Option<model::LoraConfig>,
+    /// The prefill, decode and extend programs also return the experts each mixture-of-experts
+    /// layer chose for every position they feed (u8, `[.., moe_layers, k]`), before the cache
+    /// ([`crate::EngineConfig::record_routes`]). Only for a mixture-of-experts model.
+    pub record_routes: bool,
 }
 
 /// The name of the mesh axis an engine over several devices splits its slots along.
@@ -113,6 +117,7 @@ impl CacheShape {
             dtype: DType::F32,
             write: KvWrite::Scatter,
             adapters: None,
+            record_routes: false,
         }
     }
 
@@ -250,16 +255,6 @@ impl CacheShape {
             Some(s) => g.parameter_sharded(name, dtype, dims, s),
             None => g.parameter(name, dtype, dims),
         }
-    }
-
-    /// `(result index, layout)` of results `first..first + n`, all per-slot tensors of rank
-    /// `rank` (none on one slot group).
-    fn slot_results(&self, first: usize, ranks: &[usize]) -> Vec<(usize, Sharding)> {
-        ranks
-            .iter()
-            .enumerate()
-            .filter_map(|(i, &rank)| self.slot_sharding(rank).map(|s| (first + i, s)))
-            .collect()
     }
 
     /// The first `rows` slots of each slot group, as a [`SlotBucket`] of this cache.
@@ -430,13 +425,18 @@ fn donate_cache(first_arg: usize, first_result: usize, n: usize) -> BuildOptions
     BuildOptions::donating(&pairs)
 }
 
-/// [`donate_cache`] with the layouts of results `0..first_result + n` on several devices:
-/// `slot_ranks[i]` for the per-slot results before the cache, the cache's own after them.
-fn donate_cache_on(cache: &CacheShape, first_arg: usize, slot_ranks: &[usize], n: usize) -> BuildOptions {
-    let mut options = donate_cache(first_arg, slot_ranks.len(), n);
-    options.result_shardings = cache.slot_results(0, slot_ranks);
+/// [`donate_cache`] with the layouts of results `0..first_result + n` on several devices: the
+/// results before the cache are per-slot tensors of rank `r` where `before[i]` is `Some(r)`,
+/// replicated where it is `None`; the cache's own layout after them.
+fn donate_cache_on(cache: &CacheShape, first_arg: usize, before: &[Option<usize>], n: usize) -> BuildOptions {
+    let mut options = donate_cache(first_arg, before.len(), n);
+    options.result_shardings = before
+        .iter()
+        .enumerate()
+        .filter_map(|(i, rank)| rank.and_then(|r| cache.slot_sharding(r)).map(|s| (i, s)))
+        .collect();
     if let Some(kv) = cache.kv_sharding() {
-        let first = slot_ranks.len();
+        let first = before.len();
         options
             .result_shardings
             .extend((first..first + n).map(|i| (i, kv.clone())));
@@ -530,6 +530,8 @@ pub struct PrefillFanout {
     pub width: usize,
     /// Prompts per run.
     pub batch: usize,
+    /// `moe_layers * k` when the program returns the experts chosen ([`CacheShape::record_routes`]).
+    routes: Option<usize>,
 }
 
 impl PrefillFanout {
@@ -571,7 +573,8 @@ impl PrefillFanout {
         let tokens = g.parameter("tokens", DType::I32, &[b, t]);
         let lengths = g.parameter("lengths", DType::I32, &[b]);
         let dst = g.parameter("dst", DType::I32, &[b, width as i64]);
-        let (_, kvs) = prefill_kv_graph(&p, &tokens, &lengths);
+        let (_, kvs, chosen) = prefill_kv_graph(&p, &tokens, &lengths);
+        let routes = recorded(cache, chosen);
         let chunks = cache.chunks();
         let span = (chunks * cache.chunk) as i64;
         let zero = g.scalar(0.0, DType::I32);
@@ -611,11 +614,12 @@ impl PrefillFanout {
                 }
             }
         }
-        let outs: Vec<&Tensor> = out.iter().collect();
+        let outs: Vec<&Tensor> = routes.iter().chain(&out).collect();
+        let before: Vec<Option<usize>> = routes.iter().map(|_| None).collect();
         build(
             &g,
             &outs,
-            &donate_cache_on(cache, p.all.len(), &[], kv.len()),
+            &donate_cache_on(cache, p.all.len(), &before, kv.len()),
             &name,
         )
     }
@@ -636,13 +640,16 @@ impl PrefillFanout {
             len,
             width,
             batch: batch.max(1),
+            routes: records_routes(config, cache),
         })
     }
 
     /// Runs 1 to `batch` prompts, each `(tokens, slots)`: `tokens` 1 to `len` ids (0 ids
     /// writes an all-zero row) into `slots` (1 to `width`; padded with the first slot, which
     /// rewrites it with the same values). A short batch is padded by repeating its first
-    /// prompt (which rewrites its slots with the same values).
+    /// prompt (which rewrites its slots with the same values). With routes recorded
+    /// ([`CacheShape::record_routes`]), returns each prompt's experts chosen for its tokens,
+    /// `[tokens, moe_layers, k]` row-major.
     pub fn run_batch(
         &self,
         client: &Client,
@@ -650,7 +657,7 @@ impl PrefillFanout {
         weights: &[Buffer],
         cache: &mut Vec<Buffer>,
         prompts: &[(&[u32], &[usize])],
-    ) -> Result<()> {
+    ) -> Result<Option<Vec<Vec<u8>>>> {
         let mut per_device = vec![std::mem::take(cache)];
         let result = self.run_batch_on(
             client,
@@ -672,7 +679,7 @@ impl PrefillFanout {
         weights: &[Vec<&Buffer>],
         cache: &mut Vec<Vec<Buffer>>,
         prompts: &[(&[u32], &[usize])],
-    ) -> Result<()> {
+    ) -> Result<Option<Vec<Vec<u8>>>> {
         let what = format!("prefill[{}x{}] fan-out {}", self.len, self.batch, self.width);
         assert!(!prompts.is_empty() && prompts.len() <= self.batch);
         let mut ids = vec![0i32; self.batch * self.len];
@@ -697,8 +704,20 @@ impl PrefillFanout {
         let lb = up(&lengths, &[b], "lengths")?;
         let db = up(&dst, &[b, w], "slots")?;
         let inputs: Vec<Vec<&Buffer>> = (0..devices.len()).map(|d| vec![&tb[d], &lb[d], &db[d]]).collect();
-        run_donating_on(&self.exe, weights, cache, &inputs, 0, &what)?;
-        Ok(())
+        let first_cache = self.routes.map_or(0, |_| 1);
+        let out = run_donating_on(&self.exe, weights, cache, &inputs, first_cache, &what)?;
+        let Some(per_position) = self.routes else {
+            return Ok(None);
+        };
+        let all = read_routes(&out[0][0], &what)?;
+        let row = self.len * per_position;
+        Ok(Some(
+            prompts
+                .iter()
+                .enumerate()
+                .map(|(b, (tokens, _))| all[b * row..b * row + tokens.len() * per_position].to_vec())
+                .collect(),
+        ))
     }
 }
 
@@ -709,6 +728,8 @@ pub struct EnvExtend {
     exe: Executable,
     /// Padded token count (the bucket).
     pub len: usize,
+    /// `moe_layers * k` when the program returns the experts chosen ([`CacheShape::record_routes`]).
+    routes: Option<usize>,
 }
 
 impl EnvExtend {
@@ -727,12 +748,14 @@ impl EnvExtend {
         let kv = cache.declare(&g);
         let tokens = g.parameter("tokens", DType::I32, &[len as i64]);
         let place = g.parameter("place", DType::I32, &[3]);
-        let out = extend_graph(&p, &tokens, &place, &kv);
-        let outs: Vec<&Tensor> = out.iter().collect();
+        let (out, chosen) = extend_graph(&p, &tokens, &place, &kv);
+        let routes = recorded(cache, chosen);
+        let outs: Vec<&Tensor> = routes.iter().chain(&out).collect();
+        let before: Vec<Option<usize>> = routes.iter().map(|_| None).collect();
         build(
             &g,
             &outs,
-            &donate_cache_on(cache, p.all.len(), &[], kv.len()),
+            &donate_cache_on(cache, p.all.len(), &before, kv.len()),
             &name,
         )
     }
@@ -749,12 +772,14 @@ impl EnvExtend {
         Ok(EnvExtend {
             exe: compile(client, &program)?,
             len,
+            routes: records_routes(config, cache),
         })
     }
 
     /// Writes `tokens` (1 to `len` ids) into slot `at.0` at positions `at.1..`, on `devices`
     /// (one, or the `0..N` of a program split over `N`) with `weights[d]` and `cache[d]`
-    /// device `d`'s.
+    /// device `d`'s. With routes recorded ([`CacheShape::record_routes`]), returns the experts
+    /// chosen for the tokens, `[tokens, moe_layers, k]` row-major.
     pub fn run_on(
         &self,
         client: &Client,
@@ -763,7 +788,7 @@ impl EnvExtend {
         cache: &mut Vec<Vec<Buffer>>,
         tokens: &[u32],
         at: (usize, usize),
-    ) -> Result<()> {
+    ) -> Result<Option<Vec<u8>>> {
         let (slot, start) = at;
         assert!(!tokens.is_empty() && tokens.len() <= self.len);
         let what = format!("extend[{}] of slot {slot}", self.len);
@@ -782,8 +807,14 @@ impl EnvExtend {
         )?;
         let pb = upload_on(client, devices, &place, &[3], 1, &format!("place for {what}"))?;
         let inputs: Vec<Vec<&Buffer>> = (0..devices.len()).map(|d| vec![&tb[d], &pb[d]]).collect();
-        run_donating_on(&self.exe, weights, cache, &inputs, 0, &what)?;
-        Ok(())
+        let first_cache = self.routes.map_or(0, |_| 1);
+        let out = run_donating_on(&self.exe, weights, cache, &inputs, first_cache, &what)?;
+        let Some(per_position) = self.routes else {
+            return Ok(None);
+        };
+        let mut all = read_routes(&out[0][0], &what)?;
+        all.truncate(tokens.len() * per_position);
+        Ok(Some(all))
     }
 }
 
@@ -817,6 +848,8 @@ pub struct DecodeSample {
     /// Cache chunks the step reads (every active position must be below
     /// `attend_chunks * chunk`); all of them for an unchunked cache.
     pub attend_chunks: usize,
+    /// Whether the step returns each slot's experts chosen ([`CacheShape::record_routes`]).
+    routes: bool,
 }
 
 impl DecodeSample {
@@ -875,6 +908,7 @@ impl DecodeSample {
             groups: cache.slot_groups(),
             truncate: key.truncate,
             attend_chunks: key.chunks.clamp(1, cache.chunks()),
+            routes: records_routes(config, cache).is_some(),
         })
     }
 
@@ -928,7 +962,9 @@ impl DecodeSample {
             (truncate, sampler),
             (rows, options.kv_write, |_| true),
             |p, tokens, positions, kv, bucket| {
-                decode_graph_with(p, tokens, positions, kv, DecodeOptions { bucket, ..options })
+                let (h, new_cache, chosen) =
+                    decode_hidden_graph(p, tokens, positions, kv, DecodeOptions { bucket, ..options });
+                (linear(&h, p.head()), new_cache, chosen)
             },
         )
     }
@@ -952,6 +988,7 @@ impl DecodeSample {
             groups: cache.slot_groups(),
             truncate,
             attend_chunks: 1,
+            routes: records_routes(config, cache).is_some(),
         })
     }
 
@@ -993,9 +1030,9 @@ impl DecodeSample {
             (truncate, sampler),
             (rows, cache.write, move |i: usize| i % chunks < attend_chunks),
             |p, tokens, positions, kv, bucket| {
-                let (h, new_cache) =
+                let (h, new_cache, chosen) =
                     decode_hidden_graph_chunked(p, tokens, positions, kv, attend_chunks, cache.write, bucket);
-                (linear(&h, p.head()), new_cache)
+                (linear(&h, p.head()), new_cache, chosen)
             },
         )
     }
@@ -1021,10 +1058,12 @@ impl DecodeSample {
             groups: cache.slot_groups(),
             truncate,
             attend_chunks: attend_chunks.clamp(1, cache.chunks()),
+            routes: records_routes(config, cache).is_some(),
         })
     }
 
-    /// Runs one step; returns each slot's sampled token and its log-probability.
+    /// Runs one step; returns each slot's sampled token and its log-probability (and, with
+    /// routes recorded, the experts chosen for its input token).
     pub fn run(
         &self,
         client: &Client,
@@ -1032,7 +1071,7 @@ impl DecodeSample {
         weights: &[Buffer],
         cache: &mut Vec<Buffer>,
         inputs: &DecodeInputs,
-    ) -> Result<(Vec<i32>, Vec<f32>)> {
+    ) -> Result<DecodeOutput> {
         let mut per_device = vec![std::mem::take(cache)];
         let result = self.run_on(
             client,
@@ -1055,7 +1094,7 @@ impl DecodeSample {
         weights: &[Vec<&Buffer>],
         cache: &mut Vec<Vec<Buffer>>,
         inputs: &DecodeInputs,
-    ) -> Result<(Vec<i32>, Vec<f32>)> {
+    ) -> Result<DecodeOutput> {
         let what = if self.truncate {
             "decode (top-k/top-p)"
         } else {
@@ -1083,13 +1122,51 @@ impl DecodeSample {
         let args: Vec<Vec<&Buffer>> = (0..devices.len())
             .map(|d| vec![&tb[d], &pb[d], &temp[d], &kb[d], &ppb[d], &mpb[d], &keys[d]])
             .collect();
-        let out = run_donating_on(&self.exe, weights, cache, &args, 2, what)?;
-        let tokens: Vec<&Buffer> = out.iter().map(|o| &o[0]).collect();
-        let logprobs: Vec<&Buffer> = out.iter().map(|o| &o[1]).collect();
-        let next = read_slots::<i32>(&tokens, groups, &format!("{what} tokens"))?;
-        let lp = read_slots::<f32>(&logprobs, groups, &format!("{what} log-probs"))?;
-        Ok((next, lp))
+        let out = run_donating_on(&self.exe, weights, cache, &args, 2 + self.routes as usize, what)?;
+        let result = |i: usize| -> Vec<&Buffer> { out.iter().map(|o| &o[i]).collect() };
+        Ok(DecodeOutput {
+            tokens: read_slots::<i32>(&result(0), groups, &format!("{what} tokens"))?,
+            logprobs: read_slots::<f32>(&result(1), groups, &format!("{what} log-probs"))?,
+            routes: match self.routes {
+                true => Some(read_slots::<u8>(&result(2), groups, &format!("{what} routes"))?),
+                false => None,
+            },
+        })
     }
+}
+
+/// What one decode step gives back, per slot of the step.
+#[derive(Clone, Debug)]
+pub struct DecodeOutput {
+    /// The sampled token.
+    pub tokens: Vec<i32>,
+    /// Its log-probability.
+    pub logprobs: Vec<f32>,
+    /// With routes recorded ([`CacheShape::record_routes`]): the experts every MoE layer chose
+    /// for the slot's input token, `[slots, moe_layers, k]` row-major.
+    pub routes: Option<Vec<u8>>,
+}
+
+/// `moe_layers * k`, the experts recorded per position, when `cache`'s programs record
+/// routes of `config`'s mixture-of-experts layers.
+fn records_routes(config: &ModelConfig, cache: &CacheShape) -> Option<usize> {
+    let moe = config.moe.as_ref().filter(|_| cache.record_routes)?;
+    Some(config.moe_layers() * moe.experts_per_token)
+}
+
+/// The experts chosen `[.., Lm, k]` as a program result (u8: ids up to 255), when `cache`'s
+/// programs record routes.
+fn recorded(cache: &CacheShape, chosen: Option<Tensor>) -> Option<Tensor> {
+    chosen
+        .filter(|_| cache.record_routes)
+        .map(|c| c.convert(DType::U8))
+}
+
+/// Reads a replicated routes result (device 0's copy).
+fn read_routes(buffer: &Buffer, what: &str) -> Result<Vec<u8>> {
+    buffer
+        .to_host::<u8>()
+        .map_err(|e| RolloutError::runtime(format!("reading the routes of {what}"), e))
 }
 
 /// The program of one decode-and-sample step named `name`: parameters, the cache, the slots'
@@ -1110,7 +1187,13 @@ fn decode_sample_program(
     cache: &CacheShape,
     (truncate, sampler): (bool, SamplerKind),
     (rows, write, attended): (usize, KvWrite, impl Fn(usize) -> bool),
-    step: impl FnOnce(&DecoderParams, &Tensor, &Tensor, &[Tensor], Option<SlotBucket>) -> (Tensor, Vec<Tensor>),
+    step: impl FnOnce(
+        &DecoderParams,
+        &Tensor,
+        &Tensor,
+        &[Tensor],
+        Option<SlotBucket>,
+    ) -> (Tensor, Vec<Tensor>, Option<Tensor>),
 ) -> Result<Program> {
     let g = cache.graph(name);
     let p = cache.declare_params(&g, config, dtype);
@@ -1141,7 +1224,8 @@ fn decode_sample_program(
             }
         })
         .collect();
-    let (logits, stepped) = step(&p, &tokens, &positions, &sliced, bucket);
+    let (logits, stepped, chosen) = step(&p, &tokens, &positions, &sliced, bucket);
+    let routes = recorded(cache, chosen);
     let new_cache: Vec<Tensor> = stepped
         .iter()
         .enumerate()
@@ -1162,11 +1246,16 @@ fn decode_sample_program(
     };
     let (next, logprobs) = sample_graph_with(&logits, &inputs, truncate, sampler);
     let mut outs = vec![&next, &logprobs];
+    let mut before = vec![Some(1), Some(1)];
+    if let Some(r) = &routes {
+        outs.push(r);
+        before.push(Some(3));
+    }
     outs.extend(new_cache.iter());
     build(
         &g,
         &outs,
-        &donate_cache_on(cache, p.all.len(), &[1, 1], kv.len()),
+        &donate_cache_on(cache, p.all.len(), &before, kv.len()),
         name,
     )
 }
@@ -1274,12 +1363,13 @@ fn rows_suffix(cache: &CacheShape, rows: usize) -> String {
 }
 
 /// `_spmd4` for a program split over 4 devices (`_spmd4_tp2` with tensor parallelism over 2
-/// of them), empty on one.
+/// of them), empty on one; `_routes` after it when the program records routes.
 fn spmd_suffix(cache: &CacheShape) -> String {
+    let routes = if cache.record_routes { "_routes" } else { "" };
     match (cache.devices, cache.tensor_parallel) {
-        (0 | 1, _) => String::new(),
-        (n, 1) => format!("_spmd{n}"),
-        (n, tp) => format!("_spmd{n}_tp{tp}"),
+        (0 | 1, _) => routes.to_string(),
+        (n, 1) => format!("_spmd{n}{routes}"),
+        (n, tp) => format!("_spmd{n}_tp{tp}{routes}"),
     }
 }
 

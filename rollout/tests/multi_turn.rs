@@ -748,6 +748,7 @@ mod tools {
             restarts: 0,
             env_spans: vec![],
             episode: Default::default(),
+            routes: Vec::new(),
         });
         assert_eq!(*game.closed.lock().unwrap(), episode);
         assert!(game.secrets.lock().unwrap().is_empty());
@@ -936,5 +937,81 @@ mod agent_programs {
         assert_eq!(served, trained);
         assert!(!sample.env_spans.is_empty());
         assert_eq!(sample.episode.turn_scores.len(), 1, "the program's reward");
+    }
+}
+
+/// Routing replay: an engine recording routes gives each sample the experts every MoE layer
+/// chose at each position it fed through the model (the prompt, the response but its last
+/// token, environment tokens included), and they are the learner's own routing of the whole
+/// sequence (f32), position for position, with a whole and a chunked cache.
+#[test]
+fn recorded_routes_are_the_learners_routing_of_every_fed_position() {
+    use model::forward::{span_hidden_routed, DecoderParams};
+    use xla::graph::Graph;
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/fixtures/tiny/qwen3_moe");
+    let weights = model::safetensors_io::load_hf_checkpoint(&path).unwrap();
+    let config = &weights.config;
+    let per = config.moe_layers() * config.moe.as_ref().unwrap().experts_per_token;
+    let own = {
+        let g = Graph::new("own_routes");
+        let p = DecoderParams::declare(&g, config, DType::F32);
+        let tokens = g.parameter("tokens", DType::I32, &[1, MAX_LEN as i64]);
+        let mask = g.parameter("mask", DType::I32, &[1, MAX_LEN as i64]);
+        let (_, _, routes) = span_hidden_routed(&p, &tokens, &mask, 1, None);
+        g.build(&[&routes.unwrap().chosen])
+            .unwrap()
+            .compile(client())
+            .unwrap()
+    };
+    let dm = DeviceModel::upload(client(), &weights, DType::F32, 0).unwrap();
+    for kv_chunk in [0, 16] {
+        let buffers = upload_weights(client(), &weights, DType::F32, 0).unwrap();
+        let mut settings = EngineConfig::new(8, MAX_LEN);
+        settings.kv_chunk = kv_chunk;
+        settings.record_routes = true;
+        let mut e = Engine::new(client(), config, buffers, 1, settings, None).unwrap();
+        // Turns cut at their budget park too, so the environment answers them.
+        e.set_park_cut_turns(true);
+        let requests = [
+            episode(1, &[4, 8, 15, 16], 3, 40, 12),
+            request(2, &[7, 7, 7], 2, 3, sampled(1.0, 0, 1.0, 20)),
+        ];
+        let samples = run_episodes(&mut e, &requests, 3);
+        assert!(
+            samples.iter().any(|s| !s.env_spans.is_empty()),
+            "no environment tokens"
+        );
+        for s in &samples {
+            let mut tokens: Vec<i32> = s
+                .prompt_ids
+                .iter()
+                .chain(&s.response_ids)
+                .map(|&t| t as i32)
+                .collect();
+            let real = tokens.len();
+            assert_eq!(s.routes.len() % per, 0);
+            assert_eq!(
+                s.routes.len() / per,
+                real - 1,
+                "request {} sample {}",
+                s.request_id,
+                s.sample_index
+            );
+            let mask: Vec<i32> = (0..MAX_LEN).map(|i| (i < real) as i32).collect();
+            tokens.resize(MAX_LEN, 0);
+            let t = client()
+                .buffer_from_host(&tokens, &[1, MAX_LEN as i64], 0)
+                .unwrap();
+            let m = client().buffer_from_host(&mask, &[1, MAX_LEN as i64], 0).unwrap();
+            let mut args: Vec<&xla::runtime::Buffer> = dm.weights().iter().collect();
+            args.extend([&t, &m]);
+            let chosen = own.execute(&args).unwrap()[0].to_host::<i32>().unwrap();
+            let expected: Vec<u8> = chosen[..s.routes.len()].iter().map(|&e| e as u8).collect();
+            assert_eq!(
+                s.routes, expected,
+                "kv_chunk {kv_chunk}: request {} sample {}",
+                s.request_id, s.sample_index
+            );
+        }
     }
 }

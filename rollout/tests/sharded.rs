@@ -488,6 +488,8 @@ fn tensor_parallel_engines_give_the_single_device_tokens_for_llama_qwen2_and_qwe
                 settings.kv_chunk = kv_chunk;
                 settings.prefill_batch = prefill_batch;
                 settings.tensor_parallel = tp;
+                // Routing replay's records too, for the mixture of experts.
+                settings.record_routes = true;
                 Engine::new(
                     client(),
                     &config,
@@ -511,6 +513,10 @@ fn tensor_parallel_engines_give_the_single_device_tokens_for_llama_qwen2_and_qwe
                 assert_eq!(engine.devices(), devices, "{what}");
                 let got = generate(&mut engine, &requests());
                 assert_same_samples(&got, &expected, &what);
+                for (g, e) in got.iter().zip(&expected) {
+                    assert_eq!(g.routes, e.routes, "{what}: routes");
+                    assert_eq!(e.routes.is_empty(), config.moe.is_none(), "{what}");
+                }
             }
         }
     }

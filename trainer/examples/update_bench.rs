@@ -387,6 +387,7 @@ fn main() {
         lora: None,
         lora_form: Default::default(),
         head: Default::default(),
+        route_inputs: false,
     };
     let rows_ref: Vec<(&[u32], &[u32])> = row_ids
         .iter()

@@ -27,7 +27,7 @@ use xla::runtime::Client;
 use crate::policy::{DecoderPolicy, PackError, PackedRows};
 use crate::step::{
     build_shape_programs, build_train_programs, Learner, LearnerState, MicroBatch, MicroBatchHost,
-    StepConfig, StepMetrics,
+    StepConfig, StepMetrics, UsedRoutes,
 };
 use crate::{Result, TrainerError};
 
@@ -230,6 +230,16 @@ impl BucketedLearner {
     /// Packs up to `micro_batch_size` `(prompt, response)` rows at the shape of their bucket,
     /// sharing each group's prompt (a slot per row when the rows do not come in groups).
     pub fn pack(&self, rows: &[(&[u32], &[u32])]) -> std::result::Result<PackedMicroBatch, PackError> {
+        self.pack_routed(rows, None)
+    }
+
+    /// [`BucketedLearner::pack`] with each row's routes to replay
+    /// ([`DecoderPolicy::pack_routed`]).
+    pub fn pack_routed(
+        &self,
+        rows: &[(&[u32], &[u32])],
+        routes: Option<&[Vec<u8>]>,
+    ) -> std::result::Result<PackedMicroBatch, PackError> {
         let longest_prompt = rows.iter().map(|(p, _)| p.len()).max().unwrap_or(1);
         let longest_response = rows.iter().map(|(_, r)| r.len()).max().unwrap_or(1);
         let (prompt_len, response_len) = self.buckets.bucket(longest_prompt, longest_response);
@@ -240,7 +250,7 @@ impl BucketedLearner {
             response_len,
             shared,
             rows: rows.len(),
-            packed: policy.pack(rows)?,
+            packed: policy.pack_routed(rows, routes)?,
         })
     }
 
@@ -268,9 +278,42 @@ impl BucketedLearner {
     /// The policy's per-token log-probs of `mb` under the current (or, with `reference`, the
     /// reference) parameters, `[micro_batch_size, L]` at the full response length.
     pub fn log_probs(&mut self, mb: &PackedMicroBatch, reference: bool) -> Result<Vec<f32>> {
+        Ok(self.log_probs_routed(mb, reference)?.0)
+    }
+
+    /// [`BucketedLearner::log_probs`] with, for a policy that replays routes, each real row's
+    /// routes the pass used ([`DecoderPolicy::unpack_routes`]) given the rows `mb` was packed
+    /// from.
+    pub fn log_probs_routed(
+        &mut self,
+        mb: &PackedMicroBatch,
+        reference: bool,
+    ) -> Result<(Vec<f32>, Option<UsedRoutes>)> {
         let shape = self.shape(mb)?;
-        let lp = self.learner.log_probs_in(shape, &mb.packed.inputs(), reference)?;
-        Ok(widen(&lp, mb.response_len, self.policy.response_len))
+        let (lp, chosen) = self
+            .learner
+            .log_probs_routed_in(shape, &self.inputs(mb), reference)?;
+        Ok((widen(&lp, mb.response_len, self.policy.response_len), chosen))
+    }
+
+    /// The policy inputs of `mb` for this learner's policy (a critic sharing the policy's
+    /// packings reads no routes).
+    fn inputs(&self, mb: &PackedMicroBatch) -> Vec<crate::step::HostArray> {
+        let mut inputs = mb.packed.inputs();
+        inputs.truncate(self.policy.input_specs().len());
+        inputs
+    }
+
+    /// Each of `rows`' routes from a pass's chosen experts over `mb`, packed from `rows`
+    /// ([`DecoderPolicy::unpack_routes`] at `mb`'s shape).
+    pub fn unpack_routes(
+        &self,
+        rows: &[(&[u32], &[u32])],
+        mb: &PackedMicroBatch,
+        chosen: &UsedRoutes,
+    ) -> Vec<Vec<u8>> {
+        self.shape_policy((mb.prompt_len, mb.response_len, mb.shared))
+            .unpack_routes(rows, &mb.packed, &chosen[0], &chosen[1])
     }
 
     /// Uploads a micro-batch for [`BucketedLearner::step`]: the policy inputs are `mb`'s packed
@@ -332,7 +375,7 @@ impl BucketedLearner {
             values: narrow_opt("values", &host.values)?,
             returns: narrow_opt("returns", &host.returns)?,
             norm: host.norm,
-            inputs: mb.packed.inputs(),
+            inputs: self.inputs(mb),
         };
         self.learner.upload_micro_batch_in(shape, index, &narrowed)
     }

@@ -88,6 +88,25 @@ impl Default for AdvantageConfig {
     }
 }
 
+/// `actor.router_replay.mode` (VeRL's names): which experts a mixture-of-experts policy's
+/// learner passes use. The combine weights always come from the live router, so it trains
+/// whichever experts are replayed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RouterReplay {
+    /// Every pass routes by its own router's top-k.
+    #[default]
+    #[serde(rename = "disabled")]
+    Disabled,
+    /// Routing Replay: the old-log-prob pass routes by its router and records the experts;
+    /// the reference pass and every update pass replay them, so the importance ratio compares
+    /// the same experts across the update's optimizer steps.
+    R2,
+    /// Rollout Routing Replay (arXiv 2510.11370): every learner pass (old log-probs,
+    /// reference, update, recomputation under remat and scan) replays the experts the rollout
+    /// chose for each token it fed; the response's last token, never fed, routes by the router.
+    R3,
+}
+
 /// `actor.loss_agg_mode`: how a `[batch, response_len]` loss matrix becomes a scalar (VeRL
 /// `agg_loss`; see [`crate::loss::agg_loss`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

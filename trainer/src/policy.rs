@@ -79,6 +79,12 @@ pub struct DecoderPolicy {
     /// What the model computes per response column: log-probs (a policy) or values (a critic;
     /// without LoRA).
     pub head: Head,
+    /// Routing replay for a mixture-of-experts policy: the batch carries each position's
+    /// experts for every MoE layer (`prompt_routes` `[U, P, Lm, k]`, `response_routes`
+    /// `[micro_batch_size, L, Lm, k]`, [`model::moe::NOT_RECORDED`] where the router chooses),
+    /// every pass uses them, and the log-probs pass returns the experts it used
+    /// ([`PolicyOutput::chosen`]). Read only for a mixture-of-experts model.
+    pub route_inputs: bool,
 }
 
 /// One micro-batch of rows packed for [`DecoderPolicy`].
@@ -94,18 +100,30 @@ pub struct PackedRows {
     pub response_mask: Vec<f32>,
     /// `[micro_batch_size]`: each row's prompt, counted from the start of its block.
     pub prompt_index: Vec<i32>,
+    /// With [`DecoderPolicy::route_inputs`]: the experts to replay at each prompt position,
+    /// `[U, P, Lm, k]` ([`model::moe::NOT_RECORDED`] where none is); else empty.
+    pub prompt_routes: Vec<i32>,
+    /// With [`DecoderPolicy::route_inputs`]: the same for the responses,
+    /// `[micro_batch_size, L, Lm, k]`; else empty.
+    pub response_routes: Vec<i32>,
 }
 
 impl PackedRows {
-    /// The policy inputs, in [`DecoderPolicy::input_specs`] order.
+    /// The policy inputs, in [`DecoderPolicy::input_specs`] order (the routes when packed
+    /// with them).
     pub fn inputs(&self) -> Vec<HostArray> {
-        vec![
+        let mut inputs = vec![
             HostArray::I32(self.prompts.clone()),
             HostArray::I32(self.prompt_mask.clone()),
             HostArray::I32(self.responses.clone()),
             HostArray::I32(self.response_mask.iter().map(|&m| (m != 0.0) as i32).collect()),
             HostArray::I32(self.prompt_index.clone()),
-        ]
+        ];
+        if !self.prompt_routes.is_empty() {
+            inputs.push(HostArray::I32(self.prompt_routes.clone()));
+            inputs.push(HostArray::I32(self.response_routes.clone()));
+        }
+        inputs
     }
 }
 
@@ -120,6 +138,8 @@ pub enum PackError {
     EmptyPrompt { row: usize },
     #[error("{rows} rows given; a micro-batch holds {max} (actor.ppo_micro_batch_size)")]
     TooManyRows { rows: usize, max: usize },
+    #[error("row {row}: its recorded routes {problem} (rollout.enable_rollout_routing_replay records them for this model)")]
+    Routes { row: usize, problem: String },
     #[error("rows {first}..{end} hold {distinct} distinct prompts; the learner packs at most {slots} per block of rows (rows must come in groups of {group} with one prompt)")]
     TooManyPrompts {
         first: usize,
@@ -213,7 +233,9 @@ impl DecoderPolicy {
     }
 
     /// The batch inputs (all i32): `prompts` and `prompt_mask` `[U, P]`, `responses` and
-    /// `response_mask` `[micro_batch_size, L]`, `prompt_index` `[micro_batch_size]`.
+    /// `response_mask` `[micro_batch_size, L]`, `prompt_index` `[micro_batch_size]`; with
+    /// [`DecoderPolicy::replays`], `prompt_routes` `[U, P, Lm, k]` and `response_routes`
+    /// `[micro_batch_size, L, Lm, k]`.
     pub fn input_specs(&self) -> Vec<InputSpec> {
         let prompts = vec![self.prompt_slots() as i64, self.prompt_len as i64];
         let responses = vec![self.micro_batch_size as i64, self.response_len as i64];
@@ -222,13 +244,35 @@ impl DecoderPolicy {
             dtype: DType::I32,
             dims: dims.clone(),
         };
-        vec![
+        let mut specs = vec![
             spec("prompts", &prompts),
             spec("prompt_mask", &prompts),
             spec("responses", &responses),
             spec("response_mask", &responses),
             spec("prompt_index", &vec![self.micro_batch_size as i64]),
-        ]
+        ];
+        if let Some(per_position) = self.routes_per_position() {
+            let routed = |dims: &Vec<i64>| [dims.as_slice(), &per_position].concat();
+            specs.push(spec("prompt_routes", &routed(&prompts)));
+            specs.push(spec("response_routes", &routed(&responses)));
+        }
+        specs
+    }
+
+    /// Whether the batch carries routes to replay ([`DecoderPolicy::route_inputs`] on a
+    /// mixture-of-experts model).
+    pub fn replays(&self) -> bool {
+        self.routes_per_position().is_some()
+    }
+
+    /// `[Lm, k]`: the experts a position has in the routes, when the policy replays them.
+    fn routes_per_position(&self) -> Option<[i64; 2]> {
+        let moe = self
+            .config
+            .moe
+            .as_ref()
+            .filter(|_| self.route_inputs && self.head == Head::LogProbs)?;
+        Some([self.config.moe_layers() as i64, moe.experts_per_token as i64])
     }
 
     /// The model function for [`crate::step::build_train_programs`], by [`DecoderPolicy::head`]:
@@ -252,7 +296,7 @@ impl DecoderPolicy {
         p.remat = self.remat;
         p.scan = self.scan;
         let (h, valid) = if self.shares_prompts() {
-            let shared = SharedPrompts::from_inputs(batch, self.blocks.max(1) as i64);
+            let shared = SharedPrompts::from_inputs(&batch[..5], self.blocks.max(1) as i64);
             shared_prompts_hidden_graph(batch[0].graph(), &p, &shared)
         } else {
             let tokens = Tensor::concat(&[&batch[0], &batch[2]], 1);
@@ -263,6 +307,7 @@ impl DecoderPolicy {
             log_probs: &values_graph(&h, &params[n], &params[n + 1]) * &valid,
             entropy: None,
             router: None,
+            chosen: None,
         }
     }
 
@@ -298,19 +343,36 @@ impl DecoderPolicy {
                 .reduce(|a, b| &a + &b)
                 .expect("at least one mask")
         };
+        // With routing replay, the experts to use: the prompts' `[U, P, Lm, k]` and the
+        // responses' `[B, L, Lm, k]`.
+        let replay = self.replays().then(|| (&batch[5], &batch[6]));
+        let (u, pl) = (self.prompt_slots() as i64, self.prompt_len as i64);
+        let (b, l) = (self.micro_batch_size as i64, self.response_len as i64);
+        let per_position = |rows: i64, cols: i64| -> Vec<i64> {
+            let [lm, k] = self.routes_per_position().expect("replays");
+            vec![rows, cols, lm, k]
+        };
         if !self.shares_prompts() {
             // Rows whole: prompt columns then response columns.
             let tokens = Tensor::concat(&[&batch[0], &batch[2]], 1);
             let mask = Tensor::concat(&[&batch[1], &batch[3]], 1);
             let from = self.prompt_len as i64;
             if moe {
+                let replay = replay.map(|(prompts, responses)| Tensor::concat(&[prompts, responses], 1));
                 let (lp, ent, routes) =
-                    logprobs_graph_span_routed(g, &p, &tokens, &mask, &temperature, from, None);
+                    logprobs_graph_span_routed(g, &p, &tokens, &mask, &temperature, from, replay.as_ref());
+                let chosen = routes.as_ref().filter(|_| self.replays()).map(|r| {
+                    [
+                        r.chosen.slice_axis(1, 0, pl).reshape(&per_position(b, pl)),
+                        r.chosen.slice_axis(1, pl, pl + l).reshape(&per_position(b, l)),
+                    ]
+                });
                 let router = routes.map(|r| RouterTerms::of(&self.config, &r, &count(&[&mask])));
                 return PolicyOutput {
                     log_probs: lp,
                     entropy: Some(ent),
                     router,
+                    chosen,
                 };
             }
             let (lp, ent) = logprobs_graph_span(g, &p, &tokens, &mask, &temperature, from);
@@ -318,16 +380,28 @@ impl DecoderPolicy {
                 log_probs: lp,
                 entropy: Some(ent),
                 router: None,
+                chosen: None,
             };
         }
-        let shared = SharedPrompts::from_inputs(batch, self.blocks.max(1) as i64);
+        let mut shared = SharedPrompts::from_inputs(&batch[..5], self.blocks.max(1) as i64);
+        shared.replay = replay;
         if moe {
             let (lp, ent, routes) = logprobs_graph_shared_prompts_routed(g, &p, &shared, &temperature);
+            // Routes over the prompts' `U * P` positions, then the responses' `B * L`.
+            let chosen = routes.as_ref().filter(|_| self.replays()).map(|r| {
+                [
+                    r.chosen.slice_axis(0, 0, u * pl).reshape(&per_position(u, pl)),
+                    r.chosen
+                        .slice_axis(0, u * pl, u * pl + b * l)
+                        .reshape(&per_position(b, l)),
+                ]
+            });
             let router = routes.map(|r| RouterTerms::of(&self.config, &r, &count(&[&batch[1], &batch[3]])));
             return PolicyOutput {
                 log_probs: lp,
                 entropy: Some(ent),
                 router,
+                chosen,
             };
         }
         let (lp, ent) = logprobs_graph_shared_prompts(g, &p, &shared, &temperature);
@@ -335,13 +409,113 @@ impl DecoderPolicy {
             log_probs: lp,
             entropy: Some(ent),
             router: None,
+            chosen: None,
         }
     }
 
     /// Pack up to `micro_batch_size` `(prompt, response)` rows. Rows past the end of `rows`
     /// are padding whose response mask is 0, so they contribute nothing. Equal prompts within
-    /// a block share a slot, in order of first appearance.
+    /// a block share a slot, in order of first appearance. A policy that replays routes
+    /// ([`DecoderPolicy::replays`]) gets none to replay: its router chooses everywhere.
     pub fn pack(&self, rows: &[(&[u32], &[u32])]) -> Result<PackedRows, PackError> {
+        self.pack_routed(rows, None)
+    }
+
+    /// [`DecoderPolicy::pack`] with each row's recorded routes (`routes[r]`, row-major
+    /// `[positions, Lm, k]` over the row's first positions, prompt then response, as
+    /// `rollout::Sample::routes` holds them) for a policy that replays them; positions past a
+    /// record (and rows without one) are [`model::moe::NOT_RECORDED`]. A shared prompt takes the
+    /// routes of the first row that names it.
+    pub fn pack_routed(
+        &self,
+        rows: &[(&[u32], &[u32])],
+        routes: Option<&[Vec<u8>]>,
+    ) -> Result<PackedRows, PackError> {
+        let mut out = self.pack_tokens(rows)?;
+        let Some([lm, k]) = self.routes_per_position() else {
+            return Ok(out);
+        };
+        let per = (lm * k) as usize;
+        let (p, l) = (self.prompt_len, self.response_len);
+        out.prompt_routes = vec![model::moe::NOT_RECORDED; self.prompt_slots() * p * per];
+        out.response_routes = vec![model::moe::NOT_RECORDED; self.micro_batch_size * l * per];
+        let Some(routes) = routes else {
+            return Ok(out);
+        };
+        let experts = self.config.moe.as_ref().expect("replays").num_experts;
+        let (per_block, slots) = (self.rows_per_block(), self.slots_per_block());
+        let mut filled = vec![false; self.prompt_slots()];
+        for (row, ((prompt, response), record)) in rows.iter().zip(routes).enumerate() {
+            let bad = |problem: String| PackError::Routes { row, problem };
+            if !record.len().is_multiple_of(per) {
+                return Err(bad(format!(
+                    "hold {} expert ids, not a whole number of positions of {lm} MoE layers x {k} experts",
+                    record.len()
+                )));
+            }
+            let positions = record.len() / per;
+            if positions > prompt.len() + response.len() {
+                return Err(bad(format!(
+                    "cover {positions} positions; the row has {} tokens",
+                    prompt.len() + response.len()
+                )));
+            }
+            if let Some(&e) = record.iter().find(|&&e| e as usize >= experts) {
+                return Err(bad(format!("name expert {e}; the model has {experts}")));
+            }
+            let slot = (row / per_block.max(1)) * slots + out.prompt_index[row] as usize;
+            for (i, ids) in record.chunks(per).enumerate() {
+                let (dst, at) = if i >= prompt.len() {
+                    (&mut out.response_routes, row * l + (i - prompt.len()))
+                } else if !filled[slot] {
+                    (&mut out.prompt_routes, slot * p + p - prompt.len() + i)
+                } else {
+                    continue;
+                };
+                for (d, &e) in dst[at * per..(at + 1) * per].iter_mut().zip(ids) {
+                    *d = e as i32;
+                }
+            }
+            filled[slot] = true;
+        }
+        Ok(out)
+    }
+
+    /// Each row's routes in the order [`DecoderPolicy::pack_routed`] takes them (every prompt
+    /// and response position of the row), from the `[U, P, Lm, k]` and `[B, L, Lm, k]` experts
+    /// a pass over `packed` used ([`PolicyOutput::chosen`]): what R2 replays.
+    pub fn unpack_routes(
+        &self,
+        rows: &[(&[u32], &[u32])],
+        packed: &PackedRows,
+        prompt_routes: &[i32],
+        response_routes: &[i32],
+    ) -> Vec<Vec<u8>> {
+        let Some([lm, k]) = self.routes_per_position() else {
+            return vec![Vec::new(); rows.len()];
+        };
+        let per = (lm * k) as usize;
+        let (p, l) = (self.prompt_len, self.response_len);
+        let (per_block, slots) = (self.rows_per_block(), self.slots_per_block());
+        rows.iter()
+            .enumerate()
+            .map(|(row, (prompt, response))| {
+                let slot = (row / per_block.max(1)) * slots + packed.prompt_index[row] as usize;
+                let mut out = Vec::with_capacity((prompt.len() + response.len()) * per);
+                let first = slot * p + p - prompt.len();
+                for at in first..first + prompt.len() {
+                    out.extend(prompt_routes[at * per..(at + 1) * per].iter().map(|&e| e as u8));
+                }
+                for at in row * l..row * l + response.len() {
+                    out.extend(response_routes[at * per..(at + 1) * per].iter().map(|&e| e as u8));
+                }
+                out
+            })
+            .collect()
+    }
+
+    /// The token arrays of [`DecoderPolicy::pack`].
+    fn pack_tokens(&self, rows: &[(&[u32], &[u32])]) -> Result<PackedRows, PackError> {
         let (p, l, mb) = (self.prompt_len, self.response_len, self.micro_batch_size);
         if rows.len() > mb {
             return Err(PackError::TooManyRows {
@@ -357,6 +531,8 @@ impl DecoderPolicy {
             responses: vec![0; mb * l],
             response_mask: vec![0.0; mb * l],
             prompt_index: vec![0; mb],
+            prompt_routes: Vec::new(),
+            response_routes: Vec::new(),
         };
         for (block, chunk) in rows.chunks(per_block.max(1)).enumerate() {
             let first = block * per_block;
@@ -465,6 +641,7 @@ mod tests {
             lora: None,
             lora_form: model::LoraForm::default(),
             head: Default::default(),
+            route_inputs: false,
         }
     }
 

@@ -22,7 +22,7 @@ use crate::advantage::{
     Advantages, KlController,
 };
 use crate::bucket::{BucketedLearner, PackedMicroBatch};
-use crate::config::{AdvantageConfig, KlControl, KlPenalty, OptimConfig};
+use crate::config::{AdvantageConfig, KlControl, KlPenalty, OptimConfig, RouterReplay};
 use crate::optim::learning_rate;
 use crate::policy::{DecoderPolicy, PackError};
 use crate::rollout_correction::{correct, RolloutCorrection};
@@ -31,6 +31,9 @@ use crate::TrainerError;
 use std::collections::BTreeMap;
 use std::time::Instant;
 use xla::runtime::Client;
+
+/// Each row's routes in position order (`rollout::Sample::routes`'s layout).
+type RowRoutes = Vec<Vec<u8>>;
 
 /// One scored sample, as the update needs it.
 #[derive(Clone, Debug)]
@@ -48,6 +51,9 @@ pub struct Row {
     pub reward_baseline: Option<f64>,
     /// Stopped by the length limit rather than a stop token.
     pub truncated: bool,
+    /// The experts the rollout chose for each position it fed (`rollout::Sample::routes`);
+    /// empty when not recorded.
+    pub routes: Vec<u8>,
     /// The response positions the environment wrote in a multi-turn sample (tool results,
     /// user turns), ascending and disjoint: the model reads them but is not trained on them,
     /// and they count in no advantage, loss or normaliser. Empty for a single-turn sample.
@@ -249,6 +255,10 @@ pub struct UpdateConfig {
     pub mask_truncated_responses: bool,
     /// `actor.use_rollout_log_probs`: the rollout's log-probs are the old log-probs.
     pub use_rollout_log_probs: bool,
+    /// `actor.router_replay.mode`: the experts the learner's passes use (a mixture-of-experts
+    /// policy; its [`DecoderPolicy::route_inputs`] must be on for R2 and R3, and for the
+    /// router-mismatch metrics of rows that carry the rollout's routes).
+    pub router_replay: RouterReplay,
     /// `algorithm.rollout_correction`: importance weights and rejection sampling for the
     /// rollout/learner mismatch (its metrics are reported whatever it applies).
     pub rollout_correction: RolloutCorrection,
@@ -425,13 +435,36 @@ impl GrpoUpdate {
         let rows: Vec<&Row> = keep.iter().map(|&i| &rows[i]).collect();
         let mb = self.learner.policy().micro_batch_size;
 
+        // Routing replay: R3 replays the rollout's routes everywhere, R2 those of the
+        // old-log-prob pass from the reference pass on.
+        let mut replay: Option<Vec<Vec<u8>>> = None;
+        if self.config.router_replay == RouterReplay::R3 {
+            if let Some(i) = rows.iter().position(|r| r.routes.is_empty()) {
+                return Err(UpdateError::Batch(format!(
+                    "actor.router_replay.mode R3 replays the rollout's routes, and row {i} (group {})                      has none: the rollout must record them (rollout.enable_rollout_routing_replay)",
+                    rows[i].group
+                )));
+            }
+            replay = Some(rows.iter().map(|r| r.routes.clone()).collect());
+        }
         // Pack every row once, at its micro-batch's length bucket; micro-batch k holds rows
         // [k*mb, (k+1)*mb). Mini-batches are whole micro-batches (mb divides the mini-batch), so
         // the optimizer steps reuse these packings.
-        let packed = rows
-            .chunks(mb)
-            .map(|chunk| self.learner.pack(&pairs(chunk)))
-            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let pack_all = |learner: &BucketedLearner, replay: Option<&[Vec<u8>]>| {
+            rows.chunks(mb)
+                .enumerate()
+                .map(|(k, chunk)| {
+                    let routes = replay.map(|r| &r[k * mb..k * mb + chunk.len()]);
+                    learner.pack_routed(&pairs(chunk), routes)
+                })
+                .collect::<std::result::Result<Vec<_>, _>>()
+        };
+        let mut packed = pack_all(&self.learner, replay.as_deref())?;
+        let (old_lp, chosen) = self.old_log_probs(&rows, &packed, &mut report)?;
+        if self.config.router_replay == RouterReplay::R2 {
+            replay = chosen;
+            packed = pack_all(&self.learner, replay.as_deref())?;
+        }
         // The critic packs rows as the policy does (same lengths, groups and devices), so with
         // the same micro-batch it takes the policy's packings.
         let repacked = match &self.critic {
@@ -443,12 +476,12 @@ impl GrpoUpdate {
             _ => None,
         };
         let critic_packed = repacked.as_deref().unwrap_or(&packed);
-        let batch = self.token_arrays(&rows, &packed, critic_packed, &mut report)?;
+        let batch = self.token_arrays(&rows, &packed, critic_packed, old_lp, &mut report)?;
         // VeRL's order: the critic, then the actor once the warm-up is over.
         self.update_critic(&rows, critic_packed, &batch, &mut report)?;
         let warmup = self.critic.as_ref().map_or(0, |c| c.config.warmup);
         if self.updates + 1 >= warmup {
-            self.optimize(&rows, &packed, &batch, &mut report)?;
+            self.optimize(&rows, &packed, replay.as_deref(), &batch, &mut report)?;
         } else {
             report.metrics.insert("actor/update_skipped".into(), 1.0);
         }
@@ -481,7 +514,7 @@ impl GrpoUpdate {
             &critic.config.step.optim,
             &mut critic.optimizer_steps,
             rows,
-            packed,
+            (packed, None),
             &batch.loss_mask,
             |slice| MicroBatchHost {
                 response_mask: slice(&batch.loss_mask),
@@ -504,13 +537,53 @@ impl GrpoUpdate {
         Ok(())
     }
 
-    /// The `[rows, L]` arrays of the loss: old, reference and rollout log-probs, advantages
-    /// per token and the loss mask, from rewards through the optional KL penalty.
+    /// The old log-probs `[rows, L]` of `rows` packed as `packed` (`None` when the rollout's
+    /// are used, `actor.use_rollout_log_probs`), and with routes as inputs each row's experts
+    /// the pass used; their mismatch with the rollout's routes goes into `report`.
+    fn old_log_probs(
+        &mut self,
+        rows: &[&Row],
+        packed: &[PackedMicroBatch],
+        report: &mut UpdateReport,
+    ) -> Result<(Option<Vec<f32>>, Option<RowRoutes>)> {
+        if self.config.use_rollout_log_probs {
+            return Ok((None, None));
+        }
+        let t = Instant::now();
+        let (l, mb) = (
+            self.learner.policy().response_len,
+            self.learner.policy().micro_batch_size,
+        );
+        let mut lp = Vec::with_capacity(rows.len() * l);
+        let mut chosen: Option<Vec<Vec<u8>>> = None;
+        for (k, p) in packed.iter().enumerate() {
+            let (out, used) = self.learner.log_probs_routed(p, false)?;
+            let real = &rows[k * mb..(k * mb + mb).min(rows.len())];
+            lp.extend_from_slice(&out[..real.len() * l]);
+            if let Some(used) = used {
+                let routes = self.learner.unpack_routes(&pairs(real), p, &used);
+                chosen.get_or_insert_with(Vec::new).extend(routes);
+            }
+        }
+        let m = &mut report.metrics;
+        m.insert("timing_s/old_log_prob".into(), t.elapsed().as_secs_f64());
+        let config = &self.learner.policy().config;
+        if let (Some(chosen), Some(moe)) = (&chosen, &config.moe) {
+            let k = moe.experts_per_token;
+            add_router_mismatch(m, rows, chosen, (config.moe_layers() * k, k));
+        }
+        Ok((Some(lp), chosen))
+    }
+
+    /// The `[rows, L]` arrays of the loss: old (`old_lp`, else the rollout's), reference and
+    /// rollout log-probs, advantages per token and the loss mask, from rewards through the
+    /// optional KL penalty.
     fn token_arrays(
         &mut self,
         rows: &[&Row],
         packed: &[PackedMicroBatch],
         critic_packed: &[PackedMicroBatch],
+        old_lp: Option<Vec<f32>>,
         report: &mut UpdateReport,
     ) -> Result<TokenArrays> {
         let l = self.learner.policy().response_len;
@@ -522,13 +595,7 @@ impl GrpoUpdate {
             response_mask[i * l..i * l + x.response.len()].copy_from_slice(&x.model_token_mask());
             rollout_lp[i * l..i * l + x.rollout_log_probs.len()].copy_from_slice(&x.rollout_log_probs);
         }
-        let t = Instant::now();
-        let old_lp = if self.config.use_rollout_log_probs {
-            rollout_lp.clone()
-        } else {
-            per_row(&mut self.learner, packed, n_rows, false)?
-        };
-        m.insert("timing_s/old_log_prob".into(), t.elapsed().as_secs_f64());
+        let old_lp = old_lp.unwrap_or_else(|| rollout_lp.clone());
         // How far the trainer's and the rollout's probabilities are apart (same weights).
         let (mut diff, mut cnt) = (0.0f64, 0.0f64);
         for i in 0..n_rows * l {
@@ -647,6 +714,7 @@ impl GrpoUpdate {
         &mut self,
         rows: &[&Row],
         packed: &[PackedMicroBatch],
+        replay: Option<&[Vec<u8>]>,
         batch: &TokenArrays,
         report: &mut UpdateReport,
     ) -> Result<()> {
@@ -657,7 +725,7 @@ impl GrpoUpdate {
             &self.config.step.optim,
             &mut self.optimizer_steps,
             rows,
-            packed,
+            (packed, replay),
             &batch.loss_mask,
             |slice| MicroBatchHost {
                 old_log_probs: slice(&batch.old_lp),
@@ -755,7 +823,8 @@ struct Passes {
 /// `plan.epochs` passes over mini-batches of `rows` (the same loop for the actor and the
 /// critic), one optimizer step of `learner` each at the learning rate of `optim`'s schedule at
 /// `clock` (advanced per step); `host` builds a micro-batch's per-token arrays from a function
-/// that cuts a `[rows, L]` array to the micro-batch's rows (padded to the micro-batch).
+/// that cuts a `[rows, L]` array to the micro-batch's rows (padded to the micro-batch). The
+/// rows come packed (with the routes to replay, if any, for a micro-batch packed afresh).
 #[allow(clippy::too_many_arguments)]
 fn mini_batches(
     learner: &mut BucketedLearner,
@@ -763,7 +832,7 @@ fn mini_batches(
     optim: &OptimConfig,
     clock: &mut u64,
     rows: &[&Row],
-    packed: &[PackedMicroBatch],
+    (packed, replay): (&[PackedMicroBatch], Option<&[Vec<u8>]>),
     loss_mask: &[f32],
     host: impl Fn(&dyn Fn(&[f32]) -> Vec<f32>) -> MicroBatchHost,
 ) -> Result<Passes> {
@@ -787,7 +856,7 @@ fn mini_batches(
                 let p = match packed.get(s / mb) {
                     Some(p) if s % mb == 0 && p.rows == e - s => p,
                     _ => {
-                        fresh = learner.pack(&pairs(&rows[s..e]))?;
+                        fresh = learner.pack_routed(&pairs(&rows[s..e]), replay.map(|r| &r[s..e]))?;
                         &fresh
                     }
                 };
@@ -833,6 +902,48 @@ fn per_row(
         all.extend_from_slice(&out[..real * l]);
     }
     Ok(all)
+}
+
+/// `rollout_corr/router_token_mismatch` and `rollout_corr/router_decision_mismatch`: over the
+/// positions the rollout recorded routes for (`rows[i].routes`), the fraction whose experts in
+/// at least one MoE layer differ from those the learner's pass used (`learner[i]`), and the
+/// fraction of (position, layer) decisions that differ. A position has `per` experts, `k` per
+/// layer, which compare as sets. No metric without recorded routes.
+fn add_router_mismatch(
+    m: &mut BTreeMap<String, f64>,
+    rows: &[&Row],
+    learner: &[Vec<u8>],
+    (per, k): (usize, usize),
+) {
+    let set = |ids: &[u8]| {
+        let mut v = ids.to_vec();
+        v.sort_unstable();
+        v
+    };
+    let (mut positions, mut tokens_off, mut decisions, mut decisions_off) = (0usize, 0usize, 0usize, 0usize);
+    for (row, used) in rows.iter().zip(learner) {
+        for (a, b) in row.routes.chunks(per).zip(used.chunks(per)) {
+            let off = a
+                .chunks(k)
+                .zip(b.chunks(k))
+                .filter(|(x, y)| set(x) != set(y))
+                .count();
+            positions += 1;
+            tokens_off += (off > 0) as usize;
+            decisions += per / k;
+            decisions_off += off;
+        }
+    }
+    if positions > 0 {
+        m.insert(
+            "rollout_corr/router_token_mismatch".into(),
+            tokens_off as f64 / positions as f64,
+        );
+        m.insert(
+            "rollout_corr/router_decision_mismatch".into(),
+            decisions_off as f64 / decisions as f64,
+        );
+    }
 }
 
 fn pairs<'a>(rows: &[&'a Row]) -> Vec<(&'a [u32], &'a [u32])> {
@@ -930,6 +1041,7 @@ mod tests {
             reward_baseline: None,
             truncated: false,
             env_spans: Vec::new(),
+            routes: Vec::new(),
         };
         let rows = [
             row(1.0, -0.1),

@@ -52,6 +52,7 @@ fn policy() -> DecoderPolicy {
         lora: None,
         lora_form: Default::default(),
         head: Default::default(),
+        route_inputs: false,
     }
 }
 

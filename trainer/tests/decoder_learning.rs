@@ -85,6 +85,7 @@ fn train(seed: u64, steps: usize, check_alignment: bool) -> Vec<f64> {
         lora: None,
         lora_form: Default::default(),
         head: Default::default(),
+        route_inputs: false,
     };
     let specs = policy.param_specs();
     let cfg = StepConfig {

@@ -85,6 +85,7 @@ fn trained_checkpoint(output: &Path, model_path: &Path) -> (PathBuf, Vec<Vec<f32
         lora: None,
         lora_form: Default::default(),
         head: Default::default(),
+        route_inputs: false,
     };
     let specs = policy.param_specs();
     let params: Vec<Vec<f32>> = source

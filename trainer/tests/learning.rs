@@ -65,6 +65,7 @@ fn train(seed: u64, steps: usize) -> Vec<f64> {
             log_probs: lp,
             entropy: Some(ent),
             router: None,
+            chosen: None,
         }
     })
     .unwrap();

@@ -78,6 +78,7 @@ fn policy_in_blocks(config: &ModelConfig, lora: Option<LoraConfig>, blocks: usiz
         lora,
         lora_form: Default::default(),
         head: Default::default(),
+        route_inputs: false,
     }
 }
 

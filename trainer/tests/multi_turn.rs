@@ -35,6 +35,7 @@ fn update() -> GrpoUpdate {
         lora: None,
         lora_form: Default::default(),
         head: Default::default(),
+        route_inputs: false,
     };
     let config = UpdateConfig {
         step: StepConfig {
@@ -68,6 +69,7 @@ fn update() -> GrpoUpdate {
         length_bucket: 0,
         max_consecutive_nonfinite: 3,
         critic: None,
+        router_replay: Default::default(),
     };
     let initial: Vec<Vec<f32>> = random_init(&tiny_llama(), 5)
         .tensors
@@ -116,6 +118,7 @@ fn rows(tail: [u32; 3], spans: bool) -> Vec<Row> {
                 } else {
                     Vec::new()
                 },
+                routes: Vec::new(),
             }
         })
         .collect()

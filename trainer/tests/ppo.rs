@@ -38,6 +38,7 @@ fn model(head: Head) -> DecoderPolicy {
         lora: None,
         lora_form: Default::default(),
         head,
+        route_inputs: false,
     }
 }
 
@@ -68,6 +69,7 @@ fn rows() -> Vec<Row> {
             reward_baseline: None,
             truncated: false,
             env_spans: Vec::new(),
+            routes: Vec::new(),
         })
         .collect()
 }
@@ -184,6 +186,7 @@ fn ppo(warmup: u64) -> GrpoUpdate {
             batches,
             warmup,
         }),
+        router_replay: Default::default(),
     };
     let initial: Vec<Vec<f32>> = random_init(&tiny_llama(), 5)
         .tensors

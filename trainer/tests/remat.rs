@@ -4,7 +4,9 @@
 //! stacked weights, equal those of the plain trace (f32, 1e-5) for Llama, Qwen2 and Qwen3,
 //! through the shared-prompt packing and the whole-row path; the remat program really
 //! recomputes (more products, behind optimization barriers) and the scanned one holds each
-//! layer's products once.
+//! layer's products once. A mixture-of-experts policy replaying recorded routes (routing
+//! replay) gives the same log-probs and gradients plain, recomputed and scanned, and they are
+//! not those of its own routing: a recomputation that dropped the replay would fail it.
 
 mod support;
 
@@ -64,6 +66,7 @@ fn policy(config: &ModelConfig, group_size: usize, layers: Layers) -> DecoderPol
         lora: None,
         lora_form: Default::default(),
         head: Default::default(),
+        route_inputs: false,
     }
 }
 
@@ -82,10 +85,10 @@ fn log_probs_and_grads(
     inputs.extend(batch.iter().zip(&input_dims).map(|(v, d)| In::I32(v, d)));
     let wdims = [4i64, policy.response_len as i64];
     inputs.push(In::F32(weights, &wdims));
-    let n = params.len();
+    let (n, b) = (params.len(), batch.len());
     eval(&inputs, |_g: &Graph, ts: &[Tensor]| {
-        let out = policy.log_probs(&ts[..n], &ts[n..n + 5]);
-        let loss = (&out.log_probs * &ts[n + 5]).sum_all();
+        let out = policy.log_probs(&ts[..n], &ts[n..n + b]);
+        let loss = (&out.log_probs * &ts[n + b]).sum_all();
         let wrt: Vec<&Tensor> = ts[..n].iter().collect();
         let mut outs = vec![out.log_probs.clone()];
         outs.extend(grad(&loss, &wrt).unwrap());
@@ -150,6 +153,85 @@ fn recomputed_and_scanned_layers_give_the_plain_log_probs_and_gradients() {
                     1e-5,
                 );
             }
+        }
+    }
+}
+
+/// The i32 inputs of `rows` packed by `policy` (with `routes` to replay).
+fn packed_inputs(
+    policy: &DecoderPolicy,
+    rows: &[(&[u32], &[u32])],
+    routes: Option<&[Vec<u8>]>,
+) -> Vec<Vec<i32>> {
+    policy
+        .pack_routed(rows, routes)
+        .unwrap()
+        .inputs()
+        .into_iter()
+        .map(|a| match a {
+            trainer::step::HostArray::I32(v) => v,
+            trainer::step::HostArray::F32(_) => unreachable!("policy inputs are i32"),
+        })
+        .collect()
+}
+
+#[test]
+fn replayed_routes_hold_through_recomputed_and_scanned_layers() {
+    let path = format!(
+        "{}/../model/fixtures/tiny/qwen3_moe/config.json",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let mixed = ModelConfig::from_hf_file(std::path::Path::new(&path)).unwrap();
+    // One scanned body needs every layer alike: the same model with every layer sparse.
+    let mut sparse = mixed.clone();
+    sparse.moe.as_mut().unwrap().mlp_only_layers.clear();
+    let p1: &[u32] = &[1, 4, 9];
+    let p2: &[u32] = &[1, 7, 2, 11, 3];
+    let rows: Vec<(&[u32], &[u32])> = vec![(p1, &[5, 6, 2, 8]), (p1, &[3, 3]), (p2, &[12, 1, 4]), (p2, &[9])];
+    let mut rng = Rng::new(5);
+    let weights: Vec<f32> = rng.vec(16, -1.0, 1.0).into_iter().map(|x| x as f32).collect();
+    for (config, layers) in [
+        (&mixed, Layers::Remat),
+        (&sparse, Layers::Remat),
+        (&sparse, Layers::Scan),
+    ] {
+        let params: Vec<Vec<f32>> = random_init(config, 3)
+            .tensors
+            .iter()
+            .map(|t| t.to_f32_vec())
+            .collect();
+        let (lm, k) = (config.moe_layers(), 2);
+        // Recorded routes: each position's experts a function of the position and layer, over
+        // every position but each row's last (as a rollout records them).
+        let routes: Vec<Vec<u8>> = rows
+            .iter()
+            .map(|(p, r)| {
+                (0..p.len() + r.len() - 1)
+                    .flat_map(|i| (0..lm * k).map(move |j| ((3 * i + j) % 8) as u8))
+                    .collect()
+            })
+            .collect();
+        for group in [1, 2] {
+            let replaying = |layers: Layers| DecoderPolicy {
+                route_inputs: true,
+                ..policy(config, group, layers)
+            };
+            let (plain, other) = (replaying(Layers::Plain), replaying(layers));
+            let batch = packed_inputs(&plain, &rows, Some(&routes));
+            let want = log_probs_and_grads(&plain, &params, &batch, &weights);
+            let got = log_probs_and_grads(&other, &params, &batch, &weights);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_close(&format!("{layers:?}, group {group}, output {i}"), g, w, 1e-5);
+            }
+            // The router's own choice (nothing recorded) computes something else.
+            let own = log_probs_and_grads(&plain, &params, &packed_inputs(&plain, &rows, None), &weights);
+            let apart = own
+                .iter()
+                .flatten()
+                .zip(want.iter().flatten())
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f64::max);
+            assert!(apart > 1e-3, "replayed and own routing agree to {apart}");
         }
     }
 }

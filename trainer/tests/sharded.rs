@@ -81,6 +81,7 @@ fn policy_of(config: &ModelConfig, micro_batch_size: usize, blocks: usize) -> De
         lora: None,
         lora_form: Default::default(),
         head: Default::default(),
+        route_inputs: false,
     }
 }
 

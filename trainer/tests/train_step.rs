@@ -53,6 +53,7 @@ fn policy(params: &[Tensor], batch: &[Tensor]) -> PolicyOutput {
         log_probs: lp,
         entropy: Some(ent),
         router: None,
+        chosen: None,
     }
 }
 

@@ -125,6 +125,20 @@ pub struct RolloutSection {
     /// Tool-using episodes of several model turns.
     #[serde(default)]
     pub multi_turn: MultiTurnSection,
+    /// Record the experts a mixture-of-experts model chose for every token the rollout fed
+    /// (VeRL's `rollout.enable_rollout_routing_replay`): what `actor.router_replay.mode: R3`
+    /// replays, and what the `rollout_corr/router_*_mismatch` metrics compare the learner's
+    /// experts with. Unset: on exactly under R3.
+    #[serde(default)]
+    pub enable_rollout_routing_replay: Option<bool>,
+}
+
+impl RolloutSection {
+    /// Whether the rollout records routes ([`RolloutSection::enable_rollout_routing_replay`]).
+    pub fn records_routes(&self, actor: &ActorSection) -> bool {
+        self.enable_rollout_routing_replay
+            .unwrap_or(actor.router_replay.mode == trainer::config::RouterReplay::R3)
+    }
 }
 
 /// `rollout.multi_turn`: tool-using episodes, VeRL's `actor_rollout_ref.rollout.multi_turn`
@@ -457,6 +471,9 @@ pub struct ActorSection {
     /// recipes set it, reports the loss (`actor/router_aux_loss`) without training on it.
     #[serde(default)]
     pub router_aux_loss_coef: f64,
+    /// Routing replay of a mixture-of-experts policy (VeRL's `actor.router_replay`).
+    #[serde(default)]
+    pub router_replay: RouterReplaySection,
     /// SAPO's gate temperature for tokens with a positive advantage (`policy_loss.loss_mode:
     /// sapo`).
     #[serde(default = "default_tau_pos")]
@@ -736,6 +753,17 @@ pub struct OptimSection {
     /// Cosine schedule's final learning rate as a fraction of `lr`.
     #[serde(default)]
     pub min_lr_ratio: f64,
+}
+
+/// `actor.router_replay`: which experts the learner's passes use (docs/moe.md, "Routing
+/// replay").
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RouterReplaySection {
+    /// `disabled` (each pass routes by its own router), `R2` (the update replays the
+    /// old-log-prob pass's experts) or `R3` (every pass replays the rollout's).
+    #[serde(default)]
+    pub mode: trainer::config::RouterReplay,
 }
 
 /// `actor.policy_loss`.

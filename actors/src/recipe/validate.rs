@@ -954,6 +954,23 @@ fn check_rollout_correction(c: &mut Checker, r: &Recipe) {
         "makes the rollout's log-probs the old log-probs, so algorithm.rollout_correction has no gap \
          to correct: leave rollout_is and rollout_rs empty, or recompute the old log-probs (false)",
     );
+    let replay = r.actor.router_replay.mode;
+    c.check(
+        !(replay == trainer::config::RouterReplay::R2 && r.actor.use_rollout_log_probs),
+        "actor.router_replay.mode",
+        "R2",
+        "replays the experts the learner's old-log-prob pass chose, and actor.use_rollout_log_probs \
+         skips that pass: recompute the old log-probs (use_rollout_log_probs: false), or replay the \
+         rollout's experts (R3)",
+    );
+    c.check(
+        !(replay == trainer::config::RouterReplay::R3
+            && r.rollout.enable_rollout_routing_replay == Some(false)),
+        "rollout.enable_rollout_routing_replay",
+        false,
+        "R3 (actor.router_replay.mode) replays the experts the rollout records; leave this key unset \
+         or true",
+    );
     match (&rc.rollout_rs, &rc.rollout_rs_threshold) {
         (None, Some(t)) => c.check(
             false,
@@ -1446,6 +1463,25 @@ mod tests {
             .iter()
             .map(|v| v.to_string())
             .collect()
+    }
+
+    #[test]
+    fn router_replay_modes_need_what_they_replay() {
+        let v = violations("actor:\n  use_rollout_log_probs: true\n  router_replay:\n    mode: R2\n");
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert!(
+            v[0].starts_with("r.yaml:8:5: `actor.router_replay.mode` = R2: replays the experts the learner's old-log-prob pass chose"),
+            "{v:?}"
+        );
+        let v = violations(
+            "actor:\n  router_replay:\n    mode: R3\nrollout:\n  enable_rollout_routing_replay: false\n",
+        );
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert!(
+            v[0].starts_with("r.yaml:9:3: `rollout.enable_rollout_routing_replay` = false: R3"),
+            "{v:?}"
+        );
+        assert!(violations("actor:\n  router_replay:\n    mode: R3\n").is_empty());
     }
 
     #[test]

@@ -349,6 +349,7 @@ fn row(s: &super::fleet::Scored, reward_baseline: Option<f64>) -> Row {
         reward_baseline,
         truncated: s.sample.finish_reason.is_truncated(),
         env_spans: s.sample.env_spans.clone(),
+        routes: s.sample.routes.clone(),
     }
 }
 

@@ -52,6 +52,7 @@ pub fn engine_config(recipe: &Recipe, stop_token_ids: &[u32]) -> EngineConfig {
     let mut settings = EngineConfig::new(recipe.rollout.max_num_seqs, len);
     settings.eos_token_ids = stop_token_ids.to_vec();
     settings.tensor_parallel = recipe.rollout.tensor_model_parallel_size.max(1);
+    settings.record_routes = recipe.rollout.records_routes(&recipe.actor);
     settings.adapters = recipe
         .actor
         .lora()
@@ -310,6 +311,9 @@ pub fn policy(recipe: &Recipe, config: &model::ModelConfig) -> DecoderPolicy {
         lora: recipe.actor.lora(),
         lora_form: lora_form(recipe).map(|(form, _)| form).unwrap_or_default(),
         head: trainer::policy::Head::LogProbs,
+        // Routes go in to be replayed, or to compare the learner's experts with the rollout's.
+        route_inputs: recipe.actor.router_replay.mode != trainer::config::RouterReplay::Disabled
+            || recipe.rollout.records_routes(&recipe.actor),
     }
 }
 
@@ -393,6 +397,7 @@ pub fn update_config(recipe: &Recipe, policy: &DecoderPolicy, total_optimizer_st
         kl_ctrl: alg.kl_ctrl,
         mask_truncated_responses: alg.mask_truncated_responses,
         use_rollout_log_probs: a.use_rollout_log_probs,
+        router_replay: a.router_replay.mode,
         rollout_correction: alg.rollout_correction.correction(),
         length_bucket: a.length_bucket,
         max_consecutive_nonfinite: a.max_consecutive_nonfinite as u32,

@@ -303,6 +303,7 @@ impl Translator {
         self.sampling()?;
         self.reward()?;
         self.kl_in_reward()?;
+        self.router_replay()?;
         self.owned_knobs()?;
         self.critic()?;
         self.trainer()?;
@@ -410,6 +411,39 @@ impl Translator {
                     owners.replace('|', " or ")
                 ));
             }
+        }
+        Ok(())
+    }
+
+    /// `actor.router_replay.mode` from VeRL's key or its engine's own, which VeRL's MoE scripts
+    /// set (`megatron.router_replay.mode`, `veomni.router_replay.mode`): the one set away from
+    /// `disabled`; two set to different modes are refused.
+    fn router_replay(&mut self) -> Result<(), VerlError> {
+        let mut chosen: Option<(&str, Value)> = None;
+        for key in [
+            "actor_rollout_ref.actor.router_replay.mode",
+            "actor_rollout_ref.actor.megatron.router_replay.mode",
+            "actor_rollout_ref.actor.veomni.router_replay.mode",
+        ] {
+            if !self.config.values.contains_key(key) {
+                continue;
+            }
+            let value = self.get(key)?;
+            if value == json!("disabled") || value.is_null() {
+                continue;
+            }
+            match &chosen {
+                Some((first, mode)) if *mode != value => self.unsupported.push((
+                    format!("{key}={}", compact(&value)),
+                    format!("{first} sets {}; set one router replay mode", compact(mode)),
+                )),
+                Some(_) => {}
+                None => chosen = Some((key, value)),
+            }
+        }
+        if let Some((key, value)) = chosen {
+            let origin = self.origin(key);
+            self.b.set("actor.router_replay.mode", value, origin)?;
         }
         Ok(())
     }

@@ -113,9 +113,20 @@ const TORCHTITAN: How = How::NoEffect(
 const QAT: How = How::NoEffect("read only with `qat.enable`, which grpo refuses");
 const QAT_ENABLE: How =
     How::Unsupported("quantization-aware training is not in grpo; it trains in bf16 or f32");
-const MOE: How = How::Unsupported(
-    "router replay and MoE load-balance metrics are not in grpo yet; it trains mixture-of-experts \
-     models without them",
+const ROUTER_REPLAY: How = How::Rule(
+    "router replay rule: -> actor.router_replay.mode (disabled, R2 or R3), from this key or the \
+     engine's own (megatron. / veomni.router_replay.mode), whichever is set away from disabled; \
+     two that disagree are refused",
+);
+const MOE_LOAD: How = How::NoEffect(
+    "grpo reports a mixture-of-experts model's expert load every step, from the learner's pass \
+     (actor/router_load_max, actor/router_entropy, actor/router_aux_loss)",
+);
+const REPLAY_FILES: How = How::Unsupported(
+    "grpo keeps recorded routes with their samples, in memory, not in files; R2 and R3 need none",
+);
+const REF_REPLAY: How = How::NoEffect(
+    "the reference pass replays the experts the actor's update replays (actor.router_replay.mode)",
 );
 const SCHEDULE: How = How::Rule(
     "-> actor.optim.lr_scheduler_type (constant or cosine; others are refused), with the cosine's \
@@ -230,7 +241,9 @@ pub const TABLE: &[Entry] = &[
     Entry { key: "actor_rollout_ref.actor.megatron.context_parallel_size", how: SEQUENCE_SPLIT },
     Entry { key: "actor_rollout_ref.actor.megatron.expert_model_parallel_size", how: EXPERT_SPLIT },
     Entry { key: "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size", how: EXPERT_SPLIT },
-    Entry { key: "actor_rollout_ref.actor.megatron.router_replay.*", how: MOE },
+    Entry { key: "actor_rollout_ref.actor.megatron.router_replay.mode", how: ROUTER_REPLAY },
+    Entry { key: "actor_rollout_ref.actor.megatron.router_replay.record_file", how: REPLAY_FILES },
+    Entry { key: "actor_rollout_ref.actor.megatron.router_replay.replay_file", how: REPLAY_FILES },
     Entry { key: "actor_rollout_ref.actor.megatron.qat.*", how: QAT },
     Entry { key: "actor_rollout_ref.actor.megatron.qat.enable", how: QAT_ENABLE },
     Entry { key: "actor_rollout_ref.actor.megatron.entropy_from_logits_with_chunking", how: ENTROPY },
@@ -240,7 +253,7 @@ pub const TABLE: &[Entry] = &[
     Entry { key: "actor_rollout_ref.actor.veomni.mixed_precision", how: How::Rule("true (VeRL's default) -> actor.param_dtype: auto (bf16 compute with f32 master weights where the device computes bf16 natively); false -> f32") },
     Entry { key: "actor_rollout_ref.actor.veomni.ulysses_parallel_size", how: SEQUENCE_SPLIT },
     Entry { key: "actor_rollout_ref.actor.veomni.expert_parallel_size", how: EXPERT_SPLIT },
-    Entry { key: "actor_rollout_ref.actor.veomni.router_replay.*", how: MOE },
+    Entry { key: "actor_rollout_ref.actor.veomni.router_replay.mode", how: ROUTER_REPLAY },
     Entry { key: "actor_rollout_ref.actor.veomni.entropy_from_logits_with_chunking", how: ENTROPY },
     Entry { key: "actor_rollout_ref.actor.veomni.entropy_checkpointing", how: ENTROPY },
     // model_engine=torchtitan
@@ -294,7 +307,9 @@ pub const TABLE: &[Entry] = &[
     Entry { key: "actor_rollout_ref.actor.checkpoint.*", how: How::NoEffect("a grpo checkpoint always holds the weights, the optimizer state and the data position, written atomically") },
     Entry { key: "actor_rollout_ref.actor.use_fused_kernels", how: How::NoEffect("XLA fuses grpo's programs") },
     Entry { key: "actor_rollout_ref.actor.profiler.*", how: PROFILER },
-    Entry { key: "actor_rollout_ref.actor.router_replay.*", how: MOE },
+    Entry { key: "actor_rollout_ref.actor.router_replay.mode", how: ROUTER_REPLAY },
+    Entry { key: "actor_rollout_ref.actor.router_replay.record_file", how: REPLAY_FILES },
+    Entry { key: "actor_rollout_ref.actor.router_replay.replay_file", how: REPLAY_FILES },
     Entry { key: "actor_rollout_ref.actor.grad_clip", how: How::Rule("-> actor.grad_clip (with `optim.clip_grad`, whichever is not VeRL's default 1.0)") },
     Entry { key: "actor_rollout_ref.actor.ulysses_sequence_parallel_size", how: SEQUENCE_SPLIT },
     Entry { key: "actor_rollout_ref.actor.entropy_from_logits_with_chunking", how: ENTROPY },
@@ -307,6 +322,7 @@ pub const TABLE: &[Entry] = &[
     Entry { key: "actor_rollout_ref.ref.log_prob_micro_batch_size", how: LOG_PROB_BATCH },
     Entry { key: "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", how: LOG_PROB_BATCH },
     Entry { key: "actor_rollout_ref.ref.profiler.*", how: PROFILER },
+    Entry { key: "actor_rollout_ref.ref.router_replay.*", how: REF_REPLAY },
     Entry { key: "actor_rollout_ref.ref.fsdp_config.*", how: FSDP },
     // actor_rollout_ref.rollout
     Entry { key: "actor_rollout_ref.rollout.name", how: How::NoEffect("grpo generates with its own engine (continuous batching on the same compiled programs as the learner), not vLLM or SGLang") },
@@ -369,8 +385,11 @@ pub const TABLE: &[Entry] = &[
     Entry { key: "actor_rollout_ref.rollout.skip_rollout", how: How::Unsupported("grpo generates every step's rollouts") },
     Entry { key: "actor_rollout_ref.rollout.skip_dump_dir", how: How::NoEffect("read only with `skip_rollout`") },
     Entry { key: "actor_rollout_ref.rollout.skip_tokenizer_init", how: VLLM },
-    Entry { key: "actor_rollout_ref.rollout.enable_rollout_routing_replay", how: MOE },
-    Entry { key: "actor_rollout_ref.rollout.moe_load_balance_metrics_interval", how: MOE },
+    Entry {
+        key: "actor_rollout_ref.rollout.enable_rollout_routing_replay",
+        how: How::Map("rollout.enable_rollout_routing_replay"),
+    },
+    Entry { key: "actor_rollout_ref.rollout.moe_load_balance_metrics_interval", how: MOE_LOAD },
     Entry { key: "actor_rollout_ref.rollout.disaggregation.*", how: VLLM },
     Entry { key: "actor_rollout_ref.rollout.full_determinism", how: How::NoEffect("grpo's rollouts are always deterministic: a run's samples are a function of the recipe and the step") },
     Entry { key: "actor_rollout_ref.rollout.seed", how: How::NoEffect("grpo seeds sampling from `trainer.seed`, the step and the sample, so a resumed run samples alike") },

@@ -751,6 +751,24 @@ fn megatron_sizes_on_grpos_mesh() {
     .unwrap_err()
     .to_string();
     assert!(err.contains("does not split them yet: set it to 1"), "{err}");
+    // Router replay, as VeRL's MoE scripts set it: through the engine's own key.
+    let r = translate_with(&[
+        "model_engine=megatron",
+        "actor_rollout_ref.actor.megatron.router_replay.mode=R3",
+        "actor_rollout_ref.rollout.enable_rollout_routing_replay=True",
+    ])
+    .unwrap()
+    .recipe;
+    assert_eq!(r.actor.router_replay.mode, trainer::config::RouterReplay::R3);
+    assert_eq!(r.rollout.enable_rollout_routing_replay, Some(true));
+    let err = translate_with(&[
+        "model_engine=megatron",
+        "actor_rollout_ref.actor.router_replay.mode=R2",
+        "actor_rollout_ref.actor.megatron.router_replay.mode=R3",
+    ])
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("set one router replay mode"), "{err}");
     // VeRL's own Megatron config by name, without a file here.
     let t = translate(&VerlInput {
         overrides: BASE.iter().map(|s| s.to_string()).collect(),

@@ -106,6 +106,8 @@ struct Active {
     feed: Vec<u32>,
     env_spans: Vec<std::ops::Range<usize>>,
     episode: EpisodeStats,
+    /// Routing replay: the experts chosen for each position fed so far ([`Sample::routes`]).
+    routes: Vec<u8>,
 }
 
 impl Active {
@@ -218,6 +220,15 @@ impl Engine {
             &devices,
             version,
         )?;
+        if let Some(moe) = config.moe.as_ref().filter(|_| settings.record_routes) {
+            if moe.num_experts > 256 {
+                return Err(RolloutError::Config(format!(
+                    "routing replay records each expert id in a byte, and this model has {} experts \
+                     (at most 256); turn rollout.enable_rollout_routing_replay off",
+                    moe.num_experts
+                )));
+            }
+        }
         let plan = ProgramPlan::new(config, &settings, devices.len(), dtype, client.plugin().kind());
         let cache_shape = &plan.cache;
         cache_shape.check_devices()?;
@@ -344,15 +355,16 @@ impl Engine {
                     .collect(),
             };
             let weights = self.weights.args();
-            let (next, logprobs) =
+            let out =
                 self.decode[&key].run_on(&self.client, &self.devices, &weights, &mut self.cache, &inputs)?;
             steps.push(
-                next.iter()
+                out.tokens
+                    .iter()
                     .copied()
-                    .zip(logprobs.iter().map(|l| l.to_bits()))
+                    .zip(out.logprobs.iter().map(|l| l.to_bits()))
                     .collect(),
             );
-            tokens = next;
+            tokens = out.tokens;
         }
         Ok(steps)
     }
@@ -493,6 +505,7 @@ impl Engine {
             restarts: a.restarts,
             env_spans: a.env_spans,
             episode,
+            routes: a.routes,
         });
     }
 
@@ -696,7 +709,7 @@ impl Engine {
             self.ensure_extend(len)?;
             let started = Instant::now();
             let weights = self.weights.args();
-            self.extend[&len].run_on(
+            let routes = self.extend[&len].run_on(
                 &self.client,
                 &self.devices,
                 &weights,
@@ -704,6 +717,9 @@ impl Engine {
                 &tokens,
                 (slot, start),
             )?;
+            if let (Some(routes), Some(a)) = (routes, self.slots[slot].as_mut()) {
+                a.routes.extend(routes);
+            }
             spent += started.elapsed();
             self.stats.extend_runs += 1;
             self.stats.env_tokens += tokens.len();
@@ -772,6 +788,7 @@ impl Engine {
             let started = Instant::now();
             let held = self.weights.clone();
             let weights = held.args();
+            let mut prompt_routes: Vec<Option<Vec<u8>>> = Vec::new();
             if placed.len() == batch && batch > 1 {
                 let key = PrefillKey { batch, ..key };
                 self.ensure_prefill(key)?;
@@ -782,25 +799,30 @@ impl Engine {
                         (&prompt[..prompt.len() - 1], slots.as_slice())
                     })
                     .collect();
-                self.prefill[&key].run_batch_on(
+                let routes = self.prefill[&key].run_batch_on(
                     &self.client,
                     &self.devices,
                     &weights,
                     &mut self.cache,
                     &prompts,
                 )?;
+                prompt_routes = match routes {
+                    Some(r) => r.into_iter().map(Some).collect(),
+                    None => vec![None; placed.len()],
+                };
                 self.stats.prefill_batches += 1;
             } else {
                 self.ensure_prefill(key)?;
                 for (p, slots) in &placed {
                     let prompt = &p.request.prompt;
-                    self.prefill[&key].run_batch_on(
+                    let routes = self.prefill[&key].run_batch_on(
                         &self.client,
                         &self.devices,
                         &weights,
                         &mut self.cache,
                         &[(&prompt[..prompt.len() - 1], slots.as_slice())],
                     )?;
+                    prompt_routes.push(routes.and_then(|r| r.into_iter().next()));
                     self.stats.prefill_batches += 1;
                 }
             }
@@ -810,9 +832,10 @@ impl Engine {
                     .map_err(|e| RolloutError::runtime("waiting for a prefill", e))?;
             }
             self.stats.prefill_time += started.elapsed();
-            for (pending, chosen) in placed {
+            for ((pending, chosen), routes) in placed.into_iter().zip(prompt_routes) {
                 self.stats.prefill_runs += 1;
                 let prompt = &pending.request.prompt;
+                let routes = routes.unwrap_or_default();
                 for (&slot, &sample_index) in chosen.iter().zip(&pending.sample_indices) {
                     self.slots[slot] = Some(Active {
                         request: pending.request.clone(),
@@ -827,6 +850,7 @@ impl Engine {
                         feed: Vec::new(),
                         env_spans: Vec::new(),
                         episode: EpisodeStats::default(),
+                        routes: routes.clone(),
                     });
                 }
             }
@@ -971,8 +995,9 @@ impl Engine {
         let program = &self.decode[&key];
         let started = Instant::now();
         let weights = self.weights.args();
-        let (next, logprobs) =
-            program.run_on(&self.client, &self.devices, &weights, &mut self.cache, &inputs)?;
+        let out = program.run_on(&self.client, &self.devices, &weights, &mut self.cache, &inputs)?;
+        let (next, logprobs) = (&out.tokens, &out.logprobs);
+        let per_row = out.routes.as_ref().map_or(0, |r| r.len() / s.max(1));
         self.stats.decode_time += started.elapsed();
         self.stats.decode_steps += 1;
         self.stats.decode_rows += s;
@@ -980,6 +1005,11 @@ impl Engine {
             let Some(a) = self.slots[i].as_mut().filter(|a| a.decoding()) else {
                 continue;
             };
+            if let Some(routes) = &out.routes {
+                // The experts of the row's input token, at `a.position`.
+                a.routes
+                    .extend_from_slice(&routes[j * per_row..(j + 1) * per_row]);
+            }
             let token = next[j] as u32;
             a.response.push(token);
             a.logprobs.push(logprobs[j]);

@@ -53,6 +53,10 @@ pub struct EngineConfig {
     /// copy): the engine's weights are then the model's table followed by the adapters' (f32,
     /// [`model::lora::lora_param_table`]). `None`: the weights alone (a LoRA run's merged ones).
     pub adapters: Option<model::LoraConfig>,
+    /// Record, for every token a sample feeds through a mixture-of-experts model, the experts
+    /// each MoE layer chose ([`Sample::routes`]; `rollout.enable_rollout_routing_replay`), for
+    /// the learner to replay. Off: no sample carries routes. Ignored for a dense model.
+    pub record_routes: bool,
 }
 
 impl EngineConfig {
@@ -71,6 +75,7 @@ impl EngineConfig {
             tensor_parallel: 1,
             compact_slots: true,
             adapters: None,
+            record_routes: false,
         }
     }
 
@@ -199,6 +204,12 @@ pub struct Sample {
     pub env_spans: Vec<Range<usize>>,
     /// What happened over the sample's turns.
     pub episode: EpisodeStats,
+    /// Routing replay ([`EngineConfig::record_routes`]): the experts every mixture-of-experts
+    /// layer chose for each position the engine fed through the model, in order (the prompt,
+    /// then the response but for its last token, which is never fed), row-major
+    /// `[positions, moe_layers, experts_per_token]` in each layer's top-k order. Empty when not
+    /// recorded.
+    pub routes: Vec<u8>,
 }
 
 impl Sample {

@@ -146,6 +146,10 @@ fn rt(what: impl Into<String>) -> impl FnOnce(xla::runtime::Error) -> TrainerErr
     move |source| TrainerError::Runtime { what, source }
 }
 
+/// The experts a log-probs pass of a policy that replays routes used, as its batch lays out the
+/// routes (`[U, P, Lm, k]` for the prompts, `[micro_batch_size, L, Lm, k]` for the responses).
+pub type UsedRoutes = [Vec<i32>; 2];
+
 /// The learner's device state and compiled programs: parameters, Adam moments, step count,
 /// accumulators. Buffers stay on the device between steps; only the metrics vector is read.
 ///
@@ -769,6 +773,17 @@ impl Learner {
     /// [`Learner::log_probs`] for inputs of shape `shape` (from [`Learner::add_shape`]): the
     /// result has that shape's `micro_batch_size * response_len` values.
     pub fn log_probs_in(&mut self, shape: usize, inputs: &[HostArray], reference: bool) -> Result<Vec<f32>> {
+        Ok(self.log_probs_routed_in(shape, inputs, reference)?.0)
+    }
+
+    /// [`Learner::log_probs_in`] with, for a policy that replays routes, the experts the pass
+    /// used ([`crate::step::PolicyOutput::chosen`]: the prompts' and the responses', i32).
+    pub fn log_probs_routed_in(
+        &mut self,
+        shape: usize,
+        inputs: &[HostArray],
+        reference: bool,
+    ) -> Result<(Vec<f32>, Option<UsedRoutes>)> {
         let err = |message: String| TrainerError::Batch { index: 0, message };
         self.check_shape(shape, 0)?;
         let specs = self.shapes[shape].programs.batch_inputs.clone();
@@ -814,8 +829,20 @@ impl Learner {
             .collect::<Result<_>>()?;
         let exe = self.shapes[shape].log_probs.as_ref().expect("compiled");
         let out = run(exe, &args, "log_probs")?;
-        // The result is replicated: device 0 holds all rows.
-        out[0][0].to_host::<f32>().map_err(rt("reading log_probs"))
+        // The results are replicated: device 0 holds all rows.
+        let lp = out[0][0].to_host::<f32>().map_err(rt("reading log_probs"))?;
+        let chosen = match &out[0][1..] {
+            [prompts, responses] => Some([
+                prompts
+                    .to_host::<i32>()
+                    .map_err(rt("reading the prompts' routes"))?,
+                responses
+                    .to_host::<i32>()
+                    .map_err(rt("reading the responses' routes"))?,
+            ]),
+            _ => None,
+        };
+        Ok((lp, chosen))
     }
 
     /// Uploads a host micro-batch, checking every array against the layout; its rows are split

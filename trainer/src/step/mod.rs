@@ -49,7 +49,7 @@ mod programs;
 
 pub use learner::{
     mini_batch_normalizer, CompileRecord, HostArray, Learner, LearnerState, MicroBatch, MicroBatchHost,
-    NonFiniteGuard, StepMetrics, CRITIC_STATE_FILES, POLICY_STATE_FILES,
+    NonFiniteGuard, StepMetrics, UsedRoutes, CRITIC_STATE_FILES, POLICY_STATE_FILES,
 };
 pub use programs::{build_shape_programs, build_train_programs, ShapePrograms, TrainPrograms};
 
@@ -84,6 +84,10 @@ pub struct PolicyOutput {
     pub entropy: Option<Tensor>,
     /// A mixture-of-experts policy's routing of this micro-batch.
     pub router: Option<RouterTerms>,
+    /// With routing replay, the experts the pass used at each position, as the batch lays
+    /// out the routes to replay (prompts, then responses; i32): what the log-probs program
+    /// returns after the log-probs.
+    pub chosen: Option<[Tensor; 2]>,
 }
 
 /// What a mixture-of-experts policy's routing adds to a micro-batch's loss and metrics

@@ -472,10 +472,11 @@ where
     let masters = declare_params(&g, params, "", &mesh);
     let batch = batch_args(&g, inputs, &mesh);
     let frozen = declare_frozen(&g, cfg, &mesh);
-    let lp = policy(&policy_params(cfg, &masters, &frozen), &batch)
-        .log_probs
-        .convert_if_needed(DType::F32);
-    let log_probs = g.build(&[&lp]).map_err(graph_err("log_probs"))?;
+    let out = policy(&policy_params(cfg, &masters, &frozen), &batch);
+    let lp = out.log_probs.convert_if_needed(DType::F32);
+    // With routing replay, the experts the pass used follow the log-probs.
+    let results: Vec<&Tensor> = std::iter::once(&lp).chain(out.chosen.iter().flatten()).collect();
+    let log_probs = g.build(&results).map_err(graph_err("log_probs"))?;
 
     Ok(ShapePrograms {
         train_step,

@@ -400,6 +400,7 @@ pub(crate) fn row_to_proto(r: &Row) -> proto::LearnerRow {
             .iter()
             .flat_map(|s| [s.start as u64, s.end as u64])
             .collect(),
+        routes: r.routes.clone(),
     }
 }
 
@@ -419,6 +420,7 @@ pub(crate) fn row_from_proto(r: proto::LearnerRow) -> Row {
             .chunks(2)
             .map(|p| p[0] as usize..p[p.len() - 1] as usize)
             .collect(),
+        routes: r.routes,
     }
 }
 
@@ -761,6 +763,7 @@ mod tests {
             reward_baseline: Some(0.5),
             truncated: true,
             env_spans: vec![1..2, 3..4],
+            routes: Vec::new(),
         };
         assert_eq!(
             format!("{:?}", row_from_proto(row_to_proto(&row))),

@@ -663,6 +663,7 @@ pub(crate) fn sample_to_proto(s: Sample) -> proto::GeneratedSample {
         env_seconds: s.episode.env_time.as_secs_f64(),
         user_turns: s.episode.user_turns,
         turn_scores: s.episode.turn_scores,
+        routes: s.routes,
     }
 }
 
@@ -726,6 +727,8 @@ pub(crate) fn sample_from_proto(s: proto::GeneratedSample) -> Result<Sample, Str
             user_turns: s.user_turns,
             turn_scores: s.turn_scores,
         },
+        // Checked against the model where they are replayed (`DecoderPolicy::pack_routed`).
+        routes: s.routes,
     })
 }
 
@@ -754,6 +757,7 @@ mod tests {
                 user_turns: 1,
                 turn_scores: vec![0.0, 1.0],
             },
+            routes: Vec::new(),
         }
     }
 
