@@ -526,8 +526,47 @@ fn tensor_parallel_engines_give_the_single_device_tokens_for_llama_qwen2_and_qwe
 fn the_handoff_reshards_a_tensor_parallel_learner_into_the_rollouts_layout_on_the_devices() {
     let own = Client::cpu(4).unwrap();
     let client = &own;
-    let config = tensor_parallel_configs().remove(1);
-    let weights = random_init(&config, 43);
+    // Qwen2, and Qwen3-MoE, whose stacked experts reshard with the rest.
+    let configs = tensor_parallel_configs();
+    for config in [&configs[1], &configs[4]] {
+        handoff_reshards(client, config);
+    }
+    let weights = random_init(&configs[1], 43);
+    // The same layout in the same dtype is used in place.
+    let mesh = Mesh::new(&[("data", 2), (MODEL_AXIS, 2)]);
+    let source = laid_out(
+        client,
+        &weights,
+        Some(mesh),
+        ParamLayout {
+            fsdp: None,
+            tensor_parallel: 2,
+        },
+    );
+    let shared = handoff(client, &source, DType::F32, 2, false).unwrap();
+    assert!((0..4).all(|d| Arc::ptr_eq(shared.device(d), &source.per_device[d])));
+    // Meshes that do not nest are refused by name.
+    let six = Client::cpu(6).unwrap();
+    let source = laid_out(
+        &six,
+        &weights,
+        Some(Mesh::new(&[("data", 3), (MODEL_AXIS, 2)])),
+        ParamLayout {
+            fsdp: None,
+            tensor_parallel: 2,
+        },
+    );
+    let err = handoff(&six, &source, DType::F32, 3, false)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("do not nest"), "{err}");
+}
+
+/// The handoff of a learner's layouts (FSDP, TP, both) into rollout layouts of `config`'s
+/// random weights, on the devices: the same tensors as uploading them in the rollout's layout,
+/// and no host transfer.
+fn handoff_reshards(client: &Client, config: &ModelConfig) {
+    let weights = random_init(config, 43);
     let expected = |tp| upload_weights_on(client, &weights, DType::BF16, &[0, 1, 2, 3], tp).unwrap();
     let data_model = Mesh::new(&[("data", 2), (MODEL_AXIS, 2)]);
     let cases = [
@@ -564,44 +603,18 @@ fn the_handoff_reshards_a_tensor_parallel_learner_into_the_rollouts_layout_on_th
                 assert_eq!(
                     (g.device(), g.dims()),
                     (d, w.dims()),
-                    "{what}: device {d} parameter {i}"
+                    "{} {what}: device {d} parameter {i}",
+                    config.family
                 );
                 assert_eq!(
                     g.to_host::<half::bf16>().unwrap(),
                     w.to_host::<half::bf16>().unwrap(),
-                    "{what} -> tp {rollout_tp}: device {d} parameter {i}"
+                    "{} {what} -> tp {rollout_tp}: device {d} parameter {i}",
+                    config.family
                 );
             }
         }
     }
-    // The same layout in the same dtype is used in place.
-    let mesh = Mesh::new(&[("data", 2), (MODEL_AXIS, 2)]);
-    let source = laid_out(
-        client,
-        &weights,
-        Some(mesh),
-        ParamLayout {
-            fsdp: None,
-            tensor_parallel: 2,
-        },
-    );
-    let shared = handoff(client, &source, DType::F32, 2, false).unwrap();
-    assert!((0..4).all(|d| Arc::ptr_eq(shared.device(d), &source.per_device[d])));
-    // Meshes that do not nest are refused by name.
-    let six = Client::cpu(6).unwrap();
-    let source = laid_out(
-        &six,
-        &weights,
-        Some(Mesh::new(&[("data", 3), (MODEL_AXIS, 2)])),
-        ParamLayout {
-            fsdp: None,
-            tensor_parallel: 2,
-        },
-    );
-    let err = handoff(&six, &source, DType::F32, 3, false)
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("do not nest"), "{err}");
 }
 
 /// The real SmolLM2-135M (30 layers; 9 heads, so attention is whole on each device; the MLP and

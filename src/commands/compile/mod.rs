@@ -192,6 +192,36 @@ impl Role {
     }
 }
 
+/// A mixture-of-experts model's experts and how many each device holds in the learner's and
+/// the rollout's layouts: split by expert over the tensor-parallel devices where the count
+/// divides (`model::ParamLayout`), whole on each device otherwise.
+fn experts_line(recipe: &Recipe, config: &ModelConfig) -> Option<String> {
+    let moe = config.moe.as_ref()?;
+    let spec = model::param_table(config)
+        .into_iter()
+        .find(|s| s.name.ends_with("mlp.experts.gate_up_proj"))?;
+    let per_device = |tp: usize| {
+        let tp = tp.max(1);
+        match spec.tensor_parallel_dim(tp) {
+            Some(_) => moe.num_experts / tp,
+            None => moe.num_experts,
+        }
+    };
+    let (learner, rollout) = (
+        recipe.actor.tensor_model_parallel_size.max(1),
+        recipe.rollout.tensor_model_parallel_size.max(1),
+    );
+    Some(format!(
+        "experts: {} in each of {} MoE layers, {} per token; {} per device in the learner \
+         (tensor-parallel {learner}), {} in the rollout (tensor-parallel {rollout})",
+        moe.num_experts,
+        config.moe_layers(),
+        moe.experts_per_token,
+        per_device(learner),
+        per_device(rollout),
+    ))
+}
+
 pub fn run(args: CompileArgs) -> Result<ExitCode> {
     let recipe = load_recipe(&args.recipe, &args.overrides)?;
     // `auto` compute types are decided for the target, not for this host.
@@ -215,6 +245,9 @@ pub fn run(args: CompileArgs) -> Result<ExitCode> {
         config.family,
         config.num_parameters() as f64 / 1e6
     );
+    if let Some(line) = experts_line(&recipe, &config) {
+        eprintln!("{line}");
+    }
     if let Some((_, Some(why))) = actors::setup::lora_form(&recipe) {
         eprintln!("{why}");
     }
@@ -601,6 +634,23 @@ mod tests {
         let config = ModelConfig::from_hf_file(Path::new(&path)).unwrap();
         assert_eq!((config.active_parameters() as f64 / 1e6).round() as u64, 3353);
         // "3.3B activated"
+        let mut r = recipe("data:\n  train_files: t.parquet\n");
+        r.actor.tensor_model_parallel_size = 4;
+        r.rollout.tensor_model_parallel_size = 3;
+        assert_eq!(
+            experts_line(&r, &config).unwrap(),
+            "experts: 128 in each of 48 MoE layers, 8 per token; 32 per device in the learner \
+             (tensor-parallel 4), 128 in the rollout (tensor-parallel 3)"
+        );
+        assert!(experts_line(&r, &tiny()).is_none());
+        // Qwen3-235B-A22B: "235B total, 22B activated".
+        let path = format!(
+            "{}/recipes/configs/Qwen3-235B-A22B/config.json",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let config = ModelConfig::from_hf_file(Path::new(&path)).unwrap();
+        assert_eq!((config.num_parameters() as f64 / 1e6).round() as u64, 235_094);
+        assert_eq!((config.active_parameters() as f64 / 1e6).round() as u64, 22_191);
     }
 
     fn plan_for(r: &Recipe) -> Plan {
