@@ -878,8 +878,10 @@ impl Translator {
     }
 
     /// The engine's parallel sizes on grpo's mesh: tensor parallelism as it is; pipeline
-    /// stages and sequence splits (which grpo does not have) become FSDP over the same devices,
-    /// with a note; expert parallelism is refused (experts are not split over devices yet).
+    /// stages, sequence splits and expert parallelism (which grpo does not have as such) become
+    /// FSDP over the same devices, with a note: a mixture of experts' experts are split by
+    /// expert over the tensor-parallel devices and by width over the FSDP ones, so each device
+    /// stores as small a share as an expert-parallel split whose size divides the devices.
     fn engine_sizes(&mut self, devices: u64) -> Result<(), VerlError> {
         let eng = engine::engine(self.engine);
         let a = "actor_rollout_ref.actor";
@@ -929,15 +931,61 @@ impl Translator {
         for k in eng.expert.iter().filter(|k| reads(k)) {
             let key = format!("{a}.{k}");
             let size = self.size(&key)?;
-            if size > 1 {
+            if size <= 1 {
+                continue;
+            }
+            if !devices.is_multiple_of(size) {
                 self.unsupported.push((
                     format!("{key}={size}"),
-                    "expert parallelism splits a mixture-of-experts model's experts over \
-                     devices; grpo trains mixture-of-experts models with each device running every \
-                     expert (FSDP shards their storage) and does not split them yet: set it to 1"
-                        .into(),
+                    format!(
+                        "{size} expert-parallel devices do not divide the run's {devices} \
+                         (trainer.n_gpus_per_node); VeRL refuses this too"
+                    ),
                 ));
+                continue;
             }
+            self.notes.push(format!(
+                "{key}={size}: grpo does not exchange tokens between devices for the experts; \
+                 {layout}: each MoE layer's experts are split by expert over the tensor-parallel \
+                 devices and by width over the FSDP ones, every device storing 1/{devices} of them \
+                 (an expert-parallel split over {size} stores 1/{size}), and a layer's experts are \
+                 gathered over the FSDP devices when it runs, as every FSDP parameter is \
+                 (docs/moe.md, \"Over several devices\")"
+            ));
+        }
+        self.rollout_expert_parallel()
+    }
+
+    /// `rollout.expert_parallel_size` (vLLM's experts split over that many devices of an
+    /// engine): grpo's rollout splits them by expert over its tensor-parallel devices, so a size
+    /// that divides `rollout.tensor_model_parallel_size` is kept with a note (each device
+    /// holding as few experts or fewer) and a larger one is refused.
+    fn rollout_expert_parallel(&mut self) -> Result<(), VerlError> {
+        let key = "actor_rollout_ref.rollout.expert_parallel_size";
+        if !self.config.values.contains_key(key) {
+            return Ok(());
+        }
+        let ep = self.size(key)?;
+        let tp = self.size("actor_rollout_ref.rollout.tensor_model_parallel_size")?;
+        if ep <= 1 {
+            return Ok(());
+        }
+        if tp.is_multiple_of(ep) {
+            self.notes.push(format!(
+                "{key}={ep}: grpo's rollout splits each MoE layer's experts by expert over its \
+                 {tp} tensor-parallel devices (rollout.tensor_model_parallel_size), each holding \
+                 1/{tp} of them (an expert-parallel split over {ep} holds 1/{ep}), and sums the \
+                 experts' partial outputs over those devices instead of exchanging tokens"
+            ));
+        } else {
+            self.unsupported.push((
+                format!("{key}={ep}"),
+                format!(
+                    "grpo's rollout splits the experts over its tensor-parallel devices only \
+                     (actor_rollout_ref.rollout.tensor_model_parallel_size={tp}), which {ep} must \
+                     divide; raise the tensor-parallel size to a multiple of {ep}, or set this to 1"
+                ),
+            ));
         }
         Ok(())
     }

@@ -89,8 +89,9 @@ const PIPELINE: How = How::Rule(
      gathered when it runs (a note says so)",
 );
 const EXPERT_SPLIT: How = How::Rule(
-    "size rule: above 1, refused: grpo trains mixture-of-experts models with each device running \
-     every expert (FSDP shards their storage); it does not split experts over devices yet",
+    "size rule: must divide the devices; grpo splits the experts by expert over the \
+     tensor-parallel devices and by width over the FSDP ones (every device storing 1/devices of \
+     them) instead of exchanging tokens (a note says so)",
 );
 const TENSOR: How = How::Rule("size rule: -> actor.tensor_model_parallel_size (must divide the devices)");
 const DTYPE: How = How::Rule(
@@ -340,7 +341,13 @@ pub const TABLE: &[Entry] = &[
     Entry { key: "actor_rollout_ref.rollout.free_cache_engine", how: VLLM },
     Entry { key: "actor_rollout_ref.rollout.tensor_model_parallel_size", how: How::Map("rollout.tensor_model_parallel_size") },
     Entry { key: "actor_rollout_ref.rollout.data_parallel_size", how: How::NoEffect("a grpo rollout engine spreads its sequences over all the devices it is given, in groups of `tensor_model_parallel_size` (its data parallelism is the devices over that); a sample does not depend on which group runs it") },
-    Entry { key: "actor_rollout_ref.rollout.expert_parallel_size", how: How::Unsupported("expert parallelism in the rollout is not in grpo yet; each rollout device runs every expert of a mixture-of-experts model") },
+    Entry {
+        key: "actor_rollout_ref.rollout.expert_parallel_size",
+        how: How::Rule(
+            "expert rule: must divide rollout.tensor_model_parallel_size, over whose devices grpo's \
+             rollout splits the experts by expert (a note says so); larger is refused",
+        ),
+    },
     Entry { key: "actor_rollout_ref.rollout.pipeline_model_parallel_size", how: How::Unsupported("pipeline parallelism is not in grpo; use `rollout.tensor_model_parallel_size`") },
     Entry { key: "actor_rollout_ref.rollout.max_num_batched_tokens", how: VLLM },
     Entry { key: "actor_rollout_ref.rollout.max_model_len", how: VLLM },

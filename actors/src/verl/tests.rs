@@ -743,14 +743,41 @@ fn megatron_sizes_on_grpos_mesh() {
         trainer::config::LrSchedule::Cosine
     );
     assert!((r.actor.optim.min_lr_ratio - 0.1).abs() < 1e-12);
-    // Experts are not split over devices yet.
+    // Expert parallelism: the experts split by expert over TP and by width over FSDP instead,
+    // with a note; a size that does not divide the devices is refused, as VeRL refuses it.
+    let mut moe = eight.to_vec();
+    moe.push("actor_rollout_ref.actor.megatron.expert_model_parallel_size=4");
+    moe.extend([
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
+        "actor_rollout_ref.rollout.expert_parallel_size=2",
+    ]);
+    let t = translate_with(&moe).unwrap();
+    for note in [
+        "expert_model_parallel_size=4: grpo does not exchange tokens between devices for the experts; \
+         the learner's 8 devices are FSDP over 4 x tensor parallelism over 2",
+        "every device storing 1/8 of them (an expert-parallel split over 4 stores 1/4)",
+        "rollout.expert_parallel_size=2: grpo's rollout splits each MoE layer's experts by expert over \
+         its 4 tensor-parallel devices",
+    ] {
+        assert!(t.notes.iter().any(|n| n.contains(note)), "{note}: {:?}", t.notes);
+    }
     let err = translate_with(&[
         "model_engine=megatron",
-        "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+        "trainer.n_gpus_per_node=8",
+        "actor_rollout_ref.actor.megatron.expert_model_parallel_size=3",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "actor_rollout_ref.rollout.expert_parallel_size=4",
     ])
     .unwrap_err()
     .to_string();
-    assert!(err.contains("does not split them yet: set it to 1"), "{err}");
+    assert!(
+        err.contains("3 expert-parallel devices do not divide the run's 8"),
+        "{err}"
+    );
+    assert!(
+        err.contains("expert_parallel_size=4: not supported: grpo's rollout splits the experts over its tensor-parallel devices only"),
+        "{err}"
+    );
     // Router replay, as VeRL's MoE scripts set it: through the engine's own key.
     let r = translate_with(&[
         "model_engine=megatron",
