@@ -621,18 +621,21 @@ fn a_run_under_random_faults_trains_exactly_as_an_undisturbed_one() {
     let dense = dir.path().join("dense");
     std::fs::create_dir_all(&dense).unwrap();
     let model = tiny_chat_model(&dense);
-    soak(&dense, &model, &seeds(), "");
+    soak(&dense, &model, &seeds(), "", "");
     // A mixture-of-experts policy, its router and experts trained and checkpointed through the
-    // same faults (`GRPO_CHAOS_MOE_SEEDS`, default 1).
+    // same faults (`GRPO_CHAOS_MOE_SEEDS`, default 1), replaying the rollout's routes (R3): the
+    // routes ride with the samples through worker restarts and resumes.
     let moe = dir.path().join("moe");
     std::fs::create_dir_all(&moe).unwrap();
     let model = testkit::tiny_moe_chat_model(&moe);
-    soak(&moe, &model, &moe_seeds(), "mixture of experts, ");
+    let r3 = "  router_replay:\n    mode: R3\n";
+    soak(&moe, &model, &moe_seeds(), "mixture of experts with R3, ", r3);
 }
 
 /// An undisturbed run of `model` in `dir`, then a soak of each seed, each trained exactly as
-/// the undisturbed run; prints the report (`what` names the model in it).
-fn soak(dir: &Path, model: &Path, seeds: &[u64], what: &str) {
+/// the undisturbed run; prints the report (`what` names the model in it). `actor` adds keys to
+/// the recipe's `actor` section.
+fn soak(dir: &Path, model: &Path, seeds: &[u64], what: &str, actor: &str) {
     let train = arithmetic(dir, "train", 1, 256);
     let val = arithmetic(dir, "val", 2, 4);
     let cluster = format!(
@@ -648,6 +651,12 @@ fn soak(dir: &Path, model: &Path, seeds: &[u64], what: &str) {
         STEPS as usize,
         &cluster,
     );
+    let text = std::fs::read_to_string(&template).unwrap();
+    std::fs::write(
+        &template,
+        text.replacen("actor:\n", &format!("actor:\n{actor}"), 1),
+    )
+    .unwrap();
 
     // The undisturbed run: the same recipe, workers and arguments, no proxies, no faults.
     let reference = dir.join("reference");
