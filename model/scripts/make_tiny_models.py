@@ -1,20 +1,23 @@
-"""Tiny random-weight Llama, Qwen2 and Qwen3 checkpoints with reference logits from transformers.
+"""Tiny random-weight Llama, Qwen2, Qwen3 and Mistral checkpoints with reference logits from transformers.
 
 Writes model/fixtures/tiny/<family>/{config.json, model.safetensors, reference.safetensors}:
   llama: untied head, Llama 3 rope_scaling, rope_theta 500000;
   qwen2: tied head, QKV bias (biases set non-zero so they matter);
-  qwen3: untied head, q/k RMSNorm (weights set away from 1), head_dim 32 != hidden/heads.
+  qwen3: untied head, q/k RMSNorm (weights set away from 1), head_dim 32 != hidden/heads;
+  mistral: untied head, head_dim 32 != hidden/heads (as Mistral Small's), no sliding window.
 All: 2 layers, hidden 64, 4 heads / 2 KV heads, vocab 384, f32 weights.
 reference.safetensors holds, for each fixed token sequence i, `input_ids_<i>` (I32, [T]) and
 `logits_<i>` (F32, [T, vocab]): the prefill logits of every position from transformers in f32.
 
-Usage: python3 make_tiny_models.py      Needs: pip install torch transformers safetensors
+Usage: python3 make_tiny_models.py [NAME ...]   (default: every family; each family's seed is
+fixed, so one can be made alone)      Needs: pip install torch transformers safetensors
 """
-import json, os
+import json, os, sys
 from importlib.metadata import version
 import torch
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 here = os.path.dirname(os.path.abspath(__file__))
 root = os.path.join(here, '..', 'fixtures', 'tiny')
@@ -27,13 +30,18 @@ models = {
                             'original_max_position_embeddings': 32})),
     'qwen2': (Qwen2ForCausalLM, Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1000000.0)),
     'qwen3': (Qwen3ForCausalLM, Qwen3Config(**common, head_dim=32, tie_word_embeddings=False, rope_theta=1000000.0)),
+    'mistral': (MistralForCausalLM, MistralConfig(**common, head_dim=32, tie_word_embeddings=False,
+                rope_theta=1000000.0, sliding_window=None)),
 }
 sequences = [
     [1, 17, 250, 3, 99, 383, 42],
     [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 200, 201, 202, 203, 300, 301, 302, 303, 0, 2, 1, 100],
     [77],
 ]
+only = sys.argv[1:]
 for seed, (name, (cls, config)) in enumerate(models.items()):
+    if only and name not in only:
+        continue
     torch.manual_seed(1000 + seed)
     model = cls(config).to(torch.float32).eval()
     with torch.no_grad():

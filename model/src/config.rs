@@ -19,11 +19,15 @@ pub enum Family {
     Qwen3,
     /// Qwen3-MoE: Qwen3 attention; the MLP of most layers a mixture of experts ([`MoeConfig`]).
     Qwen3Moe,
+    /// Mistral (`MistralForCausalLM`: Mistral 7B, Mistral Small, Devstral): Llama's layers
+    /// without biases, an explicit `head_dim`, and an optional sliding attention window
+    /// ([`ModelConfig::sliding_window`]).
+    Mistral,
 }
 
 /// Architecture names accepted, as listed in error messages.
 pub const SUPPORTED_ARCHITECTURES: &str =
-    "llama (LlamaForCausalLM), qwen2 (Qwen2ForCausalLM), qwen3 (Qwen3ForCausalLM), qwen3_moe (Qwen3MoeForCausalLM)";
+    "llama (LlamaForCausalLM), mistral (MistralForCausalLM), qwen2 (Qwen2ForCausalLM), qwen3 (Qwen3ForCausalLM), qwen3_moe (Qwen3MoeForCausalLM)";
 
 impl Family {
     /// The Hugging Face `model_type` (also the GGUF `general.architecture`).
@@ -33,6 +37,7 @@ impl Family {
             Family::Qwen2 => "qwen2",
             Family::Qwen3 => "qwen3",
             Family::Qwen3Moe => "qwen3_moe",
+            Family::Mistral => "mistral",
         }
     }
 
@@ -43,6 +48,7 @@ impl Family {
             Family::Qwen2 => "Qwen2ForCausalLM",
             Family::Qwen3 => "Qwen3ForCausalLM",
             Family::Qwen3Moe => "Qwen3MoeForCausalLM",
+            Family::Mistral => "MistralForCausalLM",
         }
     }
 
@@ -53,6 +59,7 @@ impl Family {
             "qwen2" | "Qwen2ForCausalLM" => Some(Family::Qwen2),
             "qwen3" | "Qwen3ForCausalLM" => Some(Family::Qwen3),
             "qwen3_moe" | "Qwen3MoeForCausalLM" | "qwen3moe" => Some(Family::Qwen3Moe),
+            "mistral" | "MistralForCausalLM" => Some(Family::Mistral),
             _ => None,
         }
     }
@@ -187,6 +194,11 @@ pub struct ModelConfig {
     pub initializer_range: f64,
     /// The mixture-of-experts MLP (`None`: every layer dense).
     pub moe: Option<MoeConfig>,
+    /// Mistral's attention window: each position attends to at most this many positions
+    /// (itself included). grpo computes full causal attention, which equals it only for
+    /// sequences no longer than the window, so runs and engines longer than it are refused
+    /// ([`ModelConfig::check_window`]). `None`: no window.
+    pub sliding_window: Option<usize>,
 }
 
 /// Reads typed keys out of a JSON object, with errors naming the key and the file.
@@ -376,6 +388,7 @@ impl ModelConfig {
             pad_token_id: None,
             initializer_range: 0.4,
             moe: None,
+            sliding_window: None,
         }
     }
 
@@ -466,7 +479,7 @@ impl ModelConfig {
         };
         let attention_bias_key = keys.bool_or("attention_bias", false)?;
         let (attention_bias, o_proj_bias, qk_norm) = match family {
-            Family::Llama => (attention_bias_key, attention_bias_key, false),
+            Family::Llama | Family::Mistral => (attention_bias_key, attention_bias_key, false),
             Family::Qwen2 => (true, false, false),
             Family::Qwen3 | Family::Qwen3Moe => (attention_bias_key, attention_bias_key, true),
         };
@@ -498,6 +511,12 @@ impl ModelConfig {
             pad_token_id: single_id("pad_token_id")?,
             initializer_range: keys.f64_or("initializer_range", 0.02)?,
             moe,
+            // Qwen's `sliding_window` is read only with `use_sliding_window`, which grpo's Qwen
+            // families refuse by not reading it; Mistral's applies whenever it is set.
+            sliding_window: match family {
+                Family::Mistral => keys.usize_opt("sliding_window")?,
+                _ => None,
+            },
         };
         config.validate(origin)?;
         Ok(config)
@@ -649,6 +668,7 @@ impl ModelConfig {
             pad_token_id: id_key("tokenizer.ggml.padding_token_id")?,
             initializer_range: 0.02,
             moe,
+            sliding_window: None,
         };
         config.validate(&path.display().to_string())?;
         Ok(config)
@@ -657,6 +677,22 @@ impl ModelConfig {
     /// Whether layer `layer`'s MLP is a mixture of experts.
     pub fn is_moe_layer(&self, layer: usize) -> bool {
         self.moe.as_ref().is_some_and(|m| m.is_sparse(layer))
+    }
+
+    /// Refuses sequences of `len` positions when the model's sliding window is shorter:
+    /// grpo's attention is full causal attention, which a window changes past its length.
+    /// `what` names the setting that asks for `len` (a recipe key, a command-line flag).
+    pub fn check_window(&self, len: usize, what: &str) -> std::result::Result<(), String> {
+        match self.sliding_window {
+            Some(window) if len > window => Err(format!(
+                "{what}: {len} positions, and this {} model attends over a sliding window of \
+                 {window}, which grpo does not compute yet (its attention is full causal \
+                 attention, the same up to {window} positions); keep sequences to {window} \
+                 positions or fewer",
+                self.family
+            )),
+            _ => Ok(()),
+        }
     }
 
     /// How many layers are mixtures of experts (`Lm`, the layers a routing record covers).
@@ -736,6 +772,9 @@ impl ModelConfig {
             Family::Llama => {
                 object.insert("attention_bias".into(), json!(self.attention_bias));
                 object.insert("mlp_bias".into(), json!(false));
+            }
+            Family::Mistral => {
+                object.insert("sliding_window".into(), json!(self.sliding_window));
             }
             Family::Qwen2 => {
                 object.insert("use_sliding_window".into(), json!(false));
@@ -842,12 +881,12 @@ mod tests {
 
     #[test]
     fn unsupported_architecture_is_named() {
-        let v = json!({"model_type": "mistral", "architectures": ["MistralForCausalLM"]});
+        let v = json!({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]});
         let e = ModelConfig::from_hf_json(&v, "m/config.json")
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("unsupported model architecture `mistral (MistralForCausalLM)`"),
+            e.contains("unsupported model architecture `gemma2 (Gemma2ForCausalLM)`"),
             "{e}"
         );
         assert!(

@@ -2098,6 +2098,7 @@ mod tests {
             pad_token_id: None,
             initializer_range: 0.1,
             moe: None,
+            sliding_window: None,
         }
     }
 

@@ -78,6 +78,7 @@ pub(crate) mod tests_support {
             pad_token_id: None,
             initializer_range: 0.05,
             moe: None,
+            sliding_window: None,
         }
     }
 }

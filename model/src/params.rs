@@ -237,6 +237,7 @@ mod tests {
             pad_token_id: Some(2),
             initializer_range: 0.02,
             moe: None,
+            sliding_window: None,
         }
     }
 

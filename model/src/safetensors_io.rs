@@ -414,6 +414,7 @@ mod tests {
             pad_token_id: None,
             initializer_range: 0.02,
             moe: None,
+            sliding_window: None,
         }
     }
 

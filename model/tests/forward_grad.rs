@@ -158,6 +158,20 @@ fn qwen2_logprob_gradients_match_finite_differences() {
 }
 
 #[test]
+fn mistral_logprob_gradients_match_finite_differences() {
+    gradient_matches_finite_differences(
+        "mistral",
+        &[
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.1.self_attn.o_proj.weight",
+            "model.layers.0.mlp.down_proj.weight",
+            "model.norm.weight",
+            "lm_head.weight",
+        ],
+    );
+}
+
+#[test]
 fn qwen3_logprob_gradients_match_finite_differences() {
     gradient_matches_finite_differences(
         "qwen3",

@@ -275,6 +275,19 @@ fn qwen3_full_logits_match_transformers() {
     full_logits_match("qwen3");
 }
 
+/// Mistral (`head_dim` 32 against hidden 64 / 4 heads, as Mistral Small's is set apart): the
+/// issue's 1e-5 in f32.
+#[test]
+fn mistral_full_logits_match_transformers() {
+    full_logits_within("mistral", 1e-5);
+}
+
+#[test]
+fn mistral_logprobs_and_decode_match_transformers_and_prefill() {
+    logprobs_match("mistral", Some(2));
+    decode_matches_prefill("mistral");
+}
+
 /// Qwen3-MoE, both checkpoint layouts (stacked experts with `norm_topk_prob` and a dense layer;
 /// per-expert tensors without it, every other layer sparse): the 1e-5 in f32.
 #[test]

@@ -1,4 +1,4 @@
-//! The committed tiny Llama / Qwen2 / Qwen3 (and Qwen3-MoE) checkpoints made by transformers
+//! The committed tiny Llama / Qwen2 / Qwen3 / Mistral (and Qwen3-MoE) checkpoints made by transformers
 //! (`model/scripts/make_tiny_models.py`): their configs parse, their tensors match the parameter
 //! tables exactly, a direct evaluation of the loaded weights reproduces transformers' logits, and
 //! load -> save -> load is the identity.
@@ -49,6 +49,10 @@ fn configs_parse_as_written_by_transformers() {
             }
             Family::Qwen3 => {
                 assert!(!c.tie_word_embeddings && !c.attention_bias && c.qk_norm && c.head_dim == 32)
+            }
+            Family::Mistral => {
+                assert!(!c.tie_word_embeddings && !c.attention_bias && !c.qk_norm && c.head_dim == 32);
+                assert_eq!((c.rope_theta, c.sliding_window), (1e6, None));
             }
             Family::Qwen3Moe => unreachable!("the MoE fixtures have their own test"),
         }

@@ -718,3 +718,32 @@ fn smollm2_slot_buckets_keep_every_token_and_log_prob_bit() {
         "{compacted:?} against {full:?}"
     );
 }
+
+/// A Mistral engine longer than the model's sliding window is refused by name (grpo's
+/// attention is full causal attention, equal to the window's only up to its length); one within
+/// the window generates the windowless model's tokens.
+#[test]
+fn an_engine_longer_than_a_sliding_window_is_refused() {
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/fixtures/tiny/mistral/config.json");
+    let mut config = ModelConfig::from_hf_file(&path).unwrap();
+    config.sliding_window = Some(24);
+    let weights = random_init(&config, 7);
+    let make = |len: usize| {
+        let buffers = upload_weights(client(), &weights, DType::F32, 0).unwrap();
+        Engine::new(client(), &config, buffers, 0, EngineConfig::new(4, len), None)
+    };
+    let err = make(32).err().expect("refused").to_string();
+    assert!(
+        err.contains(
+            "max_model_len: 32 positions, and this mistral model attends over a sliding window of 24"
+        ),
+        "{err}"
+    );
+    let mut engine = make(24).unwrap();
+    let samples = generate(
+        &mut engine,
+        &[request(1, &[3, 4, 5], 1, 0, sampled(0.0, 0, 1.0, 8))],
+    );
+    assert_eq!(samples[0].response_ids, greedy_reference(&weights, &[3, 4, 5], 8));
+}

@@ -180,8 +180,9 @@ pub fn reference_logits(w: &ModelWeights, ids: &[u32]) -> Vec<Vec<f64>> {
 }
 
 /// The families of the committed tiny fixtures, by directory name.
-pub const TINY_MODELS: [(&str, Family); 3] = [
+pub const TINY_MODELS: [(&str, Family); 4] = [
     ("llama", Family::Llama),
     ("qwen2", Family::Qwen2),
     ("qwen3", Family::Qwen3),
+    ("mistral", Family::Mistral),
 ];
