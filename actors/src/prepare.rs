@@ -135,8 +135,6 @@ fn check_model_features(recipe: &Recipe, config: &model::ModelConfig) -> Result<
             recipe.actor.router_aux_loss_coef, config.family
         ));
     }
-    let len = recipe.data.max_prompt_length + recipe.data.max_response_length;
-    config.check_window(len, "data.max_prompt_length + data.max_response_length")?;
     if config.moe.is_none() {
         if recipe.actor.router_replay.mode != trainer::config::RouterReplay::Disabled {
             return Err(format!(
@@ -377,23 +375,5 @@ mod model_feature_tests {
         .unwrap();
         let e = check_model_features(&scanned, &moe);
         assert!(e.unwrap_err().contains("set model.scan_layers: false"));
-    }
-
-    /// A Mistral whose sliding window is shorter than the run's sequences is refused (grpo's
-    /// attention is full); one at least as long runs as the windowless model.
-    #[test]
-    fn a_sliding_window_shorter_than_the_sequences_is_refused() {
-        let mut mistral = fixture("mistral");
-        let lengths = "data:\n  train_files: t.parquet\n  max_prompt_length: 96\n  max_response_length: 32\n";
-        let r = crate::recipe::load_recipe_str(&format!("model:\n  path: m\n{lengths}"), "r.yaml").unwrap();
-        check_model_features(&r, &mistral).unwrap();
-        mistral.sliding_window = Some(128);
-        check_model_features(&r, &mistral).unwrap();
-        mistral.sliding_window = Some(100);
-        let e = check_model_features(&r, &mistral).unwrap_err();
-        assert!(
-            e.starts_with("data.max_prompt_length + data.max_response_length: 128 positions, and this mistral model attends over a sliding window of 100"),
-            "{e}"
-        );
     }
 }

@@ -4,7 +4,9 @@ Writes model/fixtures/tiny/<family>/{config.json, model.safetensors, reference.s
   llama: untied head, Llama 3 rope_scaling, rope_theta 500000;
   qwen2: tied head, QKV bias (biases set non-zero so they matter);
   qwen3: untied head, q/k RMSNorm (weights set away from 1), head_dim 32 != hidden/heads;
-  mistral: untied head, head_dim 32 != hidden/heads (as Mistral Small's), no sliding window.
+  mistral: untied head, head_dim 32 != hidden/heads (as Mistral Small's), no sliding window;
+  mistral_window: tied head, a sliding window of 5 positions (the longest sequence has 24, so
+  the window masks).
 All: 2 layers, hidden 64, 4 heads / 2 KV heads, vocab 384, f32 weights.
 reference.safetensors holds, for each fixed token sequence i, `input_ids_<i>` (I32, [T]) and
 `logits_<i>` (F32, [T, vocab]): the prefill logits of every position from transformers in f32.
@@ -32,6 +34,8 @@ models = {
     'qwen3': (Qwen3ForCausalLM, Qwen3Config(**common, head_dim=32, tie_word_embeddings=False, rope_theta=1000000.0)),
     'mistral': (MistralForCausalLM, MistralConfig(**common, head_dim=32, tie_word_embeddings=False,
                 rope_theta=1000000.0, sliding_window=None)),
+    'mistral_window': (MistralForCausalLM, MistralConfig(**common, tie_word_embeddings=True, rope_theta=10000.0,
+                       sliding_window=5)),
 }
 sequences = [
     [1, 17, 250, 3, 99, 383, 42],

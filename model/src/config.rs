@@ -194,10 +194,10 @@ pub struct ModelConfig {
     pub initializer_range: f64,
     /// The mixture-of-experts MLP (`None`: every layer dense).
     pub moe: Option<MoeConfig>,
-    /// Mistral's attention window: each position attends to at most this many positions
-    /// (itself included). grpo computes full causal attention, which equals it only for
-    /// sequences no longer than the window, so runs and engines longer than it are refused
-    /// ([`ModelConfig::check_window`]). `None`: no window.
+    /// Mistral's attention window: each position attends to its last `sliding_window`
+    /// positions (itself included), in every attention of the learner and the rollout (the
+    /// masks of `forward.rs`; the KV cache keeps every position and masks the older ones).
+    /// `None`: full causal attention.
     pub sliding_window: Option<usize>,
 }
 
@@ -677,22 +677,6 @@ impl ModelConfig {
     /// Whether layer `layer`'s MLP is a mixture of experts.
     pub fn is_moe_layer(&self, layer: usize) -> bool {
         self.moe.as_ref().is_some_and(|m| m.is_sparse(layer))
-    }
-
-    /// Refuses sequences of `len` positions when the model's sliding window is shorter:
-    /// grpo's attention is full causal attention, which a window changes past its length.
-    /// `what` names the setting that asks for `len` (a recipe key, a command-line flag).
-    pub fn check_window(&self, len: usize, what: &str) -> std::result::Result<(), String> {
-        match self.sliding_window {
-            Some(window) if len > window => Err(format!(
-                "{what}: {len} positions, and this {} model attends over a sliding window of \
-                 {window}, which grpo does not compute yet (its attention is full causal \
-                 attention, the same up to {window} positions); keep sequences to {window} \
-                 positions or fewer",
-                self.family
-            )),
-            _ => Ok(()),
-        }
     }
 
     /// How many layers are mixtures of experts (`Lm`, the layers a routing record covers).

@@ -876,6 +876,16 @@ fn attend(
         .reshape(&[b, t, kvh * groups * hd])
 }
 
+/// `allowed` and, with a sliding `window` (Mistral's `sliding_window`), the key among the
+/// query's last `window` positions (itself included: `q - k < window`), as transformers'
+/// sliding-window mask.
+fn and_within(allowed: Tensor, q_pos: &Tensor, k_pos: &Tensor, window: Option<usize>) -> Tensor {
+    match window {
+        Some(w) => allowed.and(&(q_pos - k_pos).lt(&q_pos.full_like(w as f64))),
+        None => allowed,
+    }
+}
+
 /// Positions from a `[B, T]` 0/1 mask: the number of real tokens before each one
 /// (`cumsum(mask) - 1`, at least 0), so left padding and right padding both give real tokens
 /// positions 0, 1, 2, ...
@@ -885,13 +895,15 @@ fn positions_from_mask(mask: &Tensor) -> Tensor {
     pos.max(&pos.scalar_like(0.0))
 }
 
-/// `allowed [B, 1, 1, T, T]`: causal and key is a real token.
-fn causal_padding_mask(mask: &Tensor) -> Tensor {
+/// `allowed [B, 1, 1, T, T]`: causal, the key a real token and, with a sliding `window`, among
+/// the query's last `window` positions. A row's real tokens are contiguous (left or right
+/// padding), so column distances are position distances.
+fn causal_padding_mask(mask: &Tensor, window: Option<usize>) -> Tensor {
     let g = mask.graph();
     let (b, t) = (mask.dims()[0], mask.dims()[1]);
     let q_idx = g.iota(DType::I32, &[t, t], 0);
     let k_idx = g.iota(DType::I32, &[t, t], 1);
-    let causal = k_idx.le(&q_idx).reshape(&[1, t, t]);
+    let causal = and_within(k_idx.le(&q_idx), &q_idx, &k_idx, window).reshape(&[1, t, t]);
     let key_real = mask
         .convert_if_needed(DType::I32)
         .ne(&g.zeros(DType::I32, &[b, t]))
@@ -908,7 +920,7 @@ fn trunk(p: &DecoderParams, tokens: &Tensor, mask: &Tensor) -> Tensor {
     let config = &p.config;
     let positions = positions_from_mask(mask);
     let (cos, sin) = rope_tables(config, &positions);
-    let allowed = causal_padding_mask(mask);
+    let allowed = causal_padding_mask(mask, config.sliding_window);
     p.run_layers(embed(p, tokens), |layer, h| {
         let normed = rms_norm(h, &layer.input_norm, config.rms_norm_eps);
         let (attn, _, _) = self_attention(config, layer, &normed, &cos, &sin, &allowed);
@@ -927,7 +939,7 @@ fn trunk_routed(
     let config = &p.config;
     let positions = positions_from_mask(mask);
     let (cos, sin) = rope_tables(config, &positions);
-    let allowed = causal_padding_mask(mask);
+    let allowed = causal_padding_mask(mask, config.sliding_window);
     let routed = Some(Routed { valid: mask, replay });
     p.run_routed_layers(embed(p, tokens), routed, |layer, h, replay| {
         let normed = rms_norm(h, &layer.input_norm, config.rms_norm_eps);
@@ -946,7 +958,7 @@ fn trunk_with_kv(
     let config = &p.config;
     let positions = positions_from_mask(mask);
     let (cos, sin) = rope_tables(config, &positions);
-    let allowed = causal_padding_mask(mask);
+    let allowed = causal_padding_mask(mask, config.sliding_window);
     let mut h = embed(p, tokens);
     let mut kvs = Vec::with_capacity(p.layers.len());
     let mut chosen = Vec::new();
@@ -1295,7 +1307,7 @@ fn shared_prompts_inner(
     // Prompts: causal self-attention over their real tokens, positions 0, 1, ...
     let prompt_mask = batch.prompt_mask.convert_if_needed(DType::I32);
     let (p_cos, p_sin) = rope_tables(config, &positions_from_mask(&prompt_mask));
-    let p_allowed = causal_padding_mask(&prompt_mask);
+    let p_allowed = causal_padding_mask(&prompt_mask, config.sliding_window);
     // Responses: position = the prompt's real length + column; keys are the prompt's real
     // tokens, then the response's own real tokens up to the query (causal).
     let prompt_real = prompt_mask.ne(&prompt_mask.zeros_like());
@@ -1308,7 +1320,18 @@ fn shared_prompts_inner(
         .ne(&g.zeros(DType::F32, &[b, pl]))
         .reshape(&[b, 1, pl])
         .broadcast_to(&[b, l, pl]);
-    let own_keys = causal_padding_mask(&response_mask).reshape(&[b, l, l]);
+    // Response column j (position len + j) and prompt column i (position i - (P - len)) are
+    // j + P - i positions apart, whatever the prompt's length.
+    let prompt_keys = match config.sliding_window {
+        Some(_) => {
+            let q = &g.iota(DType::I32, &[l, pl], 0) + &g.full(pl as f64, DType::I32, &[l, pl]);
+            let k = g.iota(DType::I32, &[l, pl], 1);
+            let near = and_within(g.full(1.0, DType::Bool, &[l, pl]), &q, &k, config.sliding_window);
+            prompt_keys.and(&near.reshape(&[1, l, pl]).broadcast_to(&[b, l, pl]))
+        }
+        None => prompt_keys,
+    };
+    let own_keys = causal_padding_mask(&response_mask, config.sliding_window).reshape(&[b, l, l]);
     let r_allowed = Tensor::concat(&[&prompt_keys, &own_keys], 2).reshape(&[b, 1, 1, l, pl + l]);
 
     // Prompt and response positions go through the projections and the MLP as one list of
@@ -1653,12 +1676,12 @@ pub fn decode_hidden_graph(
     // skipped: the new key is then scored separately).
     let key_pos = g.iota(DType::I32, &[s, window], 1);
     let pos_w = pos_clamped.reshape(&[s, 1]).broadcast_to(&[s, window]);
-    let allowed = if options.kv_write == KvWrite::Skip {
+    let causal = if options.kv_write == KvWrite::Skip {
         key_pos.lt(&pos_w)
     } else {
         key_pos.le(&pos_w)
-    }
-    .reshape(&[s, 1, 1, window]);
+    };
+    let allowed = and_within(causal, &pos_w, &key_pos, config.sliding_window).reshape(&[s, 1, 1, window]);
     let zero_i = g.scalar(0.0, DType::I32);
     // Per-slot write position for UpdateSlice: inactive slots rewrite position 0 with its
     // current value.
@@ -1915,9 +1938,9 @@ pub fn decode_hidden_graph_chunked(
         })
         .collect();
     let key_pos = g.iota(DType::I32, &[s, window], 1);
-    let allowed = key_pos
-        .le(&pos_clamped.reshape(&[s, 1]).broadcast_to(&[s, window]))
-        .reshape(&[s, 1, 1, window]);
+    let pos_w = pos_clamped.reshape(&[s, 1]).broadcast_to(&[s, window]);
+    let allowed =
+        and_within(key_pos.le(&pos_w), &pos_w, &key_pos, config.sliding_window).reshape(&[s, 1, 1, window]);
     let scale = 1.0 / (hd as f64).sqrt();
 
     let mut h = embed(p, tokens);
@@ -2013,10 +2036,15 @@ pub fn extend_graph(
 
     // allowed [1, 1, 1, K, span]: the slot's positions up to and including the query's own
     // (the cache holds the new rows by the time attention reads it).
-    let allowed = g
-        .iota(DType::I32, &[k_len, span], 1)
-        .le(&positions.reshape(&[k_len, 1]).broadcast_to(&[k_len, span]))
-        .reshape(&[1, 1, 1, k_len, span]);
+    let key_pos = g.iota(DType::I32, &[k_len, span], 1);
+    let query_pos = positions.reshape(&[k_len, 1]).broadcast_to(&[k_len, span]);
+    let allowed = and_within(
+        key_pos.le(&query_pos),
+        &query_pos,
+        &key_pos,
+        config.sliding_window,
+    )
+    .reshape(&[1, 1, 1, k_len, span]);
 
     // Per chunk, the (slot, position in the chunk) each real row is written at; padding rows
     // and rows of other chunks point past the chunk: dropped.
@@ -2186,7 +2214,7 @@ mod tests {
             let x = g.parameter("x", DType::F32, &[1, 6, 16]);
             let mask = g.parameter("mask", DType::I32, &[1, 6]);
             let (cos, sin) = rope_tables(&config, &positions_from_mask(&mask));
-            let allowed = causal_padding_mask(&mask);
+            let allowed = causal_padding_mask(&mask, config.sliding_window);
             let (out, _, _) = self_attention(&config, &p.layers[0], &x, &cos, &sin, &allowed);
             let mlir = g.build(&[&out]).unwrap().mlir().to_string();
             // Scores: [1, kvh 2, G 2, 6, 6] from q [.., hd 4] and k [1, 2, 6, 4].

@@ -288,6 +288,15 @@ fn mistral_logprobs_and_decode_match_transformers_and_prefill() {
     decode_matches_prefill("mistral");
 }
 
+/// A sliding window of 5 over sequences of up to 24 tokens: the window masks, in the full
+/// forward, the log-probs and every decode step.
+#[test]
+fn mistral_sliding_window_matches_transformers_in_prefill_logprobs_and_decode() {
+    full_logits_within("mistral_window", 1e-5);
+    logprobs_match("mistral_window", None);
+    decode_matches_prefill("mistral_window");
+}
+
 /// Qwen3-MoE, both checkpoint layouts (stacked experts with `norm_topk_prob` and a dense layer;
 /// per-expert tensors without it, every other layer sparse): the 1e-5 in f32.
 #[test]

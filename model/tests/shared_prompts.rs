@@ -288,6 +288,15 @@ fn qwen3_shared_prompts_equal_one_row_each() {
     check("qwen3", DType::F32, &two_block_case(), 1e-4);
 }
 
+/// Mistral with a sliding window of 5: a response's queries reach back into its prompt only
+/// as far as the window, whatever the prompt's length and padding (and past the causal halves
+/// of long rows).
+#[test]
+fn sliding_window_shared_prompts_equal_one_row_each() {
+    check("mistral_window", DType::F32, &two_block_case(), 1e-4);
+    check("mistral_window", DType::F32, &long_case(), 1e-4);
+}
+
 /// In bf16 both round keys and values to bf16 before the attention products; what is left is
 /// the order of the f32 sums.
 #[test]

@@ -719,31 +719,46 @@ fn smollm2_slot_buckets_keep_every_token_and_log_prob_bit() {
     );
 }
 
-/// A Mistral engine longer than the model's sliding window is refused by name (grpo's
-/// attention is full causal attention, equal to the window's only up to its length); one within
-/// the window generates the windowless model's tokens.
+/// Mistral with a sliding window of 8 in an engine of 32 positions: prefill, decode (whole and
+/// chunked cache) and batched prefill mask every position outside the window, and the sampled
+/// tokens' log-probs equal the learner-side log-probs program's over the whole sequence.
 #[test]
-fn an_engine_longer_than_a_sliding_window_is_refused() {
+fn a_sliding_window_masks_prefill_and_decode_as_the_logprobs_program_does() {
     let path =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/fixtures/tiny/mistral/config.json");
     let mut config = ModelConfig::from_hf_file(&path).unwrap();
-    config.sliding_window = Some(24);
+    config.sliding_window = Some(8);
     let weights = random_init(&config, 7);
-    let make = |len: usize| {
-        let buffers = upload_weights(client(), &weights, DType::F32, 0).unwrap();
-        Engine::new(client(), &config, buffers, 0, EngineConfig::new(4, len), None)
-    };
-    let err = make(32).err().expect("refused").to_string();
-    assert!(
-        err.contains(
-            "max_model_len: 32 positions, and this mistral model attends over a sliding window of 24"
-        ),
-        "{err}"
-    );
-    let mut engine = make(24).unwrap();
-    let samples = generate(
-        &mut engine,
-        &[request(1, &[3, 4, 5], 1, 0, sampled(0.0, 0, 1.0, 8))],
-    );
-    assert_eq!(samples[0].response_ids, greedy_reference(&weights, &[3, 4, 5], 8));
+    let requests: Vec<GenerationRequest> = (0..4)
+        .map(|i| {
+            request(
+                i + 1,
+                &[3, 4, 5, 6, 7, 8, 9, 10, 11, 12][..3 + 2 * i as usize],
+                2,
+                i,
+                sampled(1.0, 0, 1.0, 20),
+            )
+        })
+        .collect();
+    for (kv_chunk, prefill_batch) in [(0, 1), (8, 2)] {
+        let mut settings = EngineConfig::new(8, 32);
+        settings.kv_chunk = kv_chunk;
+        settings.prefill_batch = prefill_batch;
+        let mut engine = engine_of(&weights, DType::F32, settings, None);
+        let samples = generate(&mut engine, &requests);
+        assert!(samples
+            .iter()
+            .any(|s| s.prompt_ids.len() + s.response_ids.len() > 16));
+        let gap = largest_logprob_gap(&weights, DType::F32, &requests, &samples);
+        assert!(
+            gap < 1e-5,
+            "kv_chunk {kv_chunk}: engine vs logprobs program {gap}"
+        );
+    }
+    // The window changes what is computed: without it the same weights give other log-probs.
+    let mut full = weights.clone();
+    full.config.sliding_window = None;
+    let mut engine = engine_of(&weights, DType::F32, EngineConfig::new(8, 32), None);
+    let samples = generate(&mut engine, &requests);
+    assert!(largest_logprob_gap(&full, DType::F32, &requests, &samples) > 1e-3);
 }

@@ -220,9 +220,6 @@ impl Engine {
             &devices,
             version,
         )?;
-        config
-            .check_window(settings.max_model_len, "max_model_len")
-            .map_err(RolloutError::Config)?;
         if let Some(moe) = config.moe.as_ref().filter(|_| settings.record_routes) {
             if moe.num_experts > 256 {
                 return Err(RolloutError::Config(format!(
