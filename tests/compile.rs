@@ -567,3 +567,58 @@ fn cuda_device_without_its_plugin_is_a_clear_error() {
         "{err}"
     );
 }
+
+/// A tiny Qwen3-MoE (8 experts, top 2) compiles for v6e:2x2 under FSDP x TP (data 2 x model 2)
+/// with either dispatch; libtpu expands the grouped one's ragged dots into masked products over
+/// every group, so its `accumulate` counts about k = 2 times the dense one's FLOPs (docs/moe.md).
+#[test]
+fn a_mixture_of_experts_compiles_with_either_dispatch() {
+    if !libtpu("a_mixture_of_experts_compiles_with_either_dispatch") {
+        return;
+    }
+    let config = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/model/fixtures/tiny/qwen3_moe/config.json"
+    );
+    let gflop = |dispatch: &str| {
+        let o = grpo(&[
+            "compile",
+            TPU_RECIPE,
+            "--model-config",
+            config,
+            "--topology",
+            "v6e:2x2",
+            "--only",
+            "accumulate",
+            "--set",
+            "actor.strategy=fsdp",
+            "--set",
+            "actor.mesh=4",
+            "--set",
+            "actor.tensor_model_parallel_size=2",
+            "--set",
+            "data.max_prompt_length=128",
+            "--set",
+            "data.max_response_length=128",
+            "--set",
+            "actor.ppo_micro_batch_size=8",
+            "--set",
+            &format!("model.moe_dispatch={dispatch}"),
+        ]);
+        let (stdout, stderr) = (text(&o.stdout), text(&o.stderr));
+        assert_eq!(o.status.code(), Some(0), "{dispatch}: {stdout}\n{stderr}");
+        assert!(
+            stderr.contains("experts: 8 in each of 2 MoE layers, 2 per token; 4 per device in the learner"),
+            "{stderr}"
+        );
+        let rows = table_rows(&stdout);
+        let (_, cells) = rows.iter().find(|(n, _)| n == "accumulate").expect("accumulate");
+        assert_eq!(cells[8], "yes", "{dispatch}: {stdout}");
+        cells[9].parse::<f64>().unwrap()
+    };
+    let (dense, grouped) = (gflop("dense"), gflop("grouped"));
+    assert!(
+        grouped > 1.4 * dense && grouped < 2.5 * dense,
+        "grouped {grouped} GFLOP, dense {dense}"
+    );
+}

@@ -143,6 +143,13 @@ fn check_model_features(recipe: &Recipe, config: &model::ModelConfig) -> Result<
                 recipe.actor.router_replay.mode, config.family
             ));
         }
+        if recipe.model.moe_dispatch != crate::recipe::MoeDispatch::Dense {
+            return Err(format!(
+                "model.moe_dispatch: grouped dispatches a mixture-of-experts model's tokens to its \
+                 experts, and this {} model has no experts; remove it",
+                config.family
+            ));
+        }
         if recipe.rollout.enable_rollout_routing_replay == Some(true) {
             return Err(format!(
                 "rollout.enable_rollout_routing_replay: true records a mixture-of-experts model's \
@@ -375,5 +382,16 @@ mod model_feature_tests {
         .unwrap();
         let e = check_model_features(&scanned, &moe);
         assert!(e.unwrap_err().contains("set model.scan_layers: false"));
+        let grouped = crate::recipe::load_recipe_str(
+            "model:\n  path: m\n  moe_dispatch: grouped\ndata:\n  train_files: t.parquet\n",
+            "r.yaml",
+        )
+        .unwrap();
+        check_model_features(&grouped, &moe).unwrap();
+        let e = check_model_features(&grouped, &dense).unwrap_err();
+        assert!(
+            e.starts_with("model.moe_dispatch: grouped") && e.contains("no experts"),
+            "{e}"
+        );
     }
 }

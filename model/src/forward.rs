@@ -120,10 +120,11 @@ impl Mlp {
                 up_proj: b,
                 down_proj: c,
             },
-            Mlp::Experts(_) => Mlp::Experts(crate::moe::Experts {
+            Mlp::Experts(e) => Mlp::Experts(crate::moe::Experts {
                 router: a,
                 gate_up: b,
                 down: c,
+                lowering: e.lowering,
             }),
         }
     }
@@ -271,6 +272,7 @@ impl DecoderParams {
                         router: need(&p("mlp.gate.weight"))?,
                         gate_up: need(&p("mlp.experts.gate_up_proj"))?,
                         down: need(&p("mlp.experts.down_proj"))?,
+                        lowering: Default::default(),
                     })
                 } else {
                     Mlp::Dense {
@@ -292,6 +294,17 @@ impl DecoderParams {
             remat: false,
             scan: false,
         })
+    }
+
+    /// These parameters with every mixture-of-experts layer dispatching by `lowering`
+    /// ([`crate::moe::MoeLowering`]; [`crate::moe::MoeLowering::Dense`] as declared).
+    pub fn with_moe_lowering(mut self, lowering: crate::moe::MoeLowering) -> DecoderParams {
+        for layer in &mut self.layers {
+            if let Mlp::Experts(e) = &mut layer.mlp {
+                e.lowering = lowering;
+            }
+        }
+        self
     }
 
     /// These parameters with `lora`'s adapters applied beside their projections: `adapters`

@@ -4,10 +4,13 @@
 //!    probabilities, or a recorded choice replayed) and each token's combine weights over all
 //!    experts, zero where not chosen. The weights are a function of the live probabilities
 //!    whichever experts are chosen, so the router gets gradients under replay too.
-//! 2. dispatch: which tokens reach which expert. The dense lowering ([`experts_dense`]) sends
-//!    every token to every expert and lets the zero combine weights drop what was not chosen:
-//!    dropless, exact, and `experts` times the FLOPs of the chosen experts, which is what a
-//!    plugin without a grouped matrix product runs.
+//! 2. dispatch: which tokens reach which expert, by [`MoeLowering`]. The dense lowering
+//!    ([`experts_dense`]) sends every token to every expert and lets the zero combine weights
+//!    drop what was not chosen: dropless, exact, and `experts / k` times the FLOPs of the
+//!    chosen experts, what the CPU plugin runs (it has no grouped product). The grouped
+//!    lowering ([`experts_grouped`]) sorts each token's k (token, expert) pairs by expert and
+//!    runs each expert over its own rows only, with XLA's ragged dot on TPU and GPU: dropless
+//!    too, and the chosen experts' FLOPs.
 //! 3. expert computation: each expert's SwiGLU over its tokens, weighted and summed.
 //!
 //! A family is a [`crate::MoeConfig`] plus, where it differs, a line here: Qwen3-MoE's router
@@ -20,13 +23,40 @@
 //! FSDP parameter.
 
 use xla::graph::Tensor;
+use xla::runtime::PluginKind;
 use xla::DType;
 
 use crate::forward::linear;
 
 use crate::config::MoeConfig;
 
-/// The traced parameters of one mixture-of-experts MLP, in transformers 5's stacked layout.
+/// How a mixture-of-experts layer dispatches its tokens to its experts (steps 2 and 3); the
+/// same values and gradients either way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MoeLowering {
+    /// [`experts_dense`]: every token through every expert.
+    #[default]
+    Dense,
+    /// [`experts_grouped`]: tokens sorted by expert through a grouped product; `native`: XLA's
+    /// ragged dot (TPU, GPU), else its masked dense form (any plugin; for tests).
+    Grouped { native: bool },
+}
+
+impl MoeLowering {
+    /// This lowering on `plugin`'s devices: the grouped product through XLA's ragged dot where
+    /// XLA compiles one (TPU, GPU), through its masked form on the CPU, whose XLA has none.
+    pub fn on(self, plugin: PluginKind) -> MoeLowering {
+        match self {
+            MoeLowering::Dense => MoeLowering::Dense,
+            MoeLowering::Grouped { .. } => MoeLowering::Grouped {
+                native: plugin != PluginKind::Cpu,
+            },
+        }
+    }
+}
+
+/// The traced parameters of one mixture-of-experts MLP, in transformers 5's stacked layout,
+/// and how it is computed.
 #[derive(Clone, Debug)]
 pub struct Experts {
     /// `mlp.gate.weight` `[experts, hidden]`: the router.
@@ -36,6 +66,8 @@ pub struct Experts {
     pub gate_up: Tensor,
     /// `mlp.experts.down_proj` `[experts, hidden, ffn]`.
     pub down: Tensor,
+    /// The dispatch ([`crate::forward::DecoderParams::with_moe_lowering`]).
+    pub lowering: MoeLowering,
 }
 
 /// The replay value of a position with no recorded choice: [`route`] takes the router's own.
@@ -135,7 +167,55 @@ pub fn experts_dense(experts: &Experts, x: &Tensor, weights: &Tensor) -> Tensor 
     linear(&weighted.reshape(&[n, e * f]), &down)
 }
 
-/// The mixture-of-experts MLP of `x [.., hidden]`: routed (or replayed), dispatched densely,
+/// Steps 2 and 3, the grouped lowering: the `N * k` (token, expert) pairs of `x [N, hidden]`
+/// and `routing` sorted by expert (stable, so tokens keep their order within an expert), each
+/// expert's SwiGLU over its own pairs by two grouped products (`native`: XLA's ragged dot),
+/// each pair's output weighted by its combine weight and added into its token's row. The
+/// result is f32 `[N, hidden]`, equal to [`experts_dense`]'s (whose other experts' weights are
+/// zero). Narrow expert weights take narrow operands and give f32 products.
+pub fn experts_grouped(experts: &Experts, x: &Tensor, routing: &Routing, native: bool) -> Tensor {
+    let [e, two_f, h] = experts.gate_up.dims()[..] else {
+        panic!("stacked experts are [experts, 2 * ffn, hidden]");
+    };
+    let f = two_f / 2;
+    let g = x.graph();
+    let (n, k) = (x.dims()[0], routing.chosen.dims()[1]);
+    let pairs = n * k;
+    // Dispatch: pair p = token p / k's (p % k)-th choice; sorted by expert.
+    let chosen = routing.chosen.reshape(&[pairs]);
+    let (by_expert, order) = chosen.sort(false);
+    let token = &order / &order.full_like(k as f64);
+    let sizes = by_expert
+        .keep_axis(1)
+        .broadcast_to(&[pairs, e])
+        .eq(&g.iota(DType::I32, &[pairs, e], 1))
+        .select(&g.scalar(1.0, DType::I32), &g.scalar(0.0, DType::I32))
+        .sum_axis(0, false);
+    // The masked form's products are three-dimensional, which the CPU plugin runs in f32 only
+    // (bf16 x bf16 = f32 is refused there): it computes in f32.
+    let w = if native {
+        experts.gate_up.dtype()
+    } else {
+        DType::F32
+    };
+    let rows = x.take(&token, 0).convert_if_needed(w);
+    let stacked = |t: &Tensor| t.convert_if_needed(w).transpose(&[0, 2, 1]);
+    // Each expert's SwiGLU over its rows: [P, H] x [E, H, 2F] -> [P, 2F], then [P, F] x [E, F, H].
+    let gate_up = rows.ragged_dot(&stacked(&experts.gate_up), &sizes, native, Some(DType::F32));
+    let act = &gate_up.slice_axis(1, 0, f).silu() * &gate_up.slice_axis(1, f, two_f);
+    let out = act
+        .convert_if_needed(w)
+        .ragged_dot(&stacked(&experts.down), &sizes, native, Some(DType::F32));
+    // Combine: each pair's combine weight (the router's, live) and a sum into its token.
+    let at = Tensor::concat(&[&token.keep_axis(1), &by_expert.keep_axis(1)], 1);
+    let weight = routing.weights.take_at(&at, &[0, 1]);
+    let weighted = &out * &weight.keep_axis(1).broadcast_to(&[pairs, h]);
+    g.zeros(DType::F32, &[n, h])
+        .scatter_add_at(&token, &weighted, &[0])
+}
+
+/// The mixture-of-experts MLP of `x [.., hidden]`: routed (or replayed), dispatched by the
+/// experts' [`MoeLowering`],
 /// f32 `[.., hidden]`, with the routing for metrics, losses and recording.
 pub fn moe_mlp(
     config: &MoeConfig,
@@ -148,7 +228,10 @@ pub fn moe_mlp(
     let flat = x.reshape(&[-1, hidden]);
     let replay_flat = replay.map(|r| r.reshape(&[-1, config.experts_per_token as i64]));
     let routing = route(config, &experts.router, &flat, replay_flat.as_ref());
-    let out = experts_dense(experts, &flat, &routing.weights);
+    let out = match experts.lowering {
+        MoeLowering::Dense => experts_dense(experts, &flat, &routing.weights),
+        MoeLowering::Grouped { native } => experts_grouped(experts, &flat, &routing, native),
+    };
     let lead = &dims[..dims.len() - 1];
     let reshape = |t: &Tensor, last: i64| {
         let mut d = lead.to_vec();

@@ -327,3 +327,76 @@ fn router_gradients_under_replay_match_finite_differences() {
         "{analytic} vs {numeric}"
     );
 }
+
+/// The two dispatches of `model::moe`: the grouped one (tokens sorted by expert through a
+/// grouped product, here its masked form, which the CPU plugin runs) gives the dense one's
+/// logits, routes and gradients of every parameter, own routing and replayed, both layouts'
+/// fixtures (one with a dense layer).
+#[test]
+fn grouped_and_dense_dispatch_give_the_same_values_and_gradients() {
+    use model::moe::MoeLowering;
+    for name in ["qwen3_moe", "qwen3_moe_legacy"] {
+        let weights = load_hf_checkpoint(&fixture(name)).unwrap();
+        let config = weights.config.clone();
+        let model = DeviceModel::upload(client(), &weights, DType::F32, 0).unwrap();
+        let (ids, ..) = reference(name).into_iter().max_by_key(|r| r.0.len()).unwrap();
+        let t = ids.len() as i64;
+        let (lm, k) = (
+            config.moe_layers() as i64,
+            config.moe.as_ref().unwrap().experts_per_token as i64,
+        );
+        let run_with = |lowering: MoeLowering, replay: Option<&[i32]>| {
+            let g = Graph::new("dispatch");
+            let p = DecoderParams::declare(&g, &config, DType::F32);
+            let tokens = g.parameter("tokens", DType::I32, &[1, t]);
+            let mask = g.parameter("mask", DType::I32, &[1, t]);
+            let replayed = replay.map(|_| g.parameter("replay", DType::I32, &[1, t, lm, k]));
+            let forward = |args: &[Tensor]| {
+                let p = DecoderParams::from_tensors(&config, args)
+                    .unwrap()
+                    .with_moe_lowering(lowering);
+                let (h, _, routes) = span_hidden_routed(&p, &tokens, &mask, 1, replayed.as_ref());
+                (linear(&h, p.head()), routes.unwrap().chosen)
+            };
+            let (logits, chosen) = forward(&p.all);
+            let loss = |args: &[Tensor]| {
+                let (l, _) = forward(args);
+                (&l * &l.sin()).mean_all()
+            };
+            let wrt: Vec<usize> = (0..p.all.len()).collect();
+            let (_, grads) = value_and_grad(loss, &p.all, &wrt).unwrap();
+            let mut outs = vec![&logits, &chosen];
+            outs.extend(grads.iter());
+            let exe = g.build(&outs).unwrap().compile(client()).unwrap();
+            let tb = client().buffer_from_host(&ids, &[1, t], 0).unwrap();
+            let mb = client()
+                .buffer_from_host(&vec![1i32; t as usize], &[1, t], 0)
+                .unwrap();
+            let rb = replay.map(|r| client().buffer_from_host(r, &[1, t, lm, k], 0).unwrap());
+            let mut args: Vec<&Buffer> = model.weights().iter().collect();
+            args.extend([&tb, &mb]);
+            args.extend(rb.as_ref());
+            let out = exe.execute(&args).unwrap();
+            let floats: Vec<Vec<f32>> = std::iter::once(&out[0])
+                .chain(&out[2..])
+                .map(|b| b.to_host::<f32>().unwrap())
+                .collect();
+            (floats, out[1].to_host::<i32>().unwrap())
+        };
+        let other: Vec<i32> = (0..t * lm * k).map(|i| ((i * 3 + i / k) % 8) as i32).collect();
+        for replay in [None, Some(other.as_slice())] {
+            let (dense, dense_routes) = run_with(MoeLowering::Dense, replay);
+            let (grouped, grouped_routes) = run_with(MoeLowering::Grouped { native: false }, replay);
+            assert_eq!(grouped_routes, dense_routes, "{name}: routes");
+            for (i, (a, b)) in grouped.iter().zip(&dense).enumerate() {
+                let scale = b.iter().fold(1e-3f32, |m, x| m.max(x.abs()));
+                let worst = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+                assert!(
+                    worst <= 1e-5 * scale.max(1.0),
+                    "{name}, replay {}: output {i} differs by {worst} (scale {scale})",
+                    replay.is_some()
+                );
+            }
+        }
+    }
+}

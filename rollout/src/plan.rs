@@ -77,6 +77,9 @@ impl ProgramPlan {
         cache.write = settings.kv_write.unwrap_or(KvWrite::for_plugin(plugin));
         cache.adapters = settings.adapters.clone();
         cache.record_routes = settings.record_routes && config.moe.is_some();
+        if config.moe.is_some() {
+            cache.moe_lowering = settings.moe_lowering.on(plugin);
+        }
         let local = cache.local_slots();
         // A step that slices its rows out of the cache and writes them back (any write but a
         // scatter on one slot group, `programs::decode_sample_program`) pays for that copy:

@@ -74,6 +74,9 @@ pub struct CacheShape {
     /// layer chose for every position they feed (u8, `[.., moe_layers, k]`), before the cache
     /// ([`crate::EngineConfig::record_routes`]). Only for a mixture-of-experts model.
     pub record_routes: bool,
+    /// How a mixture-of-experts model's layers dispatch to their experts (the engine's
+    /// [`crate::EngineConfig::moe_lowering`] on its plugin).
+    pub moe_lowering: model::moe::MoeLowering,
 }
 
 /// The name of the mesh axis an engine over several devices splits its slots along.
@@ -118,6 +121,7 @@ impl CacheShape {
             write: KvWrite::Scatter,
             adapters: None,
             record_routes: false,
+            moe_lowering: model::moe::MoeLowering::Dense,
         }
     }
 
@@ -234,7 +238,8 @@ impl CacheShape {
     /// `dtype`, then any adapters applied beside them, in f32 (each split with its weight).
     fn declare_params(&self, g: &Graph, config: &ModelConfig, dtype: DType) -> DecoderParams {
         let layout = crate::weights::rollout_layout(self.tensor_parallel);
-        let p = DecoderParams::declare_laid_out(g, config, dtype, &layout);
+        let p =
+            DecoderParams::declare_laid_out(g, config, dtype, &layout).with_moe_lowering(self.moe_lowering);
         let Some(lora) = &self.adapters else {
             return p;
         };
@@ -1365,11 +1370,17 @@ fn rows_suffix(cache: &CacheShape, rows: usize) -> String {
 /// `_spmd4` for a program split over 4 devices (`_spmd4_tp2` with tensor parallelism over 2
 /// of them), empty on one; `_routes` after it when the program records routes.
 fn spmd_suffix(cache: &CacheShape) -> String {
-    let routes = if cache.record_routes { "_routes" } else { "" };
+    let mut extra = String::new();
+    if cache.record_routes {
+        extra.push_str("_routes");
+    }
+    if let model::moe::MoeLowering::Grouped { .. } = cache.moe_lowering {
+        extra.push_str("_grouped");
+    }
     match (cache.devices, cache.tensor_parallel) {
-        (0 | 1, _) => routes.to_string(),
-        (n, 1) => format!("_spmd{n}{routes}"),
-        (n, tp) => format!("_spmd{n}_tp{tp}{routes}"),
+        (0 | 1, _) => extra,
+        (n, 1) => format!("_spmd{n}{extra}"),
+        (n, tp) => format!("_spmd{n}_tp{tp}{extra}"),
     }
 }
 

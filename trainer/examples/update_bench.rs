@@ -388,6 +388,7 @@ fn main() {
         lora_form: Default::default(),
         head: Default::default(),
         route_inputs: false,
+        moe_lowering: Default::default(),
     };
     let rows_ref: Vec<(&[u32], &[u32])> = row_ids
         .iter()

@@ -158,6 +158,8 @@ impl BucketedLearner {
                 ),
             });
         }
+        // A mixture of experts' grouped dispatch as this client's plugin lowers it.
+        let policy = policy.for_plugin(client.plugin().kind());
         let specs = policy.param_specs();
         let p = policy.clone();
         let programs = build_train_programs(&cfg, &specs, &policy.input_specs(), move |params, batch| {

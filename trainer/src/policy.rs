@@ -85,6 +85,10 @@ pub struct DecoderPolicy {
     /// every pass uses them, and the log-probs pass returns the experts it used
     /// ([`PolicyOutput::chosen`]). Read only for a mixture-of-experts model.
     pub route_inputs: bool,
+    /// How a mixture-of-experts model's layers dispatch to their experts
+    /// (`model.moe_dispatch`); the learner lowers its ragged dot for its plugin
+    /// ([`DecoderPolicy::for_plugin`]).
+    pub moe_lowering: model::moe::MoeLowering,
 }
 
 /// One micro-batch of rows packed for [`DecoderPolicy`].
@@ -171,6 +175,14 @@ impl DecoderPolicy {
         DecoderPolicy {
             prompt_len,
             response_len,
+            ..self.clone()
+        }
+    }
+
+    /// This policy on `plugin`'s devices ([`model::moe::MoeLowering::on`]).
+    pub fn for_plugin(&self, plugin: xla::runtime::PluginKind) -> DecoderPolicy {
+        DecoderPolicy {
+            moe_lowering: self.moe_lowering.on(plugin),
             ..self.clone()
         }
     }
@@ -292,7 +304,8 @@ impl DecoderPolicy {
         trunk.tie_word_embeddings = true;
         let n = params.len() - value_head_table(&self.config).len();
         let mut p = DecoderParams::from_tensors(&trunk, &params[..n])
-            .expect("parameters follow the value model's table");
+            .expect("parameters follow the value model's table")
+            .with_moe_lowering(self.moe_lowering);
         p.remat = self.remat;
         p.scan = self.scan;
         let (h, valid) = if self.shares_prompts() {
@@ -317,7 +330,7 @@ impl DecoderPolicy {
     pub fn log_probs(&self, params: &[Tensor], batch: &[Tensor]) -> PolicyOutput {
         let g = batch[0].graph();
         let table = "parameters follow the parameter table";
-        let mut p = match &self.lora {
+        let p = match &self.lora {
             Some(lora) => {
                 let (adapters, base) = params.split_at(lora_param_table(&self.config, lora).len());
                 match self.lora_form {
@@ -332,6 +345,7 @@ impl DecoderPolicy {
             }
             None => DecoderParams::from_tensors(&self.config, params).expect(table),
         };
+        let mut p = p.with_moe_lowering(self.moe_lowering);
         p.remat = self.remat;
         p.scan = self.scan;
         let temperature = g.scalar(self.temperature as f64, DType::F32);
@@ -642,6 +656,7 @@ mod tests {
             lora_form: model::LoraForm::default(),
             head: Default::default(),
             route_inputs: false,
+            moe_lowering: Default::default(),
         }
     }
 

@@ -53,6 +53,7 @@ fn policy() -> DecoderPolicy {
         lora_form: Default::default(),
         head: Default::default(),
         route_inputs: false,
+        moe_lowering: Default::default(),
     }
 }
 

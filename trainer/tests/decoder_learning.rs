@@ -86,6 +86,7 @@ fn train(seed: u64, steps: usize, check_alignment: bool) -> Vec<f64> {
         lora_form: Default::default(),
         head: Default::default(),
         route_inputs: false,
+        moe_lowering: Default::default(),
     };
     let specs = policy.param_specs();
     let cfg = StepConfig {

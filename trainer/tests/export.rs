@@ -86,6 +86,7 @@ fn trained_checkpoint(output: &Path, model_path: &Path) -> (PathBuf, Vec<Vec<f32
         lora_form: Default::default(),
         head: Default::default(),
         route_inputs: false,
+        moe_lowering: Default::default(),
     };
     let specs = policy.param_specs();
     let params: Vec<Vec<f32>> = source

@@ -79,6 +79,7 @@ fn policy_in_blocks(config: &ModelConfig, lora: Option<LoraConfig>, blocks: usiz
         lora_form: Default::default(),
         head: Default::default(),
         route_inputs: false,
+        moe_lowering: Default::default(),
     }
 }
 

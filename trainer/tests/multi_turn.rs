@@ -36,6 +36,7 @@ fn update() -> GrpoUpdate {
         lora_form: Default::default(),
         head: Default::default(),
         route_inputs: false,
+        moe_lowering: Default::default(),
     };
     let config = UpdateConfig {
         step: StepConfig {

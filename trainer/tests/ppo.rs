@@ -39,6 +39,7 @@ fn model(head: Head) -> DecoderPolicy {
         lora_form: Default::default(),
         head,
         route_inputs: false,
+        moe_lowering: Default::default(),
     }
 }
 

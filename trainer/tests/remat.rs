@@ -67,6 +67,7 @@ fn policy(config: &ModelConfig, group_size: usize, layers: Layers) -> DecoderPol
         lora_form: Default::default(),
         head: Default::default(),
         route_inputs: false,
+        moe_lowering: Default::default(),
     }
 }
 

@@ -82,6 +82,7 @@ fn policy_of(config: &ModelConfig, micro_batch_size: usize, blocks: usize) -> De
         lora_form: Default::default(),
         head: Default::default(),
         route_inputs: false,
+        moe_lowering: Default::default(),
     }
 }
 

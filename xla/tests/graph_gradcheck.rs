@@ -297,6 +297,27 @@ fn table() -> Vec<Row> {
                 None
             )
         ),
+        // ---- ragged_dot (the masked lowering the CPU plugin runs; the native one shares its
+        // shape rule and gradient, and tests/ragged_dot.rs compiles it for a TPU) ----
+        row!(
+            "ragged_dot (a matrix per group of rows, one group empty, one row in none)",
+            |r| {
+                let k = d(r);
+                vec![F(vec![8, k], -1.0, 1.0), F(vec![4, k, 3], -1.0, 1.0)]
+            },
+            |g, x| {
+                let sizes = g.constant_i64(&[2, 0, 4, 1], DType::I32, &[4]);
+                x[0].ragged_dot(&x[1], &sizes, false, None)
+            }
+        ),
+        row!(
+            "ragged_dot per group (the matrices' gradient form)",
+            |r| vec![F(vec![6, d(r)], -1.0, 1.0), F(vec![6, 3], -1.0, 1.0)],
+            |g, x| {
+                let sizes = g.constant_i64(&[3, 1, 2], DType::I32, &[3]);
+                x[0].ragged_dot_per_group(&x[1], &sizes, false, None)
+            }
+        ),
         // ---- reductions ----
         row!(
             "reduce_sum",

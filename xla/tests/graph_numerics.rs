@@ -198,6 +198,62 @@ fn matmul_and_batched_dot_match_rust() {
     assert_close("plain", &to_f64(&read::<f32>(&got[2])), &want[..m * n], 1e-5);
 }
 
+/// The grouped product in its masked lowering (what the CPU plugin runs): each row times its
+/// group's matrix, an empty group, rows past the groups' total zero; and the per-group form.
+#[test]
+fn ragged_dot_matches_rust() {
+    let mut r = rng("ragged_dot");
+    let (m, k, n) = (7usize, 3usize, 4usize);
+    let sizes = [2i32, 0, 3, 1];
+    let g_count = sizes.len();
+    let a = uniform(&mut r, m * k, -1.0, 1.0);
+    let b = uniform(&mut r, g_count * k * n, -1.0, 1.0);
+    let c = uniform(&mut r, m * n, -1.0, 1.0);
+    let g = Graph::new("ragged_dot");
+    let ta = g.parameter("a", DType::F64, &[m as i64, k as i64]);
+    let tb = g.parameter("b", DType::F64, &[g_count as i64, k as i64, n as i64]);
+    let tc = g.parameter("c", DType::F64, &[m as i64, n as i64]);
+    let ts = g.parameter("sizes", DType::I32, &[g_count as i64]);
+    let rows = ta.ragged_dot(&tb, &ts, false, None);
+    let groups = ta.ragged_dot_per_group(&tc, &ts, false, None);
+    let p = g.build(&[&rows, &groups]).unwrap();
+    let got = run(
+        &p,
+        &[
+            &upload(&a, &[m as i64, k as i64]),
+            &upload(&b, &[g_count as i64, k as i64, n as i64]),
+            &upload(&c, &[m as i64, n as i64]),
+            &upload(&sizes, &[g_count as i64]),
+        ],
+    );
+    // The group of each row (None past the total).
+    let mut group_of = vec![None; m];
+    let mut row = 0;
+    for (gi, &size) in sizes.iter().enumerate() {
+        for _ in 0..size {
+            group_of[row] = Some(gi);
+            row += 1;
+        }
+    }
+    let mut want_rows = vec![0.0; m * n];
+    let mut want_groups = vec![0.0; g_count * k * n];
+    for (i, gi) in group_of.iter().enumerate() {
+        let Some(gi) = *gi else { continue };
+        for j in 0..n {
+            want_rows[i * n + j] = (0..k).map(|x| a[i * k + x] * b[(gi * k + x) * n + j]).sum();
+            for x in 0..k {
+                want_groups[(gi * k + x) * n + j] += a[i * k + x] * c[i * n + j];
+            }
+        }
+    }
+    assert!(
+        want_rows[6 * n..].iter().all(|v| *v == 0.0),
+        "row 6 is in no group"
+    );
+    assert_close("ragged_dot", &read::<f64>(&got[0]), &want_rows, 1e-12);
+    assert_close("ragged_dot per group", &read::<f64>(&got[1]), &want_groups, 1e-12);
+}
+
 #[test]
 fn reductions_and_argmax_match_rust() {
     let mut r = rng("reduce");

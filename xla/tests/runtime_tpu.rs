@@ -382,3 +382,52 @@ fn unknown_libtpu_init_args_flag_exits_the_process() {
         "{stderr}"
     );
 }
+
+/// A grouped product and its gradients (`Tensor::ragged_dot`), lowered natively to XLA's
+/// ragged dot, compiles for a TPU. libtpu's cost analysis counts each ragged dot as if every
+/// row met every group's matrix (the group sizes are run-time values), the FLOPs of the masked
+/// dense lowering the CPU plugin runs: the native kernel's saving does not show in it.
+#[test]
+fn the_native_ragged_dot_compiles_for_a_tpu() {
+    let Some(tpu) = libtpu("the_native_ragged_dot_compiles_for_a_tpu") else {
+        return;
+    };
+    use xla::graph::{grad, Graph};
+    use xla::DType;
+    let (m, k, n, groups) = (512i64, 256i64, 512i64, 8i64);
+    let flops = |native: bool| {
+        let g = Graph::new("grouped");
+        let x = g.parameter("x", DType::F32, &[m, k]);
+        let w = g.parameter("w", DType::F32, &[groups, k, n]);
+        let sizes = g.parameter("sizes", DType::I32, &[groups]);
+        let y = x.ragged_dot(&w, &sizes, native, None);
+        let loss = (&y * &y).sum_all();
+        let grads = grad(&loss, &[&x, &w]).unwrap();
+        let program = g.build(&[&loss, &grads[0], &grads[1]]).unwrap();
+        if native {
+            assert!(program.mlir().contains("chlo.ragged_dot"), "{}", program.mlir());
+        }
+        let report = compile_for_topology_with(
+            &tpu,
+            program.mlir(),
+            "v5e:2x2",
+            &TopologyOptions::default(),
+            &CompileOptions::default(),
+        )
+        .unwrap_or_else(|e| panic!("native {native}: {e}"));
+        let TpuCompileOutcome::Fits { cost, memory, .. } = &report.outcome else {
+            panic!("native {native}: {:?}", report.outcome)
+        };
+        assert!(memory.peak_bytes > 0, "{memory:?}");
+        cost.flops.expect("libtpu counts flops")
+    };
+    let (native, masked) = (flops(true), flops(false));
+    // Forward and two gradients: 3 products of 2 m k n FLOPs, each counted G times.
+    let counted = (3 * groups * 2 * m * k * n) as f64;
+    for (what, f) in [("native", native), ("masked", masked)] {
+        assert!(
+            f >= counted && f < 1.05 * counted,
+            "{what}: {f} against {counted}"
+        );
+    }
+}

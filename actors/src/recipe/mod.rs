@@ -77,6 +77,11 @@ pub struct ModelSection {
     /// layers' weights once (a copy). The rollout's programs stay one trace per layer.
     #[serde(default)]
     pub scan_layers: bool,
+    /// How a mixture-of-experts model's tokens reach their experts: `dense` (every token
+    /// through every expert, the zero combine weights dropping the others) or `grouped` (each
+    /// token's chosen experts only, sorted by expert through XLA's ragged dot). docs/moe.md.
+    #[serde(default)]
+    pub moe_dispatch: MoeDispatch,
     /// A PEFT LoRA adapter directory (`adapter_config.json`, `adapter_model.safetensors`) to
     /// continue training from (VeRL's `lora_adapter_path`): with `actor.lora_rank` set to the
     /// adapter's `r`, its `lora_alpha` and `target_modules` must match the recipe's.
@@ -753,6 +758,25 @@ pub struct OptimSection {
     /// Cosine schedule's final learning rate as a fraction of `lr`.
     #[serde(default)]
     pub min_lr_ratio: f64,
+}
+
+/// `model.moe_dispatch`.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum MoeDispatch {
+    #[default]
+    Dense,
+    Grouped,
+}
+
+impl MoeDispatch {
+    /// The model crate's lowering (its ragged dot's form is chosen per plugin later).
+    pub fn lowering(self) -> model::moe::MoeLowering {
+        match self {
+            MoeDispatch::Dense => model::moe::MoeLowering::Dense,
+            MoeDispatch::Grouped => model::moe::MoeLowering::Grouped { native: false },
+        }
+    }
 }
 
 /// `actor.router_replay`: which experts the learner's passes use (docs/moe.md, "Routing

@@ -60,6 +60,7 @@ const RESUME_MAY_CHANGE: &[&str] = &[
     "rollout.tensor_model_parallel_size",
     "model.enable_gradient_checkpointing",
     "model.scan_layers",
+    "model.moe_dispatch",
 ];
 
 /// The point a run starts from.

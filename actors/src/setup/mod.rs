@@ -53,6 +53,7 @@ pub fn engine_config(recipe: &Recipe, stop_token_ids: &[u32]) -> EngineConfig {
     settings.eos_token_ids = stop_token_ids.to_vec();
     settings.tensor_parallel = recipe.rollout.tensor_model_parallel_size.max(1);
     settings.record_routes = recipe.rollout.records_routes(&recipe.actor);
+    settings.moe_lowering = recipe.model.moe_dispatch.lowering();
     settings.adapters = recipe
         .actor
         .lora()
@@ -314,6 +315,7 @@ pub fn policy(recipe: &Recipe, config: &model::ModelConfig) -> DecoderPolicy {
         // Routes go in to be replayed, or to compare the learner's experts with the rollout's.
         route_inputs: recipe.actor.router_replay.mode != trainer::config::RouterReplay::Disabled
             || recipe.rollout.records_routes(&recipe.actor),
+        moe_lowering: recipe.model.moe_dispatch.lowering(),
     }
 }
 

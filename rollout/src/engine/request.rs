@@ -57,6 +57,9 @@ pub struct EngineConfig {
     /// each MoE layer chose ([`Sample::routes`]; `rollout.enable_rollout_routing_replay`), for
     /// the learner to replay. Off: no sample carries routes. Ignored for a dense model.
     pub record_routes: bool,
+    /// How a mixture-of-experts model dispatches to its experts (`model.moe_dispatch`; the
+    /// ragged dot's lowering follows the engine's plugin, [`model::moe::MoeLowering::on`]).
+    pub moe_lowering: model::moe::MoeLowering,
 }
 
 impl EngineConfig {
@@ -76,6 +79,7 @@ impl EngineConfig {
             compact_slots: true,
             adapters: None,
             record_routes: false,
+            moe_lowering: model::moe::MoeLowering::Dense,
         }
     }
 

@@ -91,7 +91,7 @@ impl Plan {
             plan.critic_bytes_per_device,
         ) = learner_bytes_per_device(recipe, config)?;
         plan_rollout(&mut plan, recipe, config)?;
-        plan_learner(&mut plan, recipe, config)?;
+        plan_learner(&mut plan, recipe, config, plugin)?;
         Ok(plan)
     }
 
@@ -291,8 +291,10 @@ pub(super) fn plan_learner(
     plan: &mut Plan,
     recipe: &Recipe,
     config: &ModelConfig,
+    plugin: PluginKind,
 ) -> Result<(), CompileError> {
-    let policy = policy(recipe, config);
+    // As the learner builds it on the target's plugin (`BucketedLearner::from_state`).
+    let policy = policy(recipe, config).for_plugin(plugin);
     let batches = batch_plan(recipe);
     let total_steps = recipe.trainer.total_training_steps.unwrap_or(1).max(1) as u64;
     let update = update_config(recipe, &policy, batches.total_optimizer_steps(total_steps));

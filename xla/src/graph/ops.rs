@@ -417,6 +417,20 @@ pub enum Op {
     Sort {
         descending: bool,
     },
+    /// A grouped matrix product over the rows of `lhs` `[M, K]`, taken as consecutive groups
+    /// of `group_sizes[g]` rows (inputs: lhs, rhs, group sizes `[G]` i32). `per_group: false`:
+    /// rhs `[G, K, N]` holds a matrix per group and row m is multiplied by its group's, result
+    /// `[M, N]`. `per_group: true`: rhs `[M, N]`, and the result `[G, K, N]` sums
+    /// `lhs[m]ᵀ rhs[m]` over each group's rows (the first form's gradient with respect to its
+    /// matrices). Rows past the groups' total count in no group. `native`: lowered to XLA's
+    /// `ragged-dot` (`chlo.ragged_dot`, which TPU and GPU compile as a grouped product and
+    /// XLA:CPU refuses); else to a dense product over a `[G, M, K]` mask of the groups' rows
+    /// (G times the FLOPs, what JAX lowers on the CPU).
+    RaggedDot {
+        per_group: bool,
+        native: bool,
+        result: DType,
+    },
     /// Identity in the forward pass; no gradient flows through it.
     StopGradient,
     /// Identity that XLA may not move computation across.
@@ -646,6 +660,7 @@ impl Op {
             Op::ScatterSet { .. } => "scatter",
             Op::Cumsum { .. } => "cumsum",
             Op::Sort { .. } => "sort",
+            Op::RaggedDot { .. } => "ragged_dot",
             Op::StopGradient => "stop_gradient",
             Op::OptimizationBarrier => "optimization_barrier",
             Op::ShardingConstraint(_) => "sharding_constraint",
@@ -1060,6 +1075,36 @@ impl Op {
                 }
                 one(ins[0].clone())
             }
+            Op::RaggedDot {
+                per_group, result, ..
+            } => {
+                arity(3)?;
+                let (l, r, gs) = (ins[0], ins[1], ins[2]);
+                if l.dtype != r.dtype || !l.dtype.is_float() || !result.is_float() {
+                    return Err(format!(
+                        "needs float operands of one element type and a float result, got {} and {} to {result}",
+                        l.dtype, r.dtype
+                    ));
+                }
+                if gs.rank() != 1 || gs.dtype != DType::I32 {
+                    return Err(format!("group sizes must be i32 [G], got {gs}"));
+                }
+                if l.rank() != 2 {
+                    return Err(format!("lhs must be [M, K], got {l}"));
+                }
+                let (m, k, g) = (l.dims[0], l.dims[1], gs.dims[0]);
+                if *per_group {
+                    if r.rank() != 2 || r.dims[0] != m {
+                        return Err(format!("rhs must be [M = {m}, N], got {r}"));
+                    }
+                    one(TensorType::new(*result, &[g, k, r.dims[1]]))
+                } else {
+                    if r.rank() != 3 || r.dims[0] != g || r.dims[1] != k {
+                        return Err(format!("rhs must be [G = {g}, K = {k}, N], got {r}"));
+                    }
+                    one(TensorType::new(*result, &[m, r.dims[2]]))
+                }
+            }
             Op::Sort { .. } => {
                 arity(1)?;
                 let x = ins[0];
@@ -1324,6 +1369,74 @@ impl Op {
                     o.mlir()
                 )
             }
+            Op::RaggedDot {
+                per_group, native, ..
+            } => {
+                let wide = in_tys[..2]
+                    .iter()
+                    .all(|t| matches!(t.dtype, DType::F32 | DType::F64));
+                let precision = if wide { "HIGHEST" } else { "DEFAULT" };
+                if *native {
+                    let dims = if *per_group {
+                        "lhs_contracting_dimensions = [0], rhs_contracting_dimensions = [0], lhs_ragged_dimensions = [0]"
+                    } else {
+                        "lhs_contracting_dimensions = [1], rhs_contracting_dimensions = [1], lhs_ragged_dimensions = [0], rhs_group_dimensions = [0]"
+                    };
+                    return format!(
+                        "{out} = \"chlo.ragged_dot\"({}) <{{precision_config = [#chlo<precision {precision}>, #chlo<precision {precision}>], ragged_dot_dimension_numbers = #chlo.ragged_dot<{dims}>}}> : {}",
+                        ins.join(", "),
+                        fn_type(in_tys, out_tys)
+                    );
+                }
+                // Each group's rows picked out of lhs by a [G, M] mask (starts <= m < ends, from
+                // the sizes' inclusive running sum), one product over the groups.
+                let (l, r, gs) = (in_tys[0], in_tys[1], in_tys[2]);
+                let (m, k, g) = (l.dims[0], l.dims[1], gs.dims[0]);
+                let t = l.dtype;
+                let gi = TensorType::new(DType::I32, &[g]).mlir();
+                let gmi = TensorType::new(DType::I32, &[g, m]).mlir();
+                let gmb = TensorType::new(DType::Bool, &[g, m]).mlir();
+                let gmkb = TensorType::new(DType::Bool, &[g, m, k]).mlir();
+                let gmk = TensorType::new(t, &[g, m, k]).mlir();
+                let i0 = TensorType::new(DType::I32, &[]).mlir();
+                let contracting = if *per_group {
+                    "[1] x [0]"
+                } else {
+                    "[0, 2] x [0, 1]"
+                };
+                [
+                    format!("%{base}_zi = stablehlo.constant dense<0> : {i0}"),
+                    format!(
+                        "%{base}_ends = \"stablehlo.reduce_window\"({}, %{base}_zi) <{{padding = dense<[[{}, 0]]> : tensor<1x2xi64>, window_dimensions = array<i64: {g}>, window_strides = array<i64: 1>}}> {} : ({gi}, {i0}) -> {gi}",
+                        ins[2],
+                        (g - 1).max(0),
+                        region(&format!("{base}_sum"), "add", DType::I32)
+                    ),
+                    format!("%{base}_starts = stablehlo.subtract %{base}_ends, {} : {gi}", ins[2]),
+                    format!("%{base}_e = stablehlo.broadcast_in_dim %{base}_ends, dims = [0] : ({gi}) -> {gmi}"),
+                    format!("%{base}_s = stablehlo.broadcast_in_dim %{base}_starts, dims = [0] : ({gi}) -> {gmi}"),
+                    format!("%{base}_row = stablehlo.iota dim = 1 : {gmi}"),
+                    format!("%{base}_ge = stablehlo.compare GE, %{base}_row, %{base}_s, SIGNED : ({gmi}, {gmi}) -> {gmb}"),
+                    format!("%{base}_lt = stablehlo.compare LT, %{base}_row, %{base}_e, SIGNED : ({gmi}, {gmi}) -> {gmb}"),
+                    format!("%{base}_in = stablehlo.and %{base}_ge, %{base}_lt : {gmb}"),
+                    format!("%{base}_mask = stablehlo.broadcast_in_dim %{base}_in, dims = [0, 1] : ({gmb}) -> {gmkb}"),
+                    format!("%{base}_lhs = stablehlo.broadcast_in_dim {}, dims = [1, 2] : ({}) -> {gmk}", ins[0], l.mlir()),
+                    format!(
+                        "%{base}_z = stablehlo.constant dense<{}> : {}",
+                        format_element(0.0, t),
+                        TensorType::new(t, &[]).mlir()
+                    ),
+                    format!("%{base}_zs = stablehlo.broadcast_in_dim %{base}_z, dims = [] : ({}) -> {gmk}", TensorType::new(t, &[]).mlir()),
+                    format!("%{base}_picked = stablehlo.select %{base}_mask, %{base}_lhs, %{base}_zs : {gmkb}, {gmk}"),
+                    format!(
+                        "{out} = stablehlo.dot_general %{base}_picked, {}, contracting_dims = {contracting}, precision = [{precision}, {precision}] : ({gmk}, {}) -> {}",
+                        ins[1],
+                        r.mlir(),
+                        o.mlir()
+                    ),
+                ]
+                .join("\n  ")
+            }
             Op::Sort { descending } => {
                 let x = in_tys[0];
                 let last = x.rank() - 1;
@@ -1396,6 +1509,7 @@ impl Op {
             | Op::ScatterSet { .. }
             | Op::Cumsum { .. }
             | Op::Sort { .. }
+            | Op::RaggedDot { .. }
             | Op::OptimizationBarrier
             | Op::ShardingConstraint(_)
             | Op::Scan(_) => true,
@@ -1622,6 +1736,39 @@ impl Op {
             ],
             Op::Cumsum { dim, reverse } => vec![Some(g0.cumsum(*dim as i64, !*reverse))],
             Op::Sort { .. } => vec![Some(scatter_last_axis(g0, &y[1]))],
+            Op::RaggedDot {
+                per_group, native, ..
+            } => {
+                let (l, r, gs) = (&x[0], &x[1], &x[2]);
+                let g0 = g0.convert_if_needed(l.dtype());
+                let swap = |t: &Tensor| t.transpose(&[0, 2, 1]);
+                let rd = |a: &Tensor, b: &Tensor, per_group: bool, to: DType| {
+                    a.graph().add1(
+                        Op::RaggedDot {
+                            per_group,
+                            native: *native,
+                            result: to,
+                        },
+                        &[a, b, gs],
+                        std::panic::Location::caller(),
+                    )
+                };
+                if *per_group {
+                    // y[g] = sum over g's rows of l[m]ᵀ r[m]: dl[m] = r[m] y'[g]ᵀ, dr[m] = l[m] y'[g].
+                    vec![
+                        Some(rd(r, &swap(&g0), false, l.dtype())),
+                        Some(rd(l, &g0, false, r.dtype())),
+                        None,
+                    ]
+                } else {
+                    // y[m] = l[m] r[g]: dl[m] = y'[m] r[g]ᵀ, dr[g] = sum over g's rows of l[m]ᵀ y'[m].
+                    vec![
+                        Some(rd(&g0, &swap(r), false, l.dtype())),
+                        Some(rd(l, &g0, true, r.dtype())),
+                        None,
+                    ]
+                }
+            }
             Op::OptimizationBarrier => g.iter().map(|t| Some(t.clone())).collect(),
             Op::Scan(body) => crate::graph::scan::vjp(body, x, y, g),
             Op::ShardingConstraint(_) => vec![Some(g0.clone())],
@@ -1824,6 +1971,11 @@ pub fn differentiable_primitive_names() -> Vec<&'static str> {
             reverse: false,
         },
         Op::Sort { descending: false },
+        Op::RaggedDot {
+            per_group: false,
+            native: false,
+            result: DType::F32,
+        },
         Op::OptimizationBarrier,
         Op::ShardingConstraint(Sharding::replicated(0)),
         Op::Scan(Box::default()),

@@ -466,6 +466,54 @@ impl Tensor {
             .add1(Op::DotGeneral { dims, result }, &[self, rhs], Location::caller())
     }
 
+    /// Grouped matrix product: `self` `[M, K]` is consecutive groups of `group_sizes[g]` rows
+    /// (`[G]`, i32), `rhs` `[G, K, N]` a matrix per group; each row times its group's matrix,
+    /// `[M, N]` (rows past the groups' total are zeros). `native` lowers it to XLA's ragged dot
+    /// (TPU, GPU), else to a masked dense product any plugin runs (the `RaggedDot` primitive of
+    /// `ops.rs`). `preferred` is the result element type (default: the operands').
+    #[track_caller]
+    pub fn ragged_dot(
+        &self,
+        rhs: &Tensor,
+        group_sizes: &Tensor,
+        native: bool,
+        preferred: Option<DType>,
+    ) -> Tensor {
+        let result = preferred.unwrap_or(self.dtype());
+        self.graph.add1(
+            Op::RaggedDot {
+                per_group: false,
+                native,
+                result,
+            },
+            &[self, rhs, group_sizes],
+            Location::caller(),
+        )
+    }
+
+    /// The per-group form of [`Tensor::ragged_dot`] (its gradient with respect to the
+    /// matrices): `self` `[M, K]` and `rhs` `[M, N]` in the same groups of rows; per group the
+    /// sum of `self[m]ᵀ rhs[m]` over its rows, `[G, K, N]`.
+    #[track_caller]
+    pub fn ragged_dot_per_group(
+        &self,
+        rhs: &Tensor,
+        group_sizes: &Tensor,
+        native: bool,
+        preferred: Option<DType>,
+    ) -> Tensor {
+        let result = preferred.unwrap_or(self.dtype());
+        self.graph.add1(
+            Op::RaggedDot {
+                per_group: true,
+                native,
+                result,
+            },
+            &[self, rhs, group_sizes],
+            Location::caller(),
+        )
+    }
+
     /// Matrix product over the last dimension of `self` and the first of `rhs` when `rhs` is
     /// a matrix (`[..., k] x [k, n]`), or a batched product when both have rank r >= 3 and
     /// equal leading dimensions (`[b.., m, k] x [b.., k, n]`).
