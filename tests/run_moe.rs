@@ -120,32 +120,11 @@ fn a_tiny_moe_trains_resumes_exactly_and_runs_in_worker_processes() {
 /// train as the in-process run does.
 #[test]
 fn rollout_routing_replay_makes_the_learner_use_the_rollouts_experts() {
-    let dir = tempfile::tempdir().unwrap();
-    let model = testkit::tiny_moe_chat_model(dir.path());
-    let train = arithmetic(dir.path(), "train", 1, 64);
-    let val = arithmetic(dir.path(), "val", 2, 4);
+    let moe = TinyMoe::new();
     let run = |name: &str, extra: &[&str]| {
-        let out = dir.path().join(name);
-        let r = tiny_recipe(dir.path(), "replay.yaml", &model, &train, &val, &out, 2, "");
-        let mut args = vec![
-            "run",
-            r.to_str().unwrap(),
-            "--quiet",
-            "--set",
-            "actor.param_dtype=f32",
-            "--set",
-            "rollout.dtype=bf16",
-        ];
-        for e in extra {
-            args.extend(["--set", e]);
-        }
-        let o = run_grpo(&args);
-        assert!(
-            o.status.success(),
-            "{name}: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-        out
+        let mut settings = vec!["actor.param_dtype=f32", "rollout.dtype=bf16"];
+        settings.extend_from_slice(extra);
+        moe.run(name, 2, &settings)
     };
     let series = |out: &Path, key: &str| metric_series(&metrics(out), key);
     let mean = |v: Vec<f64>| v.iter().sum::<f64>() / v.len() as f64;
@@ -216,25 +195,8 @@ fn rollout_routing_replay_makes_the_learner_use_the_rollouts_experts() {
 /// computed in f32 (the CPU plugin refuses the masked form's bf16 products), within 10%.
 #[test]
 fn grouped_dispatch_trains_as_the_dense_one() {
-    let dir = tempfile::tempdir().unwrap();
-    let model = testkit::tiny_moe_chat_model(dir.path());
-    let train = arithmetic(dir.path(), "train", 1, 64);
-    let val = arithmetic(dir.path(), "val", 2, 4);
-    let run = |name: &str, extra: &[&str]| {
-        let out = dir.path().join(name);
-        let r = tiny_recipe(dir.path(), "dispatch.yaml", &model, &train, &val, &out, 1, "");
-        let mut args = vec!["run", r.to_str().unwrap(), "--quiet"];
-        for e in extra {
-            args.extend(["--set", e]);
-        }
-        let o = run_grpo(&args);
-        assert!(
-            o.status.success(),
-            "{name}: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-        metrics(&out)
-    };
+    let moe = TinyMoe::new();
+    let run = |name: &str, extra: &[&str]| metrics(&moe.run(name, 1, extra));
     for dtype in ["f32", "bf16"] {
         let dtypes = [
             format!("actor.param_dtype={dtype}"),
@@ -267,5 +229,49 @@ fn grouped_dispatch_trains_as_the_dense_one() {
                 "{dtype} {key}: dense {a}, grouped {b}"
             );
         }
+    }
+}
+
+/// A tiny Qwen3-MoE with SmolLM2's tokenizer and the arithmetic task in a temporary folder:
+/// [`TinyMoe::run`] trains it.
+struct TinyMoe {
+    dir: tempfile::TempDir,
+    model: std::path::PathBuf,
+    train: std::path::PathBuf,
+    val: std::path::PathBuf,
+}
+
+impl TinyMoe {
+    fn new() -> TinyMoe {
+        let dir = tempfile::tempdir().unwrap();
+        let model = testkit::tiny_moe_chat_model(dir.path());
+        let train = arithmetic(dir.path(), "train", 1, 64);
+        let val = arithmetic(dir.path(), "val", 2, 4);
+        TinyMoe {
+            dir,
+            model,
+            train,
+            val,
+        }
+    }
+
+    /// Trains `steps` steps into the folder `name` with each `key=value` of `settings` set;
+    /// returns the folder.
+    fn run(&self, name: &str, steps: usize, settings: &[&str]) -> std::path::PathBuf {
+        let out = self.dir.path().join(name);
+        let recipe = format!("{name}.yaml");
+        let (model, train, val) = (&self.model, &self.train, &self.val);
+        let r = tiny_recipe(self.dir.path(), &recipe, model, train, val, &out, steps, "");
+        let mut args = vec!["run", r.to_str().unwrap(), "--quiet"];
+        for s in settings {
+            args.extend(["--set", s]);
+        }
+        let o = run_grpo(&args);
+        assert!(
+            o.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        out
     }
 }

@@ -128,16 +128,7 @@ fn recomputed_and_scanned_layers_give_the_plain_log_probs_and_gradients() {
                 policy(&config, group, layers),
             );
             assert_eq!(plain.shares_prompts(), group == 2);
-            let batch: Vec<Vec<i32>> = plain
-                .pack(&rows)
-                .unwrap()
-                .inputs()
-                .into_iter()
-                .map(|a| match a {
-                    trainer::step::HostArray::I32(v) => v,
-                    trainer::step::HostArray::F32(_) => unreachable!("policy inputs are i32"),
-                })
-                .collect();
+            let batch = packed_inputs(&plain, &rows, None);
             let want = log_probs_and_grads(&plain, &params, &batch, &weights);
             let got = log_probs_and_grads(&other, &params, &batch, &weights);
             assert!(want[0].iter().any(|&x| x != 0.0));

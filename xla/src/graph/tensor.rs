@@ -479,16 +479,7 @@ impl Tensor {
         native: bool,
         preferred: Option<DType>,
     ) -> Tensor {
-        let result = preferred.unwrap_or(self.dtype());
-        self.graph.add1(
-            Op::RaggedDot {
-                per_group: false,
-                native,
-                result,
-            },
-            &[self, rhs, group_sizes],
-            Location::caller(),
-        )
+        self.ragged(rhs, group_sizes, (false, native), preferred, Location::caller())
     }
 
     /// The per-group form of [`Tensor::ragged_dot`] (its gradient with respect to the
@@ -502,16 +493,24 @@ impl Tensor {
         native: bool,
         preferred: Option<DType>,
     ) -> Tensor {
+        self.ragged(rhs, group_sizes, (true, native), preferred, Location::caller())
+    }
+
+    fn ragged(
+        &self,
+        rhs: &Tensor,
+        group_sizes: &Tensor,
+        (per_group, native): (bool, bool),
+        preferred: Option<DType>,
+        at: &'static Location<'static>,
+    ) -> Tensor {
         let result = preferred.unwrap_or(self.dtype());
-        self.graph.add1(
-            Op::RaggedDot {
-                per_group: true,
-                native,
-                result,
-            },
-            &[self, rhs, group_sizes],
-            Location::caller(),
-        )
+        let op = Op::RaggedDot {
+            per_group,
+            native,
+            result,
+        };
+        self.graph.add1(op, &[self, rhs, group_sizes], at)
     }
 
     /// Matrix product over the last dimension of `self` and the first of `rhs` when `rhs` is
