@@ -128,42 +128,45 @@ fn check_model_features(recipe: &Recipe, config: &model::ModelConfig) -> Result<
             ));
         }
     }
-    if config.moe.is_none() && recipe.actor.router_aux_loss_coef != 0.0 {
-        return Err(format!(
-            "actor.router_aux_loss_coef: {} weighs a mixture-of-experts model's load-balancing \
-             loss, and this {} model has no experts; remove it",
-            recipe.actor.router_aux_loss_coef, config.family
-        ));
-    }
     if config.moe.is_none() {
-        if recipe.actor.router_replay.mode != trainer::config::RouterReplay::Disabled {
+        // The settings only a mixture of experts reads, each as set and what it does.
+        let a = &recipe.actor;
+        let moe_only = [
+            (
+                a.router_aux_loss_coef != 0.0,
+                format!("actor.router_aux_loss_coef: {}", a.router_aux_loss_coef),
+                "weighs a mixture-of-experts model's load-balancing loss",
+            ),
+            (
+                a.router_replay.mode != trainer::config::RouterReplay::Disabled,
+                format!("actor.router_replay.mode: {:?}", a.router_replay.mode),
+                "replays a mixture-of-experts model's expert choices",
+            ),
+            (
+                recipe.model.moe_dispatch != crate::recipe::MoeDispatch::Dense,
+                "model.moe_dispatch: grouped".to_string(),
+                "dispatches a mixture-of-experts model's tokens to its experts",
+            ),
+            (
+                recipe.rollout.enable_rollout_routing_replay == Some(true),
+                "rollout.enable_rollout_routing_replay: true".to_string(),
+                "records a mixture-of-experts model's expert choices",
+            ),
+        ];
+        if let Some((_, setting, what)) = moe_only.into_iter().find(|(set, ..)| *set) {
             return Err(format!(
-                "actor.router_replay.mode: {:?} replays a mixture-of-experts model's expert choices, \
-                 and this {} model has no experts; remove it",
-                recipe.actor.router_replay.mode, config.family
-            ));
-        }
-        if recipe.model.moe_dispatch != crate::recipe::MoeDispatch::Dense {
-            return Err(format!(
-                "model.moe_dispatch: grouped dispatches a mixture-of-experts model's tokens to its \
-                 experts, and this {} model has no experts; remove it",
-                config.family
-            ));
-        }
-        if recipe.rollout.enable_rollout_routing_replay == Some(true) {
-            return Err(format!(
-                "rollout.enable_rollout_routing_replay: true records a mixture-of-experts model's \
-                 expert choices, and this {} model has no experts; remove it",
+                "{setting} {what}, and this {} model has no experts; remove it",
                 config.family
             ));
         }
     }
     if let Some(moe) = config.moe.as_ref() {
-        if recipe.rollout.records_routes(&recipe.actor) && moe.num_experts > 256 {
+        if recipe.rollout.records_routes(&recipe.actor) && moe.num_experts > rollout::MAX_RECORDED_EXPERTS {
             return Err(format!(
                 "rollout.enable_rollout_routing_replay: routes are recorded one byte per expert id, \
-                 and this model has {} experts (at most 256); turn routing replay off",
-                moe.num_experts
+                 and this model has {} experts (at most {}); turn routing replay off",
+                moe.num_experts,
+                rollout::MAX_RECORDED_EXPERTS
             ));
         }
     }

@@ -894,9 +894,14 @@ fn attend(
 /// sliding-window mask.
 fn and_within(allowed: Tensor, q_pos: &Tensor, k_pos: &Tensor, window: Option<usize>) -> Tensor {
     match window {
-        Some(w) => allowed.and(&(q_pos - k_pos).lt(&q_pos.full_like(w as f64))),
+        Some(w) => allowed.and(&within(q_pos, k_pos, w)),
         None => allowed,
     }
+}
+
+/// The key at `k_pos` among the last `window` positions of the query at `q_pos`.
+fn within(q_pos: &Tensor, k_pos: &Tensor, window: usize) -> Tensor {
+    (q_pos - k_pos).lt(&q_pos.full_like(window as f64))
 }
 
 /// Positions from a `[B, T]` 0/1 mask: the number of real tokens before each one
@@ -1336,10 +1341,9 @@ fn shared_prompts_inner(
     // Response column j (position len + j) and prompt column i (position i - (P - len)) are
     // j + P - i positions apart, whatever the prompt's length.
     let prompt_keys = match config.sliding_window {
-        Some(_) => {
+        Some(w) => {
             let q = &g.iota(DType::I32, &[l, pl], 0) + &g.full(pl as f64, DType::I32, &[l, pl]);
-            let k = g.iota(DType::I32, &[l, pl], 1);
-            let near = and_within(g.full(1.0, DType::Bool, &[l, pl]), &q, &k, config.sliding_window);
+            let near = within(&q, &g.iota(DType::I32, &[l, pl], 1), w);
             prompt_keys.and(&near.reshape(&[1, l, pl]).broadcast_to(&[b, l, pl]))
         }
         None => prompt_keys,

@@ -70,9 +70,7 @@ fn reference(name: &str) -> Vec<Reference> {
 fn routed_forward(weights: &ModelWeights, t: usize, replay: bool, scan_remat: bool) -> Executable {
     let config = &weights.config;
     let moe = config.moe.as_ref().unwrap();
-    let lm = (0..config.num_hidden_layers)
-        .filter(|&l| config.is_moe_layer(l))
-        .count() as i64;
+    let lm = config.moe_layers() as i64;
     let g = Graph::new("routed");
     let mut p = DecoderParams::declare(&g, config, DType::F32);
     p.scan = scan_remat;
@@ -141,9 +139,7 @@ fn routes_and_load_balancing_loss_are_transformers_and_replay_is_exact() {
         let weights = load_hf_checkpoint(&fixture(name)).unwrap();
         let config = &weights.config;
         let (k, vocab) = (config.moe.as_ref().unwrap().experts_per_token, config.vocab_size);
-        let lm = (0..config.num_hidden_layers)
-            .filter(|&l| config.is_moe_layer(l))
-            .count();
+        let lm = config.moe_layers();
         let model = DeviceModel::upload(client(), &weights, DType::F32, 0).unwrap();
         for (ids, logits, experts, aux) in reference(name).into_iter().filter(|r| r.0.len() > 1) {
             let t = ids.len();

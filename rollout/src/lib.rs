@@ -24,6 +24,7 @@ pub mod weights;
 pub use engine::{
     Engine, EngineConfig, EngineControl, EngineHandle, EngineOutput, EngineStats, Episode, EpisodeStats,
     FinishReason, GenerationRequest, Resume, Resumer, Sample, Turn, TurnHandler, TurnId,
+    MAX_RECORDED_EXPERTS,
 };
 pub use error::{Result, RolloutError};
 pub use sampling::SamplingParams;

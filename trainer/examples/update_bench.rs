@@ -420,7 +420,7 @@ fn main() {
         let mut lp = Vec::new();
         for chunk in &packed {
             let inputs: Vec<xla::runtime::Buffer> = chunk
-                .inputs()
+                .inputs(false)
                 .iter()
                 .zip(&specs)
                 .map(|(a, s)| a.to_device(&client, &s.dims, 0).unwrap())

@@ -298,12 +298,9 @@ impl BucketedLearner {
         Ok((widen(&lp, mb.response_len, self.policy.response_len), chosen))
     }
 
-    /// The policy inputs of `mb` for this learner's policy (a critic sharing the policy's
-    /// packings reads no routes).
+    /// The policy inputs of `mb` for this learner's policy.
     fn inputs(&self, mb: &PackedMicroBatch) -> Vec<crate::step::HostArray> {
-        let mut inputs = mb.packed.inputs();
-        inputs.truncate(self.policy.input_specs().len());
-        inputs
+        mb.packed.inputs(self.policy.replays())
     }
 
     /// Each of `rows`' routes from a pass's chosen experts over `mb`, packed from `rows`

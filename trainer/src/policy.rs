@@ -113,9 +113,10 @@ pub struct PackedRows {
 }
 
 impl PackedRows {
-    /// The policy inputs, in [`DecoderPolicy::input_specs`] order (the routes when packed
-    /// with them).
-    pub fn inputs(&self) -> Vec<HostArray> {
+    /// The policy inputs, in [`DecoderPolicy::input_specs`] order; the routes too when
+    /// `with_routes` (the policy replays them, [`DecoderPolicy::replays`]; a critic sharing a
+    /// policy's packings reads none).
+    pub fn inputs(&self, with_routes: bool) -> Vec<HostArray> {
         let mut inputs = vec![
             HostArray::I32(self.prompts.clone()),
             HostArray::I32(self.prompt_mask.clone()),
@@ -123,7 +124,7 @@ impl PackedRows {
             HostArray::I32(self.response_mask.iter().map(|&m| (m != 0.0) as i32).collect()),
             HostArray::I32(self.prompt_index.clone()),
         ];
-        if !self.prompt_routes.is_empty() {
+        if with_routes {
             inputs.push(HostArray::I32(self.prompt_routes.clone()));
             inputs.push(HostArray::I32(self.response_routes.clone()));
         }
@@ -457,7 +458,6 @@ impl DecoderPolicy {
             return Ok(out);
         };
         let experts = self.config.moe.as_ref().expect("replays").num_experts;
-        let (per_block, slots) = (self.rows_per_block(), self.slots_per_block());
         let mut filled = vec![false; self.prompt_slots()];
         for (row, ((prompt, response), record)) in rows.iter().zip(routes).enumerate() {
             let bad = |problem: String| PackError::Routes { row, problem };
@@ -477,7 +477,7 @@ impl DecoderPolicy {
             if let Some(&e) = record.iter().find(|&&e| e as usize >= experts) {
                 return Err(bad(format!("name expert {e}; the model has {experts}")));
             }
-            let slot = (row / per_block.max(1)) * slots + out.prompt_index[row] as usize;
+            let slot = self.slot_of(&out, row);
             for (i, ids) in record.chunks(per).enumerate() {
                 let (dst, at) = if i >= prompt.len() {
                     (&mut out.response_routes, row * l + (i - prompt.len()))
@@ -510,11 +510,10 @@ impl DecoderPolicy {
         };
         let per = (lm * k) as usize;
         let (p, l) = (self.prompt_len, self.response_len);
-        let (per_block, slots) = (self.rows_per_block(), self.slots_per_block());
         rows.iter()
             .enumerate()
             .map(|(row, (prompt, response))| {
-                let slot = (row / per_block.max(1)) * slots + packed.prompt_index[row] as usize;
+                let slot = self.slot_of(packed, row);
                 let mut out = Vec::with_capacity((prompt.len() + response.len()) * per);
                 let first = slot * p + p - prompt.len();
                 for at in first..first + prompt.len() {
@@ -526,6 +525,12 @@ impl DecoderPolicy {
                 out
             })
             .collect()
+    }
+
+    /// The prompt slot of row `row` of `packed` over the whole micro-batch (`prompt_index`
+    /// counts from the start of the row's block).
+    fn slot_of(&self, packed: &PackedRows, row: usize) -> usize {
+        (row / self.rows_per_block().max(1)) * self.slots_per_block() + packed.prompt_index[row] as usize
     }
 
     /// The token arrays of [`DecoderPolicy::pack`].

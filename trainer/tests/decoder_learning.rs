@@ -162,7 +162,7 @@ fn train(seed: u64, steps: usize, check_alignment: bool) -> Vec<f64> {
         let packed = policy.pack(&rows).unwrap();
         if let Some(view) = &view {
             let inputs: Vec<xla::runtime::Buffer> = packed
-                .inputs()
+                .inputs(false)
                 .iter()
                 .zip(policy.input_specs())
                 .map(|(a, s)| a.to_device(client(), &s.dims, 0).unwrap())
@@ -182,7 +182,7 @@ fn train(seed: u64, steps: usize, check_alignment: bool) -> Vec<f64> {
             advantages: adv,
             norm: mini_batch_normalizer(&packed.response_mask, 1),
             response_mask: packed.response_mask.clone(),
-            inputs: packed.inputs(),
+            inputs: packed.inputs(false),
             ..Default::default()
         };
         let mb = learner.upload_micro_batch(0, &mb).unwrap();

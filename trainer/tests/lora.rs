@@ -152,7 +152,7 @@ fn micro_batch(policy: &DecoderPolicy) -> MicroBatchHost {
         advantages: adv,
         norm: mini_batch_normalizer(&packed.response_mask, 2),
         response_mask: packed.response_mask.clone(),
-        inputs: packed.inputs(),
+        inputs: packed.inputs(false),
         ..Default::default()
     }
 }

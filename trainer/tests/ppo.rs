@@ -90,7 +90,7 @@ fn values_are_read_where_each_response_token_is_predicted() {
         };
         let pairs: Vec<(&[u32], &[u32])> = rows.iter().map(|r| (&r.prompt[..], &r.response[..])).collect();
         let packed = critic.pack(&pairs).unwrap();
-        let host = packed.inputs();
+        let host = packed.inputs(false);
         let input_dims: Vec<Vec<i64>> = critic.input_specs().iter().map(|s| s.dims.clone()).collect();
         let ints: Vec<&[i32]> = host
             .iter()

@@ -158,7 +158,7 @@ fn packed_inputs(
     policy
         .pack_routed(rows, routes)
         .unwrap()
-        .inputs()
+        .inputs(policy.replays())
         .into_iter()
         .map(|a| match a {
             trainer::step::HostArray::I32(v) => v,

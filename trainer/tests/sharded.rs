@@ -186,7 +186,7 @@ fn micro(b: &Batch, start: usize, rows: usize, blocks: usize) -> MicroBatchHost 
         ref_log_probs: Some(b.reference[a..e].to_vec()),
         rollout_is_weights: None,
         norm: mini_batch_normalizer(&b.response_mask, RESPONSE),
-        inputs: packed.inputs(),
+        inputs: packed.inputs(false),
         values: None,
         returns: None,
     }

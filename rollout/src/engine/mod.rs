@@ -76,7 +76,7 @@ pub use handle::{EngineControl, EngineHandle};
 pub use handle::{Resumer, TurnHandler};
 pub use request::{
     EngineConfig, EngineOutput, EngineStats, Episode, EpisodeStats, FinishReason, GenerationRequest, Resume,
-    Sample, Turn, TurnId,
+    Sample, Turn, TurnId, MAX_RECORDED_EXPERTS,
 };
 
 /// Decode steps of the probe that checks each slot bucket against the full step.
@@ -221,10 +221,10 @@ impl Engine {
             version,
         )?;
         if let Some(moe) = config.moe.as_ref().filter(|_| settings.record_routes) {
-            if moe.num_experts > 256 {
+            if moe.num_experts > MAX_RECORDED_EXPERTS {
                 return Err(RolloutError::Config(format!(
                     "routing replay records each expert id in a byte, and this model has {} experts \
-                     (at most 256); turn rollout.enable_rollout_routing_replay off",
+                     (at most {MAX_RECORDED_EXPERTS}); turn rollout.enable_rollout_routing_replay off",
                     moe.num_experts
                 )));
             }

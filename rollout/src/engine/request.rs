@@ -180,6 +180,10 @@ impl std::fmt::Display for FinishReason {
     }
 }
 
+/// The most experts a model may have for routing replay: [`Sample::routes`] holds each
+/// expert id in a byte.
+pub const MAX_RECORDED_EXPERTS: usize = 256;
+
 /// One finished sample.
 #[derive(Clone, Debug)]
 pub struct Sample {
