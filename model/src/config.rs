@@ -1,4 +1,5 @@
-//! Model configurations of the supported decoder families (Llama, Qwen2, Qwen3, Qwen3-MoE), parsed from a
+//! Model configurations of the supported decoder families (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE,
+//! Gemma 3), parsed from a
 //! Hugging Face `config.json` or from GGUF metadata, and written back as a `config.json`.
 
 use std::path::Path;
@@ -23,11 +24,56 @@ pub enum Family {
     /// without biases, an explicit `head_dim`, and an optional sliding attention window
     /// ([`ModelConfig::sliding_window`]).
     Mistral,
+    /// Gemma 3 (`Gemma3ForCausalLM`, and the text model of `Gemma3ForConditionalGeneration`):
+    /// Qwen3's attention with four norms per layer ([`ModelConfig::sandwich_norms`]) that scale
+    /// by `1 + w` ([`ModelConfig::norm_unit_offset`]), a GeGLU MLP, scaled embeddings, a
+    /// `query_pre_attn_scalar`, and sliding-window layers with their own RoPE base between the
+    /// global ones ([`ModelConfig::layer_types`], [`ModelConfig::rope_local_theta`]).
+    Gemma3,
 }
 
 /// Architecture names accepted, as listed in error messages.
 pub const SUPPORTED_ARCHITECTURES: &str =
-    "llama (LlamaForCausalLM), mistral (MistralForCausalLM), qwen2 (Qwen2ForCausalLM), qwen3 (Qwen3ForCausalLM), qwen3_moe (Qwen3MoeForCausalLM)";
+    "llama (LlamaForCausalLM), mistral (MistralForCausalLM), qwen2 (Qwen2ForCausalLM), qwen3 (Qwen3ForCausalLM), qwen3_moe (Qwen3MoeForCausalLM), gemma3_text (Gemma3ForCausalLM, or the text model of Gemma3ForConditionalGeneration)";
+
+/// What a decoder layer's attention sees.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AttentionKind {
+    /// Every earlier position (transformers' `full_attention`).
+    Full,
+    /// The last [`ModelConfig::sliding_window`] positions (`sliding_attention`), with the
+    /// sliding layers' RoPE ([`ModelConfig::rope_local_theta`]).
+    Sliding,
+}
+
+impl AttentionKind {
+    /// transformers' `layer_types` entry.
+    pub fn hf_name(self) -> &'static str {
+        match self {
+            AttentionKind::Full => "full_attention",
+            AttentionKind::Sliding => "sliding_attention",
+        }
+    }
+}
+
+/// The activation of the MLP's gate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Activation {
+    /// SiLU (SwiGLU): Llama, Mistral, Qwen.
+    Silu,
+    /// GELU with the tanh approximation (GeGLU, transformers' `gelu_pytorch_tanh`): Gemma.
+    GeluTanh,
+}
+
+impl Activation {
+    /// The transformers name (`hidden_act` / `hidden_activation`).
+    pub fn hf_name(self) -> &'static str {
+        match self {
+            Activation::Silu => "silu",
+            Activation::GeluTanh => "gelu_pytorch_tanh",
+        }
+    }
+}
 
 impl Family {
     /// The Hugging Face `model_type` (also the GGUF `general.architecture`).
@@ -38,6 +84,16 @@ impl Family {
             Family::Qwen3 => "qwen3",
             Family::Qwen3Moe => "qwen3_moe",
             Family::Mistral => "mistral",
+            Family::Gemma3 => "gemma3_text",
+        }
+    }
+
+    /// The GGUF `general.architecture` (llama.cpp's name, where it differs from the `model_type`).
+    pub fn gguf_architecture(self) -> &'static str {
+        match self {
+            Family::Qwen3Moe => "qwen3moe",
+            Family::Gemma3 => "gemma3",
+            other => other.model_type(),
         }
     }
 
@@ -49,6 +105,7 @@ impl Family {
             Family::Qwen3 => "Qwen3ForCausalLM",
             Family::Qwen3Moe => "Qwen3MoeForCausalLM",
             Family::Mistral => "MistralForCausalLM",
+            Family::Gemma3 => "Gemma3ForCausalLM",
         }
     }
 
@@ -60,6 +117,9 @@ impl Family {
             "qwen3" | "Qwen3ForCausalLM" => Some(Family::Qwen3),
             "qwen3_moe" | "Qwen3MoeForCausalLM" | "qwen3moe" => Some(Family::Qwen3Moe),
             "mistral" | "MistralForCausalLM" => Some(Family::Mistral),
+            // `gemma3` is the GGUF architecture; the multimodal `model_type` of the same name
+            // is read through its `text_config` (`ModelConfig::from_hf_json`).
+            "gemma3_text" | "Gemma3ForCausalLM" | "gemma3" => Some(Family::Gemma3),
             _ => None,
         }
     }
@@ -74,6 +134,11 @@ impl std::fmt::Display for Family {
 /// RoPE frequency scaling.
 #[derive(Debug, Clone, PartialEq)]
 pub enum RopeScaling {
+    /// Positions divided by `factor` (transformers' `linear`: Gemma 3's global layers).
+    Linear {
+        /// Division factor for every frequency.
+        factor: f64,
+    },
     /// Llama 3.1 style: low frequencies divided by `factor`, high kept, smooth in between.
     Llama3 {
         /// Division factor for low frequencies.
@@ -92,6 +157,11 @@ impl RopeScaling {
     /// transformers' `_compute_llama3_parameters` does.
     pub fn scale_inv_freq(&self, inv_freq: &mut [f64]) {
         match *self {
+            RopeScaling::Linear { factor } => {
+                for f in inv_freq.iter_mut() {
+                    *f /= factor;
+                }
+            }
             RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,
@@ -196,9 +266,31 @@ pub struct ModelConfig {
     pub moe: Option<MoeConfig>,
     /// Mistral's attention window: each position attends to its last `sliding_window`
     /// positions (itself included), in every attention of the learner and the rollout (the
-    /// masks of `forward.rs`; the KV cache keeps every position and masks the older ones).
-    /// `None`: full causal attention.
+    /// masks of `forward.rs`; the KV cache keeps every position and masks the older ones), in
+    /// the layers [`ModelConfig::layer_types`] makes sliding. `None`: full causal attention.
     pub sliding_window: Option<usize>,
+    /// Each layer's attention (transformers' `layer_types`: Gemma 3's five sliding layers to one
+    /// global). Empty: every layer alike, sliding when [`ModelConfig::sliding_window`] is set.
+    pub layer_types: Vec<AttentionKind>,
+    /// RoPE base of the sliding layers, unscaled (Gemma 3's `rope_local_base_freq`); `None`:
+    /// every layer uses [`ModelConfig::rope_theta`] and [`ModelConfig::rope_scaling`].
+    pub rope_local_theta: Option<f64>,
+    /// RMSNorm scales by `1 + w` (Gemma: the weights are offsets from one, zeros at
+    /// initialisation) instead of `w`.
+    pub norm_unit_offset: bool,
+    /// Gemma's four norms per layer: `post_attention_layernorm` normalises the attention's
+    /// output before its residual add, `pre_feedforward_layernorm` the MLP's input and
+    /// `post_feedforward_layernorm` its output (where Llama's `post_attention_layernorm` is
+    /// the MLP's input norm).
+    pub sandwich_norms: bool,
+    /// The MLP gate's activation.
+    pub activation: Activation,
+    /// Token embeddings multiplied by `sqrt(hidden_size)`, rounded to the weights' type
+    /// (Gemma's scaled word embedding).
+    pub scale_embeddings: bool,
+    /// Attention scores scaled by `query_pre_attn_scalar^-1/2` (Gemma) instead of
+    /// `head_dim^-1/2`.
+    pub query_pre_attn_scalar: Option<f64>,
 }
 
 /// Reads typed keys out of a JSON object, with errors naming the key and the file.
@@ -284,6 +376,9 @@ fn parse_rope_scaling(keys: &JsonKeys<'_>, key: &str) -> Result<Option<RopeScali
         .unwrap_or("default");
     match kind {
         "default" => Ok(None),
+        "linear" => Ok(Some(RopeScaling::Linear {
+            factor: inner.f64_or("factor", 1.0)?,
+        })),
         "llama3" => Ok(Some(RopeScaling::Llama3 {
             factor: inner.f64_or("factor", 8.0)?,
             low_freq_factor: inner.f64_or("low_freq_factor", 1.0)?,
@@ -294,7 +389,7 @@ fn parse_rope_scaling(keys: &JsonKeys<'_>, key: &str) -> Result<Option<RopeScali
         })),
         other => Err(keys.error(
             key,
-            format!("RoPE scaling type `{other}` is not supported; supported: default, llama3"),
+            format!("RoPE scaling type `{other}` is not supported; supported: default, linear, llama3"),
         )),
     }
 }
@@ -360,6 +455,191 @@ fn parse_moe(keys: &JsonKeys<'_>) -> Result<MoeConfig> {
     Ok(moe)
 }
 
+/// A [`RopeScaling`] as transformers' `rope_scaling` object (null for none).
+fn rope_scaling_json(scaling: Option<&RopeScaling>) -> Value {
+    match scaling {
+        None => Value::Null,
+        Some(RopeScaling::Linear { factor }) => json!({"rope_type": "linear", "factor": factor}),
+        Some(RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        }) => json!({
+            "rope_type": "llama3",
+            "factor": factor,
+            "low_freq_factor": low_freq_factor,
+            "high_freq_factor": high_freq_factor,
+            "original_max_position_embeddings": original_max_position_embeddings,
+        }),
+    }
+}
+
+/// transformers' `Gemma3TextConfig` defaults for the keys a checkpoint's config leaves out (the
+/// text configs of the multimodal checkpoints name only what differs from them).
+fn gemma3_defaults(object: &Map<String, Value>) -> Map<String, Value> {
+    let mut merged = object.clone();
+    let defaults = json!({
+        "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "pad_token_id": 0,
+        "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": true,
+        "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    });
+    for (k, v) in defaults.as_object().expect("object literal") {
+        if !merged.contains_key(k) {
+            merged.insert(k.clone(), v.clone());
+        }
+    }
+    merged
+}
+
+/// The MLP activation: Gemma names it `hidden_activation` (GeGLU), the others `hidden_act`
+/// (SwiGLU).
+fn parse_activation(keys: &JsonKeys<'_>, family: Family) -> Result<Activation> {
+    let (key, expected) = match family {
+        Family::Gemma3 => ("hidden_activation", Activation::GeluTanh),
+        _ => ("hidden_act", Activation::Silu),
+    };
+    let name = keys
+        .present(key)
+        .or_else(|| keys.present("hidden_act"))
+        .and_then(Value::as_str)
+        .unwrap_or(expected.hf_name());
+    let found = match name {
+        "silu" | "swish" => Activation::Silu,
+        "gelu_pytorch_tanh" | "gelu_tanh" => Activation::GeluTanh,
+        _ => {
+            return Err(keys.error(
+                key,
+                format!(
+                    "activation `{name}` is not supported; {family} uses {}",
+                    expected.hf_name()
+                ),
+            ))
+        }
+    };
+    if found != expected {
+        return Err(keys.error(
+            key,
+            format!(
+                "activation `{name}` is not {family}'s; it uses {}",
+                expected.hf_name()
+            ),
+        ));
+    }
+    Ok(found)
+}
+
+/// RoPE base and scaling: transformers >= 5 writes `rope_parameters` holding both, earlier
+/// versions `rope_theta` and `rope_scaling`.
+fn parse_rope(keys: &JsonKeys<'_>) -> Result<(f64, Option<RopeScaling>)> {
+    match keys.present("rope_parameters") {
+        Some(rp) => {
+            let rp = rp
+                .as_object()
+                .ok_or_else(|| keys.error("rope_parameters", "expected an object with rope_theta"))?;
+            let inner = JsonKeys {
+                object: rp,
+                origin: keys.origin,
+            };
+            Ok((
+                inner.f64_or("rope_theta", keys.f64_or("rope_theta", 10000.0)?)?,
+                parse_rope_scaling(keys, "rope_parameters")?,
+            ))
+        }
+        None => Ok((
+            keys.f64_or("rope_theta", 10000.0)?,
+            parse_rope_scaling(keys, "rope_scaling")?,
+        )),
+    }
+}
+
+/// Gemma 3's two RoPEs: the global layers' (`rope_theta`, default 1e6, with `rope_scaling`)
+/// and the sliding layers' (`rope_local_base_freq`, default 1e4, unscaled), or transformers 5's
+/// `rope_parameters` keyed by layer type.
+fn gemma3_rope(keys: &JsonKeys<'_>) -> Result<(f64, Option<RopeScaling>, Option<f64>)> {
+    let Some(rp) = keys.present("rope_parameters") else {
+        return Ok((
+            keys.f64_or("rope_theta", 1e6)?,
+            parse_rope_scaling(keys, "rope_scaling")?,
+            Some(keys.f64_or("rope_local_base_freq", 1e4)?),
+        ));
+    };
+    let rp = rp.as_object().ok_or_else(|| {
+        keys.error(
+            "rope_parameters",
+            "expected an object keyed by layer type (full_attention, sliding_attention)",
+        )
+    })?;
+    let by_type = JsonKeys {
+        object: rp,
+        origin: keys.origin,
+    };
+    let theta = |kind: &str, default: f64| -> Result<f64> {
+        match rp.get(kind).and_then(Value::as_object) {
+            Some(o) => JsonKeys {
+                object: o,
+                origin: keys.origin,
+            }
+            .f64_or("rope_theta", default),
+            None => Ok(default),
+        }
+    };
+    if let Some(local) = parse_rope_scaling(&by_type, "sliding_attention")? {
+        return Err(keys.error(
+            "rope_parameters.sliding_attention",
+            format!("{local:?}: the sliding layers' RoPE is unscaled in Gemma 3"),
+        ));
+    }
+    Ok((
+        theta("full_attention", keys.f64_or("rope_theta", 1e6)?)?,
+        parse_rope_scaling(&by_type, "full_attention")?,
+        Some(theta(
+            "sliding_attention",
+            keys.f64_or("rope_local_base_freq", 1e4)?,
+        )?),
+    ))
+}
+
+/// Gemma 3's `layer_types`, or the older `sliding_window_pattern` (default 6: every sixth
+/// layer global) they are derived from.
+fn parse_layer_types(keys: &JsonKeys<'_>, layers: usize) -> Result<Vec<AttentionKind>> {
+    let Some(types) = keys.present("layer_types") else {
+        let pattern = keys.usize_opt("sliding_window_pattern")?.unwrap_or(6).max(1);
+        return Ok((0..layers)
+            .map(|i| {
+                if (i + 1).is_multiple_of(pattern) {
+                    AttentionKind::Full
+                } else {
+                    AttentionKind::Sliding
+                }
+            })
+            .collect());
+    };
+    let bad = |problem: String| keys.error("layer_types", problem);
+    let items = types
+        .as_array()
+        .ok_or_else(|| bad(format!("expected a list, found {types}")))?;
+    if items.len() != layers {
+        return Err(bad(format!(
+            "{} entries for {layers} layers (num_hidden_layers)",
+            items.len()
+        )));
+    }
+    items
+        .iter()
+        .map(|v| match v.as_str() {
+            Some("full_attention") => Ok(AttentionKind::Full),
+            Some("sliding_attention") => Ok(AttentionKind::Sliding),
+            _ => Err(bad(format!(
+                "`{v}` is not a layer type; expected full_attention or sliding_attention"
+            ))),
+        })
+        .collect()
+}
+
 impl ModelConfig {
     /// A 2-layer Llama, 32 wide, with a 32-token vocabulary and 4 query / 2 key-value heads,
     /// whose random weights ([`crate::random_init`], `initializer_range` 0.4) spread the logits
@@ -389,6 +669,13 @@ impl ModelConfig {
             initializer_range: 0.4,
             moe: None,
             sliding_window: None,
+            layer_types: Vec::new(),
+            rope_local_theta: None,
+            norm_unit_offset: false,
+            sandwich_norms: false,
+            activation: Activation::Silu,
+            scale_embeddings: false,
+            query_pre_attn_scalar: None,
         }
     }
 
@@ -434,15 +721,47 @@ impl ModelConfig {
                 supported: SUPPORTED_ARCHITECTURES.to_string(),
             });
         };
-        let act = object.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
-        if act != "silu" {
-            return Err(keys.error(
-                "hidden_act",
-                format!("activation `{act}` is not supported; only silu (SwiGLU) is"),
-            ));
+        if family == Family::Gemma3 {
+            if let Some(text) = keys.present("text_config") {
+                // Gemma3ForConditionalGeneration: grpo trains its text model, whose config
+                // this is (its weights under `language_model`; the vision tower is left out).
+                let mut text = text.clone();
+                if let Some(t) = text.as_object_mut() {
+                    t.entry("model_type").or_insert_with(|| json!("gemma3_text"));
+                    if let Some(tie) = keys.present("tie_word_embeddings") {
+                        t.entry("tie_word_embeddings").or_insert_with(|| tie.clone());
+                    }
+                }
+                return Self::from_hf_json(&text, &format!("{origin} (text_config)"));
+            }
         }
+        let with_defaults;
+        let keys = if family == Family::Gemma3 {
+            with_defaults = gemma3_defaults(object);
+            JsonKeys {
+                object: &with_defaults,
+                origin,
+            }
+        } else {
+            keys
+        };
+        let activation = parse_activation(&keys, family)?;
         if keys.bool_or("mlp_bias", false)? {
             return Err(keys.error("mlp_bias", "MLP bias is not supported"));
+        }
+        for key in ["final_logit_softcapping", "attn_logit_softcapping"] {
+            if let Some(v) = keys.present(key) {
+                return Err(keys.error(
+                    key,
+                    format!("soft-capping ({v}) is not supported; Gemma 3 sets it null"),
+                ));
+            }
+        }
+        if keys.bool_or("use_bidirectional_attention", false)? {
+            return Err(keys.error(
+                "use_bidirectional_attention",
+                "bidirectional attention (EmbeddingGemma) is not a causal language model",
+            ));
         }
         let hidden_size = keys.usize("hidden_size")?;
         let num_attention_heads = keys.usize("num_attention_heads")?;
@@ -461,28 +780,22 @@ impl ModelConfig {
                 hidden_size / num_attention_heads
             }
         };
-        // transformers >= 5 writes `rope_parameters` holding rope_theta and the scaling.
-        let (rope_theta, rope_scaling) = if keys.present("rope_parameters").is_some() {
-            let rp = object["rope_parameters"]
-                .as_object()
-                .ok_or_else(|| keys.error("rope_parameters", "expected an object with rope_theta"))?;
-            let inner = JsonKeys { object: rp, origin };
-            (
-                inner.f64_or("rope_theta", keys.f64_or("rope_theta", 10000.0)?)?,
-                parse_rope_scaling(&keys, "rope_parameters")?,
-            )
-        } else {
-            (
-                keys.f64_or("rope_theta", 10000.0)?,
-                parse_rope_scaling(&keys, "rope_scaling")?,
-            )
+        let (rope_theta, rope_scaling, rope_local_theta) = match family {
+            Family::Gemma3 => gemma3_rope(&keys)?,
+            _ => {
+                let (theta, scaling) = parse_rope(&keys)?;
+                (theta, scaling, None)
+            }
         };
         let attention_bias_key = keys.bool_or("attention_bias", false)?;
         let (attention_bias, o_proj_bias, qk_norm) = match family {
             Family::Llama | Family::Mistral => (attention_bias_key, attention_bias_key, false),
             Family::Qwen2 => (true, false, false),
-            Family::Qwen3 | Family::Qwen3Moe => (attention_bias_key, attention_bias_key, true),
+            Family::Qwen3 | Family::Qwen3Moe | Family::Gemma3 => {
+                (attention_bias_key, attention_bias_key, true)
+            }
         };
+        let num_hidden_layers = keys.usize("num_hidden_layers")?;
         let moe = match family {
             Family::Qwen3Moe => Some(parse_moe(&keys)?),
             _ => None,
@@ -492,7 +805,7 @@ impl ModelConfig {
         let config = ModelConfig {
             family,
             hidden_size,
-            num_hidden_layers: keys.usize("num_hidden_layers")?,
+            num_hidden_layers,
             num_attention_heads,
             num_key_value_heads,
             head_dim,
@@ -512,9 +825,22 @@ impl ModelConfig {
             initializer_range: keys.f64_or("initializer_range", 0.02)?,
             moe,
             // Qwen's `sliding_window` is read only with `use_sliding_window`, which grpo's Qwen
-            // families refuse by not reading it; Mistral's applies whenever it is set.
+            // families refuse by not reading it; Mistral's and Gemma's apply whenever set.
             sliding_window: match family {
-                Family::Mistral => keys.usize_opt("sliding_window")?,
+                Family::Mistral | Family::Gemma3 => keys.usize_opt("sliding_window")?,
+                _ => None,
+            },
+            layer_types: match family {
+                Family::Gemma3 => parse_layer_types(&keys, num_hidden_layers)?,
+                _ => Vec::new(),
+            },
+            rope_local_theta,
+            norm_unit_offset: family == Family::Gemma3,
+            sandwich_norms: family == Family::Gemma3,
+            activation,
+            scale_embeddings: family == Family::Gemma3,
+            query_pre_attn_scalar: match family {
+                Family::Gemma3 => Some(keys.f64_or("query_pre_attn_scalar", 256.0)?),
                 _ => None,
             },
         };
@@ -627,6 +953,49 @@ impl ModelConfig {
             }
         };
         let has_bias = gguf.tensor_info("blk.0.attn_q.bias").is_some();
+        let gemma = family == Family::Gemma3;
+        if let Some(cap) = gguf.metadata(&key("final_logit_softcapping")) {
+            return Err(ModelError::Config {
+                origin: path.display().to_string(),
+                key: key("final_logit_softcapping"),
+                problem: format!("soft-capping ({cap:?}) is not supported; Gemma 3 has none"),
+            });
+        }
+        let block_count = gguf.metadata_usize(&key("block_count"))?;
+        // llama.cpp's gemma3: every sixth layer global unless the file says otherwise, the
+        // sliding layers' RoPE base 1e4, attention scaled by the head width but for the 27B
+        // (62 layers), whose query_pre_attn_scalar is hidden / heads.
+        let layer_types = if gemma {
+            let pattern = match gguf.metadata(&key("attention.sliding_window_pattern")) {
+                Some(_) => gguf.metadata_usize(&key("attention.sliding_window_pattern"))?,
+                None => 6,
+            };
+            (0..block_count)
+                .map(|i| {
+                    if (i + 1).is_multiple_of(pattern.max(1)) {
+                        AttentionKind::Full
+                    } else {
+                        AttentionKind::Sliding
+                    }
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let rope_scaling = match gguf.metadata(&key("rope.scaling.type")) {
+            Some(GgufValue::String(kind)) if kind == "linear" => Some(RopeScaling::Linear {
+                factor: f64_key(&key("rope.scaling.factor"), 1.0)?,
+            }),
+            Some(GgufValue::String(kind)) if kind == "none" => None,
+            Some(other) => {
+                return Err(ModelError::Config {
+                    origin: path.display().to_string(),
+                    key: key("rope.scaling.type"),
+                    problem: format!("RoPE scaling {other:?} is not supported from GGUF; supported: linear"),
+                })
+            }
+            None => None,
+        };
         // llama.cpp's qwen3moe: every layer sparse, the chosen weights renormalised.
         let moe = match family {
             Family::Qwen3Moe => {
@@ -646,19 +1015,19 @@ impl ModelConfig {
         let config = ModelConfig {
             family,
             hidden_size,
-            num_hidden_layers: gguf.metadata_usize(&key("block_count"))?,
+            num_hidden_layers: block_count,
             num_attention_heads,
             num_key_value_heads,
             head_dim,
             intermediate_size: gguf.metadata_usize(&key("feed_forward_length"))?,
             vocab_size,
             rope_theta: f64_key(&key("rope.freq_base"), 10000.0)?,
-            rope_scaling: None,
+            rope_scaling,
             rms_norm_eps: f64_key(&key("attention.layer_norm_rms_epsilon"), 1e-6)?,
             tie_word_embeddings: gguf.tensor_info("output.weight").is_none(),
             attention_bias: family == Family::Qwen2 || has_bias,
             o_proj_bias: gguf.tensor_info("blk.0.attn_output.bias").is_some(),
-            qk_norm: matches!(family, Family::Qwen3 | Family::Qwen3Moe),
+            qk_norm: matches!(family, Family::Qwen3 | Family::Qwen3Moe | Family::Gemma3),
             max_position_embeddings: match gguf.metadata(&key("context_length")) {
                 Some(_) => gguf.metadata_usize(&key("context_length"))?,
                 None => 2048,
@@ -668,7 +1037,29 @@ impl ModelConfig {
             pad_token_id: id_key("tokenizer.ggml.padding_token_id")?,
             initializer_range: 0.02,
             moe,
-            sliding_window: None,
+            sliding_window: match gguf.metadata(&key("attention.sliding_window")) {
+                Some(_) if matches!(family, Family::Gemma3 | Family::Mistral) => {
+                    Some(gguf.metadata_usize(&key("attention.sliding_window"))?)
+                }
+                _ => None,
+            },
+            layer_types,
+            rope_local_theta: gemma.then_some(1e4),
+            norm_unit_offset: gemma,
+            sandwich_norms: gemma,
+            activation: if gemma {
+                Activation::GeluTanh
+            } else {
+                Activation::Silu
+            },
+            scale_embeddings: gemma,
+            query_pre_attn_scalar: gemma.then(|| {
+                if block_count == 62 {
+                    (hidden_size / num_attention_heads.max(1)) as f64
+                } else {
+                    head_dim as f64
+                }
+            }),
         };
         config.validate(&path.display().to_string())?;
         Ok(config)
@@ -708,16 +1099,60 @@ impl ModelConfig {
         self.num_parameters() - layers * (m.num_experts - m.experts_per_token) * per_expert
     }
 
-    /// The RoPE inverse frequencies (length `head_dim / 2`), with scaling applied.
+    /// The RoPE inverse frequencies (length `head_dim / 2`) of the global layers, with
+    /// scaling applied.
     pub fn rope_inv_freq(&self) -> Vec<f64> {
+        self.rope_inv_freq_of(AttentionKind::Full)
+    }
+
+    /// The RoPE inverse frequencies of layers of attention `kind`: the sliding layers' own
+    /// unscaled base where the model has one ([`ModelConfig::rope_local_theta`]).
+    pub fn rope_inv_freq_of(&self, kind: AttentionKind) -> Vec<f64> {
+        let (theta, scaling) = match (kind, self.rope_local_theta) {
+            (AttentionKind::Sliding, Some(local)) => (local, None),
+            _ => (self.rope_theta, self.rope_scaling.as_ref()),
+        };
         let d = self.head_dim as f64;
         let mut inv: Vec<f64> = (0..self.head_dim / 2)
-            .map(|i| 1.0 / self.rope_theta.powf(2.0 * i as f64 / d))
+            .map(|i| 1.0 / theta.powf(2.0 * i as f64 / d))
             .collect();
-        if let Some(s) = &self.rope_scaling {
+        if let Some(s) = scaling {
             s.scale_inv_freq(&mut inv);
         }
         inv
+    }
+
+    /// Layer `layer`'s attention.
+    pub fn attention_kind(&self, layer: usize) -> AttentionKind {
+        match self.layer_types.get(layer) {
+            Some(&kind) => kind,
+            None if self.layer_types.is_empty() && self.sliding_window.is_some() => AttentionKind::Sliding,
+            None => AttentionKind::Full,
+        }
+    }
+
+    /// The attention kinds the layers use, in the order [`AttentionKind::Full`],
+    /// [`AttentionKind::Sliding`] (one for most models, both for Gemma 3).
+    pub fn attention_kinds(&self) -> Vec<AttentionKind> {
+        [AttentionKind::Full, AttentionKind::Sliding]
+            .into_iter()
+            .filter(|&k| (0..self.num_hidden_layers).any(|l| self.attention_kind(l) == k))
+            .collect()
+    }
+
+    /// The window of layers of attention `kind`: [`ModelConfig::sliding_window`] for sliding
+    /// layers, none for global ones.
+    pub fn window_of(&self, kind: AttentionKind) -> Option<usize> {
+        match kind {
+            AttentionKind::Sliding => self.sliding_window,
+            AttentionKind::Full => None,
+        }
+    }
+
+    /// The factor attention scores are multiplied by: `query_pre_attn_scalar^-1/2`, or
+    /// `head_dim^-1/2`.
+    pub fn attention_scale(&self) -> f64 {
+        1.0 / self.query_pre_attn_scalar.unwrap_or(self.head_dim as f64).sqrt()
     }
 
     /// A Hugging Face `config.json` value that transformers loads as this model (f32 weights).
@@ -739,7 +1174,7 @@ impl ModelConfig {
             "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim,
             "vocab_size": self.vocab_size,
-            "hidden_act": "silu",
+            "hidden_act": self.activation.hf_name(),
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "max_position_embeddings": self.max_position_embeddings,
@@ -767,6 +1202,35 @@ impl ModelConfig {
                 object.insert("attention_bias".into(), json!(self.attention_bias));
                 object.insert("use_sliding_window".into(), json!(false));
             }
+            Family::Gemma3 => {
+                object.insert("attention_bias".into(), json!(self.attention_bias));
+                object.insert("hidden_activation".into(), json!(self.activation.hf_name()));
+                object.insert("query_pre_attn_scalar".into(), json!(self.query_pre_attn_scalar));
+                object.insert("sliding_window".into(), json!(self.sliding_window));
+                let types: Vec<&str> = (0..self.num_hidden_layers)
+                    .map(|l| self.attention_kind(l).hf_name())
+                    .collect();
+                object.insert("layer_types".into(), json!(types));
+                object.insert("final_logit_softcapping".into(), Value::Null);
+                object.insert("attn_logit_softcapping".into(), Value::Null);
+                let mut full = rope_scaling_json(self.rope_scaling.as_ref());
+                if full.is_null() {
+                    full = json!({"rope_type": "default"});
+                }
+                full["rope_theta"] = json!(self.rope_theta);
+                object.insert(
+                    "rope_parameters".into(),
+                    json!({
+                        "full_attention": full,
+                        "sliding_attention": {
+                            "rope_type": "default",
+                            "rope_theta": self.rope_local_theta.unwrap_or(self.rope_theta),
+                        },
+                    }),
+                );
+                object.remove("rope_theta");
+                return c;
+            }
         }
         if let Some(m) = &self.moe {
             object.insert("num_experts".into(), json!(m.num_experts));
@@ -777,21 +1241,7 @@ impl ModelConfig {
             object.insert("decoder_sparse_step".into(), json!(m.decoder_sparse_step));
             object.insert("router_aux_loss_coef".into(), json!(m.router_aux_loss_coef));
         }
-        let scaling = match &self.rope_scaling {
-            None => Value::Null,
-            Some(RopeScaling::Llama3 {
-                factor,
-                low_freq_factor,
-                high_freq_factor,
-                original_max_position_embeddings,
-            }) => json!({
-                "rope_type": "llama3",
-                "factor": factor,
-                "low_freq_factor": low_freq_factor,
-                "high_freq_factor": high_freq_factor,
-                "original_max_position_embeddings": original_max_position_embeddings,
-            }),
-        };
+        let scaling = rope_scaling_json(self.rope_scaling.as_ref());
         object.insert("rope_scaling".into(), scaling);
         c
     }
@@ -863,6 +1313,153 @@ mod tests {
         assert!(c.qk_norm && !c.attention_bias && c.rope_scaling.is_none());
     }
 
+    /// Gemma 3 1B's text config as transformers 4 wrote it: the global layer every sixth,
+    /// `rope_local_base_freq`, no RoPE scaling.
+    fn gemma3_1b_json() -> Value {
+        json!({
+            "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+            "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26,
+            "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+            "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 32768,
+            "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-6, "rope_local_base_freq": 10000,
+            "rope_scaling": null, "rope_theta": 1000000, "sliding_window": 512,
+            "sliding_window_pattern": 6, "vocab_size": 262144, "bos_token_id": 2,
+            "eos_token_id": [1, 106], "pad_token_id": 0, "final_logit_softcapping": null,
+            "attn_logit_softcapping": null
+        })
+    }
+
+    #[test]
+    fn parses_gemma3_configs_old_new_and_multimodal() {
+        let c = ModelConfig::from_hf_json(&gemma3_1b_json(), "gemma-3-1b-it").unwrap();
+        assert_eq!(c.family, Family::Gemma3);
+        assert!(c.qk_norm && c.norm_unit_offset && c.sandwich_norms && c.scale_embeddings);
+        assert!(c.tie_word_embeddings && c.activation == Activation::GeluTanh);
+        let global: Vec<usize> = (0..26)
+            .filter(|&l| c.attention_kind(l) == AttentionKind::Full)
+            .collect();
+        assert_eq!(global, [5, 11, 17, 23]);
+        assert_eq!(
+            (c.sliding_window, c.query_pre_attn_scalar),
+            (Some(512), Some(256.0))
+        );
+        assert_eq!(
+            (c.rope_theta, c.rope_local_theta, c.rope_scaling.clone()),
+            (1e6, Some(1e4), None)
+        );
+        assert_eq!(c.eos_token_ids, [1, 106]);
+        // The sliding layers' RoPE at base 1e4, the global ones' at 1e6.
+        assert_eq!(
+            c.rope_inv_freq_of(AttentionKind::Sliding)[1],
+            1.0 / 1e4f64.powf(2.0 / 256.0)
+        );
+        assert_eq!(c.rope_inv_freq()[1], 1.0 / 1e6f64.powf(2.0 / 256.0));
+        assert_eq!(c.attention_scale(), 1.0 / 16.0);
+        // Written as transformers 5 writes it (layer_types, rope_parameters by layer type), read back.
+        let again = ModelConfig::from_hf_json(&c.to_hf_json(), "again").unwrap();
+        assert_eq!(again, c);
+
+        // Gemma 3 4B: Gemma3ForConditionalGeneration, its text config naming only what differs
+        // from transformers' defaults; linear scaling of the global layers' RoPE.
+        let v = json!({
+            "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+            "text_config": {
+                "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                "sliding_window": 1024
+            },
+            "vision_config": {"model_type": "siglip_vision_model"}, "eos_token_id": [1, 106]
+        });
+        let c = ModelConfig::from_hf_json(&v, "gemma-3-4b-it").unwrap();
+        assert_eq!(
+            (
+                c.vocab_size,
+                c.num_attention_heads,
+                c.num_key_value_heads,
+                c.head_dim
+            ),
+            (262208, 8, 4, 256)
+        );
+        assert_eq!(c.rope_scaling, Some(RopeScaling::Linear { factor: 8.0 }));
+        assert_eq!(c.rope_inv_freq()[1], 1.0 / 1e6f64.powf(2.0 / 256.0) / 8.0);
+        assert_eq!(
+            c.rope_inv_freq_of(AttentionKind::Sliding)[1],
+            1.0 / 1e4f64.powf(2.0 / 256.0)
+        );
+        assert_eq!(ModelConfig::from_hf_json(&c.to_hf_json(), "again").unwrap(), c);
+
+        // transformers 5's rope_parameters keyed by layer type.
+        let mut v = gemma3_1b_json();
+        let o = v.as_object_mut().unwrap();
+        for k in [
+            "rope_theta",
+            "rope_local_base_freq",
+            "rope_scaling",
+            "sliding_window_pattern",
+        ] {
+            o.remove(k);
+        }
+        o.insert(
+            "layer_types".into(),
+            json!(["sliding_attention", "full_attention"]),
+        );
+        o.insert("num_hidden_layers".into(), json!(2));
+        o.insert(
+            "rope_parameters".into(),
+            json!({"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 5e5},
+                   "sliding_attention": {"rope_type": "default", "rope_theta": 2e4}}),
+        );
+        let c = ModelConfig::from_hf_json(&v, "t5").unwrap();
+        assert_eq!(c.layer_types, [AttentionKind::Sliding, AttentionKind::Full]);
+        assert_eq!((c.rope_theta, c.rope_local_theta), (5e5, Some(2e4)));
+        assert_eq!(c.rope_scaling, Some(RopeScaling::Linear { factor: 4.0 }));
+    }
+
+    #[test]
+    fn gemma_settings_grpo_does_not_compute_are_refused_by_key() {
+        let refused = |edit: &dyn Fn(&mut Map<String, Value>), key: &str, says: &str| {
+            let mut v = gemma3_1b_json();
+            edit(v.as_object_mut().unwrap());
+            let e = ModelConfig::from_hf_json(&v, "c.json").unwrap_err().to_string();
+            assert!(e.contains(&format!("key `{key}`")) && e.contains(says), "{e}");
+        };
+        refused(
+            &|o| {
+                o.insert("final_logit_softcapping".into(), json!(30.0));
+            },
+            "final_logit_softcapping",
+            "soft-capping (30.0) is not supported",
+        );
+        refused(
+            &|o| {
+                o.insert("hidden_activation".into(), json!("silu"));
+            },
+            "hidden_activation",
+            "activation `silu` is not gemma3_text's; it uses gelu_pytorch_tanh",
+        );
+        refused(
+            &|o| {
+                o.insert("layer_types".into(), json!(["full_attention"]));
+            },
+            "layer_types",
+            "1 entries for 26 layers",
+        );
+        refused(
+            &|o| {
+                o.insert("use_bidirectional_attention".into(), json!(true));
+            },
+            "use_bidirectional_attention",
+            "EmbeddingGemma",
+        );
+        refused(
+            &|o| {
+                o.insert("rope_scaling".into(), json!({"rope_type": "yarn", "factor": 2.0}));
+            },
+            "rope_scaling",
+            "`yarn` is not supported",
+        );
+    }
+
     #[test]
     fn unsupported_architecture_is_named() {
         let v = json!({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]});
@@ -877,6 +1474,19 @@ mod tests {
             e.contains("m/config.json") && e.contains("qwen3 (Qwen3ForCausalLM)"),
             "{e}"
         );
+        // Gemma 2 (soft-capped attention) and PaliGemma are other architectures than Gemma 3.
+        for (model_type, arch) in [
+            ("gemma", "GemmaForCausalLM"),
+            ("paligemma", "PaliGemmaForConditionalGeneration"),
+        ] {
+            let v = json!({"model_type": model_type, "architectures": [arch]});
+            let e = ModelConfig::from_hf_json(&v, "c.json").unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("`{model_type} ({arch})`"))
+                    && e.contains("gemma3_text (Gemma3ForCausalLM"),
+                "{e}"
+            );
+        }
     }
 
     #[test]

@@ -1,7 +1,13 @@
 //! The decoder forward pass as graph functions on the compute core (`xla::graph`): one code path
-//! for the Llama, Qwen2 and Qwen3 families, switched by the [`ModelConfig`] (QKV bias, RMSNorm on
-//! q and k per head, tied or untied head, Llama 3 RoPE scaling through
-//! [`ModelConfig::rope_inv_freq`]), with grouped-query attention, RoPE, RMSNorm and a SwiGLU MLP.
+//! for every family, switched by the [`ModelConfig`] (QKV bias, RMSNorm on q and k per head,
+//! tied or untied head, RoPE scaling through [`ModelConfig::rope_inv_freq_of`], Gemma's `1 + w`
+//! norms, sandwich norms, GeGLU and scaled embeddings), with grouped-query attention, RoPE,
+//! RMSNorm and a gated MLP or a mixture of experts ([`crate::moe`]).
+//!
+//! Layers differ only in their attention kind ([`AttentionKind`]: Gemma 3's sliding and global
+//! layers, with their own RoPE): each pass builds the RoPE tables and masks once per kind
+//! (`ByKind`) and a layer reads its kind's, a scanned body over both kinds selecting by a
+//! scanned flag.
 //!
 //! Parameters are graph arguments named by their Hugging Face names, in
 //! [`crate::param_table`] order, with Hugging Face shapes (`[out_features, in_features]` for
@@ -30,7 +36,7 @@ use xla::graph::{DotDims, Graph, Tensor};
 use xla::runtime::PluginKind;
 use xla::DType;
 
-use crate::config::ModelConfig;
+use crate::config::{Activation, AttentionKind, ModelConfig};
 use crate::moe::Routing;
 use crate::params::{param_table, ParamLayout};
 
@@ -70,12 +76,29 @@ pub struct LayerParams {
     pub q_norm: Option<Tensor>,
     /// `self_attn.k_norm.weight` `[head_dim]` (Qwen3).
     pub k_norm: Option<Tensor>,
-    /// `post_attention_layernorm.weight` `[hidden]`.
+    /// `post_attention_layernorm.weight` `[hidden]`: the MLP's input norm, or with
+    /// [`ModelConfig::sandwich_norms`] the attention output's.
     pub post_norm: Tensor,
+    /// `pre_feedforward_layernorm.weight` `[hidden]` (Gemma): the MLP's input norm.
+    pub pre_ffn_norm: Option<Tensor>,
+    /// `post_feedforward_layernorm.weight` `[hidden]` (Gemma): the MLP output's norm.
+    pub post_ffn_norm: Option<Tensor>,
     /// The MLP: dense SwiGLU, or a mixture of experts.
     pub mlp: Mlp,
     /// LoRA adapters applied beside the projections ([`DecoderParams::with_adapters`]).
     pub adapters: LayerAdapters,
+    /// Which attention the layer runs.
+    pub attention: LayerAttention,
+}
+
+/// Which attention a traced layer runs.
+#[derive(Clone, Debug)]
+pub enum LayerAttention {
+    /// One kind, known when the layer is traced.
+    Kind(AttentionKind),
+    /// The body of a scan over layers of both kinds: a scanned i32 scalar, 1 in sliding
+    /// layers, that selects between the two kinds' tables.
+    Scanned(Tensor),
 }
 
 /// What a routed forward pass is given about its positions (all dimensions of the hidden
@@ -267,6 +290,9 @@ impl DecoderParams {
                 q_norm: take(&p("self_attn.q_norm.weight")),
                 k_norm: take(&p("self_attn.k_norm.weight")),
                 post_norm: need(&p("post_attention_layernorm.weight"))?,
+                pre_ffn_norm: take(&p("pre_feedforward_layernorm.weight")),
+                post_ffn_norm: take(&p("post_feedforward_layernorm.weight")),
+                attention: LayerAttention::Kind(config.attention_kind(l)),
                 mlp: if config.is_moe_layer(l) {
                     Mlp::Experts(crate::moe::Experts {
                         router: need(&p("mlp.gate.weight"))?,
@@ -445,10 +471,28 @@ impl DecoderParams {
                 perm.push(rank - 1);
                 r.transpose(&perm)
             });
+            let has_replay = replay.is_some();
             stacked.extend(replay);
+            // Layers of both attention kinds (Gemma 3): each layer's kind scanned beside it.
+            let kinds = self.config.attention_kinds().len() > 1;
+            if kinds {
+                let flags: Vec<f64> = (0..self.layers.len())
+                    .map(|l| f64::from(self.config.attention_kind(l) == AttentionKind::Sliding))
+                    .collect();
+                stacked.push(
+                    self.graph()
+                        .constant_f64(&flags, DType::I32, &[flags.len() as i64]),
+                );
+            }
             let (carry, ys) = self.graph().scan(&[h], &stacked, false, |h, slices| {
-                let layer = self.layers[0].with_tensors(&slices[..n_params]);
-                let (next, routing) = layer_fn(&layer, &h[0], slices.get(n_params));
+                let mut layer = self.layers[0].with_tensors(&slices[..n_params]);
+                let mut rest = slices[n_params..].iter();
+                let replay = if has_replay { rest.next() } else { None };
+                if kinds {
+                    let flag = rest.next().expect("the kinds are scanned");
+                    layer.attention = LayerAttention::Scanned(flag.clone());
+                }
+                let (next, routing) = layer_fn(&layer, &h[0], replay);
                 let ys = match routing.filter(|_| routed.is_some()) {
                     Some(r) => {
                         let (t, p, e) = sums(&r);
@@ -511,6 +555,8 @@ impl LayerParams {
             self.q_norm.as_ref(),
             self.k_norm.as_ref(),
             Some(&self.post_norm),
+            self.pre_ffn_norm.as_ref(),
+            self.post_ffn_norm.as_ref(),
         ]
         .into_iter()
         .flatten()
@@ -541,6 +587,8 @@ impl LayerParams {
         let q_norm = self.q_norm.as_ref().map(|_| next());
         let k_norm = self.k_norm.as_ref().map(|_| next());
         let post_norm = next();
+        let pre_ffn_norm = self.pre_ffn_norm.as_ref().map(|_| next());
+        let post_ffn_norm = self.post_ffn_norm.as_ref().map(|_| next());
         let mlp = self.mlp.with_tensors([next(), next(), next()]);
         let a = &self.adapters;
         let mut adapter = |o: &Option<Adapter>| {
@@ -572,8 +620,11 @@ impl LayerParams {
             q_norm,
             k_norm,
             post_norm,
+            pre_ffn_norm,
+            post_ffn_norm,
             mlp,
             adapters,
+            attention: self.attention.clone(),
         }
     }
 }
@@ -615,22 +666,38 @@ fn project(x: &Tensor, w: &Tensor, b: Option<&Tensor>, adapter: Option<&Adapter>
     }
 }
 
-fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
-    x.rms_norm(&w.convert_if_needed(DType::F32), eps)
+/// The model's RMSNorm of `x` with scale `w`, in f32: `x̂ · w`, or `x̂ · (1 + w)` with
+/// [`ModelConfig::norm_unit_offset`] (Gemma).
+fn rms_norm(config: &ModelConfig, x: &Tensor, w: &Tensor) -> Tensor {
+    let w = w.convert_if_needed(DType::F32);
+    let w = if config.norm_unit_offset { &w + 1.0 } else { w };
+    x.rms_norm(&w, config.rms_norm_eps)
 }
 
-/// Token embeddings as f32: `[...]` integer ids -> `[..., hidden]`.
+/// Token embeddings as f32: `[...]` integer ids -> `[..., hidden]`; with
+/// [`ModelConfig::scale_embeddings`] multiplied by `sqrt(hidden)` in the table's type first,
+/// as Gemma's scaled embedding rounds it.
 fn embed(p: &DecoderParams, tokens: &Tensor) -> Tensor {
-    p.embed
-        .take(&tokens.convert_if_needed(DType::I32), 0)
-        .convert_if_needed(DType::F32)
+    let rows = p.embed.take(&tokens.convert_if_needed(DType::I32), 0);
+    let rows = if p.config.scale_embeddings {
+        let scale = (p.config.hidden_size as f64).sqrt();
+        &rows * &rows.scalar_like(scale)
+    } else {
+        rows
+    };
+    rows.convert_if_needed(DType::F32)
 }
 
-/// RoPE `cos` and `sin` of shape `positions.dims ++ [head_dim]` (the "rotate half" layout:
-/// the angles repeated twice), computed in f32 as transformers does.
-pub fn rope_tables(config: &ModelConfig, positions: &Tensor) -> (Tensor, Tensor) {
+/// RoPE `cos` and `sin` of layers of attention `kind` ([`ModelConfig::rope_inv_freq_of`]), of
+/// shape `positions.dims ++ [head_dim]` (the "rotate half" layout: the angles repeated
+/// twice), computed in f32 as transformers does.
+pub fn rope_tables(config: &ModelConfig, kind: AttentionKind, positions: &Tensor) -> (Tensor, Tensor) {
     let g = positions.graph();
-    let inv: Vec<f64> = config.rope_inv_freq().iter().map(|&f| f as f32 as f64).collect();
+    let inv: Vec<f64> = config
+        .rope_inv_freq_of(kind)
+        .iter()
+        .map(|&f| f as f32 as f64)
+        .collect();
     let half = inv.len() as i64;
     let inv = g.constant_f64(&inv, DType::F32, &[half]);
     let pos = positions.convert_if_needed(DType::F32);
@@ -645,7 +712,52 @@ pub fn rope_tables(config: &ModelConfig, positions: &Tensor) -> (Tensor, Tensor)
     (tables[0].clone(), tables[1].clone())
 }
 
-/// The layer's MLP: SwiGLU `down(silu(gate(x)) * up(x))`, or its mixture of experts (routed by
+/// What attention reads that depends on a layer's [`AttentionKind`] (RoPE tables, masks):
+/// `N` tensors for each kind the model's layers use, built once per pass.
+struct ByKind<const N: usize> {
+    full: Option<[Tensor; N]>,
+    sliding: Option<[Tensor; N]>,
+}
+
+impl<const N: usize> ByKind<N> {
+    /// `build(kind)` for each kind among `config`'s layers.
+    fn new(config: &ModelConfig, build: impl Fn(AttentionKind) -> [Tensor; N]) -> Self {
+        let kinds = config.attention_kinds();
+        let of = |k| kinds.contains(&k).then(|| build(k));
+        ByKind {
+            full: of(AttentionKind::Full),
+            sliding: of(AttentionKind::Sliding),
+        }
+    }
+
+    /// The tensors of `layer`'s kind; in a scanned body over both kinds, each selected by the
+    /// layer's scanned flag.
+    fn of(&self, layer: &LayerParams) -> [Tensor; N] {
+        let pick = |kind| {
+            match kind {
+                AttentionKind::Full => self.full.as_ref(),
+                AttentionKind::Sliding => self.sliding.as_ref(),
+            }
+            .expect("tables are built for every kind the layers use")
+            .clone()
+        };
+        match &layer.attention {
+            LayerAttention::Kind(kind) => pick(*kind),
+            LayerAttention::Scanned(flag) => {
+                let (sliding, full) = (pick(AttentionKind::Sliding), pick(AttentionKind::Full));
+                let is_sliding = flag.ne(&flag.zeros_like());
+                std::array::from_fn(|i| {
+                    is_sliding
+                        .broadcast_to(full[i].dims())
+                        .select(&sliding[i], &full[i])
+                })
+            }
+        }
+    }
+}
+
+/// The layer's MLP: SwiGLU `down(silu(gate(x)) * up(x))` (GeGLU with
+/// [`Activation::GeluTanh`]), or its mixture of experts (routed by
 /// its router, or by `replay` `[.., k]`, and then its [`Routing`] too).
 fn mlp(
     config: &ModelConfig,
@@ -660,7 +772,11 @@ fn mlp(
             down_proj,
         } => {
             let ad = &layer.adapters;
-            let gate = project(x, gate_proj, None, ad.gate.as_ref()).silu();
+            let gate = project(x, gate_proj, None, ad.gate.as_ref());
+            let gate = match config.activation {
+                Activation::Silu => gate.silu(),
+                Activation::GeluTanh => gate.gelu_tanh(),
+            };
             let up = project(x, up_proj, None, ad.up.as_ref());
             (project(&(&gate * &up), down_proj, None, ad.down.as_ref()), None)
         }
@@ -705,10 +821,10 @@ fn qkv(
         kvh,
     );
     if let Some(w) = &layer.q_norm {
-        q = rms_norm(&q, w, config.rms_norm_eps);
+        q = rms_norm(config, &q, w);
     }
     if let Some(w) = &layer.k_norm {
-        k = rms_norm(&k, w, config.rms_norm_eps);
+        k = rms_norm(config, &k, w);
     }
     let axis = cos.rank() - 1;
     let cos_h = cos.keep_axis(axis);
@@ -752,7 +868,8 @@ fn grouped_values(probs: &Tensor, v: &Tensor) -> Tensor {
 }
 
 /// The rest of a decoder layer after attention: output projection and residual, then the
-/// post-attention norm, the MLP and its residual.
+/// post-attention norm, the MLP and its residual (with [`ModelConfig::sandwich_norms`], the
+/// attention's and the MLP's outputs normed before their residuals).
 fn finish_layer(config: &ModelConfig, layer: &LayerParams, h: &Tensor, attn: &Tensor) -> Tensor {
     finish_routed_layer(config, layer, h, attn, None).0
 }
@@ -787,13 +904,20 @@ fn finish_routed_layer(
     attn: &Tensor,
     replay: Option<&Tensor>,
 ) -> (Tensor, Option<Routing>) {
-    let h = h + &project(
+    let out = project(
         attn,
         &layer.o_proj,
         layer.o_bias.as_ref(),
         layer.adapters.o.as_ref(),
     );
-    let normed = rms_norm(&h, &layer.post_norm, config.rms_norm_eps);
+    if let (Some(pre), Some(post)) = (&layer.pre_ffn_norm, &layer.post_ffn_norm) {
+        // Gemma's sandwich: each sublayer's output normed before its residual add.
+        let h = h + &rms_norm(config, &out, &layer.post_norm);
+        let (y, routing) = mlp(config, layer, &rms_norm(config, &h, pre), replay);
+        return (&h + &rms_norm(config, &y, post), routing);
+    }
+    let h = h + &out;
+    let normed = rms_norm(config, &h, &layer.post_norm);
     let (y, routing) = mlp(config, layer, &normed, replay);
     (&h + &y, routing)
 }
@@ -880,7 +1004,7 @@ fn attend(
     let q = q.transpose(&[0, 2, 1, 3]).reshape(&[b, kvh, groups, t, hd]);
     let operand = layer.q_proj.dtype();
     let scores = grouped_scores(&q.convert_if_needed(operand), &k.convert_if_needed(operand))
-        * (1.0 / (hd as f64).sqrt());
+        * config.attention_scale();
     let masked = allowed.select(&scores, &scores.scalar_like(MASKED_SCORE));
     let probs = masked.softmax(-1).convert_if_needed(operand);
     // [B, kvh, G, T, S] x [B, kvh, S, hd] -> [B, kvh, G, T, hd]
@@ -889,7 +1013,7 @@ fn attend(
         .reshape(&[b, t, kvh * groups * hd])
 }
 
-/// `allowed` and, with a sliding `window` (Mistral's `sliding_window`), the key among the
+/// `allowed` and, with a sliding `window` (a sliding layer's), the key among the
 /// query's last `window` positions (itself included: `q - k < window`), as transformers'
 /// sliding-window mask.
 fn and_within(allowed: Tensor, q_pos: &Tensor, k_pos: &Tensor, window: Option<usize>) -> Tensor {
@@ -936,13 +1060,22 @@ fn causal_padding_mask(mask: &Tensor, window: Option<usize>) -> Tensor {
 /// `[B, T, hidden]`.
 fn trunk(p: &DecoderParams, tokens: &Tensor, mask: &Tensor) -> Tensor {
     let config = &p.config;
-    let positions = positions_from_mask(mask);
-    let (cos, sin) = rope_tables(config, &positions);
-    let allowed = causal_padding_mask(mask, config.sliding_window);
+    let tables = sequence_tables(config, mask);
     p.run_layers(embed(p, tokens), |layer, h| {
-        let normed = rms_norm(h, &layer.input_norm, config.rms_norm_eps);
+        let [cos, sin, allowed] = tables.of(layer);
+        let normed = rms_norm(config, h, &layer.input_norm);
         let (attn, _, _) = self_attention(config, layer, &normed, &cos, &sin, &allowed);
         finish_layer(config, layer, h, &attn)
+    })
+}
+
+/// Each layer kind's RoPE tables and mask (`[cos, sin, allowed]`) over full sequences with a
+/// 0/1 `mask [B, T]`.
+fn sequence_tables(config: &ModelConfig, mask: &Tensor) -> ByKind<3> {
+    let positions = positions_from_mask(mask);
+    ByKind::new(config, |kind| {
+        let (cos, sin) = rope_tables(config, kind, &positions);
+        [cos, sin, causal_padding_mask(mask, config.window_of(kind))]
     })
 }
 
@@ -955,12 +1088,11 @@ fn trunk_routed(
     replay: Option<&Tensor>,
 ) -> (Tensor, Option<crate::moe::Routes>) {
     let config = &p.config;
-    let positions = positions_from_mask(mask);
-    let (cos, sin) = rope_tables(config, &positions);
-    let allowed = causal_padding_mask(mask, config.sliding_window);
+    let tables = sequence_tables(config, mask);
     let routed = Some(Routed { valid: mask, replay });
     p.run_routed_layers(embed(p, tokens), routed, |layer, h, replay| {
-        let normed = rms_norm(h, &layer.input_norm, config.rms_norm_eps);
+        let [cos, sin, allowed] = tables.of(layer);
+        let normed = rms_norm(config, h, &layer.input_norm);
         let (attn, _, _) = self_attention(config, layer, &normed, &cos, &sin, &allowed);
         finish_routed_layer(config, layer, h, &attn, replay)
     })
@@ -974,14 +1106,13 @@ fn trunk_with_kv(
     mask: &Tensor,
 ) -> (Tensor, Vec<(Tensor, Tensor)>, Option<Tensor>) {
     let config = &p.config;
-    let positions = positions_from_mask(mask);
-    let (cos, sin) = rope_tables(config, &positions);
-    let allowed = causal_padding_mask(mask, config.sliding_window);
+    let tables = sequence_tables(config, mask);
     let mut h = embed(p, tokens);
     let mut kvs = Vec::with_capacity(p.layers.len());
     let mut chosen = Vec::new();
     for layer in &p.layers {
-        let normed = rms_norm(&h, &layer.input_norm, config.rms_norm_eps);
+        let [cos, sin, allowed] = tables.of(layer);
+        let normed = rms_norm(config, &h, &layer.input_norm);
         let (attn, k, v) = self_attention(config, layer, &normed, &cos, &sin, &allowed);
         h = finish_layer_recording(config, layer, &h, &attn, &mut chosen);
         kvs.push((k, v));
@@ -1000,7 +1131,7 @@ pub fn full_logits_graph(p: &DecoderParams, tokens: &Tensor, mask: &Tensor) -> T
 /// head reads) for `tokens [B, T]` with a 0/1 `mask [B, T]`, as in [`full_logits_graph`].
 pub fn hidden_states_graph(p: &DecoderParams, tokens: &Tensor, mask: &Tensor) -> Tensor {
     let h = trunk(p, tokens, mask);
-    rms_norm(&h, &p.final_norm, p.config.rms_norm_eps)
+    rms_norm(&p.config, &h, &p.final_norm)
 }
 
 /// Per-token log-probabilities and entropies over padded sequences.
@@ -1035,7 +1166,7 @@ pub fn logprobs_graph_chunked(
 ) -> (Tensor, Tensor) {
     let (b, t) = (tokens.dims()[0], tokens.dims()[1]);
     let h = trunk(p, tokens, mask);
-    let h = rms_norm(&h, &p.final_norm, p.config.rms_norm_eps);
+    let h = rms_norm(&p.config, &h, &p.final_norm);
     let zero_col = g.zeros(DType::F32, &[b, 1]);
     if t < 2 {
         let z = g.zeros(DType::F32, &[b, t]);
@@ -1168,11 +1299,7 @@ pub fn span_hidden_routed(
 fn span_head_input(p: &DecoderParams, h: &Tensor, mask: &Tensor, from: i64) -> (Tensor, Tensor) {
     let t = mask.dims()[1];
     // Position i predicts token i + 1: positions from-1 .. t-1 predict columns from .. t.
-    let h = rms_norm(
-        &h.slice_axis(1, from - 1, t - 1),
-        &p.final_norm,
-        p.config.rms_norm_eps,
-    );
+    let h = rms_norm(&p.config, &h.slice_axis(1, from - 1, t - 1), &p.final_norm);
     let m = mask.convert_if_needed(DType::F32);
     let valid = &m.slice_axis(1, from, t) * &m.slice_axis(1, from - 1, t - 1);
     (h, valid)
@@ -1280,7 +1407,6 @@ fn shared_prompts_inner(
     routed: bool,
 ) -> (Tensor, Tensor, Option<crate::moe::Routes>) {
     let config = &p.config;
-    let eps = config.rms_norm_eps;
     let (u, pl) = (batch.prompts.dims()[0], batch.prompts.dims()[1]);
     let (b, l) = (batch.responses.dims()[0], batch.responses.dims()[1]);
     let blocks = batch.blocks;
@@ -1324,15 +1450,13 @@ fn shared_prompts_inner(
 
     // Prompts: causal self-attention over their real tokens, positions 0, 1, ...
     let prompt_mask = batch.prompt_mask.convert_if_needed(DType::I32);
-    let (p_cos, p_sin) = rope_tables(config, &positions_from_mask(&prompt_mask));
-    let p_allowed = causal_padding_mask(&prompt_mask, config.sliding_window);
+    let prompt_pos = positions_from_mask(&prompt_mask);
     // Responses: position = the prompt's real length + column; keys are the prompt's real
     // tokens, then the response's own real tokens up to the query (causal).
     let prompt_real = prompt_mask.ne(&prompt_mask.zeros_like());
     let real_f = prompt_real.select(&g.scalar(1.0, DType::F32), &g.scalar(0.0, DType::F32));
     let prompt_len = per_row(&real_f.reduce_sum(&[1])).convert(DType::I32);
     let r_pos = &prompt_len.reshape(&[b, 1]).broadcast_to(&[b, l]) + &g.iota(DType::I32, &[b, l], 1);
-    let (r_cos, r_sin) = rope_tables(config, &r_pos);
     let response_mask = batch.response_mask.convert_if_needed(DType::I32);
     let prompt_keys = per_row(&real_f)
         .ne(&g.zeros(DType::F32, &[b, pl]))
@@ -1340,16 +1464,18 @@ fn shared_prompts_inner(
         .broadcast_to(&[b, l, pl]);
     // Response column j (position len + j) and prompt column i (position i - (P - len)) are
     // j + P - i positions apart, whatever the prompt's length.
-    let prompt_keys = match config.sliding_window {
-        Some(w) => {
-            let q = &g.iota(DType::I32, &[l, pl], 0) + &g.full(pl as f64, DType::I32, &[l, pl]);
-            let near = within(&q, &g.iota(DType::I32, &[l, pl], 1), w);
-            prompt_keys.and(&near.reshape(&[1, l, pl]).broadcast_to(&[b, l, pl]))
-        }
-        None => prompt_keys,
+    let response_allowed = |window: Option<usize>| {
+        let prompt_keys = match window {
+            Some(w) => {
+                let q = &g.iota(DType::I32, &[l, pl], 0) + &g.full(pl as f64, DType::I32, &[l, pl]);
+                let near = within(&q, &g.iota(DType::I32, &[l, pl], 1), w);
+                prompt_keys.and(&near.reshape(&[1, l, pl]).broadcast_to(&[b, l, pl]))
+            }
+            None => prompt_keys.clone(),
+        };
+        let own_keys = causal_padding_mask(&response_mask, window).reshape(&[b, l, l]);
+        Tensor::concat(&[&prompt_keys, &own_keys], 2).reshape(&[b, 1, 1, l, pl + l])
     };
-    let own_keys = causal_padding_mask(&response_mask, config.sliding_window).reshape(&[b, l, l]);
-    let r_allowed = Tensor::concat(&[&prompt_keys, &own_keys], 2).reshape(&[b, 1, 1, l, pl + l]);
 
     // Prompt and response positions go through the projections and the MLP as one list of
     // `U * P + B * L` positions (larger matrix products); only attention sees them apart.
@@ -1362,8 +1488,18 @@ fn shared_prompts_inner(
     };
     let both =
         |prompt: &Tensor, response: &Tensor| Tensor::concat(&[&flat(prompt, np), &flat(response, nr)], 0);
-    let cos = both(&p_cos, &r_cos);
-    let sin = both(&p_sin, &r_sin);
+    // Per layer kind: [cos, sin] over both lists, the prompts' mask and the responses'.
+    let tables = ByKind::new(config, |kind| {
+        let (p_cos, p_sin) = rope_tables(config, kind, &prompt_pos);
+        let (r_cos, r_sin) = rope_tables(config, kind, &r_pos);
+        let window = config.window_of(kind);
+        [
+            both(&p_cos, &r_cos),
+            both(&p_sin, &r_sin),
+            causal_padding_mask(&prompt_mask, window),
+            response_allowed(window),
+        ]
+    });
     // `[N, heads, hd]` -> the prompts' `[U, P, heads, hd]` or the responses' `[B, L, heads, hd]`.
     let prompts_of = |x: &Tensor| x.slice_axis(0, 0, np).reshape(&[u, pl, x.dims()[1], hd]);
     let responses_of = |x: &Tensor| x.slice_axis(0, np, np + nr).reshape(&[b, l, x.dims()[1], hd]);
@@ -1381,7 +1517,8 @@ fn shared_prompts_inner(
         both(&embed(p, batch.prompts), &embed(p, batch.responses)),
         routing,
         |layer, h, replay| {
-            let normed = rms_norm(h, &layer.input_norm, eps);
+            let [cos, sin, p_allowed, r_allowed] = tables.of(layer);
+            let normed = rms_norm(config, h, &layer.input_norm);
             let (q, k, v) = qkv(config, layer, &normed, &cos, &sin);
             // Prompts over themselves; responses over their prompt's keys, then their own.
             let k_p = prompts_of(&k).transpose(&[0, 2, 1, 3]);
@@ -1406,7 +1543,7 @@ fn shared_prompts_inner(
     } else {
         last_prompt
     };
-    let h = rms_norm(&h, &p.final_norm, eps);
+    let h = rms_norm(config, &h, &p.final_norm);
     // Valid where the token and its predecessor are real (a prompt's last token always is).
     let m = batch.response_mask.convert_if_needed(DType::F32);
     let valid = if l > 1 {
@@ -1491,7 +1628,7 @@ pub fn prefill_kv_graph(
     let hidden = config.hidden_size as i64;
     let last = &(&g.iota(DType::I32, &[b], 0) * (t as f64)) + &(&lengths - &lengths.scalar_like(1.0));
     let h_last = h.reshape(&[b * t, hidden]).take(&last, 0);
-    let h_last = rms_norm(&h_last, &p.final_norm, config.rms_norm_eps);
+    let h_last = rms_norm(config, &h_last, &p.final_norm);
     let logits = linear(&h_last, p.head());
 
     let real_kv = real.reshape(&[b, 1, t, 1]);
@@ -1677,7 +1814,6 @@ pub fn decode_hidden_graph(
     let positions = positions.convert_if_needed(DType::I32);
     let active = positions.ge(&positions.zeros_like());
     let pos_clamped = positions.max(&positions.zeros_like());
-    let (cos, sin) = rope_tables(config, &pos_clamped);
 
     // Each slot's new row at its position; inactive slots point past the end: no write.
     let beyond = g.full(max_len as f64, DType::I32, &[s]);
@@ -1698,7 +1834,12 @@ pub fn decode_hidden_graph(
     } else {
         key_pos.le(&pos_w)
     };
-    let allowed = and_within(causal, &pos_w, &key_pos, config.sliding_window).reshape(&[s, 1, 1, window]);
+    // Per layer kind: [cos, sin, allowed [S, 1, 1, W]].
+    let tables = ByKind::new(config, |kind| {
+        let (cos, sin) = rope_tables(config, kind, &pos_clamped);
+        let allowed = and_within(causal.clone(), &pos_w, &key_pos, config.window_of(kind));
+        [cos, sin, allowed.reshape(&[s, 1, 1, window])]
+    });
     let zero_i = g.scalar(0.0, DType::I32);
     // Per-slot write position for UpdateSlice: inactive slots rewrite position 0 with its
     // current value.
@@ -1712,7 +1853,8 @@ pub fn decode_hidden_graph(
     let mut out_cache = Vec::with_capacity(cache.len());
     let mut chosen = Vec::new();
     for (l, layer) in p.layers.iter().enumerate() {
-        let normed = rms_norm(&h, &layer.input_norm, config.rms_norm_eps);
+        let [cos, sin, allowed] = tables.of(layer);
+        let normed = rms_norm(config, &h, &layer.input_norm);
         let (q, k, v) = qkv(config, layer, &normed, &cos, &sin);
         let mut kv_out = Vec::with_capacity(2);
         for (which, new) in [(0usize, &k), (1usize, &v)] {
@@ -1753,7 +1895,7 @@ pub fn decode_hidden_graph(
         let operand = cache[0].dtype();
         let (kc, vc) = (windowed(&kv_out[0]), windowed(&kv_out[1]));
         let q = q.reshape(&[s, kvh, groups, hd]);
-        let scale = 1.0 / (hd as f64).sqrt();
+        let scale = config.attention_scale();
         let scores = match options.attention {
             // [S, kvh, G, hd] x [S, kvh, W, hd] -> [S, kvh, G, W]
             DecodeAttention::Dot => grouped_scores(&q.convert_if_needed(operand), &kc),
@@ -1805,7 +1947,7 @@ pub fn decode_hidden_graph(
         out_cache.extend(kv_out);
     }
     (
-        rms_norm(&h, &p.final_norm, config.rms_norm_eps),
+        rms_norm(config, &h, &p.final_norm),
         out_cache,
         stack_choices(chosen),
     )
@@ -1941,7 +2083,6 @@ pub fn decode_hidden_graph_chunked(
     let positions = positions.convert_if_needed(DType::I32);
     let active = positions.ge(&positions.zeros_like());
     let pos_clamped = positions.max(&positions.zeros_like());
-    let (cos, sin) = rope_tables(config, &pos_clamped);
 
     // Each slot's new row at its position within its chunk, per attended chunk; slots that
     // are inactive or whose position is in another chunk point past the chunk's end: no write.
@@ -1956,15 +2097,19 @@ pub fn decode_hidden_graph_chunked(
         .collect();
     let key_pos = g.iota(DType::I32, &[s, window], 1);
     let pos_w = pos_clamped.reshape(&[s, 1]).broadcast_to(&[s, window]);
-    let allowed =
-        and_within(key_pos.le(&pos_w), &pos_w, &key_pos, config.sliding_window).reshape(&[s, 1, 1, window]);
-    let scale = 1.0 / (hd as f64).sqrt();
+    let tables = ByKind::new(config, |kind| {
+        let (cos, sin) = rope_tables(config, kind, &pos_clamped);
+        let allowed = and_within(key_pos.le(&pos_w), &pos_w, &key_pos, config.window_of(kind));
+        [cos, sin, allowed.reshape(&[s, 1, 1, window])]
+    });
+    let scale = config.attention_scale();
 
     let mut h = embed(p, tokens);
     let mut out_cache = cache.to_vec();
     let mut chosen = Vec::new();
     for (l, layer) in p.layers.iter().enumerate() {
-        let normed = rms_norm(&h, &layer.input_norm, config.rms_norm_eps);
+        let [cos, sin, allowed] = tables.of(layer);
+        let normed = rms_norm(config, &h, &layer.input_norm);
         let (q, k, v) = qkv(config, layer, &normed, &cos, &sin);
         for (which, new) in [(0usize, &k), (1usize, &v)] {
             for (c, rows) in rows.iter().enumerate() {
@@ -2008,7 +2153,7 @@ pub fn decode_hidden_graph_chunked(
         h = finish_layer_recording(config, layer, &h, &attn, &mut chosen);
     }
     (
-        rms_norm(&h, &p.final_norm, config.rms_norm_eps),
+        rms_norm(config, &h, &p.final_norm),
         out_cache,
         stack_choices(chosen),
     )
@@ -2049,19 +2194,21 @@ pub fn extend_graph(
     let (slot, start, length) = (at(0), at(1), at(2));
     let offsets = g.iota(DType::I32, &[k_len], 0);
     let positions = &start.broadcast_to(&[k_len]) + &offsets;
-    let (cos, sin) = rope_tables(config, &positions);
 
     // allowed [1, 1, 1, K, span]: the slot's positions up to and including the query's own
     // (the cache holds the new rows by the time attention reads it).
     let key_pos = g.iota(DType::I32, &[k_len, span], 1);
     let query_pos = positions.reshape(&[k_len, 1]).broadcast_to(&[k_len, span]);
-    let allowed = and_within(
-        key_pos.le(&query_pos),
-        &query_pos,
-        &key_pos,
-        config.sliding_window,
-    )
-    .reshape(&[1, 1, 1, k_len, span]);
+    let tables = ByKind::new(config, |kind| {
+        let (cos, sin) = rope_tables(config, kind, &positions);
+        let allowed = and_within(
+            key_pos.le(&query_pos),
+            &query_pos,
+            &key_pos,
+            config.window_of(kind),
+        );
+        [cos, sin, allowed.reshape(&[1, 1, 1, k_len, span])]
+    });
 
     // Per chunk, the (slot, position in the chunk) each real row is written at; padding rows
     // and rows of other chunks point past the chunk: dropped.
@@ -2081,7 +2228,8 @@ pub fn extend_graph(
     let mut out_cache = cache.to_vec();
     let mut chosen = Vec::new();
     for (l, layer) in p.layers.iter().enumerate() {
-        let normed = rms_norm(&h, &layer.input_norm, config.rms_norm_eps);
+        let [cos, sin, allowed] = tables.of(layer);
+        let normed = rms_norm(config, &h, &layer.input_norm);
         let (q, k, v) = qkv(config, layer, &normed, &cos, &sin);
         let mut keys_values = Vec::with_capacity(2);
         for (which, new) in [(0usize, &k), (1usize, &v)] {
@@ -2144,6 +2292,13 @@ mod tests {
             initializer_range: 0.1,
             moe: None,
             sliding_window: None,
+            layer_types: Vec::new(),
+            rope_local_theta: None,
+            norm_unit_offset: false,
+            sandwich_norms: false,
+            activation: crate::config::Activation::Silu,
+            scale_embeddings: false,
+            query_pre_attn_scalar: None,
         }
     }
 
@@ -2230,8 +2385,8 @@ mod tests {
             let p = DecoderParams::declare(&g, &config, dtype);
             let x = g.parameter("x", DType::F32, &[1, 6, 16]);
             let mask = g.parameter("mask", DType::I32, &[1, 6]);
-            let (cos, sin) = rope_tables(&config, &positions_from_mask(&mask));
-            let allowed = causal_padding_mask(&mask, config.sliding_window);
+            let (cos, sin) = rope_tables(&config, AttentionKind::Full, &positions_from_mask(&mask));
+            let allowed = causal_padding_mask(&mask, None);
             let (out, _, _) = self_attention(&config, &p.layers[0], &x, &cos, &sin, &allowed);
             let mlir = g.build(&[&out]).unwrap().mlir().to_string();
             // Scores: [1, kvh 2, G 2, 6, 6] from q [.., hd 4] and k [1, 2, 6, 4].

@@ -32,8 +32,8 @@ pub fn random_init(config: &ModelConfig, seed: u64) -> ModelWeights {
     }
 }
 
-/// f32 tensors of `specs` initialised by kind (matrices from normal(0, `std`), biases zero, norm
-/// scales one); the same seed gives the same values.
+/// f32 tensors of `specs` initialised by kind (matrices from normal(0, `std`), biases and Gemma's
+/// norm offsets zero, norm scales one); the same seed gives the same values.
 pub fn init_tensors(specs: &[ParamSpec], std: f64, seed: u64) -> Vec<HostTensor> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     specs
@@ -42,7 +42,7 @@ pub fn init_tensors(specs: &[ParamSpec], std: f64, seed: u64) -> Vec<HostTensor>
             let mut values = vec![0f32; spec.numel()];
             match spec.kind {
                 ParamKind::Matrix => fill_normal(&mut rng, std, &mut values),
-                ParamKind::Bias => {}
+                ParamKind::Bias | ParamKind::NormOffset => {}
                 ParamKind::NormScale => values.fill(1.0),
             }
             HostTensor::from_f32(spec.name.clone(), spec.shape.clone(), &values)
@@ -79,6 +79,13 @@ pub(crate) mod tests_support {
             initializer_range: 0.05,
             moe: None,
             sliding_window: None,
+            layer_types: Vec::new(),
+            rope_local_theta: None,
+            norm_unit_offset: false,
+            sandwich_norms: false,
+            activation: crate::config::Activation::Silu,
+            scale_embeddings: false,
+            query_pre_attn_scalar: None,
         }
     }
 }

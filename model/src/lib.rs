@@ -26,7 +26,7 @@ pub mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate};
 pub use classifier::{ClassifierConfig, ClassifierWeights, DeviceClassifier};
-pub use config::{Family, ModelConfig, MoeConfig, RopeScaling};
+pub use config::{Activation, AttentionKind, Family, ModelConfig, MoeConfig, RopeScaling};
 pub use error::ModelError;
 pub use gguf::{GgmlType, GgufFile, GgufValue};
 pub use init::random_init;

@@ -12,6 +12,8 @@ pub enum ParamKind {
     Bias,
     /// An RMSNorm scale: ones.
     NormScale,
+    /// An RMSNorm scale stored as its offset from one (Gemma's `1 + w`): zeros.
+    NormOffset,
 }
 
 /// Where the Megatron tensor-parallel layout splits a parameter over the `model` mesh axis:
@@ -132,12 +134,17 @@ pub fn param_table(config: &ModelConfig) -> Vec<ParamSpec> {
     let kv_out = config.num_key_value_heads * config.head_dim;
     let ffn = config.intermediate_size;
     let hd = config.head_dim;
+    let norm = if config.norm_unit_offset {
+        NormOffset
+    } else {
+        NormScale
+    };
     let mut table = vec![
         ParamSpec::new("model.embed_tokens.weight", vec![config.vocab_size, h], Matrix).split_by_model(0, 1),
     ];
     for layer in 0..config.num_hidden_layers {
         let p = |suffix: &str| format!("model.layers.{layer}.{suffix}");
-        table.push(ParamSpec::new(p("input_layernorm.weight"), vec![h], NormScale));
+        table.push(ParamSpec::new(p("input_layernorm.weight"), vec![h], norm));
         for (proj, out) in [("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)] {
             table.push(
                 ParamSpec::new(p(&format!("self_attn.{proj}.weight")), vec![out, h], Matrix)
@@ -156,22 +163,26 @@ pub fn param_table(config: &ModelConfig) -> Vec<ParamSpec> {
             table.push(ParamSpec::new(p("self_attn.o_proj.bias"), vec![h], Bias));
         }
         if config.qk_norm {
-            table.push(ParamSpec::new(
-                p("self_attn.q_norm.weight"),
-                vec![config.head_dim],
-                NormScale,
-            ));
-            table.push(ParamSpec::new(
-                p("self_attn.k_norm.weight"),
-                vec![config.head_dim],
-                NormScale,
-            ));
+            table.push(ParamSpec::new(p("self_attn.q_norm.weight"), vec![hd], norm));
+            table.push(ParamSpec::new(p("self_attn.k_norm.weight"), vec![hd], norm));
         }
         table.push(ParamSpec::new(
             p("post_attention_layernorm.weight"),
             vec![h],
-            NormScale,
+            norm,
         ));
+        if config.sandwich_norms {
+            table.push(ParamSpec::new(
+                p("pre_feedforward_layernorm.weight"),
+                vec![h],
+                norm,
+            ));
+            table.push(ParamSpec::new(
+                p("post_feedforward_layernorm.weight"),
+                vec![h],
+                norm,
+            ));
+        }
         match config.moe.as_ref().filter(|m| m.is_sparse(layer)) {
             // Stacked experts (transformers 5's layout), split by expert over the `model` axis:
             // each device of a tensor-parallel group computes its share of the experts for
@@ -202,7 +213,7 @@ pub fn param_table(config: &ModelConfig) -> Vec<ParamSpec> {
             }
         }
     }
-    table.push(ParamSpec::new("model.norm.weight", vec![h], NormScale));
+    table.push(ParamSpec::new("model.norm.weight", vec![h], norm));
     if !config.tie_word_embeddings {
         table.push(ParamSpec::new("lm_head.weight", vec![config.vocab_size, h], Matrix).split_by_model(0, 1));
     }
@@ -238,6 +249,13 @@ mod tests {
             initializer_range: 0.02,
             moe: None,
             sliding_window: None,
+            layer_types: Vec::new(),
+            rope_local_theta: None,
+            norm_unit_offset: false,
+            sandwich_norms: false,
+            activation: crate::config::Activation::Silu,
+            scale_embeddings: false,
+            query_pre_attn_scalar: None,
         }
     }
 

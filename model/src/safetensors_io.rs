@@ -197,7 +197,11 @@ pub(crate) fn load_table(
         let origin = file.display().to_string();
         let mut tensors: Vec<(String, HostTensor)> = read_safetensors(file)?.into_iter().collect();
         tensors.sort_by(|a, b| a.0.cmp(&b.0));
-        for (name, tensor) in tensors {
+        for (name, mut tensor) in tensors {
+            let Some(name) = text_model_name(config, name) else {
+                continue;
+            };
+            tensor.name.clone_from(&name);
             if crate::moe::is_per_expert_tensor(config, &name) {
                 per_expert.insert(name, tensor);
                 continue;
@@ -233,6 +237,35 @@ pub(crate) fn load_table(
     };
     crate::moe::stack_per_expert(config, per_expert, &mut found, &origin)?;
     take_by_table(&mut found, table, &origin)
+}
+
+/// A checkpoint tensor's name in the parameter table: a multimodal Gemma 3 checkpoint
+/// (`Gemma3ForConditionalGeneration`) keeps its text model under `language_model`
+/// (transformers 4: `language_model.model.*`; 5: `model.language_model.*`), which grpo reads
+/// as `model.*`, and its vision tower and projector, which grpo leaves out (`None`).
+fn text_model_name(config: &ModelConfig, name: String) -> Option<String> {
+    if config.family != crate::config::Family::Gemma3 {
+        return Some(name);
+    }
+    let vision = [
+        "vision_tower.",
+        "multi_modal_projector.",
+        "model.vision_tower.",
+        "model.multi_modal_projector.",
+    ];
+    if vision.iter().any(|p| name.starts_with(p)) {
+        return None;
+    }
+    for (prefix, to) in [
+        ("language_model.model.", "model."),
+        ("model.language_model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+    ] {
+        if let Some(rest) = name.strip_prefix(prefix) {
+            return Some(format!("{to}{rest}"));
+        }
+    }
+    Some(name)
 }
 
 /// Takes the tensors of `table` out of `found`, in table order: a missing one or one of another
@@ -415,6 +448,13 @@ mod tests {
             initializer_range: 0.02,
             moe: None,
             sliding_window: None,
+            layer_types: Vec::new(),
+            rope_local_theta: None,
+            norm_unit_offset: false,
+            sandwich_norms: false,
+            activation: crate::config::Activation::Silu,
+            scale_embeddings: false,
+            query_pre_attn_scalar: None,
         }
     }
 

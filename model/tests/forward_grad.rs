@@ -171,6 +171,26 @@ fn mistral_logprob_gradients_match_finite_differences() {
     );
 }
 
+/// Gemma 3: the four `1 + w` norms of a sliding and of the global layer, the GeGLU MLP, the
+/// q/k norms and the tied, scaled embedding.
+#[test]
+fn gemma3_logprob_gradients_match_finite_differences() {
+    gradient_matches_finite_differences(
+        "gemma3",
+        &[
+            "model.embed_tokens.weight",
+            "model.layers.0.post_attention_layernorm.weight",
+            "model.layers.1.pre_feedforward_layernorm.weight",
+            "model.layers.1.post_feedforward_layernorm.weight",
+            "model.layers.2.input_layernorm.weight",
+            "model.layers.1.self_attn.q_norm.weight",
+            "model.layers.0.mlp.gate_proj.weight",
+            "model.layers.2.self_attn.v_proj.weight",
+            "model.norm.weight",
+        ],
+    );
+}
+
 #[test]
 fn qwen3_logprob_gradients_match_finite_differences() {
     gradient_matches_finite_differences(

@@ -297,6 +297,55 @@ fn mistral_sliding_window_matches_transformers_in_prefill_logprobs_and_decode() 
     decode_matches_prefill("mistral_window");
 }
 
+/// Gemma 3 (sliding, global, sliding layers; window 5 over sequences of up to 24 tokens; two
+/// RoPE bases, the global one linearly scaled; `query_pre_attn_scalar` 24 against a head width
+/// of 32; GeGLU; four `1 + w` norms per layer; scaled embeddings): the 1e-5 in f32, in
+/// the full forward, the log-probs and every decode step.
+#[test]
+fn gemma3_matches_transformers_in_prefill_logprobs_and_decode() {
+    full_logits_within("gemma3", 1e-5);
+    logprobs_match("gemma3", Some(3));
+    decode_matches_prefill("gemma3");
+}
+
+/// llama.cpp's gemma3 GGUF (norms stored plus one, its own norm names, the global layer every
+/// second one from `attention.sliding_window_pattern`, linear RoPE scaling from its metadata):
+/// f32 to 1e-5, Q8_0 projections within the quantisation's error.
+#[test]
+fn gemma3_gguf_logits_match_transformers() {
+    for (file, tol) in [("model-f32.gguf", 1e-5), ("model-q8_0.gguf", 0.15)] {
+        let gguf = model::GgufFile::open(&fixture_dir("gemma3_gguf").join(file)).unwrap();
+        let config = model::ModelConfig::from_gguf(&gguf).unwrap();
+        assert_eq!(config.family, model::Family::Gemma3);
+        let safetensors = model::ModelConfig::from_hf_json(
+            &serde_json::json!({
+                "model_type": "gemma3_text", "vocab_size": 384, "hidden_size": 64,
+                "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 32, "query_pre_attn_scalar": 32,
+                "sliding_window": 5, "max_position_embeddings": 256, "bos_token_id": 1,
+                "eos_token_id": 2, "pad_token_id": 0, "initializer_range": 0.02,
+                "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                "rope_scaling": {"rope_type": "linear", "factor": 8.0}
+            }),
+            "the fixture's transformers config",
+        )
+        .unwrap();
+        // GGUF stores the epsilon as an f32.
+        assert_eq!(config.rms_norm_eps, 1e-6f32 as f64);
+        let same_eps = model::ModelConfig {
+            rms_norm_eps: config.rms_norm_eps,
+            ..safetensors
+        };
+        assert_eq!(
+            config, same_eps,
+            "{file}: GGUF metadata read as transformers' config"
+        );
+        let weights = gguf.load_weights(&config).unwrap();
+        let device = DeviceModel::upload(client(), &weights, DType::F32, 0).expect("upload");
+        full_logits_of("gemma3_gguf", &device, tol);
+    }
+}
+
 /// Qwen3-MoE, both checkpoint layouts (stacked experts with `norm_topk_prob` and a dense layer;
 /// per-expert tensors without it, every other layer sparse): the 1e-5 in f32.
 #[test]

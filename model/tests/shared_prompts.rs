@@ -297,6 +297,14 @@ fn sliding_window_shared_prompts_equal_one_row_each() {
     check("mistral_window", DType::F32, &long_case(), 1e-4);
 }
 
+/// Gemma 3's sliding layers (window 5) and its global layer, each with its own RoPE, over
+/// shared prompts: the responses' keys into their prompt masked per layer kind.
+#[test]
+fn gemma3_shared_prompts_equal_one_row_each() {
+    check("gemma3", DType::F32, &two_block_case(), 1e-4);
+    check("gemma3", DType::F32, &long_case(), 1e-4);
+}
+
 /// In bf16 both round keys and values to bf16 before the attention products; what is left is
 /// the order of the f32 sums.
 #[test]

@@ -54,7 +54,7 @@ fn configs_parse_as_written_by_transformers() {
                 assert!(!c.tie_word_embeddings && !c.attention_bias && !c.qk_norm && c.head_dim == 32);
                 assert_eq!((c.rope_theta, c.sliding_window), (1e6, None));
             }
-            Family::Qwen3Moe => unreachable!("the MoE fixtures have their own test"),
+            Family::Qwen3Moe | Family::Gemma3 => unreachable!("those fixtures have their own tests"),
         }
         assert!(w.tensors.iter().all(|t| t.dtype == DType::F32));
         assert_eq!(w.num_parameters(), c.num_parameters());
@@ -208,4 +208,48 @@ fn qwen3_moe_configs_layouts_and_bad_checkpoints() {
         e,
         "config c.json: key `num_experts_per_tok`: 5 must be between 1 and num_experts (4)"
     );
+}
+
+/// The Gemma 3 fixture: saved and loaded back unchanged (its `1 + w` norm offsets, four norms
+/// per layer and layer types kept), and the same text model read from a multimodal
+/// `Gemma3ForConditionalGeneration` checkpoint in transformers 4's and 5's layouts, whose
+/// vision tower grpo leaves out.
+#[test]
+fn gemma3_round_trips_and_loads_from_a_multimodal_checkpoint() {
+    let w = load_hf_checkpoint(&common::fixtures_dir().join("tiny/gemma3")).unwrap();
+    assert_eq!(w.config.family, Family::Gemma3);
+    assert!(w.get("model.layers.1.pre_feedforward_layernorm.weight").is_some());
+    let out = tempfile::tempdir().unwrap();
+    save_hf_checkpoint(&out.path().join("saved"), &w, &[]).unwrap();
+    assert_eq!(load_hf_checkpoint(&out.path().join("saved")).unwrap(), w);
+    for (text_prefix, vision_prefix) in [
+        ("language_model.model.", "vision_tower."),
+        ("model.language_model.", "model.vision_tower."),
+    ] {
+        let dir = out.path().join(text_prefix.trim_end_matches('.'));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut text = w.config.to_hf_json();
+        text.as_object_mut().unwrap().remove("architectures");
+        let config = serde_json::json!({
+            "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+            "text_config": text, "vision_config": {"model_type": "siglip_vision_model"}
+        });
+        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+        let mut tensors: Vec<model::HostTensor> = w
+            .tensors
+            .iter()
+            .map(|t| {
+                let mut t = t.clone();
+                t.name = t.name.replacen("model.", text_prefix, 1);
+                t
+            })
+            .collect();
+        tensors.push(model::HostTensor::from_f32(
+            format!("{vision_prefix}vision_model.post_layernorm.weight"),
+            vec![4],
+            &[1.0; 4],
+        ));
+        model::safetensors_io::write_safetensors(&dir.join("model.safetensors"), &tensors).unwrap();
+        assert_eq!(load_hf_checkpoint(&dir).unwrap(), w, "{text_prefix}");
+    }
 }

@@ -178,3 +178,35 @@ fn smollm2_greedy_prompts_tokenize_like_the_fixture() {
     assert_eq!(first["user"], Value::from("What is the capital of France?"));
     assert!(first["generated_text"].as_str().unwrap().contains("Paris"));
 }
+
+/// Gemma 3's template (`model/scripts/make_gemma_chat_fixture.py`): no system role, so a
+/// system message's text opens the first user turn after a blank line, as transformers
+/// renders it; turns that do not alternate are refused with the template's own message.
+#[test]
+fn gemma3_chat_template_folds_the_system_message_into_the_first_user_turn() {
+    let template = ChatTemplate::from_tokenizer_config(
+        &common::fixtures_dir().join("tiny/gemma3/tokenizer_config.json"),
+    )
+    .unwrap();
+    assert_eq!(
+        (template.bos_token.as_deref(), template.eos_token.as_deref()),
+        (Some("<bos>"), Some("<eos>"))
+    );
+    let fixture = common::fixture_json("gemma3_chat.json");
+    for case in fixture["cases"].as_array().unwrap() {
+        let got = template
+            .render_with(
+                &case["messages"],
+                case["add_generation_prompt"].as_bool().unwrap(),
+                &serde_json::Map::new(),
+            )
+            .unwrap();
+        assert_eq!(got, case["expected"].as_str().unwrap(), "{}", case["messages"]);
+    }
+    let refused = &fixture["refused"];
+    let e = template
+        .render_with(&refused["messages"], false, &serde_json::Map::new())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(refused["error"].as_str().unwrap()), "{e}");
+}

@@ -159,6 +159,43 @@ pub fn tiny_moe_chat_model(dir: &std::path::Path) -> PathBuf {
     out
 }
 
+/// A Hugging Face model directory `dir/tiny-smollm2-gemma3`: SmolLM2's tokenizer under Gemma 3's
+/// chat template (no system role: a system message opens the first user turn), on a 2-layer
+/// Gemma 3 trunk 32 wide (a sliding layer with a window of 16 positions, then a global one; GeGLU,
+/// four norms per layer, scaled embeddings), random (seed 7).
+pub fn tiny_gemma_chat_model(dir: &std::path::Path) -> PathBuf {
+    let gguf = model::GgufFile::open(&smollm2_gguf()).expect("open the GGUF");
+    let mut config = tiny_chat_weights().config;
+    config.family = model::Family::Gemma3;
+    config.qk_norm = true;
+    config.norm_unit_offset = true;
+    config.sandwich_norms = true;
+    config.scale_embeddings = true;
+    config.activation = model::Activation::GeluTanh;
+    config.query_pre_attn_scalar = Some(8.0);
+    config.sliding_window = Some(16);
+    config.layer_types = vec![model::AttentionKind::Sliding, model::AttentionKind::Full];
+    config.rope_local_theta = Some(1e4);
+    config.tie_word_embeddings = true;
+    let weights = model::random_init(&config, 7);
+    let files_dir = dir.join("tokenizer-files-gemma3");
+    std::fs::create_dir_all(&files_dir).unwrap();
+    let files = model::write_gguf_tokenizer_files(&gguf, &config, &files_dir).expect("tokenizer files");
+    // Gemma's template with SmolLM2's special tokens.
+    let gemma = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../model/fixtures/tiny/gemma3/tokenizer_config.json");
+    let gemma: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(gemma).unwrap()).unwrap();
+    let tokenizer_config = files_dir.join("tokenizer_config.json");
+    let mut ours: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&tokenizer_config).unwrap()).unwrap();
+    ours["chat_template"] = gemma["chat_template"].clone();
+    std::fs::write(&tokenizer_config, ours.to_string()).unwrap();
+    let out = dir.join("tiny-smollm2-gemma3");
+    let refs: Vec<&std::path::Path> = files.iter().map(|p| p.as_path()).collect();
+    model::save_hf_checkpoint(&out, &weights, &refs).expect("save the tiny Gemma model");
+    out
+}
+
 /// A reward model directory `dir/tiny-rm` beside [`tiny_chat_model`]'s (written too when
 /// absent): its trunk, SmolLM2's tokenizer and chat template, and a random one-label `score`
 /// head (seed `seed`), saved as transformers saves a `LlamaForSequenceClassification`.

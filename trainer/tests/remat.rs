@@ -1,8 +1,9 @@
 //! Rematerialisation (`model.enable_gradient_checkpointing`) and scanned layers
 //! (`model.scan_layers`): the policy's log-probs and their gradients with every decoder layer
 //! recomputed in the backward pass, and with the layers traced once as a loop over their
-//! stacked weights, equal those of the plain trace (f32, 1e-5) for Llama, Qwen2 and Qwen3,
-//! through the shared-prompt packing and the whole-row path; the remat program really
+//! stacked weights, equal those of the plain trace (f32, 1e-5) for Llama, Qwen2, Qwen3 and
+//! Gemma 3 (whose scanned body picks each layer's sliding or global attention by a scanned
+//! flag), through the shared-prompt packing and the whole-row path; the remat program really
 //! recomputes (more products, behind optimization barriers) and the scanned one holds each
 //! layer's products once. A mixture-of-experts policy replaying recorded routes (routing
 //! replay) gives the same log-probs and gradients plain, recomputed and scanned, and they are
@@ -17,8 +18,8 @@ use trainer::policy::DecoderPolicy;
 use xla::graph::{grad, Graph, Tensor};
 use xla::DType;
 
-/// A tiny model of each family: Llama (3 layers), and the Qwen2 (q/k/v biases) and Qwen3
-/// (q/k norms) fixtures.
+/// A tiny model of each family: Llama (3 layers), and the Qwen2 (q/k/v biases), Qwen3 (q/k
+/// norms) and Gemma 3 (sliding, global and sliding layers, window 5) fixtures.
 fn configs() -> Vec<ModelConfig> {
     let fixture = |family: &str| {
         let path = format!(
@@ -27,7 +28,7 @@ fn configs() -> Vec<ModelConfig> {
         );
         ModelConfig::from_hf_file(std::path::Path::new(&path)).unwrap()
     };
-    vec![config(), fixture("qwen2"), fixture("qwen3")]
+    vec![config(), fixture("qwen2"), fixture("qwen3"), fixture("gemma3")]
 }
 
 fn config() -> ModelConfig {

@@ -641,8 +641,9 @@ fn fsdp_in_bf16_hands_a_rollout_engine_whole_bf16_weights_on_device_0() {
 }
 
 /// The tiny Llama of the tests above with 4 heads (2 KV heads), and the Qwen2 (q/k/v biases,
-/// tied head) and Qwen3 (q/k norms, untied head) fixtures: 4 heads, 2 KV heads each, so TP=2
-/// splits both and TP=4 splits the query heads and replicates the KV heads.
+/// tied head), Qwen3 (q/k norms, untied head) and Gemma 3 (four norms, GeGLU, sliding and
+/// global layers) fixtures: 4 heads, 2 KV heads each, so TP=2 splits both and TP=4 splits the
+/// query heads and replicates the KV heads.
 fn tensor_parallel_configs() -> Vec<ModelConfig> {
     let fixture = |family: &str| {
         let path = format!(
@@ -662,7 +663,7 @@ fn tensor_parallel_configs() -> Vec<ModelConfig> {
         initializer_range: 0.1,
     }
     .config();
-    vec![llama, fixture("qwen2"), fixture("qwen3")]
+    vec![llama, fixture("qwen2"), fixture("qwen3"), fixture("gemma3")]
 }
 
 /// The learning rate of the tensor-parallel comparisons, realistic for RL post-training
@@ -706,7 +707,7 @@ fn replay(l: &mut Learner, batches: &[Batch]) -> (LearnerState, StepMetrics) {
 }
 
 #[test]
-fn tensor_parallel_learners_match_one_device_for_llama_qwen2_and_qwen3() {
+fn tensor_parallel_learners_match_one_device_for_llama_qwen2_qwen3_and_gemma3() {
     for config in tensor_parallel_configs() {
         let family = config.family;
         let mut single = learner_of(&config, ROWS, Parallelism::default(), DType::F32, Layers::Plain);

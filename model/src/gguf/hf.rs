@@ -9,8 +9,8 @@ use crate::safetensors_io::ModelWeights;
 use crate::tensor::HostTensor;
 use std::collections::HashMap;
 
-/// Maps a GGUF tensor name onto its Hugging Face name.
-pub fn hf_name(gguf_name: &str) -> Option<String> {
+/// Maps a GGUF tensor name of a `family` model onto its Hugging Face name.
+pub fn hf_name(family: Family, gguf_name: &str) -> Option<String> {
     match gguf_name {
         "token_embd.weight" => return Some("model.embed_tokens.weight".into()),
         "output_norm.weight" => return Some("model.norm.weight".into()),
@@ -24,8 +24,14 @@ pub fn hf_name(gguf_name: &str) -> Option<String> {
     if suffix != "weight" && suffix != "bias" {
         return None;
     }
+    let gemma = family == Family::Gemma3;
     let hf = match kind {
         "attn_norm" => "input_layernorm",
+        // Gemma's four norms: llama.cpp's `ffn_norm` is the MLP's input norm in every family,
+        // which Gemma calls `pre_feedforward_layernorm`.
+        "ffn_norm" if gemma => "pre_feedforward_layernorm",
+        "post_attention_norm" if gemma => "post_attention_layernorm",
+        "post_ffw_norm" if gemma => "post_feedforward_layernorm",
         "ffn_norm" => "post_attention_layernorm",
         "attn_q" => "self_attn.q_proj",
         "attn_k" => "self_attn.k_proj",
@@ -79,8 +85,9 @@ pub fn unpermute_rows(values: &[f32], n_heads: usize, row_len: usize) -> Vec<f32
 impl GgufFile {
     /// Loads every tensor as an f32 [`HostTensor`] under its Hugging Face name, checked against
     /// the parameter table of `config` (missing, unexpected and wrongly shaped tensors are
-    /// errors), with llama.cpp's Q/K permutation undone for the Llama architecture. Tensors are
-    /// dequantised on all available cores.
+    /// errors), with llama.cpp's Q/K permutation undone for the Llama architecture and the one
+    /// its converter adds to Gemma's norm offsets taken off. Tensors are dequantised on all
+    /// available cores.
     pub fn load_weights(&self, config: &ModelConfig) -> Result<ModelWeights> {
         let origin = self.path.display().to_string();
         let table = param_table(config);
@@ -94,7 +101,7 @@ impl GgufFile {
                         .into(),
                 });
             }
-            let Some(name) = hf_name(&info.name) else {
+            let Some(name) = hf_name(config.family, &info.name) else {
                 return Err(ModelError::UnexpectedTensor {
                     name: info.name.clone(),
                     found: info.hf_shape(),
@@ -162,7 +169,9 @@ impl GgufFile {
             } else {
                 None
             };
-            jobs.push((spec, infos, permute_heads));
+            // llama.cpp stores Gemma's `1 + w` norms as their scale.
+            let unit_offset = config.norm_unit_offset && spec.kind == crate::params::ParamKind::NormOffset;
+            jobs.push((spec, infos, permute_heads, unit_offset));
         }
         let threads = std::thread::available_parallelism()
             .map(|n| n.get())
@@ -175,7 +184,7 @@ impl GgufFile {
                 .map(|part| {
                     scope.spawn(move || {
                         part.iter()
-                            .map(|(spec, infos, permute_heads)| {
+                            .map(|(spec, infos, permute_heads, unit_offset)| {
                                 let mut parts = Vec::with_capacity(infos.len());
                                 for info in infos {
                                     let bytes = self.tensor_bytes(info)?;
@@ -201,6 +210,9 @@ impl GgufFile {
                                 if let Some(heads) = permute_heads {
                                     let row_len = if spec.shape.len() == 2 { spec.shape[1] } else { 1 };
                                     values = unpermute_rows(&values, *heads, row_len);
+                                }
+                                if *unit_offset {
+                                    values.iter_mut().for_each(|v| *v -= 1.0);
                                 }
                                 Ok(HostTensor::from_f32(
                                     spec.name.clone(),

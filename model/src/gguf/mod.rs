@@ -998,12 +998,12 @@ pub(crate) mod tests {
             "{e}"
         );
         // An architecture this crate does not implement.
-        write_gguf(&path, &[("general.architecture", 8, gguf_string("gemma3"))], &[]);
+        write_gguf(&path, &[("general.architecture", 8, gguf_string("gemma2"))], &[]);
         let e = ModelConfig::from_gguf(&GgufFile::open(&path).unwrap())
             .unwrap_err()
             .to_string();
         assert!(
-            e.starts_with("unsupported model architecture `gemma3` in")
+            e.starts_with("unsupported model architecture `gemma2` in")
                 && e.contains("(general.architecture); supported: llama (LlamaForCausalLM)"),
             "{e}"
         );
@@ -1068,19 +1068,36 @@ pub(crate) mod tests {
     #[test]
     fn names_and_unpermute() {
         assert_eq!(
-            hf_name("blk.12.ffn_down.weight").unwrap(),
+            hf_name(Family::Llama, "blk.12.ffn_down.weight").unwrap(),
             "model.layers.12.mlp.down_proj.weight"
         );
         assert_eq!(
-            hf_name("blk.0.attn_k_norm.weight").unwrap(),
+            hf_name(Family::Llama, "blk.0.attn_k_norm.weight").unwrap(),
             "model.layers.0.self_attn.k_norm.weight"
         );
         assert_eq!(
-            hf_name("blk.0.attn_q.bias").unwrap(),
+            hf_name(Family::Llama, "blk.0.attn_q.bias").unwrap(),
             "model.layers.0.self_attn.q_proj.bias"
         );
-        assert_eq!(hf_name("rope_freqs.weight"), None);
-        assert_eq!(hf_name("blk.x.attn_q.weight"), None);
+        assert_eq!(hf_name(Family::Llama, "rope_freqs.weight"), None);
+        assert_eq!(hf_name(Family::Llama, "blk.x.attn_q.weight"), None);
+        // llama.cpp's `ffn_norm` is the MLP's input norm: Llama's post-attention norm, Gemma's
+        // pre-feedforward one; Gemma's own post-attention and post-feedforward norms.
+        assert_eq!(
+            hf_name(Family::Llama, "blk.3.ffn_norm.weight").unwrap(),
+            "model.layers.3.post_attention_layernorm.weight"
+        );
+        for (gguf, hf) in [
+            ("ffn_norm", "pre_feedforward_layernorm"),
+            ("post_attention_norm", "post_attention_layernorm"),
+            ("post_ffw_norm", "post_feedforward_layernorm"),
+        ] {
+            assert_eq!(
+                hf_name(Family::Gemma3, &format!("blk.3.{gguf}.weight")).unwrap(),
+                format!("model.layers.3.{hf}.weight")
+            );
+        }
+        assert_eq!(hf_name(Family::Llama, "blk.3.post_ffw_norm.weight"), None);
         // 1 head, head_dim 4, rows of 1: llama.cpp rows [a0 b0 a1 b1] -> HF [a0 a1 b0 b1].
         assert_eq!(
             unpermute_rows(&[0.0, 10.0, 1.0, 11.0], 1, 1),

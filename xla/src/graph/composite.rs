@@ -1,5 +1,5 @@
 //! Composites built from primitives (their gradients come from the primitives' VJP rules):
-//! softmax, log_softmax, logsumexp, RMSNorm, SiLU, RoPE, cross-entropy / token log-probs and
+//! softmax, log_softmax, logsumexp, RMSNorm, SiLU, GELU (tanh), RoPE, cross-entropy / token log-probs and
 //! entropy. All reductions are numerically stabilised by subtracting the (gradient-stopped)
 //! maximum.
 
@@ -43,6 +43,15 @@ impl Tensor {
     #[track_caller]
     pub fn silu(&self) -> Tensor {
         self * &self.logistic()
+    }
+
+    /// GELU with the tanh approximation (PyTorch's `gelu(approximate="tanh")`):
+    /// `x/2 · (1 + tanh(sqrt(2/π) · (x + 0.044715 x³)))`.
+    #[track_caller]
+    pub fn gelu_tanh(&self) -> Tensor {
+        let cube = &(self * self) * self;
+        let inner = (self + &(cube * 0.044715)) * (2.0 / std::f64::consts::PI).sqrt();
+        &(self * 0.5) * &(inner.tanh() + 1.0)
     }
 
     /// RMSNorm over the last axis: `x / sqrt(mean(x^2) + eps) * weight` (`weight` broadcasts
