@@ -22,9 +22,10 @@ use xla::DType;
 
 use crate::config::ModelConfig;
 use crate::error::ModelError;
-use crate::forward::{hidden_states_graph, linear, DecoderParams};
+use crate::error::{runtime, ProgramError, ProgramResult as Result};
+use crate::forward::{hidden_states_graph, DecoderParams};
 use crate::params::{param_table, ParamKind, ParamSpec};
-use crate::programs::{bucket, runtime, upload_tensors, ProgramError, Result};
+use crate::programs::{bucket, upload_tensors};
 use crate::tensor::HostTensor;
 
 /// The name of the classification head.
@@ -81,7 +82,7 @@ pub fn value_model_init(
 /// the final norm): `h · weightᵀ + bias` at every position.
 pub fn values_graph(h: &Tensor, weight: &Tensor, bias: &Tensor) -> Tensor {
     let (b, s) = (h.dims()[0], h.dims()[1]);
-    let v = linear(h, weight).convert_if_needed(DType::F32).reshape(&[b, s]);
+    let v = h.linear(weight).convert_if_needed(DType::F32).reshape(&[b, s]);
     &v + &bias
         .convert_if_needed(DType::F32)
         .reshape(&[])
@@ -317,7 +318,7 @@ pub fn scores_graph(
     let rows = h.graph().iota(DType::I32, &[b], 0);
     let flat = &(&rows * (t as f64)) + &position.convert_if_needed(DType::I32);
     let picked = h.reshape(&[b * t, hidden]).take(&flat, 0);
-    linear(&picked, score)
+    picked.linear(score)
 }
 
 /// A classifier on one device: its weights uploaded once, a program compiled per batch and

@@ -1,7 +1,10 @@
-//! The one error type of the `model` crate: every failure names the file, key or tensor involved
-//! and says what to do about it.
+//! The `model` crate's errors: reading models ([`ModelError`]) and building, compiling or running
+//! their programs ([`ProgramError`]); every failure names the file, key, tensor or program
+//! involved and says what to do about it.
 
 use std::path::PathBuf;
+
+use xla::graph::GraphError;
 
 /// Errors from reading configs, weights, tokenizers and chat templates.
 #[derive(Debug, thiserror::Error)]
@@ -177,3 +180,67 @@ impl ModelError {
 
 /// Result alias of this crate.
 pub type Result<T> = std::result::Result<T, ModelError>;
+
+/// What went wrong building, compiling or running a model program.
+#[derive(Debug, thiserror::Error)]
+pub enum ProgramError {
+    /// Tracing or emitting the graph failed (a bug or an unsupported configuration).
+    #[error("building the `{program}` program: {source}")]
+    Graph {
+        /// Which program.
+        program: String,
+        /// The graph error (op, shapes, source line).
+        #[source]
+        source: GraphError,
+    },
+    /// The PJRT runtime refused a transfer, compile or execution.
+    #[error("{action}: {source}")]
+    Runtime {
+        /// What was being done, e.g. "compiling prefill[1x32]".
+        action: String,
+        /// The runtime error.
+        #[source]
+        source: xla::runtime::Error,
+    },
+    /// The weights do not fit the model's parameter table.
+    #[error("weight `{name}`: {problem}")]
+    Weights {
+        /// Hugging Face tensor name.
+        name: String,
+        /// What is wrong (missing, expected vs found shape).
+        problem: String,
+    },
+    /// Inputs that do not fit the program's static shapes or the cache.
+    #[error("{program}: {problem}")]
+    Input {
+        /// Which program.
+        program: String,
+        /// What is wrong and what is allowed.
+        problem: String,
+    },
+    /// A KV cache whose buffers were consumed by a run that then failed.
+    #[error(
+        "the KV cache was lost when a program that donated it failed; create a new one with KvCache::new"
+    )]
+    CacheLost,
+    /// The model path is neither a `.gguf` file nor a directory.
+    #[error(
+        "{path} is not a model: expected a .gguf file or a Hugging Face model directory \
+         (config.json, *.safetensors, tokenizer.json)"
+    )]
+    NotAModel {
+        /// The path given.
+        path: PathBuf,
+    },
+    /// Loading the model files failed.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+}
+
+/// Result of building, compiling or running a program.
+pub type ProgramResult<T> = std::result::Result<T, ProgramError>;
+
+pub(crate) fn runtime(action: impl Into<String>) -> impl FnOnce(xla::runtime::Error) -> ProgramError {
+    let action = action.into();
+    move |source| ProgramError::Runtime { action, source }
+}

@@ -629,24 +629,8 @@ impl LayerParams {
     }
 }
 
-/// `x @ w^T` for a weight in Hugging Face layout `[out, in]`: `[..., in] -> [..., out]`, with
-/// an f32 result. A narrow (bf16/f16) weight gets narrow operands and an f32 result.
-pub fn linear(x: &Tensor, w: &Tensor) -> Tensor {
-    let dims = DotDims {
-        lhs_contract: vec![x.rank() - 1],
-        rhs_contract: vec![1],
-        ..Default::default()
-    };
-    if w.dtype() == DType::F32 {
-        x.convert_if_needed(DType::F32).dot_general(w, dims, None)
-    } else {
-        x.convert_if_needed(w.dtype())
-            .dot_general(w, dims, Some(DType::F32))
-    }
-}
-
 fn linear_bias(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
-    let y = linear(x, w);
+    let y = x.linear(w);
     match b {
         Some(b) => &y + &b.convert_if_needed(DType::F32),
         None => y,
@@ -659,7 +643,7 @@ fn project(x: &Tensor, w: &Tensor, b: Option<&Tensor>, adapter: Option<&Adapter>
     let y = linear_bias(x, w, b);
     match adapter {
         Some(ad) => {
-            let delta = linear(&linear(x, &ad.a), &ad.b);
+            let delta = x.linear(&ad.a).linear(&ad.b);
             &y + &(&delta * &delta.scalar_like(ad.scale))
         }
         None => y,
@@ -1124,7 +1108,7 @@ fn trunk_with_kv(
 /// (padding anywhere; real tokens get positions 0, 1, ... in order). Materialises the full
 /// logits: meant for parity tests and short inputs.
 pub fn full_logits_graph(p: &DecoderParams, tokens: &Tensor, mask: &Tensor) -> Tensor {
-    linear(&hidden_states_graph(p, tokens, mask), p.head())
+    hidden_states_graph(p, tokens, mask).linear(p.head())
 }
 
 /// Every position's final hidden state `[B, T, hidden]` (after the final norm, what the output
@@ -1209,7 +1193,7 @@ fn head_log_probs(
     let mut start = 0;
     while start < span {
         let end = (start + chunk).min(span);
-        let logits = linear(&h.slice_axis(1, start, end), p.head());
+        let logits = h.slice_axis(1, start, end).linear(p.head());
         let logits = &logits * &inv_temp.broadcast_to(logits.dims());
         lp_parts.push(logits.token_log_probs(&targets.slice_axis(1, start, end)));
         ent_parts.push(logits.entropy());
@@ -1629,7 +1613,7 @@ pub fn prefill_kv_graph(
     let last = &(&g.iota(DType::I32, &[b], 0) * (t as f64)) + &(&lengths - &lengths.scalar_like(1.0));
     let h_last = h.reshape(&[b * t, hidden]).take(&last, 0);
     let h_last = rms_norm(config, &h_last, &p.final_norm);
-    let logits = linear(&h_last, p.head());
+    let logits = h_last.linear(p.head());
 
     let real_kv = real.reshape(&[b, 1, t, 1]);
     let kvs = kvs
@@ -1783,7 +1767,7 @@ pub fn decode_graph_with(
     options: DecodeOptions,
 ) -> (Tensor, Vec<Tensor>) {
     let (h, out_cache, _) = decode_hidden_graph(p, tokens, positions, cache, options);
-    (linear(&h, p.head()), out_cache)
+    (h.linear(p.head()), out_cache)
 }
 
 /// [`decode_graph_with`] without the output head: the final-normed hidden states

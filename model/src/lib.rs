@@ -27,7 +27,7 @@ pub mod tokenizer;
 pub use chat::{ChatMessage, ChatTemplate};
 pub use classifier::{ClassifierConfig, ClassifierWeights, DeviceClassifier};
 pub use config::{Activation, AttentionKind, Family, ModelConfig, MoeConfig, RopeScaling};
-pub use error::ModelError;
+pub use error::{ModelError, ProgramError};
 pub use gguf::{GgmlType, GgufFile, GgufValue};
 pub use init::random_init;
 pub use lora::{LoraAdapter, LoraConfig, LoraForm, Target, TargetModules};

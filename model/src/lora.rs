@@ -27,9 +27,9 @@ use xla::runtime::{Buffer, Client, Executable};
 use xla::DType;
 
 use crate::config::ModelConfig;
+use crate::error::{runtime, ProgramError};
 use crate::error::{ModelError, Result};
 use crate::params::{param_table, ModelSplit, ParamKind, ParamSpec};
-use crate::programs::{runtime, ProgramError};
 use crate::safetensors_io::{read_safetensors, take_by_table, write_dir_atomically, ModelWeights};
 use crate::tensor::HostTensor;
 

@@ -26,8 +26,6 @@ use xla::graph::Tensor;
 use xla::runtime::PluginKind;
 use xla::DType;
 
-use crate::forward::linear;
-
 use crate::config::MoeConfig;
 
 /// How a mixture-of-experts layer dispatches its tokens to its experts (steps 2 and 3); the
@@ -94,10 +92,9 @@ pub struct Routing {
 /// ([`NOT_RECORDED`]) takes the router's own top-k (a token the rollout never fed through the
 /// model, such as a response's last, or padding).
 pub fn route(config: &MoeConfig, router: &Tensor, x: &Tensor, replay: Option<&Tensor>) -> Routing {
-    let logits = crate::forward::linear(
-        &x.convert_if_needed(DType::F32),
-        &router.convert_if_needed(DType::F32),
-    );
+    let logits = x
+        .convert_if_needed(DType::F32)
+        .linear(&router.convert_if_needed(DType::F32));
     let probs = logits.softmax(-1);
     let own = probs.stop_gradient().top_k(config.experts_per_token as i64).1;
     let chosen = match replay {
@@ -157,14 +154,16 @@ pub fn experts_dense(experts: &Experts, x: &Tensor, weights: &Tensor) -> Tensor 
     let f = two_f / 2;
     let n = x.dims()[0];
     // [N, H] . [E * 2F, H]^T -> [N, E, 2F]
-    let gate_up = linear(x, &experts.gate_up.reshape(&[e * two_f, h])).reshape(&[n, e, two_f]);
+    let gate_up = x
+        .linear(&experts.gate_up.reshape(&[e * two_f, h]))
+        .reshape(&[n, e, two_f]);
     let gate = gate_up.slice_axis(2, 0, f);
     let up = gate_up.slice_axis(2, f, two_f);
     let act = &gate.silu() * &up;
     let weighted = &act * &weights.keep_axis(2).broadcast_to(act.dims());
     // [N, E * F] . ([E, H, F] -> [H, E * F])^T -> [N, H], summing over experts and their width.
     let down = experts.down.transpose(&[1, 0, 2]).reshape(&[h, e * f]);
-    linear(&weighted.reshape(&[n, e * f]), &down)
+    weighted.reshape(&[n, e * f]).linear(&down)
 }
 
 /// Steps 2 and 3, the grouped lowering: the `N * k` (token, expert) pairs of `x [N, hidden]`

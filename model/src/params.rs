@@ -220,6 +220,25 @@ pub fn param_table(config: &ModelConfig) -> Vec<ParamSpec> {
     table
 }
 
+impl ModelConfig {
+    /// Total number of parameters (the sum over [`crate::param_table`]).
+    pub fn num_parameters(&self) -> usize {
+        param_table(self).iter().map(|p| p.numel()).sum()
+    }
+
+    /// The parameters one token computes with: all of them, less the experts a token is not
+    /// routed to (`num_experts - experts_per_token` of each MoE layer's experts). What a
+    /// model-FLOPs count of a mixture of experts multiplies, as its "A3B" names it.
+    pub fn active_parameters(&self) -> usize {
+        let Some(m) = &self.moe else {
+            return self.num_parameters();
+        };
+        let per_expert = 3 * self.hidden_size * m.expert_intermediate_size;
+        let layers = (0..self.num_hidden_layers).filter(|&l| m.is_sparse(l)).count();
+        self.num_parameters() - layers * (m.num_experts - m.experts_per_token) * per_expert
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -19,7 +19,7 @@ use xla::DType;
 
 use crate::chat::ChatTemplate;
 use crate::config::ModelConfig;
-use crate::error::ModelError;
+use crate::error::{runtime, ProgramError, ProgramResult as Result};
 use crate::forward::{
     decode_graph, full_logits_graph, logprobs_graph_chunked, prefill_graph, DecoderParams, DEFAULT_HEAD_CHUNK,
 };
@@ -27,70 +27,6 @@ use crate::gguf::GgufFile;
 use crate::params::{param_table, ParamLayout, ParamSpec};
 use crate::safetensors_io::ModelWeights;
 use crate::tokenizer::ModelTokenizer;
-
-/// What went wrong building, compiling or running a model program.
-#[derive(Debug, thiserror::Error)]
-pub enum ProgramError {
-    /// Tracing or emitting the graph failed (a bug or an unsupported configuration).
-    #[error("building the `{program}` program: {source}")]
-    Graph {
-        /// Which program.
-        program: String,
-        /// The graph error (op, shapes, source line).
-        #[source]
-        source: GraphError,
-    },
-    /// The PJRT runtime refused a transfer, compile or execution.
-    #[error("{action}: {source}")]
-    Runtime {
-        /// What was being done, e.g. "compiling prefill[1x32]".
-        action: String,
-        /// The runtime error.
-        #[source]
-        source: xla::runtime::Error,
-    },
-    /// The weights do not fit the model's parameter table.
-    #[error("weight `{name}`: {problem}")]
-    Weights {
-        /// Hugging Face tensor name.
-        name: String,
-        /// What is wrong (missing, expected vs found shape).
-        problem: String,
-    },
-    /// Inputs that do not fit the program's static shapes or the cache.
-    #[error("{program}: {problem}")]
-    Input {
-        /// Which program.
-        program: String,
-        /// What is wrong and what is allowed.
-        problem: String,
-    },
-    /// A KV cache whose buffers were consumed by a run that then failed.
-    #[error(
-        "the KV cache was lost when a program that donated it failed; create a new one with KvCache::new"
-    )]
-    CacheLost,
-    /// The model path is neither a `.gguf` file nor a directory.
-    #[error(
-        "{path} is not a model: expected a .gguf file or a Hugging Face model directory \
-         (config.json, *.safetensors, tokenizer.json)"
-    )]
-    NotAModel {
-        /// The path given.
-        path: PathBuf,
-    },
-    /// Loading the model files failed.
-    #[error(transparent)]
-    Model(#[from] ModelError),
-}
-
-/// Result of this module.
-pub type Result<T> = std::result::Result<T, ProgramError>;
-
-pub(crate) fn runtime(action: impl Into<String>) -> impl FnOnce(xla::runtime::Error) -> ProgramError {
-    let action = action.into();
-    move |source| ProgramError::Runtime { action, source }
-}
 
 fn graph_err(program: &str) -> impl FnOnce(GraphError) -> ProgramError + '_ {
     move |source| ProgramError::Graph {

@@ -8,7 +8,7 @@
 use std::path::PathBuf;
 use testkit::client;
 
-use model::forward::{linear, span_hidden_routed, DecoderParams};
+use model::forward::{span_hidden_routed, DecoderParams};
 use model::moe::load_balancing_loss;
 use model::programs::DeviceModel;
 use model::safetensors_io::load_hf_checkpoint;
@@ -86,7 +86,7 @@ fn routed_forward(weights: &ModelWeights, t: usize, replay: bool, scan_remat: bo
     });
     let (h, _, routes) = span_hidden_routed(&p, &tokens, &mask, 1, replayed.as_ref());
     let routes = routes.expect("a MoE model routes");
-    let logits = linear(&h, p.head());
+    let logits = h.linear(p.head());
     let count = mask.convert(DType::F32).sum_all();
     let aux = load_balancing_loss(moe, &routes, &count);
     g.build(&[&logits, &routes.chosen, &aux])
@@ -269,7 +269,7 @@ fn router_gradients_under_replay_match_finite_differences() {
             let mut p = DecoderParams::from_tensors(&config, args).unwrap();
             p.remat = true;
             let (h, _, routes) = span_hidden_routed(&p, &tokens, &mask, 1, Some(&replayed));
-            let logits = linear(&h, p.head());
+            let logits = h.linear(p.head());
             let aux = load_balancing_loss(
                 config.moe.as_ref().unwrap(),
                 &routes.unwrap(),
@@ -352,7 +352,7 @@ fn grouped_and_dense_dispatch_give_the_same_values_and_gradients() {
                     .unwrap()
                     .with_moe_lowering(lowering);
                 let (h, _, routes) = span_hidden_routed(&p, &tokens, &mask, 1, replayed.as_ref());
-                (linear(&h, p.head()), routes.unwrap().chosen)
+                (h.linear(p.head()), routes.unwrap().chosen)
             };
             let (logits, chosen) = forward(&p.all);
             let loss = |args: &[Tensor]| {

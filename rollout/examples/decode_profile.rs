@@ -20,7 +20,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use model::forward::{
-    decode_graph_with, decode_hidden_graph, linear, DecodeAttention, DecodeOptions, DecoderParams, KvWrite,
+    decode_graph_with, decode_hidden_graph, DecodeAttention, DecodeOptions, DecoderParams, KvWrite,
 };
 use model::programs::HostModel;
 use rollout::programs::{run_donating, CacheShape, DecodeInputs, DecodeSample, PrefillFanout};
@@ -113,11 +113,11 @@ fn main() {
             // The trunk's matrix products alone (no norms, attention, RoPE or cache work).
             let mut h = p.embed.take(&tokens, 0).convert_if_needed(DType::F32);
             for layer in &p.layers {
-                let q = linear(&h, &layer.q_proj);
-                let k = linear(&h, &layer.k_proj);
-                let v = linear(&h, &layer.v_proj);
+                let q = h.linear(&layer.q_proj);
+                let k = h.linear(&layer.k_proj);
+                let v = h.linear(&layer.v_proj);
                 let kv = Tensor::concat(&[&k, &v, &k], 1);
-                let a = linear(&(&q + &kv), &layer.o_proj);
+                let a = (&q + &kv).linear(&layer.o_proj);
                 let model::forward::Mlp::Dense {
                     gate_proj,
                     up_proj,
@@ -126,9 +126,9 @@ fn main() {
                 else {
                     panic!("the profile's GEMM breakdown is of dense models");
                 };
-                let gate = linear(&a, gate_proj);
-                let up = linear(&a, up_proj);
-                h = &h + &linear(&(&gate * &up), down_proj);
+                let gate = a.linear(gate_proj);
+                let up = a.linear(up_proj);
+                h = &h + &(&gate * &up).linear(down_proj);
             }
             (h.reduce_sum(&[1]), kv.clone())
         } else if name == "attn-nt" || name == "attn-nn" {
@@ -141,7 +141,8 @@ fn main() {
             let l = max_len as i64;
             let operand = kv[0].dtype();
             let h = p.embed.take(&tokens, 0).convert_if_needed(DType::F32);
-            let q = linear(&h, &p.layers[0].q_proj)
+            let q = h
+                .linear(&p.layers[0].q_proj)
                 .reshape(&[s, kvh, groups, hd])
                 .convert_if_needed(operand);
             let mut acc: Option<Tensor> = None;

@@ -25,8 +25,8 @@
 //! arithmetic is the single-device program's, so the tokens are the same.
 
 use model::forward::{
-    decode_hidden_graph, decode_hidden_graph_chunked, extend_graph, linear, prefill_kv_graph,
-    DecodeAttention, DecodeOptions, DecoderParams, KvWrite, SlotBucket,
+    decode_hidden_graph, decode_hidden_graph_chunked, extend_graph, prefill_kv_graph, DecodeAttention,
+    DecodeOptions, DecoderParams, KvWrite, SlotBucket,
 };
 use model::{ModelConfig, MODEL_AXIS};
 use xla::graph::{BuildOptions, Graph, Mesh, Program, Sharding, Tensor};
@@ -969,7 +969,7 @@ impl DecodeSample {
             |p, tokens, positions, kv, bucket| {
                 let (h, new_cache, chosen) =
                     decode_hidden_graph(p, tokens, positions, kv, DecodeOptions { bucket, ..options });
-                (linear(&h, p.head()), new_cache, chosen)
+                (h.linear(p.head()), new_cache, chosen)
             },
         )
     }
@@ -1037,7 +1037,7 @@ impl DecodeSample {
             |p, tokens, positions, kv, bucket| {
                 let (h, new_cache, chosen) =
                     decode_hidden_graph_chunked(p, tokens, positions, kv, attend_chunks, cache.write, bucket);
-                (linear(&h, p.head()), new_cache, chosen)
+                (h.linear(p.head()), new_cache, chosen)
             },
         )
     }

@@ -453,7 +453,7 @@ impl AdapterInstall {
                 .base
                 .with_adapters(per_device.into_iter().map(Arc::from).collect()));
         };
-        let failed = |e: model::programs::ProgramError| RolloutError::Config(format!("the LoRA merge: {e}"));
+        let failed = |e: model::ProgramError| RolloutError::Config(format!("the LoRA merge: {e}"));
         let merged = match per_device.as_slice() {
             [one] => vec![merge.run(one, self.base.device(0)).map_err(failed)?],
             many => {
@@ -583,8 +583,8 @@ fn upload_laid_out(
         &rollout_layout(tp),
     )
     .map_err(|e| match e {
-        model::programs::ProgramError::Weights { name, problem } => bad(&name, problem),
-        model::programs::ProgramError::Runtime { action, source } => RolloutError::runtime(action, source),
+        model::ProgramError::Weights { name, problem } => bad(&name, problem),
+        model::ProgramError::Runtime { action, source } => RolloutError::runtime(action, source),
         other => RolloutError::Config(other.to_string()),
     })
 }

@@ -9,6 +9,7 @@
 //! two in step.
 
 mod load;
+mod locate;
 mod validate;
 
 pub use load::{apply_overrides, load_recipe, load_recipe_str, RecipeError};

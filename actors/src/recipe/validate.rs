@@ -1,6 +1,6 @@
 //! Range and cross-key checks, run before any work starts. Each rule is stated in its message.
 
-use super::load::locate_key;
+use super::locate::locate_key;
 use super::{
     AdvantageEstimator, ClusterSection, KlControl, KlPenalty, Launcher, PolicyLossMode, Recipe, ResumeMode,
     Strategy,

@@ -19,8 +19,10 @@ mod assembly;
 mod checkpoint;
 pub mod fleet;
 pub mod metrics;
+mod progress;
 mod prompts;
 mod step;
+mod step_metrics;
 mod supervisor;
 mod val_metrics;
 mod validate;
@@ -31,7 +33,8 @@ use crate::roles::RoleError;
 use crate::setup;
 use assembly::Assembly;
 use checkpoint::Clocks;
-use metrics::{Metrics, MetricsLog, Progress};
+use metrics::{Metrics, MetricsLog};
+use progress::Progress;
 use tracking::{Logger, Tracker};
 
 /// How long the trackers may take to send their last steps and close their runs.
@@ -310,7 +313,7 @@ impl Run<'_> {
         };
         write(None, &Metrics::new())?;
         let tracker = Tracker::start(setup::tracking(self.recipe, self.output, start_step));
-        let limits = metrics::MetricLimits {
+        let limits = step_metrics::MetricLimits {
             max_prompt_length: self.recipe.data.max_prompt_length,
             devices: self.recipe.devices_in_use(),
             multi_turn: self.recipe.rollout.multi_turn.enable,
@@ -345,14 +348,14 @@ impl Run<'_> {
         for step in start_step + 1..=total_steps {
             let started = Instant::now();
             let outcome = steps.step(step, &progress).await?;
-            let mut m = metrics::step_metrics(&outcome, step, limits);
+            let mut m = step_metrics::step_metrics(&outcome, step, limits);
             if self.validation_due(step, total_steps) {
                 progress.phase("validating");
                 let t = Instant::now();
                 m.extend(self.validate(&steps, step, &tracker).await?);
                 m.insert("timing_s/testing".into(), t.elapsed().as_secs_f64());
             }
-            metrics::add_step_time(&mut m, started.elapsed().as_secs_f64());
+            step_metrics::add_step_time(&mut m, started.elapsed().as_secs_f64());
             // The step's line goes out before its checkpoint: a checkpoint on disk always has
             // its metrics line, so a resume never leaves a hole in metrics.jsonl.
             write(Some(step), &m)?;

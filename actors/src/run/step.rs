@@ -5,7 +5,7 @@
 //! `data.train_batch_size` prompts whose samples differ (DAPO's dynamic sampling).
 
 use super::assembly::{Assembly, LearnerHandle, SyncCost};
-use super::metrics::Progress;
+use super::progress::Progress;
 use super::prompts::{build_prompts, generate, request_id, Generated};
 use super::{io, RunError};
 use crate::prepare::Prepared;

@@ -1,13 +1,197 @@
-//! llama.cpp's layout mapped onto Hugging Face's: tensor names, the Q/K row permutation of
-//! the Llama architecture, and the whole model's weights loaded under HF names.
+//! llama.cpp's layout mapped onto Hugging Face's: the metadata read as a [`ModelConfig`], tensor
+//! names, the Q/K row permutation of the Llama architecture, and the whole model's weights
+//! loaded under HF names.
 
-use super::{GgufFile, GgufTensorInfo};
-use crate::config::{Family, ModelConfig};
+use super::{GgufFile, GgufTensorInfo, GgufValue};
+use crate::config::{
+    Activation, AttentionKind, Family, ModelConfig, MoeConfig, RopeScaling, SUPPORTED_ARCHITECTURES,
+};
 use crate::error::{ModelError, Result};
 use crate::params::param_table;
 use crate::safetensors_io::ModelWeights;
 use crate::tensor::HostTensor;
 use std::collections::HashMap;
+
+impl ModelConfig {
+    /// Builds the config from GGUF metadata (`general.architecture`, `<arch>.*`,
+    /// `tokenizer.ggml.*`). The output head is tied when the file has no `output.weight`.
+    pub fn from_gguf(gguf: &GgufFile) -> Result<ModelConfig> {
+        let path = gguf.path();
+        let arch = gguf.metadata_str("general.architecture")?;
+        let Some(family) = Family::from_name(arch) else {
+            return Err(ModelError::UnsupportedArchitecture {
+                found: arch.to_string(),
+                origin: format!("{} (general.architecture)", path.display()),
+                supported: SUPPORTED_ARCHITECTURES.to_string(),
+            });
+        };
+        let key = |k: &str| format!("{arch}.{k}");
+        if family != Family::Qwen3Moe
+            && gguf
+                .metadata(&key("expert_count"))
+                .is_some_and(|v| v.as_u64() > Some(0))
+        {
+            return Err(ModelError::Config {
+                origin: path.display().to_string(),
+                key: key("expert_count"),
+                problem: format!(
+                    "a mixture-of-experts `{arch}` GGUF (Mixtral's layout) is not supported; grpo reads \
+                     the mixture-of-experts architecture qwen3moe, and any supported one from its \
+                     Hugging Face checkpoint"
+                ),
+            });
+        }
+        let hidden_size = gguf.metadata_usize(&key("embedding_length"))?;
+        let num_attention_heads = gguf.metadata_usize(&key("attention.head_count"))?;
+        let num_key_value_heads = match gguf.metadata(&key("attention.head_count_kv")) {
+            Some(_) => gguf.metadata_usize(&key("attention.head_count_kv"))?,
+            None => num_attention_heads,
+        };
+        let head_dim = match gguf.metadata(&key("attention.key_length")) {
+            Some(_) => gguf.metadata_usize(&key("attention.key_length"))?,
+            None => hidden_size / num_attention_heads.max(1),
+        };
+        let vocab_size = match gguf.metadata(&key("vocab_size")) {
+            Some(_) => gguf.metadata_usize(&key("vocab_size"))?,
+            None => match gguf.metadata("tokenizer.ggml.tokens") {
+                Some(GgufValue::Array(tokens)) => tokens.len(),
+                _ => match gguf.tensor_info("token_embd.weight") {
+                    Some(info) => info.dims[1] as usize,
+                    None => {
+                        return Err(ModelError::GgufMetadata {
+                            path: path.to_path_buf(),
+                            key: key("vocab_size"),
+                            problem: "missing, and there is no tokenizer.ggml.tokens or token_embd.weight to infer it from".into(),
+                        })
+                    }
+                },
+            },
+        };
+        let f64_key = |k: &str, default: f64| -> Result<f64> {
+            match gguf.metadata(k) {
+                None => Ok(default),
+                Some(_) => gguf.metadata_f64(k),
+            }
+        };
+        let id_key = |k: &str| -> Result<Option<u32>> {
+            match gguf.metadata(k) {
+                None => Ok(None),
+                Some(_) => Ok(Some(gguf.metadata_usize(k)? as u32)),
+            }
+        };
+        let has_bias = gguf.tensor_info("blk.0.attn_q.bias").is_some();
+        let gemma = family == Family::Gemma3;
+        if let Some(cap) = gguf.metadata(&key("final_logit_softcapping")) {
+            return Err(ModelError::Config {
+                origin: path.display().to_string(),
+                key: key("final_logit_softcapping"),
+                problem: format!("soft-capping ({cap:?}) is not supported; Gemma 3 has none"),
+            });
+        }
+        let block_count = gguf.metadata_usize(&key("block_count"))?;
+        // llama.cpp's gemma3: every sixth layer global unless the file says otherwise, the
+        // sliding layers' RoPE base 1e4, attention scaled by the head width but for the 27B
+        // (62 layers), whose query_pre_attn_scalar is hidden / heads.
+        let layer_types = if gemma {
+            let pattern = match gguf.metadata(&key("attention.sliding_window_pattern")) {
+                Some(_) => gguf.metadata_usize(&key("attention.sliding_window_pattern"))?,
+                None => 6,
+            };
+            (0..block_count)
+                .map(|i| {
+                    if (i + 1).is_multiple_of(pattern.max(1)) {
+                        AttentionKind::Full
+                    } else {
+                        AttentionKind::Sliding
+                    }
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let rope_scaling = match gguf.metadata(&key("rope.scaling.type")) {
+            Some(GgufValue::String(kind)) if kind == "linear" => Some(RopeScaling::Linear {
+                factor: f64_key(&key("rope.scaling.factor"), 1.0)?,
+            }),
+            Some(GgufValue::String(kind)) if kind == "none" => None,
+            Some(other) => {
+                return Err(ModelError::Config {
+                    origin: path.display().to_string(),
+                    key: key("rope.scaling.type"),
+                    problem: format!("RoPE scaling {other:?} is not supported from GGUF; supported: linear"),
+                })
+            }
+            None => None,
+        };
+        // llama.cpp's qwen3moe: every layer sparse, the chosen weights renormalised.
+        let moe = match family {
+            Family::Qwen3Moe => {
+                let experts = gguf.metadata_usize(&key("expert_count"))?;
+                Some(MoeConfig {
+                    num_experts: experts,
+                    experts_per_token: gguf.metadata_usize(&key("expert_used_count"))?,
+                    expert_intermediate_size: gguf.metadata_usize(&key("expert_feed_forward_length"))?,
+                    norm_topk_prob: true,
+                    mlp_only_layers: Vec::new(),
+                    decoder_sparse_step: 1,
+                    router_aux_loss_coef: 0.001,
+                })
+            }
+            _ => None,
+        };
+        let config = ModelConfig {
+            family,
+            hidden_size,
+            num_hidden_layers: block_count,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            intermediate_size: gguf.metadata_usize(&key("feed_forward_length"))?,
+            vocab_size,
+            rope_theta: f64_key(&key("rope.freq_base"), 10000.0)?,
+            rope_scaling,
+            rms_norm_eps: f64_key(&key("attention.layer_norm_rms_epsilon"), 1e-6)?,
+            tie_word_embeddings: gguf.tensor_info("output.weight").is_none(),
+            attention_bias: family == Family::Qwen2 || has_bias,
+            o_proj_bias: gguf.tensor_info("blk.0.attn_output.bias").is_some(),
+            qk_norm: matches!(family, Family::Qwen3 | Family::Qwen3Moe | Family::Gemma3),
+            max_position_embeddings: match gguf.metadata(&key("context_length")) {
+                Some(_) => gguf.metadata_usize(&key("context_length"))?,
+                None => 2048,
+            },
+            bos_token_id: id_key("tokenizer.ggml.bos_token_id")?,
+            eos_token_ids: id_key("tokenizer.ggml.eos_token_id")?.into_iter().collect(),
+            pad_token_id: id_key("tokenizer.ggml.padding_token_id")?,
+            initializer_range: 0.02,
+            moe,
+            sliding_window: match gguf.metadata(&key("attention.sliding_window")) {
+                Some(_) if matches!(family, Family::Gemma3 | Family::Mistral) => {
+                    Some(gguf.metadata_usize(&key("attention.sliding_window"))?)
+                }
+                _ => None,
+            },
+            layer_types,
+            rope_local_theta: gemma.then_some(1e4),
+            norm_unit_offset: gemma,
+            sandwich_norms: gemma,
+            activation: if gemma {
+                Activation::GeluTanh
+            } else {
+                Activation::Silu
+            },
+            scale_embeddings: gemma,
+            query_pre_attn_scalar: gemma.then(|| {
+                if block_count == 62 {
+                    (hidden_size / num_attention_heads.max(1)) as f64
+                } else {
+                    head_dim as f64
+                }
+            }),
+        };
+        config.validate(&path.display().to_string())?;
+        Ok(config)
+    }
+}
 
 /// Maps a GGUF tensor name of a `family` model onto its Hugging Face name.
 pub fn hf_name(family: Family, gguf_name: &str) -> Option<String> {

@@ -59,7 +59,7 @@ use xla::runtime::{
         The model: only its architecture is read, from model.path's config.json (or a .gguf \
         file's metadata); when model.path does not exist (no checkpoint here), from \
         configs/<last part of model.path>/config.json beside the recipe (recipes/configs/ ships \
-        Qwen2.5-0.5B-Instruct, Qwen2.5-7B-Instruct, Llama-3.1-8B-Instruct and Qwen3-8B), or from \
+        those of the shipped recipes' models, and of Qwen3-30B-A3B and Qwen3-235B-A22B), or from \
         --model-config.\n\n\
         The table (stdout) gives per program: its sharding (mesh and partitions, or 1 device), \
         parameter / argument / temporary / peak bytes per device, the memory of a device (TPU HBM), \

@@ -45,6 +45,25 @@ impl Tensor {
         self * &self.logistic()
     }
 
+    /// `x · wᵀ` for a weight in Hugging Face's `[out, in]` layout: `[..., in] -> [..., out]`, the
+    /// result in f32. A narrow (bf16/f16) weight takes `x` converted to its type as the other
+    /// operand, with f32 accumulation and result.
+    #[track_caller]
+    pub fn linear(&self, w: &Tensor) -> Tensor {
+        use crate::{graph::DotDims, DType};
+        let dims = DotDims {
+            lhs_contract: vec![self.rank() - 1],
+            rhs_contract: vec![1],
+            ..Default::default()
+        };
+        if w.dtype() == DType::F32 {
+            self.convert_if_needed(DType::F32).dot_general(w, dims, None)
+        } else {
+            self.convert_if_needed(w.dtype())
+                .dot_general(w, dims, Some(DType::F32))
+        }
+    }
+
     /// GELU with the tanh approximation (PyTorch's `gelu(approximate="tanh")`):
     /// `x/2 · (1 + tanh(sqrt(2/π) · (x + 0.044715 x³)))`.
     #[track_caller]

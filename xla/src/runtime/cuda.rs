@@ -23,14 +23,14 @@ pub const CUDA_LIBRARY_ORDER: [&str; 13] = [
 ];
 
 /// The `nvidia/` folders to search: beside the plugin's `site-packages` and in every
-/// `site-packages` searched for plugins ([`super::plugin::plugin_site_dirs`]).
+/// `site-packages` searched for plugins ([`super::site::plugin_site_dirs`]).
 fn nvidia_roots(plugin: &Path) -> Vec<PathBuf> {
     let mut roots = Vec::new();
     // <site>/jax_plugins/xla_cuda13/xla_cuda_plugin.so -> <site>/nvidia
     if let Some(site) = plugin.parent().and_then(Path::parent).and_then(Path::parent) {
         roots.push(site.join("nvidia"));
     }
-    for site in super::plugin::plugin_site_dirs() {
+    for site in super::site::plugin_site_dirs() {
         let root = site.join("nvidia");
         if !roots.contains(&root) {
             roots.push(root);

@@ -28,6 +28,7 @@ pub mod host_blocks;
 mod host_cpu;
 pub mod inventory;
 mod plugin;
+mod site;
 pub mod tpu;
 
 pub use buffer::Buffer;
@@ -44,9 +45,10 @@ pub use executable::{parse_main_params, program_name, CostAnalysis, Executable, 
 pub use hlo::{collectives, CollectiveCount};
 pub use host_cpu::HostCpu;
 pub use plugin::{
-    check_api_version, find_in_site_dirs, locate_plugin, locate_plugin_with, plugin_site_dirs,
-    venv_site_dirs, NamedValue, OptionValue, Plugin, PluginKind, MIN_PJRT_API_VERSION, PROJECT_VENV,
+    check_api_version, find_in_site_dirs, locate_plugin, locate_plugin_with, NamedValue, OptionValue, Plugin,
+    PluginKind, MIN_PJRT_API_VERSION,
 };
+pub use site::{plugin_site_dirs, venv_site_dirs, PROJECT_VENV};
 pub use tpu::{
     compile_for_topology, compile_for_topology_with, HbmShortfall, TopologyInfo, TopologyOptions,
     TpuCompileOutcome, TpuCompileReport,

@@ -361,7 +361,7 @@ fn merge_on_one_device(
     Ok(Arc::from(merged))
 }
 
-fn lora_error(e: model::programs::ProgramError) -> UpdateError {
+fn lora_error(e: model::ProgramError) -> UpdateError {
     UpdateError::Batch(format!("LoRA: {e}"))
 }
 

@@ -9,13 +9,15 @@
 mod local;
 mod remote;
 mod service;
+mod wire;
 
 pub use local::LocalRollout;
 pub use remote::RemoteRollout;
 pub use service::{ChunkError, RolloutService};
 // The weight stream's chunking and assembly, reused by the learner role's streams.
-pub(crate) use remote::{parse_dtype, send_chunks, CHUNK_BYTES};
+pub(crate) use remote::send_chunks;
 pub(crate) use service::Assembly;
+pub(crate) use wire::{parse_dtype, CHUNK_BYTES};
 
 use super::{BoxFuture, RoleError};
 use model::HostTensor;

@@ -9,7 +9,7 @@
 //! copy (`WeightChunk.data` is `Bytes`); a tensor sent in several chunks is assembled in the host
 //! buffer the previous update used for it, a tensor sent whole is uploaded from the message.
 
-use super::remote::{self, parse_dtype, request_from_proto, sample_to_proto};
+use super::wire::{self, parse_dtype, request_from_proto, sample_to_proto, WeightDigest};
 use super::{LocalRollout, RolloutRole, WeightUpdate};
 use crate::proto;
 use crate::roles::RoleError;
@@ -104,24 +104,6 @@ impl ChunkError {
 
 /// The environment variable of the skipped-install fault (a version number).
 pub const SKIP_INSTALL_ENV: &str = "GRPO_FAULT_SKIP_WEIGHT_INSTALL";
-
-/// The digest of a weight stream (`UpdateWeightsReply.checksum`): CRC-32 over each chunk's
-/// tensor index, offset and CRC-32, in stream order. Sender and worker compute it alike, from
-/// the chunk headers alone.
-#[derive(Clone, Default)]
-pub(crate) struct WeightDigest(crc32fast::Hasher);
-
-impl WeightDigest {
-    pub(crate) fn add(&mut self, chunk: &proto::WeightChunk) {
-        self.0.update(&chunk.tensor_index.to_le_bytes());
-        self.0.update(&chunk.offset.to_le_bytes());
-        self.0.update(&chunk.crc32.to_le_bytes());
-    }
-
-    pub(crate) fn value(&self) -> u32 {
-        self.0.clone().finalize()
-    }
-}
 
 /// One tensor of an update being received.
 enum Slot {
@@ -329,13 +311,13 @@ pub struct RolloutService {
 
 impl RolloutService {
     /// The largest gRPC message the worker takes or sends.
-    pub const MAX_MESSAGE_BYTES: usize = remote::MAX_MESSAGE_BYTES;
+    pub const MAX_MESSAGE_BYTES: usize = wire::MAX_MESSAGE_BYTES;
     /// HTTP/2 flow-control window per stream (large, so weights stream at memory speed).
-    pub const STREAM_WINDOW_BYTES: u32 = remote::STREAM_WINDOW_BYTES;
+    pub const STREAM_WINDOW_BYTES: u32 = wire::STREAM_WINDOW_BYTES;
     /// HTTP/2 flow-control window per connection.
-    pub const CONNECTION_WINDOW_BYTES: u32 = remote::CONNECTION_WINDOW_BYTES;
+    pub const CONNECTION_WINDOW_BYTES: u32 = wire::CONNECTION_WINDOW_BYTES;
     /// Largest HTTP/2 frame.
-    pub const MAX_FRAME_BYTES: u32 = remote::MAX_FRAME_BYTES;
+    pub const MAX_FRAME_BYTES: u32 = wire::MAX_FRAME_BYTES;
 
     /// Serves `local`, an engine over a `config` model with weights of `dtype` on `device` of
     /// `client` (on devices `0..tensor_parallel` when its tensor-parallel size is more than 1);
