@@ -570,6 +570,23 @@ fn todays_fsdp_and_megatron_scripts_train() {
     }
 }
 
+/// Today's FSDP script with a Gemma 3 as its `MODEL_PATH` (the tiny one, Gemma's chat template
+/// over SmolLM2's tokenizer): `grpo verl` takes the model as it takes any, two steps train.
+#[test]
+fn todays_fsdp_script_trains_a_gemma3() {
+    let home = tempfile::tempdir().unwrap();
+    todays_inputs(home.path());
+    let model = testkit::tiny_gemma_chat_model(home.path());
+    let output = home.path().join("gemma3");
+    let mut args = cut_sizes(&output);
+    args.push("trainer.logger=['console']".into());
+    let name = "run_qwen3_4b_fsdp.sh";
+    let out = todays_script(name, home.path(), &model, &args).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{name}:\n{stderr}");
+    trained_two_steps(&output, name, true);
+}
+
 /// VeRL's GRPO script with a reward model (Mistral-Nemo scored by Skywork's reward model) trains
 /// two steps with the tiny model and a tiny reward model beside it: VeRL's reward-model worker
 /// becomes a `reward_model` scorer of every sample.

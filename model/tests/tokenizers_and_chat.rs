@@ -179,34 +179,40 @@ fn smollm2_greedy_prompts_tokenize_like_the_fixture() {
     assert!(first["generated_text"].as_str().unwrap().contains("Paris"));
 }
 
-/// Gemma 3's template (`model/scripts/make_gemma_chat_fixture.py`): no system role, so a
-/// system message's text opens the first user turn after a blank line, as transformers
-/// renders it; turns that do not alternate are refused with the template's own message.
+/// Gemma 3's and Mistral's templates (`model/scripts/make_family_chat_fixtures.py`): neither has
+/// a system role, so a system message's text opens the first user turn (Gemma's, after a blank
+/// line) or the first `[INST]` block (Mistral's), as transformers renders them; turns that do
+/// not alternate are refused with the template's own message.
 #[test]
-fn gemma3_chat_template_folds_the_system_message_into_the_first_user_turn() {
-    let template = ChatTemplate::from_tokenizer_config(
-        &common::fixtures_dir().join("tiny/gemma3/tokenizer_config.json"),
-    )
-    .unwrap();
-    assert_eq!(
-        (template.bos_token.as_deref(), template.eos_token.as_deref()),
-        (Some("<bos>"), Some("<eos>"))
-    );
-    let fixture = common::fixture_json("gemma3_chat.json");
-    for case in fixture["cases"].as_array().unwrap() {
-        let got = template
-            .render_with(
-                &case["messages"],
-                case["add_generation_prompt"].as_bool().unwrap(),
-                &serde_json::Map::new(),
-            )
-            .unwrap();
-        assert_eq!(got, case["expected"].as_str().unwrap(), "{}", case["messages"]);
+fn gemma3_and_mistral_templates_fold_the_system_message_into_the_first_user_turn() {
+    let fixture = common::fixture_json("family_chat_templates.json");
+    for (family, bos, eos) in [("gemma3", "<bos>", "<eos>"), ("mistral", "<s>", "</s>")] {
+        let path = common::fixtures_dir().join(format!("tiny/{family}/tokenizer_config.json"));
+        let template = ChatTemplate::from_tokenizer_config(&path).unwrap();
+        assert_eq!(
+            (template.bos_token.as_deref(), template.eos_token.as_deref()),
+            (Some(bos), Some(eos))
+        );
+        for case in fixture[family]["cases"].as_array().unwrap() {
+            let got = template
+                .render_with(
+                    &case["messages"],
+                    case["add_generation_prompt"].as_bool().unwrap(),
+                    &serde_json::Map::new(),
+                )
+                .unwrap();
+            assert_eq!(
+                got,
+                case["expected"].as_str().unwrap(),
+                "{family}: {}",
+                case["messages"]
+            );
+        }
+        let refused = &fixture[family]["refused"];
+        let e = template
+            .render_with(&refused["messages"], false, &serde_json::Map::new())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(refused["error"].as_str().unwrap()), "{family}: {e}");
     }
-    let refused = &fixture["refused"];
-    let e = template
-        .render_with(&refused["messages"], false, &serde_json::Map::new())
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains(refused["error"].as_str().unwrap()), "{e}");
 }
