@@ -3,18 +3,19 @@
 //! one [`Fleet`], and the supervisor that replaces failed workers. The step loop sees only
 //! [`Assembly`].
 
+use super::dialer::Dialer;
 use super::fleet::Fleet;
 use super::{io, supervisor, RunError, RunOptions};
 use crate::auth::Token;
 use crate::launcher::ray::RaySpec;
 use crate::launcher::{LaunchSpec, Launcher, LocalLauncher, RayLauncher, WorkerInfo};
 use crate::prepare::Prepared;
-use crate::recipe::{Recipe, TlsSection};
+use crate::recipe::Recipe;
 use crate::roles::learner::{
     self, LearnerRole, LearnerStates, LearnerWeights, LocalLearner, RemoteLearner, Synced,
 };
-use crate::roles::reward::{LocalReward, RemoteReward, RewardDeadline, RewardRole};
-use crate::roles::rollout::{LocalRollout, RemoteRollout, RolloutRole, UpdateParams, WeightUpdate};
+use crate::roles::reward::{LocalReward, RewardDeadline, RewardRole};
+use crate::roles::rollout::{LocalRollout, RolloutRole, UpdateParams, WeightUpdate};
 use crate::roles::{Role, RoleError};
 use crate::setup;
 use model::ParamSpec;
@@ -24,28 +25,6 @@ use std::time::Duration;
 use trainer::update::{Row, UpdateClocks, UpdateReport};
 use xla::runtime::{Client, TransferStats};
 use xla::DType;
-
-/// How this process reaches the run's worker processes: the run's token, TLS, and the
-/// deadlines of calls.
-#[derive(Clone)]
-pub(crate) struct Dialer {
-    token: Token,
-    tls: Option<TlsSection>,
-    timeout: Duration,
-    reward_deadline: RewardDeadline,
-}
-
-impl Dialer {
-    pub fn rollout(&self, address: &str) -> Result<Arc<dyn RolloutRole>, RoleError> {
-        let r = RemoteRollout::with_timeout(address, &self.token, self.tls.as_ref(), self.timeout)?;
-        Ok(Arc::new(r))
-    }
-
-    pub fn reward(&self, address: &str) -> Result<Arc<dyn RewardRole>, RoleError> {
-        let r = RemoteReward::with_deadline(address, &self.token, self.tls.as_ref(), self.reward_deadline)?;
-        Ok(Arc::new(r))
-    }
-}
 
 /// The live roles of a run.
 pub(crate) struct Assembly {

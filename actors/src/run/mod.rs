@@ -17,6 +17,7 @@
 
 mod assembly;
 mod checkpoint;
+mod dialer;
 pub mod fleet;
 pub mod metrics;
 mod progress;

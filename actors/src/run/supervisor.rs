@@ -3,7 +3,7 @@
 //! workers carry the step. A learner worker is not replaced: its next call fails and stops the
 //! run, which resumes from the newest checkpoint.
 
-use super::assembly::Dialer;
+use super::dialer::Dialer;
 use super::fleet::Fleet;
 use crate::launcher::Launcher;
 use crate::roles::Role;
