@@ -622,3 +622,47 @@ fn a_mixture_of_experts_compiles_with_either_dispatch() {
         "grouped {grouped} GFLOP, dense {dense}"
     );
 }
+
+/// Gemma 3 (the tiny fixture: sliding and global layers, two RoPEs): the decode step and the
+/// learner's `accumulate` with its layers scanned (each layer's kind a scanned flag) compile
+/// for a TPU and fit.
+#[test]
+fn gemma3_decode_and_scanned_learner_compile_for_tpu() {
+    if !libtpu("gemma3_decode_and_scanned_learner_compile_for_tpu") {
+        return;
+    }
+    let config = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/model/fixtures/tiny/gemma3/config.json"
+    );
+    let o = grpo(&[
+        "compile",
+        TPU_RECIPE,
+        "--model-config",
+        config,
+        "--topology",
+        "v6e:2x2",
+        "--only",
+        "accumulate|decode",
+        "--set",
+        "model.scan_layers=true",
+        "--set",
+        "data.max_prompt_length=64",
+        "--set",
+        "data.max_response_length=64",
+    ]);
+    let (stdout, stderr) = (text(&o.stdout), text(&o.stderr));
+    assert_eq!(o.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("(gemma3_text,") || stderr.contains("(gemma3_text,"),
+        "{stderr}"
+    );
+    let rows = table_rows(&stdout);
+    for want in ["accumulate", "rollout_decode"] {
+        let (_, cells) = rows
+            .iter()
+            .find(|(n, _)| n.starts_with(want))
+            .unwrap_or_else(|| panic!("no {want} row in {stdout}"));
+        assert_eq!(cells[8], "yes", "{want}: {stdout}");
+    }
+}
