@@ -913,8 +913,8 @@ fn finish_routed_layer(
 /// projection, which [`finish_layer`] applies) and the keys and values `[B, kv_heads, T,
 /// head_dim]` (the cache layout).
 ///
-/// Long sequences run in causal halves ([`causal_attend`]): 8 % off the SmolLM2 update at
-/// T = 512 on the CPU plugin, where four blocks of 128 gained less (BENCHMARKS.md, "Learner").
+/// Long sequences run in causal halves ([`causal_attend`]), which skips the quarter of the
+/// scores above the diagonal; finer blocks gained less (BENCHMARKS.md, "Learner").
 fn self_attention(
     config: &ModelConfig,
     layer: &LayerParams,

@@ -1,6 +1,5 @@
 //! What the installed CPU PJRT plugin (lammps-jax-pjrt-cpu 0.11.2) does when asked to be one
-//! process of a multi-process client (issue 9, "Multi-host"; evidence in
-//! docs/multihost.md). It accepts `process_id` and numbers its devices by it, but never
+//! process of a multi-process client (evidence in docs/multihost.md). It accepts `process_id` and numbers its devices by it, but never
 //! calls the key-value store callbacks of `PJRT_Client_Create`, knows only its own devices, and
 //! refuses to compile a program whose devices span processes: its C API never gives the CPU client
 //! a cross-process collectives implementation (gloo / MPI are not in the build).

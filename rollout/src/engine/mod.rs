@@ -7,9 +7,9 @@
 //!
 //! Each group is prefilled by its own program run by default. Requests waiting at the same
 //! time with the same prefill program can be prefilled several at a time
-//! ([`EngineConfig::prefill_batch`]), which saves ~9% of prefill CPU but gives a prompt's KV
-//! entries last-bit differences that depend on its batch-mates: a sampled token near a CDF
-//! boundary can then differ from the same request run alone, so it is off by default (the
+//! ([`EngineConfig::prefill_batch`]), which saves prefill time (BENCHMARKS.md) but gives a
+//! prompt's KV entries last-bit differences that depend on its batch-mates: a sampled token
+//! near a CDF boundary can then differ from the same request run alone, so it is off by default (the
 //! same request, seed and weights give the same tokens whatever else is in the batch, and a
 //! run gives the same samples however its prompts are split over rollout workers). The KV cache can be split along positions into
 //! chunks ([`EngineConfig::kv_chunk`]); a decode step then reads only the chunks that hold

@@ -31,7 +31,7 @@ pub struct EngineConfig {
     /// Most prompts (groups) prefilled in one program run (a second program shape, compiled
     /// on first use, for batches of this size). 1, the default, prefills each group alone,
     /// which keeps every request's tokens independent of its batch-mates (see the module
-    /// docs); more saves ~9% of prefill CPU at the cost of that reproducibility.
+    /// docs); more saves prefill time at the cost of that reproducibility.
     pub prefill_batch: usize,
     /// The on-device sampler.
     pub sampler: SamplerKind,
