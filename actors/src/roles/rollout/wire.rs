@@ -202,3 +202,92 @@ pub(crate) fn sample_from_proto(s: proto::GeneratedSample) -> Result<Sample, Str
         routes: s.routes,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(finish_reason: FinishReason) -> Sample {
+        Sample {
+            request_id: 7,
+            sample_index: 3,
+            prompt_ids: vec![1, 2, 3],
+            response_ids: vec![9, 8, 5, 6, 7],
+            text: "hi".into(),
+            logprobs: vec![-0.5, 0.0, -1.25, 0.0, -2.0],
+            finish_reason,
+            weight_version: 4,
+            restarts: 1,
+            env_spans: vec![1..2, 3..4],
+            episode: EpisodeStats {
+                turns: 2,
+                tool_calls: 1,
+                tool_errors: 1,
+                tool_timeouts: 0,
+                env_time: Duration::from_millis(1500),
+                user_turns: 1,
+                turn_scores: vec![0.0, 1.0],
+            },
+            routes: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn samples_survive_the_wire_with_every_finish_reason() {
+        for reason in [
+            FinishReason::Eos(2),
+            FinishReason::StopString("####".into()),
+            FinishReason::MaxNewTokens,
+            FinishReason::MaxModelLen,
+            FinishReason::MaxTurnTokens,
+        ] {
+            let s = sample(reason);
+            let back = sample_from_proto(sample_to_proto(s.clone())).unwrap();
+            assert_eq!(format!("{back:?}"), format!("{s:?}"));
+        }
+        let mut bad = sample_to_proto(sample(FinishReason::MaxNewTokens));
+        bad.finish_kind = 0;
+        assert_eq!(
+            sample_from_proto(bad).unwrap_err(),
+            "sample 3 of request 7 with an unknown finish reason (0)"
+        );
+        for spans in [vec![2], vec![2, 6], vec![3, 2], vec![1, 3, 2, 4]] {
+            let mut bad = sample_to_proto(sample(FinishReason::MaxNewTokens));
+            bad.env_spans = spans.clone();
+            assert!(sample_from_proto(bad).is_err(), "{spans:?} accepted");
+        }
+    }
+
+    #[test]
+    fn requests_survive_the_wire() {
+        let r = GenerationRequest {
+            id: 11,
+            prompt: vec![5, 6],
+            n: 4,
+            seed: 99,
+            params: SamplingParams {
+                temperature: 0.7,
+                top_k: 20,
+                top_p: 0.9,
+                min_p: 0.05,
+                max_new_tokens: 33,
+                stop_token_ids: vec![2],
+                stop_strings: vec!["</answer>".into()],
+            },
+            multi_turn: Some(Episode {
+                max_turn_tokens: 21,
+                row: std::sync::Arc::new(
+                    serde_json::json!({"extra_info": {"tools_kwargs": {"search": {"create_kwargs": {"k": 1}}}}}),
+                ),
+            }),
+        };
+        let back = request_from_proto(request_to_proto(&r)).unwrap();
+        assert_eq!(format!("{back:?}"), format!("{r:?}"));
+        let mut no_params = request_to_proto(&r);
+        no_params.params = None;
+        assert_eq!(
+            request_from_proto(no_params).unwrap_err(),
+            "request 11 has no sampling parameters"
+        );
+    }
+}
