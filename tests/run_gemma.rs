@@ -43,28 +43,16 @@ fn a_tiny_gemma3_learns_resumes_exactly_and_exports() {
     assert_same_training(&whole, &resumed, "stopped at step 6 and resumed");
 
     // Exported, the model loads as the same Gemma 3, its norm offsets and GeGLU trained.
-    let exported = dir.path().join("exported");
-    let o = run_grpo(&[
-        "export",
-        whole.to_str().unwrap(),
-        "--output",
-        exported.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let before = model::safetensors_io::load_hf_checkpoint(&model).unwrap();
-    let after = model::safetensors_io::load_hf_checkpoint(&exported).unwrap();
-    assert_eq!(after.config, before.config);
-    for name in [
-        "model.layers.0.post_feedforward_layernorm.weight",
-        "model.layers.1.mlp.gate_proj.weight",
-        "model.embed_tokens.weight",
-    ] {
-        let (b, a) = (
-            before.get(name).unwrap().to_f32_vec(),
-            after.get(name).unwrap().to_f32_vec(),
-        );
-        assert!(b.iter().zip(&a).any(|(x, y)| x != y), "{name} did not train");
-    }
+    assert_exported_and_trained(
+        &whole,
+        &dir.path().join("exported"),
+        &model,
+        &[
+            "model.layers.0.post_feedforward_layernorm.weight",
+            "model.layers.1.mlp.gate_proj.weight",
+            "model.embed_tokens.weight",
+        ],
+    );
 
     // LoRA on the attention and the GeGLU's projections (a step whose groups all score alike
     // has no gradient: the first, here).

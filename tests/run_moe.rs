@@ -59,28 +59,16 @@ fn a_tiny_moe_trains_resumes_exactly_and_runs_in_worker_processes() {
     assert!((b["actor/loss"].as_f64().unwrap() - loss(b)).abs() < 1e-4, "{b}");
 
     // The router and every expert moved; exported, the model loads as a Qwen3-MoE again.
-    let exported = dir.path().join("exported");
-    let o = run_grpo(&[
-        "export",
-        whole.to_str().unwrap(),
-        "--output",
-        exported.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let before = model::safetensors_io::load_hf_checkpoint(&model).unwrap();
-    let after = model::safetensors_io::load_hf_checkpoint(&exported).unwrap();
-    assert_eq!(after.config.moe, before.config.moe);
-    for name in [
-        "model.layers.0.mlp.gate.weight",
-        "model.layers.1.mlp.experts.gate_up_proj",
-        "model.layers.1.mlp.experts.down_proj",
-    ] {
-        let (b, a) = (
-            before.get(name).unwrap().to_f32_vec(),
-            after.get(name).unwrap().to_f32_vec(),
-        );
-        assert!(b.iter().zip(&a).any(|(x, y)| x != y), "{name} did not train");
-    }
+    assert_exported_and_trained(
+        &whole,
+        &dir.path().join("exported"),
+        &model,
+        &[
+            "model.layers.0.mlp.gate.weight",
+            "model.layers.1.mlp.experts.gate_up_proj",
+            "model.layers.1.mlp.experts.down_proj",
+        ],
+    );
 
     // bf16 compute (what `auto` chooses on a CPU with bf16 instructions): the experts' products
     // and their gradients in the form the CPU plugin runs.

@@ -2274,15 +2274,8 @@ mod tests {
             eos_token_ids: vec![],
             pad_token_id: None,
             initializer_range: 0.1,
-            moe: None,
-            sliding_window: None,
-            layer_types: Vec::new(),
-            rope_local_theta: None,
-            norm_unit_offset: false,
-            sandwich_norms: false,
-            activation: crate::config::Activation::Silu,
-            scale_embeddings: false,
-            query_pre_attn_scalar: None,
+            // No experts, window or Gemma settings: tiny_llama's.
+            ..ModelConfig::tiny_llama()
         }
     }
 

@@ -91,9 +91,14 @@ fn smollm2_gguf_tokenizer() {
 
 fn check_template(template: &ChatTemplate, key: &str) {
     let fixture = common::fixture_json("chat_templates.json");
-    let cases = fixture["cases"][key].as_array().unwrap();
-    assert_eq!(cases.len(), 8);
-    for case in cases {
+    let cases = &fixture["cases"][key];
+    assert_eq!(cases.as_array().unwrap().len(), 8);
+    check_cases(template, cases, key);
+}
+
+/// Each fixture case (`messages`, `add_generation_prompt`, `expected`) renders as transformers did.
+fn check_cases(template: &ChatTemplate, cases: &serde_json::Value, what: &str) {
+    for case in cases.as_array().unwrap() {
         let got = template
             .render_with(
                 &case["messages"],
@@ -104,7 +109,7 @@ fn check_template(template: &ChatTemplate, key: &str) {
         assert_eq!(
             got,
             case["expected"].as_str().unwrap(),
-            "{key}: {}",
+            "{what}: {}",
             case["messages"]
         );
     }
@@ -193,21 +198,7 @@ fn gemma3_and_mistral_templates_fold_the_system_message_into_the_first_user_turn
             (template.bos_token.as_deref(), template.eos_token.as_deref()),
             (Some(bos), Some(eos))
         );
-        for case in fixture[family]["cases"].as_array().unwrap() {
-            let got = template
-                .render_with(
-                    &case["messages"],
-                    case["add_generation_prompt"].as_bool().unwrap(),
-                    &serde_json::Map::new(),
-                )
-                .unwrap();
-            assert_eq!(
-                got,
-                case["expected"].as_str().unwrap(),
-                "{family}: {}",
-                case["messages"]
-            );
-        }
+        check_cases(&template, &fixture[family]["cases"], family);
         let refused = &fixture[family]["refused"];
         let e = template
             .render_with(&refused["messages"], false, &serde_json::Map::new())

@@ -120,15 +120,32 @@ pub fn tiny_chat_weights() -> model::ModelWeights {
 /// A Hugging Face model directory `dir/tiny-smollm2`: SmolLM2's tokenizer and chat template on
 /// [`tiny_chat_weights`].
 pub fn tiny_chat_model(dir: &std::path::Path) -> PathBuf {
+    save_chat_model(dir, "tiny-smollm2", &tiny_chat_weights(), None)
+}
+
+/// `weights` saved as the Hugging Face model directory `dir/name` with SmolLM2's tokenizer and
+/// its chat template, or `chat_template` (Jinja) in its place.
+fn save_chat_model(
+    dir: &std::path::Path,
+    name: &str,
+    weights: &model::ModelWeights,
+    chat_template: Option<&serde_json::Value>,
+) -> PathBuf {
     let gguf = model::GgufFile::open(&smollm2_gguf()).expect("open the GGUF");
-    let weights = tiny_chat_weights();
-    let files_dir = dir.join("tokenizer-files");
+    let files_dir = dir.join(format!("tokenizer-files-{name}"));
     std::fs::create_dir_all(&files_dir).unwrap();
     let files =
         model::write_gguf_tokenizer_files(&gguf, &weights.config, &files_dir).expect("tokenizer files");
-    let out = dir.join("tiny-smollm2");
+    if let Some(template) = chat_template {
+        let path = files_dir.join("tokenizer_config.json");
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        config["chat_template"] = template.clone();
+        std::fs::write(&path, config.to_string()).unwrap();
+    }
+    let out = dir.join(name);
     let refs: Vec<&std::path::Path> = files.iter().map(|p| p.as_path()).collect();
-    model::save_hf_checkpoint(&out, &weights, &refs).expect("save the tiny model");
+    model::save_hf_checkpoint(&out, weights, &refs).expect("save the tiny model");
     out
 }
 
@@ -136,7 +153,6 @@ pub fn tiny_chat_model(dir: &std::path::Path) -> PathBuf {
 /// on a 2-layer Qwen3-MoE trunk, 32 wide, of 4 experts (16 wide, top 2, renormalised), random
 /// (seed 7).
 pub fn tiny_moe_chat_model(dir: &std::path::Path) -> PathBuf {
-    let gguf = model::GgufFile::open(&smollm2_gguf()).expect("open the GGUF");
     let mut config = tiny_chat_weights().config;
     config.family = model::Family::Qwen3Moe;
     config.qk_norm = true;
@@ -149,14 +165,7 @@ pub fn tiny_moe_chat_model(dir: &std::path::Path) -> PathBuf {
         decoder_sparse_step: 1,
         router_aux_loss_coef: 0.0,
     });
-    let weights = model::random_init(&config, 7);
-    let files_dir = dir.join("tokenizer-files-moe");
-    std::fs::create_dir_all(&files_dir).unwrap();
-    let files = model::write_gguf_tokenizer_files(&gguf, &config, &files_dir).expect("tokenizer files");
-    let out = dir.join("tiny-smollm2-moe");
-    let refs: Vec<&std::path::Path> = files.iter().map(|p| p.as_path()).collect();
-    model::save_hf_checkpoint(&out, &weights, &refs).expect("save the tiny MoE model");
-    out
+    save_chat_model(dir, "tiny-smollm2-moe", &model::random_init(&config, 7), None)
 }
 
 /// A Hugging Face model directory `dir/tiny-smollm2-gemma3`: SmolLM2's tokenizer under Gemma 3's
@@ -164,7 +173,6 @@ pub fn tiny_moe_chat_model(dir: &std::path::Path) -> PathBuf {
 /// Gemma 3 trunk 32 wide (a sliding layer with a window of 16 positions, then a global one; GeGLU,
 /// four norms per layer, scaled embeddings), random (seed 7).
 pub fn tiny_gemma_chat_model(dir: &std::path::Path) -> PathBuf {
-    let gguf = model::GgufFile::open(&smollm2_gguf()).expect("open the GGUF");
     let mut config = tiny_chat_weights().config;
     config.family = model::Family::Gemma3;
     config.qk_norm = true;
@@ -177,23 +185,16 @@ pub fn tiny_gemma_chat_model(dir: &std::path::Path) -> PathBuf {
     config.layer_types = vec![model::AttentionKind::Sliding, model::AttentionKind::Full];
     config.rope_local_theta = Some(1e4);
     config.tie_word_embeddings = true;
-    let weights = model::random_init(&config, 7);
-    let files_dir = dir.join("tokenizer-files-gemma3");
-    std::fs::create_dir_all(&files_dir).unwrap();
-    let files = model::write_gguf_tokenizer_files(&gguf, &config, &files_dir).expect("tokenizer files");
     // Gemma's template with SmolLM2's special tokens.
     let gemma = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../model/fixtures/tiny/gemma3/tokenizer_config.json");
     let gemma: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(gemma).unwrap()).unwrap();
-    let tokenizer_config = files_dir.join("tokenizer_config.json");
-    let mut ours: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&tokenizer_config).unwrap()).unwrap();
-    ours["chat_template"] = gemma["chat_template"].clone();
-    std::fs::write(&tokenizer_config, ours.to_string()).unwrap();
-    let out = dir.join("tiny-smollm2-gemma3");
-    let refs: Vec<&std::path::Path> = files.iter().map(|p| p.as_path()).collect();
-    model::save_hf_checkpoint(&out, &weights, &refs).expect("save the tiny Gemma model");
-    out
+    save_chat_model(
+        dir,
+        "tiny-smollm2-gemma3",
+        &model::random_init(&config, 7),
+        Some(&gemma["chat_template"]),
+    )
 }
 
 /// A reward model directory `dir/tiny-rm` beside [`tiny_chat_model`]'s (written too when

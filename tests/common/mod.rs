@@ -42,6 +42,28 @@ pub fn run_grpo(args: &[&str]) -> Output {
 
 pub use testkit::tiny_chat_model;
 
+/// `grpo export RUN --output DEST` of a run that trained `model`: the export loads with the
+/// model's config, and each of `trained` (tensor names) differs from the model's.
+pub fn assert_exported_and_trained(run: &Path, dest: &Path, model: &Path, trained: &[&str]) {
+    let o = run_grpo(&[
+        "export",
+        run.to_str().unwrap(),
+        "--output",
+        dest.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let before = model::safetensors_io::load_hf_checkpoint(model).unwrap();
+    let after = model::safetensors_io::load_hf_checkpoint(dest).unwrap();
+    assert_eq!(after.config, before.config);
+    for name in trained {
+        let (b, a) = (
+            before.get(name).unwrap().to_f32_vec(),
+            after.get(name).unwrap().to_f32_vec(),
+        );
+        assert!(b.iter().zip(&a).any(|(x, y)| x != y), "{name} did not train");
+    }
+}
+
 /// What a tiny run trains on, in `dir`: [`tiny_chat_model`], `train_rows` arithmetic problems
 /// (seed 1) and `val_rows` held out (seed 2).
 pub fn tiny_inputs(dir: &Path, train_rows: usize, val_rows: usize) -> (PathBuf, PathBuf, PathBuf) {
