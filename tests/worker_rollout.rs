@@ -117,8 +117,8 @@ fn a_rollout_worker_process_generates_like_the_in_process_engine_and_takes_new_w
     let recipe = actors::recipe::load_recipe(&recipe_path, &[]).unwrap();
     let prepared = actors::prepare::prepare(&recipe).unwrap();
     let client = setup::open_client(&recipe).unwrap();
-    let weights = setup::upload_rollout_weights(&recipe, &prepared, &client).unwrap();
-    let local = LocalRollout::new(setup::build_engine(&recipe, &prepared, &client, weights, 0).unwrap());
+    let weights = prepared.upload_rollout_weights(&recipe, &client).unwrap();
+    let local = LocalRollout::new(prepared.rollout_engine(&recipe, &client, weights, 0).unwrap());
     // Other weights, as a learner would hold them (f32), and an engine over them at version 1.
     let config = &prepared.model.weights.config;
     let trained = model::random_init(config, 77);
@@ -127,7 +127,9 @@ fn a_rollout_worker_process_generates_like_the_in_process_engine_and_takes_new_w
             .unwrap()
             .into();
     let local_trained = LocalRollout::new(
-        setup::build_engine(&recipe, &prepared, &client, trained_buffers.clone(), 1).unwrap(),
+        prepared
+            .rollout_engine(&recipe, &client, trained_buffers.clone(), 1)
+            .unwrap(),
     );
 
     let runtime = tokio::runtime::Runtime::new().unwrap();

@@ -8,9 +8,10 @@ use data::{Prompt, PromptDataset, PromptTokenizer, Split, TokenizeError};
 use model::programs::HostModel;
 use model::{ChatMessage, ChatTemplate, ModelTokenizer};
 use reward::RewardFunction;
-use rollout::TurnHandler;
+use rollout::{Engine, TurnHandler};
 use std::path::Path;
 use std::sync::Arc;
+use xla::runtime::Client;
 
 /// What preparing a run can stop on.
 #[derive(Debug, thiserror::Error)]
@@ -196,8 +197,52 @@ pub struct Prepared {
     pub environment: Option<Arc<dyn TurnHandler>>,
 }
 
-/// Load the model, open the datasets, build and check the reward function.
-pub fn prepare(recipe: &Recipe) -> Result<Prepared, PrepareError> {
+impl Prepared {
+    /// The rollout engine of this run over `weights` (in `rollout.dtype`) at `version`.
+    /// Weights on each of devices `0..N` (an in-process rollout colocated with a `dp`/`fsdp`
+    /// learner over `N` devices, see [`rollout::handoff`], or a tensor-parallel engine) make an
+    /// engine split over those devices: `N / rollout.tensor_model_parallel_size` slot groups
+    /// (which must divide `rollout.max_num_seqs`) of that many tensor-parallel devices.
+    pub fn rollout_engine(
+        &self,
+        recipe: &Recipe,
+        client: &Client,
+        weights: impl Into<rollout::EngineWeights>,
+        version: u64,
+    ) -> rollout::Result<Engine> {
+        Engine::new(
+            client,
+            &self.model.weights.config,
+            weights,
+            version,
+            crate::setup::engine_config(recipe, &self.stop_token_ids),
+            Some(self.tokenizer.tokenizer.clone()),
+        )
+    }
+
+    /// Uploads the model's weights in `rollout.dtype` for a rollout engine of its own (a
+    /// rollout worker): on device 0, or split over devices `0..tp` with tensor parallelism.
+    pub fn upload_rollout_weights(
+        &self,
+        recipe: &Recipe,
+        client: &Client,
+    ) -> rollout::Result<rollout::EngineWeights> {
+        let tp = recipe.rollout.tensor_model_parallel_size.max(1);
+        let devices: Vec<usize> = (0..tp).collect();
+        rollout::upload_weights_on(
+            client,
+            &self.model.weights,
+            crate::setup::rollout_dtype(recipe),
+            &devices,
+            tp,
+        )
+    }
+}
+
+/// The model of `model.path` (with `model.random_init` its weights drawn afresh from
+/// `trainer.seed`), checked for the features the recipe needs, and its tokenizer:
+/// `model.tokenizer`'s, or the model's own, checked to fit the model's vocabulary.
+pub fn load_model(recipe: &Recipe) -> Result<(HostModel, ModelTokenizer), PrepareError> {
     let path = Path::new(&recipe.model.path);
     let mut model = HostModel::load(path).map_err(|e| PrepareError::Model {
         path: recipe.model.path.clone(),
@@ -231,6 +276,12 @@ pub fn prepare(recipe: &Recipe) -> Result<Prepared, PrepareError> {
                 .unwrap_or_else(|| recipe.model.path.clone()),
             message: e.to_string(),
         })?;
+    Ok((model, tokenizer))
+}
+
+/// Load the model, open the datasets, build and check the reward function.
+pub fn prepare(recipe: &Recipe) -> Result<Prepared, PrepareError> {
+    let (mut model, tokenizer) = load_model(recipe)?;
     let stop_token_ids = model.stop_tokens();
     // The template moves into the tokenizer that renders prompts with it.
     let template = chat_template(recipe, model.chat_template.take())?;
@@ -325,6 +376,46 @@ mod tests {
         bare.model.chat_template = None;
         let err = chat_template(&bare, None).unwrap_err().to_string();
         assert!(err.contains("the model has no chat template"), "{err}");
+    }
+
+    /// `model.random_init` replaces the checkpoint's weights by ones drawn from `trainer.seed`;
+    /// `model.tokenizer` replaces the model's tokenizer.
+    #[test]
+    fn the_model_and_its_tokenizer_are_loaded_as_the_recipe_says() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = testkit::tiny_chat_model(dir.path());
+        let recipe = |model: &str, trainer: &str| {
+            crate::recipe::load_recipe_str(
+                &format!(
+                    "model:\n  path: {}\n{model}data:\n  train_files: t.parquet\ntrainer:\n  seed: {trainer}\n",
+                    path.display()
+                ),
+                "r.yaml",
+            )
+            .unwrap()
+        };
+        let weights = |r: &Recipe| -> Vec<Vec<u8>> {
+            let (model, _) = load_model(r).unwrap();
+            model.weights.tensors.into_iter().map(|t| t.bytes).collect()
+        };
+        let saved = weights(&recipe("", "1"));
+        let drawn = weights(&recipe("  random_init: true\n", "1"));
+        assert_ne!(drawn, saved);
+        assert_eq!(weights(&recipe("  random_init: true\n", "1")), drawn);
+        assert_ne!(weights(&recipe("  random_init: true\n", "2")), drawn);
+
+        // The same tokenizer lowercasing its input: it encodes "HELLO" as the model's does "hello".
+        let own = dir.path().join("tokenizer-files-tiny-smollm2/tokenizer.json");
+        let mut json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&own).unwrap()).unwrap();
+        json["normalizer"] = serde_json::json!({"type": "Lowercase"});
+        let other = dir.path().join("other-tokenizer.json");
+        std::fs::write(&other, json.to_string()).unwrap();
+        let encode = |r: &Recipe, text: &str| load_model(r).unwrap().1.encode(text, false).unwrap();
+        let with = recipe(&format!("  tokenizer: {}\n", other.display()), "1");
+        let lower = encode(&recipe("", "1"), "hello");
+        assert_ne!(encode(&recipe("", "1"), "HELLO"), lower);
+        assert_eq!(encode(&with, "HELLO"), lower);
     }
 }
 

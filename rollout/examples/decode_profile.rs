@@ -23,7 +23,8 @@ use model::forward::{
     decode_graph_with, decode_hidden_graph, DecodeAttention, DecodeOptions, DecoderParams, KvWrite,
 };
 use model::programs::HostModel;
-use rollout::programs::{run_donating, CacheShape, DecodeInputs, DecodeSample, PrefillFanout};
+use rollout::layout::CacheShape;
+use rollout::programs::{run_donating, DecodeInputs, DecodeSample, PrefillFanout};
 use rollout::sampling::SamplerKind;
 use rollout::upload_weights;
 use xla::graph::{BuildOptions, DotDims, Graph, Tensor};

@@ -13,6 +13,11 @@
 //! `Error: ...` observation the model reads in the next turn, and is counted in the sample's
 //! [`EpisodeStats`]; the episode goes on. A hung in-process tool keeps its thread until it
 //! returns (its answer is dropped); tools in child processes are killed at their limit.
+//!
+//! The request's [`crate::Episode`] carries its dataset row, from which the tools take their
+//! per-row arguments (`tools_kwargs`) and the interaction its `interaction_kwargs`. The
+//! renderer's tokens start just after the model's end-of-turn token, so whatever the template
+//! writes between turns is kept.
 
 use std::sync::mpsc::channel;
 use std::sync::Arc;

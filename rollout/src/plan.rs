@@ -6,8 +6,8 @@
 //! and on first use) and `grpo compile` lists a run's programs from it, so both always mean
 //! the same programs.
 
-use crate::engine::EngineConfig;
-use crate::programs::CacheShape;
+use crate::engine::request::EngineConfig;
+use crate::layout::CacheShape;
 use model::forward::KvWrite;
 use model::ModelConfig;
 use xla::runtime::PluginKind;

@@ -2,7 +2,7 @@
 //! laid out by another program (the learner's, replicated or sharded, in its dtype) into them.
 //!
 //! An engine over `N` devices runs its programs SPMD on a mesh of `N / tp` slot groups x `tp`
-//! tensor-parallel devices ([`crate::programs::CacheShape::mesh`]); each device holds every
+//! tensor-parallel devices ([`crate::layout::CacheShape::mesh`]); each device holds every
 //! parameter in the Megatron layout ([`model::ParamLayout`] with no FSDP axis): whole when `tp`
 //! is 1 (one replica per device), its tensor-parallel shard otherwise ([`EngineWeights`]). A
 //! learner in the same process lays its parameters out its own way on the same devices:
@@ -22,11 +22,9 @@ use xla::runtime::{Buffer, Client};
 use xla::DType;
 
 use crate::error::{Result, RolloutError};
-use crate::programs::rollout_mesh;
+use crate::layout::{rollout_layout, rollout_mesh};
 use model::lora::{lora_param_table, MergeLayout, MergeProgram};
-use model::{
-    param_table, HostTensor, LoraConfig, LoraForm, ModelConfig, ModelWeights, ParamLayout, ParamSpec,
-};
+use model::{param_table, HostTensor, LoraConfig, LoraForm, ModelConfig, ModelWeights, ParamSpec};
 
 /// The rollout's parameters: each device's buffers of the whole parameter table, in device
 /// order (one entry for a single-device engine), laid out by the rollout's tensor-parallel
@@ -138,15 +136,6 @@ impl From<Arc<[Buffer]>> for EngineWeights {
 impl From<Vec<Buffer>> for EngineWeights {
     fn from(params: Vec<Buffer>) -> EngineWeights {
         EngineWeights::from(Arc::<[Buffer]>::from(params))
-    }
-}
-
-/// The rollout's parameter layout on a tensor-parallel axis of `tensor_parallel` devices:
-/// Megatron splits over [`model::MODEL_AXIS`], whole over the slot groups.
-pub fn rollout_layout(tensor_parallel: usize) -> ParamLayout<'static> {
-    ParamLayout {
-        fsdp: None,
-        tensor_parallel,
     }
 }
 

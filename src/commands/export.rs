@@ -1,6 +1,7 @@
 //! `grpo export`: writes a learner checkpoint as a Hugging Face checkpoint directory
 //! (safetensors, `config.json`, tokenizer files with the chat template) that transformers
-//! loads, through `trainer::export`.
+//! loads, through `trainer::export`. A LoRA run's checkpoint (its adapter config recorded in
+//! `state.json`) exports as a PEFT adapter, or with `--merged` as the merged model.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;

@@ -9,6 +9,9 @@
 //! rendered with the model's chat template (with `tools` passed to it), and with `tools` the
 //! model's calls come back as `tool_calls`, parsed in `--tool-call-format`. Streaming is not
 //! served (`stream: true` is refused).
+//!
+//! The HTTP server is axum's; the API's wire format (messages, errors, the key) is
+//! `rollout::openai`'s, which the endpoint agent programs are trained through shares.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

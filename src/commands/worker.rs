@@ -216,8 +216,9 @@ fn rollout_service(
     let client = setup::open_client(recipe)
         .with_context(|| format!("opening the {:?} device", recipe.cluster.device))?;
     *devices = registry::devices_of(&client);
-    let weights =
-        setup::upload_rollout_weights(recipe, &prepared, &client).context("uploading the rollout weights")?;
+    let weights = prepared
+        .upload_rollout_weights(recipe, &client)
+        .context("uploading the rollout weights")?;
     let config = &prepared.model.weights.config;
     // With LoRA the worker keeps the base and is sent adapters: it starts on the run's initial
     // adapters, as the learner does.
@@ -243,8 +244,9 @@ fn rollout_service(
             (weights, Some(install))
         }
     };
-    let engine =
-        setup::build_engine(recipe, &prepared, &client, weights, 0).context("building the rollout engine")?;
+    let engine = prepared
+        .rollout_engine(recipe, &client, weights, 0)
+        .context("building the rollout engine")?;
     let service = RolloutService::new(
         LocalRollout::with_environment(engine, prepared.environment.clone()),
         client,

@@ -2,9 +2,7 @@
 //! and corrupt, stale and foreign disk entries being ignored, logged and replaced.
 
 use sha2::{Digest, Sha256};
-use xla::runtime::{
-    CacheConfig, Client, ClientOptions, CompileOptions, ExecutableCache, OptionValue, PluginKind,
-};
+use xla::runtime::{CacheConfig, Client, ClientOptions, CompileOptions, OptionValue, PluginKind};
 
 /// The plugin under test: `GRPO_TEST_PLUGIN=cuda` (scripts/gpu-check.sh) or the CPU plugin.
 fn kind() -> PluginKind {
@@ -79,8 +77,7 @@ fn memory_then_disk_hits_give_the_same_numbers() {
 }
 
 fn entry_path(c: &Client, mlir: &str) -> std::path::PathBuf {
-    c.cache()
-        .entry_path(c, &Client::fingerprint(mlir, &CompileOptions::default()))
+    c.cache_entry_path(&Client::fingerprint(mlir, &CompileOptions::default()))
         .unwrap()
 }
 
@@ -134,7 +131,7 @@ fn stale_entry_that_the_plugin_cannot_load_is_replaced() {
     // A well-formed entry (right key, right checksum) holding bytes no plugin can load, as left
     // by an incompatible plugin build.
     let fingerprint = Client::fingerprint(&mlir, &CompileOptions::default());
-    let key = ExecutableCache::entry_key(&c, &fingerprint);
+    let key = c.cache_entry_key(&fingerprint);
     let payload = b"serialized by some other XLA build".to_vec();
     let mut entry = b"GRPOPJRT\x01".to_vec();
     entry.extend_from_slice(&(key.len() as u32).to_le_bytes());

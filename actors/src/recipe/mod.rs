@@ -7,6 +7,13 @@
 //! dotted key and the closest valid key, and [`validate`] checks ranges and cross-key rules
 //! before any work starts. Every key is documented in `recipes/README.md`; a test keeps the
 //! two in step.
+//!
+//! A section's types come from its crate where one exists (`data::DataConfig`,
+//! `reward::RewardConfig`, the learner's enums from `trainer::config`), and keys that become a
+//! trainer config take their defaults from `trainer::config`'s `Default`, so the two cannot
+//! differ. `crate::setup` turns sections into the crates' configurations
+//! (`setup::update_config`, `setup::engine_config`, ...), through a section's own method where
+//! validation must run the same conversion ([`ActorSection::policy_loss`]).
 
 mod load;
 mod locate;

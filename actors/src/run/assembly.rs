@@ -146,8 +146,6 @@ impl Assembly {
             }
         };
 
-        // The learner (with the reference model): in this process, or the learner worker, which
-        // is sent the checkpoint's state when the run resumes.
         let learner_worker = match cluster.worker_count(Role::Learner) {
             0 => None,
             _ => Some(
@@ -157,70 +155,45 @@ impl Assembly {
                     .ok_or_else(|| RunError::Other("the launcher started no learner worker".into()))?,
             ),
         };
-        let resume = start.state.take();
-        let critic_resume = start.critic_state.take();
         let rollout_dtype = setup::rollout_dtype(recipe);
         let rollout_tp = recipe.rollout.tensor_model_parallel_size;
         // With LoRA in the applied form an in-process engine holds the frozen base itself and
         // is handed only the adapters, which it applies beside it.
         let applied_here = cluster.worker_count(Role::Rollout) == 0
             && matches!(setup::lora_form(recipe), Some((model::LoraForm::Applied, _)));
-        let mut base: Option<rollout::EngineWeights> = None;
-        let role: Arc<dyn LearnerRole> = match &learner_worker {
+        let (role, base) = match &learner_worker {
             Some(w) => {
-                if applied_here {
-                    let uploaded = setup::upload_rollout_weights(recipe, prepared, client)
-                        .map_err(|e| RunError::Other(format!("uploading the rollout's LoRA base: {e}")))?;
-                    base = Some(uploaded);
-                }
-                // The worker loads the model itself; this process needs no host copy of it.
-                prepared.model.weights.tensors = Vec::new();
-                let tls = cluster.tls.as_ref();
-                let mut remote = RemoteLearner::with_timeout(
-                    &w.address,
-                    &dialer.token,
-                    tls,
-                    timeout,
-                    specs.to_vec(),
-                    model::param_table(&prepared.model.weights.config),
-                )?;
-                if let Some(critic_specs) = critic_specs {
-                    remote = remote.with_critic(critic_specs.to_vec());
-                }
-                let resume = resume.map(|policy| LearnerStates {
-                    policy,
-                    critic: critic_resume,
-                });
-                remote
-                    .start(resume, start.clocks, total_optimizer_steps)
-                    .await
-                    .map_err(|e| learner_worker_failed(w, e, start.checkpoint.as_deref()))?;
-                Arc::new(remote)
+                let base =
+                    match applied_here {
+                        true => Some(prepared.upload_rollout_weights(recipe, client).map_err(|e| {
+                            RunError::Other(format!("uploading the rollout's LoRA base: {e}"))
+                        })?),
+                        false => None,
+                    };
+                let role = remote_learner(
+                    w,
+                    &dialer,
+                    prepared,
+                    specs,
+                    critic_specs,
+                    start,
+                    total_optimizer_steps,
+                );
+                (role.await?, base)
             }
             None => {
-                // The host copy of the weights moves into the learner (the rollout shares the
-                // learner's device buffers), so the model is held once on the host.
-                let initial = learner::initial_weights(recipe, &mut prepared.model.weights)?;
-                let local = LocalLearner::start(
-                    client,
-                    recipe,
-                    &prepared.model.weights.config,
-                    initial,
-                    resume,
-                    critic_resume,
-                    start.clocks,
-                    total_optimizer_steps,
-                )?;
-                if applied_here {
+                let local = local_learner(recipe, prepared, client, start, total_optimizer_steps)?;
+                let base = match applied_here {
                     // The learner's own frozen buffers where the layouts agree (no copy).
-                    let handed =
+                    true => Some(
                         rollout::handoff(client, &local.base_source()?, rollout_dtype, rollout_tp, false)
                             .map_err(|e| {
                                 RunError::Other(format!("handing the LoRA base to the rollout: {e}"))
-                            })?;
-                    base = Some(handed);
-                }
-                Arc::new(local)
+                            })?,
+                    ),
+                    false => None,
+                };
+                (Arc::new(local) as Arc<dyn LearnerRole>, base)
             }
         };
         let learner = LearnerHandle {
@@ -247,12 +220,12 @@ impl Assembly {
             _ if base.is_some() => Synced::Adapters,
             _ => Synced::Model,
         };
-        let sent_dtype = synced_dtype(synced, rollout_dtype);
         let rollouts: Vec<Arc<dyn RolloutRole>> = match workers(Role::Rollout).as_slice() {
             [] => {
+                let sent = (synced, synced_dtype(synced, rollout_dtype));
                 let last = start.checkpoint.as_deref();
                 let weights = learner
-                    .weights(client, start.version, (synced, sent_dtype), in_process, last)
+                    .weights(client, start.version, sent, in_process, last)
                     .await?;
                 let UpdateParams::Device(weights) = weights else {
                     unreachable!("weights for an in-process engine are on its devices")
@@ -261,7 +234,7 @@ impl Assembly {
                     Some(base) => base.with_adapters(weights.adapters().to_vec()),
                     None => weights,
                 };
-                let engine = setup::build_engine(recipe, prepared, client, weights, start.version)?;
+                let engine = prepared.rollout_engine(recipe, client, weights, start.version)?;
                 vec![Arc::new(LocalRollout::with_environment(
                     engine,
                     prepared.environment.clone(),
@@ -351,6 +324,62 @@ impl Assembly {
             l.shutdown(Duration::from_secs(2)).await;
         }
     }
+}
+
+/// The learner worker `worker` as the learner role, started from `start`'s state (the policy's
+/// and the critic's) at its optimizer-step clock. The worker loads the model itself, so this
+/// process drops its host copy of the weights.
+async fn remote_learner(
+    worker: &WorkerInfo,
+    dialer: &Dialer,
+    prepared: &mut Prepared,
+    specs: &[ParamSpec],
+    critic_specs: Option<&[ParamSpec]>,
+    start: &mut super::checkpoint::Start,
+    total_optimizer_steps: u64,
+) -> Result<Arc<dyn LearnerRole>, RunError> {
+    prepared.model.weights.tensors = Vec::new();
+    let mut remote = RemoteLearner::with_timeout(
+        &worker.address,
+        &dialer.token,
+        dialer.tls.as_ref(),
+        dialer.timeout,
+        specs.to_vec(),
+        model::param_table(&prepared.model.weights.config),
+    )?;
+    if let Some(critic_specs) = critic_specs {
+        remote = remote.with_critic(critic_specs.to_vec());
+    }
+    let critic = start.critic_state.take();
+    let resume = start.state.take().map(|policy| LearnerStates { policy, critic });
+    remote
+        .start(resume, start.clocks, total_optimizer_steps)
+        .await
+        .map_err(|e| learner_worker_failed(worker, e, start.checkpoint.as_deref()))?;
+    Ok(Arc::new(remote))
+}
+
+/// The learner in this process, started from `start`'s state or the model's weights. The host
+/// copy of the weights moves into it (the rollout shares the learner's device buffers), so the
+/// model is held once on the host.
+fn local_learner(
+    recipe: &Recipe,
+    prepared: &mut Prepared,
+    client: &Client,
+    start: &mut super::checkpoint::Start,
+    total_optimizer_steps: u64,
+) -> Result<LocalLearner, RunError> {
+    let initial = learner::initial_weights(recipe, &mut prepared.model.weights)?;
+    Ok(LocalLearner::start(
+        client,
+        recipe,
+        &prepared.model.weights.config,
+        initial,
+        start.state.take(),
+        start.critic_state.take(),
+        start.clocks,
+        total_optimizer_steps,
+    )?)
 }
 
 /// Starts the worker processes the recipe asks for (none: every role runs in this process),

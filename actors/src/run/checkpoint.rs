@@ -1,6 +1,10 @@
 //! Where a run starts (the newest complete checkpoint, or fresh) and the checkpoint it saves on
 //! its schedule. Checkpoints are written by the orchestrator whatever runs the learner: it reads
 //! the learner's state and writes it atomically with the sampler's position and the clocks.
+//!
+//! A checkpoint holds the recipe it was saved under; a resume refuses a change to what the run
+//! trains (`RESUME_MAY_CHANGE` lists the keys that may change). A save that fails (a full
+//! disk) stops the run with [`RunError::Save`], naming where the next `grpo run` resumes.
 
 use super::{io, RunError};
 use crate::recipe::{Recipe, ResumeMode};

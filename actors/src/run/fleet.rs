@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
-use tokio::sync::mpsc::unbounded_channel;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 use tokio::task::JoinSet;
 
 /// What the reward function needs to know about a prompt besides the response.
@@ -324,196 +324,281 @@ impl Fleet {
         requests: Vec<GenerationRequest>,
         metas: HashMap<u64, PromptMeta>,
     ) -> Result<Outcome, RoleError> {
-        let expected: usize = requests.iter().map(|r| r.n).sum();
-        let by_id: HashMap<u64, GenerationRequest> = requests.iter().map(|r| (r.id, r.clone())).collect();
         let (tx, mut rx) = unbounded_channel::<Sample>();
-        let started = Instant::now();
-        let mut gen_done_at = None;
-        let mut samples: BTreeMap<Key, Sample> = BTreeMap::new();
-        let mut scores: HashMap<Key, reward::ScoredSample> = HashMap::new();
-        let (mut rollout_failures, mut reward_failures, mut reissued) = (0, 0, 0);
-
-        // Work waiting for a live worker.
-        let mut waiting_gen: Vec<GenerationRequest> = requests;
-        let mut waiting_score: Vec<ScoreBatch> = Vec::new();
-        let mut stalled_since: Option<Instant> = None;
-        let mut ticker = tokio::time::interval(std::time::Duration::from_millis(100));
-
-        type GenDone = (usize, Vec<u64>, Result<(usize, std::time::Duration), RoleError>);
+        let mut round = Round::new(self, requests, metas);
         let mut gens: JoinSet<GenDone> = JoinSet::new();
-        type RewardDone = (
-            usize,
-            Vec<(u64, Key)>,
-            Vec<reward::Sample>,
-            Result<Vec<reward::ScoredSample>, RoleError>,
-        );
-        let mut scoring: JoinSet<RewardDone> = JoinSet::new();
-        let mut next_reward = 0usize;
-
-        while samples.len() < expected || scores.len() < expected {
-            // Hand waiting work to live workers.
-            if !waiting_gen.is_empty() {
-                let live = self.live_rollouts();
-                if !live.is_empty() {
-                    let mut reqs = std::mem::take(&mut waiting_gen).into_iter();
-                    // Contiguous shares (each worker prefills its own prompts), sized by the
-                    // workers' measured throughput.
-                    let weights = self.share_weights(&live);
-                    for (count, (i, role)) in shares(reqs.len(), &weights).into_iter().zip(live) {
-                        let chunk: Vec<GenerationRequest> = reqs.by_ref().take(count).collect();
-                        if chunk.is_empty() {
-                            continue;
-                        }
-                        let ids = chunk.iter().map(|r| r.id).collect();
-                        let samples: usize = chunk.iter().map(|r| r.n).sum();
-                        let tx = tx.clone();
-                        gens.spawn(async move {
-                            let started = Instant::now();
-                            let result = role.generate(chunk, tx).await;
-                            (i, ids, result.map(|()| (samples, started.elapsed())))
-                        });
-                    }
-                }
-            }
-            if !waiting_score.is_empty() {
-                let live = self.live_rewards();
-                if !live.is_empty() {
-                    for (keys, batch) in std::mem::take(&mut waiting_score) {
-                        let (i, role) = live[next_reward % live.len()].clone();
-                        next_reward += 1;
-                        scoring.spawn(async move {
-                            let r = role.score(batch.clone()).await;
-                            (i, keys, batch, r)
-                        });
-                    }
-                }
-            }
-            if waiting_gen.is_empty() && waiting_score.is_empty() {
-                stalled_since = None;
-            } else {
-                let since = *stalled_since.get_or_insert_with(Instant::now);
-                if since.elapsed() > self.wait_for_workers {
-                    let role = if waiting_gen.is_empty() {
-                        "reward"
-                    } else {
-                        "rollout"
-                    };
-                    return Err(RoleError::Invalid(format!(
-                        "no {role} worker has been alive for {:.0} s; see the worker logs",
-                        self.wait_for_workers.as_secs_f64()
-                    )));
-                }
-            }
+        let mut scoring: JoinSet<ScoreDone> = JoinSet::new();
+        let mut ticker = tokio::time::interval(std::time::Duration::from_millis(100));
+        while !round.complete() {
+            round.hand_out_generation(&mut gens, &tx);
+            round.hand_out_scoring(&mut scoring);
+            round.check_not_stalled()?;
             tokio::select! {
                 Some(first) = rx.recv() => {
                     let mut batch = vec![first];
                     while let Ok(s) = rx.try_recv() {
                         batch.push(s);
                     }
-                    let mut keys = Vec::new();
-                    let mut to_score = Vec::new();
-                    for s in batch {
-                        let k = key(&s);
-                        if samples.contains_key(&k) || !by_id.contains_key(&k.0) {
-                            continue; // a duplicate from a re-issued request
-                        }
-                        let id = self.next_reward_id.fetch_add(1, Ordering::Relaxed);
-                        let meta = metas.get(&k.0).cloned().unwrap_or(PromptMeta {
-                            data_source: String::new(),
-                            prompt: serde_json::Value::Null,
-                            ground_truth: String::new(),
-                            extra: serde_json::Value::Null,
-                        });
-                        let mut extra = meta.extra;
-                        if !s.episode.turn_scores.is_empty() {
-                            if let serde_json::Value::Object(columns) = &mut extra {
-                                columns.insert("turn_scores".into(), serde_json::json!(s.episode.turn_scores));
-                            }
-                        }
-                        to_score.push(reward::Sample {
-                            id,
-                            data_source: meta.data_source,
-                            prompt: meta.prompt,
-                            response: s.text.clone(),
-                            ground_truth: meta.ground_truth,
-                            extra,
-                            response_length: s.response_ids.len(),
-                            truncated: s.finish_reason.is_truncated(),
-                        });
-                        keys.push((id, k));
-                        samples.insert(k, s);
-                    }
-                    if samples.len() == expected && gen_done_at.is_none() {
-                        gen_done_at = Some(Instant::now());
-                    }
-                    if !to_score.is_empty() {
-                        waiting_score.push((keys, to_score));
-                    }
+                    round.received(batch);
                 }
                 Some(done) = gens.join_next(), if !gens.is_empty() => {
-                    let (worker, ids, result) = done.map_err(|e| RoleError::Invalid(format!("generation task: {e}")))?;
-                    match result {
-                        Ok((count, took)) => self.record_throughput(worker, count, took),
-                        Err(e @ RoleError::Unavailable { .. }) => {
-                            tracing::warn!("{e}; re-issuing its unfinished requests");
-                            rollout_failures += 1;
-                            self.rollout_failed(worker);
-                            // Samples it sent before failing may still be queued; re-issued copies
-                            // of those are dropped as duplicates when they arrive.
-                            let again: Vec<GenerationRequest> = ids
-                                .iter()
-                                .filter(|id| (0..by_id[id].n).any(|j| !samples.contains_key(&(**id, j))))
-                                .map(|id| by_id[id].clone())
-                                .collect();
-                            reissued += again.len();
-                            waiting_gen.extend(again);
-                        }
-                        Err(e) => return Err(e),
-                    }
+                    round.generation_ended(done.map_err(|e| RoleError::Invalid(format!("generation task: {e}")))?)?;
                 }
                 Some(done) = scoring.join_next(), if !scoring.is_empty() => {
-                    let (worker, keys, batch, result) = done.map_err(|e| RoleError::Invalid(format!("scoring task: {e}")))?;
-                    match result {
-                        Ok(results) => {
-                            let by_reward_id: HashMap<u64, Key> = keys.into_iter().collect();
-                            for r in results {
-                                if let Some(k) = by_reward_id.get(&r.id) {
-                                    scores.insert(*k, r);
-                                }
-                            }
-                        }
-                        Err(e @ RoleError::Unavailable { .. }) => {
-                            tracing::warn!("{e}; re-scoring its samples elsewhere");
-                            reward_failures += 1;
-                            self.reward_failed(worker);
-                            waiting_score.push((keys, batch));
-                        }
-                        Err(e) => return Err(e),
-                    }
+                    round.scoring_ended(done.map_err(|e| RoleError::Invalid(format!("scoring task: {e}")))?)?;
                 }
                 _ = ticker.tick() => {}
             }
         }
-        let gen_end = gen_done_at.unwrap_or_else(Instant::now);
-        let scored = samples
+        Ok(round.finish())
+    }
+}
+
+/// A rollout worker's generation task ended: the worker, its request ids, and the samples it
+/// made and how long that took.
+type GenDone = (usize, Vec<u64>, Result<(usize, std::time::Duration), RoleError>);
+
+/// A reward worker's scoring task ended: the worker, the batch it was given, its scores.
+type ScoreDone = (
+    usize,
+    Vec<(u64, Key)>,
+    Vec<reward::Sample>,
+    Result<Vec<reward::ScoredSample>, RoleError>,
+);
+
+/// One [`Fleet::generate_and_score`]: the work waiting for a live worker, the samples and
+/// scores back so far, and what failed.
+struct Round<'a> {
+    fleet: &'a Fleet,
+    by_id: HashMap<u64, GenerationRequest>,
+    metas: HashMap<u64, PromptMeta>,
+    expected: usize,
+    samples: BTreeMap<Key, Sample>,
+    scores: HashMap<Key, reward::ScoredSample>,
+    waiting_gen: Vec<GenerationRequest>,
+    waiting_score: Vec<ScoreBatch>,
+    stalled_since: Option<Instant>,
+    next_reward: usize,
+    started: Instant,
+    gen_done_at: Option<Instant>,
+    rollout_failures: usize,
+    reward_failures: usize,
+    reissued: usize,
+}
+
+impl<'a> Round<'a> {
+    fn new(fleet: &'a Fleet, requests: Vec<GenerationRequest>, metas: HashMap<u64, PromptMeta>) -> Round<'a> {
+        Round {
+            fleet,
+            by_id: requests.iter().map(|r| (r.id, r.clone())).collect(),
+            metas,
+            expected: requests.iter().map(|r| r.n).sum(),
+            samples: BTreeMap::new(),
+            scores: HashMap::new(),
+            waiting_gen: requests,
+            waiting_score: Vec::new(),
+            stalled_since: None,
+            next_reward: 0,
+            started: Instant::now(),
+            gen_done_at: None,
+            rollout_failures: 0,
+            reward_failures: 0,
+            reissued: 0,
+        }
+    }
+
+    /// Every sample arrived and was scored.
+    fn complete(&self) -> bool {
+        self.samples.len() >= self.expected && self.scores.len() >= self.expected
+    }
+
+    /// Hands the waiting requests to the live rollout workers, in contiguous shares (each
+    /// worker prefills its own prompts) sized by their measured throughput.
+    fn hand_out_generation(&mut self, gens: &mut JoinSet<GenDone>, tx: &UnboundedSender<Sample>) {
+        if self.waiting_gen.is_empty() {
+            return;
+        }
+        let live = self.fleet.live_rollouts();
+        if live.is_empty() {
+            return;
+        }
+        let mut reqs = std::mem::take(&mut self.waiting_gen).into_iter();
+        let weights = self.fleet.share_weights(&live);
+        for (count, (i, role)) in shares(reqs.len(), &weights).into_iter().zip(live) {
+            let chunk: Vec<GenerationRequest> = reqs.by_ref().take(count).collect();
+            if chunk.is_empty() {
+                continue;
+            }
+            let ids = chunk.iter().map(|r| r.id).collect();
+            let samples: usize = chunk.iter().map(|r| r.n).sum();
+            let tx = tx.clone();
+            gens.spawn(async move {
+                let started = Instant::now();
+                let result = role.generate(chunk, tx).await;
+                (i, ids, result.map(|()| (samples, started.elapsed())))
+            });
+        }
+    }
+
+    /// Hands the waiting score batches to the live reward workers, in turn.
+    fn hand_out_scoring(&mut self, scoring: &mut JoinSet<ScoreDone>) {
+        if self.waiting_score.is_empty() {
+            return;
+        }
+        let live = self.fleet.live_rewards();
+        if live.is_empty() {
+            return;
+        }
+        for (keys, batch) in std::mem::take(&mut self.waiting_score) {
+            let (i, role) = live[self.next_reward % live.len()].clone();
+            self.next_reward += 1;
+            scoring.spawn(async move {
+                let r = role.score(batch.clone()).await;
+                (i, keys, batch, r)
+            });
+        }
+    }
+
+    /// Fails once work has waited longer than `wait_for_workers` for a live worker.
+    fn check_not_stalled(&mut self) -> Result<(), RoleError> {
+        if self.waiting_gen.is_empty() && self.waiting_score.is_empty() {
+            self.stalled_since = None;
+            return Ok(());
+        }
+        let since = *self.stalled_since.get_or_insert_with(Instant::now);
+        if since.elapsed() <= self.fleet.wait_for_workers {
+            return Ok(());
+        }
+        let role = if self.waiting_gen.is_empty() {
+            "reward"
+        } else {
+            "rollout"
+        };
+        Err(RoleError::Invalid(format!(
+            "no {role} worker has been alive for {:.0} s; see the worker logs",
+            self.fleet.wait_for_workers.as_secs_f64()
+        )))
+    }
+
+    /// Keeps the new samples of `batch` (a duplicate from a re-issued request, or a sample of
+    /// no request of this round, is dropped) and queues them for scoring.
+    fn received(&mut self, batch: Vec<Sample>) {
+        let mut keys = Vec::new();
+        let mut to_score = Vec::new();
+        for s in batch {
+            let k = key(&s);
+            if self.samples.contains_key(&k) || !self.by_id.contains_key(&k.0) {
+                continue;
+            }
+            let id = self.fleet.next_reward_id.fetch_add(1, Ordering::Relaxed);
+            to_score.push(self.reward_sample(id, &s));
+            keys.push((id, k));
+            self.samples.insert(k, s);
+        }
+        if self.samples.len() == self.expected && self.gen_done_at.is_none() {
+            self.gen_done_at = Some(Instant::now());
+        }
+        if !to_score.is_empty() {
+            self.waiting_score.push((keys, to_score));
+        }
+    }
+
+    /// What the reward function reads of sample `s` (reward id `id`): its prompt's row, and a
+    /// multi-turn episode's turn scores as the row's `turn_scores` column.
+    fn reward_sample(&self, id: u64, s: &Sample) -> reward::Sample {
+        let meta = self.metas.get(&s.request_id).cloned().unwrap_or(PromptMeta {
+            data_source: String::new(),
+            prompt: serde_json::Value::Null,
+            ground_truth: String::new(),
+            extra: serde_json::Value::Null,
+        });
+        let mut extra = meta.extra;
+        if !s.episode.turn_scores.is_empty() {
+            if let serde_json::Value::Object(columns) = &mut extra {
+                columns.insert("turn_scores".into(), serde_json::json!(s.episode.turn_scores));
+            }
+        }
+        reward::Sample {
+            id,
+            data_source: meta.data_source,
+            prompt: meta.prompt,
+            response: s.text.clone(),
+            ground_truth: meta.ground_truth,
+            extra,
+            response_length: s.response_ids.len(),
+            truncated: s.finish_reason.is_truncated(),
+        }
+    }
+
+    /// A generation task ended: its worker's throughput measured, or, when the worker is gone,
+    /// its unfinished requests queued again. Samples it sent before failing may still be
+    /// queued; re-issued copies of those are dropped as duplicates when they arrive.
+    fn generation_ended(&mut self, (worker, ids, result): GenDone) -> Result<(), RoleError> {
+        match result {
+            Ok((count, took)) => self.fleet.record_throughput(worker, count, took),
+            Err(e @ RoleError::Unavailable { .. }) => {
+                tracing::warn!("{e}; re-issuing its unfinished requests");
+                self.rollout_failures += 1;
+                self.fleet.rollout_failed(worker);
+                let again: Vec<GenerationRequest> = ids
+                    .iter()
+                    .filter(|id| (0..self.by_id[id].n).any(|j| !self.samples.contains_key(&(**id, j))))
+                    .map(|id| self.by_id[id].clone())
+                    .collect();
+                self.reissued += again.len();
+                self.waiting_gen.extend(again);
+            }
+            Err(e) => return Err(e),
+        }
+        Ok(())
+    }
+
+    /// A scoring task ended: its scores kept, or, when the worker is gone, its batch queued
+    /// again.
+    fn scoring_ended(&mut self, (worker, keys, batch, result): ScoreDone) -> Result<(), RoleError> {
+        match result {
+            Ok(results) => {
+                let by_reward_id: HashMap<u64, Key> = keys.into_iter().collect();
+                for r in results {
+                    if let Some(k) = by_reward_id.get(&r.id) {
+                        self.scores.insert(*k, r);
+                    }
+                }
+            }
+            Err(e @ RoleError::Unavailable { .. }) => {
+                tracing::warn!("{e}; re-scoring its samples elsewhere");
+                self.reward_failures += 1;
+                self.fleet.reward_failed(worker);
+                self.waiting_score.push((keys, batch));
+            }
+            Err(e) => return Err(e),
+        }
+        Ok(())
+    }
+
+    /// The scored samples in (request id, sample index) order, with the round's timings.
+    fn finish(mut self) -> Outcome {
+        let gen_end = self.gen_done_at.unwrap_or_else(Instant::now);
+        let scored = std::mem::take(&mut self.samples)
             .into_iter()
             .map(|(k, sample)| Scored {
-                score: scores.remove(&k).expect("every sample was scored"),
-                ground_truth: metas
+                score: self.scores.remove(&k).expect("every sample was scored"),
+                ground_truth: self
+                    .metas
                     .get(&k.0)
                     .map(|m| m.ground_truth.clone())
                     .unwrap_or_default(),
                 sample,
             })
             .collect();
-        Ok(Outcome {
+        Outcome {
             scored,
-            gen_s: (gen_end - started).as_secs_f64(),
+            gen_s: (gen_end - self.started).as_secs_f64(),
             reward_tail_s: gen_end.elapsed().as_secs_f64(),
-            rollout_failures,
-            reward_failures,
-            reissued,
-        })
+            rollout_failures: self.rollout_failures,
+            reward_failures: self.reward_failures,
+            reissued: self.reissued,
+        }
     }
 }
 

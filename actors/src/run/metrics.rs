@@ -1,6 +1,10 @@
 //! A run's metrics: their type and `OUTPUT/metrics.jsonl` (one JSON object per step, flushed as
 //! it is written, so a crash loses at most the step in progress). What goes into a step's is
 //! `step_metrics.rs`'s; the progress display on stderr is `progress.rs`'s.
+//!
+//! Every start or resume first writes a header line, `{"run": ...}` (devices, compute types
+//! and why `auto` chose them, the learner's and the rollout's meshes by axis), which readers of
+//! the steps skip.
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};

@@ -23,15 +23,6 @@ pub(crate) const VALIDATION_ID: u64 = 1 << 62;
 /// ReMax's greedy baseline request of training prompt `id` is `id | REMAX_BASELINE`.
 pub(crate) const REMAX_BASELINE: u64 = 1 << 61;
 
-/// The seed of a request: a mix of the run's seed and the request id (SplitMix64), so every
-/// prompt's samples are reproducible wherever and whenever they are generated.
-fn request_seed(seed: u64, id: u64) -> u64 {
-    let mut z = seed ^ id.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
 /// The prompts of one step (or one validation batch), ready to send.
 pub(crate) struct StepPrompts {
     pub requests: Vec<GenerationRequest>,
@@ -54,11 +45,7 @@ pub(crate) fn build_prompts(
     validation: bool,
 ) -> Result<StepPrompts, RunError> {
     let examples = dataset.read(positions)?;
-    let n = if validation {
-        recipe.rollout.val_kwargs.n
-    } else {
-        recipe.rollout.n
-    };
+    let n = setup::samples_per_prompt(recipe, validation);
     let params = setup::sampling_params(recipe, validation);
     let remax = !validation && recipe.algorithm.adv_estimator == AdvantageEstimator::Remax;
     let mut out = StepPrompts {
@@ -102,7 +89,7 @@ pub(crate) fn build_prompts(
                 id: id | REMAX_BASELINE,
                 prompt: prompt.clone(),
                 n: 1,
-                seed: request_seed(recipe.trainer.seed, id | REMAX_BASELINE),
+                seed: setup::request_seed(recipe, id | REMAX_BASELINE),
                 params: SamplingParams {
                     temperature: 0.0,
                     ..params.clone()
@@ -115,7 +102,7 @@ pub(crate) fn build_prompts(
             id,
             prompt,
             n,
-            seed: request_seed(recipe.trainer.seed, id),
+            seed: setup::request_seed(recipe, id),
             params: params.clone(),
             multi_turn: episode,
         });

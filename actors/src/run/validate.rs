@@ -1,5 +1,6 @@
 //! Validation: every validation prompt generated with `rollout.val_kwargs` and scored, the
-//! responses written to `OUTPUT/validation/step_N.jsonl`.
+//! responses written to `OUTPUT/validation/step_N.jsonl`, and `trainer.log_val_generations`
+//! of them sent to the trackers.
 
 use super::fleet::Fleet;
 use super::metrics::{mean_std, Metrics};

@@ -167,7 +167,7 @@ impl JudgeScorer {
     }
 
     fn generator(&self, weights: ModelWeights, max_new_tokens: usize) -> Result<Generator, String> {
-        let client = crate::setup::open_client(&self.recipe).map_err(|e| e.to_string())?;
+        let client = crate::setup::device::open_client(&self.recipe).map_err(|e| e.to_string())?;
         let buffers = rollout::upload_weights(&client, &weights, self.dtype, 0).map_err(|e| e.to_string())?;
         let mut settings = EngineConfig::new(self.micro_batch_size, self.max_length + max_new_tokens);
         settings.eos_token_ids = self.text.stop_tokens();

@@ -50,7 +50,7 @@ fn compute_dtype(dtype: ModelDType, recipe: &Recipe) -> DType {
         ModelDType::Bf16 => DTypeName::Bf16,
         ModelDType::Auto => DTypeName::Auto,
     };
-    crate::setup::compute_dtype(name, recipe.cluster.device).0
+    crate::setup::device::compute_dtype(name, recipe.cluster.device).0
 }
 
 /// The row's prompt as chat messages: its messages, or a string prompt as the user's message.
@@ -107,7 +107,7 @@ impl ClassifierThread {
         dtype: DType,
         micro_batch: usize,
     ) -> Result<ClassifierThread, String> {
-        let client = crate::setup::open_client(recipe).map_err(|e| e.to_string())?;
+        let client = crate::setup::device::open_client(recipe).map_err(|e| e.to_string())?;
         let mut classifier =
             DeviceClassifier::upload(&client, &weights, dtype, 0).map_err(|e| e.to_string())?;
         drop(weights);

@@ -2,47 +2,24 @@
 //! place, shared by the orchestrator, the workers and `grpo compile` so all build exactly the
 //! same thing: the PJRT client of `cluster.device`, the rollout engine and the sampling
 //! settings of the `rollout` section, the policy and the GRPO update of the `actor` and
-//! `algorithm` sections, the reward function and its pool. [`dtype`]: the compute types.
+//! `algorithm` sections, the reward function and its pool. [`device`]: the client and the
+//! compute types (`auto` decided once per run for each role's device; the workers read the
+//! decided recipe).
 
-mod dtype;
+pub mod device;
 
-pub use dtype::{
-    actor_dtype, compute_dtype, learner_device, resolve_auto_dtypes, resolve_auto_dtypes_on, rollout_device,
-    rollout_dtype, DTypeChoice,
+pub use device::{
+    actor_dtype, compute_dtype, learner_device, open_client, resolve_auto_dtypes, resolve_auto_dtypes_on,
+    rollout_device, rollout_dtype, DTypeChoice,
 };
 
-use crate::prepare::Prepared;
 use crate::recipe::{DeviceKind, LoraFormName, Recipe};
 use model::{ChatTemplate, ModelTokenizer};
-use rollout::{Engine, EngineConfig, SamplingParams};
+use rollout::{EngineConfig, SamplingParams};
 use std::path::Path;
 use trainer::policy::DecoderPolicy;
 use trainer::step::StepConfig;
 use trainer::update::{BatchPlan, CriticConfig, UpdateConfig};
-use xla::runtime::{CacheConfig, Client, ClientOptions, OptionValue};
-
-/// The client for `cluster.device` (plugin from `cluster.plugin_path` or discovered). On CPU it
-/// opens [`Recipe::cpu_devices`] devices: `cluster.cpu_device_count`, or `actor.mesh` when a
-/// `dp`/`fsdp` learner asks for more.
-pub fn open_client(recipe: &Recipe) -> xla::runtime::Result<Client> {
-    let c = &recipe.cluster;
-    let kind = c.device.plugin();
-    let create_options = match c.device {
-        DeviceKind::Cpu => vec![(
-            "cpu_device_count".to_string(),
-            OptionValue::Int(recipe.cpu_devices() as i64),
-        )],
-        _ => Vec::new(),
-    };
-    Client::new(
-        kind,
-        c.plugin_path.as_deref().map(Path::new),
-        ClientOptions {
-            create_options,
-            cache: CacheConfig::from_env(),
-        },
-    )
-}
 
 /// The engine settings of the `rollout` section: `rollout.max_num_seqs` KV slots of
 /// `max_prompt_length + max_response_length` tokens, stopping on the model's end tokens; with
@@ -59,28 +36,6 @@ pub fn engine_config(recipe: &Recipe, stop_token_ids: &[u32]) -> EngineConfig {
         .lora()
         .filter(|_| matches!(lora_form(recipe), Some((model::LoraForm::Applied, _))));
     settings
-}
-
-/// The rollout engine of a prepared run over `weights` (in `rollout.dtype`) at `version`.
-/// Weights on each of devices `0..N` (an in-process rollout colocated with a `dp`/`fsdp`
-/// learner over `N` devices, see [`rollout::handoff`], or a tensor-parallel engine) make an
-/// engine split over those devices: `N / rollout.tensor_model_parallel_size` slot groups
-/// (which must divide `rollout.max_num_seqs`) of that many tensor-parallel devices.
-pub fn build_engine(
-    recipe: &Recipe,
-    prepared: &Prepared,
-    client: &Client,
-    weights: impl Into<rollout::EngineWeights>,
-    version: u64,
-) -> rollout::Result<Engine> {
-    Engine::new(
-        client,
-        &prepared.model.weights.config,
-        weights,
-        version,
-        engine_config(recipe, &prepared.stop_token_ids),
-        Some(prepared.tokenizer.tokenizer.clone()),
-    )
 }
 
 /// The episode of a multi-turn request for the dataset row `row` (its columns as JSON), or
@@ -116,6 +71,67 @@ pub struct RunEnvironment {
     pub schemas: Vec<agent::ToolSchema>,
 }
 
+/// How `rollout.multi_turn.agent`'s programs are started and bounded, with the tool schemas
+/// of its `tool_schemas` file; `None` without an agent program.
+pub fn agent_settings(recipe: &Recipe) -> Result<Option<rollout::agent_program::AgentSettings>, String> {
+    let mt = &recipe.rollout.multi_turn;
+    let Some(program) = &mt.agent else {
+        return Ok(None);
+    };
+    let tools = match &program.tool_schemas {
+        None => Vec::new(),
+        Some(path) => agent::config::load_schemas(path).map_err(|e| e.to_string())?,
+    };
+    Ok(Some(rollout::agent_program::AgentSettings {
+        command: program.command.clone(),
+        timeout: std::time::Duration::from_secs_f64(program.timeout_s),
+        format: mt.format,
+        max_assistant_turns: mt.max_assistant_turns.unwrap_or(u32::MAX),
+        tools,
+    }))
+}
+
+/// How the tool environment of `rollout.multi_turn` runs an episode.
+pub fn tool_settings(recipe: &Recipe) -> rollout::environment::ToolSettings {
+    let mt = &recipe.rollout.multi_turn;
+    rollout::environment::ToolSettings {
+        format: mt.format,
+        max_assistant_turns: mt.max_assistant_turns.unwrap_or(u32::MAX),
+        max_parallel_calls: mt.max_parallel_calls,
+        max_user_turns: mt.max_user_turns.unwrap_or(u32::MAX),
+        max_tool_response_length: mt.max_tool_response_length,
+        truncate_side: mt.tool_response_truncate_side,
+        tool_timeout: std::time::Duration::from_secs_f64(mt.tool_timeout_s),
+    }
+}
+
+/// The tools of `rollout.multi_turn`, not yet started, each with where it came from (for its
+/// errors): the built-in `tools`, then those of `tool_config_path`'s file.
+pub fn tool_specs(recipe: &Recipe) -> Result<Vec<(agent::ToolSpec, String)>, String> {
+    let mt = &recipe.rollout.multi_turn;
+    let mut specs = Vec::new();
+    for (k, tool) in mt.tools.iter().enumerate() {
+        let spec = match tool {
+            crate::recipe::BuiltinTool::Calculator => agent::ToolSpec::Calculator { schema: None },
+            crate::recipe::BuiltinTool::Python => agent::ToolSpec::Python {
+                interpreter: "python3".into(),
+                memory_mb: 1024,
+                timeout: None,
+                max_processes: None,
+                schema: None,
+            },
+        };
+        specs.push((spec, format!("rollout.multi_turn.tools[{k}]")));
+    }
+    if let Some(path) = &mt.tool_config_path {
+        let loaded = agent::config::load(path).map_err(|e| e.to_string())?;
+        for (k, spec) in loaded.into_iter().enumerate() {
+            specs.push((spec, format!("tools[{k}].config.command in {}", path.display())));
+        }
+    }
+    Ok(specs)
+}
+
 /// The environment that answers the run's multi-turn requests (`rollout.multi_turn`): grpo's
 /// tools and interactions, or the user's agent program behind its endpoint; either renders
 /// with the model's chat template and tokenizer. None without multi-turn.
@@ -132,18 +148,8 @@ pub fn environment(
         "rollout.multi_turn renders tool results with the model's chat template, and this model has \
          none: set model.chat_template to a Jinja template file",
     )?;
-    if let Some(program) = &mt.agent {
-        let schemas = match &program.tool_schemas {
-            None => Vec::new(),
-            Some(path) => agent::config::load_schemas(path).map_err(|e| e.to_string())?,
-        };
-        let settings = rollout::agent_program::AgentSettings {
-            command: program.command.clone(),
-            timeout: std::time::Duration::from_secs_f64(program.timeout_s),
-            format: mt.format,
-            max_assistant_turns: mt.max_assistant_turns.unwrap_or(u32::MAX),
-            tools: schemas.clone(),
-        };
+    if let Some(settings) = agent_settings(recipe)? {
+        let schemas = settings.tools.clone();
         let programs = rollout::agent_program::AgentPrograms::start(settings, template, tokenizer.clone())
             .map_err(|e| format!("starting the agent programs' endpoint: {e}"))?;
         return Ok(Some(RunEnvironment {
@@ -151,30 +157,16 @@ pub fn environment(
             schemas,
         }));
     }
-    let timeout = std::time::Duration::from_secs_f64(mt.tool_timeout_s);
+    let settings = tool_settings(recipe);
     let mut tools = Vec::new();
-    for (k, tool) in mt.tools.iter().enumerate() {
-        let spec = match tool {
-            crate::recipe::BuiltinTool::Calculator => agent::ToolSpec::Calculator { schema: None },
-            crate::recipe::BuiltinTool::Python => agent::ToolSpec::Python {
-                interpreter: "python3".into(),
-                memory_mb: 1024,
-                timeout: None,
-                max_processes: None,
-                schema: None,
-            },
-        };
-        tools.push(spec.build(timeout, &format!("rollout.multi_turn.tools[{k}]"))?);
-    }
-    if let Some(path) = &mt.tool_config_path {
-        let specs = agent::config::load(path).map_err(|e| e.to_string())?;
-        for (k, spec) in specs.iter().enumerate() {
-            let key = format!("tools[{k}].config.command in {}", path.display());
-            tools.push(
-                spec.build(timeout, &key)
-                    .map_err(|e| format!("{}: tools[{k}]: {e}", path.display()))?,
-            );
-        }
+    for (spec, key) in tool_specs(recipe)? {
+        let tool = spec.build(settings.tool_timeout, &key).map_err(|e| {
+            match key.split_once(".config.command in ") {
+                Some((item, path)) => format!("{path}: {item}: {e}"),
+                None => e,
+            }
+        })?;
+        tools.push(tool);
     }
     let toolbox = agent::Toolbox::new(tools).map_err(|e| format!("rollout.multi_turn: {e}"))?;
     let interactions = match &mt.interaction_config_path {
@@ -185,20 +177,11 @@ pub fn environment(
             .enumerate()
             .map(|(k, spec)| {
                 std::sync::Arc::new(spec.build(
-                    timeout,
+                    settings.tool_timeout,
                     &format!("interaction[{k}].config.command in {}", path.display()),
                 )) as std::sync::Arc<dyn agent::Environment>
             })
             .collect(),
-    };
-    let settings = rollout::environment::ToolSettings {
-        format: mt.format,
-        max_assistant_turns: mt.max_assistant_turns.unwrap_or(u32::MAX),
-        max_parallel_calls: mt.max_parallel_calls,
-        max_user_turns: mt.max_user_turns.unwrap_or(u32::MAX),
-        max_tool_response_length: mt.max_tool_response_length,
-        truncate_side: mt.tool_response_truncate_side,
-        tool_timeout: std::time::Duration::from_secs_f64(mt.tool_timeout_s),
     };
     let tools = rollout::environment::ToolEnvironment::new(toolbox, settings, template, tokenizer.clone())
         .with_interactions(interactions);
@@ -208,22 +191,22 @@ pub fn environment(
     }))
 }
 
-/// Uploads the prepared model's weights in `rollout.dtype` for a rollout engine of its own
-/// (a rollout worker): on device 0, or split over devices `0..tp` with tensor parallelism.
-pub fn upload_rollout_weights(
-    recipe: &Recipe,
-    prepared: &Prepared,
-    client: &Client,
-) -> rollout::Result<rollout::EngineWeights> {
-    let tp = recipe.rollout.tensor_model_parallel_size.max(1);
-    let devices: Vec<usize> = (0..tp).collect();
-    rollout::upload_weights_on(
-        client,
-        &prepared.model.weights,
-        rollout_dtype(recipe),
-        &devices,
-        tp,
-    )
+/// The seed of request `id`: a mix of `trainer.seed` and the id (SplitMix64), so every prompt's
+/// samples are reproducible wherever and whenever they are generated.
+pub fn request_seed(recipe: &Recipe, id: u64) -> u64 {
+    let mut z = recipe.trainer.seed ^ id.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The responses each prompt of a training (or, with `validation`, validation) step gets:
+/// `rollout.n`, or `rollout.val_kwargs.n`.
+pub fn samples_per_prompt(recipe: &Recipe, validation: bool) -> usize {
+    match validation {
+        true => recipe.rollout.val_kwargs.n,
+        false => recipe.rollout.n,
+    }
 }
 
 /// The sampling settings of the recipe's training (or, with `validation`, validation) requests.

@@ -70,7 +70,7 @@ use crate::sampling::draw_key;
 use crate::weights::{check_layout, EngineWeights};
 
 mod handle;
-mod request;
+pub(crate) mod request;
 
 pub use handle::{EngineControl, EngineHandle};
 pub use handle::{Resumer, TurnHandler};

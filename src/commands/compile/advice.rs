@@ -1,5 +1,8 @@
 //! Whether the run fits and what to change when it does not: per-program and per-device
-//! memory budgets turned into advice that names recipe keys.
+//! memory budgets turned into advice that names recipe keys (the rollout's tensor-parallel
+//! size among them). What one device holds over the run is counted here: with LoRA the
+//! adapters' masters and AdamW state, the frozen base in the compute type, and the rollout's
+//! merged copy, or in the applied form only its f32 adapters beside the shared base.
 
 #[allow(unused_imports)]
 use super::*;

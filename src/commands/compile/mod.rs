@@ -4,6 +4,13 @@
 //! on the CPU / CUDA plugin present, and prints per program its sharding, memory per device,
 //! whether it fits, its flops and a roofline time estimate, then the estimated step time.
 //! Only the model's architecture is needed (config.json or GGUF metadata), never its weights.
+//!
+//! `plan.rs` traces the programs from the same `ProgramPlan` and `BatchPlan` a run uses,
+//! `target.rs` compiles and measures them, `advice.rs` says whether the run fits and what to
+//! change, `table.rs` prints them (after the run's meshes by axis, `Recipe::layout_text`).
+//! With `model.enable_gradient_checkpointing` or `model.scan_layers` the learner's gradient
+//! program is also compiled without them, and the temporaries saved and the flops added are
+//! reported.
 
 mod advice;
 mod plan;

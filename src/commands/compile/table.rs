@@ -1,5 +1,5 @@
 //! The printed table: one row per program with its memory, fit, cost and roofline time, and
-//! the step-time estimate.
+//! the step-time estimate; the collectives per step and the learner's MFU estimate.
 
 #[allow(unused_imports)]
 use super::*;

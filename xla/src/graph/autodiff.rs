@@ -15,8 +15,9 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::panic::Location;
 
-use crate::graph::builder::{Graph, Node, Tensor, ValueRef};
+use crate::graph::builder::{Graph, Node, Tensor};
 use crate::graph::ops::Op;
+use crate::graph::value::ValueRef;
 use crate::graph::GraphError;
 
 fn grad_error(message: String, loc: &'static Location<'static>) -> GraphError {

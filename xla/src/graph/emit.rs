@@ -12,10 +12,11 @@ use std::ops::Range;
 
 use sha2::{Digest, Sha256};
 
-use crate::graph::builder::{Graph, Node, Tensor, TensorType, ValueRef};
+use crate::graph::builder::{Graph, Node, Tensor};
+use crate::graph::ops::ScanBody;
 use crate::graph::ops::{Literal, Op};
-use crate::graph::scan::ScanBody;
 use crate::graph::sharding::{Mesh, Sharding};
+use crate::graph::value::{TensorType, ValueRef};
 use crate::graph::GraphError;
 
 /// How to build a program beyond its results: donated arguments and result shardings.

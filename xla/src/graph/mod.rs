@@ -1,5 +1,5 @@
 //! The tracing graph builder: traced [`Tensor`]s with static shapes and dtypes, the primitives
-//! (each with its shape rule, StableHLO lowering and VJP rule in `ops.rs`), reverse-mode
+//! (each with its shape rule and StableHLO lowering in `ops.rs`, its VJP rule in `backprop.rs`), reverse-mode
 //! autodiff ([`grad`], [`value_and_grad`], [`vjp`]), composites (softmax, RMSNorm, RoPE,
 //! cross-entropy, ...), counter-based random numbers, SPMD shardings and emission of a
 //! [`Program`] (StableHLO text with a stable fingerprint) for the runtime to compile.
@@ -8,10 +8,13 @@
 //! caller's file:line) is kept in the graph and returned by [`Graph::check`] /
 //! [`Graph::build`].
 //!
-//! Notes for model code (what keeps XLA CPU fast, see `shared/PJRT.md`):
+//! Notes for model code (what keeps XLA CPU fast):
 //! - Keep element-wise work in f32; for large products pass bf16 operands with
 //!   `dot_general(.., Some(DType::F32))`. The gradient products keep bf16 operands and f32
 //!   accumulation, the fast path on XLA CPU.
+//! - f32 means f32 on every device: products of f32 operands are emitted with
+//!   `precision = HIGHEST` (with DEFAULT the CUDA plugin computes them in TF32 and a TPU in one
+//!   bf16 pass); products of narrower operands keep DEFAULT.
 //! - Gradients of `dot_general` are emitted without transposes whenever one operand order gives
 //!   the operand's layout (projections `[b, t, d] x [d, e]`, attention `q k^T`, `p v`); store
 //!   a KV cache as `[slot, kv_head, pos, head_dim]`.
@@ -34,6 +37,7 @@
 //! ```
 
 mod autodiff;
+mod backprop;
 mod builder;
 mod composite;
 mod emit;
@@ -42,13 +46,15 @@ pub mod random;
 mod scan;
 mod sharding;
 mod tensor;
+mod value;
 
 pub use autodiff::{grad, value_and_grad, vjp};
-pub use builder::{Graph, Tensor, TensorType};
+pub use builder::{Graph, Tensor};
 pub use emit::{BuildOptions, Program};
+pub use ops::ScanBody;
 pub use ops::{BinaryOp, Comparison, DotDims, ReduceKind, UnaryOp};
-pub use scan::ScanBody;
 pub use sharding::{assemble_host, holders, shard_host, Mesh, Refinement, Sharding};
+pub use value::TensorType;
 
 /// What went wrong while tracing, differentiating or emitting a graph.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

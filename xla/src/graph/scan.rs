@@ -16,31 +16,10 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::panic::Location;
 
-use crate::graph::builder::{Graph, Node, Tensor, TensorType, ValueRef};
+use crate::graph::builder::{Graph, Node, Tensor};
 use crate::graph::ops::Op;
-
-/// What an [`Op::Scan`] node loops over. Its operands are the initial carry, the stacked
-/// inputs and the captures, in that order; its results the final carry, the stacked outputs
-/// and the stacked carry each iteration started from (read by the reverse-mode rule).
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct ScanBody {
-    /// The body's nodes: first `carry + inputs` [`Op::LoopArg`]s, then what the body traced.
-    pub(crate) nodes: Range<usize>,
-    /// Number of carried values.
-    pub(crate) carry: usize,
-    /// Number of stacked inputs (sliced along their leading axis, one slice per iteration).
-    pub(crate) inputs: usize,
-    /// The body's results: the next carry, then each iteration's outputs.
-    pub(crate) results: Vec<ValueRef>,
-    /// Values from before the body that it reads (bound to the trailing operands).
-    pub(crate) captures: Vec<ValueRef>,
-    /// Number of iterations (the stacked inputs' leading dimension).
-    pub(crate) length: i64,
-    /// Iterate from the last slice to the first.
-    pub(crate) reverse: bool,
-    /// The node's result types.
-    pub(crate) outputs: Vec<TensorType>,
-}
+use crate::graph::ops::ScanBody;
+use crate::graph::value::{TensorType, ValueRef};
 
 impl ScanBody {
     /// Number of per-iteration outputs.
@@ -259,7 +238,7 @@ pub(crate) fn vjp(body: &ScanBody, x: &[Tensor], y: &[Tensor], g: &[Tensor]) -> 
         wrt.extend(float_caps.iter().map(|&k| &caps_in[k]));
         let outs: Vec<&Tensor> = results.iter().collect();
         let cts: Vec<&Tensor> = ct_carry.iter().chain(ct_ys).collect();
-        let grads = match crate::graph::vjp(&outs, &cts, &wrt) {
+        let grads = match crate::graph::autodiff::vjp(&outs, &cts, &wrt) {
             Ok(grads) => grads,
             Err(e) => {
                 graph.record_error(e);

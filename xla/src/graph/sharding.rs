@@ -5,6 +5,11 @@
 //! A data-parallel step shards the batch on dim 0 along the mesh axis and replicates the
 //! parameters (XLA inserts the gradient all-reduce); a fully-sharded (FSDP) step also shards the
 //! parameters and optimizer state on dim 0.
+//!
+//! The host side of a layout lives here too: [`shard_host`] cuts a whole host array into a
+//! device's part by a sharding and [`assemble_host`] joins the parts back, exactly inverse;
+//! [`Mesh::common_refinement`] finds the mesh two layouts both nest in, on which one program
+//! reshards tensors from one layout to the other.
 
 use std::fmt::Write;
 

@@ -3,6 +3,9 @@
 //! Binary element-wise methods and operators broadcast NumPy-style (shapes aligned on the
 //! right, size-1 dimensions stretch); everything else is explicit. Each method carries
 //! `#[track_caller]`, so a shape error names the line of model code that made it.
+//!
+//! Gathers and scatters index one axis ([`Tensor::take`], [`Tensor::scatter`]) or several at
+//! once ([`Tensor::take_at`], [`Tensor::scatter_at`]).
 
 use std::ops;
 use std::panic::Location;

@@ -4,8 +4,8 @@
 
 use std::sync::{Arc, OnceLock};
 
-use super::client::{element_count, ClientHandle};
 use super::error::{Error, Result};
+use super::handle::{element_count, ClientHandle};
 use super::plugin::{args, pjrt_call};
 use super::sys::*;
 use crate::{DType, NativeType};

@@ -12,8 +12,9 @@ use std::sync::{Mutex, OnceLock};
 
 use sha2::{Digest, Sha256};
 
-use super::client::{Client, CompileOptions};
+use super::error::Result;
 use super::executable::Executable;
+use super::handle::ClientHandle;
 
 /// The environment variable that sets the on-disk cache folder, or `off` to disable it.
 pub const CACHE_ENV_VAR: &str = "GRPO_EXECUTABLE_CACHE";
@@ -197,19 +198,19 @@ impl ExecutableCache {
 
     /// The full key of a disk entry: everything that must match for a serialized executable
     /// to be valid here.
-    pub fn entry_key(client: &Client, fingerprint: &str) -> String {
+    pub(crate) fn entry_key(client: &ClientHandle, fingerprint: &str) -> String {
         format!(
             "program={fingerprint}\nplugin={}\nplatform={} {}\ndevices={}\ncpu={}\n",
-            client.plugin().build_identity(),
-            client.platform_name(),
-            client.platform_version(),
-            client.num_devices(),
+            client.plugin.build_identity(),
+            client.platform_name,
+            client.platform_version,
+            client.devices.len(),
             host_cpu_features()
         )
     }
 
     /// The file of the disk entry for `fingerprint` on `client`.
-    pub fn entry_path(&self, client: &Client, fingerprint: &str) -> Option<PathBuf> {
+    pub(crate) fn entry_path(&self, client: &ClientHandle, fingerprint: &str) -> Option<PathBuf> {
         let key = Self::entry_key(client, fingerprint);
         let name = hex(&Sha256::digest(key.as_bytes()));
         self.dir
@@ -228,14 +229,13 @@ impl ExecutableCache {
         let _ = std::fs::remove_file(path);
     }
 
-    /// Loads the executable for `fingerprint` from disk; `None` (and a counted miss) when
-    /// there is none or it is unusable.
+    /// Loads the executable for `fingerprint` from disk, its payload made an executable by
+    /// `deserialize`; `None` (and a counted miss) when there is none or it is unusable.
     pub(crate) fn disk_load(
         &self,
-        client: &Client,
+        client: &ClientHandle,
         fingerprint: &str,
-        mlir: &str,
-        options: &CompileOptions,
+        deserialize: impl FnOnce(&[u8]) -> Result<Executable>,
     ) -> Option<Executable> {
         let Some(path) = self.entry_path(client, fingerprint) else {
             self.misses.fetch_add(1, Ordering::Relaxed);
@@ -252,11 +252,8 @@ impl ExecutableCache {
             }
         };
         let key = Self::entry_key(client, fingerprint);
-        let loaded = decode_entry(&bytes, &key).and_then(|payload| {
-            client
-                .deserialize(payload, mlir, options)
-                .map_err(|e| format!("the plugin cannot load it ({e})"))
-        });
+        let loaded = decode_entry(&bytes, &key)
+            .and_then(|payload| deserialize(payload).map_err(|e| format!("the plugin cannot load it ({e})")));
         match loaded {
             Ok(executable) => {
                 self.disk_hits.fetch_add(1, Ordering::Relaxed);
@@ -272,7 +269,7 @@ impl ExecutableCache {
     }
 
     /// Writes the executable to disk (atomically); failures are logged, never fatal.
-    pub(crate) fn disk_store(&self, client: &Client, fingerprint: &str, executable: &Executable) {
+    pub(crate) fn disk_store(&self, client: &ClientHandle, fingerprint: &str, executable: &Executable) {
         let Some(path) = self.entry_path(client, fingerprint) else {
             return;
         };

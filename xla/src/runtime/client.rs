@@ -3,79 +3,16 @@
 //! [`Executable`]s through the executable cache.
 
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use super::buffer::Buffer;
 use super::cache::{CacheConfig, ExecutableCache};
 use super::error::{Error, Result};
-use super::executable::{program_name, Executable, ExecutableInner};
+use super::executable::{compile_options_proto, program_name, CompileOptions, Executable, ExecutableInner};
+use super::handle::{element_count, ClientHandle, DeviceInfo, DeviceMemory, TransferCounters, TransferStats};
 use super::plugin::{args, pjrt_call, NamedValues, OptionValue, Plugin, PluginKind};
 use super::sys::*;
 use crate::{DType, NativeType};
-
-/// How a program is compiled.
-#[derive(Clone, Debug, Default)]
-pub struct CompileOptions {
-    /// 1 for a single-device program; N for an SPMD program partitioned over N devices
-    /// (num_replicas=1, num_partitions=N, use_spmd_partitioning, use_shardy_partitioner).
-    /// 0 is treated as 1.
-    pub num_partitions: usize,
-    /// Argument indices the program donates (`tf.aliasing_output`); the runtime marks those
-    /// buffers consumed after execute so later use is a clear error, not a plugin crash.
-    /// Arguments not listed here are never donated, even if the program aliases them.
-    pub donated_args: Vec<usize>,
-}
-
-impl CompileOptions {
-    /// `num_partitions` with 0 read as 1.
-    pub fn partitions(&self) -> usize {
-        self.num_partitions.max(1)
-    }
-}
-
-/// Encodes the `xla.CompileOptionsProto` for `options` (field numbers from
-/// `xla/pjrt/proto/compile_options.proto`):
-/// `{executable_build_options(3): {device_ordinal(1)=-1, num_replicas(4)=1, num_partitions(5)=N,
-///   [use_spmd_partitioning(6)=true, use_shardy_partitioner(19)=true when N > 1]},
-///   compile_portable_executable(4)=portable}`.
-/// A portable single-device executable runs on whichever device its arguments are on.
-pub fn compile_options_proto(options: &CompileOptions, portable: bool) -> Vec<u8> {
-    let partitions = options.partitions() as u64;
-    let mut build = Vec::new();
-    proto_varint_field(&mut build, 1, (-1i64) as u64);
-    proto_varint_field(&mut build, 4, 1);
-    proto_varint_field(&mut build, 5, partitions);
-    if partitions > 1 {
-        proto_varint_field(&mut build, 6, 1);
-        proto_varint_field(&mut build, 19, 1);
-    }
-    let mut out = Vec::new();
-    proto_bytes_field(&mut out, 3, &build);
-    if portable && partitions == 1 {
-        proto_varint_field(&mut out, 4, 1);
-    }
-    out
-}
-
-fn proto_varint(out: &mut Vec<u8>, mut v: u64) {
-    while v >= 0x80 {
-        out.push((v as u8) | 0x80);
-        v >>= 7;
-    }
-    out.push(v as u8);
-}
-
-fn proto_varint_field(out: &mut Vec<u8>, field: u32, value: u64) {
-    proto_varint(out, (field as u64) << 3);
-    proto_varint(out, value);
-}
-
-fn proto_bytes_field(out: &mut Vec<u8>, field: u32, bytes: &[u8]) {
-    proto_varint(out, ((field as u64) << 3) | 2);
-    proto_varint(out, bytes.len() as u64);
-    out.extend_from_slice(bytes);
-}
 
 /// Options for creating a client.
 #[derive(Clone, Debug, Default)]
@@ -85,165 +22,6 @@ pub struct ClientOptions {
     pub create_options: Vec<(String, OptionValue)>,
     /// Where compiled executables are cached on disk.
     pub cache: CacheConfig,
-}
-
-/// Memory of a device, as far as the plugin reports it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct DeviceMemory {
-    /// Bytes the device may allocate (`bytes_limit`), when reported.
-    pub bytes_limit: Option<u64>,
-    /// Bytes allocated now.
-    pub bytes_in_use: u64,
-}
-
-/// One addressable device of a client.
-#[derive(Clone, Debug)]
-pub struct DeviceInfo {
-    /// Index in [`Client::devices`] (what `buffer_from_host` and `Buffer::device` use).
-    pub index: usize,
-    /// The plugin's global device id.
-    pub id: i32,
-    /// The device kind (`cpu`, `NVIDIA H100 80GB HBM3`, `TPU v5 lite`, ...).
-    pub kind: String,
-    /// The plugin's description of the device.
-    pub description: String,
-    /// Memory statistics, when the plugin reports them.
-    pub memory: Option<DeviceMemory>,
-}
-
-/// Copies between the host and a client's devices (and between its devices) since the client
-/// was created: how many and how many bytes. Every upload (`buffer_from_host`,
-/// `buffer_from_bytes`) is a host-to-device copy, every read-back (`to_host`, `to_host_into`,
-/// `to_bytes`) a device-to-host copy, `copy_to_device` a device-to-device copy; program runs
-/// and their results are none of these. Take two snapshots and subtract
-/// ([`TransferStats::since`]) to count what a piece of work moved.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct TransferStats {
-    /// Host-to-device copies.
-    pub host_to_device: u64,
-    /// Bytes of host-to-device copies.
-    pub host_to_device_bytes: u64,
-    /// Device-to-host copies.
-    pub device_to_host: u64,
-    /// Bytes of device-to-host copies.
-    pub device_to_host_bytes: u64,
-    /// Device-to-device copies (`Buffer::copy_to_device`).
-    pub device_to_device: u64,
-    /// Bytes of device-to-device copies.
-    pub device_to_device_bytes: u64,
-}
-
-impl TransferStats {
-    /// Copies in either direction between the host and the devices.
-    pub fn host_transfers(&self) -> u64 {
-        self.host_to_device + self.device_to_host
-    }
-
-    /// Bytes copied in either direction between the host and the devices.
-    pub fn host_bytes(&self) -> u64 {
-        self.host_to_device_bytes + self.device_to_host_bytes
-    }
-
-    /// What was copied between `earlier` (a snapshot of the same client) and this snapshot.
-    pub fn since(&self, earlier: &TransferStats) -> TransferStats {
-        TransferStats {
-            host_to_device: self.host_to_device.saturating_sub(earlier.host_to_device),
-            host_to_device_bytes: self
-                .host_to_device_bytes
-                .saturating_sub(earlier.host_to_device_bytes),
-            device_to_host: self.device_to_host.saturating_sub(earlier.device_to_host),
-            device_to_host_bytes: self
-                .device_to_host_bytes
-                .saturating_sub(earlier.device_to_host_bytes),
-            device_to_device: self.device_to_device.saturating_sub(earlier.device_to_device),
-            device_to_device_bytes: self
-                .device_to_device_bytes
-                .saturating_sub(earlier.device_to_device_bytes),
-        }
-    }
-}
-
-/// The live counters behind [`TransferStats`], one set per client.
-#[derive(Debug, Default)]
-pub(crate) struct TransferCounters {
-    host_to_device: AtomicU64,
-    host_to_device_bytes: AtomicU64,
-    device_to_host: AtomicU64,
-    device_to_host_bytes: AtomicU64,
-    device_to_device: AtomicU64,
-    device_to_device_bytes: AtomicU64,
-}
-
-impl TransferCounters {
-    pub(crate) fn host_to_device(&self, bytes: usize) {
-        self.host_to_device.fetch_add(1, Ordering::Relaxed);
-        self.host_to_device_bytes
-            .fetch_add(bytes as u64, Ordering::Relaxed);
-    }
-
-    pub(crate) fn device_to_host(&self, bytes: usize) {
-        self.device_to_host.fetch_add(1, Ordering::Relaxed);
-        self.device_to_host_bytes
-            .fetch_add(bytes as u64, Ordering::Relaxed);
-    }
-
-    pub(crate) fn device_to_device(&self, bytes: usize) {
-        self.device_to_device.fetch_add(1, Ordering::Relaxed);
-        self.device_to_device_bytes
-            .fetch_add(bytes as u64, Ordering::Relaxed);
-    }
-
-    fn snapshot(&self) -> TransferStats {
-        TransferStats {
-            host_to_device: self.host_to_device.load(Ordering::Relaxed),
-            host_to_device_bytes: self.host_to_device_bytes.load(Ordering::Relaxed),
-            device_to_host: self.device_to_host.load(Ordering::Relaxed),
-            device_to_host_bytes: self.device_to_host_bytes.load(Ordering::Relaxed),
-            device_to_device: self.device_to_device.load(Ordering::Relaxed),
-            device_to_device_bytes: self.device_to_device_bytes.load(Ordering::Relaxed),
-        }
-    }
-}
-
-/// The part of a client that buffers and executables keep alive: destroyed after the last of
-/// them.
-pub(crate) struct ClientHandle {
-    pub plugin: Arc<Plugin>,
-    pub raw: *mut PJRT_Client,
-    pub devices: Vec<*mut PJRT_Device>,
-    pub device_info: Vec<DeviceInfo>,
-    pub platform_name: String,
-    pub platform_version: String,
-    /// Host transfers through this client (see [`TransferStats`]).
-    pub transfers: TransferCounters,
-}
-
-// SAFETY: PJRT clients and devices are thread-safe handles.
-unsafe impl Send for ClientHandle {}
-// SAFETY: as above.
-unsafe impl Sync for ClientHandle {}
-
-impl Drop for ClientHandle {
-    fn drop(&mut self) {
-        let mut d = args!(PJRT_Client_Destroy_Args, PJRT_Client_Destroy_Args_STRUCT_SIZE);
-        d.client = self.raw;
-        if let Err(e) = pjrt_call!(&self.plugin, PJRT_Client_Destroy, &mut d) {
-            tracing::warn!("{e}");
-        }
-    }
-}
-
-impl ClientHandle {
-    pub fn check_device(&self, device: usize) -> Result<*mut PJRT_Device> {
-        self.devices
-            .get(device)
-            .copied()
-            .ok_or_else(|| Error::NoSuchDevice {
-                device,
-                num_devices: self.devices.len(),
-                platform: self.platform_name.clone(),
-            })
-    }
 }
 
 struct ClientInner {
@@ -437,6 +215,17 @@ impl Client {
         &self.inner.cache
     }
 
+    /// The full key of the disk cache's entry for `fingerprint` on this client: everything
+    /// that must match for a serialized executable to be loaded here.
+    pub fn cache_entry_key(&self, fingerprint: &str) -> String {
+        ExecutableCache::entry_key(&self.inner.handle, fingerprint)
+    }
+
+    /// The disk cache's file for `fingerprint` on this client (`None` without a disk cache).
+    pub fn cache_entry_path(&self, fingerprint: &str) -> Option<std::path::PathBuf> {
+        self.inner.cache.entry_path(&self.inner.handle, fingerprint)
+    }
+
     /// The cache fingerprint of a program compiled with `options` (sha256 of the text, the
     /// compile options and the donated arguments).
     pub fn fingerprint(mlir: &str, options: &CompileOptions) -> String {
@@ -450,11 +239,18 @@ impl Client {
         if let Some(executable) = self.inner.cache.memory_get(&fingerprint) {
             return Ok(executable);
         }
-        let executable = match self.inner.cache.disk_load(self, &fingerprint, mlir, options) {
+        let executable = match self
+            .inner
+            .cache
+            .disk_load(&self.inner.handle, &fingerprint, |payload| {
+                self.deserialize(payload, mlir, options)
+            }) {
             Some(executable) => executable,
             None => {
                 let executable = self.compile_uncached(mlir, options)?;
-                self.inner.cache.disk_store(self, &fingerprint, &executable);
+                self.inner
+                    .cache
+                    .disk_store(&self.inner.handle, &fingerprint, &executable);
                 executable
             }
         };
@@ -572,14 +368,6 @@ fn options_key(options: &CompileOptions) -> Vec<u8> {
     key
 }
 
-/// The number of elements of a shape; errors on negative dims.
-pub(crate) fn element_count(dims: &[i64]) -> Result<usize> {
-    if dims.iter().any(|d| *d < 0) {
-        return Err(Error::BadDims { dims: dims.to_vec() });
-    }
-    Ok(dims.iter().product::<i64>() as usize)
-}
-
 fn describe_device(plugin: &Plugin, index: usize, device: *mut PJRT_Device) -> Result<DeviceInfo> {
     let mut get = args!(
         PJRT_Device_GetDescription_Args,
@@ -641,7 +429,7 @@ mod tests {
 
     #[test]
     fn single_device_options_match_the_measured_minimum() {
-        // PJRT.md: {3: {4: 1, 5: 1}} is the minimum; we add device_ordinal=-1.
+        // {3: {4: 1, 5: 1}} is the minimum; we add device_ordinal=-1.
         let proto = compile_options_proto(&CompileOptions::default(), false);
         let mut expected = vec![0x1a, 15, 0x08];
         expected.extend_from_slice(&[0xff; 9]);

@@ -6,11 +6,74 @@ use std::ptr::{null, null_mut};
 use std::sync::Arc;
 
 use super::buffer::Buffer;
-use super::client::{ClientHandle, CompileOptions};
 use super::error::{Error, Result};
+use super::handle::ClientHandle;
 use super::plugin::{args, named_value, pjrt_call, NamedValue, Plugin};
 use super::sys::*;
 use crate::DType;
+
+/// How a program is compiled.
+#[derive(Clone, Debug, Default)]
+pub struct CompileOptions {
+    /// 1 for a single-device program; N for an SPMD program partitioned over N devices
+    /// (num_replicas=1, num_partitions=N, use_spmd_partitioning, use_shardy_partitioner).
+    /// 0 is treated as 1.
+    pub num_partitions: usize,
+    /// Argument indices the program donates (`tf.aliasing_output`); the runtime marks those
+    /// buffers consumed after execute so later use is a clear error, not a plugin crash.
+    /// Arguments not listed here are never donated, even if the program aliases them.
+    pub donated_args: Vec<usize>,
+}
+
+impl CompileOptions {
+    /// `num_partitions` with 0 read as 1.
+    pub fn partitions(&self) -> usize {
+        self.num_partitions.max(1)
+    }
+}
+
+/// Encodes the `xla.CompileOptionsProto` for `options` (field numbers from
+/// `xla/pjrt/proto/compile_options.proto`):
+/// `{executable_build_options(3): {device_ordinal(1)=-1, num_replicas(4)=1, num_partitions(5)=N,
+///   [use_spmd_partitioning(6)=true, use_shardy_partitioner(19)=true when N > 1]},
+///   compile_portable_executable(4)=portable}`.
+/// A portable single-device executable runs on whichever device its arguments are on.
+pub fn compile_options_proto(options: &CompileOptions, portable: bool) -> Vec<u8> {
+    let partitions = options.partitions() as u64;
+    let mut build = Vec::new();
+    proto_varint_field(&mut build, 1, (-1i64) as u64);
+    proto_varint_field(&mut build, 4, 1);
+    proto_varint_field(&mut build, 5, partitions);
+    if partitions > 1 {
+        proto_varint_field(&mut build, 6, 1);
+        proto_varint_field(&mut build, 19, 1);
+    }
+    let mut out = Vec::new();
+    proto_bytes_field(&mut out, 3, &build);
+    if portable && partitions == 1 {
+        proto_varint_field(&mut out, 4, 1);
+    }
+    out
+}
+
+fn proto_varint(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push((v as u8) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+fn proto_varint_field(out: &mut Vec<u8>, field: u32, value: u64) {
+    proto_varint(out, (field as u64) << 3);
+    proto_varint(out, value);
+}
+
+fn proto_bytes_field(out: &mut Vec<u8>, field: u32, bytes: &[u8]) {
+    proto_varint(out, ((field as u64) << 3) | 2);
+    proto_varint(out, bytes.len() as u64);
+    out.extend_from_slice(bytes);
+}
 
 /// The type of one `@main` parameter, as written in the StableHLO text.
 #[derive(Clone, Debug, PartialEq, Eq)]

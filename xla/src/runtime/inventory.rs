@@ -5,8 +5,9 @@
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-use super::client::{Client, ClientOptions, DeviceInfo};
+use super::client::{Client, ClientOptions};
 use super::error::Error;
+use super::handle::DeviceInfo;
 use super::plugin::{locate_plugin, Plugin, PluginKind};
 use super::tpu::{describe_topology, TopologyInfo, TopologyOptions, KNOWN_TOPOLOGIES};
 use super::CacheConfig;

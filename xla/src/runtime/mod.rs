@@ -4,6 +4,13 @@
 //! tracking), [`Executable`] (asynchronous single-device and SPMD execution), the
 //! [`ExecutableCache`] (memory and disk), and deviceless TPU compilation ([`tpu`]).
 //!
+//! Around them: where plugins are looked for (`site.rs`: the checkout's [`PROJECT_VENV`] that
+//! `scripts/setup.sh` makes, the active virtual environment, then `python3`'s site-packages),
+//! what the host CPU computes natively ([`HostCpu`], which a run's `dtype: auto` reads through
+//! [`PluginKind::bf16_support`]), the plugins and devices of this host ([`inventory`]), the
+//! collectives of a compiled program (`hlo.rs`, [`collectives`], for `grpo compile`), and the
+//! CPU plugin's large host allocations kept for reuse ([`host_blocks`]).
+//!
 //! Programs arrive as StableHLO text from [`crate::graph`].
 
 #[allow(
@@ -23,6 +30,7 @@ mod client;
 mod cuda;
 mod error;
 mod executable;
+mod handle;
 mod hlo;
 pub mod host_blocks;
 mod host_cpu;
@@ -36,12 +44,14 @@ pub use cache::{
     default_cache_dir, host_cpu_features, program_fingerprint, CacheConfig, CacheStats, ExecutableCache,
     CACHE_ENV_VAR,
 };
-pub use client::{
-    compile_options_proto, Client, ClientOptions, CompileOptions, DeviceInfo, DeviceMemory, TransferStats,
-};
+pub use client::{Client, ClientOptions};
 pub use cuda::{cuda_libraries_in, CUDA_LIBRARY_ORDER};
 pub use error::{Error, PjrtErrorCode, Result};
-pub use executable::{parse_main_params, program_name, CostAnalysis, Executable, MemoryStats, ParamType};
+pub use executable::{
+    compile_options_proto, parse_main_params, program_name, CompileOptions, CostAnalysis, Executable,
+    MemoryStats, ParamType,
+};
+pub use handle::{DeviceInfo, DeviceMemory, TransferStats};
 pub use hlo::{collectives, CollectiveCount};
 pub use host_cpu::HostCpu;
 pub use plugin::{

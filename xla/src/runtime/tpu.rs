@@ -8,8 +8,8 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::client::{compile_options_proto, CompileOptions};
 use super::error::{Error, Result};
+use super::executable::{compile_options_proto, CompileOptions};
 use super::executable::{
     cost_analysis_of, destroy_unloaded, memory_stats_of, optimized_program_of, program_name, CostAnalysis,
     MemoryStats,
@@ -20,7 +20,7 @@ use super::sys::*;
 
 const GIB: u64 = 1 << 30;
 
-/// Topologies known to compile with libtpu 0.0.52 (PJRT.md), for listings and examples.
+/// Topologies known to compile with libtpu 0.0.52, for listings and examples.
 pub const KNOWN_TOPOLOGIES: [&str; 16] = [
     "v5e:1x1",
     "v5e:2x2",

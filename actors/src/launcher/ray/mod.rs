@@ -772,6 +772,16 @@ mod tests {
         serde_yaml::from_str(yaml).unwrap()
     }
 
+    /// A pool's worker opens the pool's device kind, whatever the recipe's devices say.
+    #[test]
+    fn a_pools_workers_open_its_device() {
+        let tpu = pool_overrides(&pool("{name: t, device: tpu, roles: [rollout]}"));
+        assert_eq!(tpu[0], "cluster.device=tpu");
+        let cpu = pool_overrides(&pool("{name: c, roles: [reward]}"));
+        assert_eq!(cpu[0], "cluster.device=cpu");
+        assert_eq!(&tpu[1..], &cpu[1..]);
+    }
+
     #[test]
     fn shell_words_survive_spaces_and_quotes() {
         assert_eq!(shell_quote("/opt/grpo/bin/grpo"), "/opt/grpo/bin/grpo");

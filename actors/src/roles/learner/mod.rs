@@ -8,7 +8,17 @@
 //! and its state (parameters and AdamW moments) in the same chunks; [`LearnerService`] is that
 //! worker's server side. The orchestrator drives both through [`LearnerRole`] and keeps owning
 //! checkpoints: it reads the state from the learner and writes the checkpoint itself, and on
-//! resume hands the checkpoint's state to the learner.
+//! resume hands the checkpoint's state to the learner. With PPO's critic its state follows
+//! the policy's in the same stream ([`LearnerStates`]).
+//!
+//! LoRA (`actor.lora_rank`): the adapters are the trainable parameters and the model's weights
+//! the frozen ones ([`initial_weights`]). Learner and rollout compute in one form,
+//! `setup::lora_form` (`actor.lora_form`). Merged: after each update the in-process learner
+//! merges on its devices (`model::lora::MergeProgram`, one SPMD program over its mesh) and
+//! hands the rollout the merged weights. Applied: the in-process engine holds the learner's
+//! own frozen base (`LocalLearner::base_source`, handed off once) and each sync carries only
+//! the adapters ([`Synced::Adapters`]). Rollout workers of a LoRA run hold the base
+//! themselves and are streamed only the adapters, in f32.
 
 mod local;
 mod remote;

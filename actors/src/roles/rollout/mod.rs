@@ -5,6 +5,18 @@
 //! parameter buffers (no copy); a remote implementation calls a `grpo worker --role rollout`
 //! over gRPC and streams the weights to it. The orchestrator drives both through
 //! [`RolloutRole`].
+//!
+//! A weight update's path: in process, `LocalRollout`'s [`RolloutRole::update_weights`] hands
+//! the buffers to the engine's thread ([`rollout::EngineControl::update_weights`], then
+//! [`rollout::Engine::update_weights`]). To a worker, [`RemoteRollout`] streams CRC-checked
+//! chunks (from device buffers, or from the host tensors a learner worker sent, which pass
+//! through the orchestrator without touching a device), and [`RolloutService`] assembles,
+//! uploads and installs them into the worker's own `LocalRollout`, merging or setting LoRA
+//! adapters first where the run sends only those ([`rollout::AdapterInstall`]). The worker
+//! replies with the digest of the weights it then samples with (`wire.rs`, `WeightDigest`,
+//! kept only once installed); a digest other than the one sent stops the step naming the
+//! worker. `GRPO_FAULT_SKIP_WEIGHT_INSTALL=V` makes a worker acknowledge version V without
+//! installing it, for the test that shows this check works.
 
 mod local;
 mod remote;

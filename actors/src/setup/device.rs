@@ -1,7 +1,33 @@
-//! The compute types of a run: each role's device, and `dtype: auto` decided for it.
+//! The devices of a run: the client of `cluster.device`, each role's device, and `dtype: auto`
+//! decided for it.
 
 use crate::recipe::{DTypeName, DeviceKind, Recipe};
+use std::path::Path;
+use xla::runtime::{CacheConfig, Client, ClientOptions, OptionValue};
 use xla::DType;
+
+/// The client for `cluster.device` (plugin from `cluster.plugin_path` or discovered). On CPU it
+/// opens [`Recipe::cpu_devices`] devices: `cluster.cpu_device_count`, or `actor.mesh` when a
+/// `dp`/`fsdp` learner asks for more.
+pub fn open_client(recipe: &Recipe) -> xla::runtime::Result<Client> {
+    let c = &recipe.cluster;
+    let kind = c.device.plugin();
+    let create_options = match c.device {
+        DeviceKind::Cpu => vec![(
+            "cpu_device_count".to_string(),
+            OptionValue::Int(recipe.cpu_devices() as i64),
+        )],
+        _ => Vec::new(),
+    };
+    Client::new(
+        kind,
+        c.plugin_path.as_deref().map(Path::new),
+        ClientOptions {
+            create_options,
+            cache: CacheConfig::from_env(),
+        },
+    )
+}
 
 /// The device kind the rollout computes on: `cluster.rollout_device` for rollout worker
 /// processes, else `cluster.device` (the rollout runs in the orchestrator).
