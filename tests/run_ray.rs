@@ -24,13 +24,15 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-/// The pools of runs 1 and 2, placed on the head's declared capacity (8 CPU, 2 GPU, 4 TPU).
+/// The pools of runs 1 and 2, placed on the head's declared capacity (8 CPU, 2 GPU, 4 TPU), each
+/// job with the recipe's runtime_env.
 fn pools(address: &str) -> String {
     format!(
-        "cluster:\n  launcher: ray\n  worker_timeout_s: 5\n  ray:\n    address: {address}\n    poll_interval_s: 0.5\n  pools:\n\
+        "cluster:\n  launcher: ray\n  worker_timeout_s: 5\n  ray:\n    address: {address}\n    poll_interval_s: 0.5\n\
+         \x20   runtime_env: {{env_vars: {{GRPO_RAY_TEST: placed}}}}\n  pools:\n\
          \x20   - {{name: tpu-rollout, device: cpu, roles: [rollout], workers: 1, num_cpus: 1, resources: {{TPU: 2}}}}\n\
          \x20   - {{name: gpu-rollout, device: cpu, roles: [rollout], workers: 1, num_cpus: 1, num_gpus: 1}}\n\
-         \x20   - {{name: cpu-reward, device: cpu, roles: [reward], workers: 1, num_cpus: 1}}\n\
+         \x20   - {{name: cpu-reward, device: cpu, roles: [reward], workers: 1, num_cpus: 2}}\n\
          \x20   - {{name: gpu-learner, device: cpu, roles: [learner], workers: 1, num_cpus: 1, num_gpus: 1}}\n"
     )
 }
@@ -122,13 +124,22 @@ fn workers_run_as_ray_jobs_in_their_pools_and_a_stopped_job_is_resubmitted() {
     reserved.sort();
     let expected = [
         ("learner-0 in gpu-learner", r#"{"CPU": 1.0, "GPU": 1.0}"#),
-        ("reward-0 in cpu-reward", r#"{"CPU": 1.0}"#),
+        ("reward-0 in cpu-reward", r#"{"CPU": 2.0}"#),
         ("rollout-0 in tpu-rollout", r#"{"CPU": 1.0, "TPU": 2.0}"#),
         ("rollout-1 in gpu-rollout", r#"{"CPU": 1.0, "GPU": 1.0}"#),
     ]
     .map(|(a, b)| (a.to_string(), b.to_string()));
     assert_eq!(reserved, expected, "Ray's job records: {jobs:#?}");
     for (id, job) in &jobs {
+        let env = job
+            .runtime_env
+            .as_ref()
+            .and_then(|e| e.pointer("/env_vars/GRPO_RAY_TEST"));
+        assert_eq!(
+            env,
+            Some(&serde_json::json!("placed")),
+            "{id}'s runtime_env: {job:#?}"
+        );
         assert!(
             matches!(job.status, JobStatus::Stopped | JobStatus::Succeeded),
             "{id} is {:?} after the run",

@@ -330,6 +330,33 @@ fn max_samples_takes_a_seeded_subset() {
     assert_eq!(indices(&again), chosen);
 }
 
+/// Validation reads `val_max_samples` rows of its file (a seeded subset, as for training) and
+/// generates them in batches of `val_batch_size` (all at once without it).
+#[test]
+fn validation_takes_its_subset_in_batches_of_its_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("val.parquet");
+    write_verl(&path, 30, 0);
+    let config = |val_max_samples: i64, val_batch_size: Option<usize>| DataConfig {
+        train_files: [path.clone()].into_iter().collect(),
+        val_files: [path.clone()].into_iter().collect(),
+        val_max_samples,
+        val_batch_size,
+        ..DataConfig::default()
+    };
+    let batches = |config: &DataConfig| -> (u64, Vec<usize>) {
+        let dataset = PromptDataset::open(config, Split::Validation, None).unwrap();
+        let mut sampler = dataset.validation_sampler(config).unwrap();
+        let sizes = (0..sampler.batches_per_epoch())
+            .map(|_| sampler.next_batch().positions.len())
+            .collect();
+        (dataset.len(), sizes)
+    };
+    assert_eq!(batches(&config(-1, None)), (30, vec![30]));
+    assert_eq!(batches(&config(-1, Some(8))), (30, vec![8, 8, 8, 6]));
+    assert_eq!(batches(&config(10, Some(8))), (10, vec![8, 2]));
+}
+
 #[test]
 fn sampling_a_real_file_resumes_exactly_at_an_epoch_boundary() {
     let dir = tempfile::tempdir().unwrap();

@@ -254,3 +254,37 @@ fn a_missing_file_or_function_is_a_recipe_error_before_the_run() {
     let error = both.build(None).err().unwrap().to_string();
     assert!(error.contains("scores every data source"), "{error}");
 }
+
+/// `workers` Python processes serve the function side by side: concurrent samples are scored by
+/// as many distinct processes as there are workers.
+#[test]
+fn workers_processes_serve_the_function_side_by_side() {
+    let file = std::env::temp_dir().join(format!("pid_reward_{}.py", std::process::id()));
+    std::fs::write(
+        &file,
+        "import os, time\n\
+         def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    \
+             time.sleep(0.3)\n    \
+             return {'score': 1.0, 'pid': float(os.getpid())}\n",
+    )
+    .unwrap();
+    let processes = |workers: usize| {
+        let config: RewardConfig = serde_yaml::from_str(&format!(
+            "custom_reward_function: {{path: {}, workers: {workers}}}",
+            file.display()
+        ))
+        .unwrap();
+        let pool = pool(&config);
+        let samples = (0..4).map(|i| sample(i, "any", "1", "1", "train")).collect();
+        let mut pids: Vec<u64> = score_all(&pool, samples)
+            .iter()
+            .map(|r| r.extras["pid"] as u64)
+            .collect();
+        pids.sort();
+        pids.dedup();
+        pids.len()
+    };
+    let (one, two) = (processes(1), processes(2));
+    std::fs::remove_file(&file).unwrap();
+    assert_eq!((one, two), (1, 2));
+}
