@@ -4,6 +4,8 @@
 //! `commands/` and calls into the library crates.
 
 mod commands;
+#[cfg(test)]
+mod docs_check;
 
 use clap::{Parser, Subcommand};
 

@@ -11,6 +11,9 @@
 //! The position is transformers' rule: the last token that is not `pad_token_id` (the last
 //! token when the config has no pad id), so a sequence scores the same alone or padded in a
 //! batch.
+//!
+//! [`DeviceClassifier`] is one on a device, scoring batches of token sequences (the reward
+//! models and judges a run's reward role loads); [`value_model_init`] starts a value model.
 
 use std::collections::HashMap;
 use std::path::Path;

@@ -1,6 +1,11 @@
 //! Model configurations of the supported decoder families (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE,
 //! Gemma 3), parsed from a
 //! Hugging Face `config.json` or from GGUF metadata, and written back as a `config.json`.
+//!
+//! A family is a [`ModelConfig`] of knobs (the attention kind of each layer with its own RoPE,
+//! Gemma's `1 + w` norms and sandwich norms, the MLP's activation, scaled embeddings, a
+//! mixture of experts, ...) that one forward pass reads, so a new family is a parser and a few
+//! knobs, not a copy of the forward pass.
 
 use std::path::Path;
 

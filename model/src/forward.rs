@@ -31,6 +31,18 @@
 //! zeros. A fresh cache is zeros, prefill writes the whole `max_len` row of a slot (zeros past
 //! the prompt), and decode writes each new key/value at its position with a scatter over the
 //! cache's (slot, position) axes, an in-place write of one `[kv_heads, head_dim]` row per slot.
+//! How decode writes is a [`KvWrite`]: that row scatter, or on TPU a masked rewrite of the
+//! attended cache ([`KvWrite::for_plugin`]).
+//!
+//! The learner's forwards run each prompt once for the group of responses that follows it
+//! ([`logprobs_graph_shared_prompts`], [`SharedPrompts`]), or each row whole
+//! ([`logprobs_graph_span`]). In the differentiable forwards each layer is a rematerialised
+//! region with [`DecoderParams::remat`], or all layers are one `Graph::scan` over their stacked
+//! weights with [`DecoderParams::scan`]; `DecoderParams::run_layers` is the one place that
+//! chooses, and `DecoderParams::run_routed_layers` the one place a forward's mixture-of-experts
+//! routing is collected or replayed, layer by layer or through the scan.
+//! [`DecoderParams::with_adapters`] applies LoRA adapters beside the weights
+//! (`x·Wᵀ + s·(x·Aᵀ)·Bᵀ` in every adapted projection) instead of merging them.
 
 use xla::graph::{DotDims, Graph, Tensor};
 use xla::runtime::PluginKind;

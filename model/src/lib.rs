@@ -1,12 +1,17 @@
-//! The model families `grpo` trains (Llama, Qwen2, Qwen3). On the host: configurations from
+//! The model families `grpo` trains (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 3; see
+//! [`config`]). On the host: configurations from
 //! Hugging Face `config.json` or GGUF metadata, the parameter table of each family, weights from
 //! safetensors (single or sharded) and GGUF (dequantised, llama.cpp's Q/K permutation undone),
 //! random initialisation, Hugging Face checkpoint export, tokenizers (`tokenizer.json` or built
 //! from a GGUF vocabulary) and chat templates rendered with `minijinja`. As compute: the
 //! decoder as graph functions ([`forward`]: prefill, decode over a KV cache, log-probs and
-//! entropies) and those compiled on a device ([`programs`]); sequence classifiers (reward
-//! models: the trunk with a `score` head, [`classifier`]), reading the host tensors
+//! entropies; [`moe`] for mixture-of-experts layers) and those compiled on a device
+//! ([`programs`]); LoRA adapters in PEFT's format ([`lora`]); sequence classifiers and value
+//! models (the trunk with a `score` head, [`classifier`]), reading the host tensors
 //! ([`HostTensor`]) by their Hugging Face names.
+//!
+//! The crate knows nothing of training or of sampling policy: the learner (`trainer`) and the
+//! rollout engine (`rollout`) both build on these graph functions.
 
 pub mod chat;
 pub mod classifier;

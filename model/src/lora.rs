@@ -15,7 +15,14 @@
 //!
 //! The adapted weight is computed by one graph function, [`merged_weight`]; [`merge_params`]
 //! applies it over a whole parameter table inside any program, and [`LoraAdapter::merge_into`]
-//! runs it on a device to give the merged model's host weights.
+//! runs it on a device to give the merged model's host weights (`grpo generate --adapter`).
+//! [`MergeProgram`] is that merge compiled, on one device or as one SPMD program over a
+//! learner's mesh ([`MergeProgram::compile_over`], [`MergeLayout`]). The other form,
+//! [`LoraForm::Applied`], keeps the adapters beside the weights instead
+//! ([`crate::forward::DecoderParams::with_adapters`]).
+//!
+//! The adapters' parameter table ([`lora_param_table`]) follows the base's Megatron split:
+//! `A` splits with a row-parallel base's input, `B` with a column-parallel base's output.
 
 use std::collections::HashMap;
 use std::path::Path;

@@ -21,6 +21,14 @@
 //! dimension, the expert axis, so each device stores whole experts
 //! ([`crate::ParamLayout::sharding`]); the dense lowering then gathers them as it gathers any
 //! FSDP parameter.
+//!
+//! Routing replay: the prefill, decode and extend graphs return each fed position's chosen
+//! experts, which the rollout records with its samples (`rollout::Sample::routes`) and the
+//! learner replays (`trainer::bucket::BucketedLearner::pack_routed`, under
+//! `actor.router_replay.mode`); a position marked [`NOT_RECORDED`] routes by its router. A
+//! routed forward reports [`Routes`], from which [`load_balancing_loss`] and the router
+//! metrics are computed. Published per-expert checkpoint tensors are stacked on load
+//! (`stack_per_expert`).
 
 use xla::graph::Tensor;
 use xla::runtime::PluginKind;

@@ -1,5 +1,10 @@
 //! The parameter table of each family: every tensor's Hugging Face name and shape, derived from
 //! the config. Loading checks files against it, random initialisation creates it, export writes it.
+//!
+//! Each entry ([`ParamSpec`]) also carries its Megatron split ([`ModelSplit`]: which dimension
+//! the `model` mesh axis cuts, in whole heads where it cuts heads). [`ParamLayout`] is the one
+//! place a tensor's sharding over a data x model mesh is decided, for the learner (which
+//! trains this same table) and the rollout alike.
 
 use crate::config::ModelConfig;
 

@@ -9,6 +9,8 @@
 //! Program argument order: the parameters (in [`crate::param_table`] order), then the KV cache
 //! when the program has one (layer 0 K, layer 0 V, layer 1 K, ...), then the inputs. The cache
 //! arguments are donated to the cache results.
+//!
+//! [`upload_params`] is the one upload of a parameter table to a device.
 
 use std::path::{Path, PathBuf};
 

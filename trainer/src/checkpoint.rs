@@ -8,6 +8,11 @@
 //! previous checkpoints untouched plus a `.tmp-*` directory (ignored, and removed by the next
 //! save) or the complete new one. The manifest is written last, so a `step_N` without a
 //! manifest is never taken for a checkpoint. Loading verifies every file's size and checksum.
+//!
+//! The caller names the tensor files: the policy's `params` and `optimizer`, and with PPO's
+//! critic `critic_params` and `critic_optimizer` beside them
+//! ([`crate::step::CRITIC_STATE_FILES`]). A save that fails (a full disk) removes its partial
+//! files and leaves the previous checkpoints as they were.
 
 use std::collections::BTreeMap;
 use std::fs::{self, File};

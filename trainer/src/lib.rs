@@ -16,8 +16,9 @@
 //! - [`step`]: the fused `train_step` program builder (forward, loss, backward, clipping,
 //!   AdamW, numerical guard), gradient accumulation (`accumulate` + `apply` programs) and the
 //!   host driver [`step::Learner`] that owns the device buffers.
-//! - [`sharding`]: the learner's SPMD layout (`single`, `dp`, `fsdp` over a one-axis mesh) and
-//!   the host-side splitting and gathering of per-device shards.
+//! - [`sharding`]: the learner's SPMD layout (`single`, `dp`, `fsdp` over a `data` axis, times
+//!   a `model` axis under tensor parallelism) and the host-side splitting and gathering of
+//!   per-device shards.
 //! - [`policy`]: the decoder model as the policy (or, with a value head, as PPO's critic): its
 //!   parameters, batch layout and per-token log-probs (values) of responses.
 //! - [`bucket`]: length buckets: each micro-batch runs padded to the smallest bucket holding its

@@ -21,6 +21,15 @@
 //! The policy's output column `j` is `log p(response[j] | prompt, response[<j])` at the
 //! sampling temperature, exactly the quantity the rollout reports for the same token: the
 //! response's positions continue the prompt's real length, so left padding moves nothing.
+//!
+//! Variants of the same packing and trunk: with [`Head::Value`] the model is a value model
+//! (PPO's critic), read by `model::classifier::values_graph` at the positions the log-probs
+//! are read at and trained by the clipped value loss in the same programs; with
+//! [`DecoderPolicy::lora`] its parameters are the adapters and its frozen tensors the base
+//! weights, run merged or, with [`DecoderPolicy::lora_form`] applied, beside the base (so the
+//! reference is the base with zero adapters); with [`DecoderPolicy::remat`] its layers are
+//! recomputed in the backward pass; with [`DecoderPolicy::route_inputs`] a mixture of experts
+//! replays the rollout's routes ([`DecoderPolicy::pack_routed`]).
 
 use crate::step::{HostArray, InputSpec, PolicyOutput, RouterTerms};
 use model::classifier::{value_head_table, value_model_param_table, values_graph};

@@ -11,6 +11,14 @@
 //! how many micro-batches a mini-batch holds), computed here once for the run loop, the update
 //! and `grpo compile`. [`GrpoUpdate`] owns the device learner and runs the update.
 //!
+//! Where each part is: [`GrpoUpdate::update`] leaves out rows with a non-finite reward or
+//! log-prob and packs the rest; `GrpoUpdate::token_arrays` turns rewards into advantages
+//! (rollout correction, KL in the reward, then [`crate::advantage::compute_advantages`]); the
+//! optimizer steps follow. A [`Row`]'s `env_spans` (the environment's tokens of a multi-turn
+//! sample) are context with loss mask 0, so they count in no advantage, loss or normaliser.
+//! The adaptive KL coefficient ([`crate::advantage::KlController`]) and the optimizer-step
+//! clocks are [`UpdateClocks`], which the learner roles carry into checkpoints.
+//!
 //! PPO (`algorithm.adv_estimator: gae`) adds a critic, as VeRL's `fit()` runs it: a value model
 //! ([`crate::policy::Head::Value`]) with its own parameters, optimizer and mini-batches
 //! ([`CriticConfig`]). Its values of the batch are computed with the old log-probs, GAE turns

@@ -26,7 +26,10 @@
 //!
 //! Parameters are f32 master weights; with `compute_dtype = BF16` the policy receives bf16
 //! copies (the gradient flows back through the conversion into f32) and the update programs
-//! also return the new bf16 weights for the `logprobs`/rollout programs.
+//! also return the new bf16 weights for the `logprobs`/rollout programs. Frozen tensors
+//! ([`StepConfig::frozen`], a LoRA policy's base weights) are read by the programs after the
+//! batch inputs, held in the compute type with no master copy, gradient or optimizer state
+//! ([`Learner::set_frozen`]).
 //!
 //! Length buckets ([`crate::bucket`]): [`build_shape_programs`] builds `train_step`,
 //! `accumulate` and `log_probs` for another batch shape (fewer prompt and response columns);

@@ -1,0 +1,147 @@
+//! The guides' commands are real: every `grpo` command line in a ```sh block of README.md and
+//! docs/*.md parses as this binary's arguments, and the ones that read a recipe build it: `grpo
+//! run` and `grpo compile` load and validate theirs (what `--print-config` does), `grpo verl`
+//! translates its VeRL command line (what `--print-recipe` does). What the commands then do is
+//! run by the end-to-end tests and CI; a guide that names a missing recipe, a removed option or
+//! a key the recipe refuses fails here.
+
+use crate::{commands, Cli, Command};
+use clap::Parser;
+use std::path::{Path, PathBuf};
+
+/// A command line of a guide: where it is, and its words after `grpo`.
+struct DocCommand {
+    at: String,
+    words: Vec<String>,
+}
+
+/// The `grpo` command lines of the ```sh blocks of `text` (from `file`): `\`-continued lines
+/// joined, heredoc bodies skipped, leading `NAME=value` assignments dropped; `grpo` or
+/// `target/release/grpo` as the program.
+fn commands_in(file: &str, text: &str) -> Vec<DocCommand> {
+    let mut out = Vec::new();
+    let mut in_sh = false;
+    let mut heredoc: Option<String> = None;
+    let mut pending: Option<(usize, String)> = None;
+    for (n, line) in text.lines().enumerate() {
+        let trimmed = line.trim();
+        if trimmed.starts_with("```") {
+            in_sh = !in_sh && matches!(trimmed, "```sh" | "```bash" | "```shell");
+            continue;
+        }
+        if !in_sh {
+            continue;
+        }
+        if let Some(end) = &heredoc {
+            if trimmed == end {
+                heredoc = None;
+            }
+            continue;
+        }
+        let (start, joined) = match pending.take() {
+            Some((start, before)) => (start, format!("{before} {trimmed}")),
+            None => (n + 1, trimmed.to_string()),
+        };
+        if let Some(stripped) = joined.strip_suffix('\\') {
+            pending = Some((start, stripped.trim_end().to_string()));
+            continue;
+        }
+        if let Some(at) = joined.find("<<") {
+            let tag = joined[at + 2..].trim_start_matches('-').trim();
+            heredoc = Some(tag.trim_matches(|c| c == '\'' || c == '"').to_string());
+        }
+        let Some(words) = shlex::split(&joined) else {
+            continue;
+        };
+        let mut words = words.into_iter().skip_while(|w| is_assignment(w));
+        match words.next().as_deref() {
+            Some("grpo" | "target/release/grpo") => out.push(DocCommand {
+                at: format!("{file}:{start}"),
+                words: words.collect(),
+            }),
+            _ => {}
+        }
+    }
+    out
+}
+
+fn is_assignment(word: &str) -> bool {
+    word.split_once('=').is_some_and(|(name, _)| {
+        !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+    })
+}
+
+/// README.md and every guide in docs/.
+fn guides() -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files: Vec<PathBuf> = std::fs::read_dir(root.join("docs"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "md"))
+        .collect();
+    files.sort();
+    files.insert(0, root.join("README.md"));
+    files
+}
+
+/// Parses `c` and builds what it reads: `Err` says what is wrong.
+fn check(c: &DocCommand) -> Result<(), String> {
+    let argv = std::iter::once("grpo".to_string()).chain(c.words.iter().cloned());
+    let cli = Cli::try_parse_from(argv).map_err(|e| e.to_string())?;
+    let built = match cli.command {
+        Command::Run(mut args) => {
+            args.print_config = true;
+            commands::run::run(args).map(drop)
+        }
+        Command::Verl(mut args) => {
+            args.print_recipe = true;
+            commands::verl::run(args).map(drop)
+        }
+        Command::Compile(args) => actors::recipe::load_recipe(&args.recipe, &args.overrides)
+            .map(drop)
+            .map_err(Into::into),
+        _ => Ok(()),
+    };
+    built.map_err(|e| format!("{e:#}"))
+}
+
+#[test]
+fn every_command_of_the_guides_parses_and_builds_its_recipe() {
+    // Relative paths in the guides are read from the repository root, as a user runs them
+    // (and cargo runs tests from the package root, which is that root).
+    let mut checked = 0;
+    let mut failures = Vec::new();
+    for file in guides() {
+        let text = std::fs::read_to_string(&file).unwrap();
+        let name = file
+            .strip_prefix(env!("CARGO_MANIFEST_DIR"))
+            .unwrap()
+            .display()
+            .to_string();
+        for c in commands_in(name.trim_start_matches('/'), &text) {
+            checked += 1;
+            if let Err(e) = check(&c) {
+                failures.push(format!("{}: grpo {}\n  {e}", c.at, c.words.join(" ")));
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "guide commands that fail:\n{}",
+        failures.join("\n")
+    );
+    assert!(
+        checked >= 40,
+        "only {checked} guide commands found: is the ```sh block reader broken?"
+    );
+}
+
+#[test]
+fn command_lines_are_read_as_a_shell_reads_them() {
+    let text = "intro\n```sh\nFOO=1 grpo run r.yaml \\\n    --set 'a={b: c}'  # note\ncat > x <<'PY'\ngrpo run not-a-command\nPY\nls\n```\n```text\ngrpo run RECIPE\n```\n";
+    let found = commands_in("g.md", text);
+    assert_eq!(found.len(), 1);
+    assert_eq!(found[0].at, "g.md:3");
+    assert_eq!(found[0].words, ["run", "r.yaml", "--set", "a={b: c}"]);
+}
