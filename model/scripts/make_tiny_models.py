@@ -12,7 +12,10 @@ Writes model/fixtures/tiny/<family>/{config.json, model.safetensors, reference.s
   linearly scaled by 8 at base 1e6 and the sliding layers' unscaled at base 1e4, tied head;
   gemma3_gguf: llama.cpp's gemma3 GGUF of another such model (query_pre_attn_scalar = head_dim,
   as llama.cpp assumes below 27B), every tensor f32 (model-f32.gguf) or its projections in Q8_0
-  (model-q8_0.gguf), norms stored plus one as llama.cpp's converter writes them.
+  (model-q8_0.gguf), norms stored plus one as llama.cpp's converter writes them;
+  mistral_gguf: the `mistral` fixture's weights as llama.cpp's converter writes a Mistral model
+  (architecture `llama`, Q and K rows permuted, head width in attention.key_length), f32
+  (model-f32.gguf) and Q8_0 projections (model-q8_0.gguf); its reference logits are `mistral`'s.
 Others: 2 layers, hidden 64, 4 heads / 2 KV heads, vocab 384, f32 weights.
 reference.safetensors holds, for each fixed token sequence i, `input_ids_<i>` (I32, [T]) and
 `logits_<i>` (F32, [T, vocab]): the prefill logits of every position from transformers in f32;
@@ -175,3 +178,64 @@ if not only or 'gemma3_gguf' in only:
     save_file(ref, os.path.join(out, 'reference.safetensors'),
               metadata={'generated_by': f"model/scripts/make_tiny_models.py with torch {torch.__version__}, transformers {version('transformers')}, gguf-py {version('gguf')}"})
     print('gemma3_gguf', sorted(os.listdir(out)))
+
+
+# llama.cpp's GGUF of a Mistral model: convert_hf_to_gguf.py writes MistralForCausalLM as its
+# `llama` architecture, with the Q and K rows permuted (LlamaModel.permute) and the head width,
+# which is not hidden / heads here, as attention.key_length. Made from the `mistral` fixture's
+# saved weights, so that fixture's reference logits are this file's too.
+if not only or 'mistral_gguf' in only:
+    import gguf
+    from gguf.quants import quantize
+    from safetensors.torch import load_file
+    config = models['mistral'][1]
+    state = load_file(os.path.join(root, 'mistral', 'model.safetensors'))
+    out = os.path.join(root, 'mistral_gguf')
+    os.makedirs(out, exist_ok=True)
+
+    def permute(w, heads):
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    names = {'self_attn.v_proj.weight': 'attn_v.weight', 'self_attn.o_proj.weight': 'attn_output.weight',
+             'input_layernorm.weight': 'attn_norm.weight', 'post_attention_layernorm.weight': 'ffn_norm.weight',
+             'mlp.gate_proj.weight': 'ffn_gate.weight', 'mlp.up_proj.weight': 'ffn_up.weight',
+             'mlp.down_proj.weight': 'ffn_down.weight'}
+    for quant in ['f32', 'q8_0']:
+        w = gguf.GGUFWriter(os.path.join(out, f'model-{quant}.gguf'), 'llama')
+        w.add_block_count(config.num_hidden_layers)
+        w.add_context_length(config.max_position_embeddings)
+        w.add_embedding_length(config.hidden_size)
+        w.add_feed_forward_length(config.intermediate_size)
+        w.add_head_count(config.num_attention_heads)
+        w.add_head_count_kv(config.num_key_value_heads)
+        w.add_key_length(config.head_dim)
+        w.add_value_length(config.head_dim)
+        w.add_rope_dimension_count(config.head_dim)
+        w.add_layer_norm_rms_eps(config.rms_norm_eps)
+        w.add_rope_freq_base(1000000.0)
+        w.add_vocab_size(config.vocab_size)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_pad_token_id(0)
+
+        def add(name, t):
+            a = t.detach().to(torch.float32).numpy()
+            if quant == 'q8_0' and a.ndim >= 2 and not name.startswith('token_embd'):
+                w.add_tensor(name, quantize(a, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            else:
+                w.add_tensor(name, a)
+
+        add('token_embd.weight', state['model.embed_tokens.weight'])
+        for l in range(config.num_hidden_layers):
+            p = f'model.layers.{l}.'
+            add(f'blk.{l}.attn_q.weight', permute(state[p + 'self_attn.q_proj.weight'], config.num_attention_heads))
+            add(f'blk.{l}.attn_k.weight', permute(state[p + 'self_attn.k_proj.weight'], config.num_key_value_heads))
+            for hf, gg in names.items():
+                add(f'blk.{l}.{gg}', state[p + hf])
+        add('output_norm.weight', state['model.norm.weight'])
+        add('output.weight', state['lm_head.weight'])
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    print('mistral_gguf', sorted(os.listdir(out)))

@@ -346,6 +346,28 @@ fn gemma3_gguf_logits_match_transformers() {
     }
 }
 
+/// llama.cpp's GGUF of a Mistral model (its `llama` architecture, Q and K rows permuted, a head
+/// width other than hidden / heads from `attention.key_length`): the same logits as the Mistral
+/// checkpoint it was written from, f32 to 1e-5, Q8_0 projections within the quantisation's error.
+#[test]
+fn mistral_gguf_logits_match_transformers() {
+    for (file, tol) in [("model-f32.gguf", 1e-5), ("model-q8_0.gguf", 0.15)] {
+        let gguf = model::GgufFile::open(&fixture_dir("mistral_gguf").join(file)).unwrap();
+        let config = model::ModelConfig::from_gguf(&gguf).unwrap();
+        assert_eq!(
+            (config.head_dim, config.hidden_size, config.num_attention_heads),
+            (32, 64, 4)
+        );
+        assert!(
+            !config.tie_word_embeddings,
+            "{file}: the GGUF has its own output.weight"
+        );
+        let weights = gguf.load_weights(&config).unwrap();
+        let device = DeviceModel::upload(client(), &weights, DType::F32, 0).expect("upload");
+        full_logits_of("mistral", &device, tol);
+    }
+}
+
 /// Qwen3-MoE, both checkpoint layouts (stacked experts with `norm_topk_prob` and a dense layer;
 /// per-expert tensors without it, every other layer sparse): the 1e-5 in f32.
 #[test]

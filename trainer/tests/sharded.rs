@@ -663,7 +663,13 @@ fn tensor_parallel_configs() -> Vec<ModelConfig> {
         initializer_range: 0.1,
     }
     .config();
-    vec![llama, fixture("qwen2"), fixture("qwen3"), fixture("gemma3")]
+    vec![
+        llama,
+        fixture("qwen2"),
+        fixture("qwen3"),
+        fixture("mistral_window"),
+        fixture("gemma3"),
+    ]
 }
 
 /// The learning rate of the tensor-parallel comparisons, realistic for RL post-training
@@ -707,7 +713,7 @@ fn replay(l: &mut Learner, batches: &[Batch]) -> (LearnerState, StepMetrics) {
 }
 
 #[test]
-fn tensor_parallel_learners_match_one_device_for_llama_qwen2_qwen3_and_gemma3() {
+fn tensor_parallel_learners_match_one_device_for_llama_qwen2_qwen3_mistral_and_gemma3() {
     for config in tensor_parallel_configs() {
         let family = config.family;
         let mut single = learner_of(&config, ROWS, Parallelism::default(), DType::F32, Layers::Plain);
