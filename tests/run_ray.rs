@@ -199,6 +199,50 @@ fn workers_run_as_ray_jobs_in_their_pools_and_a_stopped_job_is_resubmitted() {
     assert!(rollout0[1].ends_with("rollout-0-a2"), "{rollout0:?}");
     assert!(stderr.contains("resubmitting"), "{stderr}");
 
+    // 2b. The same with no resubmission allowed: the stopped job stays stopped, the run goes on
+    // with the other rollout worker and says why the replacement failed.
+    let capped = dir.path().join("capped");
+    let r_capped = tiny_recipe(
+        dir.path(),
+        "capped.yaml",
+        &model,
+        &train,
+        &val,
+        &capped,
+        steps,
+        &pools(&head.address()),
+    );
+    let mut run = grpo()
+        .arg("run")
+        .arg(&r_capped)
+        .args(["--set", "cluster.ray.max_resubmits=0"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let guard = KillOnDrop(run.id());
+    wait_for_step(&capped, 1, &mut run, Duration::from_secs(300));
+    let victim = run_jobs(&ray, &capped)
+        .into_iter()
+        .find(|(_, j)| j.metadata["role"] == "rollout" && j.metadata["index"] == "0")
+        .map(|(id, _)| id)
+        .expect("rollout worker 0's job");
+    assert!(
+        runtime().block_on(ray.stop(&victim)).unwrap(),
+        "stopping {victim}"
+    );
+    let status = run.wait().unwrap();
+    drop(guard);
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut run.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(status.success(), "{stderr}");
+    assert!(stderr.contains("`cluster.ray.max_resubmits`"), "{stderr}");
+    let rollout0 = run_jobs(&ray, &capped)
+        .into_iter()
+        .filter(|(_, j)| j.metadata["role"] == "rollout" && j.metadata["index"] == "0")
+        .count();
+    assert_eq!(rollout0, 1, "no resubmission: {stderr}");
+    assert_eq!(prompts_seen(&local), prompts_seen(&capped), "{stderr}");
+
     // 3. A resource the cluster has never had: refused before any job is submitted.
     let refused = dir.path().join("refused");
     let r_refused = tiny_recipe(

@@ -47,1093 +47,170 @@ const AGENT: &str = "rollout.multi_turn.enable=true;rollout.multi_turn.agent={co
 const ADAPTIVE_KL: &str = "algorithm.use_kl_in_reward=true;algorithm.kl_ctrl.type=adaptive";
 
 /// Keys the automatic check cannot show, each with its evidence.
+#[rustfmt::skip]
 const EVIDENCE: &[(&str, Evidence)] = &[
     // The model and the rollout.
-    (
-        "model.moe_dispatch",
-        Set {
-            value: "grouped",
-            context: "",
-        },
-    ),
-    (
-        "rollout.dtype",
-        Set {
-            value: "bf16",
-            context: "rollout.dtype=f32",
-        },
-    ),
-    (
-        "rollout.stop",
-        Set {
-            value: "['END']",
-            context: "",
-        },
-    ),
-    (
-        "rollout.tensor_model_parallel_size",
-        Set {
-            value: "2",
-            context: "actor.strategy=dp;actor.mesh=2",
-        },
-    ),
-    (
-        "rollout.val_kwargs.temperature",
-        Set {
-            value: "0.5",
-            context: "rollout.val_kwargs.do_sample=true",
-        },
-    ),
-    (
-        "rollout.val_kwargs.top_k",
-        Set {
-            value: "5",
-            context: "rollout.val_kwargs.do_sample=true",
-        },
-    ),
-    (
-        "rollout.val_kwargs.top_p",
-        Set {
-            value: "0.5",
-            context: "rollout.val_kwargs.do_sample=true",
-        },
-    ),
-    (
-        "rollout.val_kwargs.min_p",
-        Set {
-            value: "0.1",
-            context: "rollout.val_kwargs.do_sample=true",
-        },
-    ),
-    (
-        "rollout.multi_turn.max_assistant_turns",
-        Set {
-            value: "2",
-            context: MULTI_TURN,
-        },
-    ),
-    (
-        "rollout.multi_turn.max_parallel_calls",
-        Set {
-            value: "2",
-            context: MULTI_TURN,
-        },
-    ),
-    (
-        "rollout.multi_turn.max_tool_response_length",
-        Set {
-            value: "512",
-            context: MULTI_TURN,
-        },
-    ),
-    (
-        "rollout.multi_turn.tool_response_truncate_side",
-        Set {
-            value: "left",
-            context: MULTI_TURN,
-        },
-    ),
-    (
-        "rollout.multi_turn.tool_timeout_s",
-        Set {
-            value: "15",
-            context: MULTI_TURN,
-        },
-    ),
-    (
-        "rollout.multi_turn.max_turn_tokens",
-        Set {
-            value: "16",
-            context: MULTI_TURN,
-        },
-    ),
-    (
-        "rollout.multi_turn.format",
-        Set {
-            value: "llama3",
-            context: MULTI_TURN,
-        },
-    ),
-    (
-        "rollout.multi_turn.tools",
-        Set {
-            value: "[calculator, python]",
-            context: MULTI_TURN,
-        },
-    ),
+    ("model.moe_dispatch", Set { value: "grouped", context: "" }),
+    ("rollout.dtype", Set { value: "bf16", context: "rollout.dtype=f32" }),
+    ("rollout.stop", Set { value: "['END']", context: "" }),
+    ("rollout.tensor_model_parallel_size", Set { value: "2", context: "actor.strategy=dp;actor.mesh=2" }),
+    ("rollout.val_kwargs.temperature", Set { value: "0.5", context: "rollout.val_kwargs.do_sample=true" }),
+    ("rollout.val_kwargs.top_k", Set { value: "5", context: "rollout.val_kwargs.do_sample=true" }),
+    ("rollout.val_kwargs.top_p", Set { value: "0.5", context: "rollout.val_kwargs.do_sample=true" }),
+    ("rollout.val_kwargs.min_p", Set { value: "0.1", context: "rollout.val_kwargs.do_sample=true" }),
+    ("rollout.multi_turn.max_assistant_turns", Set { value: "2", context: MULTI_TURN }),
+    ("rollout.multi_turn.max_parallel_calls", Set { value: "2", context: MULTI_TURN }),
+    ("rollout.multi_turn.max_tool_response_length", Set { value: "512", context: MULTI_TURN }),
+    ("rollout.multi_turn.tool_response_truncate_side", Set { value: "left", context: MULTI_TURN }),
+    ("rollout.multi_turn.tool_timeout_s", Set { value: "15", context: MULTI_TURN }),
+    ("rollout.multi_turn.max_turn_tokens", Set { value: "16", context: MULTI_TURN }),
+    ("rollout.multi_turn.format", Set { value: "llama3", context: MULTI_TURN }),
+    ("rollout.multi_turn.tools", Set { value: "[calculator, python]", context: MULTI_TURN }),
     // The reward.
-    (
-        "reward.default",
-        Set {
-            value: "answer",
-            context: SCORER,
-        },
-    ),
-    (
-        "reward.data_sources",
-        Set {
-            value: "{openai/gsm8k: answer}",
-            context: SCORER,
-        },
-    ),
-    (
-        "reward.scorers",
-        Set {
-            value: "{answer: {kind: arithmetic, format_score: 0.5}}",
-            context: "reward.default=answer",
-        },
-    ),
-    (
-        "reward.scorer",
-        Set {
-            value: "answer",
-            context: SCORER,
-        },
-    ),
-    (
-        "reward.overlong_buffer.len",
-        Set {
-            value: "32",
-            context: OVERLONG,
-        },
-    ),
-    (
-        "reward.overlong_buffer.penalty_factor",
-        Set {
-            value: "0.5",
-            context: OVERLONG,
-        },
-    ),
-    (
-        "reward.overlong_buffer.log",
-        Set {
-            value: "true",
-            context: OVERLONG,
-        },
-    ),
-    (
-        "reward.overlong_buffer.max_response_length",
-        Set {
-            value: "1000",
-            context: OVERLONG,
-        },
-    ),
+    ("reward.default", Set { value: "answer", context: SCORER }),
+    ("reward.data_sources", Set { value: "{openai/gsm8k: answer}", context: SCORER }),
+    ("reward.scorers", Set { value: "{answer: {kind: arithmetic, format_score: 0.5}}", context: "reward.default=answer" }),
+    ("reward.scorer", Set { value: "answer", context: SCORER }),
+    ("reward.overlong_buffer.len", Set { value: "32", context: OVERLONG }),
+    ("reward.overlong_buffer.penalty_factor", Set { value: "0.5", context: OVERLONG }),
+    ("reward.overlong_buffer.log", Set { value: "true", context: OVERLONG }),
+    ("reward.overlong_buffer.max_response_length", Set { value: "1000", context: OVERLONG }),
     // The algorithm.
-    (
-        "algorithm.adv_estimator",
-        Set {
-            value: "rloo",
-            context: "",
-        },
-    ),
-    (
-        "algorithm.gamma",
-        Set {
-            value: "0.5",
-            context: "algorithm.adv_estimator=reinforce_plus_plus",
-        },
-    ),
-    (
-        "algorithm.lam",
-        Set {
-            value: "0.5",
-            context: GAE,
-        },
-    ),
-    (
-        "algorithm.kl_penalty",
-        Set {
-            value: "low_var_kl",
-            context: "algorithm.use_kl_in_reward=true",
-        },
-    ),
-    (
-        "algorithm.kl_ctrl.type",
-        Set {
-            value: "adaptive",
-            context: "algorithm.use_kl_in_reward=true",
-        },
-    ),
-    (
-        "algorithm.kl_ctrl.target_kl",
-        Set {
-            value: "0.5",
-            context: ADAPTIVE_KL,
-        },
-    ),
-    (
-        "algorithm.kl_ctrl.horizon",
-        Set {
-            value: "100",
-            context: ADAPTIVE_KL,
-        },
-    ),
-    (
-        "algorithm.rollout_correction.rollout_is",
-        Set {
-            value: "token",
-            context: "",
-        },
-    ),
-    (
-        "algorithm.rollout_correction.rollout_is_batch_normalize",
-        Set {
-            value: "true",
-            context: "algorithm.rollout_correction.rollout_is=token",
-        },
-    ),
-    (
-        "algorithm.rollout_correction.rollout_rs",
-        Set {
-            value: "seq_max_k3",
-            context: REJECTION,
-        },
-    ),
-    (
-        "algorithm.rollout_correction.rollout_rs_threshold",
-        Set {
-            value: "0.5",
-            context: REJECTION,
-        },
-    ),
+    ("algorithm.adv_estimator", Set { value: "rloo", context: "" }),
+    ("algorithm.gamma", Set { value: "0.5", context: "algorithm.adv_estimator=reinforce_plus_plus" }),
+    ("algorithm.lam", Set { value: "0.5", context: GAE }),
+    ("algorithm.kl_penalty", Set { value: "low_var_kl", context: "algorithm.use_kl_in_reward=true" }),
+    ("algorithm.kl_ctrl.type", Set { value: "adaptive", context: "algorithm.use_kl_in_reward=true" }),
+    ("algorithm.kl_ctrl.target_kl", Set { value: "0.5", context: ADAPTIVE_KL }),
+    ("algorithm.kl_ctrl.horizon", Set { value: "100", context: ADAPTIVE_KL }),
+    ("algorithm.rollout_correction.rollout_is", Set { value: "token", context: "" }),
+    ("algorithm.rollout_correction.rollout_is_batch_normalize", Set { value: "true", context: "algorithm.rollout_correction.rollout_is=token" }),
+    ("algorithm.rollout_correction.rollout_rs", Set { value: "seq_max_k3", context: REJECTION }),
+    ("algorithm.rollout_correction.rollout_rs_threshold", Set { value: "0.5", context: REJECTION }),
     // The actor.
-    (
-        "actor.strategy",
-        Set {
-            value: "fsdp",
-            context: "actor.mesh=2;actor.strategy=dp",
-        },
-    ),
-    (
-        "actor.mesh",
-        Set {
-            value: "4",
-            context: "actor.strategy=dp;actor.mesh=2",
-        },
-    ),
-    (
-        "actor.tensor_model_parallel_size",
-        Set {
-            value: "2",
-            context: "actor.strategy=dp;actor.mesh=2",
-        },
-    ),
-    (
-        "actor.param_dtype",
-        Set {
-            value: "bf16",
-            context: "actor.param_dtype=f32",
-        },
-    ),
-    (
-        "actor.optim.betas",
-        Set {
-            value: "[0.8, 0.9]",
-            context: "",
-        },
-    ),
-    (
-        "actor.optim.lr_scheduler_type",
-        Set {
-            value: "cosine",
-            context: "",
-        },
-    ),
-    (
-        "actor.policy_loss.loss_mode",
-        Set {
-            value: "gspo",
-            context: "",
-        },
-    ),
-    (
-        "actor.policy_loss.clip_cov_ratio",
-        Set {
-            value: "0.0001",
-            context: "actor.policy_loss.loss_mode=clip_cov",
-        },
-    ),
-    (
-        "actor.policy_loss.clip_cov_lb",
-        Set {
-            value: "0.5",
-            context: "actor.policy_loss.loss_mode=clip_cov",
-        },
-    ),
-    (
-        "actor.policy_loss.clip_cov_ub",
-        Set {
-            value: "2.5",
-            context: "actor.policy_loss.loss_mode=clip_cov",
-        },
-    ),
-    (
-        "actor.policy_loss.kl_cov_ratio",
-        Set {
-            value: "0.0001",
-            context: "actor.policy_loss.loss_mode=kl_cov",
-        },
-    ),
-    (
-        "actor.policy_loss.ppo_kl_coef",
-        Set {
-            value: "0.05",
-            context: "actor.policy_loss.loss_mode=kl_cov",
-        },
-    ),
-    (
-        "actor.tau_pos",
-        Set {
-            value: "0.5",
-            context: "actor.policy_loss.loss_mode=sapo",
-        },
-    ),
-    (
-        "actor.tau_neg",
-        Set {
-            value: "0.5",
-            context: "actor.policy_loss.loss_mode=sapo",
-        },
-    ),
-    (
-        "actor.loss_agg_mode",
-        Set {
-            value: "seq-mean-token-sum",
-            context: "",
-        },
-    ),
-    (
-        "actor.kl_loss_type",
-        Set {
-            value: "k1",
-            context: "actor.use_kl_loss=true",
-        },
-    ),
-    (
-        "actor.lora_alpha",
-        Set {
-            value: "8",
-            context: LORA,
-        },
-    ),
-    (
-        "actor.target_modules",
-        Set {
-            value: "[q_proj]",
-            context: LORA,
-        },
-    ),
-    (
-        "actor.lora_form",
-        Set {
-            value: "applied",
-            context: "actor.lora_rank=8;actor.lora_form=merged",
-        },
-    ),
+    ("actor.strategy", Set { value: "fsdp", context: "actor.mesh=2;actor.strategy=dp" }),
+    ("actor.mesh", Set { value: "4", context: "actor.strategy=dp;actor.mesh=2" }),
+    ("actor.tensor_model_parallel_size", Set { value: "2", context: "actor.strategy=dp;actor.mesh=2" }),
+    ("actor.param_dtype", Set { value: "bf16", context: "actor.param_dtype=f32" }),
+    ("actor.optim.betas", Set { value: "[0.8, 0.9]", context: "" }),
+    ("actor.optim.lr_scheduler_type", Set { value: "cosine", context: "" }),
+    ("actor.policy_loss.loss_mode", Set { value: "gspo", context: "" }),
+    ("actor.policy_loss.clip_cov_ratio", Set { value: "0.0001", context: "actor.policy_loss.loss_mode=clip_cov" }),
+    ("actor.policy_loss.clip_cov_lb", Set { value: "0.5", context: "actor.policy_loss.loss_mode=clip_cov" }),
+    ("actor.policy_loss.clip_cov_ub", Set { value: "2.5", context: "actor.policy_loss.loss_mode=clip_cov" }),
+    ("actor.policy_loss.kl_cov_ratio", Set { value: "0.0001", context: "actor.policy_loss.loss_mode=kl_cov" }),
+    ("actor.policy_loss.ppo_kl_coef", Set { value: "0.05", context: "actor.policy_loss.loss_mode=kl_cov" }),
+    ("actor.tau_pos", Set { value: "0.5", context: "actor.policy_loss.loss_mode=sapo" }),
+    ("actor.tau_neg", Set { value: "0.5", context: "actor.policy_loss.loss_mode=sapo" }),
+    ("actor.loss_agg_mode", Set { value: "seq-mean-token-sum", context: "" }),
+    ("actor.kl_loss_type", Set { value: "k1", context: "actor.use_kl_loss=true" }),
+    ("actor.lora_alpha", Set { value: "8", context: LORA }),
+    ("actor.target_modules", Set { value: "[q_proj]", context: LORA }),
+    ("actor.lora_form", Set { value: "applied", context: "actor.lora_rank=8;actor.lora_form=merged" }),
     // PPO's critic.
-    (
-        "critic.model.path",
-        Set {
-            value: "another-model",
-            context: GAE,
-        },
-    ),
-    (
-        "critic.model.enable_gradient_checkpointing",
-        Set {
-            value: "true",
-            context: GAE,
-        },
-    ),
-    (
-        "critic.optim.lr",
-        Set {
-            value: "0.001",
-            context: GAE,
-        },
-    ),
-    (
-        "critic.optim.eps",
-        Set {
-            value: "0.001",
-            context: GAE,
-        },
-    ),
-    (
-        "critic.optim.weight_decay",
-        Set {
-            value: "0.5",
-            context: GAE,
-        },
-    ),
-    (
-        "critic.optim.lr_warmup_steps",
-        Set {
-            value: "3",
-            context: GAE,
-        },
-    ),
-    (
-        "critic.optim.min_lr_ratio",
-        Set {
-            value: "0.5",
-            context: "algorithm.adv_estimator=gae;critic.optim.lr_scheduler_type=cosine",
-        },
-    ),
-    (
-        "critic.optim.betas",
-        Set {
-            value: "[0.8, 0.9]",
-            context: GAE,
-        },
-    ),
-    (
-        "critic.optim.lr_scheduler_type",
-        Set {
-            value: "cosine",
-            context: GAE,
-        },
-    ),
-    (
-        "critic.grad_clip",
-        Set {
-            value: "0.5",
-            context: GAE,
-        },
-    ),
-    (
-        "critic.cliprange_value",
-        Set {
-            value: "0.25",
-            context: GAE,
-        },
-    ),
-    (
-        "critic.loss_agg_mode",
-        Set {
-            value: "seq-mean-token-sum",
-            context: GAE,
-        },
-    ),
-    (
-        "critic.ppo_mini_batch_size",
-        Set {
-            value: "2",
-            context: GAE,
-        },
-    ),
-    (
-        "critic.ppo_micro_batch_size",
-        Set {
-            value: "1",
-            context: GAE,
-        },
-    ),
-    (
-        "critic.ppo_epochs",
-        Set {
-            value: "2",
-            context: GAE,
-        },
-    ),
-    (
-        "trainer.critic_warmup",
-        Set {
-            value: "2",
-            context: GAE,
-        },
-    ),
+    ("critic.model.path", Set { value: "another-model", context: GAE }),
+    ("critic.model.enable_gradient_checkpointing", Set { value: "true", context: GAE }),
+    ("critic.optim.lr", Set { value: "0.001", context: GAE }),
+    ("critic.optim.eps", Set { value: "0.001", context: GAE }),
+    ("critic.optim.weight_decay", Set { value: "0.5", context: GAE }),
+    ("critic.optim.lr_warmup_steps", Set { value: "3", context: GAE }),
+    ("critic.optim.min_lr_ratio", Set { value: "0.5", context: "algorithm.adv_estimator=gae;critic.optim.lr_scheduler_type=cosine" }),
+    ("critic.optim.betas", Set { value: "[0.8, 0.9]", context: GAE }),
+    ("critic.optim.lr_scheduler_type", Set { value: "cosine", context: GAE }),
+    ("critic.grad_clip", Set { value: "0.5", context: GAE }),
+    ("critic.cliprange_value", Set { value: "0.25", context: GAE }),
+    ("critic.loss_agg_mode", Set { value: "seq-mean-token-sum", context: GAE }),
+    ("critic.ppo_mini_batch_size", Set { value: "2", context: GAE }),
+    ("critic.ppo_micro_batch_size", Set { value: "1", context: GAE }),
+    ("critic.ppo_epochs", Set { value: "2", context: GAE }),
+    ("trainer.critic_warmup", Set { value: "2", context: GAE }),
     // Keys the run loop, the data loader, a worker or the launcher reads: the test that shows each.
-    (
-        "model.path",
-        Test {
-            file: "tests/run_gemma.rs",
-            test: "a_tiny_gemma3_learns_resumes_exactly_and_exports",
-        },
-    ),
-    (
-        "model.tokenizer",
-        Test {
-            file: "actors/src/prepare.rs",
-            test: "the_model_and_its_tokenizer_are_loaded_as_the_recipe_says",
-        },
-    ),
-    (
-        "model.random_init",
-        Test {
-            file: "actors/src/prepare.rs",
-            test: "the_model_and_its_tokenizer_are_loaded_as_the_recipe_says",
-        },
-    ),
-    (
-        "model.chat_template",
-        Test {
-            file: "actors/src/prepare.rs",
-            test: "chat_template_kwargs_reach_every_render",
-        },
-    ),
-    (
-        "model.lora_adapter_path",
-        Test {
-            file: "tests/run_lora.rs",
-            test: "a_lora_run_trains_the_adapters_exports_them_for_peft_and_resumes",
-        },
-    ),
-    (
-        "data.train_files",
-        Test {
-            file: "tests/run.rs",
-            test: "a_resume_from_an_epoch_boundary_runs_the_next_epoch",
-        },
-    ),
-    (
-        "data.val_files",
-        Test {
-            file: "tests/run.rs",
-            test: "validation_in_shuffled_batches_scores_the_same_rows_alike",
-        },
-    ),
-    (
-        "data.prompt_key",
-        Test {
-            file: "data/tests/datasets.rs",
-            test: "reads_messages_from_a_configured_prompt_key",
-        },
-    ),
-    (
-        "data.reward_fn_key",
-        Test {
-            file: "data/tests/datasets.rs",
-            test: "reads_messages_from_a_configured_prompt_key",
-        },
-    ),
-    (
-        "data.gen_batch_size",
-        Test {
-            file: "tests/run.rs",
-            test: "dynamic_sampling_refills_the_step_and_stops_at_its_limit",
-        },
-    ),
-    (
-        "data.val_batch_size",
-        Test {
-            file: "data/tests/datasets.rs",
-            test: "validation_takes_its_subset_in_batches_of_its_size",
-        },
-    ),
-    (
-        "data.val_max_samples",
-        Test {
-            file: "data/tests/datasets.rs",
-            test: "validation_takes_its_subset_in_batches_of_its_size",
-        },
-    ),
-    (
-        "data.shuffle",
-        Test {
-            file: "data/src/sampler.rs",
-            test: "without_drop_last_the_short_batch_is_returned",
-        },
-    ),
-    (
-        "data.seed",
-        Test {
-            file: "data/src/sampler.rs",
-            test: "each_epoch_is_a_permutation_and_epochs_differ",
-        },
-    ),
-    (
-        "data.validation_shuffle",
-        Test {
-            file: "tests/run.rs",
-            test: "validation_in_shuffled_batches_scores_the_same_rows_alike",
-        },
-    ),
-    (
-        "data.drop_last",
-        Test {
-            file: "data/src/sampler.rs",
-            test: "without_drop_last_the_short_batch_is_returned",
-        },
-    ),
-    (
-        "data.filter_overlong_prompts",
-        Test {
-            file: "data/tests/datasets.rs",
-            test: "filters_overlong_prompts_and_truncates",
-        },
-    ),
-    (
-        "data.truncation",
-        Test {
-            file: "data/tests/datasets.rs",
-            test: "filters_overlong_prompts_and_truncates",
-        },
-    ),
-    (
-        "data.train_max_samples",
-        Test {
-            file: "data/tests/datasets.rs",
-            test: "max_samples_takes_a_seeded_subset",
-        },
-    ),
-    (
-        "data.apply_chat_template_kwargs",
-        Test {
-            file: "actors/src/prepare.rs",
-            test: "chat_template_kwargs_reach_every_render",
-        },
-    ),
-    (
-        "rollout.multi_turn.enable",
-        Test {
-            file: "tests/run_multi_turn.rs",
-            test: "episodes_run_in_process_and_in_a_rollout_worker_with_their_budgets_and_metrics",
-        },
-    ),
-    (
-        "rollout.multi_turn.max_user_turns",
-        Test {
-            file: "tests/run_multi_turn.rs",
-            test: "smollm2_episodes_get_an_interactions_replies_and_rewards_in_a_rollout_worker",
-        },
-    ),
-    (
-        "rollout.multi_turn.interaction_config_path",
-        Test {
-            file: "tests/run_multi_turn.rs",
-            test: "smollm2_episodes_get_an_interactions_replies_and_rewards_in_a_rollout_worker",
-        },
-    ),
-    (
-        "rollout.multi_turn.tool_config_path",
-        Test {
-            file: "tests/run_multi_turn.rs",
-            test: "tools_from_a_tool_config_file_run_in_process_and_in_a_rollout_worker",
-        },
-    ),
-    (
-        "rollout.enable_rollout_routing_replay",
-        Test {
-            file: "tests/run_moe.rs",
-            test: "rollout_routing_replay_makes_the_learner_use_the_rollouts_experts",
-        },
-    ),
-    (
-        "actor.router_replay.mode",
-        Test {
-            file: "tests/run_moe.rs",
-            test: "rollout_routing_replay_makes_the_learner_use_the_rollouts_experts",
-        },
-    ),
-    (
-        "reward.custom_reward_function.path",
-        Test {
-            file: "tests/run.rs",
-            test: "a_reward_file_written_for_verl_scores_the_run_and_its_extras_become_metrics",
-        },
-    ),
-    (
-        "reward.custom_reward_function.name",
-        Test {
-            file: "reward/tests/verl_function.rs",
-            test: "a_verl_reward_file_scores_as_it_does_in_python",
-        },
-    ),
-    (
-        "reward.custom_reward_function.reward_kwargs",
-        Test {
-            file: "tests/run.rs",
-            test: "a_reward_file_written_for_verl_scores_the_run_and_its_extras_become_metrics",
-        },
-    ),
-    (
-        "reward.custom_reward_function.reward_manager",
-        Test {
-            file: "reward/tests/verl_function.rs",
-            test: "a_verl_reward_file_scores_as_it_does_in_python",
-        },
-    ),
-    (
-        "reward.custom_reward_function.workers",
-        Test {
-            file: "reward/tests/verl_function.rs",
-            test: "workers_processes_serve_the_function_side_by_side",
-        },
-    ),
-    (
-        "reward.custom_reward_function.timeout_s",
-        Test {
-            file: "reward/tests/verl_function.rs",
-            test: "raising_hanging_crashing_and_garbage_cost_only_their_own_samples",
-        },
-    ),
-    (
-        "algorithm.filter_groups.enable",
-        Test {
-            file: "tests/run.rs",
-            test: "dynamic_sampling_refills_the_step_and_stops_at_its_limit",
-        },
-    ),
-    (
-        "algorithm.filter_groups.metric",
-        Test {
-            file: "tests/run.rs",
-            test: "dynamic_sampling_refills_the_step_and_stops_at_its_limit",
-        },
-    ),
-    (
-        "algorithm.filter_groups.max_num_gen_batches",
-        Test {
-            file: "tests/run.rs",
-            test: "dynamic_sampling_refills_the_step_and_stops_at_its_limit",
-        },
-    ),
-    (
-        "trainer.total_epochs",
-        Test {
-            file: "tests/run.rs",
-            test: "a_resume_from_an_epoch_boundary_runs_the_next_epoch",
-        },
-    ),
-    (
-        "trainer.total_training_steps",
-        Test {
-            file: "tests/run.rs",
-            test: "a_resume_with_a_changed_recipe_follows_the_stated_rule",
-        },
-    ),
-    (
-        "trainer.save_freq",
-        Test {
-            file: "tests/run.rs",
-            test: "a_tiny_run_trains_validates_checkpoints_and_resumes",
-        },
-    ),
-    (
-        "trainer.test_freq",
-        Test {
-            file: "tests/run_tracking.rs",
-            test: "every_tracker_gets_the_runs_verl_named_metrics_and_a_resume_continues_them",
-        },
-    ),
-    (
-        "trainer.val_before_train",
-        Test {
-            file: "tests/verl.rs",
-            test: "verls_own_grpo_scripts_run_and_train",
-        },
-    ),
-    (
-        "trainer.max_checkpoints_to_keep",
-        Test {
-            file: "trainer/src/checkpoint.rs",
-            test: "keeps_only_the_newest_n",
-        },
-    ),
-    (
-        "trainer.resume_mode",
-        Test {
-            file: "tests/run.rs",
-            test: "val_only_and_resume_path_work_as_in_verl",
-        },
-    ),
-    (
-        "trainer.resume_from_path",
-        Test {
-            file: "tests/run.rs",
-            test: "val_only_and_resume_path_work_as_in_verl",
-        },
-    ),
-    (
-        "trainer.allow_recipe_change_on_resume",
-        Test {
-            file: "tests/run.rs",
-            test: "a_resume_with_a_changed_recipe_follows_the_stated_rule",
-        },
-    ),
-    (
-        "trainer.val_only",
-        Test {
-            file: "tests/run.rs",
-            test: "val_only_and_resume_path_work_as_in_verl",
-        },
-    ),
-    (
-        "trainer.log_val_generations",
-        Test {
-            file: "tests/run_tracking.rs",
-            test: "every_tracker_gets_the_runs_verl_named_metrics_and_a_resume_continues_them",
-        },
-    ),
-    (
-        "trainer.rollout_data_dir",
-        Test {
-            file: "tests/run_multi_turn.rs",
-            test: "episodes_run_in_process_and_in_a_rollout_worker_with_their_budgets_and_metrics",
-        },
-    ),
-    (
-        "trainer.off_policy_steps",
-        Test {
-            file: "tests/run.rs",
-            test: "one_step_off_policy_overlaps_generation_with_the_update",
-        },
-    ),
-    (
-        "trainer.output_dir",
-        Test {
-            file: "tests/run_lora.rs",
-            test: "a_lora_run_trains_the_adapters_exports_them_for_peft_and_resumes",
-        },
-    ),
-    (
-        "trainer.logger",
-        Test {
-            file: "tests/run_tracking.rs",
-            test: "without_file_and_console_a_run_writes_no_metrics_file_and_no_step_lines",
-        },
-    ),
-    (
-        "trainer.project_name",
-        Test {
-            file: "tests/run_tracking.rs",
-            test: "every_tracker_gets_the_runs_verl_named_metrics_and_a_resume_continues_them",
-        },
-    ),
-    (
-        "trainer.experiment_name",
-        Test {
-            file: "tests/run_tracking.rs",
-            test: "every_tracker_gets_the_runs_verl_named_metrics_and_a_resume_continues_them",
-        },
-    ),
-    (
-        "cluster.device",
-        Test {
-            file: "actors/src/launcher/mod.rs",
-            test: "a_missing_device_plugin_names_the_key_that_asks_for_it",
-        },
-    ),
-    (
-        "cluster.plugin_path",
-        Test {
-            file: "actors/src/launcher/mod.rs",
-            test: "a_missing_device_plugin_names_the_key_that_asks_for_it",
-        },
-    ),
-    (
-        "cluster.cpu_device_count",
-        Test {
-            file: "tests/run_colocated.rs",
-            test: "dp_and_fsdp_on_four_devices_train_like_one_device_without_host_weight_copies",
-        },
-    ),
-    (
-        "cluster.launcher",
-        Test {
-            file: "tests/run_ray.rs",
-            test: "workers_run_as_ray_jobs_in_their_pools_and_a_stopped_job_is_resubmitted",
-        },
-    ),
-    (
-        "cluster.rollout_workers",
-        Test {
-            file: "tests/run.rs",
-            test: "rollout_and_reward_in_worker_processes_give_the_same_metrics_and_survive_kill_9",
-        },
-    ),
-    (
-        "cluster.reward_workers",
-        Test {
-            file: "tests/run.rs",
-            test: "rollout_and_reward_in_worker_processes_give_the_same_metrics_and_survive_kill_9",
-        },
-    ),
-    (
-        "cluster.learner_workers",
-        Test {
-            file: "tests/run_learner_worker.rs",
-            test: "a_learner_worker_trains_checkpoints_and_resumes_like_the_in_process_learner",
-        },
-    ),
-    (
-        "cluster.rollout_device",
-        Test {
-            file: "actors/src/launcher/mod.rs",
-            test: "workers_on_another_device_kind_get_it_as_overrides",
-        },
-    ),
-    (
-        "cluster.learner_device",
-        Test {
-            file: "actors/src/launcher/mod.rs",
-            test: "workers_on_another_device_kind_get_it_as_overrides",
-        },
-    ),
-    (
-        "cluster.bind_host",
-        Test {
-            file: "actors/src/launcher/local.rs",
-            test: "listening_lines_parse_and_unspecified_hosts_become_loopback",
-        },
-    ),
-    (
-        "cluster.worker_timeout_s",
-        Test {
-            file: "tests/run_faults.rs",
-            test: "frozen_rollout_and_reward_workers_are_replaced_and_the_steps_complete",
-        },
-    ),
-    (
-        "cluster.tls.cert",
-        Test {
-            file: "actors/src/transport.rs",
-            test: "mutual_tls_workers_refuse_clients_without_the_clusters_certificate",
-        },
-    ),
-    (
-        "cluster.tls.key",
-        Test {
-            file: "actors/src/transport.rs",
-            test: "mutual_tls_workers_refuse_clients_without_the_clusters_certificate",
-        },
-    ),
-    (
-        "cluster.tls.ca",
-        Test {
-            file: "actors/src/transport.rs",
-            test: "reward_round_trip_over_tls_and_clients_without_the_ca_are_refused",
-        },
-    ),
-    (
-        "cluster.tls.domain",
-        Test {
-            file: "actors/src/transport.rs",
-            test: "reward_round_trip_over_tls_and_clients_without_the_ca_are_refused",
-        },
-    ),
-    (
-        "cluster.tls.mutual",
-        Test {
-            file: "tests/run_tls.rs",
-            test: "a_run_over_mutual_tls_matches_the_plain_run_and_its_workers_refuse_strangers",
-        },
-    ),
-    (
-        "cluster.ray.address",
-        Test {
-            file: "tests/run_ray.rs",
-            test: "workers_run_as_ray_jobs_in_their_pools_and_a_stopped_job_is_resubmitted",
-        },
-    ),
-    (
-        "cluster.pools[].name",
-        Test {
-            file: "tests/run_ray.rs",
-            test: "workers_run_as_ray_jobs_in_their_pools_and_a_stopped_job_is_resubmitted",
-        },
-    ),
-    (
-        "cluster.pools[].device",
-        Test {
-            file: "actors/src/launcher/ray/mod.rs",
-            test: "a_pools_workers_open_its_device",
-        },
-    ),
-    (
-        "cluster.pools[].roles",
-        Test {
-            file: "tests/run_ray.rs",
-            test: "workers_run_as_ray_jobs_in_their_pools_and_a_stopped_job_is_resubmitted",
-        },
-    ),
-    (
-        "cluster.pools[].workers",
-        Test {
-            file: "actors/src/recipe/validate.rs",
-            test: "a_ray_cluster_with_pools_is_valid_and_lists_its_workers",
-        },
-    ),
-    (
-        "cluster.pools[].num_gpus",
-        Test {
-            file: "tests/run_ray.rs",
-            test: "workers_run_as_ray_jobs_in_their_pools_and_a_stopped_job_is_resubmitted",
-        },
-    ),
-    (
-        "cluster.pools[].resources",
-        Test {
-            file: "tests/run_ray.rs",
-            test: "workers_run_as_ray_jobs_in_their_pools_and_a_stopped_job_is_resubmitted",
-        },
-    ),
+    ("model.path", Test { file: "tests/run_gemma.rs", test: "a_tiny_gemma3_learns_resumes_exactly_and_exports" }),
+    ("model.tokenizer", Test { file: "actors/src/prepare.rs", test: "the_model_and_its_tokenizer_are_loaded_as_the_recipe_says" }),
+    ("model.random_init", Test { file: "actors/src/prepare.rs", test: "the_model_and_its_tokenizer_are_loaded_as_the_recipe_says" }),
+    ("model.chat_template", Test { file: "actors/src/prepare.rs", test: "chat_template_kwargs_reach_every_render" }),
+    ("model.lora_adapter_path", Test { file: "tests/run_lora.rs", test: "a_lora_run_trains_the_adapters_exports_them_for_peft_and_resumes" }),
+    ("data.train_files", Test { file: "tests/run.rs", test: "a_resume_from_an_epoch_boundary_runs_the_next_epoch" }),
+    ("data.val_files", Test { file: "tests/run.rs", test: "validation_in_shuffled_batches_scores_the_same_rows_alike" }),
+    ("data.prompt_key", Test { file: "data/tests/datasets.rs", test: "reads_messages_from_a_configured_prompt_key" }),
+    ("data.reward_fn_key", Test { file: "data/tests/datasets.rs", test: "reads_messages_from_a_configured_prompt_key" }),
+    ("data.gen_batch_size", Test { file: "tests/run.rs", test: "dynamic_sampling_refills_the_step_and_stops_at_its_limit" }),
+    ("data.val_batch_size", Test { file: "data/tests/datasets.rs", test: "validation_takes_its_subset_in_batches_of_its_size" }),
+    ("data.val_max_samples", Test { file: "data/tests/datasets.rs", test: "validation_takes_its_subset_in_batches_of_its_size" }),
+    ("data.shuffle", Test { file: "data/src/sampler.rs", test: "without_drop_last_the_short_batch_is_returned" }),
+    ("data.seed", Test { file: "data/src/sampler.rs", test: "each_epoch_is_a_permutation_and_epochs_differ" }),
+    ("data.validation_shuffle", Test { file: "tests/run.rs", test: "validation_in_shuffled_batches_scores_the_same_rows_alike" }),
+    ("data.drop_last", Test { file: "data/src/sampler.rs", test: "without_drop_last_the_short_batch_is_returned" }),
+    ("data.filter_overlong_prompts", Test { file: "data/tests/datasets.rs", test: "filters_overlong_prompts_and_truncates" }),
+    ("data.truncation", Test { file: "data/tests/datasets.rs", test: "filters_overlong_prompts_and_truncates" }),
+    ("data.train_max_samples", Test { file: "data/tests/datasets.rs", test: "max_samples_takes_a_seeded_subset" }),
+    ("data.apply_chat_template_kwargs", Test { file: "actors/src/prepare.rs", test: "chat_template_kwargs_reach_every_render" }),
+    ("rollout.multi_turn.enable", Test { file: "tests/run_multi_turn.rs", test: "episodes_run_in_process_and_in_a_rollout_worker_with_their_budgets_and_metrics" }),
+    ("rollout.multi_turn.max_user_turns", Test { file: "tests/run_multi_turn.rs", test: "smollm2_episodes_get_an_interactions_replies_and_rewards_in_a_rollout_worker" }),
+    ("rollout.multi_turn.interaction_config_path", Test { file: "tests/run_multi_turn.rs", test: "smollm2_episodes_get_an_interactions_replies_and_rewards_in_a_rollout_worker" }),
+    ("rollout.multi_turn.tool_config_path", Test { file: "tests/run_multi_turn.rs", test: "tools_from_a_tool_config_file_run_in_process_and_in_a_rollout_worker" }),
+    ("rollout.enable_rollout_routing_replay", Test { file: "tests/run_moe.rs", test: "rollout_routing_replay_makes_the_learner_use_the_rollouts_experts" }),
+    ("actor.router_replay.mode", Test { file: "tests/run_moe.rs", test: "rollout_routing_replay_makes_the_learner_use_the_rollouts_experts" }),
+    ("reward.custom_reward_function.path", Test { file: "tests/run.rs", test: "a_reward_file_written_for_verl_scores_the_run_and_its_extras_become_metrics" }),
+    ("reward.custom_reward_function.name", Test { file: "reward/tests/verl_function.rs", test: "a_verl_reward_file_scores_as_it_does_in_python" }),
+    ("reward.custom_reward_function.reward_kwargs", Test { file: "tests/run.rs", test: "a_reward_file_written_for_verl_scores_the_run_and_its_extras_become_metrics" }),
+    ("reward.custom_reward_function.reward_manager", Test { file: "reward/tests/verl_function.rs", test: "a_verl_reward_file_scores_as_it_does_in_python" }),
+    ("reward.custom_reward_function.workers", Test { file: "reward/tests/verl_function.rs", test: "workers_processes_serve_the_function_side_by_side" }),
+    ("reward.custom_reward_function.timeout_s", Test { file: "reward/tests/verl_function.rs", test: "raising_hanging_crashing_and_garbage_cost_only_their_own_samples" }),
+    ("algorithm.filter_groups.enable", Test { file: "tests/run.rs", test: "dynamic_sampling_refills_the_step_and_stops_at_its_limit" }),
+    ("algorithm.filter_groups.metric", Test { file: "tests/run.rs", test: "dynamic_sampling_refills_the_step_and_stops_at_its_limit" }),
+    ("algorithm.filter_groups.max_num_gen_batches", Test { file: "tests/run.rs", test: "dynamic_sampling_refills_the_step_and_stops_at_its_limit" }),
+    ("trainer.total_epochs", Test { file: "tests/run.rs", test: "a_resume_from_an_epoch_boundary_runs_the_next_epoch" }),
+    ("trainer.total_training_steps", Test { file: "tests/run.rs", test: "a_resume_with_a_changed_recipe_follows_the_stated_rule" }),
+    ("trainer.save_freq", Test { file: "tests/run.rs", test: "a_tiny_run_trains_validates_checkpoints_and_resumes" }),
+    ("trainer.test_freq", Test { file: "tests/run_tracking.rs", test: "every_tracker_gets_the_runs_verl_named_metrics_and_a_resume_continues_them" }),
+    ("trainer.val_before_train", Test { file: "tests/verl.rs", test: "verls_own_grpo_scripts_run_and_train" }),
+    ("trainer.max_checkpoints_to_keep", Test { file: "trainer/src/checkpoint.rs", test: "keeps_only_the_newest_n" }),
+    ("trainer.resume_mode", Test { file: "tests/run.rs", test: "val_only_and_resume_path_work_as_in_verl" }),
+    ("trainer.resume_from_path", Test { file: "tests/run.rs", test: "val_only_and_resume_path_work_as_in_verl" }),
+    ("trainer.allow_recipe_change_on_resume", Test { file: "tests/run.rs", test: "a_resume_with_a_changed_recipe_follows_the_stated_rule" }),
+    ("trainer.val_only", Test { file: "tests/run.rs", test: "val_only_and_resume_path_work_as_in_verl" }),
+    ("trainer.log_val_generations", Test { file: "tests/run_tracking.rs", test: "every_tracker_gets_the_runs_verl_named_metrics_and_a_resume_continues_them" }),
+    ("trainer.rollout_data_dir", Test { file: "tests/run_multi_turn.rs", test: "episodes_run_in_process_and_in_a_rollout_worker_with_their_budgets_and_metrics" }),
+    ("trainer.off_policy_steps", Test { file: "tests/run.rs", test: "one_step_off_policy_overlaps_generation_with_the_update" }),
+    ("trainer.output_dir", Test { file: "tests/run_lora.rs", test: "a_lora_run_trains_the_adapters_exports_them_for_peft_and_resumes" }),
+    ("trainer.logger", Test { file: "tests/run_tracking.rs", test: "without_file_and_console_a_run_writes_no_metrics_file_and_no_step_lines" }),
+    ("trainer.project_name", Test { file: "tests/run_tracking.rs", test: "every_tracker_gets_the_runs_verl_named_metrics_and_a_resume_continues_them" }),
+    ("trainer.experiment_name", Test { file: "tests/run_tracking.rs", test: "every_tracker_gets_the_runs_verl_named_metrics_and_a_resume_continues_them" }),
+    ("cluster.device", Test { file: "actors/src/launcher/mod.rs", test: "a_missing_device_plugin_names_the_key_that_asks_for_it" }),
+    ("cluster.plugin_path", Test { file: "actors/src/launcher/mod.rs", test: "a_missing_device_plugin_names_the_key_that_asks_for_it" }),
+    ("cluster.cpu_device_count", Test { file: "tests/run_colocated.rs", test: "dp_and_fsdp_on_four_devices_train_like_one_device_without_host_weight_copies" }),
+    ("cluster.launcher", Test { file: "tests/run_ray.rs", test: "workers_run_as_ray_jobs_in_their_pools_and_a_stopped_job_is_resubmitted" }),
+    ("cluster.rollout_workers", Test { file: "tests/run.rs", test: "rollout_and_reward_in_worker_processes_give_the_same_metrics_and_survive_kill_9" }),
+    ("cluster.reward_workers", Test { file: "tests/run.rs", test: "rollout_and_reward_in_worker_processes_give_the_same_metrics_and_survive_kill_9" }),
+    ("cluster.learner_workers", Test { file: "tests/run_learner_worker.rs", test: "a_learner_worker_trains_checkpoints_and_resumes_like_the_in_process_learner" }),
+    ("cluster.rollout_device", Test { file: "actors/src/launcher/mod.rs", test: "workers_on_another_device_kind_get_it_as_overrides" }),
+    ("cluster.learner_device", Test { file: "actors/src/launcher/mod.rs", test: "workers_on_another_device_kind_get_it_as_overrides" }),
+    ("cluster.bind_host", Test { file: "actors/src/launcher/local.rs", test: "listening_lines_parse_and_unspecified_hosts_become_loopback" }),
+    ("cluster.worker_timeout_s", Test { file: "tests/run_faults.rs", test: "frozen_rollout_and_reward_workers_are_replaced_and_the_steps_complete" }),
+    ("cluster.tls.cert", Test { file: "actors/src/transport.rs", test: "mutual_tls_workers_refuse_clients_without_the_clusters_certificate" }),
+    ("cluster.tls.key", Test { file: "actors/src/transport.rs", test: "mutual_tls_workers_refuse_clients_without_the_clusters_certificate" }),
+    ("cluster.tls.ca", Test { file: "actors/src/transport.rs", test: "reward_round_trip_over_tls_and_clients_without_the_ca_are_refused" }),
+    ("cluster.tls.domain", Test { file: "actors/src/transport.rs", test: "reward_round_trip_over_tls_and_clients_without_the_ca_are_refused" }),
+    ("cluster.tls.mutual", Test { file: "tests/run_tls.rs", test: "a_run_over_mutual_tls_matches_the_plain_run_and_its_workers_refuse_strangers" }),
+    ("cluster.ray.address", Test { file: "tests/run_ray.rs", test: "workers_run_as_ray_jobs_in_their_pools_and_a_stopped_job_is_resubmitted" }),
+    ("cluster.pools[].name", Test { file: "tests/run_ray.rs", test: "workers_run_as_ray_jobs_in_their_pools_and_a_stopped_job_is_resubmitted" }),
+    ("cluster.pools[].device", Test { file: "actors/src/launcher/ray/mod.rs", test: "a_pools_workers_open_its_device" }),
+    ("cluster.pools[].roles", Test { file: "tests/run_ray.rs", test: "workers_run_as_ray_jobs_in_their_pools_and_a_stopped_job_is_resubmitted" }),
+    ("cluster.pools[].workers", Test { file: "actors/src/recipe/validate.rs", test: "a_ray_cluster_with_pools_is_valid_and_lists_its_workers" }),
+    ("cluster.pools[].num_gpus", Test { file: "tests/run_ray.rs", test: "workers_run_as_ray_jobs_in_their_pools_and_a_stopped_job_is_resubmitted" }),
+    ("cluster.pools[].resources", Test { file: "tests/run_ray.rs", test: "workers_run_as_ray_jobs_in_their_pools_and_a_stopped_job_is_resubmitted" }),
+    ("cluster.ray.binary", Test { file: "actors/src/run/assembly.rs", test: "workers_run_the_program_asked_for" }),
+    ("cluster.ray.runtime_env", Test { file: "tests/run_ray.rs", test: "workers_run_as_ray_jobs_in_their_pools_and_a_stopped_job_is_resubmitted" }),
+    ("cluster.ray.max_resubmits", Test { file: "tests/run_ray.rs", test: "workers_run_as_ray_jobs_in_their_pools_and_a_stopped_job_is_resubmitted" }),
+    ("cluster.ray.orchestrator_host", Test { file: "actors/src/launcher/ray/registry.rs", test: "a_worker_with_the_token_registers_and_is_waited_for" }),
+    ("cluster.pools[].num_cpus", Test { file: "tests/run_ray.rs", test: "workers_run_as_ray_jobs_in_their_pools_and_a_stopped_job_is_resubmitted" }),
     // An agent program's settings.
-    (
-        "rollout.multi_turn.agent.command",
-        Set {
-            value: "[python3, b.py]",
-            context: AGENT,
-        },
-    ),
-    (
-        "rollout.multi_turn.agent.timeout_s",
-        Set {
-            value: "5",
-            context: AGENT,
-        },
-    ),
-    (
-        "rollout.multi_turn.agent.tool_schemas",
-        Set {
-            value: "tests/fixtures/agent_tools.yaml",
-            context: AGENT,
-        },
-    ),
+    ("rollout.multi_turn.agent.command", Set { value: "[python3, b.py]", context: AGENT }),
+    ("rollout.multi_turn.agent.timeout_s", Set { value: "5", context: AGENT }),
+    ("rollout.multi_turn.agent.tool_schemas", Set { value: "tests/fixtures/agent_tools.yaml", context: AGENT }),
     // Read where named, but no test shows the effect yet.
-    (
-        "cluster.ray.binary",
-        Unshown {
-            read_in: "actors/src/run/assembly.rs",
-            field: "binary",
-        },
-    ),
-    (
-        "cluster.ray.runtime_env",
-        Test {
-            file: "tests/run_ray.rs",
-            test: "workers_run_as_ray_jobs_in_their_pools_and_a_stopped_job_is_resubmitted",
-        },
-    ),
-    (
-        "cluster.ray.max_resubmits",
-        Unshown {
-            read_in: "actors/src/launcher/ray/mod.rs",
-            field: "max_resubmits",
-        },
-    ),
-    (
-        "cluster.ray.orchestrator_host",
-        Unshown {
-            read_in: "actors/src/launcher/ray/mod.rs",
-            field: "orchestrator_host",
-        },
-    ),
-    (
-        "cluster.ray.poll_interval_s",
-        Unshown {
-            read_in: "actors/src/launcher/ray/mod.rs",
-            field: "poll_interval_s",
-        },
-    ),
-    (
-        "cluster.pools[].num_cpus",
-        Test {
-            file: "tests/run_ray.rs",
-            test: "workers_run_as_ray_jobs_in_their_pools_and_a_stopped_job_is_resubmitted",
-        },
-    ),
+    ("cluster.ray.poll_interval_s", Unshown { read_in: "actors/src/launcher/ray/mod.rs", field: "poll_interval_s" }),
 ];
 
 /// What the run builds from `recipe`, as text: equal texts, equal runs (as far as the recipe's

@@ -326,6 +326,20 @@ impl Assembly {
     }
 }
 
+/// The program each worker process runs: `--worker-program`, else with Ray `cluster.ray.binary`
+/// (a path every node has), else this `grpo` binary.
+fn worker_program(
+    cluster: &crate::recipe::ClusterSection,
+    options: &RunOptions,
+) -> Result<PathBuf, RunError> {
+    let binary = cluster.ray.as_ref().and_then(|r| r.binary.as_ref());
+    Ok(match (&options.worker_program, binary) {
+        (Some(p), _) => p.clone(),
+        (None, Some(binary)) if cluster.launcher == crate::recipe::Launcher::Ray => PathBuf::from(binary),
+        (None, _) => std::env::current_exe().map_err(io("locating", Path::new("the grpo executable")))?,
+    })
+}
+
 /// The learner worker `worker` as the learner role, started from `start`'s state (the policy's
 /// and the critic's) at its optimizer-step clock. The worker loads the model itself, so this
 /// process drops its host copy of the weights.
@@ -399,14 +413,7 @@ async fn start_workers(
     token
         .write(&token_file)
         .map_err(|e| RunError::Other(format!("writing the workers' token: {e}")))?;
-    let program = match (
-        &options.worker_program,
-        cluster.ray.as_ref().and_then(|r| r.binary.as_ref()),
-    ) {
-        (Some(p), _) => p.clone(),
-        (None, Some(binary)) if cluster.launcher == crate::recipe::Launcher::Ray => PathBuf::from(binary),
-        (None, _) => std::env::current_exe().map_err(io("locating", Path::new("the grpo executable")))?,
-    };
+    let program = worker_program(cluster, options)?;
     let recipe_path = output.join("recipe.yaml");
     let spec = LaunchSpec::from_cluster(cluster, program, recipe_path, token_file, output);
     let counts = format!(
@@ -555,5 +562,43 @@ fn rollout_weights(
                 per_device, tp,
             )))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Workers run `--worker-program`, else on Ray `cluster.ray.binary`, else this binary.
+    #[test]
+    fn workers_run_the_program_asked_for() {
+        let recipe = |cluster: &str| {
+            crate::recipe::load_recipe_str(
+                &format!("model: {{path: m}}\ndata: {{train_files: t.parquet}}\ncluster: {cluster}\n"),
+                "r.yaml",
+            )
+            .unwrap()
+            .cluster
+        };
+        let options = |program: Option<&str>| RunOptions {
+            quiet: true,
+            worker_program: program.map(PathBuf::from),
+        };
+        let ray = recipe("{launcher: ray, ray: {address: 'http://h:8265', binary: /shared/grpo}}");
+        let here = std::env::current_exe().unwrap();
+        assert_eq!(
+            worker_program(&ray, &options(None)).unwrap(),
+            PathBuf::from("/shared/grpo")
+        );
+        assert_eq!(
+            worker_program(&ray, &options(Some("wrap.sh"))).unwrap(),
+            PathBuf::from("wrap.sh")
+        );
+        assert_eq!(
+            worker_program(&recipe("{rollout_workers: 1}"), &options(None)).unwrap(),
+            here
+        );
+        let ray_without = recipe("{launcher: ray, ray: {address: 'http://h:8265'}}");
+        assert_eq!(worker_program(&ray_without, &options(None)).unwrap(), here);
     }
 }
