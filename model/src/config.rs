@@ -1013,7 +1013,12 @@ impl ModelConfig {
             Family::Gemma3 => {
                 object.insert("attention_bias".into(), json!(self.attention_bias));
                 object.insert("hidden_activation".into(), json!(self.activation.hf_name()));
-                object.insert("query_pre_attn_scalar".into(), json!(self.query_pre_attn_scalar));
+                // transformers 5 types it an integer and refuses `24.0`.
+                let scalar = self.query_pre_attn_scalar.map(|v| match v.fract() == 0.0 {
+                    true => json!(v as i64),
+                    false => json!(v),
+                });
+                object.insert("query_pre_attn_scalar".into(), json!(scalar));
                 object.insert("sliding_window".into(), json!(self.sliding_window));
                 let types: Vec<&str> = (0..self.num_hidden_layers)
                     .map(|l| self.attention_kind(l).hf_name())
@@ -1135,6 +1140,17 @@ mod tests {
             "eos_token_id": [1, 106], "pad_token_id": 0, "final_logit_softcapping": null,
             "attn_logit_softcapping": null
         })
+    }
+
+    /// The exported config reads back as the same model, and types `query_pre_attn_scalar` as
+    /// transformers 5 does (an integer: it refuses `256.0`).
+    #[test]
+    fn an_exported_gemma3_config_reads_back_and_keeps_transformers_types() {
+        let c = ModelConfig::from_hf_json(&gemma3_1b_json(), "gemma-3-1b-it").unwrap();
+        let exported = c.to_hf_json();
+        assert_eq!(exported["query_pre_attn_scalar"], json!(256));
+        assert!(exported["query_pre_attn_scalar"].is_u64());
+        assert_eq!(ModelConfig::from_hf_json(&exported, "exported").unwrap(), c);
     }
 
     #[test]
