@@ -133,6 +133,8 @@ fn the_learners_largest_program_fits_v6e_2x2() {
         "actor.ppo_micro_batch_size=4",
         "--only",
         "accumulate",
+        "--explain",
+        "accumulate",
     ]);
     let (stdout, stderr) = (text(&o.stdout), text(&o.stderr));
     assert_eq!(o.status.code(), Some(0), "{stdout}\n{stderr}");
@@ -163,6 +165,26 @@ fn the_learners_largest_program_fits_v6e_2x2() {
     let flops = cells[9].parse::<f64>().unwrap() * 1e9;
     assert!(flops > 0.75e13 && flops < 3e13, "accumulate flops {flops:e}");
     assert!(cells[10].ends_with(" ms"), "{cells:?}");
+    // --explain: the operations of the optimized program; their products' flops, counted from
+    // the compiled shapes (padding included), near the cost analysis's count.
+    let explained = stdout
+        .lines()
+        .find(|l| l.starts_with("where the bytes go in accumulate"))
+        .unwrap_or_else(|| panic!("no --explain printout: {stdout}"));
+    let products: f64 = explained
+        .split(" GFLOP in products")
+        .next()
+        .and_then(|head| head.rsplit(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{explained}"));
+    assert!(
+        products * 1e9 > 0.7 * flops && products * 1e9 < 2.0 * flops,
+        "{products} GFLOP in products of {flops:e}: {explained}"
+    );
+    assert!(
+        stdout.contains("  share       bytes      GFLOP    flop/B  operation"),
+        "{stdout}"
+    );
     // With the learner's state (f32 masters and bf16 copy 2.76 GiB; 2 moments and gradient
     // sums 5.52 GiB) and the KV cache (bf16 with the recipe's bf16 rollout: 3 GiB) resident on
     // the same chip.

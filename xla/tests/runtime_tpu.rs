@@ -87,6 +87,7 @@ fn training_step_compiles_for_v5e_v6e_v5p_with_memory_and_flops() {
             memory,
             cost,
             collectives,
+            operations,
         } = &report.outcome
         else {
             panic!("{topology}: {:?}", report.outcome)
@@ -101,6 +102,18 @@ fn training_step_compiles_for_v5e_v6e_v5p_with_memory_and_flops() {
         assert!(
             !collectives.contains_key("all-gather"),
             "{topology}: {collectives:?}"
+        );
+        // Its operations: the products' flops near what the cost analysis counts, and the
+        // all-reduce among them.
+        let flops: u64 = operations.iter().map(|o| o.flops).sum();
+        assert!(
+            flops as f64 > 0.5 * cost.flops.unwrap() && (flops as f64) < 2.0 * cost.flops.unwrap(),
+            "{topology}: {flops} product flops, cost analysis {:?}: {operations:#?}",
+            cost.flops
+        );
+        assert!(
+            operations.iter().any(|o| o.what.contains("all-reduce")),
+            "{topology}: {operations:#?}"
         );
         // Per device: w (replicated) + a quarter of x and y.
         let per_device_args = (din * dout + (batch / 4) * (din + dout)) * 4;

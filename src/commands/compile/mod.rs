@@ -46,8 +46,8 @@ use xla::runtime::tpu::{
     TpuCompileOutcome, TpuGeneration, KNOWN_TOPOLOGIES,
 };
 use xla::runtime::{
-    CacheConfig, Client, ClientOptions, CollectiveCount, CostAnalysis, MemoryStats, OptionValue, Plugin,
-    PluginKind,
+    CacheConfig, Client, ClientOptions, CollectiveCount, CostAnalysis, MemoryStats, OpCost, OptionValue,
+    Plugin, PluginKind,
 };
 
 #[derive(Args)]
@@ -118,6 +118,12 @@ pub struct CompileArgs {
     #[arg(long)]
     pub step_only: bool,
 
+    /// Where the bytes go: for each compiled program whose name matches this regular
+    /// expression (repeatable), its operations from the optimized program (fusions, products,
+    /// copies, collectives) by bytes moved, with their flops and each one's share of the whole.
+    #[arg(long, value_name = "REGEX", value_parser = parse_only)]
+    pub explain: Vec<regex::Regex>,
+
     /// Print the report as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -128,7 +134,7 @@ pub struct CompileArgs {
 pub enum LocalDevice {
     /// The CPU plugin.
     Cpu,
-    /// The CUDA plugin (`pip install jax-cuda12-pjrt`, or `$GRPO_PJRT_CUDA`).
+    /// The CUDA plugin (`pip install jax-cuda13-pjrt`, or `$GRPO_PJRT_CUDA`).
     Cuda,
 }
 
@@ -138,6 +144,7 @@ fn after_help() -> String {
          grpo compile recipes/gsm8k-qwen2.5-0.5b-tpu-v6e.yaml --topology v6e:2x2\n  \
          grpo compile recipes/gsm8k-qwen2.5-0.5b-tpu-v6e.yaml --topology v5e:2x2 --step-only --set actor.ppo_micro_batch_size=2\n  \
          grpo compile recipes/gsm8k-qwen2.5-0.5b-tpu-v6e.yaml --topology tpu7x:2x2x1 --only train_step --json\n  \
+         grpo compile recipes/gsm8k-qwen2.5-0.5b-tpu-v6e.yaml --topology v6e:2x2 --step-only --only accumulate --explain accumulate\n  \
          grpo compile recipes/quickstart.yaml --device cpu\n  \
          grpo compile my.yaml --topology v5p:2x2x1 --model-config models/Qwen2.5-7B-Instruct/config.json\n\n\
          Known TPU topologies (libtpu {}): {}.\n\
@@ -390,6 +397,18 @@ pub fn run(args: CompileArgs) -> Result<ExitCode> {
     }
     let all_fit = programs_fit && together;
     let collectives = step_collectives(&measured);
+    let explained: Vec<(&str, &[OpCost], Option<f64>)> = distinct
+        .iter()
+        .map(|i| {
+            let c = &compiled[i];
+            (
+                plan.programs[*i].name(),
+                c.operations.as_slice(),
+                c.cost.as_ref().and_then(|c| c.flops),
+            )
+        })
+        .filter(|(name, _, _)| args.explain.iter().any(|r| r.is_match(name)))
+        .collect();
     let mfu = estimate
         .and_then(|(_, learner)| learner_mfu(&target, &plan, &measured, config.active_parameters(), learner));
     if args.json {
@@ -456,6 +475,14 @@ pub fn run(args: CompileArgs) -> Result<ExitCode> {
                 "fits_without": e.without.fits,
             })),
             "advice": advice,
+            "explain": explained.iter().map(|(name, ops, cost_flops)| serde_json::json!({
+                "program": name,
+                "cost_analysis_flops": cost_flops,
+                "operations": ops.iter().map(|o| serde_json::json!({
+                    "name": o.name, "what": o.what, "shape": o.shape, "bytes": o.bytes,
+                    "flops": o.flops, "in_loop": o.in_loop,
+                })).collect::<Vec<_>>(),
+            })).collect::<Vec<_>>(),
         });
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
@@ -513,6 +540,9 @@ pub fn run(args: CompileArgs) -> Result<ExitCode> {
         }
         if let Some(e) = &layers {
             println!("{}", e.describe());
+        }
+        for (name, ops, cost_flops) in &explained {
+            print!("{}", explain_text(name, ops, *cost_flops));
         }
         if all_fit {
             println!("everything fits");

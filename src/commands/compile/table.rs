@@ -1,5 +1,6 @@
 //! The printed table: one row per program with its memory, fit, cost and roofline time, and
-//! the step-time estimate; the collectives per step and the learner's MFU estimate.
+//! the step-time estimate; the collectives per step and the learner's MFU estimate; `--explain`'s
+//! operations by bytes moved.
 
 #[allow(unused_imports)]
 use super::*;
@@ -183,4 +184,85 @@ pub(super) fn learner_mfu(
         6.0 * parameters as f64 * plan.trained_tokens_per_step
             / (learner_seconds * chips * g.peak_bf16_flops_per_chip),
     )
+}
+
+/// `--explain`'s printout for program `name`: its operations by bytes moved, the largest first
+/// (at most 25, the rest summed), each with its share of all the bytes, its flops and its
+/// arithmetic intensity (flops per byte: below the chip's ridge point an operation is bound by
+/// memory). The products' flops are counted from their shapes as compiled (padding included),
+/// beside the cost analysis's total `cost_flops`, which counts them its own way.
+pub(super) fn explain_text(name: &str, ops: &[OpCost], cost_flops: Option<f64>) -> String {
+    let total_bytes: u64 = ops.iter().map(|o| o.bytes).sum();
+    let total_flops: u64 = ops.iter().map(|o| o.flops).sum();
+    let mut out = format!(
+        "where the bytes go in {name} (from the optimized program; per device and run; an \
+         operation inside a loop is counted once, marked *): {} operations, {} moved, {:.1} GFLOP \
+         in products{}\n",
+        ops.len(),
+        bytes(total_bytes),
+        total_flops as f64 / 1e9,
+        cost_flops
+            .map(|f| format!(" (the cost analysis: {:.1} GFLOP in all)", f / 1e9))
+            .unwrap_or_default()
+    );
+    // By kind first: a fusion by the operation that leads it, anything else by its opcode.
+    let mut kinds: BTreeMap<String, (u64, u64, usize)> = BTreeMap::new();
+    for o in ops {
+        let kind = match o.what.split_once(": ") {
+            Some((head, inner)) if head.starts_with("fusion") => {
+                format!("fusion: {}", inner.split(", ").next().unwrap_or_default())
+            }
+            Some((head, _)) => head.to_string(),
+            None => o.what.clone(),
+        };
+        let k = kinds.entry(kind).or_default();
+        k.0 += o.bytes;
+        k.1 += o.flops;
+        k.2 += 1;
+    }
+    let mut kinds: Vec<(String, (u64, u64, usize))> = kinds.into_iter().collect();
+    kinds.sort_by(|a, b| b.1 .0.cmp(&a.1 .0).then(a.0.cmp(&b.0)));
+    out.push_str(&format!(
+        "  by kind:\n  {:>6}  {:>10}  {:>9}  {:>6}  {}\n",
+        "share", "bytes", "GFLOP", "count", "kind"
+    ));
+    for (kind, (b, f, n)) in kinds.iter().take(12) {
+        out.push_str(&format!(
+            "  {:>5.1}%  {:>10}  {:>9.2}  {:>6}  {kind}\n",
+            100.0 * *b as f64 / total_bytes.max(1) as f64,
+            bytes(*b),
+            *f as f64 / 1e9,
+            n
+        ));
+    }
+    out.push_str("  the largest operations:\n");
+    let mut sorted: Vec<&OpCost> = ops.iter().collect();
+    sorted.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.name.cmp(&b.name)));
+    let share = |b: u64| 100.0 * b as f64 / total_bytes.max(1) as f64;
+    out.push_str(&format!(
+        "  {:>6}  {:>10}  {:>9}  {:>8}  {:<32}  {:<24}  {}\n",
+        "share", "bytes", "GFLOP", "flop/B", "operation", "shape", "what"
+    ));
+    for o in sorted.iter().take(25) {
+        out.push_str(&format!(
+            "  {:>5.1}%  {:>10}  {:>9.2}  {:>8.1}  {:<32}  {:<24}  {}\n",
+            share(o.bytes),
+            bytes(o.bytes),
+            o.flops as f64 / 1e9,
+            o.flops as f64 / o.bytes.max(1) as f64,
+            format!("{}{}", o.name, if o.in_loop { "*" } else { "" }),
+            o.shape,
+            o.what
+        ));
+    }
+    if sorted.len() > 25 {
+        let rest: u64 = sorted[25..].iter().map(|o| o.bytes).sum();
+        out.push_str(&format!(
+            "  {:>5.1}%  {:>10}  the other {} operations\n",
+            share(rest),
+            bytes(rest),
+            sorted.len() - 25
+        ));
+    }
+    out
 }

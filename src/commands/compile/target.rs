@@ -30,6 +30,8 @@ pub(super) struct Compiled {
     pub(super) seconds: f64,
     /// The partitioned program's collectives by kind (TPU targets; empty elsewhere).
     pub(super) collectives: BTreeMap<&'static str, CollectiveCount>,
+    /// Its operations with their bytes and flops (`--explain`; empty when it did not fit).
+    pub(super) operations: Vec<OpCost>,
 }
 
 impl Target {
@@ -98,12 +100,14 @@ impl Target {
                         memory,
                         cost,
                         collectives,
+                        operations,
                     } => Compiled {
                         memory: Some(memory),
                         cost: Some(cost),
                         shortfall: None,
                         seconds: report.compile_seconds,
                         collectives,
+                        operations,
                     },
                     TpuCompileOutcome::DoesNotFit(s) => Compiled {
                         memory: None,
@@ -111,6 +115,7 @@ impl Target {
                         shortfall: Some((s.required_bytes, s.available_bytes, s.what)),
                         seconds: report.compile_seconds,
                         collectives: BTreeMap::new(),
+                        operations: Vec::new(),
                     },
                 })
             }
@@ -127,6 +132,7 @@ impl Target {
                     shortfall: None,
                     seconds: started.elapsed().as_secs_f64(),
                     collectives: BTreeMap::new(),
+                    operations: exe.operations().unwrap_or_default(),
                 })
             }
         }

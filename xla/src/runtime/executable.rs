@@ -647,6 +647,13 @@ impl Executable {
     pub fn cost_analysis(&self) -> Result<CostAnalysis> {
         self.inner.with_unloaded(cost_analysis_of)
     }
+
+    /// Each operation of the optimized program with its bytes and flops
+    /// ([`crate::runtime::operations`]).
+    pub fn operations(&self) -> Result<Vec<super::hlo::OpCost>> {
+        let (format, module) = self.inner.with_unloaded(optimized_program_of)?;
+        super::hlo::operations(self.name(), &format, &module)
+    }
 }
 
 fn tensor_text(dtype: DType, dims: &[i64]) -> String {

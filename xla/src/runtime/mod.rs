@@ -52,7 +52,7 @@ pub use executable::{
     MemoryStats, ParamType,
 };
 pub use handle::{DeviceInfo, DeviceMemory, TransferStats};
-pub use hlo::{collectives, CollectiveCount};
+pub use hlo::{collectives, operations, CollectiveCount, OpCost};
 pub use host_cpu::HostCpu;
 pub use plugin::{
     check_api_version, find_in_site_dirs, locate_plugin, locate_plugin_with, NamedValue, OptionValue, Plugin,

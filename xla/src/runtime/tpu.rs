@@ -14,7 +14,7 @@ use super::executable::{
     cost_analysis_of, destroy_unloaded, memory_stats_of, optimized_program_of, program_name, CostAnalysis,
     MemoryStats,
 };
-use super::hlo::{collectives, CollectiveCount};
+use super::hlo::{collectives, operations, CollectiveCount, OpCost};
 use super::plugin::{args, pjrt_call, string_from, NamedValues, OptionValue, Plugin, PluginKind};
 use super::sys::*;
 
@@ -279,6 +279,8 @@ pub enum TpuCompileOutcome {
         cost: CostAnalysis,
         /// The collectives the partitioned program runs, by kind, from its optimized HLO.
         collectives: BTreeMap<&'static str, CollectiveCount>,
+        /// Each operation it runs with its bytes and flops (`grpo compile --explain`).
+        operations: Vec<OpCost>,
     },
     /// It does not fit in HBM.
     DoesNotFit(HbmShortfall),
@@ -518,13 +520,12 @@ pub fn compile_for_topology_with(
             let cost = cost_analysis_of(plugin, exe);
             let hlo = optimized_program_of(plugin, exe);
             destroy_unloaded(plugin, exe);
+            let (format, module) = hlo?;
             TpuCompileOutcome::Fits {
                 memory: stats?,
                 cost: cost?,
-                collectives: {
-                    let (format, module) = hlo?;
-                    collectives(&program_name, &format, &module)?
-                },
+                collectives: collectives(&program_name, &format, &module)?,
+                operations: operations(&program_name, &format, &module)?,
             }
         }
     };
