@@ -57,6 +57,39 @@ fn run_jobs(ray: &RayJobs, output: &Path) -> Vec<(String, actors::launcher::ray:
     jobs
 }
 
+/// Runs `recipe` (writing to `output`) with `args`, stops rollout worker 0's Ray job once step 1
+/// is done, and waits for the run to end: its status and stderr.
+fn stop_rollout_0_after_step_1(
+    ray: &RayJobs,
+    recipe: &Path,
+    output: &Path,
+    args: &[&str],
+) -> (std::process::ExitStatus, String) {
+    let mut run = grpo()
+        .arg("run")
+        .arg(recipe)
+        .args(args)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let guard = KillOnDrop(run.id());
+    wait_for_step(output, 1, &mut run, Duration::from_secs(300));
+    let victim = run_jobs(ray, output)
+        .into_iter()
+        .find(|(_, j)| j.metadata["role"] == "rollout" && j.metadata["index"] == "0")
+        .map(|(id, _)| id)
+        .expect("rollout worker 0's job");
+    assert!(
+        runtime().block_on(ray.stop(&victim)).unwrap(),
+        "stopping {victim}"
+    );
+    let status = run.wait().unwrap();
+    drop(guard);
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut run.stderr.take().unwrap(), &mut stderr).unwrap();
+    (status, stderr)
+}
+
 #[test]
 fn workers_run_as_ray_jobs_in_their_pools_and_a_stopped_job_is_resubmitted() {
     let head = RayHead::start(8, 2, &[("TPU", 4.0)]);
@@ -159,27 +192,7 @@ fn workers_run_as_ray_jobs_in_their_pools_and_a_stopped_job_is_resubmitted() {
         steps,
         &pools(&head.address()),
     );
-    let mut run = grpo()
-        .arg("run")
-        .arg(&r_resubmitted)
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let guard = KillOnDrop(run.id());
-    wait_for_step(&resubmitted, 1, &mut run, Duration::from_secs(300));
-    let victim = run_jobs(&ray, &resubmitted)
-        .into_iter()
-        .find(|(_, j)| j.metadata["role"] == "rollout" && j.metadata["index"] == "0")
-        .map(|(id, _)| id)
-        .expect("rollout worker 0's job");
-    assert!(
-        runtime().block_on(ray.stop(&victim)).unwrap(),
-        "stopping {victim}"
-    );
-    let status = run.wait().unwrap();
-    drop(guard);
-    let mut stderr = String::new();
-    std::io::Read::read_to_string(&mut run.stderr.take().unwrap(), &mut stderr).unwrap();
+    let (status, stderr) = stop_rollout_0_after_step_1(&ray, &r_resubmitted, &resubmitted, &[]);
     assert!(status.success(), "{stderr}");
     eprintln!("the run whose rollout job was stopped; its log:\n{stderr}");
     let m = metrics(&resubmitted);
@@ -212,28 +225,12 @@ fn workers_run_as_ray_jobs_in_their_pools_and_a_stopped_job_is_resubmitted() {
         steps,
         &pools(&head.address()),
     );
-    let mut run = grpo()
-        .arg("run")
-        .arg(&r_capped)
-        .args(["--set", "cluster.ray.max_resubmits=0"])
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let guard = KillOnDrop(run.id());
-    wait_for_step(&capped, 1, &mut run, Duration::from_secs(300));
-    let victim = run_jobs(&ray, &capped)
-        .into_iter()
-        .find(|(_, j)| j.metadata["role"] == "rollout" && j.metadata["index"] == "0")
-        .map(|(id, _)| id)
-        .expect("rollout worker 0's job");
-    assert!(
-        runtime().block_on(ray.stop(&victim)).unwrap(),
-        "stopping {victim}"
+    let (status, stderr) = stop_rollout_0_after_step_1(
+        &ray,
+        &r_capped,
+        &capped,
+        &["--set", "cluster.ray.max_resubmits=0"],
     );
-    let status = run.wait().unwrap();
-    drop(guard);
-    let mut stderr = String::new();
-    std::io::Read::read_to_string(&mut run.stderr.take().unwrap(), &mut stderr).unwrap();
     assert!(status.success(), "{stderr}");
     assert!(stderr.contains("`cluster.ray.max_resubmits`"), "{stderr}");
     let rollout0 = run_jobs(&ray, &capped)

@@ -983,7 +983,7 @@ pub struct ClusterSection {
     #[serde(default)]
     pub ray: Option<RaySection>,
     /// Pools of Ray workers: device kind, resources per worker, worker count and roles
-    /// (`cluster.launcher: ray` only). A role served by no pool runs in the orchestrator's process.
+    /// (`cluster.launcher: ray` only). Every role needs a pool: each runs as Ray jobs.
     #[serde(default)]
     pub pools: Vec<PoolSection>,
 }
