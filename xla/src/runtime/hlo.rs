@@ -282,17 +282,46 @@ fn walk(
                         .iter()
                         .map(|c| computation_flops(c, computations))
                         .sum::<u64>();
+                // A fusion that updates a slice of one of its operands in place reads and
+                // writes that slice, not the whole buffer.
+                let in_place: u64 = match opcode {
+                    "fusion" => called.first().map_or(0, |c| in_place_savings(c)),
+                    _ => 0,
+                };
                 out.push(OpCost {
                     name: i.name.clone(),
                     what,
                     shape: i.shape.as_ref().map(ShapeProto::text).unwrap_or_default(),
-                    bytes: operands + result,
+                    bytes: (operands + result).saturating_sub(in_place),
                     flops,
                     in_loop,
                 });
             }
         }
     }
+}
+
+/// What a fused computation's in-place slice updates do not move: for each
+/// `dynamic-update-slice` of one of its parameters, the whole buffer read and written, where
+/// only the slice is written.
+fn in_place_savings(c: &HloComputationProto) -> u64 {
+    let find = |id: i64| c.instructions.iter().find(|o| o.id == id);
+    c.instructions
+        .iter()
+        .filter(|i| i.opcode == "dynamic-update-slice")
+        .filter_map(|i| {
+            let buffer = find(*i.operand_ids.first()?)?;
+            let update = find(*i.operand_ids.get(1)?)?;
+            if buffer.opcode != "parameter" {
+                return None;
+            }
+            let (b, u) = (
+                buffer.shape.as_ref()?.total_bytes(),
+                update.shape.as_ref()?.total_bytes(),
+            );
+            Some((2 * b).saturating_sub(u))
+        })
+        .sum()
 }
 
 /// The flops of the products in `c` and in what it calls (a fusion nested in a fusion).
@@ -601,5 +630,41 @@ mod tests {
                 ("all-gather-start.1", (8 * 32 + 64 * 32) * 2, 0),
             ]
         );
+    }
+
+    #[test]
+    fn an_in_place_slice_update_moves_its_slice() {
+        let fused = HloComputationProto {
+            id: 10,
+            instructions: vec![
+                op("buffer", 11, "parameter", array(11, &[32, 1024]), &[], &[]),
+                op("row", 12, "parameter", array(11, &[1, 1024]), &[], &[]),
+                op("at", 13, "parameter", array(4, &[]), &[], &[]),
+                op(
+                    "dus",
+                    14,
+                    "dynamic-update-slice",
+                    array(11, &[32, 1024]),
+                    &[11, 12, 13, 13],
+                    &[],
+                ),
+            ],
+        };
+        let entry = HloComputationProto {
+            id: 1,
+            instructions: vec![
+                op("b", 1, "parameter", array(11, &[32, 1024]), &[], &[]),
+                op("r", 2, "parameter", array(11, &[1, 1024]), &[], &[]),
+                op("i", 3, "parameter", array(4, &[]), &[], &[]),
+                op("fusion.1", 4, "fusion", array(11, &[32, 1024]), &[1, 2, 3], &[10]),
+            ],
+        };
+        let module = HloModuleProto {
+            computations: vec![fused, entry],
+            entry_computation_id: 1,
+        };
+        let got = operations("p", "hlo", &module.encode_to_vec()).unwrap();
+        // The row read, the index, and the row written.
+        assert_eq!(got[0].bytes, 1024 * 4 + 4 + 1024 * 4);
     }
 }
