@@ -54,12 +54,11 @@ fn commands_in(file: &str, text: &str) -> Vec<DocCommand> {
             continue;
         };
         let mut words = words.into_iter().skip_while(|w| is_assignment(w));
-        match words.next().as_deref() {
-            Some("grpo" | "target/release/grpo") => out.push(DocCommand {
+        if let Some("grpo" | "target/release/grpo") = words.next().as_deref() {
+            out.push(DocCommand {
                 at: format!("{file}:{start}"),
                 words: words.collect(),
-            }),
-            _ => {}
+            });
         }
     }
     out
