@@ -105,9 +105,19 @@ pub fn tool_settings(recipe: &Recipe) -> rollout::environment::ToolSettings {
     }
 }
 
+/// A tool of `rollout.multi_turn`, not yet started, and where it came from.
+#[derive(Debug)]
+pub struct ToolEntry {
+    pub spec: agent::ToolSpec,
+    /// The key its settings are named by in errors.
+    pub key: String,
+    /// For a tool of `tool_config_path`'s file: the file and entry, which its errors start with.
+    pub file: Option<String>,
+}
+
 /// The tools of `rollout.multi_turn`, not yet started, each with where it came from (for its
 /// errors): the built-in `tools`, then those of `tool_config_path`'s file.
-pub fn tool_specs(recipe: &Recipe) -> Result<Vec<(agent::ToolSpec, String)>, String> {
+pub fn tool_specs(recipe: &Recipe) -> Result<Vec<ToolEntry>, String> {
     let mt = &recipe.rollout.multi_turn;
     let mut specs = Vec::new();
     for (k, tool) in mt.tools.iter().enumerate() {
@@ -121,12 +131,20 @@ pub fn tool_specs(recipe: &Recipe) -> Result<Vec<(agent::ToolSpec, String)>, Str
                 schema: None,
             },
         };
-        specs.push((spec, format!("rollout.multi_turn.tools[{k}]")));
+        specs.push(ToolEntry {
+            spec,
+            key: format!("rollout.multi_turn.tools[{k}]"),
+            file: None,
+        });
     }
     if let Some(path) = &mt.tool_config_path {
         let loaded = agent::config::load(path).map_err(|e| e.to_string())?;
         for (k, spec) in loaded.into_iter().enumerate() {
-            specs.push((spec, format!("tools[{k}].config.command in {}", path.display())));
+            specs.push(ToolEntry {
+                spec,
+                key: format!("tools[{k}].config.command in {}", path.display()),
+                file: Some(format!("{}: tools[{k}]", path.display())),
+            });
         }
     }
     Ok(specs)
@@ -159,13 +177,14 @@ pub fn environment(
     }
     let settings = tool_settings(recipe);
     let mut tools = Vec::new();
-    for (spec, key) in tool_specs(recipe)? {
-        let tool = spec.build(settings.tool_timeout, &key).map_err(|e| {
-            match key.split_once(".config.command in ") {
-                Some((item, path)) => format!("{path}: {item}: {e}"),
+    for entry in tool_specs(recipe)? {
+        let tool = entry
+            .spec
+            .build(settings.tool_timeout, &entry.key)
+            .map_err(|e| match &entry.file {
+                Some(at) => format!("{at}: {e}"),
                 None => e,
-            }
-        })?;
+            })?;
         tools.push(tool);
     }
     let toolbox = agent::Toolbox::new(tools).map_err(|e| format!("rollout.multi_turn: {e}"))?;

@@ -277,7 +277,7 @@ fn walk(
                     }
                     _ => opcode.to_string(),
                 };
-                let flops = product_flops(i, computation)
+                let flops = product_flops(i, &by_id)
                     + called
                         .iter()
                         .map(|c| computation_flops(c, computations))
@@ -305,7 +305,8 @@ fn walk(
 /// `dynamic-update-slice` of one of its parameters, the whole buffer read and written, where
 /// only the slice is written.
 fn in_place_savings(c: &HloComputationProto) -> u64 {
-    let find = |id: i64| c.instructions.iter().find(|o| o.id == id);
+    let by_id = instructions_by_id(c);
+    let find = |id: i64| by_id.get(&id).copied();
     c.instructions
         .iter()
         .filter(|i| i.opcode == "dynamic-update-slice")
@@ -324,12 +325,18 @@ fn in_place_savings(c: &HloComputationProto) -> u64 {
         .sum()
 }
 
+/// A computation's instructions by id (operands are named by id).
+fn instructions_by_id(c: &HloComputationProto) -> BTreeMap<i64, &HloInstructionProto> {
+    c.instructions.iter().map(|i| (i.id, i)).collect()
+}
+
 /// The flops of the products in `c` and in what it calls (a fusion nested in a fusion).
 fn computation_flops(c: &HloComputationProto, computations: &BTreeMap<i64, &HloComputationProto>) -> u64 {
+    let by_id = instructions_by_id(c);
     c.instructions
         .iter()
         .map(|i| {
-            product_flops(i, c)
+            product_flops(i, &by_id)
                 + i.called_computation_ids
                     .iter()
                     .filter_map(|id| computations.get(id))
@@ -386,11 +393,11 @@ fn fused_ops(c: &HloComputationProto) -> Vec<String> {
 /// 2 x multiply-adds of a product: for a `dot`, the result's elements times the left operand's
 /// contracted size; for a `convolution` (TPU's form of most products), the result's elements
 /// times the kernel's elements per output feature.
-fn product_flops(i: &HloInstructionProto, computation: &HloComputationProto) -> u64 {
+fn product_flops(i: &HloInstructionProto, by_id: &BTreeMap<i64, &HloInstructionProto>) -> u64 {
     let operand = |k: usize| {
         i.operand_ids
             .get(k)
-            .and_then(|id| computation.instructions.iter().find(|o| o.id == *id))
+            .and_then(|id| by_id.get(id))
             .and_then(|o| o.shape.as_ref())
     };
     let Some(result) = i.shape.as_ref() else {
