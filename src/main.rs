@@ -6,6 +6,9 @@
 mod commands;
 #[cfg(test)]
 mod docs_check;
+#[cfg(test)]
+#[allow(dead_code)] // Block::at is for tests/guides.rs, which includes the file too
+mod guide_blocks;
 
 use clap::{Parser, Subcommand};
 

@@ -263,3 +263,109 @@ impl TinyMoe {
         out
     }
 }
+
+/// LoRA on the stacked experts (`actor.target_parameters`, PEFT's per-expert pairs) beside the
+/// attention's: only the adapters train (B leaves zero), a rollout worker is sent only them and
+/// trains as the in-process run does, and the export is a PEFT adapter naming the experts (its
+/// merge changes the experts and the adapted attention, nothing else).
+#[test]
+fn lora_on_the_experts_trains_them_and_exports_a_peft_adapter() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = testkit::tiny_moe_chat_model(dir.path());
+    let train = arithmetic(dir.path(), "train", 1, 64);
+    let val = arithmetic(dir.path(), "val", 2, 4);
+    let r = tiny_recipe(
+        dir.path(),
+        "moe.yaml",
+        &model,
+        &train,
+        &val,
+        &dir.path().join("unused"),
+        4,
+        "",
+    );
+    let run = |out: &Path, extra: &[&str]| {
+        let output = format!("trainer.output_dir={}", out.display());
+        let mut args = vec![
+            "run",
+            r.to_str().unwrap(),
+            "--quiet",
+            "--set",
+            "trainer.total_training_steps=2",
+            "--set",
+            &output,
+            "--set",
+            "actor.lora_rank=4",
+            "--set",
+            "actor.lora_alpha=8",
+            "--set",
+            "actor.optim.lr=1e-2",
+            // One optimizer step per step, so step 1's KL is taken before any update.
+            "--set",
+            "actor.ppo_mini_batch_size=4",
+            "--set",
+            "actor.target_modules=[q_proj]",
+            "--set",
+            "actor.target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]",
+        ];
+        args.extend_from_slice(extra);
+        let o = run_grpo(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    };
+    let whole = dir.path().join("whole");
+    run(&whole, &[]);
+    let m = metrics(&whole);
+    assert_eq!(m[&1]["actor/kl"], 0.0, "B starts at zero: the policy is the base");
+    assert!(m[&2]["actor/kl"].as_f64().unwrap() > 0.0, "{}", m[&2]);
+    let workers = dir.path().join("workers");
+    run(&workers, &["--set", "cluster.rollout_workers=1"]);
+    assert_same_training(&whole, &workers, "a rollout worker sent only the adapters");
+
+    let adapter_dir = dir.path().join("adapter");
+    let merged_dir = dir.path().join("merged");
+    for (to, merged) in [(&adapter_dir, false), (&merged_dir, true)] {
+        let mut args = vec![
+            "export",
+            whole.to_str().unwrap(),
+            "--output",
+            to.to_str().unwrap(),
+        ];
+        if merged {
+            args.push("--merged");
+        }
+        let o = run_grpo(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(adapter_dir.join("adapter_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(config["target_modules"], serde_json::json!(["q_proj"]));
+    assert_eq!(
+        config["target_parameters"],
+        serde_json::json!(["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    );
+    let base = model::safetensors_io::load_hf_checkpoint(&model).unwrap();
+    let adapter = model::LoraAdapter::load_peft(&adapter_dir, &base.config).unwrap();
+    let experts = base.config.moe.as_ref().unwrap().num_experts;
+    for t in &adapter.tensors {
+        if t.name.contains("mlp.experts.") && t.name.ends_with("lora_B.weight") {
+            assert_eq!(t.shape[1], 4 * experts, "{}: B is [out, r*E]", t.name);
+            assert!(t.to_f32_vec().iter().any(|&b| b != 0.0), "{} never moved", t.name);
+        }
+    }
+    let merged = model::safetensors_io::load_hf_checkpoint(&merged_dir).unwrap();
+    let get = |w: &model::ModelWeights, n: &str| w.get(n).unwrap().to_f32_vec();
+    for name in [
+        "model.layers.0.mlp.experts.gate_up_proj",
+        "model.layers.1.mlp.experts.down_proj",
+        "model.layers.0.self_attn.q_proj.weight",
+    ] {
+        assert_ne!(get(&merged, name), get(&base, name), "{name} has an adapter");
+    }
+    for name in [
+        "model.layers.0.mlp.gate.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+    ] {
+        assert_eq!(get(&merged, name), get(&base, name), "{name} has none");
+    }
+}

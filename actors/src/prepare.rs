@@ -120,13 +120,22 @@ fn check_model_features(recipe: &Recipe, config: &model::ModelConfig) -> Result<
             .iter()
             .find(|t| !table.iter().any(|s| s.target == **t))
         {
-            return Err(format!(
-                "actor.target_modules: `{}` names no module of this {} model: its mixture-of-experts \
-                 layers keep their experts as stacked tensors, not linear modules, and LoRA on experts \
-                 is not in grpo yet; adapt the attention (q_proj, k_proj, v_proj, o_proj) instead",
-                t.module(),
-                config.family
-            ));
+            return Err(if t.is_experts() {
+                format!(
+                    "actor.target_parameters: `{}` names no parameter of this {} model: it has no \
+                     mixture-of-experts layer; adapt its projections with actor.target_modules",
+                    t.module(),
+                    config.family
+                )
+            } else {
+                format!(
+                    "actor.target_modules: `{}` names no module of this {} model: its mixture-of-experts \
+                     layers keep their experts as stacked tensors, not linear modules; adapt them with \
+                     actor.target_parameters: [mlp.experts.gate_up_proj, mlp.experts.down_proj]",
+                    t.module(),
+                    config.family
+                )
+            });
         }
     }
     if config.moe.is_none() {
@@ -485,6 +494,31 @@ mod model_feature_tests {
         let e = check_model_features(&grouped, &dense).unwrap_err();
         assert!(
             e.starts_with("model.moe_dispatch: grouped") && e.contains("no experts"),
+            "{e}"
+        );
+    }
+
+    /// LoRA targets must name something of the model, as PEFT requires: the experts on a model
+    /// with experts, the MLP's modules on one with a dense MLP.
+    #[test]
+    fn lora_targets_name_what_the_model_has() {
+        let (dense, moe) = (fixture("qwen3"), fixture("qwen3_moe"));
+        let experts = recipe("actor:\n  lora_rank: 4\n  target_modules: [q_proj]\n  target_parameters: [mlp.experts.down_proj]\n");
+        check_model_features(&experts, &moe).unwrap();
+        let e = check_model_features(&experts, &dense).unwrap_err();
+        assert!(
+            e.starts_with("actor.target_parameters: `mlp.experts.down_proj` names no parameter")
+                && e.contains("no mixture-of-experts layer"),
+            "{e}"
+        );
+        // The fixture's layer 1 is dense, so its MLP names a module; not on an all-sparse model.
+        let mlp = recipe("actor:\n  lora_rank: 4\n  target_modules: [up_proj]\n");
+        check_model_features(&mlp, &moe).unwrap();
+        let mut sparse = moe.clone();
+        sparse.moe.as_mut().unwrap().mlp_only_layers.clear();
+        let e = check_model_features(&mlp, &sparse).unwrap_err();
+        assert!(
+            e.contains("actor.target_parameters: [mlp.experts.gate_up_proj, mlp.experts.down_proj]"),
             "{e}"
         );
     }

@@ -6,9 +6,15 @@ Writes under model/fixtures/lora/:
                      matters); reference.safetensors: the PeftModel's logits;
   peft_qwen2_rslora/ on tiny/qwen2 (QKV bias, tied head): r 2, lora_alpha 3, use_rslora,
                      q_proj, v_proj and down_proj only; reference.safetensors likewise;
+  peft_qwen3_moe/    on tiny/qwen3_moe (layers 0 and 2 experts, layer 1 dense): r 2, lora_alpha 3,
+                     target_modules q_proj and down_proj (the dense layer's), target_parameters
+                     mlp.experts.gate_up_proj and mlp.experts.down_proj (PEFT's ParamWrapper:
+                     one A [r*E, in], B [out, r*E] per stacked tensor); reference.safetensors;
   grpo_llama_reference.safetensors: the logits of grpo_llama/, an adapter WRITTEN BY GRPO
                      (`GRPO_WRITE_LORA_FIXTURE=1 cargo test -p model --test lora`), loaded
-                     with PeftModel.from_pretrained on tiny/llama.
+                     with PeftModel.from_pretrained on tiny/llama;
+  grpo_qwen3_moe_reference.safetensors: likewise for grpo_qwen3_moe/ (k_proj, o_proj and both
+                     stacked experts) on tiny/qwen3_moe.
 reference files hold, for each fixed token sequence i, `input_ids_<i>` (I32, [T]) and
 `logits_<i>` (F32, [T, vocab]).
 
@@ -67,11 +73,16 @@ peft_made('peft_llama', 'llama', 2000, r=4, lora_alpha=8, target_modules='all-li
 peft_made('peft_qwen2_rslora', 'qwen2', 2001, r=2, lora_alpha=3, use_rslora=True,
           target_modules=['q_proj', 'v_proj', 'down_proj'])
 
-grpo_dir = os.path.join(out_root, 'grpo_llama')
-if os.path.isdir(grpo_dir):
-    model = PeftModel.from_pretrained(base('llama'), grpo_dir).eval()
-    save_logits(model, os.path.join(out_root, 'grpo_llama_reference.safetensors'))
-    print('grpo_llama_reference.safetensors')
-else:
-    print(f'{grpo_dir} is missing: write it with GRPO_WRITE_LORA_FIXTURE=1 cargo test -p model --test lora, '
-          'then run this script again')
+peft_made('peft_qwen3_moe', 'qwen3_moe', 2002, r=2, lora_alpha=3,
+          target_modules=['q_proj', 'down_proj'],
+          target_parameters=['mlp.experts.gate_up_proj', 'mlp.experts.down_proj'])
+
+for family in ['llama', 'qwen3_moe']:
+    grpo_dir = os.path.join(out_root, f'grpo_{family}')
+    if os.path.isdir(grpo_dir):
+        model = PeftModel.from_pretrained(base(family), grpo_dir).eval()
+        save_logits(model, os.path.join(out_root, f'grpo_{family}_reference.safetensors'))
+        print(f'grpo_{family}_reference.safetensors')
+    else:
+        print(f'{grpo_dir} is missing: write it with GRPO_WRITE_LORA_FIXTURE=1 cargo test -p model --test lora, '
+              'then run this script again')

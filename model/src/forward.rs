@@ -191,16 +191,19 @@ pub struct LayerAdapters {
 }
 
 impl LayerAdapters {
-    fn slot(&mut self, target: crate::lora::Target) -> &mut Option<Adapter> {
+    /// The slot of a projection's adapter; `None` for the stacked experts, which have none
+    /// ([`DecoderParams::with_adapters`] merges theirs).
+    fn slot(&mut self, target: crate::lora::Target) -> Option<&mut Option<Adapter>> {
         use crate::lora::Target;
         match target {
-            Target::Q => &mut self.q,
-            Target::K => &mut self.k,
-            Target::V => &mut self.v,
-            Target::O => &mut self.o,
-            Target::Gate => &mut self.gate,
-            Target::Up => &mut self.up,
-            Target::Down => &mut self.down,
+            Target::Q => Some(&mut self.q),
+            Target::K => Some(&mut self.k),
+            Target::V => Some(&mut self.v),
+            Target::O => Some(&mut self.o),
+            Target::Gate => Some(&mut self.gate),
+            Target::Up => Some(&mut self.up),
+            Target::Down => Some(&mut self.down),
+            Target::ExpertsGateUp | Target::ExpertsDown => None,
         }
     }
 }
@@ -349,7 +352,9 @@ impl DecoderParams {
     /// are `A`, `B` of each adapted projection in [`crate::lora::lora_param_table`] order
     /// (program arguments after the base's; [`DecoderParams::all`] lists them after it). The
     /// forward passes then compute `x·Wᵀ + s·(x·Aᵀ)·Bᵀ` where the merged form would compute
-    /// `x·(W + s·B·A)ᵀ`: the same function, without a merged copy of the weights.
+    /// `x·(W + s·B·A)ᵀ`: the same function, without a merged copy of the weights. Stacked
+    /// experts' adapters are merged into the experts all the same: applied beside them, every
+    /// expert's adapter would run for every token of the dense dispatch.
     pub fn with_adapters(
         mut self,
         lora: &crate::lora::LoraConfig,
@@ -375,11 +380,25 @@ impl DecoderParams {
         }
         let table = crate::lora::lora_table(&self.config, lora);
         for (spec, pair) in table.iter().zip(adapters.chunks_exact(2)) {
-            *self.layers[spec.layer].adapters.slot(spec.target) = Some(Adapter {
+            let layer = &mut self.layers[spec.layer];
+            let adapter = Adapter {
                 a: pair[0].clone(),
                 b: pair[1].clone(),
                 scale: lora.scale(),
-            });
+            };
+            match (layer.adapters.slot(spec.target), &mut layer.mlp) {
+                (Some(slot), _) => *slot = Some(adapter),
+                (None, Mlp::Experts(e)) => {
+                    let w = match spec.target {
+                        crate::lora::Target::ExpertsGateUp => &mut e.gate_up,
+                        _ => &mut e.down,
+                    };
+                    *w = crate::lora::merged_weight(w, &adapter.a, &adapter.b, adapter.scale);
+                }
+                (None, Mlp::Dense { .. }) => {
+                    unreachable!("lora_table adapts experts only where a layer has them")
+                }
+            }
         }
         self.all.extend(adapters.iter().cloned());
         Ok(self)

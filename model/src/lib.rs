@@ -35,7 +35,7 @@ pub use config::{Activation, AttentionKind, Family, ModelConfig, MoeConfig, Rope
 pub use error::{ModelError, ProgramError};
 pub use gguf::{GgmlType, GgufFile, GgufValue};
 pub use init::random_init;
-pub use lora::{LoraAdapter, LoraConfig, LoraForm, Target, TargetModules};
+pub use lora::{LoraAdapter, LoraConfig, LoraForm, Target, TargetModules, TargetParameters};
 pub use params::{param_table, ModelSplit, ParamKind, ParamLayout, ParamSpec, MODEL_AXIS};
 pub use safetensors_io::{load_safetensors, save_hf_checkpoint, ModelWeights};
 pub use tensor::HostTensor;

@@ -23,6 +23,14 @@
 //!
 //! The adapters' parameter table ([`lora_param_table`]) follows the base's Megatron split:
 //! `A` splits with a row-parallel base's input, `B` with a column-parallel base's output.
+//!
+//! A mixture of experts' stacked experts (`mlp.experts.gate_up_proj` `[E, out, in]`, ...) are
+//! parameters, not linear modules: PEFT adapts them through `target_parameters`, with one pair
+//! per stacked tensor holding every expert's adapter, `A [r·E, in]` (expert `e`'s rows
+//! `e·r .. e·r + r`) and `B [out, r·E]` (expert `e`'s columns `e, E + e, 2E + e, ...`), so that
+//! expert `e` computes with `W[e] + s·B_e·A_e` (PEFT's `ParamWrapper`). The same layout here, so
+//! an adapter moves between PEFT and grpo as it is; `A` splits by expert with its base, `B`
+//! stays whole (its experts are interleaved).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -57,6 +65,10 @@ pub enum Target {
     Gate,
     Up,
     Down,
+    /// A mixture of experts' stacked gate and up projections, `mlp.experts.gate_up_proj`.
+    ExpertsGateUp,
+    /// A mixture of experts' stacked down projections, `mlp.experts.down_proj`.
+    ExpertsDown,
 }
 
 impl Target {
@@ -71,7 +83,17 @@ impl Target {
         Target::Down,
     ];
 
-    /// The module name (`q_proj`, ..., `down_proj`).
+    /// The stacked expert parameters, named by PEFT's `target_parameters`.
+    pub const EXPERTS: [Target; 2] = [Target::ExpertsGateUp, Target::ExpertsDown];
+
+    /// Whether this target is a stacked expert parameter (`target_parameters`) rather than a
+    /// linear module (`target_modules`).
+    pub fn is_experts(self) -> bool {
+        Target::EXPERTS.contains(&self)
+    }
+
+    /// The module name (`q_proj`, ..., `down_proj`), or for the experts the parameter's name
+    /// as `target_parameters` lists it (`mlp.experts.gate_up_proj`).
     pub fn module(self) -> &'static str {
         match self {
             Target::Q => "q_proj",
@@ -81,11 +103,16 @@ impl Target {
             Target::Gate => "gate_proj",
             Target::Up => "up_proj",
             Target::Down => "down_proj",
+            Target::ExpertsGateUp => "mlp.experts.gate_up_proj",
+            Target::ExpertsDown => "mlp.experts.down_proj",
         }
     }
 
     /// The base weight of this projection in layer `layer`.
     pub fn weight_name(self, layer: usize) -> String {
+        if self.is_experts() {
+            return format!("model.layers.{layer}.{}", self.module());
+        }
         let block = if matches!(self, Target::Gate | Target::Up | Target::Down) {
             "mlp"
         } else {
@@ -104,8 +131,36 @@ impl Target {
             .find(|t| t.module().strip_suffix("_proj") == Some(short))
     }
 
-    /// Parses PEFT's `target_modules`: `all-linear`, or a list of module names. An error says
-    /// which name is not a projection this crate adapts.
+    /// Parses PEFT's `target_parameters`: a list of parameter names, each the stacked experts'
+    /// `mlp.experts.gate_up_proj` or `mlp.experts.down_proj`, a path ending in one, or (as PEFT
+    /// matches names by their end) a tail of one: `down_proj`, `experts.down_proj`. PEFT itself
+    /// saves `target_modules`' `down_proj` among them when both name it.
+    pub fn parse_parameters(names: &[String]) -> std::result::Result<Vec<Target>, String> {
+        let mut out = Vec::new();
+        for name in names {
+            let t = Target::EXPERTS
+                .into_iter()
+                .find(|t| {
+                    let full = t.module();
+                    name == full || full.ends_with(&format!(".{name}")) || name.ends_with(&format!(".{full}"))
+                })
+                .ok_or_else(|| {
+                    format!(
+                        "`{name}` is not a parameter LoRA can adapt here; the stacked experts are {}",
+                        Target::EXPERTS.map(Target::module).join(" and ")
+                    )
+                })?;
+            if !out.contains(&t) {
+                out.push(t);
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    /// Parses PEFT's `target_modules`: `all-linear`, or a list of module names (possibly
+    /// empty, when `target_parameters` names what to adapt). An error says which name is not a
+    /// projection this crate adapts.
     pub fn parse_list(names: &[String]) -> std::result::Result<Vec<Target>, String> {
         if names.len() == 1 && names[0] == "all-linear" {
             return Ok(Target::ALL.to_vec());
@@ -121,9 +176,6 @@ impl Target {
             if !out.contains(&t) {
                 out.push(t);
             }
-        }
-        if out.is_empty() {
-            return Err("no target modules given".into());
         }
         out.sort();
         Ok(out)
@@ -179,6 +231,26 @@ impl<'de> serde::Deserialize<'de> for TargetModules {
     }
 }
 
+/// PEFT's `target_parameters` as a recipe writes it (`[mlp.experts.gate_up_proj,
+/// mlp.experts.down_proj]`), parsed by [`Target::parse_parameters`]; none by default.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TargetParameters(pub Vec<Target>);
+
+impl serde::Serialize for TargetParameters {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.collect_seq(self.0.iter().map(|t| t.module()))
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for TargetParameters {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let names = Vec::<String>::deserialize(d)?;
+        Target::parse_parameters(&names)
+            .map(TargetParameters)
+            .map_err(serde::de::Error::custom)
+    }
+}
+
 /// The shape of a model's adapters: rank, scale and which projections carry them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoraConfig {
@@ -186,7 +258,7 @@ pub struct LoraConfig {
     pub rank: usize,
     /// `lora_alpha`.
     pub alpha: f64,
-    /// The adapted projections, in [`Target::ALL`] order, on every layer.
+    /// The adapted projections and stacked experts, in [`Target`]'s order, on every layer.
     pub targets: Vec<Target>,
     /// Rank-stabilised scaling `alpha / sqrt(r)` instead of `alpha / r` (PEFT's `use_rslora`).
     pub use_rslora: bool,
@@ -195,7 +267,18 @@ pub struct LoraConfig {
 impl LoraConfig {
     /// PEFT's `adapter_config.json` for these adapters on the model `base_model`.
     pub fn to_peft_json(&self, base_model: &str) -> Value {
-        let targets: Vec<&str> = self.targets.iter().map(|t| t.module()).collect();
+        let modules: Vec<&str> = self
+            .targets
+            .iter()
+            .filter(|t| !t.is_experts())
+            .map(|t| t.module())
+            .collect();
+        let parameters: Vec<&str> = self
+            .targets
+            .iter()
+            .filter(|t| t.is_experts())
+            .map(|t| t.module())
+            .collect();
         json!({
             "peft_type": "LORA",
             "task_type": "CAUSAL_LM",
@@ -203,7 +286,8 @@ impl LoraConfig {
             "r": self.rank,
             "lora_alpha": self.alpha,
             "use_rslora": self.use_rslora,
-            "target_modules": targets,
+            "target_modules": if modules.is_empty() { Value::Null } else { json!(modules) },
+            "target_parameters": if parameters.is_empty() { Value::Null } else { json!(parameters) },
             "lora_dropout": 0.0,
             "bias": "none",
             "fan_in_fan_out": false,
@@ -251,24 +335,38 @@ impl LoraConfig {
         let alpha = get("lora_alpha")
             .as_f64()
             .ok_or("`lora_alpha` must be a number")?;
+        let strings = |key: &str| -> std::result::Result<Vec<String>, String> {
+            match get(key) {
+                Value::Null => Ok(Vec::new()),
+                Value::Array(items) => items
+                    .iter()
+                    .map(|v| {
+                        v.as_str()
+                            .map(str::to_string)
+                            .ok_or(format!("`{key}` must hold strings"))
+                    })
+                    .collect(),
+                _ => Err(format!("`{key}` must be a list of names")),
+            }
+        };
         let names: Vec<String> = match get("target_modules") {
+            Value::Null => Vec::new(),
             Value::String(s) if s == "all-linear" => vec![s.clone()],
             Value::String(s) => {
                 return Err(format!(
                     "`target_modules` is the pattern `{s}`; grpo reads a list of module names or `all-linear`"
                 ))
             }
-            Value::Array(items) => items
-                .iter()
-                .map(|v| {
-                    v.as_str()
-                        .map(str::to_string)
-                        .ok_or("`target_modules` must hold strings")
-                })
-                .collect::<std::result::Result<_, _>>()?,
-            _ => return Err("`target_modules` is missing".into()),
+            _ => strings("target_modules")?,
         };
-        let targets = Target::parse_list(&names).map_err(|e| format!("`target_modules`: {e}"))?;
+        let mut targets = Target::parse_list(&names).map_err(|e| format!("`target_modules`: {e}"))?;
+        targets.extend(
+            Target::parse_parameters(&strings("target_parameters")?)
+                .map_err(|e| format!("`target_parameters`: {e}"))?,
+        );
+        if targets.is_empty() {
+            return Err("neither `target_modules` nor `target_parameters` names what to adapt".into());
+        }
         Ok(LoraConfig {
             rank,
             alpha,
@@ -304,15 +402,30 @@ pub struct LoraSpec {
     pub b: ParamSpec,
 }
 
+/// PEFT's name of `matrix` (`lora_A`, `lora_B`) of the adapter on the base tensor `base`.
 fn peft_name(base: &str, matrix: &str) -> String {
     let module = base.strip_suffix(".weight").unwrap_or(base);
     format!("{PEFT_PREFIX}{module}.{matrix}.weight")
 }
 
-/// The adapters of `config` under `lora`, layer by layer, each layer's in [`Target::ALL`]
-/// order. As in PEFT, a target names modules: a layer without one is not adapted (the MLP
+/// PEFT's name of `matrix` of the adapter on a layer's stacked experts `target`. PEFT wraps the
+/// experts module once per targeted parameter, in the module's own order (`gate_up_proj`, then
+/// `down_proj`), each wrapper around the one before, whose module is its `base_layer`: with both
+/// targeted, `gate_up_proj`'s adapter is `experts.base_layer.lora_A` and `down_proj`'s
+/// `experts.lora_A` (checked against PEFT 0.22.0).
+fn peft_expert_name(layer: usize, target: Target, targets: &[Target], matrix: &str) -> String {
+    let experts: Vec<Target> = targets.iter().copied().filter(|t| t.is_experts()).collect();
+    let depth = experts.len() - 1 - experts.iter().position(|&t| t == target).expect("a target");
+    format!(
+        "{PEFT_PREFIX}model.layers.{layer}.mlp.experts.{}{matrix}.weight",
+        "base_layer.".repeat(depth)
+    )
+}
+
+/// The adapters of `config` under `lora`, layer by layer, each layer's in [`Target`] order. As
+/// in PEFT, a target names modules or parameters: a layer without one is not adapted (the MLP
 /// targets skip mixture-of-experts layers, whose experts are stacked parameters, not linear
-/// modules, in transformers 5).
+/// modules, in transformers 5; the expert targets skip dense layers).
 pub fn lora_table(config: &ModelConfig, lora: &LoraConfig) -> Vec<LoraSpec> {
     let base: HashMap<String, ParamSpec> = param_table(config)
         .into_iter()
@@ -325,14 +438,30 @@ pub fn lora_table(config: &ModelConfig, lora: &LoraConfig) -> Vec<LoraSpec> {
             let Some(w) = base.get(&name) else {
                 continue;
             };
-            let (o, i) = (w.shape[0], w.shape[1]);
-            let mut a = ParamSpec::new(peft_name(&name, "lora_A"), vec![lora.rank, i], ParamKind::Matrix);
-            let mut b = ParamSpec::new(peft_name(&name, "lora_B"), vec![o, lora.rank], ParamKind::Matrix);
-            match w.model_split {
-                Some(ModelSplit { dim: 0, unit }) => b = b.split_by_model(0, unit),
-                Some(ModelSplit { dim: 1, unit }) => a = a.split_by_model(1, unit),
-                _ => {}
-            }
+            let (a, b) = if t.is_experts() {
+                // `[E, out, in]`: A's rows are expert-major and split by expert with the base;
+                // B's columns interleave the experts, so B stays whole.
+                let (e, o, i) = (w.shape[0], w.shape[1], w.shape[2]);
+                let name = |m| peft_expert_name(layer, t, &lora.targets, m);
+                let mut a = ParamSpec::new(name("lora_A"), vec![lora.rank * e, i], ParamKind::Matrix);
+                if let Some(ModelSplit { dim: 0, .. }) = w.model_split {
+                    a = a.split_by_model(0, lora.rank);
+                }
+                (
+                    a,
+                    ParamSpec::new(name("lora_B"), vec![o, lora.rank * e], ParamKind::Matrix),
+                )
+            } else {
+                let (o, i) = (w.shape[0], w.shape[1]);
+                let mut a = ParamSpec::new(peft_name(&name, "lora_A"), vec![lora.rank, i], ParamKind::Matrix);
+                let mut b = ParamSpec::new(peft_name(&name, "lora_B"), vec![o, lora.rank], ParamKind::Matrix);
+                match w.model_split {
+                    Some(ModelSplit { dim: 0, unit }) => b = b.split_by_model(0, unit),
+                    Some(ModelSplit { dim: 1, unit }) => a = a.split_by_model(1, unit),
+                    _ => {}
+                }
+                (a, b)
+            };
             out.push(LoraSpec {
                 layer,
                 target: t,
@@ -354,12 +483,23 @@ pub fn lora_param_table(config: &ModelConfig, lora: &LoraConfig) -> Vec<ParamSpe
 }
 
 /// `W + s·B·A`, computed in f32 (f64 for an f64 `w`) and returned in `w`'s element type: the
-/// adapted projection.
+/// adapted projection. For stacked experts `W [E, out, in]` (`A [r·E, in]`, `B [out, r·E]`,
+/// PEFT's layout) expert `e`'s `W[e] + s·B_e·A_e`.
 pub fn merged_weight(w: &Tensor, a: &Tensor, b: &Tensor, scale: f64) -> Tensor {
     let wide = if w.dtype() == DType::F64 {
         DType::F64
     } else {
         DType::F32
+    };
+    let (a, b) = match w.dims() {
+        &[e, out, inner] => {
+            let r = a.dims()[0] / e;
+            (
+                a.reshape(&[e, r, inner]),
+                b.reshape(&[out, r, e]).transpose(&[2, 0, 1]),
+            )
+        }
+        _ => (a.clone(), b.clone()),
     };
     let delta = b.convert_if_needed(wide).matmul(&a.convert_if_needed(wide));
     let delta = &delta * &delta.scalar_like(scale);
@@ -397,13 +537,12 @@ pub struct LoraAdapter {
 }
 
 /// The PEFT options this crate does not implement, with the value that means "off".
-const UNSUPPORTED_PEFT_OPTIONS: [(&str, &str); 13] = [
+const UNSUPPORTED_PEFT_OPTIONS: [(&str, &str); 12] = [
     ("use_dora", "false"),
     ("use_qalora", "false"),
     ("use_bdlora", "null"),
     ("alora_invocation_tokens", "null"),
     ("trainable_token_indices", "null"),
-    ("target_parameters", "null"),
     ("fan_in_fan_out", "false"),
     ("modules_to_save", "null"),
     ("layers_to_transform", "null"),
@@ -703,6 +842,32 @@ mod tests {
             targets: targets.to_vec(),
             use_rslora: false,
         }
+    }
+
+    #[test]
+    fn expert_parameters_parse_as_peft_matches_them() {
+        let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            Target::parse_parameters(&names(&[
+                "mlp.experts.gate_up_proj",
+                "down_proj",
+                "mlp.experts.down_proj"
+            ])),
+            Ok(Target::EXPERTS.to_vec())
+        );
+        assert_eq!(
+            Target::parse_parameters(&names(&["model.layers.0.mlp.experts.down_proj"])),
+            Ok(vec![Target::ExpertsDown])
+        );
+        let e = Target::parse_parameters(&names(&["mlp.gate.weight"])).unwrap_err();
+        assert!(
+            e.contains("`mlp.gate.weight`") && e.contains("mlp.experts.gate_up_proj"),
+            "{e}"
+        );
+        assert_eq!(
+            Target::ExpertsGateUp.weight_name(2),
+            "model.layers.2.mlp.experts.gate_up_proj"
+        );
     }
 
     #[test]

@@ -1,8 +1,10 @@
 //! LoRA adapters in PEFT's format on the tiny fixture models (`model/scripts/make_lora_fixtures.py`):
-//! - adapters PEFT made (all-linear; and rsLoRA on three projections of Qwen2) load and the
-//!   merged model's logits equal the PeftModel's;
-//! - an adapter grpo writes is byte for byte the committed `grpo_llama/`, which PEFT loaded to
-//!   make its reference logits, and grpo's logits with it equal those;
+//! - adapters PEFT made (all-linear; rsLoRA on three projections of Qwen2; and on a Qwen3-MoE's
+//!   attention, dense MLP and stacked experts through `target_parameters`) load and the merged
+//!   model's logits equal the PeftModel's;
+//! - an adapter grpo writes (on Llama, and on the Qwen3-MoE's experts) is byte for byte the
+//!   committed `grpo_llama/` / `grpo_qwen3_moe/`, which PEFT loaded to make its reference
+//!   logits, and grpo's logits with it equal those;
 //! - a fresh (PEFT-initialised) adapter leaves the weights exactly as they were;
 //! - the gradient reaching `A` and `B` through the merge matches finite differences, in f64 on
 //!   the merge itself and in f32 through the whole decoder's log-probabilities;
@@ -86,16 +88,36 @@ fn adapters_made_by_peft_give_peft_logits() {
             vec![Target::Q, Target::V, Target::Down],
             true,
         ),
+        (
+            "peft_qwen3_moe",
+            "qwen3_moe",
+            vec![
+                Target::Q,
+                Target::Down,
+                Target::ExpertsGateUp,
+                Target::ExpertsDown,
+            ],
+            false,
+        ),
     ] {
         let path = fixtures().join("lora").join(dir);
         let w = base(family);
         let adapter = LoraAdapter::load_peft(&path, &w.config).unwrap();
         assert_eq!(adapter.lora.targets, targets, "{dir}");
         assert_eq!(adapter.lora.use_rslora, rslora, "{dir}");
-        assert_eq!(
-            adapter.tensors.len(),
-            2 * targets.len() * w.config.num_hidden_layers
-        );
+        // The attention's adapters on every layer, the MLP's on the dense layers, the experts'
+        // on the others.
+        let moe_layers = w.config.moe_layers();
+        let layers = w.config.num_hidden_layers;
+        let pairs: usize = targets
+            .iter()
+            .map(|t| match t {
+                t if t.is_experts() => moe_layers,
+                Target::Gate | Target::Up | Target::Down => layers - moe_layers,
+                _ => layers,
+            })
+            .sum();
+        assert_eq!(adapter.tensors.len(), 2 * pairs, "{dir}");
         let merged = adapter.merge_into(client(), 0, &w).unwrap();
         // The adapter matters: the merged weights are not the base's.
         assert_ne!(merged, w, "{dir}");
@@ -190,12 +212,17 @@ fn with_random_b(mut adapter: LoraAdapter, seed: u64) -> LoraAdapter {
     adapter
 }
 
-/// A deterministic adapter with non-zero `B` (a trained one), written by grpo.
+/// A deterministic adapter with non-zero `B` (a trained one), written by grpo: on a dense
+/// model's attention and MLP, on a mixture of experts' attention and stacked experts.
 fn grpo_adapter(weights: &ModelWeights) -> LoraAdapter {
+    let targets = match weights.config.moe {
+        None => vec![Target::Q, Target::K, Target::O, Target::Up, Target::Down],
+        Some(_) => vec![Target::K, Target::O, Target::ExpertsGateUp, Target::ExpertsDown],
+    };
     let lora = LoraConfig {
         rank: 3,
         alpha: 5.0,
-        targets: vec![Target::Q, Target::K, Target::O, Target::Up, Target::Down],
+        targets,
         use_rslora: false,
     };
     with_random_b(LoraAdapter::init(&weights.config, &lora, 11), 12)
@@ -203,17 +230,22 @@ fn grpo_adapter(weights: &ModelWeights) -> LoraAdapter {
 
 #[test]
 fn an_adapter_written_by_grpo_loads_in_peft_with_the_same_logits() {
-    let w = base("llama");
+    for family in ["llama", "qwen3_moe"] {
+        written_adapter_loads_in_peft(family);
+    }
+}
+
+fn written_adapter_loads_in_peft(family: &str) {
+    let w = base(family);
     let adapter = grpo_adapter(&w);
-    let committed = fixtures().join("lora/grpo_llama");
+    let committed = fixtures().join(format!("lora/grpo_{family}"));
+    let base_path = format!("model/fixtures/tiny/{family}");
     if std::env::var_os("GRPO_WRITE_LORA_FIXTURE").is_some() {
-        adapter
-            .save_peft(&committed, "model/fixtures/tiny/llama")
-            .unwrap();
+        adapter.save_peft(&committed, &base_path).unwrap();
     }
     let tmp = tempfile::tempdir().unwrap();
     let written = tmp.path().join("adapter");
-    adapter.save_peft(&written, "model/fixtures/tiny/llama").unwrap();
+    adapter.save_peft(&written, &base_path).unwrap();
     for file in ["adapter_config.json", "adapter_model.safetensors"] {
         let want = std::fs::read(committed.join(file)).unwrap_or_else(|e| {
             panic!(
@@ -229,7 +261,10 @@ fn an_adapter_written_by_grpo_loads_in_peft_with_the_same_logits() {
     }
     assert_eq!(LoraAdapter::load_peft(&written, &w.config).unwrap(), adapter);
     let merged = adapter.merge_into(client(), 0, &w).unwrap();
-    logits_match(&merged, &fixtures().join("lora/grpo_llama_reference.safetensors"));
+    logits_match(
+        &merged,
+        &fixtures().join(format!("lora/grpo_{family}_reference.safetensors")),
+    );
 }
 
 #[test]
@@ -388,12 +423,26 @@ fn the_merge_gradient_matches_finite_differences_in_f64() {
 fn adapter_gradients_through_the_decoder_match_finite_differences() {
     // The summed log-probabilities of a padded batch through the tiny Qwen2 (biases, tied
     // head) with adapters on q, o and up, differentiated with respect to every A and B.
-    let w = base("qwen2");
+    adapter_gradients_match("qwen2", vec![Target::Q, Target::O, Target::Up]);
+    // The tiny Qwen3-MoE with adapters on v, the dense layer's down and both stacked experts.
+    adapter_gradients_match(
+        "qwen3_moe",
+        vec![
+            Target::V,
+            Target::Down,
+            Target::ExpertsGateUp,
+            Target::ExpertsDown,
+        ],
+    );
+}
+
+fn adapter_gradients_match(family: &str, targets: Vec<Target>) {
+    let w = base(family);
     let config = w.config.clone();
     let lora = LoraConfig {
         rank: 3,
         alpha: 5.0,
-        targets: vec![Target::Q, Target::O, Target::Up],
+        targets,
         use_rslora: false,
     };
     let adapter = with_random_b(LoraAdapter::init(&config, &lora, 5), 6);
@@ -461,17 +510,22 @@ fn adapter_gradients_through_the_decoder_match_finite_differences() {
 
 /// Adapters applied beside the frozen weights (`x·Wᵀ + s·(x·Aᵀ)·Bᵀ`,
 /// `DecoderParams::with_adapters`) compute the function of the merged weights: the summed
-/// log-probabilities of a padded batch through the tiny Llama, Qwen2 and Qwen3 with adapters on
-/// every projection agree in f32, and so do their gradients with respect to every A and B.
+/// log-probabilities of a padded batch through the tiny Llama, Qwen2, Qwen3 and Qwen3-MoE (its
+/// experts adapted too) with adapters on every projection agree in f32, and so do their
+/// gradients with respect to every A and B.
 #[test]
 fn adapters_applied_beside_the_weights_give_the_merged_weights_function_and_gradients() {
-    for (family, seed) in [("llama", 11), ("qwen2", 12), ("qwen3", 13)] {
+    for (family, seed) in [("llama", 11), ("qwen2", 12), ("qwen3", 13), ("qwen3_moe", 14)] {
         let w = base(family);
         let config = w.config.clone();
+        let mut targets = Target::ALL.to_vec();
+        if config.moe.is_some() {
+            targets.extend(Target::EXPERTS);
+        }
         let lora = LoraConfig {
             rank: 3,
             alpha: 5.0,
-            targets: Target::ALL.to_vec(),
+            targets,
             use_rslora: false,
         };
         let adapter = with_random_b(LoraAdapter::init(&config, &lora, seed), seed + 1);

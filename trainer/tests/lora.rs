@@ -50,7 +50,11 @@ fn lora() -> LoraConfig {
 
 /// A PEFT-initialised adapter with `B` drawn too, so that both factors get a gradient.
 fn adapter(config: &ModelConfig) -> LoraAdapter {
-    let mut a = LoraAdapter::init(config, &lora(), 3);
+    adapter_of(config, &lora())
+}
+
+fn adapter_of(config: &ModelConfig, lora: &LoraConfig) -> LoraAdapter {
+    let mut a = LoraAdapter::init(config, lora, 3);
     let mut rng = Rng::new(4);
     for t in a.tensors.iter_mut().filter(|t| t.name.ends_with("lora_B.weight")) {
         let v: Vec<f32> = (0..t.numel()).map(|_| rng.uniform(-0.2, 0.2) as f32).collect();
@@ -327,9 +331,30 @@ fn bf16_keeps_the_base_in_bf16_and_trains_only_the_adapters() {
 
 #[test]
 fn a_lora_learner_over_dp_fsdp_and_tensor_parallel_meshes_matches_one_device() {
-    let config = config();
+    lora_learners_match_one_device(&config(), &lora());
+    // The Qwen3-MoE fixture's architecture (experts in layers 0 and 2, layer 1 dense) with
+    // adapters on its stacked experts, split by expert with them over the model axis.
+    let path = format!(
+        "{}/../model/fixtures/tiny/qwen3_moe/config.json",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let moe = ModelConfig::from_hf_file(std::path::Path::new(&path)).unwrap();
+    let experts = LoraConfig {
+        targets: vec![
+            Target::Q,
+            Target::Down,
+            Target::ExpertsGateUp,
+            Target::ExpertsDown,
+        ],
+        ..lora()
+    };
+    lora_learners_match_one_device(&moe, &experts);
+}
+
+fn lora_learners_match_one_device(config: &ModelConfig, lora: &LoraConfig) {
+    let config = config.clone();
     let base = random_init(&config, 6);
-    let adapter = adapter(&config);
+    let adapter = adapter_of(&config, lora);
     let params: Vec<Vec<f32>> = adapter.tensors.iter().map(|t| t.to_f32_vec()).collect();
     let train = |l: &mut Learner, policy: &DecoderPolicy| {
         let inputs = micro_batch(policy).inputs;
@@ -339,7 +364,7 @@ fn a_lora_learner_over_dp_fsdp_and_tensor_parallel_meshes_matches_one_device() {
         }
         (l.state().unwrap().params, l.log_probs(&inputs, false).unwrap())
     };
-    let one = policy(&config, Some(lora()));
+    let one = policy(&config, Some(lora.clone()));
     let (want, want_lp) = train(&mut learner(&one, &params, &base, DType::F32), &one);
     assert_ne!(want, params, "the adapters moved");
 
@@ -355,11 +380,15 @@ fn a_lora_learner_over_dp_fsdp_and_tensor_parallel_meshes_matches_one_device() {
         tp(4, 2),
     ] {
         let blocks = parallel.data_devices(ROWS as i64).unwrap();
-        let p = policy_in_blocks(&config, Some(lora()), blocks);
+        let p = policy_in_blocks(&config, Some(lora.clone()), blocks);
         let (got, got_lp) = train(&mut learner_over(&p, &params, &base, DType::F32, parallel), &p);
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             let err = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-            assert!(err < 1e-5, "{parallel:?}: adapter tensor {i} differs by {err}");
+            assert!(
+                err < 1e-5,
+                "{} {parallel:?}: adapter tensor {i} differs by {err}",
+                config.family
+            );
         }
         let err = got_lp
             .iter()

@@ -92,7 +92,8 @@ pub struct ModelSection {
     pub moe_dispatch: MoeDispatch,
     /// A PEFT LoRA adapter directory (`adapter_config.json`, `adapter_model.safetensors`) to
     /// continue training from (VeRL's `lora_adapter_path`): with `actor.lora_rank` set to the
-    /// adapter's `r`, its `lora_alpha` and `target_modules` must match the recipe's.
+    /// adapter's `r`, its `lora_alpha`, `target_modules` and `target_parameters` must match the
+    /// recipe's.
     #[serde(default)]
     pub lora_adapter_path: Option<String>,
 }
@@ -521,9 +522,14 @@ pub struct ActorSection {
     #[serde(default = "default_lora_alpha")]
     pub lora_alpha: f64,
     /// The projections that carry adapters: `all-linear` (q, k, v, o, gate, up and down) or a
-    /// list of them (`[q_proj, v_proj]`).
+    /// list of them (`[q_proj, v_proj]`, or `[]` with only `target_parameters`).
     #[serde(default)]
     pub target_modules: model::TargetModules,
+    /// The stacked parameters that carry adapters, as PEFT's and VeRL's `target_parameters`
+    /// name them: a mixture of experts' `mlp.experts.gate_up_proj` and `mlp.experts.down_proj`
+    /// (every expert its own rank-r pair). None by default.
+    #[serde(default)]
+    pub target_parameters: model::TargetParameters,
     /// How the learner and the rollout compute with the adapters: `merged` (the rollout
     /// samples from `W + s·B·A`, merged on the devices after each update), `applied` (the
     /// adapters beside the frozen weights in every pass, no merged copy) or `auto` (decided
@@ -553,7 +559,12 @@ impl ActorSection {
         (self.lora_rank > 0).then(|| model::LoraConfig {
             rank: self.lora_rank,
             alpha: self.lora_alpha,
-            targets: self.target_modules.0.clone(),
+            targets: {
+                let mut t = self.target_modules.0.clone();
+                t.extend(&self.target_parameters.0);
+                t.sort();
+                t
+            },
             use_rslora: false,
         })
     }

@@ -1153,6 +1153,19 @@ fn check_lora(c: &mut Checker, r: &Recipe) {
             "is read only with actor.lora_rank above 0 (LoRA); set the rank or leave the key out",
         );
         c.check(
+            a.target_parameters.0.is_empty(),
+            "actor.target_parameters",
+            format!(
+                "{:?}",
+                a.target_parameters
+                    .0
+                    .iter()
+                    .map(|t| t.module())
+                    .collect::<Vec<_>>()
+            ),
+            "is read only with actor.lora_rank above 0 (LoRA); set the rank or leave the key out",
+        );
+        c.check(
             a.lora_form == crate::recipe::LoraFormName::default(),
             "actor.lora_form",
             format!("{:?}", a.lora_form),
@@ -1172,6 +1185,13 @@ fn check_lora(c: &mut Checker, r: &Recipe) {
         "actor.lora_alpha",
         a.lora_alpha,
         "must be a number above 0",
+    );
+    c.check(
+        !a.target_modules.0.is_empty() || !a.target_parameters.0.is_empty(),
+        "actor.target_modules",
+        "[]",
+        "names no projection, and actor.target_parameters no stacked experts: LoRA needs \
+         something to adapt",
     );
 }
 

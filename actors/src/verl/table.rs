@@ -27,8 +27,10 @@ pub struct Entry {
     pub how: How,
 }
 
-/// Keys VeRL reads that its config does not list: users add them with Hydra's `+key=value`.
+/// Keys VeRL reads that its config does not list: users add them with Hydra's `+key=value`
+/// (`target_parameters` is a field of VeRL's model dataclass, absent from its YAML).
 pub const ADDED_KEYS: &[&str] = &[
+    "actor_rollout_ref.model.target_parameters",
     "custom_reward_function.reward_kwargs.*",
     "reward.custom_reward_function.reward_kwargs.*",
     "reward.reward_kwargs.*",
@@ -424,6 +426,7 @@ pub const TABLE: &[Entry] = &[
     Entry { key: "actor_rollout_ref.model.lora_rank", how: How::Map("actor.lora_rank") },
     Entry { key: "actor_rollout_ref.model.lora_alpha", how: How::Map("actor.lora_alpha") },
     Entry { key: "actor_rollout_ref.model.target_modules", how: How::Map("actor.target_modules") },
+    Entry { key: "actor_rollout_ref.model.target_parameters", how: How::Map("actor.target_parameters") },
     Entry { key: "actor_rollout_ref.model.exclude_modules", how: LORA_EXCLUDE },
     Entry { key: "actor_rollout_ref.model.lora_adapter_path", how: How::Map("model.lora_adapter_path") },
     Entry { key: "actor_rollout_ref.model.use_liger", how: How::NoEffect("XLA fuses grpo's programs") },

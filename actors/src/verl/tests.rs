@@ -852,3 +852,33 @@ fn keys_hydra_accepts_and_verl_never_reads_pass_with_a_note() {
         .to_string();
     assert!(err.contains("did you mean `data.train_batch_size`"), "{err}");
 }
+
+#[test]
+fn lora_on_stacked_experts_is_verls_added_target_parameters() {
+    let t = translate_with(&[
+        "actor_rollout_ref.model.lora_rank=8",
+        "actor_rollout_ref.model.target_modules=[q_proj,v_proj]",
+        "+actor_rollout_ref.model.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]",
+    ])
+    .unwrap();
+    let lora = t.recipe.actor.lora().unwrap();
+    assert_eq!(
+        lora.targets,
+        [
+            model::Target::Q,
+            model::Target::V,
+            model::Target::ExpertsGateUp,
+            model::Target::ExpertsDown
+        ]
+    );
+    let e = translate_with(&[
+        "actor_rollout_ref.model.lora_rank=8",
+        "+actor_rollout_ref.model.target_parameters=[mlp.gate.weight]",
+    ])
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("mlp.gate.weight") && e.contains("mlp.experts.down_proj"),
+        "{e}"
+    );
+}

@@ -128,6 +128,39 @@ impl RaySpec {
             workdir,
         })
     }
+
+    /// `cluster.ray.poll_interval_s`: how often the jobs' statuses are asked for, both while a
+    /// worker starts and while the run watches for ended jobs.
+    pub fn poll_interval(&self) -> Duration {
+        Duration::from_secs_f64(self.ray.poll_interval_s.max(0.05))
+    }
+}
+
+/// Polls spaced by an interval. Each poll asks Ray for every watched job's status: a short
+/// interval finds an ended job sooner and costs the Ray head more requests.
+struct PollEvery {
+    every: Duration,
+    last: Mutex<Instant>,
+}
+
+impl PollEvery {
+    /// The first poll is due `every` from now.
+    fn new(every: Duration) -> PollEvery {
+        PollEvery {
+            every,
+            last: Mutex::new(Instant::now()),
+        }
+    }
+
+    /// Whether a poll is due now; when it is, the next is due `every` from now.
+    fn due(&self) -> bool {
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        if last.elapsed() < self.every {
+            return false;
+        }
+        *last = Instant::now();
+        true
+    }
 }
 
 /// One worker slot: the job now serving it and what it registered.
@@ -168,7 +201,7 @@ pub struct RayLauncher {
     slots: Mutex<Vec<Slot>>,
     /// Set by [`shutdown`](Self::shutdown); dropping an unstopped launcher stops its jobs.
     stopped: std::sync::atomic::AtomicBool,
-    last_poll: Mutex<Instant>,
+    job_polls: PollEvery,
 }
 
 impl RayLauncher {
@@ -215,6 +248,7 @@ impl RayLauncher {
                 ended: false,
             })
             .collect();
+        let job_polls = PollEvery::new(ray.poll_interval());
         let launcher = RayLauncher {
             spec,
             ray,
@@ -224,7 +258,7 @@ impl RayLauncher {
             run_id,
             slots: Mutex::new(slots),
             stopped: std::sync::atomic::AtomicBool::new(false),
-            last_poll: Mutex::new(Instant::now()),
+            job_polls,
         };
         let keys: Vec<(Role, usize)> = launcher.lock().iter().map(|s| (s.role, s.index)).collect();
         let mut submitted = Vec::new();
@@ -285,12 +319,8 @@ impl RayLauncher {
     /// call, found by polling the jobs at most every `cluster.ray.poll_interval_s`. The fleet
     /// treats them as dead: their work is re-issued and they are [`restart`](Self::restart)ed.
     pub async fn ended_jobs(&self) -> Vec<(Role, usize)> {
-        {
-            let mut last = self.last_poll.lock().unwrap_or_else(|e| e.into_inner());
-            if last.elapsed().as_secs_f64() < self.ray.ray.poll_interval_s {
-                return Vec::new();
-            }
-            *last = Instant::now();
+        if !self.job_polls.due() {
+            return Vec::new();
         }
         let watched: Vec<(Role, usize, String)> = self
             .lock()
@@ -524,7 +554,7 @@ impl RayLauncher {
     ) -> Result<(WorkerInfo, Registration), LaunchError> {
         let started = Instant::now();
         let deadline = started + self.spec.start_timeout;
-        let poll = Duration::from_secs_f64(self.ray.ray.poll_interval_s.max(0.05));
+        let poll = self.ray.poll_interval();
         let pool = self.pool_name(role, index);
         let registration = loop {
             match self.registry.wait_for(worker_id, poll).await {
@@ -790,6 +820,27 @@ mod tests {
         assert_eq!(shell_quote("it's"), r"'it'\''s'");
         assert_eq!(shell_quote(""), "''");
         assert_eq!(shell_quote("cluster.plugin_path="), "cluster.plugin_path=");
+    }
+
+    /// `cluster.ray.poll_interval_s` spaces the polls for ended jobs.
+    #[test]
+    fn job_polls_are_spaced_by_the_poll_interval() {
+        let cluster: ClusterSection = serde_yaml::from_str(
+            "{launcher: ray, ray: {address: 'http://127.0.0.1:8265', poll_interval_s: 0.3}, \
+             pools: [{name: a, roles: [rollout, reward, learner]}]}",
+        )
+        .unwrap();
+        let spec = RaySpec::from_cluster(&cluster, PathBuf::from(".")).unwrap();
+        assert_eq!(spec.poll_interval(), Duration::from_millis(300));
+        let polls = PollEvery::new(spec.poll_interval());
+        assert!(!polls.due(), "a poll right after the launch");
+        std::thread::sleep(Duration::from_millis(320));
+        assert!(polls.due());
+        assert!(!polls.due(), "two polls within the interval");
+        std::thread::sleep(Duration::from_millis(150));
+        assert!(!polls.due(), "two polls within the interval");
+        std::thread::sleep(Duration::from_millis(170));
+        assert!(polls.due());
     }
 
     fn node(ip: &str, resources: &[(&str, f64)]) -> RayNode {
