@@ -7,7 +7,8 @@
 //! Which blocks run is written at each fence (`src/guide_blocks.rs`): plain ```sh blocks on every
 //! test run; ```sh long blocks, which train, only with `GRPO_GUIDES=long`; ```sh not-run: WHY
 //! never. So that the long ones take minutes and not hours, the `grpo` on the PATH runs every
-//! `grpo run` and `grpo verl` for one training step (its last `--set` / override wins), and
+//! `grpo run` and `grpo verl` for one training step (its last `--set` / override wins), each
+//! guide's runs are removed when its blocks are done (but the quickstart's), and
 //! before them the quickstart's own run (`grpo run recipes/quickstart.yaml`, what
 //! `scripts/quickstart.sh` leaves in outputs/quickstart) is made the same way.
 
@@ -59,6 +60,23 @@ fn lay_out(home: &Path, root: &Path) -> PathBuf {
     perms.set_mode(0o755);
     std::fs::set_permissions(bin.join("grpo"), perms).unwrap();
     bin
+}
+
+/// Removes what a guide's runs wrote (a checkpoint of SmolLM2-135M is 1.6 GB), but for the
+/// quickstart's run, which the later guides read as the user's.
+fn forget_runs(home: &Path) {
+    for dir in ["exported", "checkpoints"] {
+        let _ = std::fs::remove_dir_all(home.join(dir));
+    }
+    for run in std::fs::read_dir(home.join("outputs"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        if run.file_name() != "quickstart" {
+            let _ = std::fs::remove_dir_all(run.path());
+        }
+    }
 }
 
 /// Runs `script` with bash in `home`, `bin` first on the PATH; `Err` holds the end of its output.
@@ -122,6 +140,7 @@ fn the_guides_blocks_run_as_written() {
                 failures.push(format!("{}:\n{}\n  -> {e}", block.at, block.text.trim_end()));
             }
         }
+        forget_runs(home.path());
     }
     eprintln!("{ran} blocks run, {left} not run");
     assert!(

@@ -188,22 +188,55 @@ pub struct LayerAdapters {
     pub gate: Option<Adapter>,
     pub up: Option<Adapter>,
     pub down: Option<Adapter>,
+    /// On the stacked experts (`A [r·E, in]`, `B [out, r·E]`, [`crate::lora`]), merged into
+    /// them where the layer computes, so a scanned or rematerialised layer holds one layer's
+    /// merged experts at a time.
+    pub experts_gate_up: Option<Adapter>,
+    pub experts_down: Option<Adapter>,
 }
 
 impl LayerAdapters {
-    /// The slot of a projection's adapter; `None` for the stacked experts, which have none
-    /// ([`DecoderParams::with_adapters`] merges theirs).
-    fn slot(&mut self, target: crate::lora::Target) -> Option<&mut Option<Adapter>> {
+    fn slot(&mut self, target: crate::lora::Target) -> &mut Option<Adapter> {
         use crate::lora::Target;
         match target {
-            Target::Q => Some(&mut self.q),
-            Target::K => Some(&mut self.k),
-            Target::V => Some(&mut self.v),
-            Target::O => Some(&mut self.o),
-            Target::Gate => Some(&mut self.gate),
-            Target::Up => Some(&mut self.up),
-            Target::Down => Some(&mut self.down),
-            Target::ExpertsGateUp | Target::ExpertsDown => None,
+            Target::Q => &mut self.q,
+            Target::K => &mut self.k,
+            Target::V => &mut self.v,
+            Target::O => &mut self.o,
+            Target::Gate => &mut self.gate,
+            Target::Up => &mut self.up,
+            Target::Down => &mut self.down,
+            Target::ExpertsGateUp => &mut self.experts_gate_up,
+            Target::ExpertsDown => &mut self.experts_down,
+        }
+    }
+
+    /// Every adapter slot, in [`crate::lora::Target`] order.
+    fn all(&self) -> [&Option<Adapter>; 9] {
+        [
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.o,
+            &self.gate,
+            &self.up,
+            &self.down,
+            &self.experts_gate_up,
+            &self.experts_down,
+        ]
+    }
+
+    /// `experts` with this layer's expert adapters merged in: expert `e` computes with
+    /// `W[e] + s·B_e·A_e`.
+    fn adapted_experts(&self, experts: &crate::moe::Experts) -> crate::moe::Experts {
+        let merge = |w: &Tensor, ad: &Option<Adapter>| match ad {
+            Some(ad) => crate::lora::merged_weight(w, &ad.a, &ad.b, ad.scale),
+            None => w.clone(),
+        };
+        crate::moe::Experts {
+            gate_up: merge(&experts.gate_up, &self.experts_gate_up),
+            down: merge(&experts.down, &self.experts_down),
+            ..experts.clone()
         }
     }
 }
@@ -353,8 +386,8 @@ impl DecoderParams {
     /// (program arguments after the base's; [`DecoderParams::all`] lists them after it). The
     /// forward passes then compute `x·Wᵀ + s·(x·Aᵀ)·Bᵀ` where the merged form would compute
     /// `x·(W + s·B·A)ᵀ`: the same function, without a merged copy of the weights. Stacked
-    /// experts' adapters are merged into the experts all the same: applied beside them, every
-    /// expert's adapter would run for every token of the dense dispatch.
+    /// experts' adapters are merged into the experts where each layer computes (applied beside
+    /// them, every expert's adapter would run for every token of the dense dispatch).
     pub fn with_adapters(
         mut self,
         lora: &crate::lora::LoraConfig,
@@ -380,25 +413,11 @@ impl DecoderParams {
         }
         let table = crate::lora::lora_table(&self.config, lora);
         for (spec, pair) in table.iter().zip(adapters.chunks_exact(2)) {
-            let layer = &mut self.layers[spec.layer];
-            let adapter = Adapter {
+            *self.layers[spec.layer].adapters.slot(spec.target) = Some(Adapter {
                 a: pair[0].clone(),
                 b: pair[1].clone(),
                 scale: lora.scale(),
-            };
-            match (layer.adapters.slot(spec.target), &mut layer.mlp) {
-                (Some(slot), _) => *slot = Some(adapter),
-                (None, Mlp::Experts(e)) => {
-                    let w = match spec.target {
-                        crate::lora::Target::ExpertsGateUp => &mut e.gate_up,
-                        _ => &mut e.down,
-                    };
-                    *w = crate::lora::merged_weight(w, &adapter.a, &adapter.b, adapter.scale);
-                }
-                (None, Mlp::Dense { .. }) => {
-                    unreachable!("lora_table adapts experts only where a layer has them")
-                }
-            }
+            });
         }
         self.all.extend(adapters.iter().cloned());
         Ok(self)
@@ -571,8 +590,7 @@ impl DecoderParams {
 impl LayerParams {
     /// Every tensor of the layer in a fixed order (the optional ones and adapters where set).
     fn tensors(&self) -> Vec<Tensor> {
-        let a = &self.adapters;
-        let adapters = [&a.q, &a.k, &a.v, &a.o, &a.gate, &a.up, &a.down];
+        let adapters = self.adapters.all();
         [
             Some(&self.input_norm),
             Some(&self.q_proj),
@@ -637,6 +655,8 @@ impl LayerParams {
             gate: adapter(&a.gate),
             up: adapter(&a.up),
             down: adapter(&a.down),
+            experts_gate_up: adapter(&a.experts_gate_up),
+            experts_down: adapter(&a.experts_down),
         };
         LayerParams {
             input_norm,
@@ -797,7 +817,8 @@ fn mlp(
         }
         Mlp::Experts(experts) => {
             let moe = config.moe.as_ref().expect("an experts layer has a MoE config");
-            let (y, routing) = crate::moe::moe_mlp(moe, experts, x, replay);
+            let experts = layer.adapters.adapted_experts(experts);
+            let (y, routing) = crate::moe::moe_mlp(moe, &experts, x, replay);
             (y, Some(routing))
         }
     }

@@ -528,6 +528,36 @@ pub fn merge_params(
     out
 }
 
+/// `lora` and its `adapters` (in [`lora_param_table`] order) in two: the projections' and the
+/// stacked experts'. A learner merges the first into its weights and hands the second to each
+/// layer ([`crate::forward::DecoderParams::with_adapters`]), which merges them where it computes:
+/// a scanned or rematerialised model then holds one layer's merged experts at a time, not all.
+pub fn split_experts(
+    config: &ModelConfig,
+    lora: &LoraConfig,
+    adapters: &[Tensor],
+) -> ((LoraConfig, Vec<Tensor>), (LoraConfig, Vec<Tensor>)) {
+    let part = |experts: bool| {
+        let sub = LoraConfig {
+            targets: lora
+                .targets
+                .iter()
+                .copied()
+                .filter(|t| t.is_experts() == experts)
+                .collect(),
+            ..lora.clone()
+        };
+        let tensors = lora_table(config, lora)
+            .iter()
+            .zip(adapters.chunks_exact(2))
+            .filter(|(spec, _)| spec.target.is_experts() == experts)
+            .flat_map(|(_, pair)| pair.iter().cloned())
+            .collect();
+        (sub, tensors)
+    };
+    (part(false), part(true))
+}
+
 /// A model's adapters on the host: their configuration and `A`, `B` of each adapted
 /// projection, in [`lora_param_table`] order, in f32.
 #[derive(Debug, Clone, PartialEq)]

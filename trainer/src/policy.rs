@@ -345,8 +345,12 @@ impl DecoderPolicy {
                 let (adapters, base) = params.split_at(lora_param_table(&self.config, lora).len());
                 match self.lora_form {
                     model::LoraForm::Merged => {
-                        let merged = merge_params(&self.config, lora, base, adapters);
-                        DecoderParams::from_tensors(&self.config, &merged).expect(table)
+                        let ((projections, merged_in), (experts, per_layer)) =
+                            model::lora::split_experts(&self.config, lora, adapters);
+                        let merged = merge_params(&self.config, &projections, base, &merged_in);
+                        DecoderParams::from_tensors(&self.config, &merged)
+                            .and_then(|p| p.with_adapters(&experts, &per_layer))
+                            .expect(table)
                     }
                     model::LoraForm::Applied => DecoderParams::from_tensors(&self.config, base)
                         .and_then(|p| p.with_adapters(lora, adapters))

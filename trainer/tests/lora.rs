@@ -397,3 +397,49 @@ fn lora_learners_match_one_device(config: &ModelConfig, lora: &LoraConfig) {
         assert!(err < 1e-5, "{parallel:?}: log-probs differ by {err}");
     }
 }
+
+/// Adapters on the stacked experts are merged where each layer computes: a scanned,
+/// rematerialised learner (one layer's merged experts at a time) trains as the plain one.
+#[test]
+fn expert_adapters_in_a_scanned_rematerialised_learner_train_as_in_a_plain_one() {
+    let path = format!(
+        "{}/../model/fixtures/tiny/qwen3_moe/config.json",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let mut config = ModelConfig::from_hf_file(std::path::Path::new(&path)).unwrap();
+    config.moe.as_mut().unwrap().mlp_only_layers.clear();
+    let lora = LoraConfig {
+        targets: vec![Target::V, Target::ExpertsGateUp, Target::ExpertsDown],
+        ..lora()
+    };
+    let base = random_init(&config, 6);
+    let adapter = adapter_of(&config, &lora);
+    let params: Vec<Vec<f32>> = adapter.tensors.iter().map(|t| t.to_f32_vec()).collect();
+    let train = |policy: &DecoderPolicy| {
+        let mut l = learner(policy, &params, &base, DType::F32);
+        for _ in 0..3 {
+            let mb = l.upload_micro_batch(0, &micro_batch(policy)).unwrap();
+            assert!(l.step(&[mb], 1e-2).unwrap().update_applied);
+        }
+        let lp = l.log_probs(&micro_batch(policy).inputs, false).unwrap();
+        (l.state().unwrap().params, lp)
+    };
+    let plain = policy(&config, Some(lora.clone()));
+    let (want, want_lp) = train(&plain);
+    assert_ne!(want, params, "the adapters moved");
+    let scanned = DecoderPolicy {
+        scan: true,
+        remat: true,
+        ..plain
+    };
+    let (got, got_lp) = train(&scanned);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        let err = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(err < 1e-5, "adapter tensor {i} differs by {err}");
+    }
+    let err = got_lp
+        .iter()
+        .zip(&want_lp)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(err < 1e-5, "log-probs differ by {err}");
+}
