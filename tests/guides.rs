@@ -1,6 +1,6 @@
 //! The guides' shell blocks, run as a user runs them: in a directory laid out as a checkout after
 //! `scripts/quickstart.sh` (the repository's recipes, scripts, test fixtures and .venv, the test
-//! assets as `models/`, the quickstart's datasets), with `grpo` on the PATH, each block by bash
+//! assets as `models/`, the quickstart's datasets made by its own lines), with `grpo` on the PATH, each block by bash
 //! with `-euo pipefail`, the guides in order (README.md, docs/first-run.md, then the others by
 //! name) so a later block finds what an earlier one wrote.
 //!
@@ -39,12 +39,6 @@ fn lay_out(home: &Path, root: &Path) -> PathBuf {
     for shared in ["recipes", "scripts", "tests", "data", ".venv"] {
         link(&root.join(shared), &home.join(shared));
     }
-    // datasets/ is written to by the guides (datasets/verl, datasets/arithmetic-tools): a
-    // directory of its own holding links to the repository's.
-    std::fs::create_dir(home.join("datasets")).unwrap();
-    for entry in std::fs::read_dir(root.join("datasets")).unwrap().flatten() {
-        link(&entry.path(), &home.join("datasets").join(entry.file_name()));
-    }
     let shim = format!(
         "#!/bin/sh\n# grpo, each training run capped at one step (tests/guides.rs)\n\
          real='{}'\n\
@@ -61,6 +55,20 @@ fn lay_out(home: &Path, root: &Path) -> PathBuf {
     let mut perms = std::fs::metadata(bin.join("grpo")).unwrap().permissions();
     perms.set_mode(0o755);
     std::fs::set_permissions(bin.join("grpo"), perms).unwrap();
+    // The quickstart's datasets, made by its own `grpo preprocess` lines (a fresh checkout has
+    // none until scripts/quickstart.sh runs).
+    let quickstart = std::fs::read_to_string(root.join("scripts/quickstart.sh")).unwrap();
+    let made: Vec<String> = quickstart
+        .replace("\\\n", " ")
+        .lines()
+        .filter(|l| l.contains(" preprocess "))
+        .map(str::to_string)
+        .collect();
+    assert!(
+        !made.is_empty(),
+        "scripts/quickstart.sh makes no dataset with `grpo preprocess`"
+    );
+    bash(home, &bin, &made.join("\n")).unwrap_or_else(|e| panic!("the quickstart's datasets: {e}"));
     bin
 }
 
