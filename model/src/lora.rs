@@ -136,9 +136,8 @@ impl Target {
     /// matches names by their end) a tail of one: `down_proj`, `experts.down_proj`. PEFT itself
     /// saves `target_modules`' `down_proj` among them when both name it.
     pub fn parse_parameters(names: &[String]) -> std::result::Result<Vec<Target>, String> {
-        let mut out = Vec::new();
-        for name in names {
-            let t = Target::EXPERTS
+        let found = names.iter().map(|name| {
+            Target::EXPERTS
                 .into_iter()
                 .find(|t| {
                     let full = t.module();
@@ -149,13 +148,9 @@ impl Target {
                         "`{name}` is not a parameter LoRA can adapt here; the stacked experts are {}",
                         Target::EXPERTS.map(Target::module).join(" and ")
                     )
-                })?;
-            if !out.contains(&t) {
-                out.push(t);
-            }
-        }
-        out.sort();
-        Ok(out)
+                })
+        });
+        sorted_once(found)
     }
 
     /// Parses PEFT's `target_modules`: `all-linear`, or a list of module names (possibly
@@ -165,21 +160,25 @@ impl Target {
         if names.len() == 1 && names[0] == "all-linear" {
             return Ok(Target::ALL.to_vec());
         }
-        let mut out = Vec::new();
-        for name in names {
-            let t = Target::parse(name).ok_or_else(|| {
+        sorted_once(names.iter().map(|name| {
+            Target::parse(name).ok_or_else(|| {
                 format!(
                     "`{name}` is not a projection LoRA can adapt here; use `all-linear` or names from {}",
                     Target::ALL.map(Target::module).join(", ")
                 )
-            })?;
-            if !out.contains(&t) {
-                out.push(t);
-            }
-        }
-        out.sort();
-        Ok(out)
+            })
+        }))
     }
+}
+
+/// The parsed targets in [`Target`]'s order, each once; the first error if a name parses as none.
+fn sorted_once(
+    targets: impl Iterator<Item = std::result::Result<Target, String>>,
+) -> std::result::Result<Vec<Target>, String> {
+    let mut out = targets.collect::<std::result::Result<Vec<_>, _>>()?;
+    out.sort();
+    out.dedup();
+    Ok(out)
 }
 
 /// How a model computes with its LoRA adapters: on the merged weights `W + s·B·A` (a copy of

@@ -334,11 +334,7 @@ fn a_lora_learner_over_dp_fsdp_and_tensor_parallel_meshes_matches_one_device() {
     lora_learners_match_one_device(&config(), &lora());
     // The Qwen3-MoE fixture's architecture (experts in layers 0 and 2, layer 1 dense) with
     // adapters on its stacked experts, split by expert with them over the model axis.
-    let path = format!(
-        "{}/../model/fixtures/tiny/qwen3_moe/config.json",
-        env!("CARGO_MANIFEST_DIR")
-    );
-    let moe = ModelConfig::from_hf_file(std::path::Path::new(&path)).unwrap();
+    let moe = support::tiny_qwen3_moe();
     let experts = LoraConfig {
         targets: vec![
             Target::Q,
@@ -402,11 +398,7 @@ fn lora_learners_match_one_device(config: &ModelConfig, lora: &LoraConfig) {
 /// rematerialised learner (one layer's merged experts at a time) trains as the plain one.
 #[test]
 fn expert_adapters_in_a_scanned_rematerialised_learner_train_as_in_a_plain_one() {
-    let path = format!(
-        "{}/../model/fixtures/tiny/qwen3_moe/config.json",
-        env!("CARGO_MANIFEST_DIR")
-    );
-    let mut config = ModelConfig::from_hf_file(std::path::Path::new(&path)).unwrap();
+    let mut config = support::tiny_qwen3_moe();
     config.moe.as_mut().unwrap().mlp_only_layers.clear();
     let lora = LoraConfig {
         targets: vec![Target::V, Target::ExpertsGateUp, Target::ExpertsDown],

@@ -170,11 +170,7 @@ fn packed_inputs(
 
 #[test]
 fn replayed_routes_hold_through_recomputed_and_scanned_layers() {
-    let path = format!(
-        "{}/../model/fixtures/tiny/qwen3_moe/config.json",
-        env!("CARGO_MANIFEST_DIR")
-    );
-    let mixed = ModelConfig::from_hf_file(std::path::Path::new(&path)).unwrap();
+    let mixed = support::tiny_qwen3_moe();
     // One scanned body needs every layer alike: the same model with every layer sparse.
     let mut sparse = mixed.clone();
     sparse.moe.as_mut().unwrap().mlp_only_layers.clear();

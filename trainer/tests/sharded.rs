@@ -22,6 +22,8 @@
 //! Pairs of consecutive rows share a prompt, packed once per block of rows (one block per
 //! data device), so the shared-prompt policy is checked under every strategy too.
 
+mod support;
+
 use model::{random_init, ModelConfig};
 use testkit::TinyLlama;
 use trainer::config::{OptimConfig, Parallelism, PolicyLossConfig, PolicyLossMode, Strategy};
@@ -782,11 +784,7 @@ fn tensor_parallel_learners_match_one_device_for_llama_qwen2_qwen3_mistral_and_g
 /// device's, and no device holds every parameter.
 #[test]
 fn mixture_of_experts_learners_over_fsdp_and_tensor_parallel_match_one_device() {
-    let path = format!(
-        "{}/../model/fixtures/tiny/qwen3_moe/config.json",
-        env!("CARGO_MANIFEST_DIR")
-    );
-    let mut config = ModelConfig::from_hf_file(std::path::Path::new(&path)).unwrap();
+    let mut config = support::tiny_qwen3_moe();
     config.moe.as_mut().unwrap().mlp_only_layers.clear();
     let mut single = learner_of(&config, ROWS, Parallelism::default(), DType::F32, Layers::Plain);
     let probe = |blocks| micro(&batch(9), 0, ROWS, blocks).inputs;

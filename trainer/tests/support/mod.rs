@@ -140,3 +140,13 @@ pub fn tiny_llama() -> model::ModelConfig {
     }
     .config()
 }
+
+/// The tiny Qwen3-MoE fixture's architecture (`model/fixtures/tiny/qwen3_moe`: 8 experts, top 2,
+/// layers 0 and 2 sparse, layer 1 dense).
+pub fn tiny_qwen3_moe() -> model::ModelConfig {
+    let path = format!(
+        "{}/../model/fixtures/tiny/qwen3_moe/config.json",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    model::ModelConfig::from_hf_file(std::path::Path::new(&path)).unwrap()
+}
